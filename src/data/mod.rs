@@ -1,0 +1,1 @@
+//! Dataset rows to token ids: JSONL readers, prompts, chat templates, tokenizers.

@@ -1,0 +1,76 @@
+//! The library's error type: every variant names the file, row, tensor or
+//! option at fault, and what was expected.
+
+use std::path::{Path, PathBuf};
+
+#[derive(Debug, thiserror::Error)]
+pub enum Error {
+    /// A file could not be read or written.
+    #[error("{}: {source}", path.display())]
+    Io {
+        path: PathBuf,
+        source: std::io::Error,
+    },
+    /// A file was read but its content is not what was expected.
+    #[error("{}: {msg}", path.display())]
+    BadFile { path: PathBuf, msg: String },
+    /// One row of a JSONL/JSON dataset is malformed (line numbers start at 1).
+    #[error("{}:{line}: {msg}", path.display())]
+    BadRow {
+        path: PathBuf,
+        line: usize,
+        msg: String,
+    },
+    /// A model configuration that rloo cannot run.
+    #[error("{}: {msg}", path.display())]
+    BadConfig { path: PathBuf, msg: String },
+    /// A weight that the architecture needs is absent or mis-shaped.
+    #[error("{msg}")]
+    Weights { msg: String },
+    /// An option or argument is invalid.
+    #[error("{0}")]
+    Invalid(String),
+    #[error(transparent)]
+    Tensor(#[from] candle_core::Error),
+}
+
+pub type Result<T> = std::result::Result<T, Error>;
+
+impl Error {
+    pub fn io(path: impl AsRef<Path>, source: std::io::Error) -> Self {
+        Error::Io {
+            path: path.as_ref().to_path_buf(),
+            source,
+        }
+    }
+    pub fn bad_file(path: impl AsRef<Path>, msg: impl Into<String>) -> Self {
+        Error::BadFile {
+            path: path.as_ref().to_path_buf(),
+            msg: msg.into(),
+        }
+    }
+    pub fn bad_row(path: impl AsRef<Path>, line: usize, msg: impl Into<String>) -> Self {
+        Error::BadRow {
+            path: path.as_ref().to_path_buf(),
+            line,
+            msg: msg.into(),
+        }
+    }
+    pub fn bad_config(path: impl AsRef<Path>, msg: impl Into<String>) -> Self {
+        Error::BadConfig {
+            path: path.as_ref().to_path_buf(),
+            msg: msg.into(),
+        }
+    }
+}
+
+/// Reads a whole file, naming it in the error.
+pub fn read_to_string(path: impl AsRef<Path>) -> Result<String> {
+    std::fs::read_to_string(path.as_ref()).map_err(|e| Error::io(path, e))
+}
+
+/// Parses a JSON file, naming it (and the serde position) in the error.
+pub fn read_json<T: serde::de::DeserializeOwned>(path: impl AsRef<Path>) -> Result<T> {
+    let text = read_to_string(path.as_ref())?;
+    serde_json::from_str(&text).map_err(|e| Error::bad_file(path, format!("invalid JSON: {e}")))
+}

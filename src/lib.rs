@@ -1,0 +1,14 @@
+//! rloo: RLHF for Hugging Face causal language models.
+//!
+//! The crate follows the path of one rollout batch: `data` turns rows into
+//! token ids, `model` runs the networks (forward, log-probs, training
+//! path, loading and saving Hugging Face directories), and `cli` is the
+//! thin command-line edge.
+
+pub mod cli;
+pub mod data;
+pub mod error;
+pub mod io;
+pub mod model;
+
+pub use error::{Error, Result};

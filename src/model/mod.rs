@@ -1,0 +1,1 @@
+//! Models: shared tensor ops, the architectures, heads, loading and saving.
