@@ -1,1 +1,22 @@
-//! Models: shared tensor ops, the architectures, heads, loading and saving.
+//! Models: the architectures (one file each), the tensor ops they share
+//! (differentiable, for the training path), loading and saving Hugging Face
+//! directories.
+
+pub mod batch;
+pub mod config;
+pub mod gpt2;
+pub mod gpt_neox;
+pub mod layers;
+pub mod llama;
+pub mod network;
+pub mod ops;
+pub mod qwen2;
+pub mod qwen3;
+pub mod rope;
+pub mod save;
+pub mod weights;
+
+pub use batch::{Inputs, KvCache, PadSide};
+pub use config::{HeadKind, ModelConfig, SUPPORTED_MODEL_TYPES};
+pub use network::{next_token_logprobs, Decoder, Model, Network};
+pub use weights::ParamStore;

@@ -1,0 +1,248 @@
+//! What a forward pass reads: token ids, the padding mask, per-row position
+//! ids, and the key/value cache of incremental decoding.
+
+use candle_core::{DType, Device, Result, Tensor};
+
+/// Which side of a row the padding goes.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum PadSide {
+    Left,
+    Right,
+}
+
+/// One batch of token rows. Positions follow the mask, so a left-padded row
+/// starts at position 0 on its first real token (as transformers' `generate`
+/// does), and padding never shifts a row's positions.
+#[derive(Debug, Clone)]
+pub struct Inputs {
+    /// (B, T) u32
+    pub ids: Tensor,
+    /// (B, T) f32: 1 on real tokens, 0 on padding.
+    pub mask: Tensor,
+    /// (B, T) u32
+    pub positions: Tensor,
+}
+
+impl Inputs {
+    /// Pads `rows` to one length with `pad_id`; positions are derived from the mask.
+    pub fn from_rows(
+        rows: &[Vec<u32>],
+        pad_id: u32,
+        side: PadSide,
+        device: &Device,
+    ) -> Result<Self> {
+        let t = rows.iter().map(Vec::len).max().unwrap_or(0);
+        let b = rows.len();
+        let mut ids = Vec::with_capacity(b * t);
+        let mut mask = Vec::with_capacity(b * t);
+        for row in rows {
+            let pad = t - row.len();
+            let (real, fill) = (row.iter().copied(), std::iter::repeat_n(pad_id, pad));
+            let (m_real, m_fill) = (
+                std::iter::repeat_n(1f32, row.len()),
+                std::iter::repeat_n(0f32, pad),
+            );
+            match side {
+                PadSide::Left => {
+                    ids.extend(fill.chain(real));
+                    mask.extend(m_fill.chain(m_real));
+                }
+                PadSide::Right => {
+                    ids.extend(real.chain(fill));
+                    mask.extend(m_real.chain(m_fill));
+                }
+            }
+        }
+        let positions = positions_from_mask(&mask, b, t);
+        Ok(Self {
+            ids: Tensor::from_vec(ids, (b, t), device)?,
+            mask: Tensor::from_vec(mask, (b, t), device)?,
+            positions: Tensor::from_vec(positions, (b, t), device)?,
+        })
+    }
+
+    /// A batch from id and mask tensors (any integer or float dtype for the mask).
+    pub fn new(ids: &Tensor, mask: &Tensor) -> Result<Self> {
+        let (b, t) = ids.dims2()?;
+        let mask = mask.to_dtype(DType::F32)?;
+        let host: Vec<f32> = mask.flatten_all()?.to_vec1()?;
+        let positions = Tensor::from_vec(positions_from_mask(&host, b, t), (b, t), ids.device())?;
+        Ok(Self {
+            ids: ids.to_dtype(DType::U32)?,
+            mask,
+            positions,
+        })
+    }
+
+    /// One new token per row at the given positions (a decoding step).
+    pub fn step(tokens: &[u32], positions: &[u32], device: &Device) -> Result<Self> {
+        let b = tokens.len();
+        Ok(Self {
+            ids: Tensor::from_slice(tokens, (b, 1), device)?,
+            mask: Tensor::ones((b, 1), DType::F32, device)?,
+            positions: Tensor::from_slice(positions, (b, 1), device)?,
+        })
+    }
+
+    pub fn batch_size(&self) -> usize {
+        self.ids.dims()[0]
+    }
+
+    pub fn seq_len(&self) -> usize {
+        self.ids.dims()[1]
+    }
+
+    /// Index of each row's last real token, for sequence-classification heads.
+    pub fn last_token_index(&self) -> Result<Vec<usize>> {
+        let mask: Vec<Vec<f32>> = self.mask.to_vec2()?;
+        Ok(mask
+            .iter()
+            .map(|row| row.iter().rposition(|&m| m > 0.0).unwrap_or(0))
+            .collect())
+    }
+}
+
+/// `max(cumsum(mask) - 1, 0)` per row.
+fn positions_from_mask(mask: &[f32], b: usize, t: usize) -> Vec<u32> {
+    let mut out = Vec::with_capacity(b * t);
+    for row in 0..b {
+        let mut seen = 0u32;
+        for &m in &mask[row * t..(row + 1) * t] {
+            if m > 0.0 {
+                seen += 1;
+            }
+            out.push(seen.saturating_sub(1));
+        }
+    }
+    out
+}
+
+/// Keys and values of every layer for the tokens seen so far, and which
+/// cache slots are real tokens. Each row keeps its own positions (given in
+/// each step's [`Inputs`]), so rows of different prompt lengths decode
+/// together.
+#[derive(Debug, Clone)]
+pub struct KvCache {
+    layers: Vec<Option<(Tensor, Tensor)>>,
+    /// (B, S) f32 mask over cache slots.
+    key_mask: Option<Tensor>,
+}
+
+impl KvCache {
+    pub fn new(num_layers: usize) -> Self {
+        Self {
+            layers: vec![None; num_layers],
+            key_mask: None,
+        }
+    }
+
+    /// Number of cached slots (S).
+    pub fn len(&self) -> usize {
+        self.key_mask.as_ref().map_or(0, |m| m.dims()[1])
+    }
+
+    pub fn is_empty(&self) -> bool {
+        self.len() == 0
+    }
+
+    /// Keeps only the given rows (finished rows leave the batch).
+    pub fn select_rows(&mut self, rows: &[u32]) -> Result<()> {
+        let Some(mask) = &self.key_mask else {
+            return Ok(());
+        };
+        let idx = Tensor::from_slice(rows, rows.len(), mask.device())?;
+        self.key_mask = Some(mask.index_select(&idx, 0)?);
+        for (k, v) in self.layers.iter_mut().flatten() {
+            *k = k.index_select(&idx, 0)?;
+            *v = v.index_select(&idx, 0)?;
+        }
+        Ok(())
+    }
+
+    /// Appends one layer's new keys and values (B, H, T, D) and returns the
+    /// whole cache of that layer.
+    pub fn append(&mut self, layer: usize, k: &Tensor, v: &Tensor) -> Result<(Tensor, Tensor)> {
+        let (k, v) = match &self.layers[layer] {
+            Some((pk, pv)) => (Tensor::cat(&[pk, k], 2)?, Tensor::cat(&[pv, v], 2)?),
+            None => (k.clone(), v.clone()),
+        };
+        self.layers[layer] = Some((k.clone(), v.clone()));
+        Ok((k, v))
+    }
+}
+
+/// A large negative number for disallowed attention pairs. Finite, so that a
+/// query with no allowed key (a padding position) gives a finite, ignored
+/// result instead of NaN.
+const MASKED: f64 = -1e30;
+
+/// Builds the additive attention bias (B, 1, T, S) for `inputs` following
+/// `past` cached slots: a query may see real keys up to its own slot.
+/// Returns the bias and the key mask of all S slots, which the cache keeps
+/// after the forward pass.
+pub fn attention_bias(inputs: &Inputs, cache: Option<&KvCache>) -> Result<(Tensor, Tensor)> {
+    let dev = inputs.ids.device();
+    let (b, t) = inputs.ids.dims2()?;
+    let key_mask = match cache.and_then(|c| c.key_mask.as_ref()) {
+        Some(past) => Tensor::cat(&[past, &inputs.mask], 1)?,
+        None => inputs.mask.clone(),
+    };
+    let s = key_mask.dims()[1];
+    let past = s - t;
+    // causal (T, S): query i sits at slot past + i.
+    let causal: Vec<f32> = (0..t)
+        .flat_map(|i| (0..s).map(move |j| if j <= past + i { 0.0 } else { MASKED as f32 }))
+        .collect();
+    let causal = Tensor::from_vec(causal, (1, 1, t, s), dev)?;
+    // (B, S) -> (B, 1, 1, S): 0 for real keys, MASKED for padding.
+    let keys = ((key_mask.clone() - 1.0)? * (-MASKED))?.reshape((b, 1, 1, s))?;
+    Ok((causal.broadcast_add(&keys)?, key_mask))
+}
+
+impl KvCache {
+    /// Records the key mask after a forward pass has appended every layer.
+    pub fn set_key_mask(&mut self, key_mask: Tensor) {
+        self.key_mask = Some(key_mask);
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn positions_follow_the_mask_on_both_sides() {
+        let rows = vec![vec![5, 6, 7], vec![8]];
+        let dev = Device::Cpu;
+        let left = Inputs::from_rows(&rows, 0, PadSide::Left, &dev).unwrap();
+        assert_eq!(
+            left.positions.to_vec2::<u32>().unwrap(),
+            vec![vec![0, 1, 2], vec![0, 0, 0]]
+        );
+        assert_eq!(
+            left.ids.to_vec2::<u32>().unwrap(),
+            vec![vec![5, 6, 7], vec![0, 0, 8]]
+        );
+        assert_eq!(left.last_token_index().unwrap(), vec![2, 2]);
+        let right = Inputs::from_rows(&rows, 0, PadSide::Right, &dev).unwrap();
+        assert_eq!(
+            right.positions.to_vec2::<u32>().unwrap(),
+            vec![vec![0, 1, 2], vec![0, 0, 0]]
+        );
+        assert_eq!(right.last_token_index().unwrap(), vec![2, 0]);
+    }
+
+    #[test]
+    fn bias_is_causal_and_hides_padding() {
+        let dev = Device::Cpu;
+        let inputs = Inputs::from_rows(&[vec![1, 2], vec![3]], 0, PadSide::Left, &dev).unwrap();
+        let (bias, _) = attention_bias(&inputs, None).unwrap();
+        // (B=2, 1, T=2, S=2) flattened: index (b * 2 + query) * 2 + key.
+        let bias: Vec<f32> = bias.flatten_all().unwrap().to_vec1().unwrap();
+        let ok = |b: usize, q: usize, k: usize| bias[(b * 2 + q) * 2 + k] == 0.0;
+        assert!(ok(0, 0, 0) && !ok(0, 0, 1));
+        assert!(ok(0, 1, 0) && ok(0, 1, 1));
+        // Row 1 is left-padded: key 0 is padding for every query.
+        assert!(!ok(1, 1, 0) && ok(1, 1, 1));
+    }
+}

@@ -1,0 +1,146 @@
+//! Pieces every architecture assembles: the per-forward attention context
+//! (mask bias, rotary tables), multi-head self-attention over a cache, and
+//! the embedding lookup.
+
+use candle_core::{Result, Tensor};
+
+use super::batch::{attention_bias, Inputs, KvCache};
+use super::ops;
+use super::rope::Rope;
+use super::weights::Weights;
+use crate::error::Result as LoadResult;
+
+/// Computed once per forward pass and shared by all layers.
+pub struct Context {
+    /// (B, 1, T, S) additive attention bias.
+    pub bias: Tensor,
+    /// (B, 1, T, R) rotary tables, for architectures with rotary embeddings.
+    pub rotary: Option<(Tensor, Tensor)>,
+    /// The key mask over all S slots, stored into the cache at the end.
+    key_mask: Tensor,
+}
+
+impl Context {
+    pub fn new(
+        inputs: &Inputs,
+        cache: Option<&KvCache>,
+        rope: Option<(&Rope, &Tensor)>,
+    ) -> Result<Self> {
+        let (bias, key_mask) = attention_bias(inputs, cache)?;
+        let rotary = match rope {
+            Some((rope, inv_freq)) => Some(rope.cos_sin(inv_freq, &inputs.positions)?),
+            None => None,
+        };
+        Ok(Self {
+            bias,
+            rotary,
+            key_mask,
+        })
+    }
+
+    /// Hands the key mask to the cache once every layer has appended.
+    pub fn finish(self, cache: Option<&mut KvCache>) {
+        if let Some(cache) = cache {
+            cache.set_key_mask(self.key_mask);
+        }
+    }
+}
+
+/// Per-head projections entering attention, each (B, T, heads, D).
+pub struct Qkv {
+    pub q: Tensor,
+    pub k: Tensor,
+    pub v: Tensor,
+}
+
+/// Rotary, cache, grouped-query repeat and scaled dot-product attention.
+/// Returns (B, T, H * D), ready for the output projection.
+pub fn self_attention(
+    qkv: Qkv,
+    ctx: &Context,
+    cache: Option<&mut KvCache>,
+    layer: usize,
+    scale: f64,
+) -> Result<Tensor> {
+    let (b, t, n_heads, d) = qkv.q.dims4()?;
+    let n_kv = qkv.k.dim(2)?;
+    // (B, T, H, D) -> (B, H, T, D)
+    let mut q = qkv.q.transpose(1, 2)?.contiguous()?;
+    let mut k = qkv.k.transpose(1, 2)?.contiguous()?;
+    let v = qkv.v.transpose(1, 2)?.contiguous()?;
+    if let Some((cos, sin)) = &ctx.rotary {
+        q = ops::apply_rotary(&q, cos, sin)?;
+        k = ops::apply_rotary(&k, cos, sin)?;
+    }
+    let (k, v) = match cache {
+        Some(cache) => cache.append(layer, &k, &v)?,
+        None => (k, v),
+    };
+    let k = ops::repeat_kv(&k, n_heads / n_kv)?;
+    let v = ops::repeat_kv(&v, n_heads / n_kv)?;
+    let out = ops::attention(&q, &k, &v, &ctx.bias, scale)?;
+    // (B, H, T, D) -> (B, T, H * D)
+    out.transpose(1, 2)?.reshape((b, t, n_heads * d))
+}
+
+/// Looks up token embeddings: ids (B, T) -> (B, T, H).
+pub fn embed(table: &Tensor, ids: &Tensor) -> Result<Tensor> {
+    let (b, t) = ids.dims2()?;
+    let hidden = table.dim(1)?;
+    table
+        .index_select(&ids.flatten_all()?, 0)?
+        .reshape((b, t, hidden))
+}
+
+/// A dense layer with a PyTorch-layout weight (out, in).
+pub struct Linear {
+    pub weight: Tensor,
+    pub bias: Option<Tensor>,
+}
+
+impl Linear {
+    /// Loads `name.weight` (out, in) and, when `bias`, `name.bias` (out,).
+    pub fn load(
+        w: &Weights,
+        name: &str,
+        out_dim: usize,
+        in_dim: usize,
+        bias: bool,
+    ) -> LoadResult<Self> {
+        let w = w.pp(name);
+        Ok(Self {
+            weight: w.get("weight", (out_dim, in_dim))?,
+            bias: if bias {
+                Some(w.get("bias", out_dim)?)
+            } else {
+                None
+            },
+        })
+    }
+
+    pub fn forward(&self, x: &Tensor) -> Result<Tensor> {
+        ops::linear(x, &self.weight, self.bias.as_ref())
+    }
+}
+
+/// LayerNorm with weight and bias (GPT-NeoX, GPT-2).
+pub struct LayerNorm {
+    pub weight: Tensor,
+    pub bias: Tensor,
+    pub eps: f64,
+}
+
+impl LayerNorm {
+    /// Loads `weight` and `bias` of shape (dim,) under `w`.
+    pub fn load(w: &Weights, dim: usize, eps: f64) -> LoadResult<Self> {
+        Ok(Self {
+            weight: w.get("weight", dim)?,
+            bias: w.get("bias", dim)?,
+            eps,
+        })
+    }
+
+    pub fn forward(&self, x: &Tensor) -> Result<Tensor> {
+        ops::layer_norm(x, &self.weight, &self.bias, self.eps)
+    }
+}

@@ -1,0 +1,278 @@
+//! The Llama family: Llama, Qwen2 and Qwen3 share this decoder.
+//!
+//! Reference: transformers `models/llama/modeling_llama.py`,
+//! `models/qwen2/modeling_qwen2.py`, `models/qwen3/modeling_qwen3.py`.
+//! Pre-norm blocks with RMSNorm, rotary attention with grouped-query heads,
+//! and a SwiGLU MLP. The members differ only in biases (Qwen2: q/k/v) and
+//! per-head q/k RMSNorm (Qwen3); each member's `config.json` resolves into
+//! [`Config`] in its own file. Not supported: sliding-window attention,
+//! `pretraining_tp > 1`, rope types other than default, linear and llama3.
+
+use candle_core::{Result as TResult, Tensor};
+use serde::Deserialize;
+
+use super::batch::{Inputs, KvCache};
+use super::layers::{embed, self_attention, Context, Linear, Qkv};
+use super::ops::{self, Activation};
+use super::rope::{RawRope, Rope};
+use super::weights::Weights;
+use crate::error::Result;
+
+/// Resolved, validated hyper-parameters.
+#[derive(Debug, Clone)]
+pub struct Config {
+    pub vocab_size: usize,
+    pub hidden_size: usize,
+    pub intermediate_size: usize,
+    pub num_layers: usize,
+    pub num_heads: usize,
+    pub num_kv_heads: usize,
+    pub head_dim: usize,
+    pub rms_norm_eps: f64,
+    pub act: Activation,
+    pub rope: Rope,
+    pub qkv_bias: bool,
+    pub o_bias: bool,
+    pub mlp_bias: bool,
+    /// Qwen3's RMSNorm on each query and key head before rotary.
+    pub qk_norm: bool,
+    pub tie_word_embeddings: bool,
+}
+
+/// `config.json` keys common to the family, with transformers' defaults.
+#[derive(Debug, Deserialize)]
+pub struct RawConfig {
+    pub vocab_size: usize,
+    pub hidden_size: usize,
+    pub intermediate_size: usize,
+    pub num_hidden_layers: usize,
+    pub num_attention_heads: usize,
+    pub num_key_value_heads: Option<usize>,
+    pub head_dim: Option<usize>,
+    #[serde(default = "default_rms_eps")]
+    pub rms_norm_eps: f64,
+    #[serde(default = "default_act")]
+    pub hidden_act: String,
+    #[serde(default)]
+    pub attention_bias: bool,
+    #[serde(default)]
+    pub mlp_bias: bool,
+    #[serde(default)]
+    pub tie_word_embeddings: bool,
+    #[serde(default)]
+    pub use_sliding_window: bool,
+    pub pretraining_tp: Option<usize>,
+    #[serde(flatten)]
+    pub rope: RawRope,
+}
+
+fn default_rms_eps() -> f64 {
+    1e-6
+}
+fn default_act() -> String {
+    "silu".into()
+}
+
+/// How a family member departs from plain Llama.
+pub struct Variant {
+    pub qkv_bias: bool,
+    pub qk_norm: bool,
+}
+
+impl RawConfig {
+    pub fn resolve(&self, variant: Variant) -> std::result::Result<Config, String> {
+        let heads = self.num_attention_heads;
+        let kv_heads = self.num_key_value_heads.unwrap_or(heads);
+        if heads == 0 || kv_heads == 0 || heads % kv_heads != 0 {
+            return Err(format!(
+                "num_key_value_heads={kv_heads} does not divide num_attention_heads={heads}"
+            ));
+        }
+        let head_dim = match self.head_dim {
+            Some(d) => d,
+            None if self.hidden_size % heads == 0 => self.hidden_size / heads,
+            None => {
+                return Err(format!(
+                    "hidden_size={} is not a multiple of num_attention_heads={heads} and head_dim is not set",
+                    self.hidden_size
+                ))
+            }
+        };
+        if self.use_sliding_window {
+            return Err("use_sliding_window=true is not supported".into());
+        }
+        if self.pretraining_tp.unwrap_or(1) != 1 {
+            return Err("pretraining_tp > 1 is not supported".into());
+        }
+        let act = Activation::from_hf(&self.hidden_act).ok_or_else(|| {
+            format!(
+                "hidden_act `{}` is not supported (supported: {})",
+                self.hidden_act,
+                Activation::SUPPORTED
+            )
+        })?;
+        Ok(Config {
+            vocab_size: self.vocab_size,
+            hidden_size: self.hidden_size,
+            intermediate_size: self.intermediate_size,
+            num_layers: self.num_hidden_layers,
+            num_heads: heads,
+            num_kv_heads: kv_heads,
+            head_dim,
+            rms_norm_eps: self.rms_norm_eps,
+            act,
+            rope: self.rope.resolve(head_dim, 10_000.0)?,
+            qkv_bias: variant.qkv_bias || self.attention_bias,
+            o_bias: self.attention_bias,
+            mlp_bias: self.mlp_bias,
+            qk_norm: variant.qk_norm,
+            tie_word_embeddings: self.tie_word_embeddings,
+        })
+    }
+}
+
+struct Attention {
+    q_proj: Linear,
+    k_proj: Linear,
+    v_proj: Linear,
+    o_proj: Linear,
+    /// (q_norm, k_norm) weights of shape (D,), Qwen3 only.
+    qk_norm: Option<(Tensor, Tensor)>,
+}
+
+struct Mlp {
+    gate_proj: Linear,
+    up_proj: Linear,
+    down_proj: Linear,
+}
+
+struct Block {
+    input_layernorm: Tensor,
+    self_attn: Attention,
+    post_attention_layernorm: Tensor,
+    mlp: Mlp,
+}
+
+pub struct Decoder {
+    cfg: Config,
+    embed_tokens: Tensor,
+    layers: Vec<Block>,
+    norm: Tensor,
+    inv_freq: Tensor,
+}
+
+impl Decoder {
+    /// `w` points at the base model (`model.` in `*ForCausalLM` checkpoints).
+    pub fn load(cfg: &Config, w: &Weights) -> Result<Self> {
+        let (h, d) = (cfg.hidden_size, cfg.head_dim);
+        let (q_dim, kv_dim) = (cfg.num_heads * d, cfg.num_kv_heads * d);
+        let mut layers = Vec::with_capacity(cfg.num_layers);
+        for i in 0..cfg.num_layers {
+            let lw = w.pp("layers").pp(i);
+            let aw = lw.pp("self_attn");
+            let qk_norm = if cfg.qk_norm {
+                Some((aw.get("q_norm.weight", d)?, aw.get("k_norm.weight", d)?))
+            } else {
+                None
+            };
+            let self_attn = Attention {
+                q_proj: Linear::load(&aw, "q_proj", q_dim, h, cfg.qkv_bias)?,
+                k_proj: Linear::load(&aw, "k_proj", kv_dim, h, cfg.qkv_bias)?,
+                v_proj: Linear::load(&aw, "v_proj", kv_dim, h, cfg.qkv_bias)?,
+                o_proj: Linear::load(&aw, "o_proj", h, q_dim, cfg.o_bias)?,
+                qk_norm,
+            };
+            let mw = lw.pp("mlp");
+            let i_size = cfg.intermediate_size;
+            let mlp = Mlp {
+                gate_proj: Linear::load(&mw, "gate_proj", i_size, h, cfg.mlp_bias)?,
+                up_proj: Linear::load(&mw, "up_proj", i_size, h, cfg.mlp_bias)?,
+                down_proj: Linear::load(&mw, "down_proj", h, i_size, cfg.mlp_bias)?,
+            };
+            layers.push(Block {
+                input_layernorm: lw.get("input_layernorm.weight", h)?,
+                self_attn,
+                post_attention_layernorm: lw.get("post_attention_layernorm.weight", h)?,
+                mlp,
+            });
+        }
+        let embed_tokens = w.get("embed_tokens.weight", (cfg.vocab_size, h))?;
+        Ok(Self {
+            cfg: cfg.clone(),
+            inv_freq: cfg.rope.inv_freq_tensor(embed_tokens.device())?,
+            embed_tokens,
+            layers,
+            norm: w.get("norm.weight", h)?,
+        })
+    }
+
+    fn attention(
+        &self,
+        a: &Attention,
+        x: &Tensor,
+        ctx: &Context,
+        cache: Option<&mut KvCache>,
+        layer: usize,
+    ) -> TResult<Tensor> {
+        let c = &self.cfg;
+        let (b, t, _) = x.dims3()?;
+        // (B, T, heads * D) -> (B, T, heads, D)
+        let mut q = a
+            .q_proj
+            .forward(x)?
+            .reshape((b, t, c.num_heads, c.head_dim))?;
+        let mut k = a
+            .k_proj
+            .forward(x)?
+            .reshape((b, t, c.num_kv_heads, c.head_dim))?;
+        let v = a
+            .v_proj
+            .forward(x)?
+            .reshape((b, t, c.num_kv_heads, c.head_dim))?;
+        if let Some((qn, kn)) = &a.qk_norm {
+            q = ops::rms_norm(&q, qn, c.rms_norm_eps)?;
+            k = ops::rms_norm(&k, kn, c.rms_norm_eps)?;
+        }
+        let out = self_attention(
+            Qkv { q, k, v },
+            ctx,
+            cache,
+            layer,
+            1.0 / (c.head_dim as f64).sqrt(),
+        )?;
+        a.o_proj.forward(&out)
+    }
+
+    fn mlp(&self, m: &Mlp, x: &Tensor) -> TResult<Tensor> {
+        let gate = self.cfg.act.apply(&m.gate_proj.forward(x)?)?;
+        m.down_proj.forward(&(gate * m.up_proj.forward(x)?)?)
+    }
+}
+
+impl super::Decoder for Decoder {
+    fn forward(&self, inputs: &Inputs, mut cache: Option<&mut KvCache>) -> TResult<Tensor> {
+        let eps = self.cfg.rms_norm_eps;
+        let ctx = Context::new(
+            inputs,
+            cache.as_deref(),
+            Some((&self.cfg.rope, &self.inv_freq)),
+        )?;
+        let mut x = embed(&self.embed_tokens, &inputs.ids)?;
+        for (i, block) in self.layers.iter().enumerate() {
+            let h = ops::rms_norm(&x, &block.input_layernorm, eps)?;
+            x = (x + self.attention(&block.self_attn, &h, &ctx, cache.as_deref_mut(), i)?)?;
+            let h = ops::rms_norm(&x, &block.post_attention_layernorm, eps)?;
+            x = (x + self.mlp(&block.mlp, &h)?)?;
+        }
+        ctx.finish(cache);
+        ops::rms_norm(&x, &self.norm, eps)
+    }
+
+    fn embedding(&self) -> &Tensor {
+        &self.embed_tokens
+    }
+
+    fn num_layers(&self) -> usize {
+        self.cfg.num_layers
+    }
+}

@@ -1,0 +1,210 @@
+//! A decoder with its head, and [`Model`]: the door through which the rest
+//! of rloo sees a network (forward, log-probs, parameters, save), never
+//! an architecture's fields.
+
+use std::path::{Path, PathBuf};
+
+use candle_core::{Device, Result as TResult, Tensor, D};
+
+use super::batch::{Inputs, KvCache};
+use super::config::{ArchConfig, HeadKind, ModelConfig};
+use super::weights::{ParamStore, Source, WeightFiles, Weights};
+use super::{gpt2, gpt_neox, llama, ops};
+use crate::error::{Error, Result};
+
+/// The transformer body: embeddings through the final norm.
+pub trait Decoder: Send + Sync {
+    /// Final hidden states (B, T, H). With a cache, `inputs` continue the
+    /// cached tokens and their keys/values are appended.
+    fn forward(&self, inputs: &Inputs, cache: Option<&mut KvCache>) -> TResult<Tensor>;
+    /// The token-embedding table (V, H), which tied LM heads reuse.
+    fn embedding(&self) -> &Tensor;
+    fn num_layers(&self) -> usize;
+}
+
+enum Head {
+    /// (V, H) next-token projection.
+    Lm(Tensor),
+    /// (num_labels, H) score projection.
+    Score(Tensor),
+}
+
+/// A decoder and its head built on one set of weight tensors.
+pub struct Network {
+    decoder: Box<dyn Decoder>,
+    head: Head,
+}
+
+impl Network {
+    pub fn build(cfg: &ModelConfig, root: &Weights) -> Result<Self> {
+        // Base-model checkpoints (and the original GPT-2 files) store the
+        // decoder at the root instead of under `gpt_neox.` / `model.` / `transformer.`.
+        let prefix = cfg.base_prefix();
+        let embedding = cfg.embedding_name();
+        let base = if !root.contains(&format!("{prefix}.{embedding}")) && root.contains(embedding) {
+            root.clone()
+        } else {
+            root.pp(prefix)
+        };
+        let decoder: Box<dyn Decoder> = match &cfg.arch {
+            ArchConfig::GptNeox(c) => Box::new(gpt_neox::Decoder::load(c, &base)?),
+            ArchConfig::Llama(c) => Box::new(llama::Decoder::load(c, &base)?),
+            ArchConfig::Gpt2(c) => Box::new(gpt2::Decoder::load(c, &base)?),
+        };
+        let (v, h) = (cfg.vocab_size(), cfg.hidden_size());
+        let head = match cfg.head {
+            HeadKind::CausalLm if cfg.tie_word_embeddings() => {
+                Head::Lm(decoder.embedding().clone())
+            }
+            HeadKind::CausalLm => Head::Lm(root.get(cfg.lm_head_name(), (v, h))?),
+            HeadKind::SequenceClassification { num_labels } => {
+                if !root.contains("score.weight") {
+                    return Err(Error::Weights {
+                        msg: format!(
+                            "{}: the sequence-classification head `score.weight` (shape [{num_labels}, {h}]) is missing",
+                            cfg.path.parent().unwrap_or(Path::new(".")).display()
+                        ),
+                    });
+                }
+                Head::Score(root.get("score.weight", (num_labels, h))?)
+            }
+        };
+        Ok(Self { decoder, head })
+    }
+
+    pub fn new_cache(&self) -> KvCache {
+        KvCache::new(self.decoder.num_layers())
+    }
+
+    pub fn hidden_states(&self, inputs: &Inputs, cache: Option<&mut KvCache>) -> TResult<Tensor> {
+        self.decoder.forward(inputs, cache)
+    }
+
+    /// Head outputs at every position: (B, T, V) next-token logits, or
+    /// (B, T, num_labels) scores for a sequence-classification head.
+    pub fn logits(&self, inputs: &Inputs, cache: Option<&mut KvCache>) -> TResult<Tensor> {
+        let hidden = self.hidden_states(inputs, cache)?;
+        match &self.head {
+            Head::Lm(w) | Head::Score(w) => ops::linear(&hidden, w, None),
+        }
+    }
+
+    /// Sequence scores (B, num_labels), read at each row's last real token.
+    /// For an LM head this is the last token's logits.
+    pub fn scores(&self, inputs: &Inputs) -> TResult<Tensor> {
+        let hidden = self.hidden_states(inputs, None)?;
+        let (b, t, h) = hidden.dims3()?;
+        let last: Vec<u32> = inputs
+            .last_token_index()?
+            .into_iter()
+            .enumerate()
+            .map(|(row, i)| (row * t + i) as u32)
+            .collect();
+        let idx = Tensor::from_vec(last, b, hidden.device())?;
+        // (B, T, H) -> (B * T, H) -> (B, H)
+        let pooled = hidden.reshape((b * t, h))?.index_select(&idx, 0)?;
+        match &self.head {
+            Head::Lm(w) | Head::Score(w) => ops::linear(&pooled, w, None),
+        }
+    }
+}
+
+/// Log-probability of each next token: for logits (B, T, V) and ids (B, T),
+/// entry (b, t) is `log p(ids[b, t+1] | ids[b, ..=t])`, shape (B, T-1).
+pub fn next_token_logprobs(logits: &Tensor, ids: &Tensor) -> TResult<Tensor> {
+    let t = logits.dim(1)?;
+    let logp = ops::log_softmax_last(&logits.narrow(1, 0, t - 1)?)?;
+    let targets = ids
+        .narrow(1, 1, t - 1)?
+        .contiguous()?
+        .unsqueeze(D::Minus1)?;
+    logp.gather(&targets, D::Minus1)?.squeeze(D::Minus1)
+}
+
+/// A loaded model: its config, its trainable parameters, a network that
+/// records gradients, and a frozen one on detached weights for sampling
+/// and scoring. Both share storage, so optimizer updates show in both.
+pub struct Model {
+    config: ModelConfig,
+    params: ParamStore,
+    train: Network,
+    frozen: Network,
+    dir: PathBuf,
+}
+
+impl Model {
+    /// Loads a Hugging Face model directory.
+    pub fn load(dir: &Path, device: &Device) -> Result<Self> {
+        let config = ModelConfig::from_dir(dir)?;
+        let files = WeightFiles::open(dir)?;
+        let source = Source::files(&files, device);
+        let train = Network::build(&config, &source.root())?;
+        let unused = source.unused();
+        if !unused.is_empty() {
+            tracing::debug!(
+                "{}: ignoring {} unused tensors: {:?}",
+                dir.display(),
+                unused.len(),
+                unused
+            );
+        }
+        let params = source.into_store();
+        let frozen = Network::build(&config, &Source::store(&params, true).root())?;
+        Ok(Self {
+            config,
+            params,
+            train,
+            frozen,
+            dir: dir.to_path_buf(),
+        })
+    }
+
+    pub fn config(&self) -> &ModelConfig {
+        &self.config
+    }
+
+    pub fn head(&self) -> HeadKind {
+        self.config.head
+    }
+
+    /// The directory the model was loaded from.
+    pub fn dir(&self) -> &Path {
+        &self.dir
+    }
+
+    pub fn params(&self) -> &ParamStore {
+        &self.params
+    }
+
+    /// The network whose outputs carry gradients to [`Model::params`].
+    pub fn network(&self) -> &Network {
+        &self.train
+    }
+
+    /// The same network on detached weights: no autograd graph is recorded.
+    pub fn frozen(&self) -> &Network {
+        &self.frozen
+    }
+
+    /// Checks that a batch fits the model: token ids inside the vocabulary
+    /// and positions inside learned position tables.
+    pub fn check_inputs(&self, inputs: &Inputs) -> Result<()> {
+        let vocab = self.config.vocab_size();
+        let max_id = inputs.ids.flatten_all()?.max(0)?.to_scalar::<u32>()?;
+        if max_id as usize >= vocab {
+            return Err(Error::Invalid(format!(
+                "token id {max_id} is outside the vocabulary of size {vocab}"
+            )));
+        }
+        if let Some(max_pos) = self.config.max_positions() {
+            let pos = inputs.positions.flatten_all()?.max(0)?.to_scalar::<u32>()? as usize;
+            if pos >= max_pos {
+                return Err(Error::Invalid(format!(
+                    "sequence of {} tokens is longer than the model's {max_pos} positions",
+                    pos + 1
+                )));
+            }
+        }
+        Ok(())
+    }
+}

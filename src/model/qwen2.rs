@@ -1,0 +1,12 @@
+//! Qwen2 / Qwen2.5: the Llama decoder with biases on the query, key and
+//! value projections (transformers `models/qwen2/modeling_qwen2.py`).
+//! `config.json` has Llama's keys; sliding-window attention is not supported.
+
+use super::llama::{Config, RawConfig, Variant};
+
+pub fn resolve(raw: &RawConfig) -> Result<Config, String> {
+    raw.resolve(Variant {
+        qkv_bias: true,
+        qk_norm: false,
+    })
+}

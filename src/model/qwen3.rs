@@ -1,0 +1,12 @@
+//! Qwen3: the Llama decoder with an RMSNorm on every query and key head
+//! before rotary, an explicit `head_dim`, and biases only when
+//! `attention_bias` is set (transformers `models/qwen3/modeling_qwen3.py`).
+
+use super::llama::{Config, RawConfig, Variant};
+
+pub fn resolve(raw: &RawConfig) -> Result<Config, String> {
+    raw.resolve(Variant {
+        qkv_bias: false,
+        qk_norm: true,
+    })
+}

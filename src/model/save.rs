@@ -1,0 +1,60 @@
+//! Saving a model as a Hugging Face directory that `transformers`, vLLM and
+//! rloo load: `config.json`, `model.safetensors` (with the `{"format": "pt"}`
+//! metadata transformers expects), the tokenizer files and the generation
+//! config of the directory it came from.
+
+use std::collections::HashMap;
+use std::path::Path;
+
+use super::network::Model;
+use super::weights::SINGLE_FILE;
+use crate::error::{Error, Result};
+use crate::io::{write_atomic, write_dir_atomic};
+
+/// Files carried over from the source directory besides the weights.
+const CARRIED_FILES: &[&str] = &[
+    "generation_config.json",
+    "tokenizer.json",
+    "tokenizer_config.json",
+    "special_tokens_map.json",
+    "chat_template.jinja",
+    "vocab.json",
+    "merges.txt",
+    "tokenizer.model",
+    "added_tokens.json",
+];
+
+impl Model {
+    /// Writes the model to `dir` atomically: a crash leaves either the old
+    /// directory or the complete new one. Each tensor is saved in the dtype
+    /// it was loaded in (tied LM heads are not written, as in transformers).
+    pub fn save(&self, dir: &Path) -> Result<()> {
+        let config = serde_json::to_string_pretty(&self.config().to_json())
+            .map_err(|e| Error::Invalid(format!("cannot serialise config.json: {e}")))?;
+        let mut tensors = Vec::with_capacity(self.params().len());
+        for p in self.params().iter() {
+            tensors.push((
+                p.name.clone(),
+                p.var.as_tensor().to_dtype(p.stored_dtype)?.contiguous()?,
+            ));
+        }
+        let metadata = HashMap::from([("format".to_string(), "pt".to_string())]);
+        let weights = safetensors::tensor::serialize(
+            tensors.iter().map(|(n, t)| (n.as_str(), t)),
+            Some(metadata),
+        )
+        .map_err(|e| Error::Invalid(format!("cannot serialise weights: {e}")))?;
+        let source = self.dir().to_path_buf();
+        write_dir_atomic(dir, |tmp| {
+            write_atomic(&tmp.join("config.json"), config.as_bytes())?;
+            write_atomic(&tmp.join(SINGLE_FILE), &weights)?;
+            for name in CARRIED_FILES {
+                let from = source.join(name);
+                if from.is_file() {
+                    std::fs::copy(&from, tmp.join(name)).map_err(|e| Error::io(&from, e))?;
+                }
+            }
+            Ok(())
+        })
+    }
+}

@@ -1,0 +1,365 @@
+//! Weights: reading safetensors checkpoints (single file or sharded with an
+//! index) into trainable f32 variables, and handing them to the
+//! architectures by their Hugging Face names with shape checks.
+
+use std::cell::RefCell;
+use std::collections::{BTreeMap, BTreeSet, HashMap};
+use std::path::{Path, PathBuf};
+
+use candle_core::safetensors::MmapedSafetensors;
+use candle_core::{DType, Device, Shape, Tensor, Var};
+use serde::Deserialize;
+
+use crate::error::{read_json, Error, Result};
+
+pub const SINGLE_FILE: &str = "model.safetensors";
+pub const INDEX_FILE: &str = "model.safetensors.index.json";
+
+/// The safetensors files of one model directory, memory-mapped.
+pub struct WeightFiles {
+    files: MmapedSafetensors,
+    /// Which file holds each tensor (for error messages).
+    location: HashMap<String, PathBuf>,
+    pub dir: PathBuf,
+}
+
+#[derive(Deserialize)]
+struct ShardIndex {
+    weight_map: BTreeMap<String, String>,
+}
+
+impl WeightFiles {
+    /// Opens `model.safetensors`, or the shards named by `model.safetensors.index.json`.
+    pub fn open(dir: &Path) -> Result<Self> {
+        let single = dir.join(SINGLE_FILE);
+        let index = dir.join(INDEX_FILE);
+        let paths: Vec<PathBuf> = if single.is_file() {
+            vec![single]
+        } else if index.is_file() {
+            let idx: ShardIndex = read_json(&index)?;
+            let shards: BTreeSet<&String> = idx.weight_map.values().collect();
+            if shards.is_empty() {
+                return Err(Error::bad_file(&index, "weight_map is empty"));
+            }
+            shards.into_iter().map(|s| dir.join(s)).collect()
+        } else {
+            return Err(Error::bad_file(
+                dir,
+                format!(
+                    "no weights: expected {SINGLE_FILE} or {INDEX_FILE} (only safetensors is read)"
+                ),
+            ));
+        };
+        for p in &paths {
+            if !p.is_file() {
+                return Err(Error::bad_file(p, "shard listed in the index is missing"));
+            }
+        }
+        // Safety: the files are mapped read-only; rloo never writes into a
+        // directory while it has it mapped (saves go to a temp dir + rename).
+        let files = unsafe { MmapedSafetensors::multi(&paths) }
+            .map_err(|e| Error::bad_file(dir, format!("cannot read safetensors weights: {e}")))?;
+        let mut location = HashMap::new();
+        for p in &paths {
+            let one = unsafe { MmapedSafetensors::new(p) }
+                .map_err(|e| Error::bad_file(p, format!("corrupt safetensors file: {e}")))?;
+            for (name, _) in one.tensors() {
+                location.insert(name, p.clone());
+            }
+        }
+        Ok(Self {
+            files,
+            location,
+            dir: dir.to_path_buf(),
+        })
+    }
+
+    pub fn names(&self) -> impl Iterator<Item = &String> {
+        self.location.keys()
+    }
+
+    pub fn contains(&self, name: &str) -> bool {
+        self.location.contains_key(name)
+    }
+
+    /// The stored shape and dtype of a tensor.
+    pub fn info(&self, name: &str) -> Result<(Vec<usize>, DType)> {
+        let view = self.files.get(name).map_err(|e| self.read_error(name, e))?;
+        let dtype = view_dtype(view.dtype()).ok_or_else(|| Error::Weights {
+            msg: format!(
+                "{}: tensor `{name}` has unsupported dtype {:?}",
+                self.where_is(name),
+                view.dtype()
+            ),
+        })?;
+        Ok((view.shape().to_vec(), dtype))
+    }
+
+    /// Loads a tensor as f32 on `device`.
+    pub fn load_f32(&self, name: &str, device: &Device) -> Result<Tensor> {
+        let t = self
+            .files
+            .load(name, device)
+            .map_err(|e| self.read_error(name, e))?;
+        Ok(t.to_dtype(DType::F32)?)
+    }
+
+    fn where_is(&self, name: &str) -> String {
+        self.location
+            .get(name)
+            .unwrap_or(&self.dir)
+            .display()
+            .to_string()
+    }
+
+    fn read_error(&self, name: &str, e: candle_core::Error) -> Error {
+        Error::Weights {
+            msg: format!("{}: cannot read tensor `{name}`: {e}", self.where_is(name)),
+        }
+    }
+}
+
+fn view_dtype(d: safetensors::Dtype) -> Option<DType> {
+    use safetensors::Dtype as S;
+    Some(match d {
+        S::F32 => DType::F32,
+        S::F16 => DType::F16,
+        S::BF16 => DType::BF16,
+        S::F64 => DType::F64,
+        _ => return None,
+    })
+}
+
+/// One trainable tensor: the f32 master copy and the dtype it was stored in,
+/// which is the dtype it is saved back in.
+#[derive(Clone)]
+pub struct Param {
+    pub name: String,
+    pub var: Var,
+    pub stored_dtype: DType,
+}
+
+/// The parameters of a model, in the order the architecture asked for them.
+#[derive(Clone, Default)]
+pub struct ParamStore {
+    params: Vec<Param>,
+    index: HashMap<String, usize>,
+}
+
+impl ParamStore {
+    pub fn iter(&self) -> impl Iterator<Item = &Param> {
+        self.params.iter()
+    }
+    pub fn len(&self) -> usize {
+        self.params.len()
+    }
+    pub fn is_empty(&self) -> bool {
+        self.params.is_empty()
+    }
+    pub fn get(&self, name: &str) -> Option<&Param> {
+        self.index.get(name).map(|&i| &self.params[i])
+    }
+    pub fn vars(&self) -> Vec<Var> {
+        self.params.iter().map(|p| p.var.clone()).collect()
+    }
+    /// Total number of scalar parameters.
+    pub fn numel(&self) -> usize {
+        self.params.iter().map(|p| p.var.elem_count()).sum()
+    }
+    fn push(&mut self, param: Param) {
+        self.index.insert(param.name.clone(), self.params.len());
+        self.params.push(param);
+    }
+}
+
+/// Where an architecture's constructor gets its tensors: from checkpoint
+/// files (creating the variables) or from an existing store (sharing them,
+/// optionally detached so that no autograd graph is recorded).
+pub enum Source<'a> {
+    Files {
+        files: &'a WeightFiles,
+        device: Device,
+        store: RefCell<ParamStore>,
+    },
+    Store {
+        store: &'a ParamStore,
+        detach: bool,
+        used: RefCell<BTreeSet<String>>,
+    },
+}
+
+/// A view on a [`Source`] under a name prefix, like walking the HF module
+/// tree (`w.pp("layers").pp(0).get("attention.dense.weight", ..)`).
+#[derive(Clone)]
+pub struct Weights<'a> {
+    source: &'a Source<'a>,
+    prefix: String,
+}
+
+impl<'a> Source<'a> {
+    pub fn files(files: &'a WeightFiles, device: &Device) -> Self {
+        Source::Files {
+            files,
+            device: device.clone(),
+            store: RefCell::new(ParamStore::default()),
+        }
+    }
+
+    pub fn store(store: &'a ParamStore, detach: bool) -> Self {
+        Source::Store {
+            store,
+            detach,
+            used: RefCell::new(BTreeSet::new()),
+        }
+    }
+
+    pub fn root(&'a self) -> Weights<'a> {
+        Weights {
+            source: self,
+            prefix: String::new(),
+        }
+    }
+
+    /// The parameters created from files (empty for a store source).
+    pub fn into_store(self) -> ParamStore {
+        match self {
+            Source::Files { store, .. } => store.into_inner(),
+            Source::Store { .. } => ParamStore::default(),
+        }
+    }
+
+    fn has(&self, name: &str) -> bool {
+        match self {
+            Source::Files { files, store, .. } => {
+                files.contains(name) || store.borrow().get(name).is_some()
+            }
+            Source::Store { store, .. } => store.get(name).is_some(),
+        }
+    }
+
+    fn get(&self, name: &str, shape: &Shape) -> Result<Tensor> {
+        match self {
+            Source::Files {
+                files,
+                device,
+                store,
+            } => {
+                if let Some(p) = store.borrow().get(name) {
+                    return Ok(p.var.as_tensor().clone());
+                }
+                if !files.contains(name) {
+                    return Err(Error::Weights {
+                        msg: format!(
+                            "{}: missing tensor `{name}` (expected shape {shape:?})",
+                            files.dir.display()
+                        ),
+                    });
+                }
+                let (stored_shape, stored_dtype) = files.info(name)?;
+                if stored_shape.as_slice() != shape.dims() {
+                    return Err(Error::Weights {
+                        msg: format!(
+                            "{}: tensor `{name}` has shape {stored_shape:?}, expected {:?}",
+                            files.where_is(name),
+                            shape.dims()
+                        ),
+                    });
+                }
+                let var = Var::from_tensor(&files.load_f32(name, device)?)?;
+                let tensor = var.as_tensor().clone();
+                store.borrow_mut().push(Param {
+                    name: name.to_string(),
+                    var,
+                    stored_dtype,
+                });
+                Ok(tensor)
+            }
+            Source::Store {
+                store,
+                detach,
+                used,
+            } => {
+                let p = store.get(name).ok_or_else(|| Error::Weights {
+                    msg: format!("parameter `{name}` is not in the model"),
+                })?;
+                if p.var.shape() != shape {
+                    return Err(Error::Weights {
+                        msg: format!(
+                            "parameter `{name}` has shape {:?}, expected {:?}",
+                            p.var.dims(),
+                            shape.dims()
+                        ),
+                    });
+                }
+                used.borrow_mut().insert(name.to_string());
+                Ok(if *detach {
+                    p.var.as_tensor().detach()
+                } else {
+                    p.var.as_tensor().clone()
+                })
+            }
+        }
+    }
+
+    /// Checkpoint tensors no architecture asked for (buffers such as
+    /// `attn.masked_bias` in old checkpoints, or another head's weights).
+    pub fn unused(&self) -> Vec<String> {
+        match self {
+            Source::Files { files, store, .. } => {
+                let store = store.borrow();
+                let mut names: Vec<String> = files
+                    .names()
+                    .filter(|n| store.get(n).is_none())
+                    .cloned()
+                    .collect();
+                names.sort();
+                names
+            }
+            Source::Store { store, used, .. } => {
+                let used = used.borrow();
+                store
+                    .iter()
+                    .filter(|p| !used.contains(&p.name))
+                    .map(|p| p.name.clone())
+                    .collect()
+            }
+        }
+    }
+}
+
+impl<'a> Weights<'a> {
+    /// A view one level down the module tree.
+    pub fn pp(&self, sub: impl std::fmt::Display) -> Weights<'a> {
+        Weights {
+            source: self.source,
+            prefix: self.name(&sub.to_string()),
+        }
+    }
+
+    pub fn name(&self, leaf: &str) -> String {
+        if self.prefix.is_empty() {
+            leaf.to_string()
+        } else {
+            format!("{}.{leaf}", self.prefix)
+        }
+    }
+
+    /// The tensor `prefix.leaf`, which must exist with this shape.
+    pub fn get(&self, leaf: &str, shape: impl Into<Shape>) -> Result<Tensor> {
+        self.source.get(&self.name(leaf), &shape.into())
+    }
+
+    /// The tensor `prefix.leaf` if the checkpoint has it (optional biases).
+    pub fn get_opt(&self, leaf: &str, shape: impl Into<Shape>) -> Result<Option<Tensor>> {
+        let name = self.name(leaf);
+        if self.source.has(&name) {
+            Ok(Some(self.source.get(&name, &shape.into())?))
+        } else {
+            Ok(None)
+        }
+    }
+
+    pub fn contains(&self, leaf: &str) -> bool {
+        self.source.has(&self.name(leaf))
+    }
+}

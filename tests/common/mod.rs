@@ -1,0 +1,75 @@
+//! Shared helpers for the integration tests: the committed fixtures and
+//! tensor comparisons.
+#![allow(dead_code)]
+
+use std::collections::HashMap;
+use std::path::{Path, PathBuf};
+
+use candle_core::{Device, Tensor};
+
+/// Every fixture model: five architectures, two heads each.
+pub const MODELS: &[&str] = &[
+    "gpt_neox-causal",
+    "gpt_neox-seqcls",
+    "llama-causal",
+    "llama-seqcls",
+    "qwen2-causal",
+    "qwen2-seqcls",
+    "qwen3-causal",
+    "qwen3-seqcls",
+    "gpt2-causal",
+    "gpt2-seqcls",
+];
+
+pub fn fixtures() -> PathBuf {
+    Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/fixtures")
+}
+
+pub fn model_dir(name: &str) -> PathBuf {
+    fixtures().join("models").join(name)
+}
+
+/// The reference tensors transformers produced for a fixture model.
+pub fn reference(name: &str) -> HashMap<String, Tensor> {
+    let path = fixtures()
+        .join("reference")
+        .join(format!("{name}.safetensors"));
+    candle_core::safetensors::load(&path, &Device::Cpu)
+        .unwrap_or_else(|e| panic!("{}: {e}", path.display()))
+}
+
+pub fn is_causal(name: &str) -> bool {
+    name.ends_with("-causal")
+}
+
+/// Max |a - b| over entries where `mask` (broadcast from the leading dims) is 1.
+pub fn max_diff_masked(a: &Tensor, b: &Tensor, mask: &Tensor) -> f32 {
+    assert_eq!(a.dims(), b.dims(), "shapes differ");
+    let diff = (a - b).unwrap().abs().unwrap();
+    let mut mask = mask.to_dtype(candle_core::DType::F32).unwrap();
+    while mask.rank() < diff.rank() {
+        mask = mask.unsqueeze(mask.rank()).unwrap();
+    }
+    diff.broadcast_mul(&mask)
+        .unwrap()
+        .flatten_all()
+        .unwrap()
+        .max(0)
+        .unwrap()
+        .to_scalar::<f32>()
+        .unwrap()
+}
+
+pub fn max_diff(a: &Tensor, b: &Tensor) -> f32 {
+    assert_eq!(a.dims(), b.dims(), "shapes differ");
+    (a - b)
+        .unwrap()
+        .abs()
+        .unwrap()
+        .flatten_all()
+        .unwrap()
+        .max(0)
+        .unwrap()
+        .to_scalar::<f32>()
+        .unwrap()
+}
