@@ -217,7 +217,7 @@ mod tests {
     #[test]
     fn llama3_scaling_slows_only_long_wavelengths() {
         let rope = raw(json!({"rope_theta": 500000.0, "rope_scaling": {"type": "llama3", "factor": 8.0,
-            "low_freq_factor": 1.0, "high_freq_factor": 4.0, "original_max_position_embeddings": 16}}))
+            "low_freq_factor": 1.0, "high_freq_factor": 4.0, "original_max_position_embeddings": 64}}))
         .resolve(16, 1.0)
         .unwrap();
         let plain = Rope {
@@ -226,7 +226,7 @@ mod tests {
         }
         .inv_freq();
         let scaled = rope.inv_freq();
-        assert_eq!(scaled[0], plain[0], "wavelength 2pi < 16/4 stays");
+        assert_eq!(scaled[0], plain[0], "wavelength 2pi < 64/4 stays");
         assert!(
             (scaled[7] - plain[7] / 8.0).abs() < 1e-12,
             "longest wavelength divided by factor"
