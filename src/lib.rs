@@ -2,10 +2,9 @@
 //!
 //! The crate follows the path of one rollout batch: `data` turns rows into
 //! token ids, `model` runs the networks (forward, log-probs, training
-//! path, loading and saving Hugging Face directories), and `cli` is the
-//! thin command-line edge.
+//! path, loading and saving Hugging Face directories). The `rloo` binary
+//! is a thin command line over it.
 
-pub mod cli;
 pub mod data;
 pub mod error;
 pub mod io;

@@ -1,1 +1,64 @@
-//! The command line: parses arguments and calls the library.
+//! The command line: parses arguments into each command's options and calls
+//! the library. Errors are printed with their whole chain; the exit code is
+//! 1 for a failed run and 2 for a usage error.
+
+mod score;
+
+use std::process::ExitCode;
+
+use clap::{Parser, Subcommand};
+
+/// Fast RLHF for Hugging Face causal language models.
+#[derive(Debug, Parser)]
+#[command(name = "rloo", version, about, propagate_version = true)]
+pub struct Cli {
+    /// Log more (-v: debug, -vv: trace). RUST_LOG overrides.
+    #[arg(short, long, global = true, action = clap::ArgAction::Count)]
+    verbose: u8,
+    #[command(subcommand)]
+    command: Command,
+}
+
+#[derive(Debug, Subcommand)]
+enum Command {
+    Score(score::ScoreArgs),
+}
+
+pub fn main() -> ExitCode {
+    let cli = Cli::parse();
+    init_logging(cli.verbose);
+    let result = match cli.command {
+        Command::Score(args) => score::run(args),
+    };
+    match result {
+        Ok(()) => ExitCode::SUCCESS,
+        Err(err) => {
+            eprintln!("error: {err}");
+            for cause in err.chain().skip(1) {
+                eprintln!("  caused by: {cause}");
+            }
+            ExitCode::FAILURE
+        }
+    }
+}
+
+fn init_logging(verbose: u8) {
+    let default = match verbose {
+        0 => "info",
+        1 => "debug",
+        _ => "trace",
+    };
+    let filter = tracing_subscriber::EnvFilter::try_from_default_env()
+        .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new(default));
+    let _ = tracing_subscriber::fmt().with_env_filter(filter).with_writer(std::io::stderr).with_target(false).try_init();
+}
+
+/// A progress bar on stderr that hides itself when stderr is not a terminal.
+pub(crate) fn progress_bar(len: u64, unit: &str) -> indicatif::ProgressBar {
+    let bar = indicatif::ProgressBar::new(len);
+    let template = format!("{{spinner}} [{{elapsed_precise}}] {{bar:40}} {{pos}}/{{len}} {unit} ({{per_sec}}, eta {{eta}})");
+    if let Ok(style) = indicatif::ProgressStyle::with_template(&template) {
+        bar.set_style(style);
+    }
+    bar
+}

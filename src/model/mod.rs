@@ -4,6 +4,7 @@
 
 pub mod batch;
 pub mod config;
+pub mod device;
 pub mod gpt2;
 pub mod gpt_neox;
 pub mod layers;
@@ -14,9 +15,11 @@ pub mod qwen2;
 pub mod qwen3;
 pub mod rope;
 pub mod save;
+pub mod scoring;
 pub mod weights;
 
 pub use batch::{Inputs, KvCache, PadSide};
 pub use config::{HeadKind, ModelConfig, SUPPORTED_MODEL_TYPES};
+pub use device::parse_device;
 pub use network::{next_token_logprobs, Decoder, Model, Network};
 pub use weights::ParamStore;

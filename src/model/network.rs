@@ -83,9 +83,14 @@ impl Network {
     /// Head outputs at every position: (B, T, V) next-token logits, or
     /// (B, T, num_labels) scores for a sequence-classification head.
     pub fn logits(&self, inputs: &Inputs, cache: Option<&mut KvCache>) -> TResult<Tensor> {
-        let hidden = self.hidden_states(inputs, cache)?;
+        self.project(&self.hidden_states(inputs, cache)?)
+    }
+
+    /// Applies the head to hidden states (..., H), e.g. to a gathered subset
+    /// of positions so the full (B, T, V) logits are never materialised.
+    pub fn project(&self, hidden: &Tensor) -> TResult<Tensor> {
         match &self.head {
-            Head::Lm(w) | Head::Score(w) => ops::linear(&hidden, w, None),
+            Head::Lm(w) | Head::Score(w) => ops::linear(hidden, w, None),
         }
     }
 
@@ -102,10 +107,7 @@ impl Network {
             .collect();
         let idx = Tensor::from_vec(last, b, hidden.device())?;
         // (B, T, H) -> (B * T, H) -> (B, H)
-        let pooled = hidden.reshape((b * t, h))?.index_select(&idx, 0)?;
-        match &self.head {
-            Head::Lm(w) | Head::Score(w) => ops::linear(&pooled, w, None),
-        }
+        self.project(&hidden.reshape((b * t, h))?.index_select(&idx, 0)?)
     }
 }
 

@@ -1,0 +1,112 @@
+//! `rloo score`: per-token log-probs of completions under a causal LM, or
+//! the score a reward (sequence-classification) model gives each row.
+
+use std::path::PathBuf;
+
+use anyhow::{bail, Context, Result};
+use clap::Args;
+use serde_json::{Map, Value};
+
+use rloo::data::jsonl::{read_rows, JsonlWriter};
+use rloo::data::{Prompt, Tokenizer};
+use rloo::model::hub::resolve_model;
+use rloo::model::scoring::{completion_logprobs, sequence_scores, Pair};
+use rloo::model::{parse_device, HeadKind, Inputs, Model, PadSide};
+
+/// Score prompt/completion pairs with a model.
+///
+/// Input rows are `{"prompt": ..., "completion": ...}` where `prompt` is a
+/// string or a list of chat messages (rendered with the model's chat
+/// template and the generation prompt). Prompt and completion are tokenized
+/// separately without special tokens, plus a BOS token when the tokenizer
+/// config asks for one. Output rows keep the input fields and add
+/// `logprobs` and `sum_logprob` (causal LM) or `score` (reward model).
+#[derive(Debug, Args)]
+pub struct ScoreArgs {
+    /// Model directory in the Hugging Face layout, or a hub id (`owner/name`) found in the local cache.
+    #[arg(long)]
+    model: String,
+    /// JSONL file (or JSON array) of rows with `prompt` and `completion`.
+    #[arg(long)]
+    input: PathBuf,
+    /// Where to write the scored rows as JSONL (rows are written as they finish).
+    #[arg(long)]
+    output: PathBuf,
+    /// Rows per forward pass.
+    #[arg(long, default_value_t = 8, value_parser = clap::value_parser!(u64).range(1..))]
+    batch_size: u64,
+    /// Device: cpu, cuda, cuda:N, or auto.
+    #[arg(long, default_value = "cpu")]
+    device: String,
+}
+
+struct ScoreRow {
+    fields: Map<String, Value>,
+    pair: Pair,
+}
+
+pub fn run(args: ScoreArgs) -> Result<()> {
+    let device = parse_device(&args.device)?;
+    let dir = resolve_model(&args.model)?;
+    let model = Model::load(&dir, &device).with_context(|| format!("loading model {}", dir.display()))?;
+    let tokenizer = Tokenizer::from_dir(&dir)?;
+    let rows = read_rows(&args.input)?;
+    if rows.is_empty() {
+        bail!("{}: no rows to score", args.input.display());
+    }
+    // Tokenize everything first so a malformed row fails before any output.
+    let mut items = Vec::with_capacity(rows.len());
+    for row in rows {
+        let at = || format!("{}:{}", args.input.display(), row.line);
+        let prompt = row.fields.get("prompt").with_context(|| format!("{}: missing field `prompt`", at()))?;
+        let prompt = Prompt::from_value(prompt).map_err(|e| anyhow::anyhow!("{}: field `prompt`: {e}", at()))?;
+        let completion = match row.fields.get("completion") {
+            Some(Value::String(s)) => s.clone(),
+            Some(other) => bail!("{}: field `completion` must be a string, got {other}", at()),
+            None => bail!("{}: missing field `completion`", at()),
+        };
+        let pair = Pair {
+            prompt: tokenizer.encode_prompt(&prompt).with_context(at)?,
+            completion: tokenizer.encode(&completion).with_context(at)?,
+        };
+        if pair.prompt.is_empty() && pair.completion.is_empty() {
+            bail!("{}: prompt and completion are both empty", at());
+        }
+        let joined = [pair.prompt.as_slice(), pair.completion.as_slice()].concat();
+        model
+            .check_inputs(&Inputs::from_rows(&[joined], 0, PadSide::Right, &device)?)
+            .with_context(at)?;
+        items.push(ScoreRow { fields: row.fields, pair });
+    }
+
+    let mut out = JsonlWriter::create(&args.output)?;
+    let bar = super::progress_bar(items.len() as u64, "rows");
+    for chunk in items.chunks(args.batch_size as usize) {
+        let pairs: Vec<Pair> = chunk.iter().map(|r| r.pair.clone()).collect();
+        match model.head() {
+            HeadKind::CausalLm => {
+                let logprobs = completion_logprobs(model.frozen(), &pairs, &device)?;
+                for (row, lp) in chunk.iter().zip(logprobs) {
+                    let mut fields = row.fields.clone();
+                    let sum: f64 = lp.iter().map(|&x| x as f64).sum();
+                    fields.insert("logprobs".into(), Value::from(lp));
+                    fields.insert("sum_logprob".into(), Value::from(sum));
+                    out.write_row(&fields)?;
+                }
+            }
+            HeadKind::SequenceClassification { num_labels } => {
+                let scores = sequence_scores(model.frozen(), &pairs, &device)?;
+                for (row, s) in chunk.iter().zip(scores) {
+                    let mut fields = row.fields.clone();
+                    let score = if num_labels == 1 { Value::from(s[0]) } else { Value::from(s) };
+                    fields.insert("score".into(), score);
+                    out.write_row(&fields)?;
+                }
+            }
+        }
+        bar.inc(chunk.len() as u64);
+    }
+    bar.finish_and_clear();
+    tracing::info!("scored {} rows -> {}", items.len(), args.output.display());
+    Ok(())
+}

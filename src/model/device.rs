@@ -1,0 +1,35 @@
+//! Choosing where tensors live: `cpu`, `cuda[:N]`, or `auto` (the first GPU
+//! when rloo was built with the `cuda` feature and one is present).
+
+use candle_core::Device;
+
+use crate::error::{Error, Result};
+
+pub fn parse_device(name: &str) -> Result<Device> {
+    let cuda = |ordinal: usize| {
+        Device::new_cuda(ordinal).map_err(|e| Error::Invalid(format!("--device {name}: {e}")))
+    };
+    match name {
+        "cpu" => Ok(Device::Cpu),
+        "auto" => Ok(Device::cuda_if_available(0).unwrap_or(Device::Cpu)),
+        "cuda" | "gpu" => cuda(0),
+        _ => match name.strip_prefix("cuda:").map(str::parse::<usize>) {
+            Some(Ok(ordinal)) => cuda(ordinal),
+            _ => Err(Error::Invalid(format!(
+                "--device `{name}` is not a device (expected cpu, auto, cuda or cuda:N)"
+            ))),
+        },
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn device_names_parse_or_are_explained() {
+        assert!(parse_device("cpu").unwrap().is_cpu());
+        let err = parse_device("tpu").unwrap_err().to_string();
+        assert!(err.contains("`tpu`") && err.contains("cuda:N"), "{err}");
+    }
+}
