@@ -73,6 +73,10 @@ mod tests {
         });
         assert!(failed.is_err());
         assert_eq!(fs::read(dir.join("a")).unwrap(), b"1");
-        assert_eq!(fs::read_dir(root.path()).unwrap().count(), 1, "no temp left behind");
+        assert_eq!(
+            fs::read_dir(root.path()).unwrap().count(),
+            1,
+            "no temp left behind"
+        );
     }
 }
