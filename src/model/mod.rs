@@ -5,8 +5,10 @@
 pub mod batch;
 pub mod config;
 pub mod device;
+pub mod generation_config;
 pub mod gpt2;
 pub mod gpt_neox;
+pub mod hub;
 pub mod layers;
 pub mod llama;
 pub mod network;
@@ -21,5 +23,6 @@ pub mod weights;
 pub use batch::{Inputs, KvCache, PadSide};
 pub use config::{HeadKind, ModelConfig, SUPPORTED_MODEL_TYPES};
 pub use device::parse_device;
+pub use generation_config::GenerationConfig;
 pub use network::{next_token_logprobs, Decoder, Model, Network};
 pub use weights::ParamStore;

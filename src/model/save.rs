@@ -6,23 +6,12 @@
 use std::collections::HashMap;
 use std::path::Path;
 
+use super::generation_config::GENERATION_CONFIG_FILE;
 use super::network::Model;
 use super::weights::SINGLE_FILE;
+use crate::data::copy_tokenizer_files;
 use crate::error::{Error, Result};
 use crate::io::{write_atomic, write_dir_atomic};
-
-/// Files carried over from the source directory besides the weights.
-const CARRIED_FILES: &[&str] = &[
-    "generation_config.json",
-    "tokenizer.json",
-    "tokenizer_config.json",
-    "special_tokens_map.json",
-    "chat_template.jinja",
-    "vocab.json",
-    "merges.txt",
-    "tokenizer.model",
-    "added_tokens.json",
-];
 
 impl Model {
     /// Writes the model to `dir` atomically: a crash leaves either the old
@@ -48,11 +37,11 @@ impl Model {
         write_dir_atomic(dir, |tmp| {
             write_atomic(&tmp.join("config.json"), config.as_bytes())?;
             write_atomic(&tmp.join(SINGLE_FILE), &weights)?;
-            for name in CARRIED_FILES {
-                let from = source.join(name);
-                if from.is_file() {
-                    std::fs::copy(&from, tmp.join(name)).map_err(|e| Error::io(&from, e))?;
-                }
+            copy_tokenizer_files(&source, tmp)?;
+            let generation = source.join(GENERATION_CONFIG_FILE);
+            if generation.is_file() {
+                std::fs::copy(&generation, tmp.join(GENERATION_CONFIG_FILE))
+                    .map_err(|e| Error::io(&generation, e))?;
             }
             Ok(())
         })
