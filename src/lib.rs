@@ -7,6 +7,7 @@
 
 pub mod data;
 pub mod error;
+pub mod generate;
 pub mod io;
 pub mod model;
 

@@ -2,6 +2,7 @@
 //! the library. Errors are printed with their whole chain; the exit code is
 //! 1 for a failed run and 2 for a usage error.
 
+mod generate;
 mod score;
 
 use std::process::ExitCode;
@@ -21,6 +22,7 @@ pub struct Cli {
 
 #[derive(Debug, Subcommand)]
 enum Command {
+    Generate(generate::GenerateArgs),
     Score(score::ScoreArgs),
 }
 
@@ -28,6 +30,7 @@ pub fn main() -> ExitCode {
     let cli = Cli::parse();
     init_logging(cli.verbose);
     let result = match cli.command {
+        Command::Generate(args) => generate::run(args),
         Command::Score(args) => score::run(args),
     };
     match result {
@@ -60,7 +63,7 @@ fn init_logging(verbose: u8) {
 /// A progress bar on stderr that hides itself when stderr is not a terminal.
 pub(crate) fn progress_bar(len: u64, unit: &str) -> indicatif::ProgressBar {
     let bar = indicatif::ProgressBar::new(len);
-    let template = format!("{{spinner}} [{{elapsed_precise}}] {{bar:40}} {{pos}}/{{len}} {unit} ({{per_sec}}, eta {{eta}})");
+    let template = format!("{{spinner}} [{{elapsed_precise}}] {{bar:40}} {{pos}}/{{len}} {unit} ({{per_sec}}, eta {{eta}}) {{msg}}");
     if let Ok(style) = indicatif::ProgressStyle::with_template(&template) {
         bar.set_style(style);
     }

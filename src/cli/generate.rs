@@ -1,0 +1,208 @@
+//! `rloo generate`: k sampled completions per prompt, written as JSONL as
+//! they finish.
+
+use std::path::PathBuf;
+use std::time::Instant;
+
+use anyhow::{bail, Context, Result};
+use clap::Args;
+use serde_json::{Map, Value};
+
+use rloo::data::jsonl::{read_rows, JsonlWriter};
+use rloo::data::{Prompt, Tokenizer};
+use rloo::generate::{generate, GenerateOptions, Sampling, StopCriteria};
+use rloo::model::hub::resolve_model;
+use rloo::model::{parse_device, GenerationConfig, HeadKind, Model};
+
+/// Sample completions for a file of prompts.
+///
+/// Input rows carry a `prompt` (a string, or a list of chat messages
+/// rendered with the model's chat template). Output rows keep the input
+/// fields and add `completion`, `finish_reason` (`stop` or `length`),
+/// `completion_tokens`, `prompt_index` and `sample_index`. Sampling options
+/// left unset come from the model's `generation_config.json`; with neither,
+/// decoding is greedy.
+#[derive(Debug, Args)]
+pub struct GenerateArgs {
+    /// Model directory in the Hugging Face layout, or a hub id (`owner/name`) found in the local cache.
+    #[arg(long)]
+    model: String,
+    /// JSONL file (or JSON array) of rows with a `prompt` field.
+    #[arg(long)]
+    prompts: PathBuf,
+    /// Where to write the completions (JSONL, one row per completion, in finishing order).
+    #[arg(long)]
+    output: PathBuf,
+    /// Completions per prompt (k).
+    #[arg(long, default_value_t = 1, value_parser = clap::value_parser!(u64).range(1..))]
+    num_return_sequences: u64,
+    /// Most tokens to generate per completion [default: generation config, else 64].
+    #[arg(long)]
+    max_new_tokens: Option<usize>,
+    /// Sampling temperature; 0 means greedy [default: generation config, else greedy].
+    #[arg(long)]
+    temperature: Option<f32>,
+    /// Keep only the k most likely tokens (0: off).
+    #[arg(long)]
+    top_k: Option<usize>,
+    /// Nucleus sampling: keep the most likely tokens up to this total probability (1: off).
+    #[arg(long)]
+    top_p: Option<f32>,
+    /// Drop tokens less likely than min_p times the most likely one (0: off).
+    #[arg(long)]
+    min_p: Option<f32>,
+    /// Seed of the sampler; the same seed gives the same completions on the same machine.
+    #[arg(long, default_value_t = 0)]
+    seed: u64,
+    /// Rows (prompt x sample) decoded together.
+    #[arg(long, default_value_t = 64, value_parser = clap::value_parser!(u64).range(1..))]
+    batch_size: u64,
+    /// Token ids that end a completion, replacing the generation config's EOS ids (repeatable, comma-separated).
+    #[arg(long, value_delimiter = ',')]
+    eos_token_id: Vec<u32>,
+    /// Extra token ids that end a completion (repeatable, comma-separated).
+    #[arg(long, value_delimiter = ',')]
+    stop_token_id: Vec<u32>,
+    /// Text that ends a completion (repeatable); the output text is cut before it.
+    #[arg(long)]
+    stop: Vec<String>,
+    /// Do not stop at EOS: always generate max_new_tokens (for benchmarks).
+    #[arg(long)]
+    ignore_eos: bool,
+    /// Device: cpu, cuda, cuda:N, or auto.
+    #[arg(long, default_value = "cpu")]
+    device: String,
+}
+
+/// Sampling from the flags, each falling back to the generation config.
+fn sampling(args: &GenerateArgs, gen: &GenerationConfig) -> Sampling {
+    let temperature = match args.temperature {
+        Some(t) => t,
+        None if gen.do_sample == Some(true) => gen.temperature.unwrap_or(1.0) as f32,
+        None => 0.0,
+    };
+    if temperature == 0.0 {
+        return Sampling::greedy();
+    }
+    Sampling::temperature(temperature)
+        .with_top_k(args.top_k.or(gen.top_k.map(|k| k as usize)).unwrap_or(0))
+        .with_top_p(args.top_p.or(gen.top_p.map(|p| p as f32)).unwrap_or(1.0))
+        .with_min_p(args.min_p.or(gen.min_p.map(|p| p as f32)).unwrap_or(0.0))
+}
+
+pub fn run(args: GenerateArgs) -> Result<()> {
+    let device = parse_device(&args.device)?;
+    let dir = resolve_model(&args.model)?;
+    let model =
+        Model::load(&dir, &device).with_context(|| format!("loading model {}", dir.display()))?;
+    if model.head() != HeadKind::CausalLm {
+        bail!(
+            "{}: a sequence-classification model cannot generate text",
+            dir.display()
+        );
+    }
+    let tokenizer = Tokenizer::from_dir(&dir)?;
+    let gen = GenerationConfig::from_dir(&dir)?.unwrap_or_default();
+
+    let rows = read_rows(&args.prompts)?;
+    if rows.is_empty() {
+        bail!("{}: no prompts", args.prompts.display());
+    }
+    let mut prompts = Vec::with_capacity(rows.len());
+    for row in &rows {
+        let at = || format!("{}:{}", args.prompts.display(), row.line);
+        let value = row
+            .fields
+            .get("prompt")
+            .with_context(|| format!("{}: missing field `prompt`", at()))?;
+        let prompt = Prompt::from_value(value)
+            .map_err(|e| anyhow::anyhow!("{}: field `prompt`: {e}", at()))?;
+        prompts.push(tokenizer.encode_prompt(&prompt).with_context(at)?);
+    }
+
+    let mut stop_ids = if args.ignore_eos {
+        Vec::new()
+    } else if !args.eos_token_id.is_empty() {
+        args.eos_token_id.clone()
+    } else {
+        let from_config = gen.eos_token_ids().to_vec();
+        if from_config.is_empty() {
+            tokenizer.eos_token_id().into_iter().collect()
+        } else {
+            from_config
+        }
+    };
+    stop_ids.extend(&args.stop_token_id);
+    let opts = GenerateOptions {
+        max_new_tokens: args
+            .max_new_tokens
+            .or(gen.max_new_tokens.map(|n| n as usize))
+            .unwrap_or(64),
+        num_return_sequences: args.num_return_sequences as usize,
+        sampling: sampling(&args, &gen),
+        stop: StopCriteria {
+            token_ids: stop_ids,
+            strings: args.stop.clone(),
+        },
+        batch_size: args.batch_size as usize,
+        seed: args.seed,
+        max_positions: model.config().max_positions(),
+    };
+    tracing::info!(
+        "{} prompts x {} samples, up to {} new tokens, {:?}",
+        prompts.len(),
+        opts.num_return_sequences,
+        opts.max_new_tokens,
+        opts.sampling
+    );
+
+    let mut out = JsonlWriter::create(&args.output)?;
+    let bar = super::progress_bar(
+        (prompts.len() * opts.num_return_sequences) as u64,
+        "completions",
+    );
+    let started = Instant::now();
+    let mut generated = 0usize;
+    let mut on_tokens = |n: usize| {
+        generated += n;
+        bar.set_message(format!(
+            "{:.0} tok/s",
+            generated as f64 / started.elapsed().as_secs_f64()
+        ));
+    };
+    let mut on_done = |c: rloo::generate::Completion| -> rloo::Result<()> {
+        let mut text = tokenizer.decode(&c.tokens, true)?;
+        if let Some(cut) = args.stop.iter().filter_map(|s| text.find(s.as_str())).min() {
+            text.truncate(cut);
+        }
+        let mut fields: Map<String, Value> = rows[c.prompt_index].fields.clone();
+        fields.insert("completion".into(), text.into());
+        fields.insert(
+            "finish_reason".into(),
+            serde_json::to_value(c.finish_reason).unwrap_or_default(),
+        );
+        fields.insert("completion_tokens".into(), c.tokens.len().into());
+        fields.insert("prompt_index".into(), c.prompt_index.into());
+        fields.insert("sample_index".into(), c.sample_index.into());
+        out.write_row(&fields)?;
+        bar.inc(1);
+        Ok(())
+    };
+    generate(
+        model.frozen(),
+        &prompts,
+        &opts,
+        Some(&tokenizer),
+        &device,
+        &mut on_tokens,
+        &mut on_done,
+    )?;
+    bar.finish_and_clear();
+    let secs = started.elapsed().as_secs_f64();
+    eprintln!(
+        "generated {generated} tokens in {secs:.3} s ({:.1} tokens/s) -> {}",
+        generated as f64 / secs,
+        args.output.display()
+    );
+    Ok(())
+}

@@ -1,0 +1,241 @@
+//! The sampling engine: k completions per prompt, decoded in batches with a
+//! KV cache. Each prompt is prefilled once and its cache copied to its k
+//! rows; every row keeps its own position; rows that stop leave the batch
+//! so no compute is spent on them.
+//!
+//! It runs on the frozen network (detached weights), so no autograd graph
+//! is recorded.
+
+use candle_core::{Device, Tensor};
+
+use super::rng::Rng;
+use super::sampling::Sampling;
+use crate::data::Tokenizer;
+use crate::error::{Error, Result};
+use crate::model::{Inputs, Network, PadSide};
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq, serde::Serialize)]
+#[serde(rename_all = "lowercase")]
+pub enum FinishReason {
+    /// An EOS id, a stop token id or a stop string ended the completion.
+    Stop,
+    /// `max_new_tokens` was reached.
+    Length,
+}
+
+/// When a completion ends.
+#[derive(Debug, Clone, Default)]
+pub struct StopCriteria {
+    /// EOS ids (from `generation_config.json`, or overridden) and extra stop
+    /// token ids; the stopping token is kept in the completion.
+    pub token_ids: Vec<u32>,
+    /// Text that ends a completion once the decoded completion contains it.
+    pub strings: Vec<String>,
+}
+
+#[derive(Debug, Clone)]
+pub struct GenerateOptions {
+    pub max_new_tokens: usize,
+    /// Completions per prompt (k).
+    pub num_return_sequences: usize,
+    pub sampling: Sampling,
+    pub stop: StopCriteria,
+    /// Rows (prompt x sample) decoded together.
+    pub batch_size: usize,
+    pub seed: u64,
+    /// The longest prompt + completion the model allows, if bounded.
+    pub max_positions: Option<usize>,
+}
+
+/// One finished completion.
+#[derive(Debug, Clone)]
+pub struct Completion {
+    pub prompt_index: usize,
+    pub sample_index: usize,
+    /// Generated ids, including the stop token when one ended it.
+    pub tokens: Vec<u32>,
+    /// Log-prob of each generated token under the sampling distribution
+    /// (temperature applied, before truncation).
+    pub logprobs: Vec<f32>,
+    pub finish_reason: FinishReason,
+}
+
+/// A row being decoded.
+struct Row {
+    prompt_index: usize,
+    sample_index: usize,
+    prompt_len: usize,
+    tokens: Vec<u32>,
+    logprobs: Vec<f32>,
+    rng: Rng,
+}
+
+/// Generates `num_return_sequences` completions for every prompt. Each
+/// finished completion is handed to `on_done` as soon as it stops (so it can
+/// be written out); `on_tokens` hears how many tokens each step produced.
+pub fn generate(
+    net: &Network,
+    prompts: &[Vec<u32>],
+    opts: &GenerateOptions,
+    tokenizer: Option<&Tokenizer>,
+    device: &Device,
+    on_tokens: &mut dyn FnMut(usize),
+    on_done: &mut dyn FnMut(Completion) -> Result<()>,
+) -> Result<()> {
+    opts.sampling.validate().map_err(Error::Invalid)?;
+    if opts.num_return_sequences == 0 || opts.batch_size == 0 {
+        return Err(Error::Invalid(
+            "num_return_sequences and batch_size must be at least 1".into(),
+        ));
+    }
+    if !opts.stop.strings.is_empty() && tokenizer.is_none() {
+        return Err(Error::Invalid("stop strings need the tokenizer".into()));
+    }
+    for (i, p) in prompts.iter().enumerate() {
+        if p.is_empty() {
+            return Err(Error::Invalid(format!("prompt {i} has no tokens")));
+        }
+        if let Some(max) = opts.max_positions {
+            if p.len() + opts.max_new_tokens > max {
+                return Err(Error::Invalid(format!(
+                    "prompt {i}: {} prompt tokens + {} new tokens exceed the model's {max} positions",
+                    p.len(),
+                    opts.max_new_tokens
+                )));
+            }
+        }
+    }
+    let k = opts.num_return_sequences;
+    let rows: Vec<(usize, usize)> = (0..prompts.len())
+        .flat_map(|p| (0..k).map(move |s| (p, s)))
+        .collect();
+    for batch in rows.chunks(opts.batch_size) {
+        decode_batch(
+            net, prompts, batch, opts, tokenizer, device, on_tokens, on_done,
+        )?;
+    }
+    Ok(())
+}
+
+#[allow(clippy::too_many_arguments)]
+fn decode_batch(
+    net: &Network,
+    prompts: &[Vec<u32>],
+    batch: &[(usize, usize)],
+    opts: &GenerateOptions,
+    tokenizer: Option<&Tokenizer>,
+    device: &Device,
+    on_tokens: &mut dyn FnMut(usize),
+    on_done: &mut dyn FnMut(Completion) -> Result<()>,
+) -> Result<()> {
+    let mut rows: Vec<Row> = batch
+        .iter()
+        .map(|&(p, s)| Row {
+            prompt_index: p,
+            sample_index: s,
+            prompt_len: prompts[p].len(),
+            tokens: Vec::with_capacity(opts.max_new_tokens),
+            logprobs: Vec::with_capacity(opts.max_new_tokens),
+            rng: Rng::stream(opts.seed, &[p as u64, s as u64]),
+        })
+        .collect();
+    if opts.max_new_tokens == 0 {
+        for row in rows {
+            on_done(finish(row, FinishReason::Length))?;
+        }
+        return Ok(());
+    }
+
+    // Prefill each distinct prompt once (left-padded so every row's last
+    // column is its last prompt token), then copy its cache to its rows.
+    let mut distinct: Vec<usize> = batch.iter().map(|&(p, _)| p).collect();
+    distinct.dedup();
+    let prefill_rows: Vec<Vec<u32>> = distinct.iter().map(|&p| prompts[p].clone()).collect();
+    let inputs = Inputs::from_rows(&prefill_rows, 0, PadSide::Left, device)?;
+    let mut cache = net.new_cache();
+    let hidden = net.hidden_states(&inputs, Some(&mut cache))?;
+    let t = hidden.dim(1)?;
+    let last = net.project(&hidden.narrow(1, t - 1, 1)?.squeeze(1)?)?; // (U, V)
+    let owner: Vec<u32> = batch
+        .iter()
+        .map(|&(p, _)| distinct.iter().position(|&d| d == p).unwrap_or(0) as u32)
+        .collect();
+    let mut logits = if owner.len() == distinct.len() {
+        last
+    } else {
+        cache.select_rows(&owner)?;
+        last.index_select(&Tensor::from_slice(&owner, owner.len(), device)?, 0)?
+    };
+
+    let longest_stop = opts.stop.strings.iter().map(String::len).max().unwrap_or(0);
+    let mut scratch = Vec::new();
+    loop {
+        let host: Vec<Vec<f32>> = logits.to_vec2()?;
+        let produced = rows.len();
+        let mut keep: Vec<u32> = Vec::with_capacity(rows.len());
+        let mut still = Vec::with_capacity(rows.len());
+        for (i, (mut row, row_logits)) in
+            std::mem::take(&mut rows).into_iter().zip(host).enumerate()
+        {
+            let (token, logprob) = opts.sampling.pick(&row_logits, &mut row.rng, &mut scratch);
+            row.tokens.push(token);
+            row.logprobs.push(logprob);
+            let stopped = opts.stop.token_ids.contains(&token)
+                || (longest_stop > 0
+                    && hits_stop_string(tokenizer, &row.tokens, &opts.stop.strings, longest_stop)?);
+            if stopped {
+                on_done(finish(row, FinishReason::Stop))?;
+            } else if row.tokens.len() >= opts.max_new_tokens {
+                on_done(finish(row, FinishReason::Length))?;
+            } else {
+                keep.push(i as u32);
+                still.push(row);
+            }
+        }
+        on_tokens(produced);
+        rows = still;
+        if rows.is_empty() {
+            return Ok(());
+        }
+        if keep.len() < produced {
+            cache.select_rows(&keep)?;
+        }
+        let tokens: Vec<u32> = rows
+            .iter()
+            .map(|r| *r.tokens.last().unwrap_or(&0))
+            .collect();
+        let positions: Vec<u32> = rows
+            .iter()
+            .map(|r| (r.prompt_len + r.tokens.len() - 1) as u32)
+            .collect();
+        let step = Inputs::step(&tokens, &positions, device)?;
+        logits = net.logits(&step, Some(&mut cache))?.squeeze(1)?;
+    }
+}
+
+fn finish(row: Row, finish_reason: FinishReason) -> Completion {
+    Completion {
+        prompt_index: row.prompt_index,
+        sample_index: row.sample_index,
+        tokens: row.tokens,
+        logprobs: row.logprobs,
+        finish_reason,
+    }
+}
+
+/// Whether the decoded tail of `tokens` contains a stop string. Only the
+/// last few tokens are decoded: a stop string completed by the newest token
+/// lies within its byte length plus a few tokens of the end.
+fn hits_stop_string(
+    tokenizer: Option<&Tokenizer>,
+    tokens: &[u32],
+    strings: &[String],
+    longest: usize,
+) -> Result<bool> {
+    let Some(tok) = tokenizer else {
+        return Ok(false);
+    };
+    let tail = &tokens[tokens.len().saturating_sub(longest + 4)..];
+    let text = tok.decode(tail, false)?;
+    Ok(strings.iter().any(|s| text.contains(s.as_str())))
+}

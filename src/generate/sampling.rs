@@ -1,0 +1,282 @@
+//! Choosing the next token from one row of logits: greedy, or sampling at a
+//! temperature with top-k, top-p (nucleus) and min-p truncation, applied in
+//! transformers' order (temperature, top-k, top-p, min-p).
+
+use super::rng::Rng;
+
+#[derive(Debug, Clone, PartialEq)]
+pub enum Sampling {
+    /// The most likely token (ties: the lowest id, as `argmax` does).
+    Greedy,
+    Random {
+        /// Logits are divided by this before the softmax (> 0).
+        temperature: f32,
+        /// Keep the k most likely tokens (0: all).
+        top_k: usize,
+        /// Keep the smallest set whose probability reaches top_p (1: all).
+        top_p: f32,
+        /// Drop tokens less likely than min_p times the most likely (0: none).
+        min_p: f32,
+    },
+}
+
+impl Sampling {
+    pub fn greedy() -> Self {
+        Self::Greedy
+    }
+
+    /// Plain sampling from the temperature-scaled distribution.
+    pub fn temperature(temperature: f32) -> Self {
+        Self::Random {
+            temperature,
+            top_k: 0,
+            top_p: 1.0,
+            min_p: 0.0,
+        }
+    }
+
+    pub fn with_top_k(self, k: usize) -> Self {
+        match self {
+            Self::Random {
+                temperature,
+                top_p,
+                min_p,
+                ..
+            } => Self::Random {
+                temperature,
+                top_k: k,
+                top_p,
+                min_p,
+            },
+            greedy => greedy,
+        }
+    }
+
+    pub fn with_top_p(self, p: f32) -> Self {
+        match self {
+            Self::Random {
+                temperature,
+                top_k,
+                min_p,
+                ..
+            } => Self::Random {
+                temperature,
+                top_k,
+                top_p: p,
+                min_p,
+            },
+            greedy => greedy,
+        }
+    }
+
+    pub fn with_min_p(self, p: f32) -> Self {
+        match self {
+            Self::Random {
+                temperature,
+                top_k,
+                top_p,
+                ..
+            } => Self::Random {
+                temperature,
+                top_k,
+                top_p,
+                min_p: p,
+            },
+            greedy => greedy,
+        }
+    }
+
+    /// The temperature log-probs are taken at (1 for greedy).
+    pub fn logprob_temperature(&self) -> f32 {
+        match self {
+            Self::Greedy => 1.0,
+            Self::Random { temperature, .. } => *temperature,
+        }
+    }
+
+    /// Checks the ranges; the message names the offending option.
+    pub fn validate(&self) -> Result<(), String> {
+        if let Self::Random {
+            temperature,
+            top_p,
+            min_p,
+            ..
+        } = self
+        {
+            if !(temperature.is_finite() && *temperature > 0.0) {
+                return Err(format!(
+                    "temperature must be > 0 for sampling, got {temperature}"
+                ));
+            }
+            if !(*top_p > 0.0 && *top_p <= 1.0) {
+                return Err(format!("top_p must be in (0, 1], got {top_p}"));
+            }
+            if !(0.0..1.0).contains(min_p) {
+                return Err(format!("min_p must be in [0, 1), got {min_p}"));
+            }
+        }
+        Ok(())
+    }
+
+    /// Picks a token from `logits` and returns it with its log-probability
+    /// under the temperature-scaled distribution before truncation (the
+    /// distribution the policy-gradient math refers to). `scratch` is reused
+    /// across calls to avoid allocating per token.
+    pub fn pick(&self, logits: &[f32], rng: &mut Rng, scratch: &mut Vec<(f32, u32)>) -> (u32, f32) {
+        let temperature = self.logprob_temperature();
+        let max = logits.iter().copied().fold(f32::NEG_INFINITY, f32::max);
+        let log_norm = logits
+            .iter()
+            .map(|&l| (((l - max) / temperature) as f64).exp())
+            .sum::<f64>()
+            .ln() as f32;
+        let logprob = |tok: u32| (logits[tok as usize] - max) / temperature - log_norm;
+        let token = match self {
+            Self::Greedy => argmax(logits),
+            Self::Random {
+                top_k,
+                top_p,
+                min_p,
+                ..
+            } => {
+                // Candidates as (unnormalised probability, id), most likely first when truncating.
+                scratch.clear();
+                scratch.extend(
+                    logits
+                        .iter()
+                        .enumerate()
+                        .map(|(i, &l)| (((l - max) / temperature).exp(), i as u32)),
+                );
+                truncate(scratch, *top_k, *top_p, *min_p);
+                let total: f64 = scratch.iter().map(|&(p, _)| p as f64).sum();
+                let mut u = rng.uniform() * total;
+                let mut chosen = scratch.last().map_or(0, |&(_, id)| id);
+                for &(p, id) in scratch.iter() {
+                    u -= p as f64;
+                    if u < 0.0 {
+                        chosen = id;
+                        break;
+                    }
+                }
+                chosen
+            }
+        };
+        (token, logprob(token))
+    }
+}
+
+fn argmax(logits: &[f32]) -> u32 {
+    let mut best = 0;
+    for (i, &l) in logits.iter().enumerate() {
+        if l > logits[best] {
+            best = i;
+        }
+    }
+    best as u32
+}
+
+/// Keeps the candidates that survive top-k, then top-p, then min-p. The max
+/// candidate always survives.
+fn truncate(cands: &mut Vec<(f32, u32)>, top_k: usize, top_p: f32, min_p: f32) {
+    let by_prob_desc = |a: &(f32, u32), b: &(f32, u32)| b.0.total_cmp(&a.0).then(a.1.cmp(&b.1));
+    if top_k > 0 && top_k < cands.len() {
+        // Ties with the k-th value are kept, as transformers' `< kth` test does.
+        cands.select_nth_unstable_by(top_k - 1, by_prob_desc);
+        let kth = cands[top_k - 1].0;
+        cands.retain(|&(p, _)| p >= kth);
+    }
+    if top_p < 1.0 {
+        cands.sort_unstable_by(by_prob_desc);
+        let total: f32 = cands.iter().map(|c| c.0).sum();
+        let mut cum = 0.0;
+        let mut keep = cands.len();
+        for (i, c) in cands.iter().enumerate() {
+            cum += c.0 / total;
+            if cum >= top_p {
+                keep = i + 1;
+                break;
+            }
+        }
+        cands.truncate(keep.max(1));
+    }
+    if min_p > 0.0 {
+        let top = cands.iter().map(|c| c.0).fold(0.0, f32::max);
+        cands.retain(|&(p, _)| p >= min_p * top);
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn draw(s: &Sampling, logits: &[f32], n: usize) -> Vec<usize> {
+        let mut rng = Rng::new(3);
+        let mut scratch = Vec::new();
+        let mut counts = vec![0; logits.len()];
+        for _ in 0..n {
+            counts[s.pick(logits, &mut rng, &mut scratch).0 as usize] += 1;
+        }
+        counts
+    }
+
+    #[test]
+    fn greedy_takes_the_argmax_with_its_logprob() {
+        let logits = [0.0f32, 2.0, 1.0];
+        let (tok, lp) = Sampling::greedy().pick(&logits, &mut Rng::new(0), &mut Vec::new());
+        assert_eq!(tok, 1);
+        let z: f32 = logits.iter().map(|l| l.exp()).sum();
+        assert!((lp - (2f32.exp() / z).ln()).abs() < 1e-6);
+    }
+
+    #[test]
+    fn sampling_follows_the_tempered_distribution() {
+        let logits = [0.0f32, (3f32).ln()];
+        // temperature 1: p = (1/4, 3/4)
+        let counts = draw(&Sampling::temperature(1.0), &logits, 20_000);
+        assert!(
+            (counts[1] as f64 / 20_000.0 - 0.75).abs() < 0.015,
+            "{counts:?}"
+        );
+        // temperature 2 flattens: p ∝ (1, sqrt 3)
+        let counts = draw(&Sampling::temperature(2.0), &logits, 20_000);
+        let want = 3f64.sqrt() / (1.0 + 3f64.sqrt());
+        assert!(
+            (counts[1] as f64 / 20_000.0 - want).abs() < 0.015,
+            "{counts:?}"
+        );
+        let (_, lp) = Sampling::temperature(2.0).pick(&logits, &mut Rng::new(0), &mut Vec::new());
+        assert!(lp < 0.0);
+    }
+
+    #[test]
+    fn truncations_remove_the_unlikely_tail() {
+        let logits: Vec<f32> = [0.5f32, 0.3, 0.15, 0.05].iter().map(|p| p.ln()).collect();
+        let s = Sampling::temperature(1.0);
+        assert_eq!(draw(&s.clone().with_top_k(2), &logits, 2000)[2..], [0, 0]);
+        // top_p 0.8: 0.5 + 0.3 reaches it.
+        assert_eq!(draw(&s.clone().with_top_p(0.8), &logits, 2000)[2..], [0, 0]);
+        // min_p 0.2: keep p >= 0.1.
+        let c = draw(&s.clone().with_min_p(0.2), &logits, 4000);
+        assert!(c[2] > 0 && c[3] == 0, "{c:?}");
+        // A tiny top_p still keeps the most likely token.
+        assert_eq!(draw(&s.with_top_p(1e-6), &logits, 100)[0], 100);
+    }
+
+    #[test]
+    fn bad_ranges_are_named() {
+        assert!(Sampling::temperature(0.0)
+            .validate()
+            .unwrap_err()
+            .contains("temperature"));
+        assert!(Sampling::temperature(1.0)
+            .with_top_p(1.5)
+            .validate()
+            .unwrap_err()
+            .contains("top_p"));
+        assert!(Sampling::temperature(1.0)
+            .with_min_p(1.0)
+            .validate()
+            .unwrap_err()
+            .contains("min_p"));
+    }
+}
