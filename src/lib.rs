@@ -5,6 +5,7 @@
 //! path, loading and saving Hugging Face directories). The `rloo` binary
 //! is a thin command line over it.
 
+pub mod algo;
 pub mod data;
 pub mod error;
 pub mod generate;

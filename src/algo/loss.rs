@@ -1,0 +1,355 @@
+//! The clipped policy-gradient loss (SPEC-RLOO.md section 4) and its
+//! diagnostics.
+
+use candle_core::{DType, Result, Tensor};
+use serde::{Deserialize, Serialize};
+
+/// Whether the importance ratio is taken per sequence or per token.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, Serialize, Deserialize, clap::ValueEnum)]
+#[serde(rename_all = "snake_case")]
+pub enum RatioLevel {
+    /// `rho_i = exp(LP_i - LP_old_i)` with `LP = sum_t m_t lp_t`: the whole completion is one action.
+    #[default]
+    Sequence,
+    /// `rho_{i,t} = exp(lp_t - lp_old_t)`, the advantage broadcast to every unmasked token.
+    Token,
+}
+
+/// How per-sequence or per-token losses are averaged.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, Serialize, Deserialize, clap::ValueEnum)]
+#[serde(rename_all = "snake_case")]
+pub enum Aggregation {
+    /// Mean over tokens within a sequence (token ratio), then over sequences.
+    #[default]
+    SequenceMean,
+    /// Mean over every unmasked token of the mini-batch (token ratio only).
+    TokenMean,
+}
+
+/// The loss of one (micro-)batch and the diagnostics TRL logs.
+pub struct PolicyLoss {
+    /// Scalar, differentiable in the current log-probs.
+    pub loss: Tensor,
+    /// Sums over the terms of this batch, for averaging across micro-batches.
+    pub stats: LossStats,
+}
+
+/// Sums (not means), so that micro-batches can be added up and divided once.
+#[derive(Debug, Clone, Default, PartialEq)]
+pub struct LossStats {
+    /// Number of ratio terms (sequences, or unmasked tokens).
+    pub terms: f64,
+    /// Terms where the clipped surrogate was the one taken.
+    pub clipped: f64,
+    pub ratio_sum: f64,
+    pub ratio_sq_sum: f64,
+    /// Sequences with at least one unmasked token.
+    pub sequences: f64,
+    /// Sum over sequences of `0.5 * (LP - LP_old)^2`.
+    pub approxkl_sum: f64,
+    /// Sum of the per-sequence (or per-token) losses.
+    pub loss_sum: f64,
+}
+
+impl LossStats {
+    pub fn add(&mut self, other: &LossStats) {
+        self.terms += other.terms;
+        self.clipped += other.clipped;
+        self.ratio_sum += other.ratio_sum;
+        self.ratio_sq_sum += other.ratio_sq_sum;
+        self.sequences += other.sequences;
+        self.approxkl_sum += other.approxkl_sum;
+        self.loss_sum += other.loss_sum;
+    }
+
+    pub fn clipfrac(&self) -> f64 {
+        self.clipped / self.terms.max(1.0)
+    }
+    pub fn ratio_mean(&self) -> f64 {
+        self.ratio_sum / self.terms.max(1.0)
+    }
+    /// Population variance of the ratio.
+    pub fn ratio_var(&self) -> f64 {
+        (self.ratio_sq_sum / self.terms.max(1.0) - self.ratio_mean().powi(2)).max(0.0)
+    }
+    pub fn approxkl(&self) -> f64 {
+        self.approxkl_sum / self.sequences.max(1.0)
+    }
+    pub fn loss_mean(&self) -> f64 {
+        self.loss_sum / self.terms.max(1.0)
+    }
+}
+
+/// Clipped surrogate `L = -min(rho * A, clip(rho, 1 - eps, 1 + eps) * A)`.
+///
+/// `lp`: (N, T) current log-probs (differentiable); `lp_old`: (N, T) of the
+/// sampling policy; `mask`: (N, T) in {0, 1}; `adv`: (N,). A sequence with
+/// no unmasked token contributes nothing. `denominator` is the number of
+/// terms the loss is averaged over: pass the mini-batch's count (sequences
+/// or unmasked tokens) so that micro-batches accumulate to the mini-batch mean.
+pub fn policy_loss(
+    lp: &Tensor,
+    lp_old: &Tensor,
+    mask: &Tensor,
+    adv: &Tensor,
+    eps: f64,
+    ratio: RatioLevel,
+    aggregation: Aggregation,
+    denominator: f64,
+) -> Result<PolicyLoss> {
+    let lengths = mask.sum(1)?; // (N,)
+    let has_tokens = lengths.gt(0.0)?.to_dtype(DType::F32)?;
+    let seq_lp = (lp * mask)?.sum(1)?;
+    let seq_lp_old = (lp_old * mask)?.sum(1)?;
+    let log_ratio_seq = (&seq_lp - &seq_lp_old)?;
+
+    // Per-term log-ratio, advantage and weight (1 on live terms, 0 elsewhere).
+    let (log_ratio, adv_b, weight) = match ratio {
+        RatioLevel::Sequence => (log_ratio_seq.clone(), adv.clone(), has_tokens.clone()),
+        RatioLevel::Token => {
+            let w = match aggregation {
+                // Each token weighs 1/len, so a sequence's tokens sum to 1.
+                Aggregation::SequenceMean => {
+                    mask.broadcast_div(&lengths.maximum(1.0)?.unsqueeze(1)?)?
+                }
+                Aggregation::TokenMean => mask.clone(),
+            };
+            (
+                (lp - lp_old)?,
+                adv.unsqueeze(1)?.broadcast_as(lp.shape())?.contiguous()?,
+                w,
+            )
+        }
+    };
+    let rho = log_ratio.exp()?;
+    let unclipped = (rho.neg()? * &adv_b)?;
+    let clipped = (rho.clamp(1.0 - eps, 1.0 + eps)?.neg()? * &adv_b)?;
+    let per_term = unclipped.maximum(&clipped)?; // -min(a, b) = max(-a, -b)
+    let loss = ((&per_term * &weight)?.sum_all()? / denominator.max(1.0))?;
+
+    // Diagnostics on detached values, over live terms only.
+    let live: Vec<f32> = match ratio {
+        RatioLevel::Sequence => has_tokens.to_vec1()?,
+        RatioLevel::Token => mask.flatten_all()?.to_vec1()?,
+    };
+    let flat = |t: &Tensor| -> Result<Vec<f32>> { t.detach().flatten_all()?.to_vec1() };
+    let (rho_v, un_v, cl_v, term_v) = (
+        flat(&rho)?,
+        flat(&unclipped)?,
+        flat(&clipped)?,
+        flat(&per_term)?,
+    );
+    let mut stats = LossStats::default();
+    for i in 0..live.len() {
+        if live[i] > 0.0 {
+            stats.terms += 1.0;
+            stats.clipped += f64::from(cl_v[i] > un_v[i]);
+            stats.ratio_sum += rho_v[i] as f64;
+            stats.ratio_sq_sum += (rho_v[i] as f64).powi(2);
+            stats.loss_sum += term_v[i] as f64;
+        }
+    }
+    let has: Vec<f32> = has_tokens.to_vec1()?;
+    let lr: Vec<f32> = log_ratio_seq.detach().to_vec1()?;
+    for (h, d) in has.iter().zip(&lr) {
+        if *h > 0.0 {
+            stats.sequences += 1.0;
+            stats.approxkl_sum += 0.5 * (*d as f64).powi(2);
+        }
+    }
+    Ok(PolicyLoss { loss, stats })
+}
+
+/// The number of terms a mini-batch's loss is averaged over: live sequences,
+/// or unmasked tokens for `token_mean`. `mask`: (N, T).
+pub fn loss_denominator(mask: &Tensor, ratio: RatioLevel, aggregation: Aggregation) -> Result<f64> {
+    let lengths: Vec<f32> = mask.sum(1)?.to_vec1()?;
+    Ok(match (ratio, aggregation) {
+        (RatioLevel::Token, Aggregation::TokenMean) => lengths.iter().map(|&l| l as f64).sum(),
+        _ => lengths.iter().filter(|&&l| l > 0.0).count() as f64,
+    })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use candle_core::{Device, Var};
+
+    /// Two prompts x two completions of up to 3 tokens; the last completion
+    /// is fully masked.
+    fn toy() -> (Var, Tensor, Tensor, Tensor) {
+        let dev = Device::Cpu;
+        let lp = Var::new(
+            &[
+                [-1.0f32, -2.0, -0.5],
+                [-0.2, -0.3, -9.0],
+                [-1.0, -1.0, -1.0],
+                [-3.0, -3.0, -3.0],
+            ],
+            &dev,
+        )
+        .unwrap();
+        let lp_old = Tensor::new(
+            &[
+                [-1.1f32, -2.0, -0.5],
+                [-0.2, -0.1, -9.0],
+                [-1.0, -1.0, -1.0],
+                [-3.0, -3.0, -3.0],
+            ],
+            &dev,
+        )
+        .unwrap();
+        let mask = Tensor::new(
+            &[
+                [1.0f32, 1.0, 1.0],
+                [1.0, 1.0, 0.0],
+                [1.0, 0.0, 0.0],
+                [0.0, 0.0, 0.0],
+            ],
+            &dev,
+        )
+        .unwrap();
+        let adv = Tensor::new(&[2.0f32, -1.0, 0.5, 3.0], &dev).unwrap();
+        (lp, lp_old, mask, adv)
+    }
+
+    #[test]
+    fn sequence_ratio_loss_and_gradient_match_hand_computation() {
+        let (lp, lp_old, mask, adv) = toy();
+        let denom =
+            loss_denominator(&mask, RatioLevel::Sequence, Aggregation::SequenceMean).unwrap();
+        assert_eq!(denom, 3.0, "the fully masked completion is not a term");
+        let out = policy_loss(
+            lp.as_tensor(),
+            &lp_old,
+            &mask,
+            &adv,
+            0.2,
+            RatioLevel::Sequence,
+            Aggregation::SequenceMean,
+            denom,
+        )
+        .unwrap();
+        // Sequence log-ratios: 0.1, -0.2, 0.
+        let r0 = 0.1f64.exp(); // 1.105, inside [0.8, 1.2]
+        let r1 = (-0.2f64).exp(); // 0.819, also inside
+        let want = (-(r0 * 2.0) + r1 * 1.0 + -0.5) / 3.0;
+        let got = out.loss.to_scalar::<f32>().unwrap() as f64;
+        assert!((got - want).abs() < 1e-6, "{got} vs {want}");
+        // d loss / d lp_{i,t} = -A_i * rho_i * m_t / 3 (unclipped terms).
+        let grads = out.loss.backward().unwrap();
+        let g = grads.get(&lp).unwrap().to_vec2::<f32>().unwrap();
+        let expect = [
+            [-2.0 * r0 / 3.0; 3],
+            [r1 / 3.0, r1 / 3.0, 0.0],
+            [-0.5 / 3.0, 0.0, 0.0],
+            [0.0; 3],
+        ];
+        for (row, want_row) in g.iter().zip(expect) {
+            for (a, b) in row.iter().zip(want_row) {
+                assert!((*a as f64 - b).abs() < 1e-6, "{g:?}");
+            }
+        }
+        assert_eq!(out.stats.terms, 3.0);
+        assert_eq!(out.stats.clipped, 0.0);
+        let approxkl = 0.5 * (0.01 + 0.04) / 3.0;
+        assert!((out.stats.approxkl() - approxkl).abs() < 1e-6);
+    }
+
+    #[test]
+    fn clipping_takes_the_pessimistic_term_and_stops_its_gradient() {
+        let dev = Device::Cpu;
+        let lp = Var::new(&[[0.0f32]], &dev).unwrap();
+        let lp_old = Tensor::new(&[[-0.5f32]], &dev).unwrap(); // rho = e^0.5 = 1.65 > 1.2
+        let mask = Tensor::new(&[[1.0f32]], &dev).unwrap();
+        let adv = Tensor::new(&[1.0f32], &dev).unwrap();
+        let out = policy_loss(
+            lp.as_tensor(),
+            &lp_old,
+            &mask,
+            &adv,
+            0.2,
+            RatioLevel::Sequence,
+            Aggregation::SequenceMean,
+            1.0,
+        )
+        .unwrap();
+        assert!((out.loss.to_scalar::<f32>().unwrap() + 1.2).abs() < 1e-6);
+        assert_eq!(out.stats.clipped, 1.0);
+        let g = out
+            .loss
+            .backward()
+            .unwrap()
+            .get(&lp)
+            .unwrap()
+            .to_vec2::<f32>()
+            .unwrap()[0][0];
+        assert_eq!(g, 0.0, "a clipped term has no gradient");
+    }
+
+    #[test]
+    fn token_ratio_aggregations() {
+        let (lp, lp_old, mask, adv) = toy();
+        let tm = loss_denominator(&mask, RatioLevel::Token, Aggregation::TokenMean).unwrap();
+        assert_eq!(tm, 6.0);
+        let out = policy_loss(
+            lp.as_tensor(),
+            &lp_old,
+            &mask,
+            &adv,
+            0.2,
+            RatioLevel::Token,
+            Aggregation::TokenMean,
+            tm,
+        )
+        .unwrap();
+        let r = |d: f64| d.exp();
+        let want = (-2.0 * (r(0.1) + 1.0 + 1.0) + (1.0 + r(-0.2)) - 0.5) / 6.0;
+        assert!((out.loss.to_scalar::<f32>().unwrap() as f64 - want).abs() < 1e-6);
+        let out = policy_loss(
+            lp.as_tensor(),
+            &lp_old,
+            &mask,
+            &adv,
+            0.2,
+            RatioLevel::Token,
+            Aggregation::SequenceMean,
+            3.0,
+        )
+        .unwrap();
+        let want = (-2.0 * (r(0.1) + 2.0) / 3.0 + (1.0 + r(-0.2)) / 2.0 - 0.5) / 3.0;
+        assert!((out.loss.to_scalar::<f32>().unwrap() as f64 - want).abs() < 1e-6);
+    }
+
+    #[test]
+    fn fully_masked_batches_give_zero_loss_and_zero_gradient() {
+        let (lp, lp_old, _, adv) = toy();
+        let mask = Tensor::zeros((4, 3), DType::F32, &Device::Cpu).unwrap();
+        let out = policy_loss(
+            lp.as_tensor(),
+            &lp_old,
+            &mask,
+            &adv,
+            0.2,
+            RatioLevel::Sequence,
+            Aggregation::SequenceMean,
+            0.0,
+        )
+        .unwrap();
+        assert_eq!(out.loss.to_scalar::<f32>().unwrap(), 0.0);
+        let g = out
+            .loss
+            .backward()
+            .unwrap()
+            .get(&lp)
+            .unwrap()
+            .abs()
+            .unwrap()
+            .sum_all()
+            .unwrap()
+            .to_scalar::<f32>()
+            .unwrap();
+        assert_eq!(g, 0.0);
+        assert_eq!(out.stats.terms, 0.0);
+    }
+}

@@ -1,0 +1,12 @@
+//! The numbers of RLOO (../SPEC-RLOO.md): advantages, KL, the clipped
+//! policy loss and score shaping, as pure functions with worked examples.
+
+pub mod advantage;
+pub mod groups;
+pub mod kl;
+pub mod loss;
+
+pub use advantage::{advantages, whiten, Advantages, Baseline};
+pub use groups::Grouped;
+pub use kl::{kl_per_token, sequence_kl, KlEstimator, KlPlacement};
+pub use loss::{loss_denominator, policy_loss, Aggregation, LossStats, PolicyLoss, RatioLevel};
