@@ -35,7 +35,7 @@ pub fn kl_per_token(lp: &Tensor, lp_ref: &Tensor, estimator: KlEstimator) -> Res
     match estimator {
         KlEstimator::K1 => Ok(d),
         KlEstimator::K2 => d.sqr()? * 0.5,
-        KlEstimator::K3 => ((d.neg()?.exp()? - 1.0)? + d),
+        KlEstimator::K3 => (d.neg()?.exp()? - 1.0)? + d,
     }
 }
 
