@@ -5,7 +5,7 @@ use serde::{Deserialize, Serialize};
 use super::groups::Grouped;
 
 /// What is subtracted from a sample's return.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, Serialize, Deserialize, clap::ValueEnum)]
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, Serialize, Deserialize)]
 #[serde(rename_all = "snake_case")]
 pub enum Baseline {
     /// The mean return of the other scorable completions of the same prompt (RLOO).

@@ -6,7 +6,7 @@ use serde::{Deserialize, Serialize};
 /// Per-token estimators of KL(policy || reference) from the log-ratio
 /// `d = lp - lp_ref` of sampled tokens (Schulman, "Approximating KL
 /// divergence").
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, Serialize, Deserialize, clap::ValueEnum)]
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, Serialize, Deserialize)]
 #[serde(rename_all = "snake_case")]
 pub enum KlEstimator {
     /// `k1 = d`: unbiased, can be negative per token.
@@ -19,7 +19,7 @@ pub enum KlEstimator {
 }
 
 /// Where the KL penalty acts.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, Serialize, Deserialize, clap::ValueEnum)]
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, Serialize, Deserialize)]
 #[serde(rename_all = "snake_case")]
 pub enum KlPlacement {
     /// Subtracted from the score: `R_i = s_i - beta * sum_t m_t kl_t` (TRL, the RLOO paper).

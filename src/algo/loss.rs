@@ -5,7 +5,7 @@ use candle_core::{DType, Result, Tensor};
 use serde::{Deserialize, Serialize};
 
 /// Whether the importance ratio is taken per sequence or per token.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, Serialize, Deserialize, clap::ValueEnum)]
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, Serialize, Deserialize)]
 #[serde(rename_all = "snake_case")]
 pub enum RatioLevel {
     /// `rho_i = exp(LP_i - LP_old_i)` with `LP = sum_t m_t lp_t`: the whole completion is one action.
@@ -16,7 +16,7 @@ pub enum RatioLevel {
 }
 
 /// How per-sequence or per-token losses are averaged.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, Serialize, Deserialize, clap::ValueEnum)]
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, Serialize, Deserialize)]
 #[serde(rename_all = "snake_case")]
 pub enum Aggregation {
     /// Mean over tokens within a sequence (token ratio), then over sequences.

@@ -3,6 +3,7 @@
 pub mod chat;
 pub mod jsonl;
 pub mod prompt;
+pub mod prompts;
 pub mod tokenizer;
 
 pub use chat::ChatTemplate;

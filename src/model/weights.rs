@@ -166,6 +166,19 @@ impl ParamStore {
     pub fn numel(&self) -> usize {
         self.params.iter().map(|p| p.var.elem_count()).sum()
     }
+    /// A store of f32 variables that were not read from a checkpoint.
+    pub fn from_vars(vars: Vec<(String, Var)>) -> Self {
+        let mut store = Self::default();
+        for (name, var) in vars {
+            store.push(Param {
+                name,
+                var,
+                stored_dtype: DType::F32,
+            });
+        }
+        store
+    }
+
     fn push(&mut self, param: Param) {
         self.index.insert(param.name.clone(), self.params.len());
         self.params.push(param);

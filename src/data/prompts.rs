@@ -1,0 +1,331 @@
+//! Prompt-only datasets for RL: rows in either of the two formats users
+//! bring (a `prompt` string, or a `prompt` list of chat messages with an
+//! optional system message), or built from other columns with a template
+//! such as `"Summarize: {post}"`; tokenized once, filtered by length, and
+//! served in a seeded order that depends only on the step.
+
+use std::path::{Path, PathBuf};
+
+use serde_json::Value;
+
+use super::jsonl::{read_rows, Row};
+use super::prompt::{Message, Prompt};
+use super::tokenizer::Tokenizer;
+use crate::error::{Error, Result};
+use crate::generate::Rng;
+
+/// How rows become prompts.
+#[derive(Debug, Clone, Default)]
+pub struct PromptSpec {
+    pub prompt_column: String,
+    pub template: Option<String>,
+    /// Wrap templated (or plain-text) prompts as a user chat message.
+    pub chat: bool,
+    pub system_prompt: Option<String>,
+    pub take: Option<usize>,
+    pub max_prompt_length: Option<usize>,
+    /// Stop with an error on a long prompt instead of skipping it.
+    pub error_on_long: bool,
+}
+
+/// One usable prompt.
+#[derive(Debug, Clone)]
+pub struct PromptRow {
+    /// The dataset row, for rewards that read other columns.
+    pub row: Row,
+    pub prompt: Prompt,
+    pub ids: Vec<u32>,
+}
+
+#[derive(Debug)]
+pub struct PromptDataset {
+    pub path: PathBuf,
+    pub rows: Vec<PromptRow>,
+    /// Prompts left out for exceeding `max_prompt_length`.
+    pub skipped_long: usize,
+}
+
+/// A dataset file, or `<dir>/<split>.jsonl|json` for a dataset directory.
+pub fn resolve_split(path: &Path, split: &str) -> Result<PathBuf> {
+    if path.is_file() {
+        return Ok(path.to_path_buf());
+    }
+    if !path.is_dir() {
+        return Err(Error::bad_file(path, "no such dataset file or directory"));
+    }
+    let candidates = [
+        format!("{split}.jsonl"),
+        format!("{split}.json"),
+        format!("data/{split}.jsonl"),
+        format!("data/{split}.json"),
+    ];
+    candidates
+        .iter()
+        .map(|c| path.join(c))
+        .find(|p| p.is_file())
+        .ok_or_else(|| {
+            Error::bad_file(
+                path,
+                format!("no split `{split}`: looked for {}", candidates.join(", ")),
+            )
+        })
+}
+
+impl PromptDataset {
+    pub fn load(path: &Path, spec: &PromptSpec, tokenizer: &Tokenizer) -> Result<Self> {
+        let mut rows = read_rows(path)?;
+        if let Some(n) = spec.take {
+            rows.truncate(n);
+        }
+        if rows.is_empty() {
+            return Err(Error::bad_file(path, "the dataset has no rows"));
+        }
+        if spec.template.is_none()
+            && rows
+                .iter()
+                .all(|r| !r.fields.contains_key(&spec.prompt_column))
+        {
+            let columns: Vec<&String> = rows[0].fields.keys().collect();
+            return Err(Error::bad_file(
+                path,
+                format!(
+                    "no `{}` column (columns: {}); set data.prompt_column or data.template",
+                    spec.prompt_column,
+                    columns
+                        .iter()
+                        .map(|c| c.as_str())
+                        .collect::<Vec<_>>()
+                        .join(", ")
+                ),
+            ));
+        }
+        let mut out = Vec::with_capacity(rows.len());
+        let mut skipped_long = 0;
+        for row in rows {
+            let at = |msg: String| Error::bad_row(path, row.line, msg);
+            let prompt = build_prompt(&row, spec).map_err(at)?;
+            let ids = tokenizer
+                .encode_prompt(&prompt)
+                .map_err(|e| at(e.to_string()))?;
+            if ids.is_empty() {
+                return Err(at("the prompt is empty after tokenization".into()));
+            }
+            if let Some(max) = spec.max_prompt_length {
+                if ids.len() > max {
+                    if spec.error_on_long {
+                        return Err(at(format!(
+                            "the prompt has {} tokens, more than max_prompt_length = {max}",
+                            ids.len()
+                        )));
+                    }
+                    skipped_long += 1;
+                    continue;
+                }
+            }
+            out.push(PromptRow { row, prompt, ids });
+        }
+        if out.is_empty() {
+            return Err(Error::bad_file(
+                path,
+                format!("all {skipped_long} prompts are longer than max_prompt_length"),
+            ));
+        }
+        if skipped_long > 0 {
+            tracing::warn!(
+                "{}: skipped {skipped_long} prompts longer than max_prompt_length",
+                path.display()
+            );
+        }
+        Ok(Self {
+            path: path.to_path_buf(),
+            rows: out,
+            skipped_long,
+        })
+    }
+
+    pub fn len(&self) -> usize {
+        self.rows.len()
+    }
+
+    pub fn is_empty(&self) -> bool {
+        self.rows.is_empty()
+    }
+
+    /// The prompts of rollout step `step`: positions `step * n ..` of an
+    /// endless stream that walks the dataset epoch after epoch, each epoch in
+    /// its own seeded order. Depends only on (seed, step), so a resumed run
+    /// sees the same prompts.
+    pub fn batch(&self, step: usize, n: usize, seed: u64, shuffle: bool) -> Vec<usize> {
+        let len = self.rows.len();
+        let mut epoch_order: Option<(usize, Vec<usize>)> = None;
+        (step * n..(step + 1) * n)
+            .map(|j| {
+                let (epoch, pos) = (j / len, j % len);
+                if !shuffle {
+                    return pos;
+                }
+                if epoch_order.as_ref().map(|(e, _)| *e) != Some(epoch) {
+                    epoch_order = Some((epoch, permutation(len, seed, epoch as u64)));
+                }
+                epoch_order.as_ref().map_or(pos, |(_, order)| order[pos])
+            })
+            .collect()
+    }
+}
+
+/// Fisher-Yates with the crate's seeded generator.
+fn permutation(len: usize, seed: u64, epoch: u64) -> Vec<usize> {
+    let mut rng = Rng::stream(seed, &[0x5eed_da7a, epoch]);
+    let mut order: Vec<usize> = (0..len).collect();
+    for i in (1..len).rev() {
+        let j = (rng.next_u64() % (i as u64 + 1)) as usize;
+        order.swap(i, j);
+    }
+    order
+}
+
+fn build_prompt(row: &Row, spec: &PromptSpec) -> std::result::Result<Prompt, String> {
+    let prompt = match &spec.template {
+        Some(template) => Prompt::Text(fill_template(template, row)?),
+        None => {
+            let value = row
+                .fields
+                .get(&spec.prompt_column)
+                .ok_or_else(|| format!("missing column `{}`", spec.prompt_column))?;
+            Prompt::from_value(value)
+                .map_err(|e| format!("column `{}`: {e}", spec.prompt_column))?
+        }
+    };
+    Ok(match prompt {
+        Prompt::Text(text) if spec.chat => with_system(vec![Message::new("user", text)], spec),
+        Prompt::Messages(messages) => with_system(messages, spec),
+        text => text,
+    })
+}
+
+fn with_system(mut messages: Vec<Message>, spec: &PromptSpec) -> Prompt {
+    if let Some(system) = &spec.system_prompt {
+        if messages.first().is_none_or(|m| m.role != "system") {
+            messages.insert(0, Message::new("system", system.clone()));
+        }
+    }
+    Prompt::Messages(messages)
+}
+
+/// Replaces `{column}` with the row's value; `{{` and `}}` are literal braces.
+pub fn fill_template(template: &str, row: &Row) -> std::result::Result<String, String> {
+    let mut out = String::with_capacity(template.len());
+    let mut rest = template;
+    while let Some(i) = rest.find(['{', '}']) {
+        out.push_str(&rest[..i]);
+        let tail = &rest[i..];
+        if tail.starts_with("{{") || tail.starts_with("}}") {
+            out.push_str(&tail[..1]);
+            rest = &tail[2..];
+        } else if tail.starts_with('}') {
+            return Err(format!("template {template:?}: unmatched `}}`"));
+        } else {
+            let end = tail
+                .find('}')
+                .ok_or_else(|| format!("template {template:?}: unclosed `{{`"))?;
+            let column = &tail[1..end];
+            match row.fields.get(column) {
+                Some(Value::String(s)) => out.push_str(s),
+                Some(Value::Null) | None => {
+                    return Err(format!(
+                        "template {template:?} needs column `{column}`, which this row lacks"
+                    ))
+                }
+                Some(other) => out.push_str(&other.to_string()),
+            }
+            rest = &tail[end + 1..];
+        }
+    }
+    out.push_str(rest);
+    Ok(out)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use serde_json::json;
+
+    fn row(v: Value) -> Row {
+        Row {
+            line: 3,
+            fields: v.as_object().unwrap().clone(),
+        }
+    }
+
+    #[test]
+    fn templates_fill_columns_and_escape_braces() {
+        let r = row(json!({"post": "long text", "n": 3}));
+        assert_eq!(
+            fill_template("Summarize: {post} ({n}) {{x}}", &r).unwrap(),
+            "Summarize: long text (3) {x}"
+        );
+        let err = fill_template("{title}", &r).unwrap_err();
+        assert!(err.contains("`title`"), "{err}");
+    }
+
+    #[test]
+    fn both_prompt_formats_and_system_messages() {
+        let spec = PromptSpec {
+            prompt_column: "prompt".into(),
+            system_prompt: Some("Be brief.".into()),
+            ..Default::default()
+        };
+        let text = build_prompt(&row(json!({"prompt": "What is 2+2?"})), &spec).unwrap();
+        assert_eq!(text, Prompt::Text("What is 2+2?".into()));
+        let chat = build_prompt(
+            &row(json!({"prompt": [{"role": "user", "content": "Hi"}]})),
+            &spec,
+        )
+        .unwrap();
+        assert_eq!(
+            chat,
+            Prompt::Messages(vec![
+                Message::new("system", "Be brief."),
+                Message::new("user", "Hi")
+            ])
+        );
+        let kept = build_prompt(&row(json!({"prompt": [{"role": "system", "content": "S"}, {"role": "user", "content": "Hi"}]})), &spec).unwrap();
+        assert_eq!(
+            kept,
+            Prompt::Messages(vec![
+                Message::new("system", "S"),
+                Message::new("user", "Hi")
+            ])
+        );
+    }
+
+    #[test]
+    fn batches_depend_only_on_seed_and_step_and_cover_each_epoch() {
+        let ds = PromptDataset {
+            path: "x".into(),
+            rows: (0..10)
+                .map(|i| PromptRow {
+                    row: row(json!({"i": i})),
+                    prompt: Prompt::Text(String::new()),
+                    ids: vec![1],
+                })
+                .collect(),
+            skipped_long: 0,
+        };
+        let epoch: Vec<usize> = (0..5).flat_map(|s| ds.batch(s, 2, 7, true)).collect();
+        let mut sorted = epoch.clone();
+        sorted.sort();
+        assert_eq!(
+            sorted,
+            (0..10).collect::<Vec<_>>(),
+            "one epoch visits every prompt once"
+        );
+        assert_eq!(ds.batch(3, 2, 7, true), ds.batch(3, 2, 7, true));
+        assert_ne!(
+            ds.batch(5, 10, 7, true),
+            ds.batch(0, 10, 7, true),
+            "epochs are reshuffled"
+        );
+        assert_eq!(ds.batch(1, 4, 7, false), vec![4, 5, 6, 7]);
+    }
+}

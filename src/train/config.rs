@@ -1,0 +1,562 @@
+//! The RLOO trainer's configuration: one serde tree, read from a TOML file,
+//! patched by `--set section.key=value` and by the TRL-style flags, then
+//! validated into the batch arithmetic the loop uses.
+//!
+//! Defaults follow TRL's RLOOConfig (SPEC-RLOO.md section 6) except where
+//! a field's doc says otherwise.
+
+use std::path::{Path, PathBuf};
+
+use serde::{Deserialize, Serialize};
+
+use crate::algo::{Aggregation, Baseline, KlEstimator, KlPlacement, RatioLevel};
+use crate::error::{Error, Result};
+
+#[derive(Debug, Clone, Default, Serialize, Deserialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct TrainConfig {
+    pub model: ModelSection,
+    pub data: DataSection,
+    pub generation: GenerationSection,
+    pub rloo: RlooSection,
+    pub train: TrainSection,
+    /// Reward sources, summed with their weights (`[[reward]]` tables).
+    pub reward: Vec<toml::Table>,
+}
+
+#[derive(Debug, Clone, Serialize, Deserialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct ModelSection {
+    /// The policy to train: a model directory or a hub id in the local cache.
+    pub policy: String,
+    /// The frozen KL reference [default: the policy's initial weights]. Not loaded when kl_coef = 0.
+    pub reference: Option<String>,
+    /// Where the tokenizer comes from [default: the policy].
+    pub tokenizer: Option<String>,
+    /// cpu, cuda, cuda:N, or auto (the first GPU when built with CUDA).
+    pub device: String,
+}
+
+impl Default for ModelSection {
+    fn default() -> Self {
+        Self {
+            policy: String::new(),
+            reference: None,
+            tokenizer: None,
+            device: "auto".into(),
+        }
+    }
+}
+
+/// What happens to a prompt longer than `max_prompt_length`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum LongPrompts {
+    /// Leave it out of the dataset, counted and logged.
+    #[default]
+    Skip,
+    /// Stop with an error naming the row.
+    Error,
+}
+
+#[derive(Debug, Clone, Serialize, Deserialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct DataSection {
+    /// A JSONL/JSON file of prompts, or a directory holding `<split>.jsonl` / `<split>.json`.
+    pub path: String,
+    /// The split read from a dataset directory.
+    pub split: String,
+    /// The column holding the prompt: a string, or a list of chat messages.
+    pub prompt_column: String,
+    /// Builds the prompt from other columns instead, e.g. "Summarize: {post}".
+    pub template: Option<String>,
+    /// Send templated prompts as a user chat message (rendered with the chat template).
+    pub chat: bool,
+    /// A system message put before chat prompts that have none.
+    pub system_prompt: Option<String>,
+    /// Use only the first N rows.
+    pub take: Option<usize>,
+    /// Shuffle the prompts every epoch (seeded).
+    pub shuffle: bool,
+    /// Longest prompt in tokens (none: no limit).
+    pub max_prompt_length: Option<usize>,
+    /// skip or error for prompts longer than max_prompt_length.
+    pub long_prompts: LongPrompts,
+}
+
+impl Default for DataSection {
+    fn default() -> Self {
+        Self {
+            path: String::new(),
+            split: "train".into(),
+            prompt_column: "prompt".into(),
+            template: None,
+            chat: false,
+            system_prompt: None,
+            take: None,
+            shuffle: true,
+            max_prompt_length: None,
+            long_prompts: LongPrompts::Skip,
+        }
+    }
+}
+
+#[derive(Debug, Clone, Serialize, Deserialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct GenerationSection {
+    /// Most new tokens per completion.
+    pub response_length: usize,
+    /// Sampling temperature; log-probs are taken at the same temperature.
+    pub temperature: f64,
+    /// Keep only the k most likely tokens when sampling (0: off).
+    pub top_k: usize,
+    /// Nucleus sampling threshold (1: off).
+    pub top_p: f64,
+    /// Min-p sampling threshold (0: off).
+    pub min_p: f64,
+    /// "eos" stops completions at the EOS ids; "none" always generates
+    /// response_length tokens (TRL's default, which trains on text past the end).
+    pub stop_token: String,
+    /// An extra token id that ends completions.
+    pub stop_token_id: Option<u32>,
+    /// Rows per forward pass when sampling and computing log-probs.
+    pub local_rollout_forward_batch_size: usize,
+}
+
+impl Default for GenerationSection {
+    fn default() -> Self {
+        Self {
+            response_length: 53,
+            temperature: 0.7,
+            top_k: 0,
+            top_p: 1.0,
+            min_p: 0.0,
+            stop_token: "eos".into(),
+            stop_token_id: None,
+            local_rollout_forward_batch_size: 64,
+        }
+    }
+}
+
+#[derive(Debug, Clone, Serialize, Deserialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct RlooSection {
+    /// Completions per prompt (k >= 2).
+    pub k: usize,
+    /// KL coefficient beta; 0 loads no reference model.
+    pub kl_coef: f64,
+    pub kl_estimator: KlEstimator,
+    pub kl_placement: KlPlacement,
+    pub baseline: Baseline,
+    pub ratio: RatioLevel,
+    pub aggregation: Aggregation,
+    /// PPO clip range epsilon.
+    pub cliprange: f64,
+    /// Optimisation passes over each rollout batch.
+    pub num_ppo_epochs: usize,
+    /// Mini-batches per pass (one optimizer step each).
+    pub num_mini_batches: usize,
+    /// Whiten advantages over the rollout batch.
+    pub normalize_advantage: bool,
+    /// Subtracted from the score of completions without an EOS token.
+    pub missing_eos_penalty: Option<f64>,
+    /// Z-score the scores over the rollout batch.
+    pub normalize_reward: bool,
+    /// Clip scores to [-r, r] (after normalisation).
+    pub reward_clip_range: Option<f64>,
+}
+
+impl Default for RlooSection {
+    fn default() -> Self {
+        Self {
+            k: 2,
+            kl_coef: 0.05,
+            kl_estimator: KlEstimator::K1,
+            kl_placement: KlPlacement::Reward,
+            baseline: Baseline::LeaveOneOut,
+            ratio: RatioLevel::Sequence,
+            aggregation: Aggregation::SequenceMean,
+            cliprange: 0.2,
+            num_ppo_epochs: 4,
+            num_mini_batches: 1,
+            normalize_advantage: false,
+            missing_eos_penalty: None,
+            normalize_reward: false,
+            reward_clip_range: None,
+        }
+    }
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum Schedule {
+    Constant,
+    #[default]
+    Linear,
+    Cosine,
+}
+
+#[derive(Debug, Clone, Serialize, Deserialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct TrainSection {
+    /// Checkpoints, the final model, metrics and samples go here.
+    pub output_dir: String,
+    pub learning_rate: f64,
+    /// Completions per micro-batch (one forward/backward).
+    pub per_device_train_batch_size: usize,
+    /// Micro-batches accumulated per optimizer step.
+    pub gradient_accumulation_steps: usize,
+    /// Completions to train on [default: num_train_epochs x prompts x k].
+    pub total_episodes: Option<usize>,
+    /// Passes over the prompts when total_episodes is not set.
+    pub num_train_epochs: f64,
+    pub lr_scheduler_type: Schedule,
+    /// Warm-up optimizer steps (overrides warmup_ratio when > 0).
+    pub warmup_steps: usize,
+    /// Warm-up as a fraction of all optimizer steps.
+    pub warmup_ratio: f64,
+    /// AdamW decoupled weight decay (not applied to biases and norm weights).
+    pub weight_decay: f64,
+    pub adam_beta1: f64,
+    pub adam_beta2: f64,
+    pub adam_epsilon: f64,
+    /// Clip gradients to this global norm (0: off).
+    pub max_grad_norm: f64,
+    pub seed: u64,
+    /// Log metrics every N rollout steps.
+    pub logging_steps: usize,
+    /// Save a checkpoint every N rollout steps (0: only at the end).
+    pub save_steps: usize,
+    /// Keep at most this many checkpoints (0: all).
+    pub save_total_limit: usize,
+    /// Times over the run a table of sample completions is printed.
+    pub num_sample_generations: usize,
+    /// A checkpoint directory to continue from, or "latest" for the newest in output_dir.
+    pub resume_from_checkpoint: Option<String>,
+}
+
+impl Default for TrainSection {
+    fn default() -> Self {
+        Self {
+            output_dir: "runs/rloo".into(),
+            learning_rate: 3e-6,
+            per_device_train_batch_size: 8,
+            gradient_accumulation_steps: 1,
+            total_episodes: None,
+            num_train_epochs: 1.0,
+            lr_scheduler_type: Schedule::Linear,
+            warmup_steps: 0,
+            warmup_ratio: 0.0,
+            weight_decay: 0.0,
+            adam_beta1: 0.9,
+            adam_beta2: 0.999,
+            adam_epsilon: 1e-8,
+            max_grad_norm: 1.0,
+            seed: 42,
+            logging_steps: 1,
+            save_steps: 0,
+            save_total_limit: 0,
+            num_sample_generations: 10,
+            resume_from_checkpoint: None,
+        }
+    }
+}
+
+impl TrainConfig {
+    /// Reads a TOML file, applies `overrides` (dotted path, value) in order,
+    /// and deserialises; unknown keys are errors naming their path.
+    pub fn load(file: Option<&Path>, overrides: &[(String, toml::Value)]) -> Result<Self> {
+        let mut table = match file {
+            Some(path) => {
+                let text = crate::error::read_to_string(path)?;
+                text.parse::<toml::Table>()
+                    .map_err(|e| Error::bad_config(path, e.to_string()))?
+            }
+            None => toml::Table::new(),
+        };
+        for (key, value) in overrides {
+            set_path(&mut table, key, value.clone())?;
+        }
+        let source = file
+            .map(Path::to_path_buf)
+            .unwrap_or_else(|| PathBuf::from("command line"));
+        let cfg: TrainConfig = serde_path_to_error::deserialize(toml::Value::Table(table))
+            .map_err(|e| Error::bad_config(&source, format!("{}: {}", e.path(), e.inner())))?;
+        Ok(cfg)
+    }
+
+    /// The resolved configuration as TOML, written next to the outputs.
+    pub fn to_toml(&self) -> String {
+        toml::to_string_pretty(self).unwrap_or_else(|e| format!("# cannot serialise config: {e}\n"))
+    }
+
+    /// Checks values that no type can express; messages name the option.
+    pub fn validate(&self) -> Result<()> {
+        let bad = |msg: String| Err(Error::Invalid(msg));
+        if self.model.policy.is_empty() {
+            return bad(
+                "no policy: set model.policy (or --model_name_or_path / --sft_model_path)".into(),
+            );
+        }
+        if self.data.path.is_empty() {
+            return bad("no prompts: set data.path (or --dataset_name)".into());
+        }
+        if self.rloo.k < 2 {
+            return bad(format!(
+                "rloo.k (--rloo_k) must be at least 2 for a leave-one-out baseline, got {}",
+                self.rloo.k
+            ));
+        }
+        if self.generation.temperature <= 0.0 {
+            return bad(format!(
+                "generation.temperature must be > 0, got {}",
+                self.generation.temperature
+            ));
+        }
+        if self.generation.response_length == 0 {
+            return bad("generation.response_length must be at least 1".into());
+        }
+        if !matches!(self.generation.stop_token.as_str(), "eos" | "none") {
+            return bad(format!(
+                "generation.stop_token must be \"eos\" or \"none\", got {:?}",
+                self.generation.stop_token
+            ));
+        }
+        if self.rloo.ratio == RatioLevel::Sequence
+            && self.rloo.aggregation == Aggregation::TokenMean
+        {
+            return bad("rloo.aggregation = token_mean needs rloo.ratio = token".into());
+        }
+        if !(self.rloo.cliprange > 0.0) {
+            return bad(format!(
+                "rloo.cliprange must be > 0, got {}",
+                self.rloo.cliprange
+            ));
+        }
+        if self.rloo.kl_coef < 0.0 {
+            return bad(format!(
+                "rloo.kl_coef must be >= 0, got {}",
+                self.rloo.kl_coef
+            ));
+        }
+        for (name, v) in [
+            ("rloo.num_ppo_epochs", self.rloo.num_ppo_epochs),
+            ("rloo.num_mini_batches", self.rloo.num_mini_batches),
+            (
+                "train.per_device_train_batch_size",
+                self.train.per_device_train_batch_size,
+            ),
+            (
+                "train.gradient_accumulation_steps",
+                self.train.gradient_accumulation_steps,
+            ),
+            ("train.logging_steps", self.train.logging_steps),
+            (
+                "generation.local_rollout_forward_batch_size",
+                self.generation.local_rollout_forward_batch_size,
+            ),
+        ] {
+            if v == 0 {
+                return bad(format!("{name} must be at least 1"));
+            }
+        }
+        if self.reward.is_empty() {
+            return bad("no reward: add a [[reward]] table (or --reward_model_path)".into());
+        }
+        BatchSizes::new(self, None).map(|_| ())
+    }
+}
+
+/// Sets `a.b.c = value` in a TOML table, creating tables on the way.
+fn set_path(table: &mut toml::Table, key: &str, value: toml::Value) -> Result<()> {
+    let parts: Vec<&str> = key.split('.').collect();
+    let (last, sections) = parts
+        .split_last()
+        .ok_or_else(|| Error::Invalid(format!("empty key in --set {key}")))?;
+    let mut here = table;
+    for part in sections {
+        let entry = here
+            .entry(part.to_string())
+            .or_insert_with(|| toml::Value::Table(toml::Table::new()));
+        here = entry
+            .as_table_mut()
+            .ok_or_else(|| Error::Invalid(format!("--set {key}: `{part}` is not a section")))?;
+    }
+    here.insert(last.to_string(), value);
+    Ok(())
+}
+
+/// Parses the value of `--set key=value`: TOML syntax (numbers, booleans,
+/// quoted strings, arrays), falling back to a bare string.
+pub fn parse_set(arg: &str) -> Result<(String, toml::Value)> {
+    let (key, raw) = arg
+        .split_once('=')
+        .ok_or_else(|| Error::Invalid(format!("--set expects section.key=value, got `{arg}`")))?;
+    let value = format!("v = {raw}")
+        .parse::<toml::Table>()
+        .ok()
+        .and_then(|mut t| t.remove("v"))
+        .unwrap_or_else(|| toml::Value::String(raw.to_string()));
+    Ok((key.trim().to_string(), value))
+}
+
+/// TRL's batch arithmetic, resolved once:
+/// completions per rollout = per_device_train_batch_size x
+/// gradient_accumulation_steps x num_mini_batches, made of
+/// `batch / k` prompts; each optimizer step sees one mini-batch.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct BatchSizes {
+    pub micro: usize,
+    pub mini: usize,
+    pub batch: usize,
+    pub prompts_per_batch: usize,
+    pub k: usize,
+    pub total_episodes: usize,
+    /// Rollout steps (batches).
+    pub steps: usize,
+    /// Optimizer steps over the run.
+    pub optimizer_steps: usize,
+}
+
+impl BatchSizes {
+    /// `num_prompts` (the dataset size) sets the default total_episodes.
+    pub fn new(cfg: &TrainConfig, num_prompts: Option<usize>) -> Result<Self> {
+        let t = &cfg.train;
+        let k = cfg.rloo.k;
+        let micro = t.per_device_train_batch_size;
+        let mini = micro * t.gradient_accumulation_steps;
+        let batch = mini * cfg.rloo.num_mini_batches;
+        if batch % k != 0 {
+            return Err(Error::Invalid(format!(
+                "the rollout batch of {batch} completions (per_device_train_batch_size {micro} x \
+                 gradient_accumulation_steps {} x num_mini_batches {}) is not a multiple of rloo_k = {k}",
+                t.gradient_accumulation_steps, cfg.rloo.num_mini_batches
+            )));
+        }
+        let total_episodes = match (t.total_episodes, num_prompts) {
+            (Some(n), _) => n,
+            (None, Some(p)) => (t.num_train_epochs * (p * k) as f64).round() as usize,
+            (None, None) => batch,
+        };
+        if total_episodes < batch {
+            return Err(Error::Invalid(format!(
+                "total_episodes = {total_episodes} is less than one rollout batch of {batch} completions"
+            )));
+        }
+        let steps = total_episodes.div_ceil(batch);
+        Ok(Self {
+            micro,
+            mini,
+            batch,
+            prompts_per_batch: batch / k,
+            k,
+            total_episodes,
+            steps,
+            optimizer_steps: steps * cfg.rloo.num_ppo_epochs * cfg.rloo.num_mini_batches,
+        })
+    }
+
+    pub fn describe(&self, epochs: usize) -> String {
+        format!(
+            "{} steps of {} completions ({} prompts x k={}), {} epoch(s) x {} mini-batch(es) of {} \
+             = {} micro-batch(es) of {}; {} optimizer steps, {} episodes",
+            self.steps,
+            self.batch,
+            self.prompts_per_batch,
+            self.k,
+            epochs,
+            self.batch / self.mini,
+            self.mini,
+            self.mini / self.micro,
+            self.micro,
+            self.optimizer_steps,
+            self.total_episodes
+        )
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn with(overrides: &[&str]) -> Result<TrainConfig> {
+        let sets: Vec<_> = overrides.iter().map(|s| parse_set(s).unwrap()).collect();
+        TrainConfig::load(None, &sets)
+    }
+
+    #[test]
+    fn defaults_follow_spec_section_6() {
+        let c = TrainConfig::default();
+        assert_eq!(
+            (
+                c.rloo.k,
+                c.rloo.kl_coef,
+                c.rloo.cliprange,
+                c.rloo.num_ppo_epochs,
+                c.rloo.num_mini_batches
+            ),
+            (2, 0.05, 0.2, 4, 1)
+        );
+        assert_eq!(
+            (c.generation.temperature, c.generation.response_length),
+            (0.7, 53)
+        );
+    }
+
+    #[test]
+    fn set_overrides_reach_nested_keys_and_unknown_keys_are_named() {
+        let c = with(&[
+            "rloo.k=4",
+            "data.path=\"p.jsonl\"",
+            "train.learning_rate=1e-5",
+            "rloo.baseline=group_mean",
+        ])
+        .unwrap();
+        assert_eq!(c.rloo.k, 4);
+        assert_eq!(c.data.path, "p.jsonl");
+        assert_eq!(c.train.learning_rate, 1e-5);
+        assert_eq!(c.rloo.baseline, Baseline::GroupMean);
+        let err = with(&["rloo.kk=4"]).unwrap_err().to_string();
+        assert!(err.contains("rloo") && err.contains("`kk`"), "{err}");
+        let err = with(&["rloo.k=\"four\""]).unwrap_err().to_string();
+        assert!(err.contains("rloo.k"), "{err}");
+    }
+
+    #[test]
+    fn bare_strings_need_no_quotes() {
+        assert_eq!(
+            parse_set("data.path=runs/x.jsonl").unwrap().1,
+            toml::Value::String("runs/x.jsonl".into())
+        );
+    }
+
+    #[test]
+    fn batch_arithmetic_is_trls() {
+        let c = with(&[
+            "train.per_device_train_batch_size=4",
+            "train.gradient_accumulation_steps=2",
+            "rloo.num_mini_batches=2",
+            "rloo.k=4",
+            "rloo.num_ppo_epochs=1",
+        ])
+        .unwrap();
+        let b = BatchSizes::new(&c, Some(100)).unwrap();
+        assert_eq!(
+            (b.micro, b.mini, b.batch, b.prompts_per_batch),
+            (4, 8, 16, 4)
+        );
+        assert_eq!(b.total_episodes, 400);
+        assert_eq!(b.steps, 25);
+        assert_eq!(b.optimizer_steps, 50);
+        let c = with(&["rloo.k=3"]).unwrap();
+        let err = BatchSizes::new(&c, Some(10)).unwrap_err().to_string();
+        assert!(err.contains("not a multiple of rloo_k = 3"), "{err}");
+    }
+
+    #[test]
+    fn k_below_two_is_rejected() {
+        let mut c = with(&["rloo.k=1", "model.policy=x", "data.path=y"]).unwrap();
+        c.reward.push(toml::Table::new());
+        assert!(c.validate().unwrap_err().to_string().contains("at least 2"));
+    }
+}
