@@ -11,5 +11,6 @@ pub mod error;
 pub mod generate;
 pub mod io;
 pub mod model;
+pub mod report;
 
 pub use error::{Error, Result};
