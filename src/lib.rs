@@ -11,6 +11,7 @@ pub mod error;
 pub mod generate;
 pub mod io;
 pub mod model;
+pub mod report;
 pub mod train;
 
 pub use error::{Error, Result};
