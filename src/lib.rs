@@ -2,8 +2,8 @@
 //!
 //! The crate follows the path of one rollout batch: `data` turns rows into
 //! token ids, `model` runs the networks (forward, log-probs, training
-//! path, loading and saving Hugging Face directories). The `rloo` binary
-//! is a thin command line over it.
+//! path, loading and saving Hugging Face directories), `reward` scores
+//! completions. The `rloo` binary is a thin command line over it.
 
 pub mod algo;
 pub mod data;
@@ -12,6 +12,7 @@ pub mod generate;
 pub mod io;
 pub mod model;
 pub mod report;
+pub mod reward;
 pub mod train;
 
 pub use error::{Error, Result};

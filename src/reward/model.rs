@@ -1,0 +1,473 @@
+//! A reward model: a `*ForSequenceClassification` checkpoint with one label,
+//! whose score head read at the last token of prompt + completion is the
+//! reward (SPEC-RLOO section 1; TRL's `get_reward`).
+//!
+//! The reward model may have been trained with another tokenizer and chat
+//! template than the policy's, so each sample is re-tokenized with the
+//! reward model's own:
+//! - a chat prompt becomes `messages + [{"role": "assistant", "content":
+//!   completion}]`, rendered with the reward model's template without a
+//!   generation prompt (the conversation is complete), then encoded with the
+//!   BOS rule of [`Tokenizer::encode_prompt`];
+//! - a text prompt becomes `encode_prompt(text) ++ encode(completion)`, the
+//!   tokenization that `rloo score` and the fixture references use.
+//!
+//! The completion is expected without the policy's stop token: a chat
+//! template writes the reward model's own end-of-turn marker.
+
+use std::path::Path;
+
+use candle_core::Device;
+use serde_json::Value;
+
+use super::{RewardSource, Sample};
+use crate::data::{Message, Prompt, Tokenizer};
+use crate::error::{Error, Result};
+use crate::model::hub::resolve_model;
+use crate::model::scoring::{sequence_scores, Pair};
+use crate::model::{HeadKind, Model, ModelConfig};
+
+/// A sequence-classification model and its tokenizer, scoring on a device.
+pub struct RewardModel {
+    name: String,
+    model: Model,
+    tokenizer: Tokenizer,
+    device: Device,
+    batch_size: usize,
+}
+
+impl RewardModel {
+    /// Loads the reward model at `path` (a directory or a hub id) onto
+    /// `device`; `batch_size` sequences go through each forward pass.
+    pub fn load(
+        name: impl Into<String>,
+        path: &str,
+        device: &Device,
+        batch_size: usize,
+    ) -> Result<RewardModel> {
+        Self::from_dir(name, &resolve_model(path)?, device, batch_size)
+    }
+
+    /// [`load`](Self::load) from a model directory.
+    pub fn from_dir(
+        name: impl Into<String>,
+        dir: &Path,
+        device: &Device,
+        batch_size: usize,
+    ) -> Result<RewardModel> {
+        if batch_size == 0 {
+            return Err(Error::Invalid(
+                "batch_size must be at least 1, got 0".into(),
+            ));
+        }
+        // The head is checked before the weights are read, so that pointing
+        // at the policy instead of the reward model fails fast and clearly.
+        check_head(&ModelConfig::from_dir(dir)?)?;
+        let model = Model::load(dir, device)?;
+        let tokenizer = Tokenizer::from_dir(dir)?;
+        Ok(RewardModel {
+            name: name.into(),
+            model,
+            tokenizer,
+            device: device.clone(),
+            batch_size,
+        })
+    }
+
+    /// The directory the model was loaded from.
+    pub fn dir(&self) -> &Path {
+        self.model.dir()
+    }
+
+    /// The reward model's tokenizer.
+    pub fn tokenizer(&self) -> &Tokenizer {
+        &self.tokenizer
+    }
+
+    /// The token ids the reward model reads for a sample (see the module
+    /// documentation).
+    pub fn encode(&self, sample: &Sample) -> Result<Vec<u32>> {
+        match sample.prompt {
+            Prompt::Text(text) => {
+                let mut ids = self.tokenizer.encode_prompt(&Prompt::Text(text.clone()))?;
+                ids.extend(self.tokenizer.encode(sample.completion)?);
+                Ok(ids)
+            }
+            Prompt::Messages(messages) => {
+                let template = self.tokenizer.chat_template().ok_or_else(|| {
+                    Error::bad_file(
+                        self.dir(),
+                        "the prompt is a list of chat messages but this reward model has no \
+                         chat template (neither chat_template.jinja nor a chat_template key in \
+                         tokenizer_config.json) to render prompt and completion with",
+                    )
+                })?;
+                let mut conversation = messages.clone();
+                conversation.push(Message::new("assistant", sample.completion));
+                let text = template.render(&conversation, false)?;
+                self.tokenizer.encode_prompt(&Prompt::Text(text))
+            }
+        }
+    }
+}
+
+/// Errors unless the config is a sequence classifier with one label.
+fn check_head(config: &ModelConfig) -> Result<()> {
+    let dir = config.path.parent().unwrap_or(Path::new("."));
+    let class = config
+        .raw
+        .get("architectures")
+        .and_then(|a| a.get(0))
+        .and_then(Value::as_str)
+        .map(str::to_string)
+        .unwrap_or_else(|| config.class_name());
+    match config.head {
+        HeadKind::CausalLm => Err(Error::bad_file(
+            dir,
+            format!(
+                "is a causal language model ({class}), not a reward model: a reward model is a \
+                 *ForSequenceClassification checkpoint with num_labels = 1 and a `score.weight` \
+                 head"
+            ),
+        )),
+        HeadKind::SequenceClassification { num_labels: 1 } => Ok(()),
+        HeadKind::SequenceClassification { num_labels } => Err(Error::bad_config(
+            &config.path,
+            format!(
+                "num_labels = {num_labels} ({class}); a reward model gives one score per \
+                 sequence, so num_labels must be 1"
+            ),
+        )),
+    }
+}
+
+impl RewardSource for RewardModel {
+    fn name(&self) -> &str {
+        &self.name
+    }
+
+    fn score(&self, samples: &[Sample]) -> Result<Vec<Option<f32>>> {
+        let vocab = self.model.config().vocab_size();
+        let max_len = self.model.config().max_positions();
+        let mut out = vec![None; samples.len()];
+        // Samples that can be scored, as (index, ids).
+        let mut rows: Vec<(usize, Vec<u32>)> = Vec::with_capacity(samples.len());
+        let (mut empty, mut too_long) = (0, 0);
+        for (i, sample) in samples.iter().enumerate() {
+            let ids = self
+                .encode(sample)
+                .map_err(|e| Error::Invalid(format!("reward `{}`: sample {i}: {e}", self.name)))?;
+            if let Some(&bad) = ids.iter().find(|&&id| id as usize >= vocab) {
+                return Err(Error::bad_file(
+                    self.dir(),
+                    format!(
+                        "the tokenizer produced token id {bad}, outside the model's vocabulary \
+                         of {vocab}: tokenizer.json and config.json do not belong together"
+                    ),
+                ));
+            }
+            if ids.is_empty() {
+                empty += 1;
+            } else if max_len.is_some_and(|m| ids.len() > m) {
+                too_long += 1;
+            } else {
+                rows.push((i, ids));
+            }
+        }
+        if empty + too_long > 0 {
+            tracing::warn!(
+                "reward `{}`: {empty} empty and {too_long} over-long sequences (more than {} \
+                 tokens) of {} get no score",
+                self.name,
+                max_len.map_or("unlimited".to_string(), |m| m.to_string()),
+                samples.len()
+            );
+        }
+        // Similar lengths share a batch, so little compute goes to padding.
+        rows.sort_by_key(|(_, ids)| ids.len());
+        for chunk in rows.chunks(self.batch_size) {
+            let pairs: Vec<Pair> = chunk
+                .iter()
+                .map(|(_, ids)| Pair {
+                    prompt: ids.clone(),
+                    completion: Vec::new(),
+                })
+                .collect();
+            let scores = sequence_scores(self.model.frozen(), &pairs, &self.device)?;
+            for ((i, _), s) in chunk.iter().zip(scores) {
+                out[*i] = s.first().copied();
+            }
+        }
+        Ok(out)
+    }
+}
+
+impl std::fmt::Debug for RewardModel {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("RewardModel")
+            .field("name", &self.name)
+            .field("dir", &self.dir())
+            .field("batch_size", &self.batch_size)
+            .finish()
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::reward::test_support::*;
+    use serde_json::{json, Map};
+    use std::path::PathBuf;
+
+    fn fixture(path: &str) -> PathBuf {
+        Path::new(env!("CARGO_MANIFEST_DIR"))
+            .join("tests/fixtures")
+            .join(path)
+    }
+
+    fn expected_rows(name: &str) -> Vec<Map<String, Value>> {
+        let path = fixture(&format!("score/expected/{name}.jsonl"));
+        std::fs::read_to_string(&path)
+            .unwrap()
+            .lines()
+            .map(|l| serde_json::from_str(l).unwrap())
+            .collect()
+    }
+
+    fn ids(v: &Value) -> Vec<u32> {
+        serde_json::from_value(v.clone()).unwrap()
+    }
+
+    /// A copy of a fixture model directory that a test may edit.
+    fn copy_model(name: &str) -> tempfile::TempDir {
+        let dst = tempfile::tempdir().unwrap();
+        for entry in std::fs::read_dir(fixture(&format!("models/{name}"))).unwrap() {
+            let entry = entry.unwrap();
+            std::fs::copy(entry.path(), dst.path().join(entry.file_name())).unwrap();
+        }
+        dst
+    }
+
+    fn edit_config(dir: &Path, edit: impl FnOnce(&mut Map<String, Value>)) {
+        let path = dir.join("config.json");
+        let mut config: Map<String, Value> =
+            serde_json::from_str(&std::fs::read_to_string(&path).unwrap()).unwrap();
+        edit(&mut config);
+        std::fs::write(&path, Value::Object(config).to_string()).unwrap();
+    }
+
+    #[test]
+    fn scores_text_prompts_like_transformers() {
+        for name in [
+            "qwen2-seqcls",
+            "llama-seqcls",
+            "qwen3-seqcls",
+            "gpt_neox-seqcls",
+            "gpt2-seqcls",
+        ] {
+            let rm =
+                RewardModel::from_dir("rm", &fixture(&format!("models/{name}")), &Device::Cpu, 2)
+                    .unwrap();
+            let rows = expected_rows(name);
+            let owned: Vec<Owned> = rows
+                .iter()
+                .map(|r| {
+                    Owned::text(
+                        r["prompt"].as_str().unwrap(),
+                        r["completion"].as_str().unwrap(),
+                    )
+                })
+                .collect();
+            let samples = samples(&owned);
+            for (row, sample) in rows.iter().zip(&samples) {
+                let want = [ids(&row["prompt_ids"]), ids(&row["completion_ids"])].concat();
+                assert_eq!(rm.encode(sample).unwrap(), want, "{name}: ids");
+            }
+            // Batches of 2 sorted by length: the padding path is exercised.
+            let got = rm.score(&samples).unwrap();
+            let mut max_diff = 0f32;
+            for (row, got) in rows.iter().zip(&got) {
+                let want = row["score"].as_f64().unwrap() as f32;
+                max_diff = max_diff.max((got.unwrap() - want).abs());
+            }
+            println!("{name}: max |score - transformers| = {max_diff:e}");
+            assert!(max_diff < 1e-4, "{name}: max diff {max_diff}");
+        }
+    }
+
+    #[test]
+    fn chat_prompts_are_rendered_with_the_completion_as_assistant_turn() {
+        // llama-seqcls with the Llama 3.1 template of llama-causal.
+        let dir = copy_model("llama-seqcls");
+        let causal: Map<String, Value> = serde_json::from_str(
+            &std::fs::read_to_string(fixture("models/llama-causal/tokenizer_config.json")).unwrap(),
+        )
+        .unwrap();
+        let template = causal["chat_template"].as_str().unwrap();
+        std::fs::write(dir.path().join("chat_template.jinja"), template).unwrap();
+        let rm = RewardModel::from_dir("rm", dir.path(), &Device::Cpu, 4).unwrap();
+
+        let messages = vec![
+            Message::new("system", "You are a helpful cooking assistant."),
+            Message::new("user", "How long should I boil an egg?"),
+        ];
+        let completion = "About nine minutes for a firm yolk.";
+        let owned = vec![
+            Owned {
+                prompt: Prompt::Messages(messages.clone()),
+                ..Owned::text("", completion)
+            },
+            Owned::text("The movie was", " surprisingly good."),
+        ];
+        let samples = samples(&owned);
+        let got = rm.encode(&samples[0]).unwrap();
+
+        let mut conversation = messages;
+        conversation.push(Message::new("assistant", completion));
+        let text = rm
+            .tokenizer()
+            .chat_template()
+            .unwrap()
+            .render(&conversation, false)
+            .unwrap();
+        assert!(
+            text.ends_with("<|start_header_id|>assistant<|end_header_id|>\n\nAbout nine minutes for a firm yolk.<|eot_id|>"),
+            "{text:?}"
+        );
+        assert_eq!(got, rm.tokenizer().encode(&text).unwrap());
+        assert_eq!(
+            got.iter().filter(|&&t| t == 4).count(),
+            1,
+            "exactly one BOS (the template writes it)"
+        );
+
+        // Scoring in a batch with a text prompt gives each sample's own score.
+        let batch = rm.score(&samples).unwrap();
+        for (i, sample) in samples.iter().enumerate() {
+            let alone = rm.score(std::slice::from_ref(sample)).unwrap();
+            let pair = Pair {
+                prompt: rm.encode(sample).unwrap(),
+                completion: Vec::new(),
+            };
+            let direct = sequence_scores(rm.model.frozen(), &[pair], &Device::Cpu).unwrap();
+            assert!((alone[0].unwrap() - direct[0][0]).abs() < 1e-6);
+            assert!(
+                (batch[i].unwrap() - direct[0][0]).abs() < 1e-4,
+                "sample {i}: {batch:?} vs {direct:?}"
+            );
+        }
+    }
+
+    #[test]
+    fn chat_prompts_without_a_template_name_the_reward_model() {
+        let dir = fixture("models/qwen2-seqcls");
+        let rm = RewardModel::from_dir("rm", &dir, &Device::Cpu, 1).unwrap();
+        let owned = vec![Owned {
+            prompt: Prompt::Messages(vec![Message::new("user", "hi")]),
+            ..Owned::text("", "hello")
+        }];
+        let err = rm.score(&samples(&owned)).unwrap_err().to_string();
+        assert!(
+            err.starts_with(&format!(
+                "reward `rm`: sample 0: {}: the prompt is a list of chat messages but this \
+                 reward model has no chat template",
+                dir.display()
+            )),
+            "{err}"
+        );
+    }
+
+    #[test]
+    fn empty_sequences_get_no_score() {
+        let dir = fixture("models/qwen2-seqcls");
+        let rm = RewardModel::from_dir("rm", &dir, &Device::Cpu, 8).unwrap();
+        let owned = vec![Owned::text("", ""), Owned::text("The movie was", " fine")];
+        let got = rm.score(&samples(&owned)).unwrap();
+        assert_eq!(got[0], None);
+        assert!(got[1].is_some());
+    }
+
+    #[test]
+    fn sequences_longer_than_learned_positions_get_no_score() {
+        // gpt2 has 128 learned positions.
+        let dir = fixture("models/gpt2-seqcls");
+        let rm = RewardModel::from_dir("rm", &dir, &Device::Cpu, 8).unwrap();
+        let long = " word".repeat(200);
+        let owned = vec![Owned::text("The movie was", &long), Owned::text("A", " b")];
+        let got = rm.score(&samples(&owned)).unwrap();
+        assert_eq!(got[0], None);
+        assert!(got[1].is_some());
+    }
+
+    #[test]
+    fn a_causal_lm_is_rejected_with_its_class() {
+        let dir = fixture("models/llama-causal");
+        let err = RewardModel::from_dir("rm", &dir, &Device::Cpu, 8)
+            .unwrap_err()
+            .to_string();
+        assert_eq!(
+            err,
+            format!(
+                "{}: is a causal language model (LlamaForCausalLM), not a reward model: a reward \
+                 model is a *ForSequenceClassification checkpoint with num_labels = 1 and a \
+                 `score.weight` head",
+                dir.display()
+            )
+        );
+    }
+
+    #[test]
+    fn more_than_one_label_is_rejected() {
+        let dir = copy_model("qwen2-seqcls");
+        edit_config(dir.path(), |c| {
+            c.insert("id2label".into(), json!({"0": "LABEL_0", "1": "LABEL_1"}));
+        });
+        let err = RewardModel::from_dir("rm", dir.path(), &Device::Cpu, 8)
+            .unwrap_err()
+            .to_string();
+        assert_eq!(
+            err,
+            format!(
+                "{}: num_labels = 2 (Qwen2ForSequenceClassification); a reward model gives one \
+                 score per sequence, so num_labels must be 1",
+                dir.path().join("config.json").display()
+            )
+        );
+    }
+
+    #[test]
+    fn a_missing_score_head_names_the_directory() {
+        let dir = copy_model("qwen2-causal");
+        edit_config(dir.path(), |c| {
+            c.insert(
+                "architectures".into(),
+                json!(["Qwen2ForSequenceClassification"]),
+            );
+            c.insert("id2label".into(), json!({"0": "LABEL_0"}));
+        });
+        let err = RewardModel::from_dir("rm", dir.path(), &Device::Cpu, 8)
+            .unwrap_err()
+            .to_string();
+        assert!(
+            err.starts_with(&format!(
+                "{}: the sequence-classification head `score.weight`",
+                dir.path().display()
+            )),
+            "{err}"
+        );
+    }
+
+    #[test]
+    fn zero_batch_size_is_an_error() {
+        let err = RewardModel::from_dir("rm", &fixture("models/qwen2-seqcls"), &Device::Cpu, 0)
+            .unwrap_err()
+            .to_string();
+        assert_eq!(err, "batch_size must be at least 1, got 0");
+    }
+
+    #[test]
+    fn reward_models_can_be_shared_across_threads() {
+        fn assert_send_sync<T: Send + Sync>() {}
+        assert_send_sync::<RewardModel>();
+    }
+}
