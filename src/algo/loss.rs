@@ -160,6 +160,24 @@ pub fn policy_loss(
     Ok(PolicyLoss { loss, stats })
 }
 
+/// A per-token penalty (such as KL in the loss) averaged the way the policy
+/// loss is: within each sequence then over `denominator` sequences, or over
+/// `denominator` tokens for `token_mean`. `values`, `mask`: (N, T).
+pub fn masked_mean_loss(
+    values: &Tensor,
+    mask: &Tensor,
+    ratio: RatioLevel,
+    aggregation: Aggregation,
+    denominator: f64,
+) -> Result<Tensor> {
+    let masked = (values * mask)?;
+    let total = match (ratio, aggregation) {
+        (RatioLevel::Token, Aggregation::TokenMean) => masked.sum_all()?,
+        _ => masked.sum(1)?.div(&mask.sum(1)?.maximum(1.0)?)?.sum_all()?,
+    };
+    total / denominator.max(1.0)
+}
+
 /// The number of terms a mini-batch's loss is averaged over: live sequences,
 /// or unmasked tokens for `token_mean`. `mask`: (N, T).
 pub fn loss_denominator(mask: &Tensor, ratio: RatioLevel, aggregation: Aggregation) -> Result<f64> {

@@ -4,6 +4,7 @@
 
 mod generate;
 mod score;
+mod train;
 
 use std::process::ExitCode;
 
@@ -24,6 +25,7 @@ pub struct Cli {
 enum Command {
     Generate(generate::GenerateArgs),
     Score(score::ScoreArgs),
+    Train(train::TrainArgs),
 }
 
 pub fn main() -> ExitCode {
@@ -32,6 +34,7 @@ pub fn main() -> ExitCode {
     let result = match cli.command {
         Command::Generate(args) => generate::run(args),
         Command::Score(args) => score::run(args),
+        Command::Train(args) => train::run(args),
     };
     match result {
         Ok(()) => ExitCode::SUCCESS,
@@ -56,6 +59,7 @@ fn init_logging(verbose: u8) {
     let _ = tracing_subscriber::fmt()
         .with_env_filter(filter)
         .with_writer(std::io::stderr)
+        .with_ansi(std::io::IsTerminal::is_terminal(&std::io::stderr()))
         .with_target(false)
         .try_init();
 }

@@ -165,23 +165,15 @@ impl PromptDataset {
                     return pos;
                 }
                 if epoch_order.as_ref().map(|(e, _)| *e) != Some(epoch) {
-                    epoch_order = Some((epoch, permutation(len, seed, epoch as u64)));
+                    epoch_order = Some((
+                        epoch,
+                        Rng::stream(seed, &[0x5eed_da7a, epoch as u64]).permutation(len),
+                    ));
                 }
                 epoch_order.as_ref().map_or(pos, |(_, order)| order[pos])
             })
             .collect()
     }
-}
-
-/// Fisher-Yates with the crate's seeded generator.
-fn permutation(len: usize, seed: u64, epoch: u64) -> Vec<usize> {
-    let mut rng = Rng::stream(seed, &[0x5eed_da7a, epoch]);
-    let mut order: Vec<usize> = (0..len).collect();
-    for i in (1..len).rev() {
-        let j = (rng.next_u64() % (i as u64 + 1)) as usize;
-        order.swap(i, j);
-    }
-    order
 }
 
 fn build_prompt(row: &Row, spec: &PromptSpec) -> std::result::Result<Prompt, String> {

@@ -48,6 +48,15 @@ impl Rng {
         result
     }
 
+    /// A uniformly random order of `0..n` (Fisher-Yates).
+    pub fn permutation(&mut self, n: usize) -> Vec<usize> {
+        let mut order: Vec<usize> = (0..n).collect();
+        for i in (1..n).rev() {
+            order.swap(i, (self.next_u64() % (i as u64 + 1)) as usize);
+        }
+        order
+    }
+
     /// Uniform in [0, 1) with 53 bits.
     pub fn uniform(&mut self) -> f64 {
         (self.next_u64() >> 11) as f64 * (1.0 / (1u64 << 53) as f64)

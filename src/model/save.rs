@@ -18,6 +18,12 @@ impl Model {
     /// directory or the complete new one. Each tensor is saved in the dtype
     /// it was loaded in (tied LM heads are not written, as in transformers).
     pub fn save(&self, dir: &Path) -> Result<()> {
+        write_dir_atomic(dir, |tmp| self.save_files(tmp))
+    }
+
+    /// Writes the model's files into an existing directory (for callers that
+    /// add files of their own before an atomic rename, like checkpoints).
+    pub fn save_files(&self, dir: &Path) -> Result<()> {
         let config = serde_json::to_string_pretty(&self.config().to_json())
             .map_err(|e| Error::Invalid(format!("cannot serialise config.json: {e}")))?;
         let mut tensors = Vec::with_capacity(self.params().len());
@@ -33,17 +39,15 @@ impl Model {
             Some(metadata),
         )
         .map_err(|e| Error::Invalid(format!("cannot serialise weights: {e}")))?;
-        let source = self.dir().to_path_buf();
-        write_dir_atomic(dir, |tmp| {
-            write_atomic(&tmp.join("config.json"), config.as_bytes())?;
-            write_atomic(&tmp.join(SINGLE_FILE), &weights)?;
-            copy_tokenizer_files(&source, tmp)?;
-            let generation = source.join(GENERATION_CONFIG_FILE);
-            if generation.is_file() {
-                std::fs::copy(&generation, tmp.join(GENERATION_CONFIG_FILE))
-                    .map_err(|e| Error::io(&generation, e))?;
-            }
-            Ok(())
-        })
+        let source = self.dir();
+        write_atomic(&dir.join("config.json"), config.as_bytes())?;
+        write_atomic(&dir.join(SINGLE_FILE), &weights)?;
+        copy_tokenizer_files(source, dir)?;
+        let generation = source.join(GENERATION_CONFIG_FILE);
+        if generation.is_file() {
+            std::fs::copy(&generation, dir.join(GENERATION_CONFIG_FILE))
+                .map_err(|e| Error::io(&generation, e))?;
+        }
+        Ok(())
     }
 }

@@ -11,6 +11,7 @@ use serde::{Deserialize, Serialize};
 
 use crate::algo::{Aggregation, Baseline, KlEstimator, KlPlacement, RatioLevel};
 use crate::error::{Error, Result};
+use crate::reward::RewardSpec;
 
 #[derive(Debug, Clone, Default, Serialize, Deserialize)]
 #[serde(deny_unknown_fields, default)]
@@ -21,7 +22,7 @@ pub struct TrainConfig {
     pub rloo: RlooSection,
     pub train: TrainSection,
     /// Reward sources, summed with their weights (`[[reward]]` tables).
-    pub reward: Vec<toml::Table>,
+    pub reward: Vec<RewardSpec>,
 }
 
 #[derive(Debug, Clone, Serialize, Deserialize)]
@@ -233,6 +234,9 @@ pub struct TrainSection {
     pub num_sample_generations: usize,
     /// A checkpoint directory to continue from, or "latest" for the newest in output_dir.
     pub resume_from_checkpoint: Option<String>,
+    /// Stop after this many rollout steps of this invocation, with a
+    /// checkpoint, to continue later with resume_from_checkpoint.
+    pub stop_after: Option<usize>,
 }
 
 impl Default for TrainSection {
@@ -258,6 +262,7 @@ impl Default for TrainSection {
             save_total_limit: 0,
             num_sample_generations: 10,
             resume_from_checkpoint: None,
+            stop_after: None,
         }
     }
 }
@@ -555,8 +560,7 @@ mod tests {
 
     #[test]
     fn k_below_two_is_rejected() {
-        let mut c = with(&["rloo.k=1", "model.policy=x", "data.path=y"]).unwrap();
-        c.reward.push(toml::Table::new());
+        let c = with(&["rloo.k=1", "model.policy=x", "data.path=y"]).unwrap();
         assert!(c.validate().unwrap_err().to_string().contains("at least 2"));
     }
 }

@@ -1,7 +1,10 @@
 //! The training loops and what they share: configuration, optimizer,
 //! log-probs of completions, checkpoints.
 
+pub mod checkpoint;
 pub mod config;
+pub mod logprobs;
 pub mod optim;
+pub mod rloo;
 
 pub use config::{BatchSizes, TrainConfig};

@@ -1,0 +1,132 @@
+//! Checkpoints: `<output_dir>/checkpoint-<step>/` holds a Hugging Face model
+//! directory plus what a resume needs (optimizer moments, the f32 master
+//! copy of weights stored in a narrower dtype, the step, the resolved
+//! config). Each is written under a temporary name and renamed into place,
+//! so a crash never leaves a half-written checkpoint that a resume would
+//! pick up. Everything else a run draws at random derives from (seed, step).
+
+use std::collections::HashMap;
+use std::path::{Path, PathBuf};
+
+use candle_core::{DType, Device, Tensor};
+use serde::{Deserialize, Serialize};
+
+use super::optim::AdamW;
+use crate::error::{read_json, Error, Result};
+use crate::io::{write_atomic, write_dir_atomic};
+use crate::model::Model;
+
+pub const STATE_FILE: &str = "trainer_state.json";
+pub const OPTIMIZER_FILE: &str = "optimizer.safetensors";
+pub const CONFIG_FILE: &str = "rloo_config.toml";
+
+/// Progress through the run, saved with each checkpoint.
+#[derive(Debug, Clone, Serialize, Deserialize, PartialEq)]
+pub struct TrainerState {
+    /// Rollout steps completed.
+    pub step: usize,
+    /// Completions trained on.
+    pub episode: usize,
+    pub optimizer_step: usize,
+    pub total_steps: usize,
+}
+
+pub fn checkpoint_dir(output_dir: &Path, step: usize) -> PathBuf {
+    output_dir.join(format!("checkpoint-{step}"))
+}
+
+pub fn save(
+    dir: &Path,
+    model: &Model,
+    optimizer: &AdamW,
+    state: &TrainerState,
+    config_toml: &str,
+) -> Result<()> {
+    let mut tensors: Vec<(String, Tensor)> = optimizer.state_tensors();
+    for p in model.params().iter() {
+        if p.stored_dtype != DType::F32 {
+            tensors.push((format!("master.{}", p.name), p.var.as_tensor().clone()));
+        }
+    }
+    let bytes = safetensors::tensor::serialize(tensors.iter().map(|(n, t)| (n.as_str(), t)), None)
+        .map_err(|e| Error::Invalid(format!("cannot serialise optimizer state: {e}")))?;
+    let state_json = serde_json::to_vec_pretty(state).map_err(|e| Error::Invalid(e.to_string()))?;
+    write_dir_atomic(dir, |tmp| {
+        model.save_files(tmp)?;
+        write_atomic(&tmp.join(OPTIMIZER_FILE), &bytes)?;
+        write_atomic(&tmp.join(CONFIG_FILE), config_toml.as_bytes())?;
+        // Written last: a directory with this file is complete.
+        write_atomic(&tmp.join(STATE_FILE), &state_json)
+    })
+}
+
+/// The newest complete checkpoint in `output_dir`, if any.
+pub fn latest(output_dir: &Path) -> Option<PathBuf> {
+    let entries = std::fs::read_dir(output_dir).ok()?;
+    entries
+        .filter_map(|e| e.ok())
+        .filter_map(|e| {
+            let step = e
+                .file_name()
+                .to_str()?
+                .strip_prefix("checkpoint-")?
+                .parse::<usize>()
+                .ok()?;
+            e.path()
+                .join(STATE_FILE)
+                .is_file()
+                .then(|| (step, e.path()))
+        })
+        .max_by_key(|(step, _)| *step)
+        .map(|(_, path)| path)
+}
+
+/// Loads a checkpoint's policy, optimizer and state.
+pub fn load(dir: &Path, device: &Device, optimizer: &mut AdamW) -> Result<(Model, TrainerState)> {
+    let state_path = dir.join(STATE_FILE);
+    if !state_path.is_file() {
+        return Err(Error::bad_file(
+            dir,
+            format!("not a complete checkpoint: {STATE_FILE} is missing"),
+        ));
+    }
+    let state: TrainerState = read_json(&state_path)?;
+    let model = Model::load(dir, device)?;
+    let opt_path = dir.join(OPTIMIZER_FILE);
+    let tensors: HashMap<String, Tensor> = candle_core::safetensors::load(&opt_path, device)
+        .map_err(|e| Error::bad_file(&opt_path, format!("cannot read optimizer state: {e}")))?;
+    for p in model.params().iter() {
+        if let Some(master) = tensors.get(&format!("master.{}", p.name)) {
+            p.var.set(master)?;
+        }
+    }
+    optimizer.load_state(tensors, state.optimizer_step, model.params())?;
+    Ok((model, state))
+}
+
+/// Deletes the oldest checkpoints beyond `limit` (0: keep all).
+pub fn prune(output_dir: &Path, limit: usize) -> Result<()> {
+    if limit == 0 {
+        return Ok(());
+    }
+    let mut found: Vec<(usize, PathBuf)> = std::fs::read_dir(output_dir)
+        .map_err(|e| Error::io(output_dir, e))?
+        .filter_map(|e| e.ok())
+        .filter_map(|e| {
+            Some((
+                e.file_name()
+                    .to_str()?
+                    .strip_prefix("checkpoint-")?
+                    .parse()
+                    .ok()?,
+                e.path(),
+            ))
+        })
+        .collect();
+    found.sort();
+    let excess = found.len().saturating_sub(limit);
+    for (_, path) in found.into_iter().take(excess) {
+        std::fs::remove_dir_all(&path).map_err(|e| Error::io(&path, e))?;
+    }
+    Ok(())
+}

@@ -1,0 +1,114 @@
+//! Per-token log-probs and entropies of sampled completions, from a full
+//! forward pass over prompt + completion. Only completion positions go
+//! through the LM head, so the (rows, T, V) logits are never built.
+
+use candle_core::{Device, Result, Tensor, D};
+
+use crate::model::ops::log_softmax_last;
+use crate::model::{Inputs, Network, PadSide};
+
+/// Sampled sequences laid out for scoring: row `i` is `prompts[i]` followed
+/// by `completions[i]`.
+pub struct Sequences<'a> {
+    pub prompts: Vec<&'a [u32]>,
+    pub completions: Vec<&'a [u32]>,
+}
+
+/// Per-token values over completion positions, padded to the longest
+/// completion: all (N, Tc).
+pub struct TokenLogprobs {
+    pub logprobs: Tensor,
+    /// Entropy of the (tempered) next-token distribution, detached.
+    pub entropy: Tensor,
+    /// 1 on completion tokens, 0 on padding.
+    pub mask: Tensor,
+}
+
+impl Sequences<'_> {
+    pub fn len(&self) -> usize {
+        self.prompts.len()
+    }
+
+    pub fn is_empty(&self) -> bool {
+        self.prompts.is_empty()
+    }
+
+    /// The longest completion.
+    pub fn completion_width(&self) -> usize {
+        self.completions.iter().map(|c| c.len()).max().unwrap_or(0)
+    }
+
+    /// (N, Tc) mask of completion tokens.
+    pub fn mask(&self, device: &Device) -> Result<Tensor> {
+        let width = self.completion_width();
+        let data: Vec<f32> = self
+            .completions
+            .iter()
+            .flat_map(|c| (0..width).map(move |j| if j < c.len() { 1.0 } else { 0.0 }))
+            .collect();
+        Tensor::from_vec(data, (self.len(), width), device)
+    }
+}
+
+/// Log-probs of each completion token at `temperature` (logits divided by
+/// it before the log-softmax, as when sampling). Runs `net` as it is: pass
+/// the training network for gradients, the frozen one for constants.
+pub fn completion_logprobs(
+    net: &Network,
+    seqs: &Sequences,
+    temperature: f64,
+    device: &Device,
+) -> Result<TokenLogprobs> {
+    let n = seqs.len();
+    let width = seqs.completion_width();
+    let mask = seqs.mask(device)?;
+    if width == 0 {
+        let empty = Tensor::zeros((n, 0), candle_core::DType::F32, device)?;
+        return Ok(TokenLogprobs {
+            logprobs: empty.clone(),
+            entropy: empty,
+            mask,
+        });
+    }
+    let rows: Vec<Vec<u32>> = seqs
+        .prompts
+        .iter()
+        .zip(&seqs.completions)
+        .map(|(p, c)| [*p, *c].concat())
+        .collect();
+    let inputs = Inputs::from_rows(&rows, 0, PadSide::Right, device)?;
+    let hidden = net.hidden_states(&inputs, None)?;
+    let (b, t, h) = hidden.dims3()?;
+    // Hidden state p predicts token p + 1: completion token j of row i is
+    // predicted at prompt_len + j - 1. Padding slots read position 0 and are masked.
+    let mut at = Vec::with_capacity(n * width);
+    let mut targets = Vec::with_capacity(n * width);
+    for (i, (p, c)) in seqs.prompts.iter().zip(&seqs.completions).enumerate() {
+        for j in 0..width {
+            if j < c.len() {
+                at.push((i * t + p.len() + j - 1) as u32);
+                targets.push(c[j]);
+            } else {
+                at.push((i * t) as u32);
+                targets.push(0);
+            }
+        }
+    }
+    let picked = hidden
+        .reshape((b * t, h))?
+        .index_select(&Tensor::from_vec(at, n * width, device)?, 0)?;
+    let logits = (net.project(&picked)? / temperature)?; // (N * Tc, V)
+    let logp = log_softmax_last(&logits)?;
+    let targets = Tensor::from_vec(targets, (n * width, 1), device)?;
+    let logprobs = logp.gather(&targets, D::Minus1)?.reshape((n, width))?;
+    let logp_const = logp.detach();
+    let entropy = (logp_const.exp()? * &logp_const)?
+        .sum(D::Minus1)?
+        .neg()?
+        .reshape((n, width))?;
+    Ok(TokenLogprobs {
+        logprobs: (logprobs * &mask)?,
+        entropy: (entropy * &mask)?,
+        mask,
+    })
+}

@@ -1,0 +1,913 @@
+//! The RLOO loop (../SPEC-RLOO.md), one rollout batch per step:
+//! rollout -> scores -> old and reference log-probs -> KL and returns ->
+//! leave-one-out advantages -> epochs x mini-batches x micro-batches of the
+//! clipped policy loss -> metrics, samples, checkpoint.
+
+use std::path::{Path, PathBuf};
+use std::time::Instant;
+
+use candle_core::{DType, Device, Tensor};
+
+use super::checkpoint::{self, TrainerState};
+use super::config::{BatchSizes, LongPrompts, RlooSection, TrainConfig};
+use super::logprobs::{completion_logprobs, Sequences, TokenLogprobs};
+use super::optim::{learning_rate, AdamW, GradAccumulator};
+use crate::algo::{self, Grouped, KlPlacement, LossStats};
+use crate::data::prompts::{resolve_split, PromptDataset, PromptSpec};
+use crate::data::Tokenizer;
+use crate::error::{Error, Result};
+use crate::generate::{
+    generate, Completion, FinishReason, GenerateOptions, Rng, Sampling, StopCriteria,
+};
+use crate::io::write_atomic;
+use crate::model::hub::resolve_model;
+use crate::model::{parse_device, GenerationConfig, HeadKind, Model, Network};
+use crate::report::{
+    JsonlMetrics, Metrics, MetricsSink, SampleTable, SampleWriter, TensorBoardWriter, TrainProgress,
+};
+use crate::reward::{self, RewardSet, Sample, Shaping};
+
+/// What a finished (or stopped) run reports.
+#[derive(Debug, Clone)]
+pub struct RunSummary {
+    pub steps: usize,
+    pub episodes: usize,
+    pub output_dir: PathBuf,
+    /// The last logged metrics.
+    pub last: Metrics,
+}
+
+/// Everything a step needs that does not change between steps.
+struct Run {
+    cfg: TrainConfig,
+    sizes: BatchSizes,
+    device: Device,
+    tokenizer: Tokenizer,
+    policy: Model,
+    reference: Option<Model>,
+    rewards: RewardSet,
+    shaping: Shaping,
+    dataset: PromptDataset,
+    generation: GenerateOptions,
+    warmup: usize,
+}
+
+/// One step's rollout, laid out `[prompts][k]`.
+struct Rollout {
+    prompt_rows: Vec<usize>,
+    completions: Grouped<Completion>,
+    texts: Vec<String>,
+}
+
+pub fn train(cfg: &TrainConfig) -> Result<RunSummary> {
+    cfg.validate()?;
+    let output_dir = PathBuf::from(&cfg.train.output_dir);
+    std::fs::create_dir_all(&output_dir).map_err(|e| Error::io(&output_dir, e))?;
+    let mut optimizer = AdamW::new(
+        cfg.train.adam_beta1,
+        cfg.train.adam_beta2,
+        cfg.train.adam_epsilon,
+        cfg.train.weight_decay,
+    );
+    let mut run = Run::start(cfg)?;
+    let start = run.resume_state(&mut optimizer)?;
+    let config_toml = cfg.to_toml();
+    write_atomic(
+        &output_dir.join(checkpoint::CONFIG_FILE),
+        config_toml.as_bytes(),
+    )?;
+
+    let first_logged = start.step as u64 + 1;
+    let mut sinks: Vec<Box<dyn MetricsSink>> = if start.step == 0 {
+        vec![
+            Box::new(JsonlMetrics::create(&output_dir)?),
+            Box::new(TensorBoardWriter::create(&output_dir)?),
+        ]
+    } else {
+        vec![
+            Box::new(JsonlMetrics::resume(&output_dir, first_logged)?),
+            Box::new(TensorBoardWriter::resume(&output_dir, first_logged)?),
+        ]
+    };
+    let mut sample_log = if start.step == 0 {
+        SampleWriter::create(&output_dir)?
+    } else {
+        SampleWriter::resume(&output_dir, first_logged)?
+    };
+
+    let sizes = run.sizes;
+    let stop_at = cfg
+        .train
+        .stop_after
+        .map_or(sizes.steps, |n| (start.step + n).min(sizes.steps));
+    let table_every = (sizes.steps / cfg.train.num_sample_generations.max(1)).max(1);
+    let progress = TrainProgress::new(sizes.total_episodes as u64);
+    let mut state = start;
+    let mut last = Metrics::new();
+    let run_started = Instant::now();
+    while state.step < stop_at {
+        let step = state.step;
+        let mut metrics = Metrics::new();
+        let t0 = Instant::now();
+
+        // 1. Rollout: k completions of each prompt of this step.
+        let rollout = run.rollout(step)?;
+        let t_gen = t0.elapsed().as_secs_f64();
+
+        // 2. Scores, shaped (missing-EOS penalty, normalisation, clipping).
+        let t1 = Instant::now();
+        let ended: Vec<bool> = rollout
+            .completions
+            .flat()
+            .iter()
+            .map(|c| c.finish_reason == FinishReason::Stop)
+            .collect();
+        let scores = {
+            let rows = &run.dataset.rows;
+            let samples: Vec<Sample> = rollout
+                .completions
+                .flat()
+                .iter()
+                .zip(&rollout.texts)
+                .zip(&ended)
+                .map(|((c, text), &eos)| {
+                    let row = &rows[rollout.prompt_rows[c.prompt_index]];
+                    Sample {
+                        prompt: &row.prompt,
+                        completion: text,
+                        completion_ids: &c.tokens,
+                        ended_with_eos: eos,
+                        row: &row.row.fields,
+                    }
+                })
+                .collect();
+            run.rewards.score(&samples)?
+        };
+        let shaped = run.shaping.apply(&scores.total, &ended);
+        let t_score = t1.elapsed().as_secs_f64();
+
+        // 3. Log-probs of the sampling policy and of the reference.
+        let t2 = Instant::now();
+        let seqs = run.sequences(&rollout);
+        let temperature = cfg.generation.temperature;
+        let old = run.logprobs_in_chunks(run.policy.frozen(), &seqs, temperature)?;
+        let reference = match &run.reference {
+            Some(r) => Some(
+                run.logprobs_in_chunks(r.frozen(), &seqs, temperature)?
+                    .logprobs,
+            ),
+            None => None,
+        };
+        let t_ref = t2.elapsed().as_secs_f64();
+
+        // 4. KL, returns R = s - beta * KL (reward placement), advantages.
+        let beta = cfg.rloo.kl_coef;
+        let seq_kl: Vec<f32> = match &reference {
+            Some(lp_ref) => {
+                let kl = algo::kl_per_token(&old.logprobs, lp_ref, cfg.rloo.kl_estimator)?;
+                algo::sequence_kl(&kl, &old.mask)?.to_vec1()?
+            }
+            None => vec![0.0; seqs.len()],
+        };
+        let (returns, adv) = returns_and_advantages(&shaped, &seq_kl, sizes.k, &cfg.rloo);
+
+        // 5. Optimise: epochs x shuffled mini-batches, accumulated over micro-batches.
+        let t3 = Instant::now();
+        let advantages = Tensor::from_vec(adv.values.flat().to_vec(), seqs.len(), &run.device)?;
+        let train_stats = run.optimise(
+            step,
+            &seqs,
+            &old,
+            reference.as_ref(),
+            &advantages,
+            &mut optimizer,
+            &mut state,
+        )?;
+        let t_train = t3.elapsed().as_secs_f64();
+
+        // 6. Metrics, samples, checkpoint.
+        state.step += 1;
+        state.episode += sizes.batch;
+        let step_secs = t0.elapsed().as_secs_f64();
+        record_rollout_metrics(
+            &mut metrics,
+            &rollout,
+            &shaped,
+            &returns,
+            &seq_kl,
+            beta,
+            &old,
+            &ended,
+        )?;
+        for (name, value) in scores.metrics() {
+            metrics.set(name, value as f64);
+        }
+        metrics.set("rloo/degenerate_groups", adv.degenerate_groups as f64);
+        metrics.set(
+            "rloo/unscorable",
+            shaped.iter().filter(|s| s.is_none()).count() as f64,
+        );
+        train_stats.record(&mut metrics);
+        metrics.set(
+            "lr",
+            learning_rate(
+                cfg.train.learning_rate,
+                cfg.train.lr_scheduler_type,
+                state.optimizer_step.saturating_sub(1),
+                sizes.optimizer_steps,
+                run.warmup,
+            ),
+        );
+        metrics.set("episode", state.episode as f64);
+        metrics.set("eps", sizes.batch as f64 / step_secs);
+        for (name, secs) in [
+            ("generation", t_gen),
+            ("scoring", t_score),
+            ("reference", t_ref),
+            ("training", t_train),
+            ("step", step_secs),
+        ] {
+            metrics.set(format!("time/{name}"), secs);
+        }
+        if state.step % cfg.train.logging_steps == 0 || state.step == stop_at {
+            sinks.log(state.step as u64, &metrics)?;
+            sinks.flush()?;
+        }
+        let table = sample_table(&run, &rollout, &shaped);
+        sample_log.write_all(state.step as u64, table.samples())?;
+        if state.step % table_every == 0 || state.step == 1 {
+            progress.suspend(|| {
+                eprintln!(
+                    "step {}\n{}",
+                    state.step,
+                    table.render(crate::report::table::terminal_width(), 8)
+                )
+            });
+        }
+        progress.update(
+            state.episode as u64,
+            metrics.get("eps").unwrap_or(0.0),
+            metrics.get("objective/scores").unwrap_or(f64::NAN),
+            metrics.get("objective/kl").unwrap_or(f64::NAN),
+        );
+        let save_now = cfg.train.save_steps > 0 && state.step % cfg.train.save_steps == 0;
+        if save_now || state.step == stop_at {
+            checkpoint::save(
+                &checkpoint::checkpoint_dir(&output_dir, state.step),
+                &run.policy,
+                &optimizer,
+                &state,
+                &config_toml,
+            )?;
+            checkpoint::prune(&output_dir, cfg.train.save_total_limit)?;
+        }
+        last = metrics;
+    }
+    progress.finish();
+    if state.step == sizes.steps {
+        run.policy.save_files(&output_dir)?;
+    }
+    tracing::info!(
+        "{} steps, {} episodes in {:.1} s -> {}",
+        state.step,
+        state.episode,
+        run_started.elapsed().as_secs_f64(),
+        output_dir.display()
+    );
+    Ok(RunSummary {
+        steps: state.step,
+        episodes: state.episode,
+        output_dir,
+        last,
+    })
+}
+
+impl Run {
+    fn start(cfg: &TrainConfig) -> Result<Self> {
+        let device = parse_device(&cfg.model.device)?;
+        let policy_dir = resolve_model(&cfg.model.policy)?;
+        let tokenizer_dir = match &cfg.model.tokenizer {
+            Some(t) => resolve_model(t)?,
+            None => policy_dir.clone(),
+        };
+        let tokenizer = Tokenizer::from_dir(&tokenizer_dir)?;
+        let policy = Model::load(&policy_dir, &device)?;
+        if policy.head() != HeadKind::CausalLm {
+            return Err(Error::bad_file(
+                &policy_dir,
+                "the policy must be a causal LM, this is a sequence-classification model",
+            ));
+        }
+        let reference = if cfg.rloo.kl_coef > 0.0 {
+            let dir = match &cfg.model.reference {
+                Some(r) => resolve_model(r)?,
+                None => policy_dir.clone(),
+            };
+            Some(Model::load(&dir, &device)?)
+        } else {
+            None
+        };
+        let rewards = reward::build(&cfg.reward, &device)?;
+        let shaping = Shaping {
+            missing_eos_penalty: cfg.rloo.missing_eos_penalty.map(|p| p as f32),
+            normalize: cfg.rloo.normalize_reward,
+            clip: cfg.rloo.reward_clip_range.map(|r| [-r as f32, r as f32]),
+        };
+        shaping.validate()?;
+
+        let data_path = resolve_split(Path::new(&cfg.data.path), &cfg.data.split)?;
+        let spec = PromptSpec {
+            prompt_column: cfg.data.prompt_column.clone(),
+            template: cfg.data.template.clone(),
+            chat: cfg.data.chat,
+            system_prompt: cfg.data.system_prompt.clone(),
+            take: cfg.data.take,
+            max_prompt_length: cfg.data.max_prompt_length,
+            error_on_long: cfg.data.long_prompts == LongPrompts::Error,
+        };
+        let dataset = PromptDataset::load(&data_path, &spec, &tokenizer)?;
+        let rows: Vec<_> = dataset.rows.iter().map(|r| &r.row.fields).collect();
+        rewards.check_rows(&rows)?;
+        let sizes = BatchSizes::new(cfg, Some(dataset.len()))?;
+        tracing::info!(
+            "{} prompts from {}; {}",
+            dataset.len(),
+            data_path.display(),
+            sizes.describe(cfg.rloo.num_ppo_epochs)
+        );
+
+        let generation = generation_options(cfg, &policy_dir, &tokenizer, &policy)?;
+        let warmup = if cfg.train.warmup_steps > 0 {
+            cfg.train.warmup_steps
+        } else {
+            (cfg.train.warmup_ratio * sizes.optimizer_steps as f64).ceil() as usize
+        };
+        Ok(Self {
+            cfg: cfg.clone(),
+            sizes,
+            device,
+            tokenizer,
+            policy,
+            reference,
+            rewards,
+            shaping,
+            dataset,
+            generation,
+            warmup,
+        })
+    }
+
+    /// Continues from a checkpoint when asked; returns where the run stands.
+    fn resume_state(&mut self, optimizer: &mut AdamW) -> Result<TrainerState> {
+        let fresh = TrainerState {
+            step: 0,
+            episode: 0,
+            optimizer_step: 0,
+            total_steps: self.sizes.steps,
+        };
+        let Some(spec) = &self.cfg.train.resume_from_checkpoint else {
+            return Ok(fresh);
+        };
+        let output_dir = Path::new(&self.cfg.train.output_dir);
+        let dir = if spec == "latest" {
+            match checkpoint::latest(output_dir) {
+                Some(dir) => dir,
+                None => {
+                    tracing::info!(
+                        "no checkpoint in {} to resume from; starting fresh",
+                        output_dir.display()
+                    );
+                    return Ok(fresh);
+                }
+            }
+        } else {
+            PathBuf::from(spec)
+        };
+        let (policy, state) = checkpoint::load(&dir, &self.device, optimizer)?;
+        if state.total_steps != self.sizes.steps {
+            return Err(Error::Invalid(format!(
+                "{} belongs to a run of {} steps, this configuration makes {}; resume with the same batch sizes and total_episodes",
+                dir.display(),
+                state.total_steps,
+                self.sizes.steps
+            )));
+        }
+        tracing::info!("resuming from {} at step {}", dir.display(), state.step);
+        self.policy = policy;
+        Ok(state)
+    }
+
+    fn rollout(&self, step: usize) -> Result<Rollout> {
+        let prompt_rows = self.dataset.batch(
+            step,
+            self.sizes.prompts_per_batch,
+            self.cfg.train.seed,
+            self.cfg.data.shuffle,
+        );
+        let prompts: Vec<Vec<u32>> = prompt_rows
+            .iter()
+            .map(|&i| self.dataset.rows[i].ids.clone())
+            .collect();
+        let mut opts = self.generation.clone();
+        opts.seed = Rng::stream(self.cfg.train.seed, &[0x6e6e, step as u64]).next_u64();
+        let mut done: Vec<Completion> = Vec::with_capacity(self.sizes.batch);
+        generate(
+            self.policy.frozen(),
+            &prompts,
+            &opts,
+            Some(&self.tokenizer),
+            &self.device,
+            &mut |_| {},
+            &mut |c| {
+                done.push(c);
+                Ok(())
+            },
+        )?;
+        // Finishing order is arbitrary; the layout is [prompts][k].
+        done.sort_by_key(|c| (c.prompt_index, c.sample_index));
+        let texts = done
+            .iter()
+            .map(|c| self.tokenizer.decode(&c.tokens, true))
+            .collect::<Result<Vec<_>>>()?;
+        Ok(Rollout {
+            prompt_rows,
+            completions: Grouped::new(self.sizes.k, done),
+            texts,
+        })
+    }
+
+    fn sequences<'a>(&'a self, rollout: &'a Rollout) -> Sequences<'a> {
+        let rows = &self.dataset.rows;
+        Sequences {
+            prompts: rollout
+                .completions
+                .flat()
+                .iter()
+                .map(|c| rows[rollout.prompt_rows[c.prompt_index]].ids.as_slice())
+                .collect(),
+            completions: rollout
+                .completions
+                .flat()
+                .iter()
+                .map(|c| c.tokens.as_slice())
+                .collect(),
+        }
+    }
+
+    /// Log-probs without gradients, `local_rollout_forward_batch_size` rows at a time.
+    fn logprobs_in_chunks(
+        &self,
+        net: &Network,
+        seqs: &Sequences,
+        temperature: f64,
+    ) -> Result<TokenLogprobs> {
+        let width = seqs.completion_width();
+        let chunk = self.cfg.generation.local_rollout_forward_batch_size;
+        let (mut lps, mut ents) = (Vec::new(), Vec::new());
+        for start in (0..seqs.len()).step_by(chunk) {
+            let end = (start + chunk).min(seqs.len());
+            let part = Sequences {
+                prompts: seqs.prompts[start..end].to_vec(),
+                completions: seqs.completions[start..end].to_vec(),
+            };
+            let out = completion_logprobs(net, &part, temperature, &self.device)?;
+            lps.push(pad_width(&out.logprobs, width)?);
+            ents.push(pad_width(&out.entropy, width)?);
+        }
+        Ok(TokenLogprobs {
+            logprobs: Tensor::cat(&lps, 0)?,
+            entropy: Tensor::cat(&ents, 0)?,
+            mask: seqs.mask(&self.device)?,
+        })
+    }
+
+    #[allow(clippy::too_many_arguments)]
+    fn optimise(
+        &self,
+        step: usize,
+        seqs: &Sequences,
+        old: &TokenLogprobs,
+        reference: Option<&Tensor>,
+        advantages: &Tensor,
+        optimizer: &mut AdamW,
+        state: &mut TrainerState,
+    ) -> Result<TrainStats> {
+        let cfg = &self.cfg;
+        let sizes = self.sizes;
+        let params = self.policy.params();
+        let mut stats = TrainStats::default();
+        let mut grads = GradAccumulator::default();
+        for epoch in 0..cfg.rloo.num_ppo_epochs {
+            let order = Rng::stream(cfg.train.seed, &[0x0b5e, step as u64, epoch as u64])
+                .permutation(seqs.len());
+            for mini in order.chunks(sizes.mini) {
+                let mini_mask = rows_of(&old.mask, mini)?;
+                let denominator =
+                    algo::loss_denominator(&mini_mask, cfg.rloo.ratio, cfg.rloo.aggregation)?;
+                grads.clear();
+                for micro in mini.chunks(sizes.micro) {
+                    let part = Sequences {
+                        prompts: micro.iter().map(|&i| seqs.prompts[i]).collect(),
+                        completions: micro.iter().map(|&i| seqs.completions[i]).collect(),
+                    };
+                    let now = completion_logprobs(
+                        self.policy.network(),
+                        &part,
+                        cfg.generation.temperature,
+                        &self.device,
+                    )?;
+                    let width = part.completion_width();
+                    let narrow = |t: &Tensor| -> Result<Tensor> {
+                        Ok(rows_of(t, micro)?.narrow(1, 0, width)?)
+                    };
+                    let (lp_old, mask) = (narrow(&old.logprobs)?, narrow(&old.mask)?);
+                    let adv = rows_of(advantages, micro)?;
+                    let out = algo::policy_loss(
+                        &now.logprobs,
+                        &lp_old,
+                        &mask,
+                        &adv,
+                        cfg.rloo.cliprange,
+                        cfg.rloo.ratio,
+                        cfg.rloo.aggregation,
+                        denominator,
+                    )?;
+                    let mut loss = out.loss;
+                    if let (KlPlacement::Loss, Some(lp_ref)) = (cfg.rloo.kl_placement, reference) {
+                        // beta * mean_t kl_t on the current policy, aggregated like the policy loss.
+                        let kl = algo::kl_per_token(
+                            &now.logprobs,
+                            &narrow(lp_ref)?,
+                            cfg.rloo.kl_estimator,
+                        )?;
+                        let kl_loss = algo::masked_mean_loss(
+                            &kl,
+                            &mask,
+                            cfg.rloo.ratio,
+                            cfg.rloo.aggregation,
+                            denominator,
+                        )?;
+                        loss = (loss + (kl_loss * cfg.rloo.kl_coef)?)?;
+                    }
+                    stats.loss.add(&out.stats);
+                    stats.entropy_sum +=
+                        (&now.entropy * &mask)?.sum_all()?.to_scalar::<f32>()? as f64;
+                    stats.tokens += mask.sum_all()?.to_scalar::<f32>()? as f64;
+                    grads.add(params, &loss.backward()?)?;
+                }
+                if denominator == 0.0 {
+                    // Every completion of the mini-batch is masked: nothing to learn,
+                    // and a step would still move the weights through weight decay.
+                    stats.skipped_steps += 1;
+                    continue;
+                }
+                stats.grad_norm = grads.clip(cfg.train.max_grad_norm)?;
+                let lr = learning_rate(
+                    cfg.train.learning_rate,
+                    cfg.train.lr_scheduler_type,
+                    state.optimizer_step,
+                    sizes.optimizer_steps,
+                    self.warmup,
+                );
+                optimizer.step(params, &grads, lr)?;
+                state.optimizer_step += 1;
+            }
+        }
+        Ok(stats)
+    }
+}
+
+/// Returns `R_i = s_i - beta * KL_i` (KL in the reward; `R = s` when the
+/// KL goes to the loss) and their advantages over each prompt's group,
+/// whitened over the batch when asked. `scores` and `seq_kl` are laid out
+/// `[prompts][k]`.
+pub fn returns_and_advantages(
+    scores: &[Option<f32>],
+    seq_kl: &[f32],
+    k: usize,
+    rloo: &RlooSection,
+) -> (Vec<Option<f32>>, algo::Advantages) {
+    let beta = rloo.kl_coef as f32;
+    let returns: Vec<Option<f32>> = scores
+        .iter()
+        .zip(seq_kl)
+        .map(|(s, kl)| match rloo.kl_placement {
+            KlPlacement::Reward => s.map(|s| s - beta * kl),
+            KlPlacement::Loss => *s,
+        })
+        .collect();
+    let mut adv = algo::advantages(&Grouped::new(k, returns.clone()), rloo.baseline);
+    if rloo.normalize_advantage {
+        let scorable: Vec<bool> = returns.iter().map(Option::is_some).collect();
+        let mut values = adv.values.into_flat();
+        algo::whiten(&mut values, &scorable);
+        adv.values = Grouped::new(k, values);
+    }
+    (returns, adv)
+}
+
+/// Sampling and stopping for rollouts, from the configuration and the
+/// policy's generation config.
+fn generation_options(
+    cfg: &TrainConfig,
+    policy_dir: &Path,
+    tokenizer: &Tokenizer,
+    policy: &Model,
+) -> Result<GenerateOptions> {
+    let g = &cfg.generation;
+    let mut stop_ids = Vec::new();
+    if g.stop_token == "eos" {
+        let gen = GenerationConfig::from_dir(policy_dir)?.unwrap_or_default();
+        stop_ids = gen.eos_token_ids().to_vec();
+        if stop_ids.is_empty() {
+            stop_ids.extend(tokenizer.eos_token_id());
+        }
+        if stop_ids.is_empty() {
+            tracing::warn!("stop_token = \"eos\" but the policy has no EOS id; completions run to response_length");
+        }
+    }
+    stop_ids.extend(g.stop_token_id);
+    Ok(GenerateOptions {
+        max_new_tokens: g.response_length,
+        num_return_sequences: cfg.rloo.k,
+        sampling: Sampling::temperature(g.temperature as f32)
+            .with_top_k(g.top_k)
+            .with_top_p(g.top_p as f32)
+            .with_min_p(g.min_p as f32),
+        stop: StopCriteria {
+            token_ids: stop_ids,
+            strings: vec![],
+        },
+        batch_size: g.local_rollout_forward_batch_size,
+        seed: cfg.train.seed,
+        max_positions: policy.config().max_positions(),
+    })
+}
+
+/// Loss diagnostics summed over a step's optimisation.
+#[derive(Default)]
+struct TrainStats {
+    loss: LossStats,
+    entropy_sum: f64,
+    tokens: f64,
+    grad_norm: f64,
+    skipped_steps: usize,
+}
+
+impl TrainStats {
+    fn record(&self, m: &mut Metrics) {
+        m.set("policy/approxkl_avg", self.loss.approxkl());
+        m.set("policy/clipfrac_avg", self.loss.clipfrac());
+        m.set("loss/policy_avg", self.loss.loss_mean());
+        m.set("val/ratio", self.loss.ratio_mean());
+        m.set("val/ratio_var", self.loss.ratio_var());
+        m.set(
+            "policy/entropy_avg",
+            self.entropy_sum / self.tokens.max(1.0),
+        );
+        m.set("grad_norm", self.grad_norm);
+        m.set("train/skipped_steps", self.skipped_steps as f64);
+    }
+}
+
+#[allow(clippy::too_many_arguments)]
+fn record_rollout_metrics(
+    m: &mut Metrics,
+    rollout: &Rollout,
+    scores: &[Option<f32>],
+    returns: &[Option<f32>],
+    seq_kl: &[f32],
+    beta: f64,
+    old: &TokenLogprobs,
+    ended: &[bool],
+) -> Result<()> {
+    let mean = |xs: &mut dyn Iterator<Item = f64>| {
+        let (sum, n) = xs.fold((0.0, 0usize), |(s, n), x| (s + x, n + 1));
+        if n == 0 {
+            f64::NAN
+        } else {
+            sum / n as f64
+        }
+    };
+    m.set(
+        "objective/scores",
+        mean(&mut scores.iter().flatten().map(|&s| s as f64)),
+    );
+    m.set("objective/kl", mean(&mut seq_kl.iter().map(|&k| k as f64)));
+    m.set(
+        "objective/non_score_reward",
+        mean(&mut seq_kl.iter().map(|&k| -beta * k as f64)),
+    );
+    m.set(
+        "objective/rlhf_reward",
+        mean(&mut returns.iter().flatten().map(|&r| r as f64)),
+    );
+    let seq_entropy: Vec<f32> = old.entropy.sum(1)?.to_vec1()?;
+    m.set(
+        "objective/entropy",
+        mean(&mut seq_entropy.iter().map(|&e| e as f64)),
+    );
+    let lengths: Vec<f64> = rollout
+        .completions
+        .flat()
+        .iter()
+        .map(|c| c.tokens.len() as f64)
+        .collect();
+    m.set(
+        "completions/mean_length",
+        mean(&mut lengths.iter().copied()),
+    );
+    let eos = ended.iter().filter(|&&e| e).count();
+    m.set("val/num_eos_tokens", eos as f64);
+    m.set(
+        "completions/clipped_ratio",
+        1.0 - eos as f64 / ended.len().max(1) as f64,
+    );
+    Ok(())
+}
+
+/// One sample per prompt of the step for the console table and samples.jsonl.
+fn sample_table(run: &Run, rollout: &Rollout, scores: &[Option<f32>]) -> SampleTable {
+    let mut table = SampleTable::new();
+    for (i, c) in rollout
+        .completions
+        .flat()
+        .iter()
+        .enumerate()
+        .filter(|(_, c)| c.sample_index == 0)
+    {
+        let row = &run.dataset.rows[rollout.prompt_rows[c.prompt_index]];
+        let prompt = match &row.prompt {
+            crate::data::Prompt::Text(t) => t.clone(),
+            crate::data::Prompt::Messages(ms) => {
+                ms.last().map(|m| m.content.clone()).unwrap_or_default()
+            }
+        };
+        table.push(crate::report::samples::Sample {
+            prompt,
+            completion: rollout.texts[i].clone(),
+            score: scores[i].map_or(f64::NAN, |s| s as f64),
+            extra_scores: vec![],
+        });
+    }
+    table
+}
+
+/// Rows `idx` of a tensor (N, ...) in that order.
+fn rows_of(t: &Tensor, idx: &[usize]) -> Result<Tensor> {
+    let ids: Vec<u32> = idx.iter().map(|&i| i as u32).collect();
+    Ok(t.index_select(&Tensor::from_vec(ids, idx.len(), t.device())?, 0)?)
+}
+
+/// Right-pads (N, w) with zeros to (N, width).
+fn pad_width(t: &Tensor, width: usize) -> Result<Tensor> {
+    let (n, w) = t.dims2()?;
+    if w == width {
+        return Ok(t.clone());
+    }
+    let pad = Tensor::zeros((n, width - w), DType::F32, t.device())?;
+    Ok(Tensor::cat(&[t, &pad], 1)?)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::train::config::parse_set;
+
+    #[test]
+    fn the_worked_example_through_the_trainers_function() {
+        // SPEC-RLOO.md: rows = sample index, columns = prompt.
+        let by_sample = [
+            [1.0f32, 2.0, 3.0],
+            [2.0, 3.0, 4.0],
+            [5.0, 6.0, 7.0],
+            [8.0, 9.0, 10.0],
+        ];
+        let scores: Vec<Option<f32>> = (0..3)
+            .flat_map(|p| by_sample.iter().map(move |r| Some(r[p])))
+            .collect();
+        let rloo = RlooSection {
+            kl_coef: 0.5,
+            ..RlooSection::default()
+        };
+        let (returns, adv) = returns_and_advantages(&scores, &[0.0; 12], 4, &rloo);
+        assert_eq!(returns, scores);
+        assert!((adv.values.group(0)[0] + 4.0).abs() < 1e-6);
+        assert!((adv.values.group(1)[2] - 1.333_333).abs() < 1e-5);
+        // KL in the reward: R = s - beta * KL.
+        let kl: Vec<f32> = (0..12).map(|i| i as f32).collect();
+        let (returns, _) = returns_and_advantages(&scores, &kl, 4, &rloo);
+        assert_eq!(returns[5], Some(3.0 - 0.5 * 5.0));
+        let loss_placed = RlooSection {
+            kl_placement: KlPlacement::Loss,
+            ..rloo
+        };
+        assert_eq!(
+            returns_and_advantages(&scores, &kl, 4, &loss_placed).0,
+            scores
+        );
+    }
+
+    fn fixture_run(dir: &Path, extra: &[&str]) -> Run {
+        let root = Path::new(env!("CARGO_MANIFEST_DIR"));
+        let prompts = dir.join("prompts.jsonl");
+        std::fs::write(
+            &prompts,
+            "{\"prompt\": \"The movie was\"}\n{\"prompt\": \"I think\"}\n",
+        )
+        .unwrap();
+        let mut sets = vec![
+            format!(
+                "model.policy={}",
+                root.join("tests/fixtures/models/gpt_neox-causal").display()
+            ),
+            format!("data.path={}", prompts.display()),
+            format!("train.output_dir={}", dir.join("out").display()),
+            "model.device=cpu".into(),
+            "train.per_device_train_batch_size=4".into(),
+            "reward=[{type=\"length\"}]".into(),
+        ];
+        sets.extend(extra.iter().map(|s| s.to_string()));
+        let sets: Vec<_> = sets.iter().map(|s| parse_set(s).unwrap()).collect();
+        Run::start(&TrainConfig::load(None, &sets).unwrap()).unwrap()
+    }
+
+    #[test]
+    fn all_masked_completions_leave_the_parameters_unchanged() {
+        let tmp = tempfile::tempdir().unwrap();
+        // Weight decay and a large learning rate would move every weight on any step.
+        let run = fixture_run(
+            tmp.path(),
+            &["train.weight_decay=0.5", "train.learning_rate=1.0"],
+        );
+        let before: Vec<Vec<f32>> = run
+            .policy
+            .params()
+            .iter()
+            .map(|p| p.var.as_tensor().flatten_all().unwrap().to_vec1().unwrap())
+            .collect();
+        let prompt = [5u32, 6, 7];
+        let seqs = Sequences {
+            prompts: vec![&prompt; 4],
+            completions: vec![&[]; 4],
+        };
+        let old = run
+            .logprobs_in_chunks(run.policy.frozen(), &seqs, 0.7)
+            .unwrap();
+        let adv = Tensor::new(&[1.0f32, -1.0, 2.0, -2.0], &Device::Cpu).unwrap();
+        let mut opt = AdamW::new(0.9, 0.999, 1e-8, 0.5);
+        let mut state = TrainerState {
+            step: 0,
+            episode: 0,
+            optimizer_step: 0,
+            total_steps: 1,
+        };
+        let stats = run
+            .optimise(0, &seqs, &old, None, &adv, &mut opt, &mut state)
+            .unwrap();
+        assert_eq!(state.optimizer_step, 0);
+        assert_eq!(stats.skipped_steps, run.cfg.rloo.num_ppo_epochs);
+        for (p, b) in run.policy.params().iter().zip(before) {
+            assert_eq!(
+                p.var
+                    .as_tensor()
+                    .flatten_all()
+                    .unwrap()
+                    .to_vec1::<f32>()
+                    .unwrap(),
+                b,
+                "{} changed",
+                p.name
+            );
+        }
+    }
+
+    #[test]
+    fn one_optimizer_step_per_mini_batch_and_epoch() {
+        let tmp = tempfile::tempdir().unwrap();
+        let run = fixture_run(
+            tmp.path(),
+            &[
+                "rloo.num_mini_batches=2",
+                "train.per_device_train_batch_size=2",
+                "rloo.num_ppo_epochs=3",
+            ],
+        );
+        let rollout = run.rollout(0).unwrap();
+        let seqs = run.sequences(&rollout);
+        let old = run
+            .logprobs_in_chunks(run.policy.frozen(), &seqs, 0.7)
+            .unwrap();
+        let adv = Tensor::new(&[1.0f32, -1.0, 2.0, -2.0], &Device::Cpu).unwrap();
+        let mut opt = AdamW::new(0.9, 0.999, 1e-8, 0.0);
+        let mut state = TrainerState {
+            step: 0,
+            episode: 0,
+            optimizer_step: 0,
+            total_steps: 1,
+        };
+        run.optimise(0, &seqs, &old, None, &adv, &mut opt, &mut state)
+            .unwrap();
+        assert_eq!(state.optimizer_step, 6);
+    }
+}

@@ -1,0 +1,395 @@
+//! `rloo train` run as users run it: learning on a rule reward, resume
+//! equivalence, the seed 001 command with local paths, and the errors for
+//! bad input.
+
+mod common;
+
+use std::path::Path;
+use std::process::{Command, Output};
+
+use common::*;
+use serde_json::Value;
+
+fn rloo(args: &[&str]) -> Output {
+    Command::new(env!("CARGO_BIN_EXE_rloo"))
+        .args(args)
+        .output()
+        .unwrap()
+}
+
+fn ok(out: Output) -> Output {
+    assert!(
+        out.status.success(),
+        "rloo failed:\n{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    out
+}
+
+fn err(out: Output) -> String {
+    assert!(!out.status.success(), "rloo should have failed");
+    String::from_utf8_lossy(&out.stderr).into_owned()
+}
+
+fn write_prompts(dir: &Path) -> String {
+    let path = dir.join("prompts.jsonl");
+    let prompts = [
+        "The movie was",
+        "Tomorrow the weather will be",
+        "To make a simple tomato soup,",
+        "I think the film",
+        "The music was",
+        "We cooked",
+    ];
+    let rows: Vec<String> = prompts
+        .iter()
+        .map(|p| serde_json::json!({ "prompt": p }).to_string())
+        .collect();
+    std::fs::write(&path, rows.join("\n") + "\n").unwrap();
+    path.to_str().unwrap().to_string()
+}
+
+fn metrics(dir: &Path) -> Vec<serde_json::Map<String, Value>> {
+    std::fs::read_to_string(dir.join("metrics.jsonl"))
+        .unwrap()
+        .lines()
+        .map(|l| {
+            serde_json::from_str::<Value>(l)
+                .unwrap()
+                .as_object()
+                .unwrap()
+                .clone()
+        })
+        .collect()
+}
+
+fn policy() -> String {
+    model_dir("gpt_neox-causal").to_str().unwrap().to_string()
+}
+
+/// A short run of a rule reward ("count the letter e") on the committed tiny
+/// policy: the reward's mean rises clearly, the KL stays bounded.
+#[test]
+fn a_rule_reward_rises_within_a_short_run() {
+    let tmp = tempfile::tempdir().unwrap();
+    let out = tmp.path().join("run");
+    let prompts = write_prompts(tmp.path());
+    ok(rloo(&[
+        "train",
+        "--model_name_or_path",
+        &policy(),
+        "--dataset_name",
+        &prompts,
+        "--output_dir",
+        out.to_str().unwrap(),
+        "--set",
+        "reward=[{type=\"count\", substring=\"e\"}]",
+        "--total_episodes",
+        "640",
+        "--per_device_train_batch_size",
+        "16",
+        "--rloo_k",
+        "4",
+        "--response_length",
+        "16",
+        "--num_ppo_epochs",
+        "1",
+        "--learning_rate",
+        "2e-3",
+        "--kl_coef",
+        "0.1",
+        "--num_sample_generations",
+        "0",
+        "--device",
+        "cpu",
+    ]));
+    let rows = metrics(&out);
+    assert_eq!(rows.len(), 40);
+    let mean = |rows: &[serde_json::Map<String, Value>], key: &str| {
+        rows.iter().map(|r| r[key].as_f64().unwrap()).sum::<f64>() / rows.len() as f64
+    };
+    let (first, last) = (
+        mean(&rows[..5], "objective/scores"),
+        mean(&rows[35..], "objective/scores"),
+    );
+    let kl = rows
+        .iter()
+        .map(|r| r["objective/kl"].as_f64().unwrap())
+        .fold(0.0, f64::max);
+    println!("reward {first:.2} -> {last:.2}, max KL {kl:.2}");
+    for r in &rows {
+        println!(
+            "step {:>2} reward {:.2} kl {:.3}",
+            r["step"],
+            r["objective/scores"].as_f64().unwrap(),
+            r["objective/kl"].as_f64().unwrap()
+        );
+    }
+    assert!(last > first + 1.0, "reward did not rise: {first} -> {last}");
+    assert!(
+        kl < 16.0,
+        "KL per sequence of 16 tokens should stay below one nat per token, got {kl}"
+    );
+    // Every SPEC-RLOO.md section 5 metric is logged.
+    for key in [
+        "objective/scores",
+        "objective/kl",
+        "objective/non_score_reward",
+        "objective/rlhf_reward",
+        "objective/entropy",
+        "policy/entropy_avg",
+        "policy/approxkl_avg",
+        "policy/clipfrac_avg",
+        "loss/policy_avg",
+        "val/ratio",
+        "val/ratio_var",
+        "val/num_eos_tokens",
+        "rewards/count/mean",
+        "rewards/count/std",
+        "completions/mean_length",
+        "completions/clipped_ratio",
+        "lr",
+        "episode",
+        "eps",
+        "grad_norm",
+        "time/generation",
+        "time/scoring",
+        "time/reference",
+        "time/training",
+    ] {
+        assert!(rows[0].contains_key(key), "metric {key} missing");
+    }
+    assert!(out.join("model.safetensors").is_file() && out.join("rloo_config.toml").is_file());
+    assert!(std::fs::read_dir(out.join("tensorboard")).unwrap().count() > 0);
+}
+
+/// Two steps, stop, resume for two more: the same weights and metrics as
+/// four steps straight.
+#[test]
+fn resuming_reproduces_an_uninterrupted_run() {
+    let tmp = tempfile::tempdir().unwrap();
+    let prompts = write_prompts(tmp.path());
+    let run = |out: &Path, extra: &[&str]| {
+        let mut args = vec![
+            "train",
+            "--sft_model_path",
+            "",
+            "--dataset_name",
+            &prompts,
+            "--output_dir",
+            out.to_str().unwrap(),
+            "--set",
+            "reward=[{type=\"count\", substring=\"e\"}, {type=\"length\", weight=0.1}]",
+            "--total_episodes",
+            "32",
+            "--per_device_train_batch_size",
+            "4",
+            "--gradient_accumulation_steps",
+            "2",
+            "--response_length",
+            "8",
+            "--num_ppo_epochs",
+            "2",
+            "--learning_rate",
+            "1e-3",
+            "--weight_decay",
+            "0.01",
+            "--device",
+            "cpu",
+            "--lr_scheduler_type",
+            "cosine",
+            "--warmup_steps",
+            "2",
+        ];
+        let p = policy();
+        args[2] = &p;
+        args.extend_from_slice(extra);
+        ok(rloo(&args));
+    };
+    let straight = tmp.path().join("straight");
+    run(&straight, &[]);
+    let resumed = tmp.path().join("resumed");
+    run(&resumed, &["--stop_after", "2"]);
+    assert!(resumed.join("checkpoint-2").is_dir() && !resumed.join("model.safetensors").exists());
+    run(&resumed, &["--resume_from_checkpoint", "latest"]);
+
+    let load = |dir: &Path| {
+        candle_core::safetensors::load(dir.join("model.safetensors"), &candle_core::Device::Cpu)
+            .unwrap()
+    };
+    let (a, b) = (load(&straight), load(&resumed));
+    let mut worst = 0f32;
+    for (name, t) in &a {
+        worst = worst.max(max_diff(t, &b[name]));
+    }
+    println!("max |Δ weight| after 2 + 2 vs 4 steps: {worst:.2e}");
+    assert!(worst <= 1e-6, "{worst}");
+    let (ma, mb) = (metrics(&straight), metrics(&resumed));
+    assert_eq!(ma.len(), 4);
+    assert_eq!(mb.len(), 4, "resumed metrics have one row per step");
+    for (ra, rb) in ma.iter().zip(&mb) {
+        for (key, va) in ra {
+            if key.starts_with("time/") || key == "eps" {
+                continue;
+            }
+            let (x, y) = (
+                va.as_f64().unwrap_or(f64::NAN),
+                rb[key].as_f64().unwrap_or(f64::NAN),
+            );
+            assert!(
+                (x - y).abs() <= 1e-6 * (1.0 + x.abs()) || (x.is_nan() && y.is_nan()),
+                "step {}: {key} {x} vs {y}",
+                ra["step"]
+            );
+        }
+    }
+}
+
+/// Seed 001's command, with local paths in place of hub ids.
+#[test]
+fn the_trl_example_command_runs_with_local_paths() {
+    let tmp = tempfile::tempdir().unwrap();
+    let data = tmp.path().join("descriptiveness-sentiment");
+    std::fs::create_dir(&data).unwrap();
+    let rows: Vec<String> = (0..64)
+        .map(|i| serde_json::json!({ "prompt": format!("Story number {i}:") }).to_string())
+        .collect();
+    std::fs::write(data.join("descriptiveness.jsonl"), rows.join("\n")).unwrap();
+    let out = tmp.path().join("models/minimal/rloo");
+    ok(rloo(&[
+        "train",
+        "--dataset_name",
+        data.to_str().unwrap(),
+        "--dataset_train_split",
+        "descriptiveness",
+        "--learning_rate",
+        "3e-6",
+        "--output_dir",
+        out.to_str().unwrap(),
+        "--per_device_train_batch_size",
+        "64",
+        "--gradient_accumulation_steps",
+        "1",
+        "--total_episodes",
+        "128",
+        "--model_name_or_path",
+        &policy(),
+        "--reward_model_path",
+        model_dir("gpt_neox-seqcls").to_str().unwrap(),
+        "--missing_eos_penalty",
+        "1.0",
+        "--response_length",
+        "8",
+        "--device",
+        "cpu",
+    ]));
+    let rows = metrics(&out);
+    assert_eq!(rows.len(), 2);
+    assert!(rows[0].contains_key("rewards/model/mean"));
+    let config = std::fs::read_to_string(out.join("rloo_config.toml")).unwrap();
+    assert!(
+        config.contains("missing_eos_penalty = 1.0")
+            && config.contains("split = \"descriptiveness\""),
+        "{config}"
+    );
+}
+
+#[test]
+fn help_lists_every_flag_with_its_default() {
+    let help = String::from_utf8(ok(rloo(&["train", "--help"])).stdout).unwrap();
+    for (flag, default) in [
+        ("--rloo_k", "[default: 2]"),
+        ("--kl_coef", "[default: 0.05]"),
+        ("--cliprange", "[default: 0.2]"),
+        ("--num_ppo_epochs", "[default: 4]"),
+        ("--num_mini_batches", "[default: 1]"),
+        ("--temperature", "[default: 0.7]"),
+        ("--response_length", "[default: 53]"),
+        ("--missing_eos_penalty", "[default: none]"),
+        ("--baseline", "[default: \"leave_one_out\"]"),
+        ("--kl_estimator", "[default: \"k1\"]"),
+    ] {
+        let line = help
+            .lines()
+            .find(|l| l.trim_start().starts_with(flag))
+            .unwrap_or_else(|| panic!("{flag} not in --help"));
+        assert!(
+            help.contains(default) && line.contains(flag),
+            "{flag}: {line}"
+        );
+        let after = &help[help.find(line).unwrap()..];
+        assert!(
+            after[..after.find(']').unwrap() + 1].contains(default),
+            "{flag} should show {default}"
+        );
+    }
+}
+
+#[test]
+fn bad_configurations_are_explained() {
+    let tmp = tempfile::tempdir().unwrap();
+    let prompts = write_prompts(tmp.path());
+    let out = tmp.path().join("o");
+    let base = |extra: &[&str]| {
+        let mut args = vec![
+            "train".to_string(),
+            "--model_name_or_path".into(),
+            policy(),
+            "--dataset_name".into(),
+            prompts.clone(),
+            "--output_dir".into(),
+            out.to_str().unwrap().into(),
+            "--device".into(),
+            "cpu".into(),
+            "--response_length".into(),
+            "4".into(),
+        ];
+        args.extend(extra.iter().map(|s| s.to_string()));
+        let args: Vec<&str> = args.iter().map(String::as_str).collect();
+        rloo(&args)
+    };
+    let e = err(base(&[
+        "--set",
+        "reward=[{type=\"length\"}]",
+        "--rloo_k",
+        "1",
+    ]));
+    assert!(e.contains("rloo_k") && e.contains("at least 2"), "{e}");
+    let e = err(base(&["--reward_model_path", &policy()]));
+    assert!(e.contains("not a reward model"), "{e}");
+    let e = err(base(&[
+        "--set",
+        "reward=[{type=\"length\"}]",
+        "--prompt_column",
+        "question",
+    ]));
+    assert!(
+        e.contains("no `question` column") && e.contains("prompts.jsonl"),
+        "{e}"
+    );
+    let e = err(base(&[
+        "--set",
+        "reward=[{type=\"length\"}]",
+        "--max_prompt_length",
+        "3",
+        "--long_prompts",
+        "error",
+    ]));
+    assert!(
+        e.contains("prompts.jsonl:1") && e.contains("max_prompt_length = 3"),
+        "{e}"
+    );
+    let e = err(base(&[
+        "--set",
+        "reward=[{type=\"length\"}]",
+        "--set",
+        "rloo.kl_coeff=1",
+    ]));
+    assert!(e.contains("kl_coeff"), "{e}");
+    let e = err(base(&["--set", "reward=[{type=\"lenght\"}]"]));
+    assert!(e.contains("lenght") && e.contains("length"), "{e}");
+    let e = err(base(&["--rloo_k", "two"]));
+    assert!(e.contains("--rloo_k") && e.contains("integer"), "{e}");
+    let e = err(base(&[]));
+    assert!(e.contains("no reward"), "{e}");
+}
