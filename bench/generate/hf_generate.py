@@ -1,0 +1,85 @@
+#!/usr/bin/env python3
+"""Time transformers' `generate` on the benchmark model.
+
+Samples NUM_RETURN_SEQUENCES completions of exactly MAX_NEW_TOKENS tokens for
+every prompt of DIR/prompts.jsonl in one batch (left-padded), after one
+untimed warm-up call on a small batch, and prints one JSON line:
+{"tokens": ..., "seconds": ..., "tokens_per_s": ...}. Only generation is
+timed (not model loading or tokenization).
+
+Usage: hf_generate.py MODEL_DIR [--seed N] [--threads 2]
+       [--num-return-sequences 4] [--max-new-tokens 64]
+"""
+
+import argparse
+import json
+import time
+from pathlib import Path
+
+import torch
+from transformers import GPTNeoXForCausalLM, PreTrainedTokenizerFast
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("model_dir", type=Path)
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--num-return-sequences", type=int, default=4)
+    ap.add_argument("--max-new-tokens", type=int, default=64)
+    args = ap.parse_args()
+
+    torch.set_num_threads(args.threads)
+    torch.manual_seed(args.seed)
+
+    tokenizer = PreTrainedTokenizerFast.from_pretrained(args.model_dir)
+    tokenizer.padding_side = "left"
+    model = GPTNeoXForCausalLM.from_pretrained(args.model_dir, dtype=torch.float32).eval()
+
+    with open(args.model_dir / "prompts.jsonl") as f:
+        prompts = [json.loads(line)["prompt"] for line in f if line.strip()]
+
+    gen_kwargs = dict(
+        do_sample=True,
+        temperature=1.0,
+        top_k=0,
+        top_p=1.0,
+        num_return_sequences=args.num_return_sequences,
+        pad_token_id=tokenizer.pad_token_id,
+    )
+
+    with torch.inference_mode():
+        # Untimed warm-up on a small batch.
+        warm = tokenizer(prompts[:4], return_tensors="pt", padding=True)
+        model.generate(**warm, max_new_tokens=8, min_new_tokens=8, **gen_kwargs)
+
+        batch = tokenizer(prompts, return_tensors="pt", padding=True)
+        start = time.perf_counter()
+        out = model.generate(
+            **batch,
+            max_new_tokens=args.max_new_tokens,
+            min_new_tokens=args.max_new_tokens,
+            **gen_kwargs,
+        )
+        seconds = time.perf_counter() - start
+
+    rows = out.shape[0]
+    new_per_row = out.shape[1] - batch["input_ids"].shape[1]
+    tokens = rows * new_per_row
+    expected = len(prompts) * args.num_return_sequences * args.max_new_tokens
+    if tokens != expected:
+        raise SystemExit(f"generated {tokens} tokens, expected {expected}")
+    print(
+        json.dumps(
+            {
+                "tokens": tokens,
+                "rows": rows,
+                "seconds": round(seconds, 4),
+                "tokens_per_s": round(tokens / seconds, 1),
+            }
+        )
+    )
+
+
+if __name__ == "__main__":
+    main()
