@@ -15,11 +15,6 @@ fn main() -> anyhow::Result<()> {
     };
     let model = rloo::model::Model::load(src, &candle_core::Device::Cpu)?;
     model.save(dst)?;
-    println!(
-        "{} -> {} ({} tensors)",
-        src.display(),
-        dst.display(),
-        model.params().len()
-    );
+    println!("{} -> {} ({} tensors)", src.display(), dst.display(), model.params().len());
     Ok(())
 }

@@ -7,20 +7,13 @@ use std::path::{Path, PathBuf};
 pub enum Error {
     /// A file could not be read or written.
     #[error("{}: {source}", path.display())]
-    Io {
-        path: PathBuf,
-        source: std::io::Error,
-    },
+    Io { path: PathBuf, source: std::io::Error },
     /// A file was read but its content is not what was expected.
     #[error("{}: {msg}", path.display())]
     BadFile { path: PathBuf, msg: String },
     /// One row of a JSONL/JSON dataset is malformed (line numbers start at 1).
     #[error("{}:{line}: {msg}", path.display())]
-    BadRow {
-        path: PathBuf,
-        line: usize,
-        msg: String,
-    },
+    BadRow { path: PathBuf, line: usize, msg: String },
     /// A model configuration that rloo cannot run.
     #[error("{}: {msg}", path.display())]
     BadConfig { path: PathBuf, msg: String },
@@ -38,29 +31,16 @@ pub type Result<T> = std::result::Result<T, Error>;
 
 impl Error {
     pub fn io(path: impl AsRef<Path>, source: std::io::Error) -> Self {
-        Error::Io {
-            path: path.as_ref().to_path_buf(),
-            source,
-        }
+        Error::Io { path: path.as_ref().to_path_buf(), source }
     }
     pub fn bad_file(path: impl AsRef<Path>, msg: impl Into<String>) -> Self {
-        Error::BadFile {
-            path: path.as_ref().to_path_buf(),
-            msg: msg.into(),
-        }
+        Error::BadFile { path: path.as_ref().to_path_buf(), msg: msg.into() }
     }
     pub fn bad_row(path: impl AsRef<Path>, line: usize, msg: impl Into<String>) -> Self {
-        Error::BadRow {
-            path: path.as_ref().to_path_buf(),
-            line,
-            msg: msg.into(),
-        }
+        Error::BadRow { path: path.as_ref().to_path_buf(), line, msg: msg.into() }
     }
     pub fn bad_config(path: impl AsRef<Path>, msg: impl Into<String>) -> Self {
-        Error::BadConfig {
-            path: path.as_ref().to_path_buf(),
-            msg: msg.into(),
-        }
+        Error::BadConfig { path: path.as_ref().to_path_buf(), msg: msg.into() }
     }
 }
 

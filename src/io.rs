@@ -48,9 +48,7 @@ pub fn write_dir_atomic(dir: &Path, fill: impl FnOnce(&Path) -> Result<()>) -> R
 }
 
 fn file_name(path: &Path) -> String {
-    path.file_name()
-        .map(|n| n.to_string_lossy().into_owned())
-        .unwrap_or_else(|| "out".to_string())
+    path.file_name().map(|n| n.to_string_lossy().into_owned()).unwrap_or_else(|| "out".to_string())
 }
 
 fn temp_sibling(path: &Path) -> PathBuf {
@@ -73,10 +71,6 @@ mod tests {
         });
         assert!(failed.is_err());
         assert_eq!(fs::read(dir.join("a")).unwrap(), b"1");
-        assert_eq!(
-            fs::read_dir(root.path()).unwrap().count(),
-            1,
-            "no temp left behind"
-        );
+        assert_eq!(fs::read_dir(root.path()).unwrap().count(), 1, "no temp left behind");
     }
 }

@@ -11,36 +11,19 @@ use common::*;
 use rloo::data::{Prompt, Tokenizer};
 use serde_json::Value;
 
-const OUTPUTS: &[&str] = &[
-    "prompt_ids",
-    "completion_ids",
-    "logprobs",
-    "sum_logprob",
-    "score",
-];
+const OUTPUTS: &[&str] = &["prompt_ids", "completion_ids", "logprobs", "sum_logprob", "score"];
 
 fn expected_rows(name: &str) -> Vec<serde_json::Map<String, Value>> {
-    let path = fixtures()
-        .join("score/expected")
-        .join(format!("{name}.jsonl"));
+    let path = fixtures().join("score/expected").join(format!("{name}.jsonl"));
     std::fs::read_to_string(&path)
         .unwrap()
         .lines()
-        .map(|l| {
-            serde_json::from_str::<Value>(l)
-                .unwrap()
-                .as_object()
-                .unwrap()
-                .clone()
-        })
+        .map(|l| serde_json::from_str::<Value>(l).unwrap().as_object().unwrap().clone())
         .collect()
 }
 
 fn rloo(args: &[&str]) -> std::process::Output {
-    Command::new(env!("CARGO_BIN_EXE_rloo"))
-        .args(args)
-        .output()
-        .unwrap()
+    Command::new(env!("CARGO_BIN_EXE_rloo")).args(args).output().unwrap()
 }
 
 fn run_score(model: &Path, input: &Path, output: &Path) -> std::process::Output {
@@ -58,11 +41,7 @@ fn run_score(model: &Path, input: &Path, output: &Path) -> std::process::Output 
 }
 
 fn ids(v: &Value) -> Vec<u32> {
-    v.as_array()
-        .unwrap()
-        .iter()
-        .map(|x| x.as_u64().unwrap() as u32)
-        .collect()
+    v.as_array().unwrap().iter().map(|x| x.as_u64().unwrap() as u32).collect()
 }
 
 #[test]
@@ -77,11 +56,7 @@ fn tokenization_matches_transformers() {
                 "{name}: prompt ids of {prompt:?}"
             );
             let completion = row["completion"].as_str().unwrap();
-            assert_eq!(
-                tok.encode(completion).unwrap(),
-                ids(&row["completion_ids"]),
-                "{name}: completion ids"
-            );
+            assert_eq!(tok.encode(completion).unwrap(), ids(&row["completion_ids"]), "{name}: completion ids");
         }
     }
 }
@@ -105,43 +80,26 @@ fn score_matches_transformers_for_every_model() {
         std::fs::write(&input, inputs.join("\n") + "\n").unwrap();
         let output = tmp.path().join(format!("{name}.out.jsonl"));
         let run = run_score(&model_dir(name), &input, &output);
-        assert!(
-            run.status.success(),
-            "{name}: {}",
-            String::from_utf8_lossy(&run.stderr)
-        );
-        let got: Vec<Value> = std::fs::read_to_string(&output)
-            .unwrap()
-            .lines()
-            .map(|l| serde_json::from_str(l).unwrap())
-            .collect();
+        assert!(run.status.success(), "{name}: {}", String::from_utf8_lossy(&run.stderr));
+        let got: Vec<Value> =
+            std::fs::read_to_string(&output).unwrap().lines().map(|l| serde_json::from_str(l).unwrap()).collect();
         assert_eq!(got.len(), expected.len(), "{name}: row count");
         let mut worst = 0f64;
         for (g, e) in got.iter().zip(&expected) {
             assert_eq!(g["prompt"], e["prompt"], "{name}: input fields kept");
             assert_eq!(g["completion"], e["completion"]);
             if is_causal(name) {
-                let (gl, el) = (
-                    g["logprobs"].as_array().unwrap(),
-                    e["logprobs"].as_array().unwrap(),
-                );
-                assert_eq!(
-                    gl.len(),
-                    el.len(),
-                    "{name}: one log-prob per completion token"
-                );
+                let (gl, el) = (g["logprobs"].as_array().unwrap(), e["logprobs"].as_array().unwrap());
+                assert_eq!(gl.len(), el.len(), "{name}: one log-prob per completion token");
                 for (a, b) in gl.iter().zip(el) {
                     worst = worst.max((a.as_f64().unwrap() - b.as_f64().unwrap()).abs());
                 }
                 let sum: f64 = gl.iter().map(|x| x.as_f64().unwrap()).sum();
                 assert!((g["sum_logprob"].as_f64().unwrap() - sum).abs() < 1e-6);
-                worst = worst.max(
-                    (g["sum_logprob"].as_f64().unwrap() - e["sum_logprob"].as_f64().unwrap()).abs()
-                        / 10.0,
-                );
-            } else {
                 worst =
-                    worst.max((g["score"].as_f64().unwrap() - e["score"].as_f64().unwrap()).abs());
+                    worst.max((g["sum_logprob"].as_f64().unwrap() - e["sum_logprob"].as_f64().unwrap()).abs() / 10.0);
+            } else {
+                worst = worst.max((g["score"].as_f64().unwrap() - e["score"].as_f64().unwrap()).abs());
             }
         }
         println!("{name}: {} rows, max |Δ| = {worst:.2e}", got.len());
@@ -153,28 +111,16 @@ fn score_matches_transformers_for_every_model() {
 fn a_malformed_row_is_reported_with_file_and_line() {
     let tmp = tempfile::tempdir().unwrap();
     let input = tmp.path().join("bad.jsonl");
-    std::fs::write(
-        &input,
-        "{\"prompt\": \"a\", \"completion\": \"b\"}\n{\"prompt\": 3, \"completion\": \"b\"}\n",
-    )
-    .unwrap();
+    std::fs::write(&input, "{\"prompt\": \"a\", \"completion\": \"b\"}\n{\"prompt\": 3, \"completion\": \"b\"}\n")
+        .unwrap();
     let output = tmp.path().join("out.jsonl");
     let run = run_score(&model_dir("gpt2-causal"), &input, &output);
     let err = String::from_utf8_lossy(&run.stderr);
     assert!(!run.status.success());
-    assert!(
-        err.contains("bad.jsonl:2") && err.contains("`prompt`"),
-        "{err}"
-    );
+    assert!(err.contains("bad.jsonl:2") && err.contains("`prompt`"), "{err}");
 
-    std::fs::write(
-        &input,
-        "{\"prompt\": \"a\", \"completion\": \"b\"}\nnot json\n",
-    )
-    .unwrap();
-    let err =
-        String::from_utf8_lossy(&run_score(&model_dir("gpt2-causal"), &input, &output).stderr)
-            .into_owned();
+    std::fs::write(&input, "{\"prompt\": \"a\", \"completion\": \"b\"}\nnot json\n").unwrap();
+    let err = String::from_utf8_lossy(&run_score(&model_dir("gpt2-causal"), &input, &output).stderr).into_owned();
     assert!(err.contains("bad.jsonl:2"), "{err}");
 }
 
@@ -182,17 +128,10 @@ fn a_malformed_row_is_reported_with_file_and_line() {
 fn chat_prompts_need_a_chat_template() {
     let tmp = tempfile::tempdir().unwrap();
     let input = fixtures().join("score/rows_chat.jsonl");
-    let run = run_score(
-        &model_dir("gpt_neox-causal"),
-        &input,
-        &tmp.path().join("out.jsonl"),
-    );
+    let run = run_score(&model_dir("gpt_neox-causal"), &input, &tmp.path().join("out.jsonl"));
     let err = String::from_utf8_lossy(&run.stderr);
     assert!(!run.status.success());
-    assert!(
-        err.contains("rows_chat.jsonl:1") && err.contains("chat template"),
-        "{err}"
-    );
+    assert!(err.contains("rows_chat.jsonl:1") && err.contains("chat template"), "{err}");
 }
 
 #[test]
@@ -203,11 +142,7 @@ fn a_missing_tokenizer_is_named() {
     for f in ["config.json", "model.safetensors"] {
         std::fs::copy(model_dir("gpt2-causal").join(f), dir.join(f)).unwrap();
     }
-    let run = run_score(
-        &dir,
-        &fixtures().join("score/rows_plain.jsonl"),
-        &tmp.path().join("out.jsonl"),
-    );
+    let run = run_score(&dir, &fixtures().join("score/rows_plain.jsonl"), &tmp.path().join("out.jsonl"));
     let err = String::from_utf8_lossy(&run.stderr);
     assert!(!run.status.success());
     assert!(err.contains("tokenizer.json"), "{err}");
@@ -217,10 +152,7 @@ fn a_missing_tokenizer_is_named() {
 fn unknown_options_and_missing_models_are_explained() {
     let run = rloo(&["score", "--modle", "x"]);
     assert_eq!(run.status.code(), Some(2));
-    assert!(
-        String::from_utf8_lossy(&run.stderr).contains("--model"),
-        "clap suggests the near match"
-    );
+    assert!(String::from_utf8_lossy(&run.stderr).contains("--model"), "clap suggests the near match");
 
     let tmp = tempfile::tempdir().unwrap();
     let run = run_score(

@@ -9,21 +9,12 @@ use common::*;
 use rloo::generate::{generate, Completion, FinishReason, GenerateOptions, Sampling, StopCriteria};
 use rloo::model::{next_token_logprobs, GenerationConfig, Inputs, Model, PadSide};
 
-fn options(
-    sampling: Sampling,
-    max_new_tokens: usize,
-    k: usize,
-    batch_size: usize,
-    stop: Vec<u32>,
-) -> GenerateOptions {
+fn options(sampling: Sampling, max_new_tokens: usize, k: usize, batch_size: usize, stop: Vec<u32>) -> GenerateOptions {
     GenerateOptions {
         max_new_tokens,
         num_return_sequences: k,
         sampling,
-        stop: StopCriteria {
-            token_ids: stop,
-            strings: vec![],
-        },
+        stop: StopCriteria { token_ids: stop, strings: vec![] },
         batch_size,
         seed: 11,
         max_positions: None,
@@ -32,18 +23,10 @@ fn options(
 
 fn run(model: &Model, prompts: &[Vec<u32>], opts: &GenerateOptions) -> Vec<Completion> {
     let mut done = Vec::new();
-    generate(
-        model.frozen(),
-        prompts,
-        opts,
-        None,
-        &Device::Cpu,
-        &mut |_| {},
-        &mut |c| {
-            done.push(c);
-            Ok(())
-        },
-    )
+    generate(model.frozen(), prompts, opts, None, &Device::Cpu, &mut |_| {}, &mut |c| {
+        done.push(c);
+        Ok(())
+    })
     .unwrap();
     done.sort_by_key(|c| (c.prompt_index, c.sample_index));
     done
@@ -58,44 +41,18 @@ fn greedy_generation_matches_transformers() {
     for name in causal_models() {
         let model = Model::load(&model_dir(name), &Device::Cpu).unwrap();
         let reference = reference(name);
-        let eos = GenerationConfig::from_dir(&model_dir(name))
-            .unwrap()
-            .unwrap()
-            .eos_token_ids()
-            .to_vec();
-        let ids: Vec<Vec<u32>> = reference["greedy.input_ids"]
-            .to_dtype(DType::U32)
-            .unwrap()
-            .to_vec2()
-            .unwrap();
-        let mask: Vec<Vec<u32>> = reference["greedy.attention_mask"]
-            .to_dtype(DType::U32)
-            .unwrap()
-            .to_vec2()
-            .unwrap();
-        let out: Vec<Vec<u32>> = reference["greedy.output_ids"]
-            .to_dtype(DType::U32)
-            .unwrap()
-            .to_vec2()
-            .unwrap();
+        let eos = GenerationConfig::from_dir(&model_dir(name)).unwrap().unwrap().eos_token_ids().to_vec();
+        let ids: Vec<Vec<u32>> = reference["greedy.input_ids"].to_dtype(DType::U32).unwrap().to_vec2().unwrap();
+        let mask: Vec<Vec<u32>> = reference["greedy.attention_mask"].to_dtype(DType::U32).unwrap().to_vec2().unwrap();
+        let out: Vec<Vec<u32>> = reference["greedy.output_ids"].to_dtype(DType::U32).unwrap().to_vec2().unwrap();
         let t = ids[0].len();
         let prompts: Vec<Vec<u32>> = ids
             .iter()
             .zip(&mask)
-            .map(|(r, m)| {
-                r.iter()
-                    .zip(m)
-                    .filter(|(_, &m)| m == 1)
-                    .map(|(&i, _)| i)
-                    .collect()
-            })
+            .map(|(r, m)| r.iter().zip(m).filter(|(_, &m)| m == 1).map(|(&i, _)| i).collect())
             .collect();
         let new_tokens = out[0].len() - t;
-        let got = run(
-            &model,
-            &prompts,
-            &options(Sampling::greedy(), new_tokens, 1, 8, eos.clone()),
-        );
+        let got = run(&model, &prompts, &options(Sampling::greedy(), new_tokens, 1, 8, eos.clone()));
         for (row, c) in out.iter().zip(&got) {
             // transformers pads after EOS; rloo stops there.
             let mut want = Vec::new();
@@ -106,17 +63,10 @@ fn greedy_generation_matches_transformers() {
                 }
             }
             assert_eq!(c.tokens, want, "{name}: prompt {}", c.prompt_index);
-            let reason = if eos.contains(want.last().unwrap()) {
-                FinishReason::Stop
-            } else {
-                FinishReason::Length
-            };
+            let reason = if eos.contains(want.last().unwrap()) { FinishReason::Stop } else { FinishReason::Length };
             assert_eq!(c.finish_reason, reason);
         }
-        println!(
-            "{name}: greedy tokens identical to transformers for {} prompts",
-            prompts.len()
-        );
+        println!("{name}: greedy tokens identical to transformers for {} prompts", prompts.len());
     }
 }
 
@@ -125,16 +75,8 @@ fn sampling_is_reproducible_and_independent_of_batching() {
     let model = Model::load(&model_dir("qwen2-causal"), &Device::Cpu).unwrap();
     let prompts = vec![vec![5, 9, 12], vec![40], vec![7, 7, 7, 7, 7]];
     let sampling = Sampling::temperature(0.9).with_top_k(50).with_top_p(0.95);
-    let a = run(
-        &model,
-        &prompts,
-        &options(sampling.clone(), 10, 4, 12, vec![]),
-    );
-    let b = run(
-        &model,
-        &prompts,
-        &options(sampling.clone(), 10, 4, 5, vec![]),
-    );
+    let a = run(&model, &prompts, &options(sampling.clone(), 10, 4, 12, vec![]));
+    let b = run(&model, &prompts, &options(sampling.clone(), 10, 4, 5, vec![]));
     assert_eq!(a.len(), 12);
     for (x, y) in a.iter().zip(&b) {
         assert_eq!(x.tokens, y.tokens, "batch size must not change samples");
@@ -145,29 +87,17 @@ fn sampling_is_reproducible_and_independent_of_batching() {
     assert!(distinct.len() > 6, "k samples of a prompt differ");
     let mut other = options(sampling, 10, 4, 12, vec![]);
     other.seed = 12;
-    assert_ne!(
-        run(&model, &prompts, &other)[0].tokens,
-        a[0].tokens,
-        "the seed matters"
-    );
+    assert_ne!(run(&model, &prompts, &other)[0].tokens, a[0].tokens, "the seed matters");
 }
 
 #[test]
 fn rows_stop_at_stop_tokens_and_leave_the_batch() {
     let model = Model::load(&model_dir("gpt_neox-causal"), &Device::Cpu).unwrap();
     let prompts = vec![vec![3, 4, 5], vec![6, 7]];
-    let free = run(
-        &model,
-        &prompts,
-        &options(Sampling::temperature(1.0), 12, 3, 6, vec![]),
-    );
+    let free = run(&model, &prompts, &options(Sampling::temperature(1.0), 12, 3, 6, vec![]));
     // Stop on the third token some row produced: that row ends there, with reason `stop`.
     let stop = free[1].tokens[2];
-    let stopped = run(
-        &model,
-        &prompts,
-        &options(Sampling::temperature(1.0), 12, 3, 6, vec![stop]),
-    );
+    let stopped = run(&model, &prompts, &options(Sampling::temperature(1.0), 12, 3, 6, vec![stop]));
     for (f, s) in free.iter().zip(&stopped) {
         let cut = f.tokens.iter().position(|&t| t == stop);
         match cut {
@@ -175,10 +105,7 @@ fn rows_stop_at_stop_tokens_and_leave_the_batch() {
                 assert_eq!(s.tokens, f.tokens[..=i].to_vec());
                 assert_eq!(s.finish_reason, FinishReason::Stop);
             }
-            None => assert_eq!(
-                s.tokens, f.tokens,
-                "rows that never stop are unaffected by others stopping"
-            ),
+            None => assert_eq!(s.tokens, f.tokens, "rows that never stop are unaffected by others stopping"),
         }
     }
 }
@@ -191,21 +118,12 @@ fn sampler_logprobs_agree_with_the_training_forward() {
         let model = Model::load(&model_dir(name), &Device::Cpu).unwrap();
         let prompts = vec![vec![10, 11, 12, 13], vec![20, 21]];
         let temperature = 0.7;
-        let done = run(
-            &model,
-            &prompts,
-            &options(Sampling::temperature(temperature), 6, 2, 4, vec![]),
-        );
-        let rows: Vec<Vec<u32>> = done
-            .iter()
-            .map(|c| [prompts[c.prompt_index].clone(), c.tokens.clone()].concat())
-            .collect();
+        let done = run(&model, &prompts, &options(Sampling::temperature(temperature), 6, 2, 4, vec![]));
+        let rows: Vec<Vec<u32>> =
+            done.iter().map(|c| [prompts[c.prompt_index].clone(), c.tokens.clone()].concat()).collect();
         let inputs = Inputs::from_rows(&rows, 0, PadSide::Right, &Device::Cpu).unwrap();
         let logits = (model.network().logits(&inputs, None).unwrap() / temperature as f64).unwrap();
-        let lp: Vec<Vec<f32>> = next_token_logprobs(&logits, &inputs.ids)
-            .unwrap()
-            .to_vec2()
-            .unwrap();
+        let lp: Vec<Vec<f32>> = next_token_logprobs(&logits, &inputs.ids).unwrap().to_vec2().unwrap();
         let mut worst = 0f32;
         for (c, row) in done.iter().zip(&lp) {
             let start = prompts[c.prompt_index].len() - 1;

@@ -35,11 +35,7 @@ fn edit_weights(dir: &Path, edit: impl FnOnce(&mut std::collections::HashMap<Str
 
 fn left_logits(model: &Model, name: &str) -> Tensor {
     let reference = reference(name);
-    let inputs = Inputs::new(
-        &reference["left.input_ids"],
-        &reference["left.attention_mask"],
-    )
-    .unwrap();
+    let inputs = Inputs::new(&reference["left.input_ids"], &reference["left.attention_mask"]).unwrap();
     model.frozen().logits(&inputs, None).unwrap()
 }
 
@@ -55,31 +51,17 @@ fn saved_directories_load_back_with_identical_outputs() {
         assert_eq!(diff, 0.0, "{name}: logits changed after save + load");
         for p in model.params().iter() {
             let q = again.params().get(&p.name).unwrap();
-            assert_eq!(
-                p.stored_dtype, q.stored_dtype,
-                "{name}: `{}` changed dtype",
-                p.name
-            );
+            assert_eq!(p.stored_dtype, q.stored_dtype, "{name}: `{}` changed dtype", p.name);
         }
-        for file in [
-            "config.json",
-            "model.safetensors",
-            "tokenizer.json",
-            "tokenizer_config.json",
-            "generation_config.json",
-        ] {
+        for file in
+            ["config.json", "model.safetensors", "tokenizer.json", "tokenizer_config.json", "generation_config.json"]
+        {
             assert!(out.join(file).is_file(), "{name}: {file} not written");
         }
         // transformers refuses safetensors files without this metadata.
         let bytes = fs::read(out.join("model.safetensors")).unwrap();
         let (_, meta) = safetensors::SafeTensors::read_metadata(&bytes).unwrap();
-        assert_eq!(
-            meta.metadata()
-                .as_ref()
-                .and_then(|m| m.get("format"))
-                .map(String::as_str),
-            Some("pt")
-        );
+        assert_eq!(meta.metadata().as_ref().and_then(|m| m.get("format")).map(String::as_str), Some("pt"));
     }
 }
 
@@ -91,10 +73,7 @@ fn a_missing_tensor_is_named() {
         t.remove("gpt_neox.layers.1.mlp.dense_4h_to_h.weight");
     });
     let err = load_err(tmp.path());
-    assert!(
-        err.contains("missing tensor `gpt_neox.layers.1.mlp.dense_4h_to_h.weight`"),
-        "{err}"
-    );
+    assert!(err.contains("missing tensor `gpt_neox.layers.1.mlp.dense_4h_to_h.weight`"), "{err}");
     assert!(err.contains("[32, 64]"), "expected shape named: {err}");
 }
 
@@ -103,16 +82,10 @@ fn a_misshaped_tensor_is_named_with_both_shapes() {
     let tmp = tempfile::tempdir().unwrap();
     copy_dir(&model_dir("qwen3-causal"), tmp.path());
     edit_weights(tmp.path(), |t| {
-        t.insert(
-            "model.norm.weight".into(),
-            Tensor::zeros(31, candle_core::DType::F32, &Device::Cpu).unwrap(),
-        );
+        t.insert("model.norm.weight".into(), Tensor::zeros(31, candle_core::DType::F32, &Device::Cpu).unwrap());
     });
     let err = load_err(tmp.path());
-    assert!(
-        err.contains("`model.norm.weight` has shape [31], expected [32]"),
-        "{err}"
-    );
+    assert!(err.contains("`model.norm.weight` has shape [31], expected [32]"), "{err}");
     assert!(err.contains("model.safetensors"), "file named: {err}");
 }
 
@@ -132,19 +105,9 @@ fn a_missing_shard_is_named() {
     let tmp = tempfile::tempdir().unwrap();
     let src = model_dir("llama-causal");
     copy_dir(&src, tmp.path());
-    let index: serde_json::Value = serde_json::from_str(
-        &fs::read_to_string(src.join("model.safetensors.index.json")).unwrap(),
-    )
-    .unwrap();
-    let shard = index["weight_map"]
-        .as_object()
-        .unwrap()
-        .values()
-        .next()
-        .unwrap()
-        .as_str()
-        .unwrap()
-        .to_string();
+    let index: serde_json::Value =
+        serde_json::from_str(&fs::read_to_string(src.join("model.safetensors.index.json")).unwrap()).unwrap();
+    let shard = index["weight_map"].as_object().unwrap().values().next().unwrap().as_str().unwrap().to_string();
     fs::remove_file(tmp.path().join(&shard)).unwrap();
     let err = load_err(tmp.path());
     assert!(err.contains(&shard) && err.contains("missing"), "{err}");
@@ -155,15 +118,10 @@ fn unsupported_model_types_list_what_is_supported() {
     let tmp = tempfile::tempdir().unwrap();
     copy_dir(&model_dir("gpt2-causal"), tmp.path());
     let path = tmp.path().join("config.json");
-    let text = fs::read_to_string(&path)
-        .unwrap()
-        .replace("\"model_type\": \"gpt2\"", "\"model_type\": \"falcon\"");
+    let text = fs::read_to_string(&path).unwrap().replace("\"model_type\": \"gpt2\"", "\"model_type\": \"falcon\"");
     fs::write(&path, text).unwrap();
     let err = load_err(tmp.path());
-    assert!(
-        err.contains("config.json") && err.contains("`falcon`"),
-        "{err}"
-    );
+    assert!(err.contains("config.json") && err.contains("`falcon`"), "{err}");
     assert!(err.contains("gpt_neox, llama, qwen2, qwen3, gpt2"), "{err}");
 }
 
@@ -172,15 +130,10 @@ fn a_reward_model_without_its_score_head_is_explained() {
     let tmp = tempfile::tempdir().unwrap();
     copy_dir(&model_dir("gpt2-causal"), tmp.path());
     let path = tmp.path().join("config.json");
-    let text = fs::read_to_string(&path)
-        .unwrap()
-        .replace("GPT2LMHeadModel", "GPT2ForSequenceClassification");
+    let text = fs::read_to_string(&path).unwrap().replace("GPT2LMHeadModel", "GPT2ForSequenceClassification");
     fs::write(&path, text).unwrap();
     let err = load_err(tmp.path());
-    assert!(
-        err.contains("`score.weight`") && err.contains("missing"),
-        "{err}"
-    );
+    assert!(err.contains("`score.weight`") && err.contains("missing"), "{err}");
 }
 
 #[test]

@@ -14,16 +14,9 @@ fn inputs(reference: &std::collections::HashMap<String, Tensor>, side: &str) -> 
     let ids = &reference[&format!("{side}.input_ids")];
     let mask = &reference[&format!("{side}.attention_mask")];
     let inputs = Inputs::new(ids, mask).unwrap();
-    let expected: Vec<Vec<u32>> = reference[&format!("{side}.position_ids")]
-        .to_dtype(DType::U32)
-        .unwrap()
-        .to_vec2()
-        .unwrap();
-    assert_eq!(
-        inputs.positions.to_vec2::<u32>().unwrap(),
-        expected,
-        "{side} position ids"
-    );
+    let expected: Vec<Vec<u32>> =
+        reference[&format!("{side}.position_ids")].to_dtype(DType::U32).unwrap().to_vec2().unwrap();
+    assert_eq!(inputs.positions.to_vec2::<u32>().unwrap(), expected, "{side} position ids");
     inputs
 }
 
@@ -39,10 +32,7 @@ fn logits_match_transformers_on_padded_batches() {
                 let logits = net.logits(&inputs, None).unwrap();
                 let diff = max_diff_masked(&logits, expected, &inputs.mask);
                 println!("{name} {side} {which}: max |Δ logit| = {diff:.2e}");
-                assert!(
-                    diff <= LOGIT_TOL,
-                    "{name} {side} {which}: max |Δ logit| = {diff}"
-                );
+                assert!(diff <= LOGIT_TOL, "{name} {side} {which}: max |Δ logit| = {diff}");
             }
             if !is_causal(name) {
                 let scores = model.frozen().scores(&inputs).unwrap();
@@ -76,11 +66,8 @@ fn kv_cache_decoding_matches_the_full_forward() {
         for step in prefill..t {
             // One column per step; its mask marks rows still inside their left padding.
             let column = |x: &Tensor| x.narrow(1, step, 1).unwrap();
-            let inputs = Inputs {
-                ids: column(&full.ids),
-                mask: column(&full.mask),
-                positions: column(&full.positions),
-            };
+            let inputs =
+                Inputs { ids: column(&full.ids), mask: column(&full.mask), positions: column(&full.positions) };
             outputs.push(net.logits(&inputs, Some(&mut cache)).unwrap());
         }
         assert_eq!(cache.len(), t);
@@ -89,11 +76,7 @@ fn kv_cache_decoding_matches_the_full_forward() {
             let n = o.dim(1).unwrap();
             println!(
                 "chunk {i}: {:.2e}",
-                max_diff_masked(
-                    o,
-                    &expected.narrow(1, s, n).unwrap(),
-                    &full.mask.narrow(1, s, n).unwrap()
-                )
+                max_diff_masked(o, &expected.narrow(1, s, n).unwrap(), &full.mask.narrow(1, s, n).unwrap())
             );
         }
         let decoded = Tensor::cat(&outputs, 1).unwrap();
@@ -110,12 +93,9 @@ fn reference_loss(model: &Model, name: &str, inputs: &Inputs) -> Tensor {
         let logits = model.network().logits(inputs, None).unwrap();
         let logp = next_token_logprobs(&logits, &inputs.ids).unwrap();
         let t = inputs.seq_len();
-        let pair_mask = (inputs.mask.narrow(1, 0, t - 1).unwrap()
-            * inputs.mask.narrow(1, 1, t - 1).unwrap())
-        .unwrap();
+        let pair_mask = (inputs.mask.narrow(1, 0, t - 1).unwrap() * inputs.mask.narrow(1, 1, t - 1).unwrap()).unwrap();
         let total = (logp * &pair_mask).unwrap().sum_all().unwrap();
-        (total.neg().unwrap() / pair_mask.sum_all().unwrap().to_scalar::<f32>().unwrap() as f64)
-            .unwrap()
+        (total.neg().unwrap() / pair_mask.sum_all().unwrap().to_scalar::<f32>().unwrap() as f64).unwrap()
     } else {
         model.network().scores(inputs).unwrap().sum_all().unwrap()
     }
@@ -128,45 +108,20 @@ fn every_gradient_matches_transformers() {
         let reference = reference(name);
         let inputs = inputs(&reference, "right");
         let grads = reference_loss(&model, name, &inputs).backward().unwrap();
-        let expected: Vec<&String> = reference
-            .keys()
-            .filter(|k| k.starts_with("grad."))
-            .collect();
-        assert_eq!(
-            expected.len(),
-            model.params().len(),
-            "{name}: parameter count differs from transformers"
-        );
+        let expected: Vec<&String> = reference.keys().filter(|k| k.starts_with("grad.")).collect();
+        assert_eq!(expected.len(), model.params().len(), "{name}: parameter count differs from transformers");
         let mut worst = 0f32;
         for p in model.params().iter() {
             let want = reference
                 .get(&format!("grad.{}", p.name))
                 .unwrap_or_else(|| panic!("{name}: transformers has no parameter `{}`", p.name));
-            let got = grads
-                .get(&p.var)
-                .unwrap_or_else(|| panic!("{name}: no gradient for `{}`", p.name));
-            let scale = want
-                .abs()
-                .unwrap()
-                .flatten_all()
-                .unwrap()
-                .max(0)
-                .unwrap()
-                .to_scalar::<f32>()
-                .unwrap()
-                .max(1.0);
+            let got = grads.get(&p.var).unwrap_or_else(|| panic!("{name}: no gradient for `{}`", p.name));
+            let scale = want.abs().unwrap().flatten_all().unwrap().max(0).unwrap().to_scalar::<f32>().unwrap().max(1.0);
             let diff = max_diff(got, want) / scale;
-            assert!(
-                diff <= 1e-4,
-                "{name}: gradient of `{}` differs by {diff} (relative)",
-                p.name
-            );
+            assert!(diff <= 1e-4, "{name}: gradient of `{}` differs by {diff} (relative)", p.name);
             worst = worst.max(diff);
         }
-        println!(
-            "{name}: {} gradients, max relative |Δ| = {worst:.2e}",
-            model.params().len()
-        );
+        println!("{name}: {} gradients, max relative |Δ| = {worst:.2e}", model.params().len());
     }
 }
 
@@ -177,24 +132,12 @@ fn every_parameter_gets_a_finite_nonzero_gradient() {
     for name in MODELS {
         let model = Model::load(&model_dir(name), &Device::Cpu).unwrap();
         let reference = reference(name);
-        let grads = reference_loss(&model, name, &inputs(&reference, "left"))
-            .backward()
-            .unwrap();
+        let grads = reference_loss(&model, name, &inputs(&reference, "left")).backward().unwrap();
         for p in model.params().iter() {
-            let g = grads
-                .get(&p.var)
-                .unwrap_or_else(|| panic!("{name}: `{}` got no gradient", p.name));
+            let g = grads.get(&p.var).unwrap_or_else(|| panic!("{name}: `{}` got no gradient", p.name));
             let g: Vec<f32> = g.flatten_all().unwrap().to_vec1().unwrap();
-            assert!(
-                g.iter().all(|x| x.is_finite()),
-                "{name}: `{}` has a non-finite gradient",
-                p.name
-            );
-            assert!(
-                g.iter().any(|&x| x != 0.0),
-                "{name}: `{}` has an all-zero gradient",
-                p.name
-            );
+            assert!(g.iter().all(|x| x.is_finite()), "{name}: `{}` has a non-finite gradient", p.name);
+            assert!(g.iter().any(|&x| x != 0.0), "{name}: `{}` has an all-zero gradient", p.name);
         }
     }
 }

@@ -12,14 +12,8 @@ use rloo::data::Prompt;
 use rloo::reward::{build, RewardSpec, Sample, Shaping};
 
 fn expected_rows(name: &str) -> Vec<Map<String, Value>> {
-    let path = fixtures()
-        .join("score/expected")
-        .join(format!("{name}.jsonl"));
-    std::fs::read_to_string(&path)
-        .unwrap()
-        .lines()
-        .map(|l| serde_json::from_str(l).unwrap())
-        .collect()
+    let path = fixtures().join("score/expected").join(format!("{name}.jsonl"));
+    std::fs::read_to_string(&path).unwrap().lines().map(|l| serde_json::from_str(l).unwrap()).collect()
 }
 
 #[test]
@@ -35,24 +29,14 @@ fn model_and_rules_combine_into_one_shaped_score() {
     assert_eq!(rewards.names(), ["rm", "answer", "dots"]);
 
     let expected = expected_rows("llama-seqcls");
-    let prompts: Vec<Prompt> = expected
-        .iter()
-        .map(|r| Prompt::from_value(&r["prompt"]).unwrap())
-        .collect();
-    let completions: Vec<&str> = expected
-        .iter()
-        .map(|r| r["completion"].as_str().unwrap())
-        .collect();
+    let prompts: Vec<Prompt> = expected.iter().map(|r| Prompt::from_value(&r["prompt"]).unwrap()).collect();
+    let completions: Vec<&str> = expected.iter().map(|r| r["completion"].as_str().unwrap()).collect();
     // Only the first row carries an answer, and its completion matches it.
     let rows: Vec<Map<String, Value>> = completions
         .iter()
         .enumerate()
         .map(|(i, c)| {
-            let row = if i == 0 {
-                json!({"answer": c.trim()})
-            } else {
-                json!({})
-            };
+            let row = if i == 0 { json!({"answer": c.trim()}) } else { json!({}) };
             row.as_object().unwrap().clone()
         })
         .collect();
@@ -69,10 +53,7 @@ fn model_and_rules_combine_into_one_shaped_score() {
         .collect();
 
     let scores = rewards.score(&samples).unwrap();
-    let rm: Vec<f32> = expected
-        .iter()
-        .map(|r| r["score"].as_f64().unwrap() as f32)
-        .collect();
+    let rm: Vec<f32> = expected.iter().map(|r| r["score"].as_f64().unwrap() as f32).collect();
     let want = [rm[0] + 2.0, rm[1], rm[2]];
     for (got, want) in scores.total.iter().zip(want) {
         assert!((got.unwrap() - want).abs() < 1e-4, "{:?}", scores.total);
@@ -93,17 +74,9 @@ fn model_and_rules_combine_into_one_shaped_score() {
         ]
     );
 
-    let shaping = Shaping {
-        missing_eos_penalty: Some(1.0),
-        normalize: false,
-        clip: Some([-1.0, 2.0]),
-    };
+    let shaping = Shaping { missing_eos_penalty: Some(1.0), normalize: false, clip: Some([-1.0, 2.0]) };
     let shaped = shaping.apply(&scores.total, &eos);
-    let want = [
-        (rm[0] + 2.0).clamp(-1.0, 2.0),
-        (rm[1] - 1.0).clamp(-1.0, 2.0),
-        rm[2].clamp(-1.0, 2.0),
-    ];
+    let want = [(rm[0] + 2.0).clamp(-1.0, 2.0), (rm[1] - 1.0).clamp(-1.0, 2.0), rm[2].clamp(-1.0, 2.0)];
     for (got, want) in shaped.iter().zip(want) {
         assert!((got.unwrap() - want).abs() < 1e-4, "{shaped:?}");
     }

@@ -11,18 +11,11 @@ use common::*;
 use serde_json::Value;
 
 fn rloo(args: &[&str]) -> Output {
-    Command::new(env!("CARGO_BIN_EXE_rloo"))
-        .args(args)
-        .output()
-        .unwrap()
+    Command::new(env!("CARGO_BIN_EXE_rloo")).args(args).output().unwrap()
 }
 
 fn ok(out: Output) -> Output {
-    assert!(
-        out.status.success(),
-        "rloo failed:\n{}",
-        String::from_utf8_lossy(&out.stderr)
-    );
+    assert!(out.status.success(), "rloo failed:\n{}", String::from_utf8_lossy(&out.stderr));
     out
 }
 
@@ -41,10 +34,7 @@ fn write_prompts(dir: &Path) -> String {
         "The music was",
         "We cooked",
     ];
-    let rows: Vec<String> = prompts
-        .iter()
-        .map(|p| serde_json::json!({ "prompt": p }).to_string())
-        .collect();
+    let rows: Vec<String> = prompts.iter().map(|p| serde_json::json!({ "prompt": p }).to_string()).collect();
     std::fs::write(&path, rows.join("\n") + "\n").unwrap();
     path.to_str().unwrap().to_string()
 }
@@ -53,13 +43,7 @@ fn metrics(dir: &Path) -> Vec<serde_json::Map<String, Value>> {
     std::fs::read_to_string(dir.join("metrics.jsonl"))
         .unwrap()
         .lines()
-        .map(|l| {
-            serde_json::from_str::<Value>(l)
-                .unwrap()
-                .as_object()
-                .unwrap()
-                .clone()
-        })
+        .map(|l| serde_json::from_str::<Value>(l).unwrap().as_object().unwrap().clone())
         .collect()
 }
 
@@ -108,14 +92,8 @@ fn a_rule_reward_rises_within_a_short_run() {
     let mean = |rows: &[serde_json::Map<String, Value>], key: &str| {
         rows.iter().map(|r| r[key].as_f64().unwrap()).sum::<f64>() / rows.len() as f64
     };
-    let (first, last) = (
-        mean(&rows[..5], "objective/scores"),
-        mean(&rows[35..], "objective/scores"),
-    );
-    let kl = rows
-        .iter()
-        .map(|r| r["objective/kl"].as_f64().unwrap())
-        .fold(0.0, f64::max);
+    let (first, last) = (mean(&rows[..5], "objective/scores"), mean(&rows[35..], "objective/scores"));
+    let kl = rows.iter().map(|r| r["objective/kl"].as_f64().unwrap()).fold(0.0, f64::max);
     println!("reward {first:.2} -> {last:.2}, max KL {kl:.2}");
     for r in &rows {
         println!(
@@ -126,10 +104,7 @@ fn a_rule_reward_rises_within_a_short_run() {
         );
     }
     assert!(last > first + 1.0, "reward did not rise: {first} -> {last}");
-    assert!(
-        kl < 16.0,
-        "KL per sequence of 16 tokens should stay below one nat per token, got {kl}"
-    );
+    assert!(kl < 16.0, "KL per sequence of 16 tokens should stay below one nat per token, got {kl}");
     // Every SPEC-RLOO.md section 5 metric is logged.
     for key in [
         "objective/scores",
@@ -213,10 +188,8 @@ fn resuming_reproduces_an_uninterrupted_run() {
     assert!(resumed.join("checkpoint-2").is_dir() && !resumed.join("model.safetensors").exists());
     run(&resumed, &["--resume_from_checkpoint", "latest"]);
 
-    let load = |dir: &Path| {
-        candle_core::safetensors::load(dir.join("model.safetensors"), &candle_core::Device::Cpu)
-            .unwrap()
-    };
+    let load =
+        |dir: &Path| candle_core::safetensors::load(dir.join("model.safetensors"), &candle_core::Device::Cpu).unwrap();
     let (a, b) = (load(&straight), load(&resumed));
     let mut worst = 0f32;
     for (name, t) in &a {
@@ -232,10 +205,7 @@ fn resuming_reproduces_an_uninterrupted_run() {
             if key.starts_with("time/") || key == "eps" {
                 continue;
             }
-            let (x, y) = (
-                va.as_f64().unwrap_or(f64::NAN),
-                rb[key].as_f64().unwrap_or(f64::NAN),
-            );
+            let (x, y) = (va.as_f64().unwrap_or(f64::NAN), rb[key].as_f64().unwrap_or(f64::NAN));
             assert!(
                 (x - y).abs() <= 1e-6 * (1.0 + x.abs()) || (x.is_nan() && y.is_nan()),
                 "step {}: {key} {x} vs {y}",
@@ -251,9 +221,8 @@ fn the_trl_example_command_runs_with_local_paths() {
     let tmp = tempfile::tempdir().unwrap();
     let data = tmp.path().join("descriptiveness-sentiment");
     std::fs::create_dir(&data).unwrap();
-    let rows: Vec<String> = (0..64)
-        .map(|i| serde_json::json!({ "prompt": format!("Story number {i}:") }).to_string())
-        .collect();
+    let rows: Vec<String> =
+        (0..64).map(|i| serde_json::json!({ "prompt": format!("Story number {i}:") }).to_string()).collect();
     std::fs::write(data.join("descriptiveness.jsonl"), rows.join("\n")).unwrap();
     let out = tmp.path().join("models/minimal/rloo");
     ok(rloo(&[
@@ -287,11 +256,7 @@ fn the_trl_example_command_runs_with_local_paths() {
     assert_eq!(rows.len(), 2);
     assert!(rows[0].contains_key("rewards/model/mean"));
     let config = std::fs::read_to_string(out.join("rloo_config.toml")).unwrap();
-    assert!(
-        config.contains("missing_eos_penalty = 1.0")
-            && config.contains("split = \"descriptiveness\""),
-        "{config}"
-    );
+    assert!(config.contains("missing_eos_penalty = 1.0") && config.contains("split = \"descriptiveness\""), "{config}");
 }
 
 #[test]
@@ -309,19 +274,11 @@ fn help_lists_every_flag_with_its_default() {
         ("--baseline", "[default: \"leave_one_out\"]"),
         ("--kl_estimator", "[default: \"k1\"]"),
     ] {
-        let line = help
-            .lines()
-            .find(|l| l.trim_start().starts_with(flag))
-            .unwrap_or_else(|| panic!("{flag} not in --help"));
-        assert!(
-            help.contains(default) && line.contains(flag),
-            "{flag}: {line}"
-        );
+        let line =
+            help.lines().find(|l| l.trim_start().starts_with(flag)).unwrap_or_else(|| panic!("{flag} not in --help"));
+        assert!(help.contains(default) && line.contains(flag), "{flag}: {line}");
         let after = &help[help.find(line).unwrap()..];
-        assert!(
-            after[..after.find(']').unwrap() + 1].contains(default),
-            "{flag} should show {default}"
-        );
+        assert!(after[..after.find(']').unwrap() + 1].contains(default), "{flag} should show {default}");
     }
 }
 
@@ -348,43 +305,15 @@ fn bad_configurations_are_explained() {
         let args: Vec<&str> = args.iter().map(String::as_str).collect();
         rloo(&args)
     };
-    let e = err(base(&[
-        "--set",
-        "reward=[{type=\"length\"}]",
-        "--rloo_k",
-        "1",
-    ]));
+    let e = err(base(&["--set", "reward=[{type=\"length\"}]", "--rloo_k", "1"]));
     assert!(e.contains("rloo_k") && e.contains("at least 2"), "{e}");
     let e = err(base(&["--reward_model_path", &policy()]));
     assert!(e.contains("not a reward model"), "{e}");
-    let e = err(base(&[
-        "--set",
-        "reward=[{type=\"length\"}]",
-        "--prompt_column",
-        "question",
-    ]));
-    assert!(
-        e.contains("no `question` column") && e.contains("prompts.jsonl"),
-        "{e}"
-    );
-    let e = err(base(&[
-        "--set",
-        "reward=[{type=\"length\"}]",
-        "--max_prompt_length",
-        "3",
-        "--long_prompts",
-        "error",
-    ]));
-    assert!(
-        e.contains("prompts.jsonl:1") && e.contains("max_prompt_length = 3"),
-        "{e}"
-    );
-    let e = err(base(&[
-        "--set",
-        "reward=[{type=\"length\"}]",
-        "--set",
-        "rloo.kl_coeff=1",
-    ]));
+    let e = err(base(&["--set", "reward=[{type=\"length\"}]", "--prompt_column", "question"]));
+    assert!(e.contains("no `question` column") && e.contains("prompts.jsonl"), "{e}");
+    let e = err(base(&["--set", "reward=[{type=\"length\"}]", "--max_prompt_length", "3", "--long_prompts", "error"]));
+    assert!(e.contains("prompts.jsonl:1") && e.contains("max_prompt_length = 3"), "{e}");
+    let e = err(base(&["--set", "reward=[{type=\"length\"}]", "--set", "rloo.kl_coeff=1"]));
     assert!(e.contains("kl_coeff"), "{e}");
     let e = err(base(&["--set", "reward=[{type=\"lenght\"}]"]));
     assert!(e.contains("lenght") && e.contains("length"), "{e}");

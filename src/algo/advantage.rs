@@ -36,11 +36,7 @@ pub struct Advantages {
 pub fn advantages(returns: &Grouped<Option<f32>>, baseline: Baseline) -> Advantages {
     let mut degenerate_groups = 0;
     let scorable: Vec<f64> = returns.flat().iter().flatten().map(|&r| r as f64).collect();
-    let batch_mean = if scorable.is_empty() {
-        0.0
-    } else {
-        scorable.iter().sum::<f64>() / scorable.len() as f64
-    };
+    let batch_mean = if scorable.is_empty() { 0.0 } else { scorable.iter().sum::<f64>() / scorable.len() as f64 };
     let mut values = Vec::with_capacity(returns.len());
     for group in returns.groups() {
         let n = group.iter().flatten().count();
@@ -60,22 +56,14 @@ pub fn advantages(returns: &Grouped<Option<f32>>, baseline: Baseline) -> Advanta
             values.push(a as f32);
         }
     }
-    Advantages {
-        values: Grouped::new(returns.k(), values),
-        degenerate_groups,
-    }
+    Advantages { values: Grouped::new(returns.k(), values), degenerate_groups }
 }
 
 /// Whitens advantages over the rollout batch: `(A - mean) / (std + 1e-8)`,
 /// with the unbiased std as `torch.std` computes it. Only the `included`
 /// samples (scorable ones) enter the statistics and change; the rest stay 0.
 pub fn whiten(values: &mut [f32], included: &[bool]) {
-    let xs: Vec<f64> = values
-        .iter()
-        .zip(included)
-        .filter(|(_, &i)| i)
-        .map(|(&v, _)| v as f64)
-        .collect();
+    let xs: Vec<f64> = values.iter().zip(included).filter(|(_, &i)| i).map(|(&v, _)| v as f64).collect();
     if xs.len() < 2 {
         return;
     }
@@ -96,16 +84,9 @@ mod tests {
     /// SPEC-RLOO.md's worked example, given as TRL lays it out: row = sample
     /// index, column = prompt.
     fn worked_example() -> Grouped<Option<f32>> {
-        let by_sample = [
-            [1.0, 2.0, 3.0],
-            [2.0, 3.0, 4.0],
-            [5.0, 6.0, 7.0],
-            [8.0, 9.0, 10.0],
-        ];
+        let by_sample = [[1.0, 2.0, 3.0], [2.0, 3.0, 4.0], [5.0, 6.0, 7.0], [8.0, 9.0, 10.0]];
         // [k][prompts] -> [prompts][k]
-        let data = (0..3)
-            .flat_map(|p| by_sample.iter().map(move |row| Some(row[p])))
-            .collect();
+        let data = (0..3).flat_map(|p| by_sample.iter().map(move |row| Some(row[p]))).collect();
         Grouped::new(4, data)
     }
 
@@ -153,11 +134,6 @@ mod tests {
         let mut v = vec![1.0, 0.0, 3.0, 5.0];
         whiten(&mut v, &[true, false, true, true]);
         // mean 3, unbiased std 2
-        assert!(
-            (v[0] + 1.0).abs() < 1e-6
-                && v[1] == 0.0
-                && v[2].abs() < 1e-6
-                && (v[3] - 1.0).abs() < 1e-6
-        );
+        assert!((v[0] + 1.0).abs() < 1e-6 && v[1] == 0.0 && v[2].abs() < 1e-6 && (v[3] - 1.0).abs() < 1e-6);
     }
 }

@@ -55,13 +55,7 @@ mod tests {
         let lp = Tensor::new(&[[-1.0f32, -2.0, -0.5]], &dev).unwrap();
         let lp_ref = Tensor::new(&[[-1.5f32, -1.0, -0.5]], &dev).unwrap();
         // d = [0.5, -1.0, 0.0]
-        let get = |e| {
-            kl_per_token(&lp, &lp_ref, e)
-                .unwrap()
-                .to_vec2::<f32>()
-                .unwrap()[0]
-                .clone()
-        };
+        let get = |e| kl_per_token(&lp, &lp_ref, e).unwrap().to_vec2::<f32>().unwrap()[0].clone();
         assert_eq!(get(KlEstimator::K1), vec![0.5, -1.0, 0.0]);
         assert_eq!(get(KlEstimator::K2), vec![0.125, 0.5, 0.0]);
         let k3 = get(KlEstimator::K3);
@@ -70,8 +64,7 @@ mod tests {
             assert!((a - b).abs() < 1e-6, "{k3:?}");
         }
         let mask = Tensor::new(&[[1.0f32, 1.0, 0.0]], &dev).unwrap();
-        let seq =
-            sequence_kl(&kl_per_token(&lp, &lp_ref, KlEstimator::K1).unwrap(), &mask).unwrap();
+        let seq = sequence_kl(&kl_per_token(&lp, &lp_ref, KlEstimator::K1).unwrap(), &mask).unwrap();
         assert_eq!(seq.to_vec1::<f32>().unwrap(), vec![-0.5]);
     }
 }

@@ -109,16 +109,10 @@ pub fn policy_loss(
         RatioLevel::Token => {
             let w = match aggregation {
                 // Each token weighs 1/len, so a sequence's tokens sum to 1.
-                Aggregation::SequenceMean => {
-                    mask.broadcast_div(&lengths.maximum(1.0)?.unsqueeze(1)?)?
-                }
+                Aggregation::SequenceMean => mask.broadcast_div(&lengths.maximum(1.0)?.unsqueeze(1)?)?,
                 Aggregation::TokenMean => mask.clone(),
             };
-            (
-                (lp - lp_old)?,
-                adv.unsqueeze(1)?.broadcast_as(lp.shape())?.contiguous()?,
-                w,
-            )
+            ((lp - lp_old)?, adv.unsqueeze(1)?.broadcast_as(lp.shape())?.contiguous()?, w)
         }
     };
     let rho = log_ratio.exp()?;
@@ -133,12 +127,7 @@ pub fn policy_loss(
         RatioLevel::Token => mask.flatten_all()?.to_vec1()?,
     };
     let flat = |t: &Tensor| -> Result<Vec<f32>> { t.detach().flatten_all()?.to_vec1() };
-    let (rho_v, un_v, cl_v, term_v) = (
-        flat(&rho)?,
-        flat(&unclipped)?,
-        flat(&clipped)?,
-        flat(&per_term)?,
-    );
+    let (rho_v, un_v, cl_v, term_v) = (flat(&rho)?, flat(&unclipped)?, flat(&clipped)?, flat(&per_term)?);
     let mut stats = LossStats::default();
     for i in 0..live.len() {
         if live[i] > 0.0 {
@@ -197,36 +186,12 @@ mod tests {
     /// is fully masked.
     fn toy() -> (Var, Tensor, Tensor, Tensor) {
         let dev = Device::Cpu;
-        let lp = Var::new(
-            &[
-                [-1.0f32, -2.0, -0.5],
-                [-0.2, -0.3, -9.0],
-                [-1.0, -1.0, -1.0],
-                [-3.0, -3.0, -3.0],
-            ],
-            &dev,
-        )
-        .unwrap();
-        let lp_old = Tensor::new(
-            &[
-                [-1.1f32, -2.0, -0.5],
-                [-0.2, -0.1, -9.0],
-                [-1.0, -1.0, -1.0],
-                [-3.0, -3.0, -3.0],
-            ],
-            &dev,
-        )
-        .unwrap();
-        let mask = Tensor::new(
-            &[
-                [1.0f32, 1.0, 1.0],
-                [1.0, 1.0, 0.0],
-                [1.0, 0.0, 0.0],
-                [0.0, 0.0, 0.0],
-            ],
-            &dev,
-        )
-        .unwrap();
+        let lp = Var::new(&[[-1.0f32, -2.0, -0.5], [-0.2, -0.3, -9.0], [-1.0, -1.0, -1.0], [-3.0, -3.0, -3.0]], &dev)
+            .unwrap();
+        let lp_old =
+            Tensor::new(&[[-1.1f32, -2.0, -0.5], [-0.2, -0.1, -9.0], [-1.0, -1.0, -1.0], [-3.0, -3.0, -3.0]], &dev)
+                .unwrap();
+        let mask = Tensor::new(&[[1.0f32, 1.0, 1.0], [1.0, 1.0, 0.0], [1.0, 0.0, 0.0], [0.0, 0.0, 0.0]], &dev).unwrap();
         let adv = Tensor::new(&[2.0f32, -1.0, 0.5, 3.0], &dev).unwrap();
         (lp, lp_old, mask, adv)
     }
@@ -234,8 +199,7 @@ mod tests {
     #[test]
     fn sequence_ratio_loss_and_gradient_match_hand_computation() {
         let (lp, lp_old, mask, adv) = toy();
-        let denom =
-            loss_denominator(&mask, RatioLevel::Sequence, Aggregation::SequenceMean).unwrap();
+        let denom = loss_denominator(&mask, RatioLevel::Sequence, Aggregation::SequenceMean).unwrap();
         assert_eq!(denom, 3.0, "the fully masked completion is not a term");
         let out = policy_loss(
             lp.as_tensor(),
@@ -257,12 +221,7 @@ mod tests {
         // d loss / d lp_{i,t} = -A_i * rho_i * m_t / 3 (unclipped terms).
         let grads = out.loss.backward().unwrap();
         let g = grads.get(&lp).unwrap().to_vec2::<f32>().unwrap();
-        let expect = [
-            [-2.0 * r0 / 3.0; 3],
-            [r1 / 3.0, r1 / 3.0, 0.0],
-            [-0.5 / 3.0, 0.0, 0.0],
-            [0.0; 3],
-        ];
+        let expect = [[-2.0 * r0 / 3.0; 3], [r1 / 3.0, r1 / 3.0, 0.0], [-0.5 / 3.0, 0.0, 0.0], [0.0; 3]];
         for (row, want_row) in g.iter().zip(expect) {
             for (a, b) in row.iter().zip(want_row) {
                 assert!((*a as f64 - b).abs() < 1e-6, "{g:?}");
@@ -294,14 +253,7 @@ mod tests {
         .unwrap();
         assert!((out.loss.to_scalar::<f32>().unwrap() + 1.2).abs() < 1e-6);
         assert_eq!(out.stats.clipped, 1.0);
-        let g = out
-            .loss
-            .backward()
-            .unwrap()
-            .get(&lp)
-            .unwrap()
-            .to_vec2::<f32>()
-            .unwrap()[0][0];
+        let g = out.loss.backward().unwrap().get(&lp).unwrap().to_vec2::<f32>().unwrap()[0][0];
         assert_eq!(g, 0.0, "a clipped term has no gradient");
     }
 
@@ -310,31 +262,14 @@ mod tests {
         let (lp, lp_old, mask, adv) = toy();
         let tm = loss_denominator(&mask, RatioLevel::Token, Aggregation::TokenMean).unwrap();
         assert_eq!(tm, 6.0);
-        let out = policy_loss(
-            lp.as_tensor(),
-            &lp_old,
-            &mask,
-            &adv,
-            0.2,
-            RatioLevel::Token,
-            Aggregation::TokenMean,
-            tm,
-        )
-        .unwrap();
+        let out = policy_loss(lp.as_tensor(), &lp_old, &mask, &adv, 0.2, RatioLevel::Token, Aggregation::TokenMean, tm)
+            .unwrap();
         let r = |d: f64| d.exp();
         let want = (-2.0 * (r(0.1) + 1.0 + 1.0) + (1.0 + r(-0.2)) - 0.5) / 6.0;
         assert!((out.loss.to_scalar::<f32>().unwrap() as f64 - want).abs() < 1e-6);
-        let out = policy_loss(
-            lp.as_tensor(),
-            &lp_old,
-            &mask,
-            &adv,
-            0.2,
-            RatioLevel::Token,
-            Aggregation::SequenceMean,
-            3.0,
-        )
-        .unwrap();
+        let out =
+            policy_loss(lp.as_tensor(), &lp_old, &mask, &adv, 0.2, RatioLevel::Token, Aggregation::SequenceMean, 3.0)
+                .unwrap();
         let want = (-2.0 * (r(0.1) + 2.0) / 3.0 + (1.0 + r(-0.2)) / 2.0 - 0.5) / 3.0;
         assert!((out.loss.to_scalar::<f32>().unwrap() as f64 - want).abs() < 1e-6);
     }

@@ -9,6 +9,4 @@ pub mod loss;
 pub use advantage::{advantages, whiten, Advantages, Baseline};
 pub use groups::Grouped;
 pub use kl::{kl_per_token, sequence_kl, KlEstimator, KlPlacement};
-pub use loss::{
-    loss_denominator, masked_mean_loss, policy_loss, Aggregation, LossStats, PolicyLoss, RatioLevel,
-};
+pub use loss::{loss_denominator, masked_mean_loss, policy_loss, Aggregation, LossStats, PolicyLoss, RatioLevel};

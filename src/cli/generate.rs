@@ -93,13 +93,9 @@ fn sampling(args: &GenerateArgs, gen: &GenerationConfig) -> Sampling {
 pub fn run(args: GenerateArgs) -> Result<()> {
     let device = parse_device(&args.device)?;
     let dir = resolve_model(&args.model)?;
-    let model =
-        Model::load(&dir, &device).with_context(|| format!("loading model {}", dir.display()))?;
+    let model = Model::load(&dir, &device).with_context(|| format!("loading model {}", dir.display()))?;
     if model.head() != HeadKind::CausalLm {
-        bail!(
-            "{}: a sequence-classification model cannot generate text",
-            dir.display()
-        );
+        bail!("{}: a sequence-classification model cannot generate text", dir.display());
     }
     let tokenizer = Tokenizer::from_dir(&dir)?;
     let gen = GenerationConfig::from_dir(&dir)?.unwrap_or_default();
@@ -111,12 +107,8 @@ pub fn run(args: GenerateArgs) -> Result<()> {
     let mut prompts = Vec::with_capacity(rows.len());
     for row in &rows {
         let at = || format!("{}:{}", args.prompts.display(), row.line);
-        let value = row
-            .fields
-            .get("prompt")
-            .with_context(|| format!("{}: missing field `prompt`", at()))?;
-        let prompt = Prompt::from_value(value)
-            .map_err(|e| anyhow::anyhow!("{}: field `prompt`: {e}", at()))?;
+        let value = row.fields.get("prompt").with_context(|| format!("{}: missing field `prompt`", at()))?;
+        let prompt = Prompt::from_value(value).map_err(|e| anyhow::anyhow!("{}: field `prompt`: {e}", at()))?;
         prompts.push(tokenizer.encode_prompt(&prompt).with_context(at)?);
     }
 
@@ -134,16 +126,10 @@ pub fn run(args: GenerateArgs) -> Result<()> {
     };
     stop_ids.extend(&args.stop_token_id);
     let opts = GenerateOptions {
-        max_new_tokens: args
-            .max_new_tokens
-            .or(gen.max_new_tokens.map(|n| n as usize))
-            .unwrap_or(64),
+        max_new_tokens: args.max_new_tokens.or(gen.max_new_tokens.map(|n| n as usize)).unwrap_or(64),
         num_return_sequences: args.num_return_sequences as usize,
         sampling: sampling(&args, &gen),
-        stop: StopCriteria {
-            token_ids: stop_ids,
-            strings: args.stop.clone(),
-        },
+        stop: StopCriteria { token_ids: stop_ids, strings: args.stop.clone() },
         batch_size: args.batch_size as usize,
         seed: args.seed,
         max_positions: model.config().max_positions(),
@@ -157,18 +143,12 @@ pub fn run(args: GenerateArgs) -> Result<()> {
     );
 
     let mut out = JsonlWriter::create(&args.output)?;
-    let bar = super::progress_bar(
-        (prompts.len() * opts.num_return_sequences) as u64,
-        "completions",
-    );
+    let bar = super::progress_bar((prompts.len() * opts.num_return_sequences) as u64, "completions");
     let started = Instant::now();
     let mut generated = 0usize;
     let mut on_tokens = |n: usize| {
         generated += n;
-        bar.set_message(format!(
-            "{:.0} tok/s",
-            generated as f64 / started.elapsed().as_secs_f64()
-        ));
+        bar.set_message(format!("{:.0} tok/s", generated as f64 / started.elapsed().as_secs_f64()));
     };
     let mut on_done = |c: rloo::generate::Completion| -> rloo::Result<()> {
         let mut text = tokenizer.decode(&c.tokens, true)?;
@@ -177,10 +157,7 @@ pub fn run(args: GenerateArgs) -> Result<()> {
         }
         let mut fields: Map<String, Value> = rows[c.prompt_index].fields.clone();
         fields.insert("completion".into(), text.into());
-        fields.insert(
-            "finish_reason".into(),
-            serde_json::to_value(c.finish_reason).unwrap_or_default(),
-        );
+        fields.insert("finish_reason".into(), serde_json::to_value(c.finish_reason).unwrap_or_default());
         fields.insert("completion_tokens".into(), c.tokens.len().into());
         fields.insert("prompt_index".into(), c.prompt_index.into());
         fields.insert("sample_index".into(), c.sample_index.into());
@@ -188,15 +165,7 @@ pub fn run(args: GenerateArgs) -> Result<()> {
         bar.inc(1);
         Ok(())
     };
-    generate(
-        model.frozen(),
-        &prompts,
-        &opts,
-        Some(&tokenizer),
-        &device,
-        &mut on_tokens,
-        &mut on_done,
-    )?;
+    generate(model.frozen(), &prompts, &opts, Some(&tokenizer), &device, &mut on_tokens, &mut on_done)?;
     bar.finish_and_clear();
     let secs = started.elapsed().as_secs_f64();
     eprintln!(

@@ -67,7 +67,9 @@ fn init_logging(verbose: u8) {
 /// A progress bar on stderr that hides itself when stderr is not a terminal.
 pub(crate) fn progress_bar(len: u64, unit: &str) -> indicatif::ProgressBar {
     let bar = indicatif::ProgressBar::new(len);
-    let template = format!("{{spinner}} [{{elapsed_precise}}] {{bar:40}} {{pos}}/{{len}} {unit} ({{per_sec}}, eta {{eta}}) {{msg}}");
+    let template = format!(
+        "{{spinner}} [{{elapsed_precise}}] {{bar:40}} {{pos}}/{{len}} {unit} ({{per_sec}}, eta {{eta}}) {{msg}}"
+    );
     if let Ok(style) = indicatif::ProgressStyle::with_template(&template) {
         bar.set_style(style);
     }

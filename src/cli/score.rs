@@ -48,8 +48,7 @@ struct ScoreRow {
 pub fn run(args: ScoreArgs) -> Result<()> {
     let device = parse_device(&args.device)?;
     let dir = resolve_model(&args.model)?;
-    let model =
-        Model::load(&dir, &device).with_context(|| format!("loading model {}", dir.display()))?;
+    let model = Model::load(&dir, &device).with_context(|| format!("loading model {}", dir.display()))?;
     let tokenizer = Tokenizer::from_dir(&dir)?;
     let rows = read_rows(&args.input)?;
     if rows.is_empty() {
@@ -59,12 +58,8 @@ pub fn run(args: ScoreArgs) -> Result<()> {
     let mut items = Vec::with_capacity(rows.len());
     for row in rows {
         let at = || format!("{}:{}", args.input.display(), row.line);
-        let prompt = row
-            .fields
-            .get("prompt")
-            .with_context(|| format!("{}: missing field `prompt`", at()))?;
-        let prompt = Prompt::from_value(prompt)
-            .map_err(|e| anyhow::anyhow!("{}: field `prompt`: {e}", at()))?;
+        let prompt = row.fields.get("prompt").with_context(|| format!("{}: missing field `prompt`", at()))?;
+        let prompt = Prompt::from_value(prompt).map_err(|e| anyhow::anyhow!("{}: field `prompt`: {e}", at()))?;
         let completion = match row.fields.get("completion") {
             Some(Value::String(s)) => s.clone(),
             Some(other) => bail!("{}: field `completion` must be a string, got {other}", at()),
@@ -78,13 +73,8 @@ pub fn run(args: ScoreArgs) -> Result<()> {
             bail!("{}: prompt and completion are both empty", at());
         }
         let joined = [pair.prompt.as_slice(), pair.completion.as_slice()].concat();
-        model
-            .check_inputs(&Inputs::from_rows(&[joined], 0, PadSide::Right, &device)?)
-            .with_context(at)?;
-        items.push(ScoreRow {
-            fields: row.fields,
-            pair,
-        });
+        model.check_inputs(&Inputs::from_rows(&[joined], 0, PadSide::Right, &device)?).with_context(at)?;
+        items.push(ScoreRow { fields: row.fields, pair });
     }
 
     let mut out = JsonlWriter::create(&args.output)?;
@@ -106,11 +96,7 @@ pub fn run(args: ScoreArgs) -> Result<()> {
                 let scores = sequence_scores(model.frozen(), &pairs, &device)?;
                 for (row, s) in chunk.iter().zip(scores) {
                     let mut fields = row.fields.clone();
-                    let score = if num_labels == 1 {
-                        Value::from(s[0])
-                    } else {
-                        Value::from(s)
-                    };
+                    let score = if num_labels == 1 { Value::from(s[0]) } else { Value::from(s) };
                     fields.insert("score".into(), score);
                     out.write_row(&fields)?;
                 }

@@ -132,11 +132,7 @@ impl clap::Args for TrainArgs {
                     .help("Print the resolved configuration and exit"),
             );
         for (flag, key, kind, help) in FLAGS {
-            let default = if key.is_empty() {
-                "none".to_string()
-            } else {
-                default_of(key)
-            };
+            let default = if key.is_empty() { "none".to_string() } else { default_of(key) };
             let mut arg = Arg::new(*flag)
                 .long(*flag)
                 .alias(flag.replace('_', "-"))
@@ -147,16 +143,9 @@ impl clap::Args for TrainArgs {
                     Kind::Bool => "BOOL",
                 })
                 .help(format!("{help} [default: {default}]"))
-                .help_heading(if key.starts_with("model") || key.is_empty() {
-                    "Model"
-                } else {
-                    section_heading(key)
-                });
+                .help_heading(if key.starts_with("model") || key.is_empty() { "Model" } else { section_heading(key) });
             if let Kind::Bool = kind {
-                arg = arg
-                    .num_args(0..=1)
-                    .default_missing_value("true")
-                    .value_parser(clap::value_parser!(bool));
+                arg = arg.num_args(0..=1).default_missing_value("true").value_parser(clap::value_parser!(bool));
             }
             cmd = cmd.arg(arg);
         }
@@ -181,14 +170,12 @@ impl clap::FromArgMatches for TrainArgs {
     fn from_arg_matches(m: &ArgMatches) -> Result<Self, clap::Error> {
         let mut overrides = Vec::new();
         for set in m.get_many::<String>("set").into_iter().flatten() {
-            overrides.push(parse_set(set).map_err(|e| {
-                clap::Error::raw(clap::error::ErrorKind::InvalidValue, format!("{e}\n"))
-            })?);
+            overrides.push(
+                parse_set(set).map_err(|e| clap::Error::raw(clap::error::ErrorKind::InvalidValue, format!("{e}\n")))?,
+            );
         }
-        let given = |flag: &str| {
-            m.contains_id(flag)
-                && m.value_source(flag) == Some(clap::parser::ValueSource::CommandLine)
-        };
+        let given =
+            |flag: &str| m.contains_id(flag) && m.value_source(flag) == Some(clap::parser::ValueSource::CommandLine);
         for (flag, key, kind, _) in FLAGS {
             if !given(flag) || key.is_empty() {
                 continue;
@@ -201,11 +188,7 @@ impl clap::FromArgMatches for TrainArgs {
                 }
             };
             // With --sft_model_path, --model_name_or_path names only the tokenizer (as in TRL).
-            let key = if *flag == "model_name_or_path" && given("sft_model_path") {
-                "model.tokenizer"
-            } else {
-                key
-            };
+            let key = if *flag == "model_name_or_path" && given("sft_model_path") { "model.tokenizer" } else { key };
             overrides.push((key.to_string(), value));
         }
         Ok(Self {
@@ -224,10 +207,7 @@ impl clap::FromArgMatches for TrainArgs {
 
 fn typed(flag: &str, text: &str, kind: Kind) -> Result<toml::Value, clap::Error> {
     let bad = |what: &str| {
-        clap::Error::raw(
-            clap::error::ErrorKind::InvalidValue,
-            format!("--{flag}: expected {what}, got `{text}`\n"),
-        )
+        clap::Error::raw(clap::error::ErrorKind::InvalidValue, format!("--{flag}: expected {what}, got `{text}`\n"))
     };
     Ok(match kind {
         Kind::Int => toml::Value::Integer(text.parse().map_err(|_| bad("an integer"))?),
@@ -239,23 +219,13 @@ fn typed(flag: &str, text: &str, kind: Kind) -> Result<toml::Value, clap::Error>
 pub fn run(args: TrainArgs) -> Result<()> {
     let mut cfg = TrainConfig::load(args.config.as_deref(), &args.overrides)?;
     if let Some(path) = &args.reward_model_path {
-        cfg.reward.push(RewardSpec::Model(ModelSpec {
-            name: None,
-            weight: 1.0,
-            path: path.clone(),
-            batch_size: 8,
-        }));
+        cfg.reward.push(RewardSpec::Model(ModelSpec { name: None, weight: 1.0, path: path.clone(), batch_size: 8 }));
     }
     if args.print_config {
         print!("{}", cfg.to_toml());
         return Ok(());
     }
     let summary = rloo::train::rloo::train(&cfg).context("training failed")?;
-    eprintln!(
-        "trained {} steps ({} episodes) -> {}",
-        summary.steps,
-        summary.episodes,
-        summary.output_dir.display()
-    );
+    eprintln!("trained {} steps ({} episodes) -> {}", summary.steps, summary.episodes, summary.output_dir.display());
     Ok(())
 }

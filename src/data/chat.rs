@@ -76,22 +76,9 @@ impl ChatTemplate {
 
     fn compile(text: String, source: PathBuf, name: Option<String>) -> Result<ChatTemplate> {
         let env = build_environment(&text).map_err(|e| {
-            Error::bad_file(
-                &source,
-                format!(
-                    "chat template{} does not compile: {}",
-                    label(&name),
-                    describe(&e)
-                ),
-            )
+            Error::bad_file(&source, format!("chat template{} does not compile: {}", label(&name), describe(&e)))
         })?;
-        Ok(ChatTemplate {
-            source,
-            name,
-            text,
-            env,
-            vars: Map::new(),
-        })
+        Ok(ChatTemplate { source, name, text, env, vars: Map::new() })
     }
 
     /// Loads the template of a model directory, or `None` when it has none.
@@ -101,10 +88,7 @@ impl ChatTemplate {
     /// `tokenizer_config.json` of `dir`), which is either a string or a list of
     /// `{"name", "template"}` objects of which the one named `default` is used,
     /// as transformers' `get_chat_template` does when no name is asked for.
-    pub fn from_model_dir(
-        dir: &Path,
-        tokenizer_config: Option<&Map<String, Value>>,
-    ) -> Result<Option<ChatTemplate>> {
+    pub fn from_model_dir(dir: &Path, tokenizer_config: Option<&Map<String, Value>>) -> Result<Option<ChatTemplate>> {
         let file = dir.join(CHAT_TEMPLATE_FILE);
         if file.is_file() {
             let text = read_to_string(&file)?;
@@ -124,10 +108,9 @@ impl ChatTemplate {
             Value::Array(items) => {
                 let mut names = Vec::new();
                 for (i, item) in items.iter().enumerate() {
-                    let (Some(name), Some(template)) = (
-                        item.get("name").and_then(Value::as_str),
-                        item.get("template").and_then(Value::as_str),
-                    ) else {
+                    let (Some(name), Some(template)) =
+                        (item.get("name").and_then(Value::as_str), item.get("template").and_then(Value::as_str))
+                    else {
                         return Err(Error::bad_file(
                             path,
                             format!(
@@ -138,11 +121,7 @@ impl ChatTemplate {
                         ));
                     };
                     if name == "default" {
-                        return Self::compile(
-                            template.to_string(),
-                            path.to_path_buf(),
-                            Some(name.to_string()),
-                        );
+                        return Self::compile(template.to_string(), path.to_path_buf(), Some(name.to_string()));
                     }
                     names.push(name.to_string());
                 }
@@ -210,27 +189,11 @@ impl ChatTemplate {
         for (k, v) in self.vars.iter().chain(extra) {
             ctx.insert(k.clone(), v.clone());
         }
-        ctx.insert(
-            "messages".into(),
-            serde_json::to_value(messages).expect("messages serialise"),
-        );
-        ctx.insert(
-            "add_generation_prompt".into(),
-            Value::Bool(add_generation_prompt),
-        );
-        let template = self
-            .env
-            .get_template(TEMPLATE_NAME)
-            .expect("template registered at construction");
+        ctx.insert("messages".into(), serde_json::to_value(messages).expect("messages serialise"));
+        ctx.insert("add_generation_prompt".into(), Value::Bool(add_generation_prompt));
+        let template = self.env.get_template(TEMPLATE_NAME).expect("template registered at construction");
         template.render(JValue::from(Serde(&ctx))).map_err(|e| {
-            Error::bad_file(
-                &self.source,
-                format!(
-                    "chat template{} failed: {}",
-                    label(&self.name),
-                    describe(&e)
-                ),
-            )
+            Error::bad_file(&self.source, format!("chat template{} failed: {}", label(&self.name), describe(&e)))
         })
     }
 }
@@ -287,10 +250,8 @@ fn raise_exception(message: String) -> std::result::Result<JValue, minijinja::Er
 }
 
 fn strftime_now(format: String) -> String {
-    let secs = std::time::SystemTime::now()
-        .duration_since(std::time::UNIX_EPOCH)
-        .map(|d| d.as_secs() as i64)
-        .unwrap_or(0);
+    let secs =
+        std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).map(|d| d.as_secs() as i64).unwrap_or(0);
     strftime(&format, secs)
 }
 
@@ -313,15 +274,7 @@ pub fn strftime(format: &str, unix_secs: i64) -> String {
         "November",
         "December",
     ];
-    const DAYS: [&str; 7] = [
-        "Monday",
-        "Tuesday",
-        "Wednesday",
-        "Thursday",
-        "Friday",
-        "Saturday",
-        "Sunday",
-    ];
+    const DAYS: [&str; 7] = ["Monday", "Tuesday", "Wednesday", "Thursday", "Friday", "Saturday", "Sunday"];
     let days = unix_secs.div_euclid(86_400);
     let secs_of_day = unix_secs.rem_euclid(86_400);
     let (year, month, day) = civil_from_days(days);
@@ -412,11 +365,7 @@ fn days_from_civil(year: i64, month: i64, day: i64) -> i64 {
 /// transformers' `tojson(x, ensure_ascii=False, indent=None, separators=None,
 /// sort_keys=False)`, i.e. Python's `json.dumps` with those arguments
 /// (positional or keyword).
-fn tojson(
-    value: &JValue,
-    args: Rest<JValue>,
-    kwargs: Kwargs,
-) -> std::result::Result<JValue, minijinja::Error> {
+fn tojson(value: &JValue, args: Rest<JValue>, kwargs: Kwargs) -> std::result::Result<JValue, minijinja::Error> {
     const NAMES: [&str; 4] = ["ensure_ascii", "indent", "separators", "sort_keys"];
     if args.len() > NAMES.len() {
         return Err(minijinja::Error::new(
@@ -458,10 +407,9 @@ fn tojson(
         Some(v) if !v.is_none() && !v.is_undefined() => {
             let parts: Vec<JValue> = v.try_iter()?.collect();
             match parts.as_slice() {
-                [a, b] if a.as_str().is_some() && b.as_str().is_some() => (
-                    a.as_str().unwrap_or_default().to_string(),
-                    b.as_str().unwrap_or_default().to_string(),
-                ),
+                [a, b] if a.as_str().is_some() && b.as_str().is_some() => {
+                    (a.as_str().unwrap_or_default().to_string(), b.as_str().unwrap_or_default().to_string())
+                }
                 _ => {
                     return Err(minijinja::Error::new(
                         ErrorKind::InvalidOperation,
@@ -474,14 +422,7 @@ fn tojson(
         _ if indent.is_some() => (",".to_string(), ": ".to_string()),
         _ => (", ".to_string(), ": ".to_string()),
     };
-    let mut w = PyJson {
-        out: String::new(),
-        ensure_ascii,
-        sort_keys,
-        indent,
-        item_sep,
-        key_sep,
-    };
+    let mut w = PyJson { out: String::new(), ensure_ascii, sort_keys, indent, item_sep, key_sep };
     w.value(value, 0)?;
     Ok(JValue::from(w.out))
 }
@@ -500,9 +441,7 @@ impl PyJson {
     fn value(&mut self, v: &JValue, depth: usize) -> std::result::Result<(), minijinja::Error> {
         match v.kind() {
             ValueKind::None => self.out.push_str("null"),
-            ValueKind::Bool => self
-                .out
-                .push_str(if v.is_true() { "true" } else { "false" }),
+            ValueKind::Bool => self.out.push_str(if v.is_true() { "true" } else { "false" }),
             ValueKind::Number => {
                 if v.is_integer() {
                     self.out.push_str(&v.to_string());
@@ -514,9 +453,7 @@ impl PyJson {
             ValueKind::String => self.string(v.as_str().unwrap_or_default()),
             ValueKind::Seq | ValueKind::Iterable => {
                 let items: Vec<JValue> = v.try_iter()?.collect();
-                self.container('[', ']', depth, items.len(), |w, i, d| {
-                    w.value(&items[i], d)
-                })?;
+                self.container('[', ']', depth, items.len(), |w, i, d| w.value(&items[i], d))?;
             }
             ValueKind::Map => {
                 let mut entries = Vec::new();
@@ -641,11 +578,7 @@ fn python_float_repr(f: f64) -> String {
     let digits: String = mantissa.chars().filter(|c| *c != '.').collect();
     if !(-4..16).contains(&exp) {
         let (head, tail) = digits.split_at(1);
-        let frac = if tail.is_empty() {
-            String::new()
-        } else {
-            format!(".{tail}")
-        };
+        let frac = if tail.is_empty() { String::new() } else { format!(".{tail}") };
         let esign = if exp < 0 { '-' } else { '+' };
         return format!("{sign}{head}{frac}e{esign}{:02}", exp.abs());
     }
@@ -669,30 +602,21 @@ mod tests {
     use serde_json::json;
 
     fn fixture(name: &str) -> ChatTemplate {
-        let path = Path::new(env!("CARGO_MANIFEST_DIR"))
-            .join("tests/fixtures/templates")
-            .join(name);
+        let path = Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/fixtures/templates").join(name);
         let text = std::fs::read_to_string(&path).unwrap();
         ChatTemplate::new(text, path).unwrap()
     }
 
     fn llama(name: &str) -> ChatTemplate {
-        fixture(name)
-            .with_var("bos_token", json!("<|begin_of_text|>"))
-            .with_var("eos_token", json!("<|eot_id|>"))
+        fixture(name).with_var("bos_token", json!("<|begin_of_text|>")).with_var("eos_token", json!("<|eot_id|>"))
     }
 
     fn qwen(name: &str) -> ChatTemplate {
-        fixture(name)
-            .with_var("eos_token", json!("<|im_end|>"))
-            .with_var("pad_token", json!("<|endoftext|>"))
+        fixture(name).with_var("eos_token", json!("<|im_end|>")).with_var("pad_token", json!("<|endoftext|>"))
     }
 
     fn system_user() -> Vec<Message> {
-        vec![
-            Message::new("system", "You are terse."),
-            Message::new("user", "What is 2+2?"),
-        ]
+        vec![Message::new("system", "You are terse."), Message::new("user", "What is 2+2?")]
     }
 
     fn user_only() -> Vec<Message> {
@@ -793,13 +717,8 @@ mod tests {
                 "parameters": {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}
             }}]
         });
-        let got = t
-            .render_with(
-                &[Message::new("user", "Weather in Paris?")],
-                true,
-                extra.as_object().unwrap(),
-            )
-            .unwrap();
+        let got =
+            t.render_with(&[Message::new("user", "Weather in Paris?")], true, extra.as_object().unwrap()).unwrap();
         assert_eq!(
             got,
             "<|begin_of_text|><|start_header_id|>system<|end_header_id|>\n\nEnvironment: ipython\nCutting Knowledge Date: December 2023\nToday Date: 01 Jan 2025\n\n<|eot_id|><|start_header_id|>user<|end_header_id|>\n\nGiven the following functions, please respond with a JSON for a function call with its proper arguments that best answers the given prompt.\n\nRespond in the format {\"name\": function name, \"parameters\": dictionary of argument name and its value}.Do not use variables.\n\n{\n    \"type\": \"function\",\n    \"function\": {\n        \"name\": \"get_weather\",\n        \"description\": \"Weather in a city, e.g. Z\u{fc}rich\",\n        \"parameters\": {\n            \"type\": \"object\",\n            \"properties\": {\n                \"city\": {\n                    \"type\": \"string\"\n                }\n            },\n            \"required\": [\n                \"city\"\n            ]\n        }\n    }\n}\n\nWeather in Paris?<|eot_id|><|start_header_id|>assistant<|end_header_id|>\n\n"
@@ -810,18 +729,10 @@ mod tests {
     fn raise_exception_becomes_an_error_naming_the_template() {
         let t = llama("llama3_1.jinja");
         let extra = json!({"tools": []});
-        let err = t
-            .render_with(
-                &[Message::new("system", "sys")],
-                true,
-                extra.as_object().unwrap(),
-            )
-            .unwrap_err()
-            .to_string();
+        let err =
+            t.render_with(&[Message::new("system", "sys")], true, extra.as_object().unwrap()).unwrap_err().to_string();
         assert!(
-            err.contains(
-                "Cannot put tools in the first user message when there's no first user message!"
-            ),
+            err.contains("Cannot put tools in the first user message when there's no first user message!"),
             "{err}"
         );
         assert!(err.contains("llama3_1.jinja"), "{err}");
@@ -846,8 +757,7 @@ mod tests {
         .unwrap();
         let extra = json!({"x": {"b": 1, "a": [1, 2]}});
         assert_eq!(
-            t.render_with(&[], false, extra.as_object().unwrap())
-                .unwrap(),
+            t.render_with(&[], false, extra.as_object().unwrap()).unwrap(),
             "{\"a\":[1,2],\"b\":1}|\"\\u00e9\\n\""
         );
     }
@@ -860,8 +770,7 @@ mod tests {
 
     #[test]
     fn trailing_newline_of_the_template_is_dropped() {
-        let t = ChatTemplate::new("{% if add_generation_prompt %}\nA\n{% endif %}\n", "inline")
-            .unwrap();
+        let t = ChatTemplate::new("{% if add_generation_prompt %}\nA\n{% endif %}\n", "inline").unwrap();
         assert_eq!(t.render(&[], true).unwrap(), "A\n");
     }
 
@@ -871,10 +780,7 @@ mod tests {
         let t = 1_721_999_109;
         assert_eq!(strftime("%d %b %Y", t), "26 Jul 2024");
         assert_eq!(strftime("%Y-%m-%d %H:%M:%S", t), "2024-07-26 13:05:09");
-        assert_eq!(
-            strftime("%A %B %-d, %I%p %j %%", t),
-            "Friday July 26, 01PM 208 %"
-        );
+        assert_eq!(strftime("%A %B %-d, %I%p %j %%", t), "Friday July 26, 01PM 208 %");
         assert_eq!(strftime("%d %b %Y", 0), "01 Jan 1970");
         assert_eq!(strftime("%d %b %Y", 951_782_400), "29 Feb 2000");
     }
@@ -888,13 +794,8 @@ mod tests {
 
     #[test]
     fn syntax_error_names_the_source() {
-        let err = ChatTemplate::new("{% if %}", "/m/chat_template.jinja")
-            .unwrap_err()
-            .to_string();
-        assert!(
-            err.starts_with("/m/chat_template.jinja: chat template does not compile"),
-            "{err}"
-        );
+        let err = ChatTemplate::new("{% if %}", "/m/chat_template.jinja").unwrap_err().to_string();
+        assert!(err.starts_with("/m/chat_template.jinja: chat template does not compile"), "{err}");
     }
 
     #[test]
@@ -902,16 +803,12 @@ mod tests {
         let dir = tempfile::tempdir().unwrap();
         let config = json!({"chat_template": "from config"});
         let config = config.as_object().unwrap();
-        let t = ChatTemplate::from_model_dir(dir.path(), Some(config))
-            .unwrap()
-            .unwrap();
+        let t = ChatTemplate::from_model_dir(dir.path(), Some(config)).unwrap().unwrap();
         assert_eq!(t.render(&[], false).unwrap(), "from config");
         assert_eq!(t.source(), dir.path().join("tokenizer_config.json"));
 
         std::fs::write(dir.path().join(CHAT_TEMPLATE_FILE), "from file\n").unwrap();
-        let t = ChatTemplate::from_model_dir(dir.path(), Some(config))
-            .unwrap()
-            .unwrap();
+        let t = ChatTemplate::from_model_dir(dir.path(), Some(config)).unwrap().unwrap();
         assert_eq!(t.render(&[], false).unwrap(), "from file");
         assert_eq!(t.source(), dir.path().join(CHAT_TEMPLATE_FILE));
     }
@@ -919,15 +816,9 @@ mod tests {
     #[test]
     fn no_template_anywhere_is_none() {
         let dir = tempfile::tempdir().unwrap();
-        assert!(ChatTemplate::from_model_dir(dir.path(), None)
-            .unwrap()
-            .is_none());
+        assert!(ChatTemplate::from_model_dir(dir.path(), None).unwrap().is_none());
         let config = json!({"chat_template": null});
-        assert!(
-            ChatTemplate::from_model_dir(dir.path(), Some(config.as_object().unwrap()))
-                .unwrap()
-                .is_none()
-        );
+        assert!(ChatTemplate::from_model_dir(dir.path(), Some(config.as_object().unwrap())).unwrap().is_none());
     }
 
     #[test]
@@ -940,18 +831,14 @@ mod tests {
         assert_eq!(t.render(&[], false).unwrap(), "plain");
 
         let value = json!([{"name": "tool_use", "template": "tools"}]);
-        let err = ChatTemplate::from_config_value(&value, Path::new("tc.json"))
-            .unwrap_err()
-            .to_string();
+        let err = ChatTemplate::from_config_value(&value, Path::new("tc.json")).unwrap_err().to_string();
         assert!(err.contains("needs one named \"default\""), "{err}");
         assert!(err.contains("tool_use"), "{err}");
     }
 
     #[test]
     fn chat_template_of_wrong_type_is_rejected() {
-        let err = ChatTemplate::from_config_value(&json!(3), Path::new("tc.json"))
-            .unwrap_err()
-            .to_string();
+        let err = ChatTemplate::from_config_value(&json!(3), Path::new("tc.json")).unwrap_err().to_string();
         assert_eq!(
             err,
             "tc.json: chat_template: expected a string or a list of {name, template} objects, got a number (3)"

@@ -31,9 +31,7 @@ pub fn read_rows(path: impl AsRef<Path>) -> Result<Vec<Row>> {
     let path = path.as_ref();
     let file = File::open(path).map_err(|e| Error::io(path, e))?;
     let mut reader = BufReader::new(file);
-    let is_json = path
-        .extension()
-        .is_some_and(|e| e.eq_ignore_ascii_case("json"));
+    let is_json = path.extension().is_some_and(|e| e.eq_ignore_ascii_case("json"));
     if is_json && starts_with_bracket(&mut reader).map_err(|e| Error::io(path, e))? {
         read_array(path, reader)
     } else {
@@ -53,28 +51,19 @@ fn starts_with_bracket(reader: &mut BufReader<File>) -> std::io::Result<bool> {
 
 fn read_array(path: &Path, mut reader: BufReader<File>) -> Result<Vec<Row>> {
     let mut text = String::new();
-    reader
-        .read_to_string(&mut text)
-        .map_err(|e| Error::io(path, e))?;
+    reader.read_to_string(&mut text).map_err(|e| Error::io(path, e))?;
     let text = text.strip_prefix('\u{feff}').unwrap_or(&text);
-    let items: Vec<Value> = serde_json::from_str(text)
-        .map_err(|e| Error::bad_file(path, format!("invalid JSON: {e}")))?;
+    let items: Vec<Value> =
+        serde_json::from_str(text).map_err(|e| Error::bad_file(path, format!("invalid JSON: {e}")))?;
     items
         .into_iter()
         .enumerate()
         .map(|(i, item)| match item {
-            Value::Object(fields) => Ok(Row {
-                line: i + 1,
-                fields,
-            }),
+            Value::Object(fields) => Ok(Row { line: i + 1, fields }),
             other => Err(Error::bad_row(
                 path,
                 i + 1,
-                format!(
-                    "row {}: expected a JSON object, got {}",
-                    i + 1,
-                    describe_json(&other)
-                ),
+                format!("row {}: expected a JSON object, got {}", i + 1, describe_json(&other)),
             )),
         })
         .collect()
@@ -85,25 +74,16 @@ fn read_lines(path: &Path, reader: BufReader<File>) -> Result<Vec<Row>> {
     for (i, line) in reader.lines().enumerate() {
         let line_no = i + 1;
         let line = line.map_err(|e| match e.kind() {
-            std::io::ErrorKind::InvalidData => {
-                Error::bad_row(path, line_no, "not valid UTF-8".to_string())
-            }
+            std::io::ErrorKind::InvalidData => Error::bad_row(path, line_no, "not valid UTF-8".to_string()),
             _ => Error::io(path, e),
         })?;
-        let text = if line_no == 1 {
-            line.strip_prefix('\u{feff}').unwrap_or(&line)
-        } else {
-            &line
-        };
+        let text = if line_no == 1 { line.strip_prefix('\u{feff}').unwrap_or(&line) } else { &line };
         let text = text.trim();
         if text.is_empty() {
             continue;
         }
         match serde_json::from_str::<Value>(text) {
-            Ok(Value::Object(fields)) => rows.push(Row {
-                line: line_no,
-                fields,
-            }),
+            Ok(Value::Object(fields)) => rows.push(Row { line: line_no, fields }),
             Ok(other) => {
                 return Err(Error::bad_row(
                     path,
@@ -131,10 +111,7 @@ impl JsonlWriter {
         let path = path.as_ref();
         make_parent(path)?;
         let file = File::create(path).map_err(|e| Error::io(path, e))?;
-        Ok(JsonlWriter {
-            path: path.to_path_buf(),
-            file,
-        })
+        Ok(JsonlWriter { path: path.to_path_buf(), file })
     }
 
     /// Opens `path` for appending (creating it if needed), as a resumed run
@@ -143,12 +120,8 @@ impl JsonlWriter {
     pub fn append(path: impl AsRef<Path>) -> Result<JsonlWriter> {
         let path = path.as_ref();
         make_parent(path)?;
-        let mut file = OpenOptions::new()
-            .create(true)
-            .read(true)
-            .append(true)
-            .open(path)
-            .map_err(|e| Error::io(path, e))?;
+        let mut file =
+            OpenOptions::new().create(true).read(true).append(true).open(path).map_err(|e| Error::io(path, e))?;
         let len = file.metadata().map_err(|e| Error::io(path, e))?.len();
         if len > 0 {
             let mut last = [0u8; 1];
@@ -159,10 +132,7 @@ impl JsonlWriter {
                 file.write_all(b"\n").map_err(|e| Error::io(path, e))?;
             }
         }
-        Ok(JsonlWriter {
-            path: path.to_path_buf(),
-            file,
-        })
+        Ok(JsonlWriter { path: path.to_path_buf(), file })
     }
 
     /// The file being written.
@@ -172,24 +142,18 @@ impl JsonlWriter {
 
     /// Writes `row`, which must serialise to a JSON object, as one line.
     pub fn write_row<T: Serialize + ?Sized>(&mut self, row: &T) -> Result<()> {
-        let value = serde_json::to_value(row)
-            .map_err(|e| Error::bad_file(&self.path, format!("cannot serialise row: {e}")))?;
+        let value =
+            serde_json::to_value(row).map_err(|e| Error::bad_file(&self.path, format!("cannot serialise row: {e}")))?;
         if !value.is_object() {
             return Err(Error::bad_file(
                 &self.path,
-                format!(
-                    "a JSONL row must be a JSON object, got {}",
-                    describe_json(&value)
-                ),
+                format!("a JSONL row must be a JSON object, got {}", describe_json(&value)),
             ));
         }
         let mut line = serde_json::to_string(&value).expect("a JSON value serialises");
         line.push('\n');
         // One write call per row: an interruption loses at most this row.
-        self.file
-            .write_all(line.as_bytes())
-            .and_then(|_| self.file.flush())
-            .map_err(|e| Error::io(&self.path, e))
+        self.file.write_all(line.as_bytes()).and_then(|_| self.file.flush()).map_err(|e| Error::io(&self.path, e))
     }
 }
 
@@ -216,11 +180,7 @@ mod tests {
     #[test]
     fn jsonl_rows_keep_their_line_numbers_and_skip_blank_lines() {
         let dir = tempfile::tempdir().unwrap();
-        let path = write(
-            dir.path(),
-            "d.jsonl",
-            "\u{feff}{\"a\": 1}\n\n  \r\n{\"a\": 2, \"b\": \"x\"}\r\n",
-        );
+        let path = write(dir.path(), "d.jsonl", "\u{feff}{\"a\": 1}\n\n  \r\n{\"a\": 2, \"b\": \"x\"}\r\n");
         let rows = read_rows(&path).unwrap();
         assert_eq!(rows.len(), 2);
         assert_eq!(rows[0].line, 1);
@@ -235,13 +195,7 @@ mod tests {
         let path = write(dir.path(), "d.jsonl", "{\"a\": 1}\n[1, 2]\n");
         let err = read_rows(&path).unwrap_err();
         assert!(matches!(err, Error::BadRow { line: 2, .. }));
-        assert_eq!(
-            err.to_string(),
-            format!(
-                "{}:2: expected a JSON object, got a list of 2 items",
-                path.display()
-            )
-        );
+        assert_eq!(err.to_string(), format!("{}:2: expected a JSON object, got a list of 2 items", path.display()));
     }
 
     #[test]
@@ -249,10 +203,7 @@ mod tests {
         let dir = tempfile::tempdir().unwrap();
         let path = write(dir.path(), "d.jsonl", "{\"a\": 1}\n\n{\"a\": }\n");
         let err = read_rows(&path).unwrap_err().to_string();
-        assert!(
-            err.starts_with(&format!("{}:3: invalid JSON: ", path.display())),
-            "{err}"
-        );
+        assert!(err.starts_with(&format!("{}:3: invalid JSON: ", path.display())), "{err}");
     }
 
     #[test]
@@ -269,13 +220,7 @@ mod tests {
         let dir = tempfile::tempdir().unwrap();
         let path = write(dir.path(), "d.json", "[{\"a\": 1}, \"oops\"]");
         let err = read_rows(&path).unwrap_err().to_string();
-        assert_eq!(
-            err,
-            format!(
-                "{}:2: row 2: expected a JSON object, got a string (\"oops\")",
-                path.display()
-            )
-        );
+        assert_eq!(err, format!("{}:2: row 2: expected a JSON object, got a string (\"oops\")", path.display()));
     }
 
     #[test]
@@ -327,9 +272,6 @@ mod tests {
         let dir = tempfile::tempdir().unwrap();
         let mut w = JsonlWriter::create(dir.path().join("x.jsonl")).unwrap();
         let err = w.write_row(&[1, 2]).unwrap_err().to_string();
-        assert!(
-            err.ends_with("a JSONL row must be a JSON object, got a list of 2 items"),
-            "{err}"
-        );
+        assert!(err.ends_with("a JSONL row must be a JSON object, got a list of 2 items"), "{err}");
     }
 }

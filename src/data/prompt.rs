@@ -18,10 +18,7 @@ pub struct Message {
 impl Message {
     /// A message from its role and text.
     pub fn new(role: impl Into<String>, content: impl Into<String>) -> Message {
-        Message {
-            role: role.into(),
-            content: content.into(),
-        }
+        Message { role: role.into(), content: content.into() }
     }
 }
 
@@ -41,21 +38,20 @@ impl Prompt {
     pub fn from_value(value: &Value) -> std::result::Result<Prompt, String> {
         match value {
             Value::String(s) => Ok(Prompt::Text(s.clone())),
-            Value::Array(items) if items.is_empty() => Err(
-                "expected a string or a non-empty list of {role, content} messages, \
+            Value::Array(items) if items.is_empty() => {
+                Err("expected a string or a non-empty list of {role, content} messages, \
                      got an empty list"
-                    .to_string(),
-            ),
+                    .to_string())
+            }
             Value::Array(items) => items
                 .iter()
                 .enumerate()
                 .map(|(i, item)| message_from_value(item).map_err(|e| format!("message {i}: {e}")))
                 .collect::<std::result::Result<Vec<_>, _>>()
                 .map(Prompt::Messages),
-            other => Err(format!(
-                "expected a string or a list of {{role, content}} messages, got {}",
-                describe_json(other)
-            )),
+            other => {
+                Err(format!("expected a string or a list of {{role, content}} messages, got {}", describe_json(other)))
+            }
         }
     }
 }
@@ -69,22 +65,13 @@ fn message_from_value(value: &Value) -> std::result::Result<Message, String> {
     };
     let field = |name: &str| match map.get(name) {
         Some(Value::String(s)) => Ok(s.clone()),
-        Some(other) => Err(format!(
-            "\"{name}\" must be a string, got {}",
-            describe_json(other)
-        )),
+        Some(other) => Err(format!("\"{name}\" must be a string, got {}", describe_json(other))),
         None => Err(format!(
             "missing \"{name}\" (keys present: {})",
-            map.keys()
-                .map(|k| format!("\"{k}\""))
-                .collect::<Vec<_>>()
-                .join(", ")
+            map.keys().map(|k| format!("\"{k}\"")).collect::<Vec<_>>().join(", ")
         )),
     };
-    Ok(Message {
-        role: field("role")?,
-        content: field("content")?,
-    })
+    Ok(Message { role: field("role")?, content: field("content")? })
 }
 
 /// A short description of a JSON value for error messages:
@@ -107,12 +94,7 @@ pub fn describe_json(value: &Value) -> String {
         Value::Object(m) if m.is_empty() => "an empty object".to_string(),
         Value::Object(m) => format!(
             "an object with keys {}",
-            clip(
-                &m.keys()
-                    .map(|k| format!("\"{k}\""))
-                    .collect::<Vec<_>>()
-                    .join(", ")
-            )
+            clip(&m.keys().map(|k| format!("\"{k}\"")).collect::<Vec<_>>().join(", "))
         ),
     }
 }
@@ -124,10 +106,7 @@ mod tests {
 
     #[test]
     fn string_is_text() {
-        assert_eq!(
-            Prompt::from_value(&json!("hi")).unwrap(),
-            Prompt::Text("hi".into())
-        );
+        assert_eq!(Prompt::from_value(&json!("hi")).unwrap(), Prompt::Text("hi".into()));
     }
 
     #[test]
@@ -138,10 +117,7 @@ mod tests {
         ]);
         assert_eq!(
             Prompt::from_value(&v).unwrap(),
-            Prompt::Messages(vec![
-                Message::new("system", "be brief"),
-                Message::new("user", "hi")
-            ])
+            Prompt::Messages(vec![Message::new("system", "be brief"), Message::new("user", "hi")])
         );
     }
 
@@ -172,9 +148,6 @@ mod tests {
     #[test]
     fn message_serialises_as_role_and_content() {
         let m = Message::new("user", "hi");
-        assert_eq!(
-            serde_json::to_value(&m).unwrap(),
-            json!({"role": "user", "content": "hi"})
-        );
+        assert_eq!(serde_json::to_value(&m).unwrap(), json!({"role": "user", "content": "hi"}));
     }
 }

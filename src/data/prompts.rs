@@ -63,12 +63,7 @@ pub fn resolve_split(path: &Path, split: &str) -> Result<PathBuf> {
         .iter()
         .map(|c| path.join(c))
         .find(|p| p.is_file())
-        .ok_or_else(|| {
-            Error::bad_file(
-                path,
-                format!("no split `{split}`: looked for {}", candidates.join(", ")),
-            )
-        })
+        .ok_or_else(|| Error::bad_file(path, format!("no split `{split}`: looked for {}", candidates.join(", "))))
 }
 
 impl PromptDataset {
@@ -80,22 +75,14 @@ impl PromptDataset {
         if rows.is_empty() {
             return Err(Error::bad_file(path, "the dataset has no rows"));
         }
-        if spec.template.is_none()
-            && rows
-                .iter()
-                .all(|r| !r.fields.contains_key(&spec.prompt_column))
-        {
+        if spec.template.is_none() && rows.iter().all(|r| !r.fields.contains_key(&spec.prompt_column)) {
             let columns: Vec<&String> = rows[0].fields.keys().collect();
             return Err(Error::bad_file(
                 path,
                 format!(
                     "no `{}` column (columns: {}); set data.prompt_column or data.template",
                     spec.prompt_column,
-                    columns
-                        .iter()
-                        .map(|c| c.as_str())
-                        .collect::<Vec<_>>()
-                        .join(", ")
+                    columns.iter().map(|c| c.as_str()).collect::<Vec<_>>().join(", ")
                 ),
             ));
         }
@@ -104,9 +91,7 @@ impl PromptDataset {
         for row in rows {
             let at = |msg: String| Error::bad_row(path, row.line, msg);
             let prompt = build_prompt(&row, spec).map_err(at)?;
-            let ids = tokenizer
-                .encode_prompt(&prompt)
-                .map_err(|e| at(e.to_string()))?;
+            let ids = tokenizer.encode_prompt(&prompt).map_err(|e| at(e.to_string()))?;
             if ids.is_empty() {
                 return Err(at("the prompt is empty after tokenization".into()));
             }
@@ -125,22 +110,12 @@ impl PromptDataset {
             out.push(PromptRow { row, prompt, ids });
         }
         if out.is_empty() {
-            return Err(Error::bad_file(
-                path,
-                format!("all {skipped_long} prompts are longer than max_prompt_length"),
-            ));
+            return Err(Error::bad_file(path, format!("all {skipped_long} prompts are longer than max_prompt_length")));
         }
         if skipped_long > 0 {
-            tracing::warn!(
-                "{}: skipped {skipped_long} prompts longer than max_prompt_length",
-                path.display()
-            );
+            tracing::warn!("{}: skipped {skipped_long} prompts longer than max_prompt_length", path.display());
         }
-        Ok(Self {
-            path: path.to_path_buf(),
-            rows: out,
-            skipped_long,
-        })
+        Ok(Self { path: path.to_path_buf(), rows: out, skipped_long })
     }
 
     pub fn len(&self) -> usize {
@@ -165,10 +140,7 @@ impl PromptDataset {
                     return pos;
                 }
                 if epoch_order.as_ref().map(|(e, _)| *e) != Some(epoch) {
-                    epoch_order = Some((
-                        epoch,
-                        Rng::stream(seed, &[0x5eed_da7a, epoch as u64]).permutation(len),
-                    ));
+                    epoch_order = Some((epoch, Rng::stream(seed, &[0x5eed_da7a, epoch as u64]).permutation(len)));
                 }
                 epoch_order.as_ref().map_or(pos, |(_, order)| order[pos])
             })
@@ -184,8 +156,7 @@ fn build_prompt(row: &Row, spec: &PromptSpec) -> std::result::Result<Prompt, Str
                 .fields
                 .get(&spec.prompt_column)
                 .ok_or_else(|| format!("missing column `{}`", spec.prompt_column))?;
-            Prompt::from_value(value)
-                .map_err(|e| format!("column `{}`: {e}", spec.prompt_column))?
+            Prompt::from_value(value).map_err(|e| format!("column `{}`: {e}", spec.prompt_column))?
         }
     };
     Ok(match prompt {
@@ -217,16 +188,12 @@ pub fn fill_template(template: &str, row: &Row) -> std::result::Result<String, S
         } else if tail.starts_with('}') {
             return Err(format!("template {template:?}: unmatched `}}`"));
         } else {
-            let end = tail
-                .find('}')
-                .ok_or_else(|| format!("template {template:?}: unclosed `{{`"))?;
+            let end = tail.find('}').ok_or_else(|| format!("template {template:?}: unclosed `{{`"))?;
             let column = &tail[1..end];
             match row.fields.get(column) {
                 Some(Value::String(s)) => out.push_str(s),
                 Some(Value::Null) | None => {
-                    return Err(format!(
-                        "template {template:?} needs column `{column}`, which this row lacks"
-                    ))
+                    return Err(format!("template {template:?} needs column `{column}`, which this row lacks"))
                 }
                 Some(other) => out.push_str(&other.to_string()),
             }
@@ -243,19 +210,13 @@ mod tests {
     use serde_json::json;
 
     fn row(v: Value) -> Row {
-        Row {
-            line: 3,
-            fields: v.as_object().unwrap().clone(),
-        }
+        Row { line: 3, fields: v.as_object().unwrap().clone() }
     }
 
     #[test]
     fn templates_fill_columns_and_escape_braces() {
         let r = row(json!({"post": "long text", "n": 3}));
-        assert_eq!(
-            fill_template("Summarize: {post} ({n}) {{x}}", &r).unwrap(),
-            "Summarize: long text (3) {x}"
-        );
+        assert_eq!(fill_template("Summarize: {post} ({n}) {{x}}", &r).unwrap(), "Summarize: long text (3) {x}");
         let err = fill_template("{title}", &r).unwrap_err();
         assert!(err.contains("`title`"), "{err}");
     }
@@ -269,26 +230,14 @@ mod tests {
         };
         let text = build_prompt(&row(json!({"prompt": "What is 2+2?"})), &spec).unwrap();
         assert_eq!(text, Prompt::Text("What is 2+2?".into()));
-        let chat = build_prompt(
-            &row(json!({"prompt": [{"role": "user", "content": "Hi"}]})),
+        let chat = build_prompt(&row(json!({"prompt": [{"role": "user", "content": "Hi"}]})), &spec).unwrap();
+        assert_eq!(chat, Prompt::Messages(vec![Message::new("system", "Be brief."), Message::new("user", "Hi")]));
+        let kept = build_prompt(
+            &row(json!({"prompt": [{"role": "system", "content": "S"}, {"role": "user", "content": "Hi"}]})),
             &spec,
         )
         .unwrap();
-        assert_eq!(
-            chat,
-            Prompt::Messages(vec![
-                Message::new("system", "Be brief."),
-                Message::new("user", "Hi")
-            ])
-        );
-        let kept = build_prompt(&row(json!({"prompt": [{"role": "system", "content": "S"}, {"role": "user", "content": "Hi"}]})), &spec).unwrap();
-        assert_eq!(
-            kept,
-            Prompt::Messages(vec![
-                Message::new("system", "S"),
-                Message::new("user", "Hi")
-            ])
-        );
+        assert_eq!(kept, Prompt::Messages(vec![Message::new("system", "S"), Message::new("user", "Hi")]));
     }
 
     #[test]
@@ -296,28 +245,16 @@ mod tests {
         let ds = PromptDataset {
             path: "x".into(),
             rows: (0..10)
-                .map(|i| PromptRow {
-                    row: row(json!({"i": i})),
-                    prompt: Prompt::Text(String::new()),
-                    ids: vec![1],
-                })
+                .map(|i| PromptRow { row: row(json!({"i": i})), prompt: Prompt::Text(String::new()), ids: vec![1] })
                 .collect(),
             skipped_long: 0,
         };
         let epoch: Vec<usize> = (0..5).flat_map(|s| ds.batch(s, 2, 7, true)).collect();
         let mut sorted = epoch.clone();
         sorted.sort();
-        assert_eq!(
-            sorted,
-            (0..10).collect::<Vec<_>>(),
-            "one epoch visits every prompt once"
-        );
+        assert_eq!(sorted, (0..10).collect::<Vec<_>>(), "one epoch visits every prompt once");
         assert_eq!(ds.batch(3, 2, 7, true), ds.batch(3, 2, 7, true));
-        assert_ne!(
-            ds.batch(5, 10, 7, true),
-            ds.batch(0, 10, 7, true),
-            "epochs are reshuffled"
-        );
+        assert_ne!(ds.batch(5, 10, 7, true), ds.batch(0, 10, 7, true), "epochs are reshuffled");
         assert_eq!(ds.batch(1, 4, 7, false), vec![4, 5, 6, 7]);
     }
 }

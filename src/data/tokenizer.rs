@@ -33,15 +33,8 @@ pub const TOKENIZER_FILES: &[&str] = &[
 
 /// The special-token attributes of transformers' tokenizers
 /// (`SPECIAL_TOKENS_ATTRIBUTES`) that chat templates see when they are set.
-const SPECIAL_TOKEN_KEYS: &[&str] = &[
-    "bos_token",
-    "eos_token",
-    "unk_token",
-    "sep_token",
-    "pad_token",
-    "cls_token",
-    "mask_token",
-];
+const SPECIAL_TOKEN_KEYS: &[&str] =
+    &["bos_token", "eos_token", "unk_token", "sep_token", "pad_token", "cls_token", "mask_token"];
 
 /// transformers' `VERY_LARGE_INTEGER` (`int(1e30)`) and similar stand for
 /// "no limit" in `model_max_length`.
@@ -114,11 +107,7 @@ impl Tokenizer {
 
         // Each special token: (value, file it came from).
         let mut tokens: Map<String, Value> = Map::new();
-        for key in SPECIAL_TOKEN_KEYS
-            .iter()
-            .copied()
-            .chain(["additional_special_tokens"])
-        {
+        for key in SPECIAL_TOKEN_KEYS.iter().copied().chain(["additional_special_tokens"]) {
             let from_config = config.get(key);
             let from_map = special_map.get(key);
             let (value, path) = match (from_config, from_map) {
@@ -137,12 +126,8 @@ impl Tokenizer {
             }
         }
         let token = |key: &str| tokens.get(key).and_then(Value::as_str).map(str::to_string);
-        let (bos_token, eos_token, pad_token, unk_token) = (
-            token("bos_token"),
-            token("eos_token"),
-            token("pad_token"),
-            token("unk_token"),
-        );
+        let (bos_token, eos_token, pad_token, unk_token) =
+            (token("bos_token"), token("eos_token"), token("pad_token"), token("unk_token"));
         let bos_id = bos_token.as_deref().and_then(|t| inner.token_to_id(t));
 
         let add_bos_token = match config.get("add_bos_token") {
@@ -177,20 +162,14 @@ impl Tokenizer {
                 _ => {
                     return Err(Error::bad_file(
                         &config_path,
-                        format!(
-                            "model_max_length: expected a positive integer, got {}",
-                            describe_json(v)
-                        ),
+                        format!("model_max_length: expected a positive integer, got {}", describe_json(v)),
                     ))
                 }
             },
         };
 
-        let chat_template = ChatTemplate::from_model_dir(dir, Some(&config))?.map(|t| {
-            tokens
-                .iter()
-                .fold(t, |t, (k, v)| t.with_var(k.clone(), v.clone()))
-        });
+        let chat_template = ChatTemplate::from_model_dir(dir, Some(&config))?
+            .map(|t| tokens.iter().fold(t, |t, (k, v)| t.with_var(k.clone(), v.clone())));
 
         Ok(Tokenizer {
             dir: dir.to_path_buf(),
@@ -221,12 +200,10 @@ impl Tokenizer {
     /// `tokenizer(text, add_special_tokens=False)`: special tokens written in
     /// the text (`<|im_start|>`) are still recognised as single tokens.
     pub fn encode(&self, text: &str) -> Result<Vec<u32>> {
-        let encoding = self.inner.encode_fast(text, false).map_err(|e| {
-            Error::bad_file(
-                self.dir.join("tokenizer.json"),
-                format!("cannot encode: {e}"),
-            )
-        })?;
+        let encoding = self
+            .inner
+            .encode_fast(text, false)
+            .map_err(|e| Error::bad_file(self.dir.join("tokenizer.json"), format!("cannot encode: {e}")))?;
         Ok(encoding.get_ids().to_vec())
     }
 
@@ -234,17 +211,11 @@ impl Tokenizer {
     /// are skipped, as the fast tokenizers do (a model's embedding is often
     /// padded past the tokenizer's size).
     pub fn decode(&self, ids: &[u32], skip_special_tokens: bool) -> Result<String> {
-        let text = self.inner.decode(ids, skip_special_tokens).map_err(|e| {
-            Error::bad_file(
-                self.dir.join("tokenizer.json"),
-                format!("cannot decode: {e}"),
-            )
-        })?;
-        Ok(if self.clean_up_tokenization_spaces {
-            clean_up_tokenization(&text)
-        } else {
-            text
-        })
+        let text = self
+            .inner
+            .decode(ids, skip_special_tokens)
+            .map_err(|e| Error::bad_file(self.dir.join("tokenizer.json"), format!("cannot decode: {e}")))?;
+        Ok(if self.clean_up_tokenization_spaces { clean_up_tokenization(&text) } else { text })
     }
 
     /// The ids of a prompt as the policy should see them: a conversation is
@@ -386,10 +357,7 @@ fn token_content(value: &Value, key: &str, path: &Path) -> Result<Option<String>
         },
         other => Err(Error::bad_file(
             path,
-            format!(
-                "{key}: expected a string or an object with a string \"content\", got {}",
-                describe_json(other)
-            ),
+            format!("{key}: expected a string or an object with a string \"content\", got {}", describe_json(other)),
         )),
     }
 }
@@ -400,16 +368,11 @@ fn additional_tokens(value: &Value, path: &Path) -> Result<Vec<String>> {
         Value::Array(items) => items
             .iter()
             .enumerate()
-            .filter_map(|(i, v)| {
-                token_content(v, &format!("additional_special_tokens[{i}]"), path).transpose()
-            })
+            .filter_map(|(i, v)| token_content(v, &format!("additional_special_tokens[{i}]"), path).transpose())
             .collect(),
         other => Err(Error::bad_file(
             path,
-            format!(
-                "additional_special_tokens: expected a list, got {}",
-                describe_json(other)
-            ),
+            format!("additional_special_tokens: expected a list, got {}", describe_json(other)),
         )),
     }
 }
@@ -418,13 +381,7 @@ fn bool_field(value: &Value, key: &str, path: &Path) -> Result<bool> {
     match value {
         Value::Bool(b) => Ok(*b),
         Value::Null => Ok(false),
-        other => Err(Error::bad_file(
-            path,
-            format!(
-                "{key}: expected true or false, got {}",
-                describe_json(other)
-            ),
-        )),
+        other => Err(Error::bad_file(path, format!("{key}: expected true or false, got {}", describe_json(other)))),
     }
 }
 
@@ -454,36 +411,18 @@ mod tests {
     use tokenizers::processors::template::TemplateProcessing;
     use tokenizers::AddedToken;
 
-    const WORDS: &[&str] = &[
-        "<unk>",
-        "hello",
-        "world",
-        "user",
-        "assistant",
-        "!",
-        "'s",
-        "it",
-    ];
+    const WORDS: &[&str] = &["<unk>", "hello", "world", "user", "assistant", "!", "'s", "it"];
     const SPECIAL: &[&str] = &["<s>", "</s>", "<pad>", "<|im_start|>", "<|im_end|>"];
 
     /// A word-level tokenizer.json: ids 0..8 words, then the special tokens
     /// <s>=8, </s>=9, <pad>=10, <|im_start|>=11, <|im_end|>=12. With
     /// `bos_post_processor`, `tokenizer(text)` would prepend <s>.
     fn write_tokenizer(dir: &Path, bos_post_processor: bool) {
-        let vocab: HashMap<String, u32> = WORDS
-            .iter()
-            .enumerate()
-            .map(|(i, w)| (w.to_string(), i as u32))
-            .collect();
-        let model = WordLevel::builder()
-            .vocab(vocab.into_iter().collect())
-            .unk_token("<unk>".into())
-            .build()
-            .unwrap();
+        let vocab: HashMap<String, u32> = WORDS.iter().enumerate().map(|(i, w)| (w.to_string(), i as u32)).collect();
+        let model = WordLevel::builder().vocab(vocab.into_iter().collect()).unk_token("<unk>".into()).build().unwrap();
         let mut tok = tokenizers::Tokenizer::new(model);
         tok.with_pre_tokenizer(Some(Whitespace {}));
-        let specials: Vec<AddedToken> =
-            SPECIAL.iter().map(|s| AddedToken::from(*s, true)).collect();
+        let specials: Vec<AddedToken> = SPECIAL.iter().map(|s| AddedToken::from(*s, true)).collect();
         tok.add_special_tokens(&specials);
         if bos_post_processor {
             tok.with_post_processor(Some(
@@ -525,10 +464,7 @@ mod tests {
     fn missing_tokenizer_json_names_dir_and_file() {
         let dir = tempfile::tempdir().unwrap();
         let err = Tokenizer::from_dir(dir.path()).unwrap_err().to_string();
-        assert!(
-            err.starts_with(&format!("{}: no tokenizer.json", dir.path().display())),
-            "{err}"
-        );
+        assert!(err.starts_with(&format!("{}: no tokenizer.json", dir.path().display())), "{err}");
     }
 
     #[test]
@@ -537,10 +473,7 @@ mod tests {
         write_tokenizer(dir.path(), true);
         let tok = Tokenizer::from_dir(dir.path()).unwrap();
         assert_eq!(tok.encode("hello world").unwrap(), [1, 2]);
-        assert_eq!(
-            tok.encode("<|im_start|>user hello<|im_end|>").unwrap(),
-            [11, 3, 1, 12]
-        );
+        assert_eq!(tok.encode("<|im_start|>user hello<|im_end|>").unwrap(), [11, 3, 1, 12]);
     }
 
     #[test]
@@ -548,27 +481,16 @@ mod tests {
         let dir = tempfile::tempdir().unwrap();
         write_tokenizer(dir.path(), false);
         let tok = Tokenizer::from_dir(dir.path()).unwrap();
-        assert_eq!(
-            tok.decode(&[8, 1, 2, 9], false).unwrap(),
-            "<s> hello world </s>"
-        );
+        assert_eq!(tok.decode(&[8, 1, 2, 9], false).unwrap(), "<s> hello world </s>");
         assert_eq!(tok.decode(&[8, 1, 2, 9], true).unwrap(), "hello world");
-        assert_eq!(
-            tok.decode(&[1, 999], true).unwrap(),
-            "hello",
-            "unknown ids skipped"
-        );
+        assert_eq!(tok.decode(&[1, 999], true).unwrap(), "hello", "unknown ids skipped");
     }
 
     #[test]
     fn decode_cleans_up_spaces_when_the_config_asks() {
         let dir = tempfile::tempdir().unwrap();
         write_tokenizer(dir.path(), false);
-        write_json(
-            dir.path(),
-            "tokenizer_config.json",
-            json!({"clean_up_tokenization_spaces": true}),
-        );
+        write_json(dir.path(), "tokenizer_config.json", json!({"clean_up_tokenization_spaces": true}));
         let tok = Tokenizer::from_dir(dir.path()).unwrap();
         assert_eq!(tok.decode(&[7, 6, 1, 5], false).unwrap(), "it's hello!");
     }
@@ -605,27 +527,16 @@ mod tests {
         let tok = Tokenizer::from_dir(dir.path()).unwrap();
         assert_eq!(tok.model_max_length(), None);
 
-        write_json(
-            dir.path(),
-            "tokenizer_config.json",
-            json!({"model_max_length": "long"}),
-        );
+        write_json(dir.path(), "tokenizer_config.json", json!({"model_max_length": "long"}));
         let err = Tokenizer::from_dir(dir.path()).unwrap_err().to_string();
-        assert!(
-            err.ends_with("model_max_length: expected a positive integer, got a string (\"long\")"),
-            "{err}"
-        );
+        assert!(err.ends_with("model_max_length: expected a positive integer, got a string (\"long\")"), "{err}");
     }
 
     #[test]
     fn special_tokens_map_fills_tokens_the_config_lacks() {
         let dir = tempfile::tempdir().unwrap();
         write_tokenizer(dir.path(), false);
-        write_json(
-            dir.path(),
-            "tokenizer_config.json",
-            json!({"added_tokens_decoder": {}, "eos_token": "</s>"}),
-        );
+        write_json(dir.path(), "tokenizer_config.json", json!({"added_tokens_decoder": {}, "eos_token": "</s>"}));
         write_json(
             dir.path(),
             "special_tokens_map.json",
@@ -641,16 +552,8 @@ mod tests {
         // No added_tokens_decoder: transformers' legacy path.
         let dir = tempfile::tempdir().unwrap();
         write_tokenizer(dir.path(), false);
-        write_json(
-            dir.path(),
-            "tokenizer_config.json",
-            json!({"eos_token": "</s>"}),
-        );
-        write_json(
-            dir.path(),
-            "special_tokens_map.json",
-            json!({"eos_token": "<|im_end|>"}),
-        );
+        write_json(dir.path(), "tokenizer_config.json", json!({"eos_token": "</s>"}));
+        write_json(dir.path(), "special_tokens_map.json", json!({"eos_token": "<|im_end|>"}));
         let tok = Tokenizer::from_dir(dir.path()).unwrap();
         assert_eq!(tok.eos_token(), Some("<|im_end|>"));
     }
@@ -674,31 +577,17 @@ mod tests {
     fn add_bos_token_defaults_to_what_the_post_processor_does() {
         let dir = tempfile::tempdir().unwrap();
         write_tokenizer(dir.path(), true);
-        write_json(
-            dir.path(),
-            "tokenizer_config.json",
-            json!({"bos_token": "<s>"}),
-        );
+        write_json(dir.path(), "tokenizer_config.json", json!({"bos_token": "<s>"}));
         let tok = Tokenizer::from_dir(dir.path()).unwrap();
         assert!(tok.add_bos_token());
-        assert_eq!(
-            tok.encode_prompt(&Prompt::Text("hello".into())).unwrap(),
-            [8, 1]
-        );
+        assert_eq!(tok.encode_prompt(&Prompt::Text("hello".into())).unwrap(), [8, 1]);
 
         let dir = tempfile::tempdir().unwrap();
         write_tokenizer(dir.path(), false);
-        write_json(
-            dir.path(),
-            "tokenizer_config.json",
-            json!({"bos_token": "<s>"}),
-        );
+        write_json(dir.path(), "tokenizer_config.json", json!({"bos_token": "<s>"}));
         let tok = Tokenizer::from_dir(dir.path()).unwrap();
         assert!(!tok.add_bos_token());
-        assert_eq!(
-            tok.encode_prompt(&Prompt::Text("hello".into())).unwrap(),
-            [1]
-        );
+        assert_eq!(tok.encode_prompt(&Prompt::Text("hello".into())).unwrap(), [1]);
     }
 
     #[test]
@@ -708,16 +597,9 @@ mod tests {
         write_json(dir.path(), "tokenizer_config.json", chatml_config());
         let tok = Tokenizer::from_dir(dir.path()).unwrap();
         let prompt = Prompt::Messages(vec![Message::new("user", "hello")]);
-        assert_eq!(
-            tok.encode_prompt(&prompt).unwrap(),
-            [8, 11, 3, 1, 12, 11, 4]
-        );
+        assert_eq!(tok.encode_prompt(&prompt).unwrap(), [8, 11, 3, 1, 12, 11, 4]);
         // Text that already starts with BOS gets no second one.
-        assert_eq!(
-            tok.encode_prompt(&Prompt::Text("<s> hello".into()))
-                .unwrap(),
-            [8, 1]
-        );
+        assert_eq!(tok.encode_prompt(&Prompt::Text("<s> hello".into())).unwrap(), [8, 1]);
     }
 
     #[test]
@@ -735,11 +617,7 @@ mod tests {
         )
         .unwrap();
         let tok = Tokenizer::from_dir(dir.path()).unwrap();
-        let text = tok
-            .chat_template()
-            .unwrap()
-            .render(&[Message::new("user", "hello")], false)
-            .unwrap();
+        let text = tok.chat_template().unwrap().render(&[Message::new("user", "hello")], false).unwrap();
         assert_eq!(text, "<s>hello</s>False", "unset tokens stay undefined");
     }
 
@@ -748,17 +626,8 @@ mod tests {
         let dir = tempfile::tempdir().unwrap();
         write_tokenizer(dir.path(), false);
         let tok = Tokenizer::from_dir(dir.path()).unwrap();
-        let err = tok
-            .encode_prompt(&Prompt::Messages(vec![Message::new("user", "hello")]))
-            .unwrap_err()
-            .to_string();
-        assert!(
-            err.starts_with(&format!(
-                "{}: the prompt is a list of chat messages",
-                dir.path().display()
-            )),
-            "{err}"
-        );
+        let err = tok.encode_prompt(&Prompt::Messages(vec![Message::new("user", "hello")])).unwrap_err().to_string();
+        assert!(err.starts_with(&format!("{}: the prompt is a list of chat messages", dir.path().display())), "{err}");
         assert!(err.contains("no chat template"), "{err}");
     }
 
@@ -771,10 +640,8 @@ mod tests {
         std::fs::write(src.path().join("model.safetensors"), "w").unwrap();
         let out = dst.path().join("saved");
         copy_tokenizer_files(src.path(), &out).unwrap();
-        let mut names: Vec<String> = std::fs::read_dir(&out)
-            .unwrap()
-            .map(|e| e.unwrap().file_name().to_string_lossy().into_owned())
-            .collect();
+        let mut names: Vec<String> =
+            std::fs::read_dir(&out).unwrap().map(|e| e.unwrap().file_name().to_string_lossy().into_owned()).collect();
         names.sort();
         assert_eq!(names, [CHAT_TEMPLATE_FILE, "tokenizer.json"]);
         Tokenizer::from_dir(&out).unwrap();

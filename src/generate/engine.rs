@@ -7,6 +7,7 @@
 //! is recorded.
 
 use candle_core::{Device, Tensor};
+use rayon::prelude::*;
 
 use super::rng::Rng;
 use super::sampling::Sampling;
@@ -84,9 +85,7 @@ pub fn generate(
 ) -> Result<()> {
     opts.sampling.validate().map_err(Error::Invalid)?;
     if opts.num_return_sequences == 0 || opts.batch_size == 0 {
-        return Err(Error::Invalid(
-            "num_return_sequences and batch_size must be at least 1".into(),
-        ));
+        return Err(Error::Invalid("num_return_sequences and batch_size must be at least 1".into()));
     }
     if !opts.stop.strings.is_empty() && tokenizer.is_none() {
         return Err(Error::Invalid("stop strings need the tokenizer".into()));
@@ -106,13 +105,9 @@ pub fn generate(
         }
     }
     let k = opts.num_return_sequences;
-    let rows: Vec<(usize, usize)> = (0..prompts.len())
-        .flat_map(|p| (0..k).map(move |s| (p, s)))
-        .collect();
+    let rows: Vec<(usize, usize)> = (0..prompts.len()).flat_map(|p| (0..k).map(move |s| (p, s))).collect();
     for batch in rows.chunks(opts.batch_size) {
-        decode_batch(
-            net, prompts, batch, opts, tokenizer, device, on_tokens, on_done,
-        )?;
+        decode_batch(net, prompts, batch, opts, tokenizer, device, on_tokens, on_done)?;
     }
     Ok(())
 }
@@ -156,10 +151,8 @@ fn decode_batch(
     let hidden = net.hidden_states(&inputs, Some(&mut cache))?;
     let t = hidden.dim(1)?;
     let last = net.project(&hidden.narrow(1, t - 1, 1)?.squeeze(1)?)?; // (U, V)
-    let owner: Vec<u32> = batch
-        .iter()
-        .map(|&(p, _)| distinct.iter().position(|&d| d == p).unwrap_or(0) as u32)
-        .collect();
+    let owner: Vec<u32> =
+        batch.iter().map(|&(p, _)| distinct.iter().position(|&d| d == p).unwrap_or(0) as u32).collect();
     let mut logits = if owner.len() == distinct.len() {
         last
     } else {
@@ -168,21 +161,23 @@ fn decode_batch(
     };
 
     let longest_stop = opts.stop.strings.iter().map(String::len).max().unwrap_or(0);
-    let mut scratch = Vec::new();
+    let vocab = logits.dim(1)?;
     loop {
-        let host: Vec<Vec<f32>> = logits.to_vec2()?;
+        let host: Vec<f32> = logits.flatten_all()?.to_vec1()?;
+        // Rows sample independently (each has its own generator), so in parallel.
+        let picks: Vec<(u32, f32)> = rows
+            .par_iter_mut()
+            .zip(host.par_chunks(vocab))
+            .map_init(Vec::new, |scratch, (row, row_logits)| opts.sampling.pick(row_logits, &mut row.rng, scratch))
+            .collect();
         let produced = rows.len();
         let mut keep: Vec<u32> = Vec::with_capacity(rows.len());
         let mut still = Vec::with_capacity(rows.len());
-        for (i, (mut row, row_logits)) in
-            std::mem::take(&mut rows).into_iter().zip(host).enumerate()
-        {
-            let (token, logprob) = opts.sampling.pick(&row_logits, &mut row.rng, &mut scratch);
+        for (i, (mut row, (token, logprob))) in std::mem::take(&mut rows).into_iter().zip(picks).enumerate() {
             row.tokens.push(token);
             row.logprobs.push(logprob);
             let stopped = opts.stop.token_ids.contains(&token)
-                || (longest_stop > 0
-                    && hits_stop_string(tokenizer, &row.tokens, &opts.stop.strings, longest_stop)?);
+                || (longest_stop > 0 && hits_stop_string(tokenizer, &row.tokens, &opts.stop.strings, longest_stop)?);
             if stopped {
                 on_done(finish(row, FinishReason::Stop))?;
             } else if row.tokens.len() >= opts.max_new_tokens {
@@ -200,14 +195,8 @@ fn decode_batch(
         if keep.len() < produced {
             cache.select_rows(&keep)?;
         }
-        let tokens: Vec<u32> = rows
-            .iter()
-            .map(|r| *r.tokens.last().unwrap_or(&0))
-            .collect();
-        let positions: Vec<u32> = rows
-            .iter()
-            .map(|r| (r.prompt_len + r.tokens.len() - 1) as u32)
-            .collect();
+        let tokens: Vec<u32> = rows.iter().map(|r| *r.tokens.last().unwrap_or(&0)).collect();
+        let positions: Vec<u32> = rows.iter().map(|r| (r.prompt_len + r.tokens.len() - 1) as u32).collect();
         let step = Inputs::step(&tokens, &positions, device)?;
         logits = net.logits(&step, Some(&mut cache))?.squeeze(1)?;
     }
@@ -226,12 +215,7 @@ fn finish(row: Row, finish_reason: FinishReason) -> Completion {
 /// Whether the decoded tail of `tokens` contains a stop string. Only the
 /// last few tokens are decoded: a stop string completed by the newest token
 /// lies within its byte length plus a few tokens of the end.
-fn hits_stop_string(
-    tokenizer: Option<&Tokenizer>,
-    tokens: &[u32],
-    strings: &[String],
-    longest: usize,
-) -> Result<bool> {
+fn hits_stop_string(tokenizer: Option<&Tokenizer>, tokens: &[u32], strings: &[String], longest: usize) -> Result<bool> {
     let Some(tok) = tokenizer else {
         return Ok(false);
     };

@@ -18,9 +18,7 @@ fn splitmix64(state: &mut u64) -> u64 {
 impl Rng {
     pub fn new(seed: u64) -> Self {
         let mut state = seed;
-        Self {
-            s: [(); 4].map(|_| splitmix64(&mut state)),
-        }
+        Self { s: [(); 4].map(|_| splitmix64(&mut state)) }
     }
 
     /// An independent stream for one item (e.g. one completion), so that its

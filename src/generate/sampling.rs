@@ -27,61 +27,26 @@ impl Sampling {
 
     /// Plain sampling from the temperature-scaled distribution.
     pub fn temperature(temperature: f32) -> Self {
-        Self::Random {
-            temperature,
-            top_k: 0,
-            top_p: 1.0,
-            min_p: 0.0,
-        }
+        Self::Random { temperature, top_k: 0, top_p: 1.0, min_p: 0.0 }
     }
 
     pub fn with_top_k(self, k: usize) -> Self {
         match self {
-            Self::Random {
-                temperature,
-                top_p,
-                min_p,
-                ..
-            } => Self::Random {
-                temperature,
-                top_k: k,
-                top_p,
-                min_p,
-            },
+            Self::Random { temperature, top_p, min_p, .. } => Self::Random { temperature, top_k: k, top_p, min_p },
             greedy => greedy,
         }
     }
 
     pub fn with_top_p(self, p: f32) -> Self {
         match self {
-            Self::Random {
-                temperature,
-                top_k,
-                min_p,
-                ..
-            } => Self::Random {
-                temperature,
-                top_k,
-                top_p: p,
-                min_p,
-            },
+            Self::Random { temperature, top_k, min_p, .. } => Self::Random { temperature, top_k, top_p: p, min_p },
             greedy => greedy,
         }
     }
 
     pub fn with_min_p(self, p: f32) -> Self {
         match self {
-            Self::Random {
-                temperature,
-                top_k,
-                top_p,
-                ..
-            } => Self::Random {
-                temperature,
-                top_k,
-                top_p,
-                min_p: p,
-            },
+            Self::Random { temperature, top_k, top_p, .. } => Self::Random { temperature, top_k, top_p, min_p: p },
             greedy => greedy,
         }
     }
@@ -96,17 +61,9 @@ impl Sampling {
 
     /// Checks the ranges; the message names the offending option.
     pub fn validate(&self) -> Result<(), String> {
-        if let Self::Random {
-            temperature,
-            top_p,
-            min_p,
-            ..
-        } = self
-        {
+        if let Self::Random { temperature, top_p, min_p, .. } = self {
             if !(temperature.is_finite() && *temperature > 0.0) {
-                return Err(format!(
-                    "temperature must be > 0 for sampling, got {temperature}"
-                ));
+                return Err(format!("temperature must be > 0 for sampling, got {temperature}"));
             }
             if !(*top_p > 0.0 && *top_p <= 1.0) {
                 return Err(format!("top_p must be in (0, 1], got {top_p}"));
@@ -123,30 +80,15 @@ impl Sampling {
     /// distribution the policy-gradient math refers to). `scratch` is reused
     /// across calls to avoid allocating per token.
     pub fn pick(&self, logits: &[f32], rng: &mut Rng, scratch: &mut Vec<(f32, u32)>) -> (u32, f32) {
-        let temperature = self.logprob_temperature();
+        let inv_t = 1.0 / self.logprob_temperature();
         let max = logits.iter().copied().fold(f32::NEG_INFINITY, f32::max);
-        let log_norm = logits
-            .iter()
-            .map(|&l| (((l - max) / temperature) as f64).exp())
-            .sum::<f64>()
-            .ln() as f32;
-        let logprob = |tok: u32| (logits[tok as usize] - max) / temperature - log_norm;
+        // One pass of exponentials serves both the normaliser and the sampling weights.
+        scratch.clear();
+        scratch.extend(logits.iter().enumerate().map(|(i, &l)| (((l - max) * inv_t).exp(), i as u32)));
+        let log_norm = scratch.iter().map(|&(p, _)| p as f64).sum::<f64>().ln() as f32;
         let token = match self {
             Self::Greedy => argmax(logits),
-            Self::Random {
-                top_k,
-                top_p,
-                min_p,
-                ..
-            } => {
-                // Candidates as (unnormalised probability, id), most likely first when truncating.
-                scratch.clear();
-                scratch.extend(
-                    logits
-                        .iter()
-                        .enumerate()
-                        .map(|(i, &l)| (((l - max) / temperature).exp(), i as u32)),
-                );
+            Self::Random { top_k, top_p, min_p, .. } => {
                 truncate(scratch, *top_k, *top_p, *min_p);
                 let total: f64 = scratch.iter().map(|&(p, _)| p as f64).sum();
                 let mut u = rng.uniform() * total;
@@ -161,7 +103,7 @@ impl Sampling {
                 chosen
             }
         };
-        (token, logprob(token))
+        (token, (logits[token as usize] - max) * inv_t - log_norm)
     }
 }
 
@@ -233,17 +175,11 @@ mod tests {
         let logits = [0.0f32, (3f32).ln()];
         // temperature 1: p = (1/4, 3/4)
         let counts = draw(&Sampling::temperature(1.0), &logits, 20_000);
-        assert!(
-            (counts[1] as f64 / 20_000.0 - 0.75).abs() < 0.015,
-            "{counts:?}"
-        );
+        assert!((counts[1] as f64 / 20_000.0 - 0.75).abs() < 0.015, "{counts:?}");
         // temperature 2 flattens: p ∝ (1, sqrt 3)
         let counts = draw(&Sampling::temperature(2.0), &logits, 20_000);
         let want = 3f64.sqrt() / (1.0 + 3f64.sqrt());
-        assert!(
-            (counts[1] as f64 / 20_000.0 - want).abs() < 0.015,
-            "{counts:?}"
-        );
+        assert!((counts[1] as f64 / 20_000.0 - want).abs() < 0.015, "{counts:?}");
         let (_, lp) = Sampling::temperature(2.0).pick(&logits, &mut Rng::new(0), &mut Vec::new());
         assert!(lp < 0.0);
     }
@@ -264,19 +200,8 @@ mod tests {
 
     #[test]
     fn bad_ranges_are_named() {
-        assert!(Sampling::temperature(0.0)
-            .validate()
-            .unwrap_err()
-            .contains("temperature"));
-        assert!(Sampling::temperature(1.0)
-            .with_top_p(1.5)
-            .validate()
-            .unwrap_err()
-            .contains("top_p"));
-        assert!(Sampling::temperature(1.0)
-            .with_min_p(1.0)
-            .validate()
-            .unwrap_err()
-            .contains("min_p"));
+        assert!(Sampling::temperature(0.0).validate().unwrap_err().contains("temperature"));
+        assert!(Sampling::temperature(1.0).with_top_p(1.5).validate().unwrap_err().contains("top_p"));
+        assert!(Sampling::temperature(1.0).with_min_p(1.0).validate().unwrap_err().contains("min_p"));
     }
 }

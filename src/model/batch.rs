@@ -25,12 +25,7 @@ pub struct Inputs {
 
 impl Inputs {
     /// Pads `rows` to one length with `pad_id`; positions are derived from the mask.
-    pub fn from_rows(
-        rows: &[Vec<u32>],
-        pad_id: u32,
-        side: PadSide,
-        device: &Device,
-    ) -> Result<Self> {
+    pub fn from_rows(rows: &[Vec<u32>], pad_id: u32, side: PadSide, device: &Device) -> Result<Self> {
         let t = rows.iter().map(Vec::len).max().unwrap_or(0);
         let b = rows.len();
         let mut ids = Vec::with_capacity(b * t);
@@ -38,10 +33,7 @@ impl Inputs {
         for row in rows {
             let pad = t - row.len();
             let (real, fill) = (row.iter().copied(), std::iter::repeat_n(pad_id, pad));
-            let (m_real, m_fill) = (
-                std::iter::repeat_n(1f32, row.len()),
-                std::iter::repeat_n(0f32, pad),
-            );
+            let (m_real, m_fill) = (std::iter::repeat_n(1f32, row.len()), std::iter::repeat_n(0f32, pad));
             match side {
                 PadSide::Left => {
                     ids.extend(fill.chain(real));
@@ -67,11 +59,7 @@ impl Inputs {
         let mask = mask.to_dtype(DType::F32)?;
         let host: Vec<f32> = mask.flatten_all()?.to_vec1()?;
         let positions = Tensor::from_vec(positions_from_mask(&host, b, t), (b, t), ids.device())?;
-        Ok(Self {
-            ids: ids.to_dtype(DType::U32)?,
-            mask,
-            positions,
-        })
+        Ok(Self { ids: ids.to_dtype(DType::U32)?, mask, positions })
     }
 
     /// One new token per row at the given positions (a decoding step).
@@ -95,10 +83,7 @@ impl Inputs {
     /// Index of each row's last real token, for sequence-classification heads.
     pub fn last_token_index(&self) -> Result<Vec<usize>> {
         let mask: Vec<Vec<f32>> = self.mask.to_vec2()?;
-        Ok(mask
-            .iter()
-            .map(|row| row.iter().rposition(|&m| m > 0.0).unwrap_or(0))
-            .collect())
+        Ok(mask.iter().map(|row| row.iter().rposition(|&m| m > 0.0).unwrap_or(0)).collect())
     }
 }
 
@@ -120,23 +105,23 @@ fn positions_from_mask(mask: &[f32], b: usize, t: usize) -> Vec<u32> {
 /// Keys and values of every layer for the tokens seen so far, and which
 /// cache slots are real tokens. Each row keeps its own positions (given in
 /// each step's [`Inputs`]), so rows of different prompt lengths decode
-/// together.
+/// together. Buffers are allocated with spare capacity and written in
+/// place, so a decoding step copies only its new keys and values.
 #[derive(Debug, Clone)]
 pub struct KvCache {
+    /// Per layer: key and value buffers (B, Hkv, capacity, D); only the first
+    /// `len()` slots hold data.
     layers: Vec<Option<(Tensor, Tensor)>>,
-    /// (B, S) f32 mask over cache slots.
+    /// (B, S) f32 mask over the filled slots.
     key_mask: Option<Tensor>,
 }
 
 impl KvCache {
     pub fn new(num_layers: usize) -> Self {
-        Self {
-            layers: vec![None; num_layers],
-            key_mask: None,
-        }
+        Self { layers: vec![None; num_layers], key_mask: None }
     }
 
-    /// Number of cached slots (S).
+    /// Number of filled slots (S).
     pub fn len(&self) -> usize {
         self.key_mask.as_ref().map_or(0, |m| m.dims()[1])
     }
@@ -147,9 +132,7 @@ impl KvCache {
 
     /// Keeps only the given rows (finished rows leave the batch).
     pub fn select_rows(&mut self, rows: &[u32]) -> Result<()> {
-        let Some(mask) = &self.key_mask else {
-            return Ok(());
-        };
+        let Some(mask) = &self.key_mask else { return Ok(()) };
         let idx = Tensor::from_slice(rows, rows.len(), mask.device())?;
         self.key_mask = Some(mask.index_select(&idx, 0)?);
         for (k, v) in self.layers.iter_mut().flatten() {
@@ -159,15 +142,31 @@ impl KvCache {
         Ok(())
     }
 
-    /// Appends one layer's new keys and values (B, H, T, D) and returns the
-    /// whole cache of that layer.
+    /// Writes one layer's new keys and values (B, Hkv, T, D) after the
+    /// filled slots and returns views of all of that layer's slots.
     pub fn append(&mut self, layer: usize, k: &Tensor, v: &Tensor) -> Result<(Tensor, Tensor)> {
-        let (k, v) = match &self.layers[layer] {
-            Some((pk, pv)) => (Tensor::cat(&[pk, k], 2)?, Tensor::cat(&[pv, v], 2)?),
-            None => (k.clone(), v.clone()),
+        let start = self.len();
+        let need = start + k.dim(2)?;
+        let (kb, vb) = match self.layers[layer].take() {
+            Some((kb, vb)) if kb.dim(2)? >= need => (kb, vb),
+            old => {
+                // Grow geometrically so that decoding N tokens copies O(N) slots in all.
+                let capacity = (2 * need).max(64);
+                let (b, h, _, d) = k.dims4()?;
+                let kb = Tensor::zeros((b, h, capacity, d), k.dtype(), k.device())?;
+                let vb = Tensor::zeros((b, h, capacity, d), v.dtype(), v.device())?;
+                if let Some((ok, ov)) = old {
+                    kb.slice_set(&ok.narrow(2, 0, start)?.contiguous()?, 2, 0)?;
+                    vb.slice_set(&ov.narrow(2, 0, start)?.contiguous()?, 2, 0)?;
+                }
+                (kb, vb)
+            }
         };
-        self.layers[layer] = Some((k.clone(), v.clone()));
-        Ok((k, v))
+        kb.slice_set(&k.contiguous()?, 2, start)?;
+        vb.slice_set(&v.contiguous()?, 2, start)?;
+        let views = (kb.narrow(2, 0, need)?, vb.narrow(2, 0, need)?);
+        self.layers[layer] = Some((kb, vb));
+        Ok(views)
     }
 }
 
@@ -190,9 +189,8 @@ pub fn attention_bias(inputs: &Inputs, cache: Option<&KvCache>) -> Result<(Tenso
     let s = key_mask.dims()[1];
     let past = s - t;
     // causal (T, S): query i sits at slot past + i.
-    let causal: Vec<f32> = (0..t)
-        .flat_map(|i| (0..s).map(move |j| if j <= past + i { 0.0 } else { MASKED as f32 }))
-        .collect();
+    let causal: Vec<f32> =
+        (0..t).flat_map(|i| (0..s).map(move |j| if j <= past + i { 0.0 } else { MASKED as f32 })).collect();
     let causal = Tensor::from_vec(causal, (1, 1, t, s), dev)?;
     // (B, S) -> (B, 1, 1, S): 0 for real keys, MASKED for padding.
     let keys = ((key_mask.clone() - 1.0)? * (-MASKED))?.reshape((b, 1, 1, s))?;
@@ -215,20 +213,11 @@ mod tests {
         let rows = vec![vec![5, 6, 7], vec![8]];
         let dev = Device::Cpu;
         let left = Inputs::from_rows(&rows, 0, PadSide::Left, &dev).unwrap();
-        assert_eq!(
-            left.positions.to_vec2::<u32>().unwrap(),
-            vec![vec![0, 1, 2], vec![0, 0, 0]]
-        );
-        assert_eq!(
-            left.ids.to_vec2::<u32>().unwrap(),
-            vec![vec![5, 6, 7], vec![0, 0, 8]]
-        );
+        assert_eq!(left.positions.to_vec2::<u32>().unwrap(), vec![vec![0, 1, 2], vec![0, 0, 0]]);
+        assert_eq!(left.ids.to_vec2::<u32>().unwrap(), vec![vec![5, 6, 7], vec![0, 0, 8]]);
         assert_eq!(left.last_token_index().unwrap(), vec![2, 2]);
         let right = Inputs::from_rows(&rows, 0, PadSide::Right, &dev).unwrap();
-        assert_eq!(
-            right.positions.to_vec2::<u32>().unwrap(),
-            vec![vec![0, 1, 2], vec![0, 0, 0]]
-        );
+        assert_eq!(right.positions.to_vec2::<u32>().unwrap(), vec![vec![0, 1, 2], vec![0, 0, 0]]);
         assert_eq!(right.last_token_index().unwrap(), vec![2, 0]);
     }
 

@@ -42,42 +42,25 @@ impl ModelConfig {
     pub fn from_dir(dir: &Path) -> Result<Self> {
         let path = dir.join("config.json");
         if !path.is_file() {
-            return Err(Error::bad_file(
-                dir,
-                "not a model directory: config.json is missing",
-            ));
+            return Err(Error::bad_file(dir, "not a model directory: config.json is missing"));
         }
         Self::from_value(read_json(&path)?, &path)
     }
 
     pub fn from_value(raw: Value, path: &Path) -> Result<Self> {
         let bad = |msg: String| Error::bad_config(path, msg);
-        let model_type = raw
-            .get("model_type")
-            .and_then(Value::as_str)
-            .ok_or_else(|| bad("no `model_type` key".into()))?
-            .to_string();
+        let model_type =
+            raw.get("model_type").and_then(Value::as_str).ok_or_else(|| bad("no `model_type` key".into()))?.to_string();
         let arch = match model_type.as_str() {
-            "gpt_neox" => ArchConfig::GptNeox(
-                raw_config::<gpt_neox::RawConfig>(&raw, path)?
-                    .resolve()
-                    .map_err(bad)?,
-            ),
+            "gpt_neox" => ArchConfig::GptNeox(raw_config::<gpt_neox::RawConfig>(&raw, path)?.resolve().map_err(bad)?),
             "llama" => ArchConfig::Llama(
                 raw_config::<llama::RawConfig>(&raw, path)?
-                    .resolve(llama::Variant {
-                        qkv_bias: false,
-                        qk_norm: false,
-                    })
+                    .resolve(llama::Variant { qkv_bias: false, qk_norm: false })
                     .map_err(bad)?,
             ),
             "qwen2" => ArchConfig::Llama(qwen2::resolve(&raw_config(&raw, path)?).map_err(bad)?),
             "qwen3" => ArchConfig::Llama(qwen3::resolve(&raw_config(&raw, path)?).map_err(bad)?),
-            "gpt2" => ArchConfig::Gpt2(
-                raw_config::<gpt2::RawConfig>(&raw, path)?
-                    .resolve()
-                    .map_err(bad)?,
-            ),
+            "gpt2" => ArchConfig::Gpt2(raw_config::<gpt2::RawConfig>(&raw, path)?.resolve().map_err(bad)?),
             other => {
                 return Err(bad(format!(
                     "model_type `{other}` is not supported (supported: {})",
@@ -86,13 +69,7 @@ impl ModelConfig {
             }
         };
         let head = head_kind(&raw);
-        Ok(Self {
-            model_type,
-            head,
-            arch,
-            raw,
-            path: path.to_path_buf(),
-        })
+        Ok(Self { model_type, head, arch, raw, path: path.to_path_buf() })
     }
 
     pub fn vocab_size(&self) -> usize {
@@ -177,10 +154,7 @@ impl ModelConfig {
     pub fn to_json(&self) -> Value {
         let mut raw = self.raw.clone();
         if let Value::Object(map) = &mut raw {
-            map.insert(
-                "architectures".into(),
-                Value::Array(vec![Value::String(self.class_name())]),
-            );
+            map.insert("architectures".into(), Value::Array(vec![Value::String(self.class_name())]));
             if let HeadKind::SequenceClassification { num_labels } = self.head {
                 map.insert("num_labels".into(), num_labels.into());
             }
@@ -196,21 +170,13 @@ fn raw_config<T: serde::de::DeserializeOwned>(raw: &Value, path: &Path) -> Resul
 /// The head named by `architectures[0]`; transformers' `num_labels` comes
 /// from `id2label` when present (its default has two labels).
 fn head_kind(raw: &Value) -> HeadKind {
-    let class = raw
-        .get("architectures")
-        .and_then(|a| a.get(0))
-        .and_then(Value::as_str)
-        .unwrap_or("");
+    let class = raw.get("architectures").and_then(|a| a.get(0)).and_then(Value::as_str).unwrap_or("");
     if class.ends_with("ForSequenceClassification") {
         let num_labels = raw
             .get("id2label")
             .and_then(Value::as_object)
             .map(|m| m.len())
-            .or_else(|| {
-                raw.get("num_labels")
-                    .and_then(Value::as_u64)
-                    .map(|n| n as usize)
-            })
+            .or_else(|| raw.get("num_labels").and_then(Value::as_u64).map(|n| n as usize))
             .unwrap_or(2);
         HeadKind::SequenceClassification { num_labels }
     } else {
@@ -229,15 +195,8 @@ mod tests {
 
     #[test]
     fn unknown_model_types_list_the_supported_ones() {
-        let err = load(json!({"model_type": "mamba"}))
-            .unwrap_err()
-            .to_string();
-        assert!(
-            err.contains("config.json")
-                && err.contains("`mamba`")
-                && err.contains("gpt_neox, llama"),
-            "{err}"
-        );
+        let err = load(json!({"model_type": "mamba"})).unwrap_err().to_string();
+        assert!(err.contains("config.json") && err.contains("`mamba`") && err.contains("gpt_neox, llama"), "{err}");
     }
 
     #[test]
@@ -246,18 +205,13 @@ mod tests {
             "num_hidden_layers": 1, "num_attention_heads": 8, "num_key_value_heads": 3}))
         .unwrap_err()
         .to_string();
-        assert!(
-            err.contains("num_key_value_heads=3") && err.contains("num_attention_heads=8"),
-            "{err}"
-        );
+        assert!(err.contains("num_key_value_heads=3") && err.contains("num_attention_heads=8"), "{err}");
     }
 
     #[test]
     fn heads_follow_architectures() {
-        let cfg = load(
-            json!({"model_type": "gpt2", "architectures": ["GPT2ForSequenceClassification"],
-            "id2label": {"0": "LABEL_0"}}),
-        )
+        let cfg = load(json!({"model_type": "gpt2", "architectures": ["GPT2ForSequenceClassification"],
+            "id2label": {"0": "LABEL_0"}}))
         .unwrap();
         assert_eq!(cfg.head, HeadKind::SequenceClassification { num_labels: 1 });
         assert_eq!(cfg.class_name(), "GPT2ForSequenceClassification");

@@ -6,18 +6,14 @@ use candle_core::Device;
 use crate::error::{Error, Result};
 
 pub fn parse_device(name: &str) -> Result<Device> {
-    let cuda = |ordinal: usize| {
-        Device::new_cuda(ordinal).map_err(|e| Error::Invalid(format!("--device {name}: {e}")))
-    };
+    let cuda = |ordinal: usize| Device::new_cuda(ordinal).map_err(|e| Error::Invalid(format!("--device {name}: {e}")));
     match name {
         "cpu" => Ok(Device::Cpu),
         "auto" => Ok(Device::cuda_if_available(0).unwrap_or(Device::Cpu)),
         "cuda" | "gpu" => cuda(0),
         _ => match name.strip_prefix("cuda:").map(str::parse::<usize>) {
             Some(Ok(ordinal)) => cuda(ordinal),
-            _ => Err(Error::Invalid(format!(
-                "--device `{name}` is not a device (expected cpu, auto, cuda or cuda:N)"
-            ))),
+            _ => Err(Error::Invalid(format!("--device `{name}` is not a device (expected cpu, auto, cuda or cuda:N)"))),
         },
     }
 }

@@ -45,10 +45,7 @@ impl GenerationConfig {
         }
         match read_json::<Value>(&path)? {
             Value::Object(raw) => Self::from_map(raw, &path).map(Some),
-            other => Err(Error::bad_file(
-                &path,
-                format!("expected a JSON object, got {}", describe_json(&other)),
-            )),
+            other => Err(Error::bad_file(&path, format!("expected a JSON object, got {}", describe_json(&other)))),
         }
     }
 
@@ -104,18 +101,14 @@ impl GenerationConfig {
         set("top_p", self.top_p.map(Value::from));
         set("min_p", self.min_p.map(Value::from));
         set("max_new_tokens", self.max_new_tokens.map(Value::from));
-        set(
-            "repetition_penalty",
-            self.repetition_penalty.map(Value::from),
-        );
+        set("repetition_penalty", self.repetition_penalty.map(Value::from));
         out
     }
 
     /// Writes `dir/generation_config.json` atomically, indented as
     /// transformers writes it.
     pub fn save(&self, dir: &Path) -> Result<()> {
-        let mut text = serde_json::to_string_pretty(&Value::Object(self.to_json()))
-            .expect("a JSON map serialises");
+        let mut text = serde_json::to_string_pretty(&Value::Object(self.to_json())).expect("a JSON map serialises");
         text.push('\n');
         write_atomic(&dir.join(GENERATION_CONFIG_FILE), text.as_bytes())
     }
@@ -133,32 +126,23 @@ impl Fields<'_> {
     }
 
     fn err(&self, key: &str, expected: &str, got: &Value) -> Error {
-        Error::bad_file(
-            self.path,
-            format!("{key}: expected {expected}, got {}", describe_json(got)),
-        )
+        Error::bad_file(self.path, format!("{key}: expected {expected}, got {}", describe_json(got)))
     }
 
     fn int<T: TryFrom<u64>>(&self, key: &str) -> Result<Option<T>> {
         self.get(key)
             .map(|v| {
-                v.as_u64()
-                    .and_then(|n| T::try_from(n).ok())
-                    .ok_or_else(|| self.err(key, "a non-negative integer", v))
+                v.as_u64().and_then(|n| T::try_from(n).ok()).ok_or_else(|| self.err(key, "a non-negative integer", v))
             })
             .transpose()
     }
 
     fn float(&self, key: &str) -> Result<Option<f64>> {
-        self.get(key)
-            .map(|v| v.as_f64().ok_or_else(|| self.err(key, "a number", v)))
-            .transpose()
+        self.get(key).map(|v| v.as_f64().ok_or_else(|| self.err(key, "a number", v))).transpose()
     }
 
     fn bool(&self, key: &str) -> Result<Option<bool>> {
-        self.get(key)
-            .map(|v| v.as_bool().ok_or_else(|| self.err(key, "true or false", v)))
-            .transpose()
+        self.get(key).map(|v| v.as_bool().ok_or_else(|| self.err(key, "true or false", v))).transpose()
     }
 
     fn eos(&self, key: &str) -> Result<Option<Vec<u32>>> {
@@ -173,9 +157,7 @@ impl Fields<'_> {
                 .map(|x| id(x).ok_or_else(|| self.err(key, EXPECTED, v)))
                 .collect::<Result<Vec<_>>>()
                 .map(Some),
-            _ => id(v)
-                .map(|n| Some(vec![n]))
-                .ok_or_else(|| self.err(key, EXPECTED, v)),
+            _ => id(v).map(|n| Some(vec![n])).ok_or_else(|| self.err(key, EXPECTED, v)),
         }
     }
 }
@@ -234,9 +216,7 @@ mod tests {
     fn wrong_types_name_file_key_and_value() {
         let dir = tempfile::tempdir().unwrap();
         write(dir.path(), json!({"eos_token_id": [1, "two"]}));
-        let err = GenerationConfig::from_dir(dir.path())
-            .unwrap_err()
-            .to_string();
+        let err = GenerationConfig::from_dir(dir.path()).unwrap_err().to_string();
         assert_eq!(
             err,
             format!(
@@ -245,13 +225,8 @@ mod tests {
             )
         );
         write(dir.path(), json!({"top_k": -1}));
-        let err = GenerationConfig::from_dir(dir.path())
-            .unwrap_err()
-            .to_string();
-        assert!(
-            err.ends_with("top_k: expected a non-negative integer, got a number (-1)"),
-            "{err}"
-        );
+        let err = GenerationConfig::from_dir(dir.path()).unwrap_err().to_string();
+        assert!(err.ends_with("top_k: expected a non-negative integer, got a number (-1)"), "{err}");
     }
 
     #[test]

@@ -88,10 +88,7 @@ fn yes() -> bool {
 impl RawConfig {
     pub fn resolve(&self) -> std::result::Result<Config, String> {
         if self.n_head == 0 || self.n_embd % self.n_head != 0 {
-            return Err(format!(
-                "n_embd={} is not a multiple of n_head={}",
-                self.n_embd, self.n_head
-            ));
+            return Err(format!("n_embd={} is not a multiple of n_head={}", self.n_embd, self.n_head));
         }
         if self.add_cross_attention {
             return Err("add_cross_attention=true is not supported".into());
@@ -122,10 +119,7 @@ impl RawConfig {
 /// Loads a `Conv1D` stored as (in, out) into a [`Linear`] holding the (out, in) view.
 fn conv1d(w: &Weights, name: &str, in_dim: usize, out_dim: usize) -> Result<Linear> {
     let w = w.pp(name);
-    Ok(Linear {
-        weight: w.get("weight", (in_dim, out_dim))?.t()?,
-        bias: Some(w.get("bias", out_dim)?),
-    })
+    Ok(Linear { weight: w.get("weight", (in_dim, out_dim))?.t()?, bias: Some(w.get("bias", out_dim)?) })
 }
 
 struct Block {
@@ -184,25 +178,11 @@ impl Decoder {
         // c_attn gives [q | k | v] along the feature axis, each (B, T, H * D).
         let qkv = blk.c_attn.forward(x)?;
         let split = |i: usize| qkv.narrow(D::Minus1, i * h, h)?.reshape((b, t, heads, d));
-        let mut scale = if self.cfg.scale_attn_weights {
-            1.0 / (d as f64).sqrt()
-        } else {
-            1.0
-        };
+        let mut scale = if self.cfg.scale_attn_weights { 1.0 / (d as f64).sqrt() } else { 1.0 };
         if self.cfg.scale_attn_by_inverse_layer_idx {
             scale /= (layer + 1) as f64;
         }
-        let out = self_attention(
-            Qkv {
-                q: split(0)?,
-                k: split(1)?,
-                v: split(2)?,
-            },
-            ctx,
-            cache,
-            layer,
-            scale,
-        )?;
+        let out = self_attention(Qkv { q: split(0)?, k: split(1)?, v: split(2)? }, ctx, cache, layer, scale)?;
         blk.attn_proj.forward(&out)
     }
 }
@@ -212,14 +192,8 @@ impl super::Decoder for Decoder {
         let ctx = Context::new(inputs, cache.as_deref(), None)?;
         let mut x = (embed(&self.wte, &inputs.ids)? + embed(&self.wpe, &inputs.positions)?)?;
         for (i, blk) in self.layers.iter().enumerate() {
-            x = (&x
-                + self.attention(blk, &blk.ln_1.forward(&x)?, &ctx, cache.as_deref_mut(), i)?)?;
-            let mlp = blk.mlp_proj.forward(
-                &self
-                    .cfg
-                    .act
-                    .apply(&blk.c_fc.forward(&blk.ln_2.forward(&x)?)?)?,
-            )?;
+            x = (&x + self.attention(blk, &blk.ln_1.forward(&x)?, &ctx, cache.as_deref_mut(), i)?)?;
+            let mlp = blk.mlp_proj.forward(&self.cfg.act.apply(&blk.c_fc.forward(&blk.ln_2.forward(&x)?)?)?)?;
             x = (x + mlp)?;
         }
         ctx.finish(cache);

@@ -67,18 +67,11 @@ impl RawConfig {
     pub fn resolve(&self) -> std::result::Result<Config, String> {
         let heads = self.num_attention_heads;
         if heads == 0 || self.hidden_size % heads != 0 {
-            return Err(format!(
-                "hidden_size={} is not a multiple of num_attention_heads={heads}",
-                self.hidden_size
-            ));
+            return Err(format!("hidden_size={} is not a multiple of num_attention_heads={heads}", self.hidden_size));
         }
         let head_dim = self.hidden_size / heads;
         let act = Activation::from_hf(&self.hidden_act).ok_or_else(|| {
-            format!(
-                "hidden_act `{}` is not supported (supported: {})",
-                self.hidden_act,
-                Activation::SUPPORTED
-            )
+            format!("hidden_act `{}` is not supported (supported: {})", self.hidden_act, Activation::SUPPORTED)
         })?;
         Ok(Config {
             vocab_size: self.vocab_size,
@@ -126,11 +119,7 @@ impl Decoder {
             let (aw, mw) = (lw.pp("attention"), lw.pp("mlp"));
             layers.push(Block {
                 input_layernorm: LayerNorm::load(&lw.pp("input_layernorm"), h, cfg.layer_norm_eps)?,
-                post_attention_layernorm: LayerNorm::load(
-                    &lw.pp("post_attention_layernorm"),
-                    h,
-                    cfg.layer_norm_eps,
-                )?,
+                post_attention_layernorm: LayerNorm::load(&lw.pp("post_attention_layernorm"), h, cfg.layer_norm_eps)?,
                 query_key_value: Linear::load(&aw, "query_key_value", 3 * h, h, bias)?,
                 dense: Linear::load(&aw, "dense", h, h, bias)?,
                 dense_h_to_4h: Linear::load(&mw, "dense_h_to_4h", cfg.intermediate_size, h, true)?,
@@ -158,10 +147,7 @@ impl Decoder {
         let (b, t, _) = x.dims3()?;
         let (heads, d) = (self.cfg.num_heads, self.cfg.head_dim);
         // The fused projection is laid out per head: (B, T, H, 3 * D) = [q | k | v].
-        let qkv = blk
-            .query_key_value
-            .forward(x)?
-            .reshape((b, t, heads, 3 * d))?;
+        let qkv = blk.query_key_value.forward(x)?.reshape((b, t, heads, 3 * d))?;
         let qkv = Qkv {
             q: qkv.narrow(D::Minus1, 0, d)?,
             k: qkv.narrow(D::Minus1, d, d)?,
@@ -172,27 +158,16 @@ impl Decoder {
     }
 
     fn mlp(&self, blk: &Block, x: &Tensor) -> TResult<Tensor> {
-        blk.dense_4h_to_h
-            .forward(&self.cfg.act.apply(&blk.dense_h_to_4h.forward(x)?)?)
+        blk.dense_4h_to_h.forward(&self.cfg.act.apply(&blk.dense_h_to_4h.forward(x)?)?)
     }
 }
 
 impl super::Decoder for Decoder {
     fn forward(&self, inputs: &Inputs, mut cache: Option<&mut KvCache>) -> TResult<Tensor> {
-        let ctx = Context::new(
-            inputs,
-            cache.as_deref(),
-            Some((&self.cfg.rope, &self.inv_freq)),
-        )?;
+        let ctx = Context::new(inputs, cache.as_deref(), Some((&self.cfg.rope, &self.inv_freq)))?;
         let mut x = embed(&self.embed_in, &inputs.ids)?;
         for (i, blk) in self.layers.iter().enumerate() {
-            let attn = self.attention(
-                blk,
-                &blk.input_layernorm.forward(&x)?,
-                &ctx,
-                cache.as_deref_mut(),
-                i,
-            )?;
+            let attn = self.attention(blk, &blk.input_layernorm.forward(&x)?, &ctx, cache.as_deref_mut(), i)?;
             x = if self.cfg.use_parallel_residual {
                 let mlp = self.mlp(blk, &blk.post_attention_layernorm.forward(&x)?)?;
                 ((x + attn)? + mlp)?

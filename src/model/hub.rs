@@ -84,9 +84,7 @@ impl HubEnv {
     /// Whether downloads are switched off.
     pub fn offline(&self) -> bool {
         let truthy = |v: &Option<String>| {
-            v.as_deref().is_some_and(|v| {
-                matches!(v.to_ascii_uppercase().as_str(), "1" | "ON" | "YES" | "TRUE")
-            })
+            v.as_deref().is_some_and(|v| matches!(v.to_ascii_uppercase().as_str(), "1" | "ON" | "YES" | "TRUE"))
         };
         truthy(&self.hf_hub_offline) || truthy(&self.transformers_offline)
     }
@@ -129,16 +127,12 @@ impl HubId {
         let valid = |p: &str| {
             !p.is_empty()
                 && !p.starts_with(['.', '-'])
-                && p.chars()
-                    .all(|c| c.is_ascii_alphanumeric() || matches!(c, '-' | '_' | '.'))
+                && p.chars().all(|c| c.is_ascii_alphanumeric() || matches!(c, '-' | '_' | '.'))
         };
         if parts.len() > 2 || !parts.iter().all(|p| valid(p)) {
             return None;
         }
-        Some(HubId {
-            repo: repo.to_string(),
-            revision,
-        })
+        Some(HubId { repo: repo.to_string(), revision })
     }
 
     /// The revision asked for, `main` by default.
@@ -205,10 +199,7 @@ pub fn resolve_model_with(spec: &str, env: &HubEnv) -> Result<PathBuf> {
         ));
     }
     let Some(id) = HubId::parse(spec) else {
-        return Err(Error::bad_file(
-            path,
-            "no such directory, and not a hub id of the form owner/name[@revision]",
-        ));
+        return Err(Error::bad_file(path, "no such directory, and not a hub id of the form owner/name[@revision]"));
     };
     let Some(cache_dir) = env.cache_dir() else {
         return Err(Error::bad_file(
@@ -227,13 +218,9 @@ pub fn resolve_model_with(spec: &str, env: &HubEnv) -> Result<PathBuf> {
         id.revision()
     );
     if env.offline() {
-        return Err(Error::bad_file(
-            path,
-            format!("{not_cached}; downloading is off because HF_HUB_OFFLINE is set"),
-        ));
+        return Err(Error::bad_file(path, format!("{not_cached}; downloading is off because HF_HUB_OFFLINE is set")));
     }
-    download(&id, env, &cache_dir)
-        .map_err(|why| Error::bad_file(path, format!("{not_cached}; {why}")))
+    download(&id, env, &cache_dir).map_err(|why| Error::bad_file(path, format!("{not_cached}; {why}")))
 }
 
 #[cfg(not(feature = "hub"))]
@@ -264,58 +251,40 @@ fn download(id: &HubId, env: &HubEnv, cache_dir: &Path) -> std::result::Result<P
     use hf_hub::{Repo, RepoType};
 
     let fail = |e: &dyn std::fmt::Display| format!("downloading it failed: {e}");
-    let mut builder = ApiBuilder::new()
-        .with_cache_dir(cache_dir.to_path_buf())
-        .with_token(env.token());
+    let mut builder = ApiBuilder::new().with_cache_dir(cache_dir.to_path_buf()).with_token(env.token());
     if let Some(endpoint) = &env.hf_endpoint {
         builder = builder.with_endpoint(endpoint.trim_end_matches('/').to_string());
     }
     let api = builder.build().map_err(|e| fail(&e))?;
-    let repo = api.repo(Repo::with_revision(
-        id.repo.clone(),
-        RepoType::Model,
-        id.revision().to_string(),
-    ));
+    let repo = api.repo(Repo::with_revision(id.repo.clone(), RepoType::Model, id.revision().to_string()));
     let info = repo.info().map_err(|e| fail(&e))?;
-    let present: std::collections::HashSet<&str> =
-        info.siblings.iter().map(|s| s.rfilename.as_str()).collect();
+    let present: std::collections::HashSet<&str> = info.siblings.iter().map(|s| s.rfilename.as_str()).collect();
     if !present.contains("config.json") {
         return Err(format!("the hub repo {id} has no config.json"));
     }
 
-    let mut files: Vec<String> = DOWNLOAD_FILES
-        .iter()
-        .filter(|f| present.contains(**f))
-        .map(|f| f.to_string())
-        .collect();
+    let mut files: Vec<String> =
+        DOWNLOAD_FILES.iter().filter(|f| present.contains(**f)).map(|f| f.to_string()).collect();
     const INDEX: &str = "model.safetensors.index.json";
     if present.contains(INDEX) {
         let index_path = repo.get(INDEX).map_err(|e| fail(&e))?;
-        let index: serde_json::Value =
-            crate::error::read_json(&index_path).map_err(|e| e.to_string())?;
+        let index: serde_json::Value = crate::error::read_json(&index_path).map_err(|e| e.to_string())?;
         let Some(map) = index.get("weight_map").and_then(|m| m.as_object()) else {
             return Err(format!("{}: no weight_map object", index_path.display()));
         };
-        let mut shards: Vec<String> = map
-            .values()
-            .filter_map(|v| v.as_str().map(str::to_string))
-            .collect();
+        let mut shards: Vec<String> = map.values().filter_map(|v| v.as_str().map(str::to_string)).collect();
         shards.sort();
         shards.dedup();
         files.extend(shards);
     } else if present.contains("model.safetensors") {
         files.push("model.safetensors".to_string());
     } else {
-        return Err(format!(
-            "the hub repo {id} has no safetensors weights (model.safetensors or {INDEX})"
-        ));
+        return Err(format!("the hub repo {id} has no safetensors weights (model.safetensors or {INDEX})"));
     }
 
     let mut snapshot = None;
     for file in &files {
-        let local = repo
-            .get(file)
-            .map_err(|e| format!("downloading {file} failed: {e}"))?;
+        let local = repo.get(file).map_err(|e| format!("downloading {file} failed: {e}"))?;
         if file == "config.json" {
             snapshot = local.parent().map(Path::to_path_buf);
         }
@@ -331,10 +300,7 @@ mod tests {
     const HASH: &str = "0123456789abcdef0123456789abcdef01234567";
 
     fn env(vars: &[(&str, &str)]) -> HubEnv {
-        let map: HashMap<String, String> = vars
-            .iter()
-            .map(|(k, v)| (k.to_string(), v.to_string()))
-            .collect();
+        let map: HashMap<String, String> = vars.iter().map(|(k, v)| (k.to_string(), v.to_string())).collect();
         HubEnv::from_lookup(|k| map.get(k).cloned())
     }
 
@@ -358,13 +324,7 @@ mod tests {
             ("XDG_CACHE_HOME", "/d"),
             ("HOME", "/e"),
         ];
-        let expect = [
-            "/a",
-            "/b",
-            "/c/hub",
-            "/d/huggingface/hub",
-            "/e/.cache/huggingface/hub",
-        ];
+        let expect = ["/a", "/b", "/c/hub", "/d/huggingface/hub", "/e/.cache/huggingface/hub"];
         for (i, want) in expect.iter().enumerate() {
             assert_eq!(env(&all[i..]).cache_dir(), Some(PathBuf::from(want)), "{i}");
         }
@@ -393,12 +353,7 @@ mod tests {
         std::fs::write(home.path().join("token"), "hf_file\n").unwrap();
         let h = home.path().to_str().unwrap();
         assert_eq!(env(&[("HF_HOME", h)]).token().as_deref(), Some("hf_file"));
-        assert_eq!(
-            env(&[("HF_HOME", h), ("HF_TOKEN", "hf_env")])
-                .token()
-                .as_deref(),
-            Some("hf_env")
-        );
+        assert_eq!(env(&[("HF_HOME", h), ("HF_TOKEN", "hf_env")]).token().as_deref(), Some("hf_env"));
         assert_eq!(env(&[("HF_HOME", "/nonexistent")]).token(), None);
     }
 
@@ -406,10 +361,7 @@ mod tests {
     fn hub_ids_parse_with_optional_revision() {
         assert_eq!(
             HubId::parse("Qwen/Qwen2.5-0.5B-Instruct"),
-            Some(HubId {
-                repo: "Qwen/Qwen2.5-0.5B-Instruct".into(),
-                revision: None
-            })
+            Some(HubId { repo: "Qwen/Qwen2.5-0.5B-Instruct".into(), revision: None })
         );
         let id = HubId::parse("owner/name@v1.0").unwrap();
         assert_eq!((id.repo.as_str(), id.revision()), ("owner/name", "v1.0"));
@@ -439,10 +391,7 @@ mod tests {
         fake_cache(root.path());
         let snap = root.path().join("models--owner--tiny/snapshots").join(HASH);
         std::fs::remove_file(snap.join("config.json")).unwrap();
-        assert_eq!(
-            find_cached(root.path(), &HubId::parse("owner/tiny").unwrap()),
-            None
-        );
+        assert_eq!(find_cached(root.path(), &HubId::parse("owner/tiny").unwrap()), None);
     }
 
     #[test]
@@ -458,22 +407,14 @@ mod tests {
         let hub = root.path().join("home/hub");
         fake_cache(&hub);
         let e = env(&[("HF_HOME", root.path().join("home").to_str().unwrap())]);
-        assert_eq!(
-            resolve_model_with("owner/tiny", &e).unwrap(),
-            hub.join("models--owner--tiny/snapshots").join(HASH)
-        );
+        assert_eq!(resolve_model_with("owner/tiny", &e).unwrap(), hub.join("models--owner--tiny/snapshots").join(HASH));
     }
 
     #[test]
     fn uncached_id_offline_names_the_cache_and_why() {
         let root = tempfile::tempdir().unwrap();
-        let e = env(&[
-            ("HF_HUB_CACHE", root.path().to_str().unwrap()),
-            ("HF_HUB_OFFLINE", "1"),
-        ]);
-        let err = resolve_model_with("owner/missing", &e)
-            .unwrap_err()
-            .to_string();
+        let e = env(&[("HF_HUB_CACHE", root.path().to_str().unwrap()), ("HF_HUB_OFFLINE", "1")]);
+        let err = resolve_model_with("owner/missing", &e).unwrap_err().to_string();
         assert_eq!(
             err,
             format!(
@@ -490,24 +431,14 @@ mod tests {
     fn without_the_hub_feature_an_uncached_id_says_downloading_is_off() {
         let root = tempfile::tempdir().unwrap();
         let e = env(&[("HF_HUB_CACHE", root.path().to_str().unwrap())]);
-        let err = resolve_model_with("owner/missing", &e)
-            .unwrap_err()
-            .to_string();
-        assert!(
-            err.ends_with("downloading is off: rloo was built without the `hub` feature"),
-            "{err}"
-        );
+        let err = resolve_model_with("owner/missing", &e).unwrap_err().to_string();
+        assert!(err.ends_with("downloading is off: rloo was built without the `hub` feature"), "{err}");
     }
 
     #[test]
     fn path_that_is_neither_dir_nor_id_says_so() {
-        let err = resolve_model_with("./no/such/dir", &env(&[]))
-            .unwrap_err()
-            .to_string();
-        assert_eq!(
-            err,
-            "./no/such/dir: no such directory, and not a hub id of the form owner/name[@revision]"
-        );
+        let err = resolve_model_with("./no/such/dir", &env(&[])).unwrap_err().to_string();
+        assert_eq!(err, "./no/such/dir: no such directory, and not a hub id of the form owner/name[@revision]");
     }
 
     #[test]
@@ -515,12 +446,7 @@ mod tests {
         let dir = tempfile::tempdir().unwrap();
         let file = dir.path().join("config.json");
         std::fs::write(&file, "{}").unwrap();
-        let err = resolve_model_with(file.to_str().unwrap(), &env(&[]))
-            .unwrap_err()
-            .to_string();
-        assert!(
-            err.contains("is a file; expected a model directory"),
-            "{err}"
-        );
+        let err = resolve_model_with(file.to_str().unwrap(), &env(&[])).unwrap_err().to_string();
+        assert!(err.contains("is a file; expected a model directory"), "{err}");
     }
 }

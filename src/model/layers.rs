@@ -5,6 +5,7 @@
 use candle_core::{Result, Tensor};
 
 use super::batch::{attention_bias, Inputs, KvCache};
+use super::decode::decode_attention;
 use super::ops;
 use super::rope::Rope;
 use super::weights::Weights;
@@ -18,24 +19,23 @@ pub struct Context {
     pub rotary: Option<(Tensor, Tensor)>,
     /// The key mask over all S slots, stored into the cache at the end.
     key_mask: Tensor,
+    /// The same mask on the host, for the fused decoding kernel (one new
+    /// token per row with a cache, on the CPU).
+    decode_mask: Option<Vec<f32>>,
 }
 
 impl Context {
-    pub fn new(
-        inputs: &Inputs,
-        cache: Option<&KvCache>,
-        rope: Option<(&Rope, &Tensor)>,
-    ) -> Result<Self> {
+    pub fn new(inputs: &Inputs, cache: Option<&KvCache>, rope: Option<(&Rope, &Tensor)>) -> Result<Self> {
         let (bias, key_mask) = attention_bias(inputs, cache)?;
         let rotary = match rope {
             Some((rope, inv_freq)) => Some(rope.cos_sin(inv_freq, &inputs.positions)?),
             None => None,
         };
-        Ok(Self {
-            bias,
-            rotary,
-            key_mask,
-        })
+        let decode_mask = match cache {
+            Some(_) if inputs.seq_len() == 1 && key_mask.device().is_cpu() => Some(key_mask.flatten_all()?.to_vec1()?),
+            _ => None,
+        };
+        Ok(Self { bias, rotary, key_mask, decode_mask })
     }
 
     /// Hands the key mask to the cache once every layer has appended.
@@ -76,6 +76,10 @@ pub fn self_attention(
         Some(cache) => cache.append(layer, &k, &v)?,
         None => (k, v),
     };
+    if let Some(mask) = &ctx.decode_mask {
+        let out = decode_attention(&q, &k, &v, mask.clone(), scale)?;
+        return out.transpose(1, 2)?.reshape((b, t, n_heads * d));
+    }
     let k = ops::repeat_kv(&k, n_heads / n_kv)?;
     let v = ops::repeat_kv(&v, n_heads / n_kv)?;
     let out = ops::attention(&q, &k, &v, &ctx.bias, scale)?;
@@ -87,9 +91,7 @@ pub fn self_attention(
 pub fn embed(table: &Tensor, ids: &Tensor) -> Result<Tensor> {
     let (b, t) = ids.dims2()?;
     let hidden = table.dim(1)?;
-    table
-        .index_select(&ids.flatten_all()?, 0)?
-        .reshape((b, t, hidden))
+    table.index_select(&ids.flatten_all()?, 0)?.reshape((b, t, hidden))
 }
 
 /// A dense layer with a PyTorch-layout weight (out, in).
@@ -100,21 +102,11 @@ pub struct Linear {
 
 impl Linear {
     /// Loads `name.weight` (out, in) and, when `bias`, `name.bias` (out,).
-    pub fn load(
-        w: &Weights,
-        name: &str,
-        out_dim: usize,
-        in_dim: usize,
-        bias: bool,
-    ) -> LoadResult<Self> {
+    pub fn load(w: &Weights, name: &str, out_dim: usize, in_dim: usize, bias: bool) -> LoadResult<Self> {
         let w = w.pp(name);
         Ok(Self {
             weight: w.get("weight", (out_dim, in_dim))?,
-            bias: if bias {
-                Some(w.get("bias", out_dim)?)
-            } else {
-                None
-            },
+            bias: if bias { Some(w.get("bias", out_dim)?) } else { None },
         })
     }
 
@@ -133,11 +125,7 @@ pub struct LayerNorm {
 impl LayerNorm {
     /// Loads `weight` and `bias` of shape (dim,) under `w`.
     pub fn load(w: &Weights, dim: usize, eps: f64) -> LoadResult<Self> {
-        Ok(Self {
-            weight: w.get("weight", dim)?,
-            bias: w.get("bias", dim)?,
-            eps,
-        })
+        Ok(Self { weight: w.get("weight", dim)?, bias: w.get("bias", dim)?, eps })
     }
 
     pub fn forward(&self, x: &Tensor) -> Result<Tensor> {

@@ -84,9 +84,7 @@ impl RawConfig {
         let heads = self.num_attention_heads;
         let kv_heads = self.num_key_value_heads.unwrap_or(heads);
         if heads == 0 || kv_heads == 0 || heads % kv_heads != 0 {
-            return Err(format!(
-                "num_key_value_heads={kv_heads} does not divide num_attention_heads={heads}"
-            ));
+            return Err(format!("num_key_value_heads={kv_heads} does not divide num_attention_heads={heads}"));
         }
         let head_dim = match self.head_dim {
             Some(d) => d,
@@ -105,11 +103,7 @@ impl RawConfig {
             return Err("pretraining_tp > 1 is not supported".into());
         }
         let act = Activation::from_hf(&self.hidden_act).ok_or_else(|| {
-            format!(
-                "hidden_act `{}` is not supported (supported: {})",
-                self.hidden_act,
-                Activation::SUPPORTED
-            )
+            format!("hidden_act `{}` is not supported (supported: {})", self.hidden_act, Activation::SUPPORTED)
         })?;
         Ok(Config {
             vocab_size: self.vocab_size,
@@ -170,11 +164,8 @@ impl Decoder {
         for i in 0..cfg.num_layers {
             let lw = w.pp("layers").pp(i);
             let aw = lw.pp("self_attn");
-            let qk_norm = if cfg.qk_norm {
-                Some((aw.get("q_norm.weight", d)?, aw.get("k_norm.weight", d)?))
-            } else {
-                None
-            };
+            let qk_norm =
+                if cfg.qk_norm { Some((aw.get("q_norm.weight", d)?, aw.get("k_norm.weight", d)?)) } else { None };
             let self_attn = Attention {
                 q_proj: Linear::load(&aw, "q_proj", q_dim, h, cfg.qkv_bias)?,
                 k_proj: Linear::load(&aw, "k_proj", kv_dim, h, cfg.qkv_bias)?,
@@ -217,29 +208,14 @@ impl Decoder {
         let c = &self.cfg;
         let (b, t, _) = x.dims3()?;
         // (B, T, heads * D) -> (B, T, heads, D)
-        let mut q = a
-            .q_proj
-            .forward(x)?
-            .reshape((b, t, c.num_heads, c.head_dim))?;
-        let mut k = a
-            .k_proj
-            .forward(x)?
-            .reshape((b, t, c.num_kv_heads, c.head_dim))?;
-        let v = a
-            .v_proj
-            .forward(x)?
-            .reshape((b, t, c.num_kv_heads, c.head_dim))?;
+        let mut q = a.q_proj.forward(x)?.reshape((b, t, c.num_heads, c.head_dim))?;
+        let mut k = a.k_proj.forward(x)?.reshape((b, t, c.num_kv_heads, c.head_dim))?;
+        let v = a.v_proj.forward(x)?.reshape((b, t, c.num_kv_heads, c.head_dim))?;
         if let Some((qn, kn)) = &a.qk_norm {
             q = ops::rms_norm(&q, qn, c.rms_norm_eps)?;
             k = ops::rms_norm(&k, kn, c.rms_norm_eps)?;
         }
-        let out = self_attention(
-            Qkv { q, k, v },
-            ctx,
-            cache,
-            layer,
-            1.0 / (c.head_dim as f64).sqrt(),
-        )?;
+        let out = self_attention(Qkv { q, k, v }, ctx, cache, layer, 1.0 / (c.head_dim as f64).sqrt())?;
         a.o_proj.forward(&out)
     }
 
@@ -252,11 +228,7 @@ impl Decoder {
 impl super::Decoder for Decoder {
     fn forward(&self, inputs: &Inputs, mut cache: Option<&mut KvCache>) -> TResult<Tensor> {
         let eps = self.cfg.rms_norm_eps;
-        let ctx = Context::new(
-            inputs,
-            cache.as_deref(),
-            Some((&self.cfg.rope, &self.inv_freq)),
-        )?;
+        let ctx = Context::new(inputs, cache.as_deref(), Some((&self.cfg.rope, &self.inv_freq)))?;
         let mut x = embed(&self.embed_tokens, &inputs.ids)?;
         for (i, block) in self.layers.iter().enumerate() {
             let h = ops::rms_norm(&x, &block.input_layernorm, eps)?;

@@ -4,6 +4,7 @@
 
 pub mod batch;
 pub mod config;
+pub mod decode;
 pub mod device;
 pub mod generation_config;
 pub mod gpt2;

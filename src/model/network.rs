@@ -53,9 +53,7 @@ impl Network {
         };
         let (v, h) = (cfg.vocab_size(), cfg.hidden_size());
         let head = match cfg.head {
-            HeadKind::CausalLm if cfg.tie_word_embeddings() => {
-                Head::Lm(decoder.embedding().clone())
-            }
+            HeadKind::CausalLm if cfg.tie_word_embeddings() => Head::Lm(decoder.embedding().clone()),
             HeadKind::CausalLm => Head::Lm(root.get(cfg.lm_head_name(), (v, h))?),
             HeadKind::SequenceClassification { num_labels } => {
                 if !root.contains("score.weight") {
@@ -99,12 +97,8 @@ impl Network {
     pub fn scores(&self, inputs: &Inputs) -> TResult<Tensor> {
         let hidden = self.hidden_states(inputs, None)?;
         let (b, t, h) = hidden.dims3()?;
-        let last: Vec<u32> = inputs
-            .last_token_index()?
-            .into_iter()
-            .enumerate()
-            .map(|(row, i)| (row * t + i) as u32)
-            .collect();
+        let last: Vec<u32> =
+            inputs.last_token_index()?.into_iter().enumerate().map(|(row, i)| (row * t + i) as u32).collect();
         let idx = Tensor::from_vec(last, b, hidden.device())?;
         // (B, T, H) -> (B * T, H) -> (B, H)
         self.project(&hidden.reshape((b * t, h))?.index_select(&idx, 0)?)
@@ -116,10 +110,7 @@ impl Network {
 pub fn next_token_logprobs(logits: &Tensor, ids: &Tensor) -> TResult<Tensor> {
     let t = logits.dim(1)?;
     let logp = ops::log_softmax_last(&logits.narrow(1, 0, t - 1)?)?;
-    let targets = ids
-        .narrow(1, 1, t - 1)?
-        .contiguous()?
-        .unsqueeze(D::Minus1)?;
+    let targets = ids.narrow(1, 1, t - 1)?.contiguous()?.unsqueeze(D::Minus1)?;
     logp.gather(&targets, D::Minus1)?.squeeze(D::Minus1)
 }
 
@@ -143,22 +134,11 @@ impl Model {
         let train = Network::build(&config, &source.root())?;
         let unused = source.unused();
         if !unused.is_empty() {
-            tracing::debug!(
-                "{}: ignoring {} unused tensors: {:?}",
-                dir.display(),
-                unused.len(),
-                unused
-            );
+            tracing::debug!("{}: ignoring {} unused tensors: {:?}", dir.display(), unused.len(), unused);
         }
         let params = source.into_store();
         let frozen = Network::build(&config, &Source::store(&params, true).root())?;
-        Ok(Self {
-            config,
-            params,
-            train,
-            frozen,
-            dir: dir.to_path_buf(),
-        })
+        Ok(Self { config, params, train, frozen, dir: dir.to_path_buf() })
     }
 
     pub fn config(&self) -> &ModelConfig {
@@ -194,9 +174,7 @@ impl Model {
         let vocab = self.config.vocab_size();
         let max_id = inputs.ids.flatten_all()?.max(0)?.to_scalar::<u32>()?;
         if max_id as usize >= vocab {
-            return Err(Error::Invalid(format!(
-                "token id {max_id} is outside the vocabulary of size {vocab}"
-            )));
+            return Err(Error::Invalid(format!("token id {max_id} is outside the vocabulary of size {vocab}")));
         }
         if let Some(max_pos) = self.config.max_positions() {
             let pos = inputs.positions.flatten_all()?.max(0)?.to_scalar::<u32>()? as usize;

@@ -13,9 +13,7 @@ pub fn linear(x: &Tensor, weight: &Tensor, bias: Option<&Tensor>) -> Result<Tens
         // (B, T, in) -> (B*T, in) so one matmul covers the batch.
         [b, t, _] => {
             let (b, t) = (*b, *t);
-            x.reshape((b * t, ()))?
-                .matmul(&weight.t()?)?
-                .reshape((b, t, ()))?
+            x.reshape((b * t, ()))?.matmul(&weight.t()?)?.reshape((b, t, ()))?
         }
         _ => x.broadcast_matmul(&weight.t()?)?,
     };
@@ -78,8 +76,7 @@ impl Activation {
         }
     }
 
-    pub const SUPPORTED: &'static str =
-        "gelu, gelu_new, gelu_pytorch_tanh, gelu_fast, silu, swish, relu";
+    pub const SUPPORTED: &'static str = "gelu, gelu_new, gelu_pytorch_tanh, gelu_fast, silu, swish, relu";
 
     pub fn apply(self, x: &Tensor) -> Result<Tensor> {
         match self {
@@ -120,9 +117,7 @@ pub fn repeat_kv(x: &Tensor, n_rep: usize) -> Result<Tensor> {
         return Ok(x.clone());
     }
     let (b, h_kv, s, d) = x.dims4()?;
-    x.unsqueeze(2)?
-        .broadcast_as((b, h_kv, n_rep, s, d))?
-        .reshape((b, h_kv * n_rep, s, d))
+    x.unsqueeze(2)?.broadcast_as((b, h_kv, n_rep, s, d))?.reshape((b, h_kv * n_rep, s, d))
 }
 
 /// Scaled dot-product attention with an additive bias.
@@ -156,15 +151,9 @@ mod tests {
         let x = t(&[1.0, 2.0, 3.0, 0.0, 0.0, 0.0], &[2, 3]);
         let e: Vec<f32> = [1.0f32, 2.0, 3.0].iter().map(|v| v.exp()).collect();
         let s: f32 = e.iter().sum();
-        close(
-            &softmax_last(&x).unwrap(),
-            &[e[0] / s, e[1] / s, e[2] / s, 1. / 3., 1. / 3., 1. / 3.],
-        );
+        close(&softmax_last(&x).unwrap(), &[e[0] / s, e[1] / s, e[2] / s, 1. / 3., 1. / 3., 1. / 3.]);
         let l = (1.0f32 / 3.0).ln();
-        close(
-            &log_softmax_last(&x).unwrap(),
-            &[(e[0] / s).ln(), (e[1] / s).ln(), (e[2] / s).ln(), l, l, l],
-        );
+        close(&log_softmax_last(&x).unwrap(), &[(e[0] / s).ln(), (e[1] / s).ln(), (e[2] / s).ln(), l, l, l]);
     }
 
     #[test]
@@ -176,18 +165,10 @@ mod tests {
         let sd = (1.25f32 + 1e-5).sqrt();
         close(
             &layer_norm(&x, &w, &b, 1e-5).unwrap(),
-            &[
-                -1.5 / sd,
-                -0.5 / sd + 1.0,
-                2.0 * 0.5 / sd,
-                2.0 * 1.5 / sd + 1.0,
-            ],
+            &[-1.5 / sd, -0.5 / sd + 1.0, 2.0 * 0.5 / sd, 2.0 * 1.5 / sd + 1.0],
         );
         let rms = (7.5f32 + 1e-6).sqrt();
-        close(
-            &rms_norm(&x, &w, 1e-6).unwrap(),
-            &[1.0 / rms, 2.0 / rms, 6.0 / rms, 8.0 / rms],
-        );
+        close(&rms_norm(&x, &w, 1e-6).unwrap(), &[1.0 / rms, 2.0 / rms, 6.0 / rms, 8.0 / rms]);
     }
 
     #[test]
@@ -214,56 +195,29 @@ mod tests {
     /// Central finite differences of `f` summed, in f64, against autograd.
     fn check_grad(f: impl Fn(&Tensor) -> Result<Tensor>, x0: &[f64], shape: &[usize]) {
         let var = Var::from_slice(x0, shape, &Device::Cpu).unwrap();
-        let grads = f(var.as_tensor())
-            .unwrap()
-            .sum_all()
-            .unwrap()
-            .backward()
-            .unwrap();
-        let g = grads
-            .get(&var)
-            .unwrap()
-            .flatten_all()
-            .unwrap()
-            .to_vec1::<f64>()
-            .unwrap();
+        let grads = f(var.as_tensor()).unwrap().sum_all().unwrap().backward().unwrap();
+        let g = grads.get(&var).unwrap().flatten_all().unwrap().to_vec1::<f64>().unwrap();
         let h = 1e-6;
         for i in 0..x0.len() {
             let eval = |delta: f64| {
                 let mut x = x0.to_vec();
                 x[i] += delta;
                 let x = Tensor::from_slice(&x, shape, &Device::Cpu).unwrap();
-                f(&x)
-                    .unwrap()
-                    .sum_all()
-                    .unwrap()
-                    .to_scalar::<f64>()
-                    .unwrap()
+                f(&x).unwrap().sum_all().unwrap().to_scalar::<f64>().unwrap()
             };
             let fd = (eval(h) - eval(-h)) / (2.0 * h);
-            assert!(
-                (fd - g[i]).abs() < 1e-6 * (1.0 + fd.abs()),
-                "d/dx[{i}]: fd {fd} vs autograd {}",
-                g[i]
-            );
+            assert!((fd - g[i]).abs() < 1e-6 * (1.0 + fd.abs()), "d/dx[{i}]: fd {fd} vs autograd {}", g[i]);
         }
     }
 
     #[test]
     fn compositions_have_exact_gradients() {
-        let x: Vec<f64> = (0..12)
-            .map(|i| ((i * 7 % 5) as f64 - 2.0) * 0.37 + 0.1)
-            .collect();
+        let x: Vec<f64> = (0..12).map(|i| ((i * 7 % 5) as f64 - 2.0) * 0.37 + 0.1).collect();
         let dev = Device::Cpu;
         let w = Tensor::from_slice(&[0.5f64, -1.0, 2.0, 1.5], 4, &dev).unwrap();
         let b = Tensor::from_slice(&[0.1f64, 0.2, -0.3, 0.0], 4, &dev).unwrap();
         // Weight the outputs so the summed loss is not trivially constant.
-        let mix = Tensor::from_slice(
-            &(0..12).map(|i| i as f64 - 3.0).collect::<Vec<_>>(),
-            (3, 4),
-            &dev,
-        )
-        .unwrap();
+        let mix = Tensor::from_slice(&(0..12).map(|i| i as f64 - 3.0).collect::<Vec<_>>(), (3, 4), &dev).unwrap();
         check_grad(|x| softmax_last(x)?.mul(&mix), &x, &[3, 4]);
         check_grad(|x| log_softmax_last(x)?.mul(&mix), &x, &[3, 4]);
         check_grad(|x| layer_norm(x, &w, &b, 1e-5)?.mul(&mix), &x, &[3, 4]);

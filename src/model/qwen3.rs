@@ -5,8 +5,5 @@
 use super::llama::{Config, RawConfig, Variant};
 
 pub fn resolve(raw: &RawConfig) -> Result<Config, String> {
-    raw.resolve(Variant {
-        qkv_bias: false,
-        qk_norm: true,
-    })
+    raw.resolve(Variant { qkv_bias: false, qk_norm: true })
 }

@@ -58,11 +58,7 @@ impl RawRope {
         let scaling_map = match &self.rope_scaling {
             Some(Value::Object(map)) => Some(map),
             Some(Value::Null) | None => None,
-            Some(other) => {
-                return Err(format!(
-                    "rope_scaling must be an object or null, got {other}"
-                ))
-            }
+            Some(other) => return Err(format!("rope_scaling must be an object or null, got {other}")),
         };
         // 5.x keeps everything in rope_parameters; 4.x splits it.
         let fields = params.or(scaling_map);
@@ -81,9 +77,7 @@ impl RawRope {
             .or(self.rotary_pct)
             .unwrap_or(1.0);
         if !(fraction > 0.0 && fraction <= 1.0) {
-            return Err(format!(
-                "partial rotary factor must be in (0, 1], got {fraction}"
-            ));
+            return Err(format!("partial rotary factor must be in (0, 1], got {fraction}"));
         }
         // transformers truncates: int(head_dim * partial_rotary_factor).
         let rotary_dim = (head_dim as f64 * fraction) as usize;
@@ -97,14 +91,12 @@ impl RawRope {
             .and_then(|m| m.get("rope_type").or_else(|| m.get("type")))
             .and_then(Value::as_str)
             .unwrap_or("default");
-        let factor =
-            || num("factor").ok_or_else(|| format!("rope type `{rope_type}` needs `factor`"));
+        let factor = || num("factor").ok_or_else(|| format!("rope type `{rope_type}` needs `factor`"));
         let scaling = match rope_type {
             "default" => RopeScaling::None,
             "linear" => RopeScaling::Linear { factor: factor()? },
             "llama3" => {
-                let need =
-                    |k: &str| num(k).ok_or_else(|| format!("rope type `llama3` needs `{k}`"));
+                let need = |k: &str| num(k).ok_or_else(|| format!("rope type `llama3` needs `{k}`"));
                 RopeScaling::Llama3 {
                     factor: factor()?,
                     low_freq_factor: need("low_freq_factor")?,
@@ -112,17 +104,9 @@ impl RawRope {
                     original_max_position_embeddings: need("original_max_position_embeddings")?,
                 }
             }
-            other => {
-                return Err(format!(
-                    "rope type `{other}` is not supported (supported: default, linear, llama3)"
-                ))
-            }
+            other => return Err(format!("rope type `{other}` is not supported (supported: default, linear, llama3)")),
         };
-        Ok(Rope {
-            theta,
-            rotary_dim,
-            scaling,
-        })
+        Ok(Rope { theta, rotary_dim, scaling })
     }
 }
 
@@ -130,9 +114,7 @@ impl Rope {
     /// Inverse frequencies, one per rotated pair: `theta^(-2i/R)`, then scaled.
     pub fn inv_freq(&self) -> Vec<f32> {
         let r = self.rotary_dim;
-        let base: Vec<f64> = (0..r / 2)
-            .map(|i| 1.0 / self.theta.powf((2 * i) as f64 / r as f64))
-            .collect();
+        let base: Vec<f64> = (0..r / 2).map(|i| 1.0 / self.theta.powf((2 * i) as f64 / r as f64)).collect();
         match self.scaling {
             RopeScaling::None => base.iter().map(|&f| f as f32).collect(),
             RopeScaling::Linear { factor } => base.iter().map(|&f| (f / factor) as f32).collect(),
@@ -155,8 +137,7 @@ impl Rope {
                         } else if wavelen < high_freq_wavelen {
                             f
                         } else {
-                            let smooth = (old_len / wavelen - low_freq_factor)
-                                / (high_freq_factor - low_freq_factor);
+                            let smooth = (old_len / wavelen - low_freq_factor) / (high_freq_factor - low_freq_factor);
                             (1.0 - smooth) * f / factor + smooth * f
                         };
                         scaled as f32
@@ -203,14 +184,10 @@ mod tests {
         assert_eq!(a.rotary_dim, 4);
         assert_eq!(a.theta, 10000.0);
 
-        let l4 = raw(
-            json!({"rope_theta": 500000.0, "rope_scaling": {"rope_type": "llama3", "factor": 8.0,
-            "low_freq_factor": 1.0, "high_freq_factor": 4.0, "original_max_position_embeddings": 8192}}),
-        );
-        let l5 = raw(
-            json!({"rope_parameters": {"rope_type": "llama3", "rope_theta": 500000.0, "factor": 8.0,
-            "low_freq_factor": 1.0, "high_freq_factor": 4.0, "original_max_position_embeddings": 8192}}),
-        );
+        let l4 = raw(json!({"rope_theta": 500000.0, "rope_scaling": {"rope_type": "llama3", "factor": 8.0,
+            "low_freq_factor": 1.0, "high_freq_factor": 4.0, "original_max_position_embeddings": 8192}}));
+        let l5 = raw(json!({"rope_parameters": {"rope_type": "llama3", "rope_theta": 500000.0, "factor": 8.0,
+            "low_freq_factor": 1.0, "high_freq_factor": 4.0, "original_max_position_embeddings": 8192}}));
         assert_eq!(l4.resolve(64, 1.0).unwrap(), l5.resolve(64, 1.0).unwrap());
     }
 
@@ -220,24 +197,15 @@ mod tests {
             "low_freq_factor": 1.0, "high_freq_factor": 4.0, "original_max_position_embeddings": 64}}))
         .resolve(16, 1.0)
         .unwrap();
-        let plain = Rope {
-            scaling: RopeScaling::None,
-            ..rope.clone()
-        }
-        .inv_freq();
+        let plain = Rope { scaling: RopeScaling::None, ..rope.clone() }.inv_freq();
         let scaled = rope.inv_freq();
         assert_eq!(scaled[0], plain[0], "wavelength 2pi < 64/4 stays");
-        assert!(
-            (scaled[7] - plain[7] / 8.0).abs() < 1e-12,
-            "longest wavelength divided by factor"
-        );
+        assert!((scaled[7] - plain[7] / 8.0).abs() < 1e-12, "longest wavelength divided by factor");
     }
 
     #[test]
     fn unknown_rope_types_are_named() {
-        let err = raw(json!({"rope_scaling": {"rope_type": "yarn", "factor": 4.0}}))
-            .resolve(16, 1e4)
-            .unwrap_err();
+        let err = raw(json!({"rope_scaling": {"rope_type": "yarn", "factor": 4.0}})).resolve(16, 1e4).unwrap_err();
         assert!(err.contains("`yarn`") && err.contains("llama3"), "{err}");
     }
 }

@@ -28,25 +28,18 @@ impl Model {
             .map_err(|e| Error::Invalid(format!("cannot serialise config.json: {e}")))?;
         let mut tensors = Vec::with_capacity(self.params().len());
         for p in self.params().iter() {
-            tensors.push((
-                p.name.clone(),
-                p.var.as_tensor().to_dtype(p.stored_dtype)?.contiguous()?,
-            ));
+            tensors.push((p.name.clone(), p.var.as_tensor().to_dtype(p.stored_dtype)?.contiguous()?));
         }
         let metadata = HashMap::from([("format".to_string(), "pt".to_string())]);
-        let weights = safetensors::tensor::serialize(
-            tensors.iter().map(|(n, t)| (n.as_str(), t)),
-            Some(metadata),
-        )
-        .map_err(|e| Error::Invalid(format!("cannot serialise weights: {e}")))?;
+        let weights = safetensors::tensor::serialize(tensors.iter().map(|(n, t)| (n.as_str(), t)), Some(metadata))
+            .map_err(|e| Error::Invalid(format!("cannot serialise weights: {e}")))?;
         let source = self.dir();
         write_atomic(&dir.join("config.json"), config.as_bytes())?;
         write_atomic(&dir.join(SINGLE_FILE), &weights)?;
         copy_tokenizer_files(source, dir)?;
         let generation = source.join(GENERATION_CONFIG_FILE);
         if generation.is_file() {
-            std::fs::copy(&generation, dir.join(GENERATION_CONFIG_FILE))
-                .map_err(|e| Error::io(&generation, e))?;
+            std::fs::copy(&generation, dir.join(GENERATION_CONFIG_FILE)).map_err(|e| Error::io(&generation, e))?;
         }
         Ok(())
     }

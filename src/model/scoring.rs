@@ -24,15 +24,8 @@ impl Pair {
 
 /// Log-probability of each completion token given everything before it.
 /// Only the completion positions go through the LM head.
-pub fn completion_logprobs(
-    net: &Network,
-    pairs: &[Pair],
-    device: &Device,
-) -> Result<Vec<Vec<f32>>> {
-    if let Some(i) = pairs
-        .iter()
-        .position(|p| p.prompt.is_empty() && !p.completion.is_empty())
-    {
+pub fn completion_logprobs(net: &Network, pairs: &[Pair], device: &Device) -> Result<Vec<Vec<f32>>> {
+    if let Some(i) = pairs.iter().position(|p| p.prompt.is_empty() && !p.completion.is_empty()) {
         return Err(Error::Invalid(format!(
             "pair {i}: the prompt has no tokens, so the first completion token has no context"
         )));
@@ -56,9 +49,7 @@ pub fn completion_logprobs(
         return Ok(vec![Vec::new(); pairs.len()]);
     }
     let n = at.len();
-    let picked = hidden
-        .reshape((b * t, h))?
-        .index_select(&Tensor::from_vec(at, n, device)?, 0)?;
+    let picked = hidden.reshape((b * t, h))?.index_select(&Tensor::from_vec(at, n, device)?, 0)?;
     let logp = ops::log_softmax_last(&net.project(&picked)?)?;
     let targets = Tensor::from_vec(targets, (n, 1), device)?;
     let flat: Vec<f32> = logp.gather(&targets, D::Minus1)?.flatten_all()?.to_vec1()?;
@@ -74,13 +65,8 @@ pub fn completion_logprobs(
 
 /// The head's output (num_labels values) at the last token of prompt + completion.
 pub fn sequence_scores(net: &Network, pairs: &[Pair], device: &Device) -> Result<Vec<Vec<f32>>> {
-    if let Some(i) = pairs
-        .iter()
-        .position(|p| p.prompt.is_empty() && p.completion.is_empty())
-    {
-        return Err(Error::Invalid(format!(
-            "pair {i}: prompt and completion are both empty"
-        )));
+    if let Some(i) = pairs.iter().position(|p| p.prompt.is_empty() && p.completion.is_empty()) {
+        return Err(Error::Invalid(format!("pair {i}: prompt and completion are both empty")));
     }
     let rows: Vec<Vec<u32>> = pairs.iter().map(Pair::joined).collect();
     let inputs = Inputs::from_rows(&rows, 0, PadSide::Right, device)?;

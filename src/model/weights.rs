@@ -45,9 +45,7 @@ impl WeightFiles {
         } else {
             return Err(Error::bad_file(
                 dir,
-                format!(
-                    "no weights: expected {SINGLE_FILE} or {INDEX_FILE} (only safetensors is read)"
-                ),
+                format!("no weights: expected {SINGLE_FILE} or {INDEX_FILE} (only safetensors is read)"),
             ));
         };
         for p in &paths {
@@ -67,11 +65,7 @@ impl WeightFiles {
                 location.insert(name, p.clone());
             }
         }
-        Ok(Self {
-            files,
-            location,
-            dir: dir.to_path_buf(),
-        })
+        Ok(Self { files, location, dir: dir.to_path_buf() })
     }
 
     pub fn names(&self) -> impl Iterator<Item = &String> {
@@ -86,36 +80,23 @@ impl WeightFiles {
     pub fn info(&self, name: &str) -> Result<(Vec<usize>, DType)> {
         let view = self.files.get(name).map_err(|e| self.read_error(name, e))?;
         let dtype = view_dtype(view.dtype()).ok_or_else(|| Error::Weights {
-            msg: format!(
-                "{}: tensor `{name}` has unsupported dtype {:?}",
-                self.where_is(name),
-                view.dtype()
-            ),
+            msg: format!("{}: tensor `{name}` has unsupported dtype {:?}", self.where_is(name), view.dtype()),
         })?;
         Ok((view.shape().to_vec(), dtype))
     }
 
     /// Loads a tensor as f32 on `device`.
     pub fn load_f32(&self, name: &str, device: &Device) -> Result<Tensor> {
-        let t = self
-            .files
-            .load(name, device)
-            .map_err(|e| self.read_error(name, e))?;
+        let t = self.files.load(name, device).map_err(|e| self.read_error(name, e))?;
         Ok(t.to_dtype(DType::F32)?)
     }
 
     fn where_is(&self, name: &str) -> String {
-        self.location
-            .get(name)
-            .unwrap_or(&self.dir)
-            .display()
-            .to_string()
+        self.location.get(name).unwrap_or(&self.dir).display().to_string()
     }
 
     fn read_error(&self, name: &str, e: candle_core::Error) -> Error {
-        Error::Weights {
-            msg: format!("{}: cannot read tensor `{name}`: {e}", self.where_is(name)),
-        }
+        Error::Weights { msg: format!("{}: cannot read tensor `{name}`: {e}", self.where_is(name)) }
     }
 }
 
@@ -170,11 +151,7 @@ impl ParamStore {
     pub fn from_vars(vars: Vec<(String, Var)>) -> Self {
         let mut store = Self::default();
         for (name, var) in vars {
-            store.push(Param {
-                name,
-                var,
-                stored_dtype: DType::F32,
-            });
+            store.push(Param { name, var, stored_dtype: DType::F32 });
         }
         store
     }
@@ -189,16 +166,8 @@ impl ParamStore {
 /// files (creating the variables) or from an existing store (sharing them,
 /// optionally detached so that no autograd graph is recorded).
 pub enum Source<'a> {
-    Files {
-        files: &'a WeightFiles,
-        device: Device,
-        store: RefCell<ParamStore>,
-    },
-    Store {
-        store: &'a ParamStore,
-        detach: bool,
-        used: RefCell<BTreeSet<String>>,
-    },
+    Files { files: &'a WeightFiles, device: Device, store: RefCell<ParamStore> },
+    Store { store: &'a ParamStore, detach: bool, used: RefCell<BTreeSet<String>> },
 }
 
 /// A view on a [`Source`] under a name prefix, like walking the HF module
@@ -211,26 +180,15 @@ pub struct Weights<'a> {
 
 impl<'a> Source<'a> {
     pub fn files(files: &'a WeightFiles, device: &Device) -> Self {
-        Source::Files {
-            files,
-            device: device.clone(),
-            store: RefCell::new(ParamStore::default()),
-        }
+        Source::Files { files, device: device.clone(), store: RefCell::new(ParamStore::default()) }
     }
 
     pub fn store(store: &'a ParamStore, detach: bool) -> Self {
-        Source::Store {
-            store,
-            detach,
-            used: RefCell::new(BTreeSet::new()),
-        }
+        Source::Store { store, detach, used: RefCell::new(BTreeSet::new()) }
     }
 
     pub fn root(&'a self) -> Weights<'a> {
-        Weights {
-            source: self,
-            prefix: String::new(),
-        }
+        Weights { source: self, prefix: String::new() }
     }
 
     /// The parameters created from files (empty for a store source).
@@ -243,29 +201,20 @@ impl<'a> Source<'a> {
 
     fn has(&self, name: &str) -> bool {
         match self {
-            Source::Files { files, store, .. } => {
-                files.contains(name) || store.borrow().get(name).is_some()
-            }
+            Source::Files { files, store, .. } => files.contains(name) || store.borrow().get(name).is_some(),
             Source::Store { store, .. } => store.get(name).is_some(),
         }
     }
 
     fn get(&self, name: &str, shape: &Shape) -> Result<Tensor> {
         match self {
-            Source::Files {
-                files,
-                device,
-                store,
-            } => {
+            Source::Files { files, device, store } => {
                 if let Some(p) = store.borrow().get(name) {
                     return Ok(p.var.as_tensor().clone());
                 }
                 if !files.contains(name) {
                     return Err(Error::Weights {
-                        msg: format!(
-                            "{}: missing tensor `{name}` (expected shape {shape:?})",
-                            files.dir.display()
-                        ),
+                        msg: format!("{}: missing tensor `{name}` (expected shape {shape:?})", files.dir.display()),
                     });
                 }
                 let (stored_shape, stored_dtype) = files.info(name)?;
@@ -280,36 +229,20 @@ impl<'a> Source<'a> {
                 }
                 let var = Var::from_tensor(&files.load_f32(name, device)?)?;
                 let tensor = var.as_tensor().clone();
-                store.borrow_mut().push(Param {
-                    name: name.to_string(),
-                    var,
-                    stored_dtype,
-                });
+                store.borrow_mut().push(Param { name: name.to_string(), var, stored_dtype });
                 Ok(tensor)
             }
-            Source::Store {
-                store,
-                detach,
-                used,
-            } => {
-                let p = store.get(name).ok_or_else(|| Error::Weights {
-                    msg: format!("parameter `{name}` is not in the model"),
-                })?;
+            Source::Store { store, detach, used } => {
+                let p = store
+                    .get(name)
+                    .ok_or_else(|| Error::Weights { msg: format!("parameter `{name}` is not in the model") })?;
                 if p.var.shape() != shape {
                     return Err(Error::Weights {
-                        msg: format!(
-                            "parameter `{name}` has shape {:?}, expected {:?}",
-                            p.var.dims(),
-                            shape.dims()
-                        ),
+                        msg: format!("parameter `{name}` has shape {:?}, expected {:?}", p.var.dims(), shape.dims()),
                     });
                 }
                 used.borrow_mut().insert(name.to_string());
-                Ok(if *detach {
-                    p.var.as_tensor().detach()
-                } else {
-                    p.var.as_tensor().clone()
-                })
+                Ok(if *detach { p.var.as_tensor().detach() } else { p.var.as_tensor().clone() })
             }
         }
     }
@@ -320,21 +253,13 @@ impl<'a> Source<'a> {
         match self {
             Source::Files { files, store, .. } => {
                 let store = store.borrow();
-                let mut names: Vec<String> = files
-                    .names()
-                    .filter(|n| store.get(n).is_none())
-                    .cloned()
-                    .collect();
+                let mut names: Vec<String> = files.names().filter(|n| store.get(n).is_none()).cloned().collect();
                 names.sort();
                 names
             }
             Source::Store { store, used, .. } => {
                 let used = used.borrow();
-                store
-                    .iter()
-                    .filter(|p| !used.contains(&p.name))
-                    .map(|p| p.name.clone())
-                    .collect()
+                store.iter().filter(|p| !used.contains(&p.name)).map(|p| p.name.clone()).collect()
             }
         }
     }
@@ -343,10 +268,7 @@ impl<'a> Source<'a> {
 impl<'a> Weights<'a> {
     /// A view one level down the module tree.
     pub fn pp(&self, sub: impl std::fmt::Display) -> Weights<'a> {
-        Weights {
-            source: self.source,
-            prefix: self.name(&sub.to_string()),
-        }
+        Weights { source: self.source, prefix: self.name(&sub.to_string()) }
     }
 
     pub fn name(&self, leaf: &str) -> String {

@@ -137,9 +137,7 @@ mod tests {
     use super::*;
 
     fn metrics(kl: f64) -> Metrics {
-        [("objective/kl", kl), ("loss/policy_avg", -0.5)]
-            .into_iter()
-            .collect()
+        [("objective/kl", kl), ("loss/policy_avg", -0.5)].into_iter().collect()
     }
 
     #[test]

@@ -6,8 +6,7 @@
 
 use indicatif::{ProgressBar, ProgressDrawTarget, ProgressStyle};
 
-const TEMPLATE: &str =
-    "{spinner} [{elapsed_precise}] {bar:30} {pos}/{len} episodes (eta {eta}) {msg}";
+const TEMPLATE: &str = "{spinner} [{elapsed_precise}] {bar:30} {pos}/{len} episodes (eta {eta}) {msg}";
 
 pub struct TrainProgress {
     bar: ProgressBar,

@@ -98,8 +98,7 @@ mod tests {
     fn rows_hold_step_prompt_completion_score_and_extra_scores() {
         let dir = tempfile::tempdir().unwrap();
         let mut w = SampleWriter::create(dir.path()).unwrap();
-        w.write_all(3, &[sample("hi", 1.0), sample("hey", f64::NAN)])
-            .unwrap();
+        w.write_all(3, &[sample("hi", 1.0), sample("hey", f64::NAN)]).unwrap();
         let text = std::fs::read_to_string(w.path()).unwrap();
         assert_eq!(
             text,
@@ -113,24 +112,13 @@ mod tests {
         let dir = tempfile::tempdir().unwrap();
         let mut w = SampleWriter::create(dir.path()).unwrap();
         for step in 1..=3 {
-            w.write_all(step, &[sample("a", 0.0), sample("b", 0.0)])
-                .unwrap();
+            w.write_all(step, &[sample("a", 0.0), sample("b", 0.0)]).unwrap();
         }
         let mut w = SampleWriter::resume(dir.path(), 2).unwrap();
         w.write(2, &sample("c", 0.0)).unwrap();
         let rows = read_rows(w.path()).unwrap();
-        let got: Vec<_> = rows
-            .iter()
-            .map(|r| (r.fields["step"].clone(), r.fields["completion"].clone()))
-            .collect();
-        assert_eq!(
-            got,
-            [
-                (json!(1), json!("a")),
-                (json!(1), json!("b")),
-                (json!(2), json!("c"))
-            ]
-        );
+        let got: Vec<_> = rows.iter().map(|r| (r.fields["step"].clone(), r.fields["completion"].clone())).collect();
+        assert_eq!(got, [(json!(1), json!("a")), (json!(1), json!("b")), (json!(2), json!("c"))]);
     }
 
     #[test]

@@ -17,34 +17,21 @@ pub fn terminal_width() -> usize {
 }
 
 fn width_from(columns: Option<&str>) -> usize {
-    columns
-        .and_then(|c| c.trim().parse().ok())
-        .filter(|&w: &usize| w > 0)
-        .unwrap_or(DEFAULT_WIDTH)
+    columns.and_then(|c| c.trim().parse().ok()).filter(|&w: &usize| w > 0).unwrap_or(DEFAULT_WIDTH)
 }
 
 /// Renders `rows` under `headers` in at most `width` columns (more only when
 /// `width` cannot fit one character per column), each cell wrapped at word
 /// boundaries and cut to `max_lines` lines ending in `…` (0: no limit).
 /// Missing cells are blank; cells past the headers are ignored.
-pub fn render_table(
-    headers: &[&str],
-    rows: &[Vec<String>],
-    width: usize,
-    max_lines: usize,
-) -> String {
+pub fn render_table(headers: &[&str], rows: &[Vec<String>], width: usize, max_lines: usize) -> String {
     if headers.is_empty() {
         return String::new();
     }
     let natural: Vec<usize> = (0..headers.len())
         .map(|i| {
             let cells = rows.iter().map(|r| cell(r, i));
-            std::iter::once(headers[i])
-                .chain(cells)
-                .map(longest_line)
-                .max()
-                .unwrap_or(0)
-                .max(1)
+            std::iter::once(headers[i]).chain(cells).map(longest_line).max().unwrap_or(0).max(1)
         })
         .collect();
     // Each column costs its text, one space either side and one border.
@@ -78,8 +65,7 @@ fn fit_widths(natural: &[usize], available: usize) -> Vec<usize> {
     let mut left = available;
     loop {
         let share = left / open.len();
-        let (fits, wide): (Vec<usize>, Vec<usize>) =
-            open.iter().partition(|&&i| natural[i] <= share);
+        let (fits, wide): (Vec<usize>, Vec<usize>) = open.iter().partition(|&&i| natural[i] <= share);
         if fits.is_empty() {
             for (n, &i) in wide.iter().enumerate() {
                 let extra = usize::from(n < left % wide.len());
@@ -101,11 +87,7 @@ fn rule(widths: &[usize], left: &str, fill: &str, join: &str, right: &str) -> St
 }
 
 fn push_row(out: &mut String, cells: &[&str], widths: &[usize], max_lines: usize, border: char) {
-    let wrapped: Vec<Vec<String>> = cells
-        .iter()
-        .zip(widths)
-        .map(|(c, &w)| wrap(c, w, max_lines))
-        .collect();
+    let wrapped: Vec<Vec<String>> = cells.iter().zip(widths).map(|(c, &w)| wrap(c, w, max_lines)).collect();
     let height = wrapped.iter().map(Vec::len).max().unwrap_or(1);
     for line in 0..height {
         out.push(border);
@@ -119,20 +101,13 @@ fn push_row(out: &mut String, cells: &[&str], widths: &[usize], max_lines: usize
 }
 
 fn longest_line(text: &str) -> usize {
-    clean(text)
-        .lines()
-        .map(|l| l.chars().count())
-        .max()
-        .unwrap_or(0)
+    clean(text).lines().map(|l| l.chars().count()).max().unwrap_or(0)
 }
 
 /// Tabs and other control characters would break the box: each becomes a
 /// space, except newlines, which break lines.
 fn clean(text: &str) -> String {
-    text.replace("\r\n", "\n")
-        .chars()
-        .map(|c| if c.is_control() && c != '\n' { ' ' } else { c })
-        .collect()
+    text.replace("\r\n", "\n").chars().map(|c| if c.is_control() && c != '\n' { ' ' } else { c }).collect()
 }
 
 /// Greedy word wrap to `width` chars; words longer than a line are split.
@@ -181,8 +156,7 @@ pub fn render_markdown(headers: &[&str], rows: &[Vec<String>]) -> String {
     let mut out = line(headers.iter().map(|h| escape_markdown(h)).collect());
     out += &line(headers.iter().map(|_| "---".to_string()).collect());
     for row in rows {
-        let cells =
-            (0..headers.len()).map(|i| escape_markdown(row.get(i).map_or("", String::as_str)));
+        let cells = (0..headers.len()).map(|i| escape_markdown(row.get(i).map_or("", String::as_str)));
         out += &line(cells.collect());
     }
     out
@@ -258,16 +232,9 @@ impl SampleTable {
             .samples
             .iter()
             .map(|s| {
-                let mut row = vec![
-                    s.prompt.clone(),
-                    s.completion.clone(),
-                    format_score(s.score),
-                ];
+                let mut row = vec![s.prompt.clone(), s.completion.clone(), format_score(s.score)];
                 row.extend(extra.iter().map(|name| {
-                    s.extra_scores
-                        .iter()
-                        .find(|(n, _)| n == name)
-                        .map_or(String::new(), |&(_, v)| format_score(v))
+                    s.extra_scores.iter().find(|(n, _)| n == name).map_or(String::new(), |&(_, v)| format_score(v))
                 }));
                 row
             })

@@ -70,11 +70,7 @@ impl TensorBoardWriter {
     /// Logs `markdown` at `step` under `tag` for TensorBoard's Text tab, which
     /// renders it as Markdown (tables included).
     pub fn add_text(&mut self, step: u64, tag: &str, markdown: &str) -> Result<()> {
-        self.write_event(&summary_event(
-            wall_time(),
-            step,
-            &text_summary(tag, markdown),
-        ))
+        self.write_event(&summary_event(wall_time(), step, &text_summary(tag, markdown)))
     }
 
     fn write_event(&mut self, event: &Proto) -> Result<()> {
@@ -213,10 +209,7 @@ impl Proto {
 }
 
 fn wall_time() -> f64 {
-    SystemTime::now()
-        .duration_since(UNIX_EPOCH)
-        .map(|d| d.as_secs_f64())
-        .unwrap_or(0.0)
+    SystemTime::now().duration_since(UNIX_EPOCH).map(|d| d.as_secs_f64()).unwrap_or(0.0)
 }
 
 /// Creates a file with a name no other writer has used, even one started in
@@ -244,11 +237,8 @@ fn hostname() -> String {
         .or_else(|| std::env::var("HOSTNAME").ok())
         .or_else(|| std::env::var("COMPUTERNAME").ok())
         .unwrap_or_default();
-    let name: String = raw
-        .trim()
-        .chars()
-        .filter(|c| c.is_ascii_alphanumeric() || matches!(c, '-' | '_' | '.'))
-        .collect();
+    let name: String =
+        raw.trim().chars().filter(|c| c.is_ascii_alphanumeric() || matches!(c, '-' | '_' | '.')).collect();
     if name.is_empty() {
         "localhost".to_string()
     } else {

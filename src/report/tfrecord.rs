@@ -14,11 +14,7 @@ const TABLE: [u32; 256] = {
         let mut crc = i as u32;
         let mut bit = 0;
         while bit < 8 {
-            crc = if crc & 1 != 0 {
-                (crc >> 1) ^ 0x82F6_3B78
-            } else {
-                crc >> 1
-            };
+            crc = if crc & 1 != 0 { (crc >> 1) ^ 0x82F6_3B78 } else { crc >> 1 };
             bit += 1;
         }
         table[i] = crc;
@@ -62,10 +58,7 @@ pub(crate) fn unframe(mut bytes: &[u8]) -> Result<Vec<&[u8]>, String> {
     while !bytes.is_empty() {
         let n = records.len();
         if bytes.len() < 12 {
-            return Err(format!(
-                "record {n}: {} bytes left, header needs 12",
-                bytes.len()
-            ));
+            return Err(format!("record {n}: {} bytes left, header needs 12", bytes.len()));
         }
         let (len_bytes, rest) = bytes.split_at(8);
         let len_crc = u32::from_le_bytes(rest[..4].try_into().expect("4 bytes"));
@@ -112,13 +105,7 @@ mod tests {
         assert_eq!(records, [&b"hello"[..], &b""[..]]);
 
         bytes[13] ^= 1;
-        assert_eq!(
-            unframe(&bytes).unwrap_err(),
-            "record 0: payload CRC mismatch"
-        );
-        assert_eq!(
-            unframe(&bytes[..20]).unwrap_err(),
-            "record 0: payload of 5 bytes is cut off"
-        );
+        assert_eq!(unframe(&bytes).unwrap_err(), "record 0: payload CRC mismatch");
+        assert_eq!(unframe(&bytes[..20]).unwrap_err(), "record 0: payload of 5 bytes is cut off");
     }
 }

@@ -76,9 +76,7 @@ impl RewardSet {
 
     /// Runs [`RewardSource::check_rows`] of every source on the dataset.
     pub fn check_rows(&self, rows: &[&serde_json::Map<String, serde_json::Value>]) -> Result<()> {
-        self.sources
-            .iter()
-            .try_for_each(|(s, _)| s.check_rows(rows))
+        self.sources.iter().try_for_each(|(s, _)| s.check_rows(rows))
     }
 
     /// Scores a batch with every source and adds up the weighted scores.
@@ -127,11 +125,7 @@ impl RewardSet {
                  those samples are unscorable"
             );
         }
-        Ok(Scores {
-            per_source,
-            total,
-            non_finite,
-        })
+        Ok(Scores { per_source, total, non_finite })
     }
 }
 
@@ -176,17 +170,9 @@ fn mean_var(scores: &[Option<f32>], unbiased: bool) -> Option<(f64, f64)> {
 
 /// `s_i - penalty` for each completion that did not end with a stop/EOS
 /// token (it ran into the length limit); unscorable samples stay `None`.
-pub fn missing_eos_penalty(
-    scores: &[Option<f32>],
-    ended_with_eos: &[bool],
-    penalty: f32,
-) -> Vec<Option<f32>> {
+pub fn missing_eos_penalty(scores: &[Option<f32>], ended_with_eos: &[bool], penalty: f32) -> Vec<Option<f32>> {
     assert_eq!(scores.len(), ended_with_eos.len(), "one EOS flag per score");
-    scores
-        .iter()
-        .zip(ended_with_eos)
-        .map(|(s, &eos)| s.map(|s| if eos { s } else { s - penalty }))
-        .collect()
+    scores.iter().zip(ended_with_eos).map(|(s, &eos)| s.map(|s| if eos { s } else { s - penalty })).collect()
 }
 
 /// Z-score over the scorable samples of the batch:
@@ -198,10 +184,7 @@ pub fn normalize(scores: &[Option<f32>]) -> Vec<Option<f32>> {
         return scores.to_vec();
     };
     let denom = var.sqrt() + 1e-8;
-    scores
-        .iter()
-        .map(|s| s.map(|s| ((s as f64 - mean) / denom) as f32))
-        .collect()
+    scores.iter().map(|s| s.map(|s| ((s as f64 - mean) / denom) as f32)).collect()
 }
 
 /// Each score clamped to `[lo, hi]`; unscorable samples stay `None`.
@@ -228,9 +211,7 @@ impl Shaping {
     pub fn validate(&self) -> Result<()> {
         if let Some(p) = self.missing_eos_penalty {
             if !p.is_finite() {
-                return Err(Error::Invalid(format!(
-                    "missing_eos_penalty must be a finite number, got {p}"
-                )));
+                return Err(Error::Invalid(format!("missing_eos_penalty must be a finite number, got {p}")));
             }
         }
         if let Some([lo, hi]) = self.clip {
@@ -310,10 +291,8 @@ mod tests {
 
     #[test]
     fn zero_weight_sources_are_reported_but_do_not_make_samples_scorable() {
-        let set = set(vec![
-            (Fixed("rm", vec![Some(1.0), None]), 1.0),
-            (Fixed("watch", vec![Some(5.0), Some(5.0)]), 0.0),
-        ]);
+        let set =
+            set(vec![(Fixed("rm", vec![Some(1.0), None]), 1.0), (Fixed("watch", vec![Some(5.0), Some(5.0)]), 0.0)]);
         let owned = completions(&["a", "b"]);
         let scores = set.score(&samples(&owned)).unwrap();
         assert_eq!(scores.total, [Some(1.0), None]);
@@ -323,20 +302,14 @@ mod tests {
     #[test]
     fn nan_and_infinite_scores_are_dropped_and_counted() {
         let set = set(vec![
-            (
-                Fixed("rm", vec![Some(f32::NAN), Some(1.0), Some(f32::INFINITY)]),
-                1.0,
-            ),
+            (Fixed("rm", vec![Some(f32::NAN), Some(1.0), Some(f32::INFINITY)]), 1.0),
             (Fixed("rule", vec![Some(2.0), Some(2.0), None]), 1.0),
         ]);
         let owned = completions(&["a", "b", "c"]);
         let scores = set.score(&samples(&owned)).unwrap();
         assert_eq!(scores.per_source[0].1, [None, Some(1.0), None]);
         assert_eq!(scores.total, [Some(2.0), Some(3.0), None]);
-        assert_eq!(
-            scores.non_finite,
-            [("rm".to_string(), 2), ("rule".to_string(), 0)]
-        );
+        assert_eq!(scores.non_finite, [("rm".to_string(), 2), ("rule".to_string(), 0)]);
     }
 
     #[test]
@@ -350,18 +323,9 @@ mod tests {
     #[test]
     fn duplicate_names_and_wrong_lengths_are_errors() {
         let mut s = set(vec![(Fixed("rm", vec![Some(1.0)]), 1.0)]);
-        let err = s
-            .push(Box::new(Fixed("rm", vec![])), 1.0)
-            .unwrap_err()
-            .to_string();
-        assert_eq!(
-            err,
-            "two rewards are named `rm`; give each a distinct `name`"
-        );
-        let err = s
-            .push(Box::new(Fixed("w", vec![])), f32::NAN)
-            .unwrap_err()
-            .to_string();
+        let err = s.push(Box::new(Fixed("rm", vec![])), 1.0).unwrap_err().to_string();
+        assert_eq!(err, "two rewards are named `rm`; give each a distinct `name`");
+        let err = s.push(Box::new(Fixed("w", vec![])), f32::NAN).unwrap_err().to_string();
         assert_eq!(err, "reward `w`: weight must be a finite number, got NaN");
         let owned = completions(&["a", "b"]);
         let err = s.score(&samples(&owned)).unwrap_err().to_string();
@@ -370,38 +334,24 @@ mod tests {
 
     #[test]
     fn metrics_are_mean_and_std_per_source_over_scored_samples() {
-        let set = set(vec![
-            (Fixed("a", vec![Some(1.0), Some(3.0), None]), 1.0),
-            (Fixed("b", vec![None, None, None]), 1.0),
-        ]);
+        let set =
+            set(vec![(Fixed("a", vec![Some(1.0), Some(3.0), None]), 1.0), (Fixed("b", vec![None, None, None]), 1.0)]);
         let owned = completions(&["x", "y", "z"]);
         let m = set.score(&samples(&owned)).unwrap().metrics();
-        assert_eq!(
-            m,
-            [
-                ("rewards/a/mean".to_string(), 2.0),
-                ("rewards/a/std".to_string(), 1.0)
-            ]
-        );
+        assert_eq!(m, [("rewards/a/mean".to_string(), 2.0), ("rewards/a/std".to_string(), 1.0)]);
     }
 
     #[test]
     fn missing_eos_penalty_hits_only_completions_without_eos() {
         let s = [Some(1.0), Some(1.0), None];
-        assert_eq!(
-            missing_eos_penalty(&s, &[true, false, false], 0.5),
-            [Some(1.0), Some(0.5), None]
-        );
+        assert_eq!(missing_eos_penalty(&s, &[true, false, false], 0.5), [Some(1.0), Some(0.5), None]);
     }
 
     #[test]
     fn normalize_is_a_z_score_over_scorable_samples() {
         // mean 2, unbiased std 1.
         let got = normalize(&[Some(1.0), None, Some(2.0), Some(3.0)]);
-        assert!(
-            close(&got, &[Some(-1.0), None, Some(0.0), Some(1.0)]),
-            "{got:?}"
-        );
+        assert!(close(&got, &[Some(-1.0), None, Some(0.0), Some(1.0)]), "{got:?}");
         assert_eq!(normalize(&[Some(7.0), None]), [Some(0.0), None]);
         assert_eq!(normalize(&[Some(4.0), Some(4.0)]), [Some(0.0), Some(0.0)]);
         assert_eq!(normalize(&[None, None]), [None, None]);
@@ -417,11 +367,7 @@ mod tests {
 
     #[test]
     fn shaping_applies_penalty_then_normalisation_then_clipping() {
-        let shaping = Shaping {
-            missing_eos_penalty: Some(3.0),
-            normalize: true,
-            clip: Some([-0.5, 0.5]),
-        };
+        let shaping = Shaping { missing_eos_penalty: Some(3.0), normalize: true, clip: Some([-0.5, 0.5]) };
         shaping.validate().unwrap();
         // After the penalty: [1, 2, 0]: mean 1, std 1 -> [0, 1, -1] -> clipped.
         let got = shaping.apply(&[Some(1.0), Some(2.0), Some(3.0)], &[true, true, false]);
@@ -435,21 +381,12 @@ mod tests {
 
     #[test]
     fn shaping_rejects_empty_clip_ranges_and_non_finite_penalties() {
-        let bad = Shaping {
-            clip: Some([1.0, -1.0]),
-            ..Shaping::default()
-        };
+        let bad = Shaping { clip: Some([1.0, -1.0]), ..Shaping::default() };
         assert_eq!(
             bad.validate().unwrap_err().to_string(),
             "clip = [1, -1]: expected two finite numbers [lo, hi] with lo <= hi"
         );
-        let bad = Shaping {
-            missing_eos_penalty: Some(f32::INFINITY),
-            ..Shaping::default()
-        };
-        assert_eq!(
-            bad.validate().unwrap_err().to_string(),
-            "missing_eos_penalty must be a finite number, got inf"
-        );
+        let bad = Shaping { missing_eos_penalty: Some(f32::INFINITY), ..Shaping::default() };
+        assert_eq!(bad.validate().unwrap_err().to_string(), "missing_eos_penalty must be a finite number, got inf");
     }
 }

@@ -213,9 +213,7 @@ impl RewardSpec {
                 finite("scale", s.scale)?;
                 if let Some(t) = s.target {
                     if !(t.is_finite() && t >= 0.0) {
-                        return Err(Error::Invalid(format!(
-                            "target must be a length >= 0, got {t}"
-                        )));
+                        return Err(Error::Invalid(format!("target must be a length >= 0, got {t}")));
                     }
                 }
                 Box::new(super::rules::Length::new(name, s.unit, s.target, s.scale))
@@ -233,8 +231,7 @@ impl RewardSpec {
                     }
                     (None, None) => {
                         return Err(Error::Invalid(
-                            "give `pattern` (a regex) or `substring` (literal text) to count"
-                                .into(),
+                            "give `pattern` (a regex) or `substring` (literal text) to count".into(),
                         ))
                     }
                 };
@@ -251,13 +248,9 @@ impl RewardSpec {
                 }
                 Box::new(Lexicon::new(name, &positive, &negative, s.normalize)?)
             }
-            RewardSpec::ExactMatch(s) => Box::new(ExactMatch::new(
-                name,
-                s.column.clone(),
-                s.case_insensitive,
-                s.marker.clone(),
-                s.last_number,
-            )?),
+            RewardSpec::ExactMatch(s) => {
+                Box::new(ExactMatch::new(name, s.column.clone(), s.case_insensitive, s.marker.clone(), s.last_number)?)
+            }
         })
     }
 }
@@ -266,9 +259,7 @@ fn finite(key: &str, x: f32) -> Result<()> {
     if x.is_finite() {
         Ok(())
     } else {
-        Err(Error::Invalid(format!(
-            "{key} must be a finite number, got {x}"
-        )))
+        Err(Error::Invalid(format!("{key} must be a finite number, got {x}")))
     }
 }
 
@@ -278,10 +269,7 @@ fn read_list(key: &str, path: &Path) -> Result<Vec<String>> {
 
 /// Checks a metric name: it becomes a path segment of `rewards/<name>/mean`.
 fn check_name(name: &str) -> Result<()> {
-    let ok = !name.is_empty()
-        && name
-            .chars()
-            .all(|c| c.is_ascii_alphanumeric() || matches!(c, '_' | '-' | '.'));
+    let ok = !name.is_empty() && name.chars().all(|c| c.is_ascii_alphanumeric() || matches!(c, '_' | '-' | '.'));
     if ok {
         Ok(())
     } else {
@@ -305,9 +293,7 @@ pub fn build(specs: &[RewardSpec], device: &Device) -> Result<RewardSet> {
     // Cheap checks on every table first, so that a typo in the last table is
     // reported before a reward model is loaded.
     for (i, spec) in specs.iter().enumerate() {
-        let at = |msg: String| {
-            Error::Invalid(format!("reward #{} ({}): {msg}", i + 1, spec.type_name()))
-        };
+        let at = |msg: String| Error::Invalid(format!("reward #{} ({}): {msg}", i + 1, spec.type_name()));
         check_name(spec.name()).map_err(|e| at(e.to_string()))?;
         finite("weight", spec.weight()).map_err(|e| at(e.to_string()))?;
         if let Some(j) = specs[..i].iter().position(|s| s.name() == spec.name()) {
@@ -320,14 +306,9 @@ pub fn build(specs: &[RewardSpec], device: &Device) -> Result<RewardSet> {
     }
     let mut set = RewardSet::new();
     for (i, spec) in specs.iter().enumerate() {
-        let source = spec.source(device).map_err(|e| {
-            Error::Invalid(format!(
-                "reward #{} ({} `{}`): {e}",
-                i + 1,
-                spec.type_name(),
-                spec.name()
-            ))
-        })?;
+        let source = spec
+            .source(device)
+            .map_err(|e| Error::Invalid(format!("reward #{} ({} `{}`): {e}", i + 1, spec.type_name(), spec.name())))?;
         set.push(source, spec.weight())?;
     }
     Ok(set)
@@ -363,21 +344,13 @@ mod tests {
         .unwrap();
         assert_eq!(
             specs[0],
-            RewardSpec::Model(ModelSpec {
-                name: None,
-                weight: 1.0,
-                path: "runs/rm".into(),
-                batch_size: 8
-            })
+            RewardSpec::Model(ModelSpec { name: None, weight: 1.0, path: "runs/rm".into(), batch_size: 8 })
         );
         assert_eq!(
             specs.iter().map(RewardSpec::name).collect::<Vec<_>>(),
             ["model", "sentiment", "length", "count", "exact_match"]
         );
-        assert_eq!(
-            specs.iter().map(RewardSpec::weight).collect::<Vec<_>>(),
-            [1.0, 0.5, 1.0, -1.0, 1.0]
-        );
+        assert_eq!(specs.iter().map(RewardSpec::weight).collect::<Vec<_>>(), [1.0, 0.5, 1.0, -1.0, 1.0]);
         assert_eq!(
             specs[2],
             RewardSpec::Length(LengthSpec {
@@ -400,10 +373,7 @@ mod tests {
         let listed: Vec<String> = REWARD_TYPES.iter().map(|t| format!("`{t}`")).collect();
         assert_eq!(
             parse(json!([{"type": "nope"}])).unwrap_err(),
-            format!(
-                "unknown variant `nope`, expected one of {}",
-                listed.join(", ")
-            )
+            format!("unknown variant `nope`, expected one of {}", listed.join(", "))
         );
     }
 
@@ -419,14 +389,8 @@ mod tests {
             "unknown field `postive`, expected one of `name`, `weight`, `positive`, \
              `negative`, `positive_file`, `negative_file`, `normalize`"
         );
-        assert_eq!(
-            parse(json!([{"path": "rm"}])).unwrap_err(),
-            "missing field `type`"
-        );
-        assert_eq!(
-            parse(json!([{"type": "exact_match"}])).unwrap_err(),
-            "missing field `column`"
-        );
+        assert_eq!(parse(json!([{"path": "rm"}])).unwrap_err(), "missing field `type`");
+        assert_eq!(parse(json!([{"type": "exact_match"}])).unwrap_err(), "missing field `column`");
         assert_eq!(
             parse(json!([{"type": "length", "unit": "words"}])).unwrap_err(),
             "unknown variant `words`, expected `tokens` or `chars`"
@@ -444,10 +408,7 @@ mod tests {
             {"type": "length"},
             {"type": "count", "pattern": "(oops"}
         ]));
-        assert!(
-            err.starts_with("reward #2 (count `count`): pattern `(oops` is not a valid regex: "),
-            "{err}"
-        );
+        assert!(err.starts_with("reward #2 (count `count`): pattern `(oops` is not a valid regex: "), "{err}");
         assert_eq!(
             build_err(json!([{"type": "count"}])),
             "reward #1 (count `count`): give `pattern` (a regex) or `substring` (literal text) \
@@ -502,10 +463,7 @@ mod tests {
         let err = build_err(json!([
             {"type": "lexicon", "positive_file": "/no/such/pos.txt"}
         ]));
-        assert!(
-            err.starts_with("reward #1 (lexicon `lexicon`): positive_file: /no/such/pos.txt: "),
-            "{err}"
-        );
+        assert!(err.starts_with("reward #1 (lexicon `lexicon`): positive_file: /no/such/pos.txt: "), "{err}");
         let err = build_err(json!([{"type": "model", "path": "./no/such/rm"}]));
         assert_eq!(
             err,
@@ -558,8 +516,7 @@ mod tests {
             {"type": "length", "target": 50, "scale": 0.01}
         ]))
         .unwrap();
-        let back: Vec<RewardSpec> =
-            serde_json::from_value(serde_json::to_value(&specs).unwrap()).unwrap();
+        let back: Vec<RewardSpec> = serde_json::from_value(serde_json::to_value(&specs).unwrap()).unwrap();
         assert_eq!(back, specs);
     }
 }

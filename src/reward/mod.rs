@@ -139,14 +139,7 @@ mod tests {
 
     #[test]
     fn non_finite_scores_become_none_and_are_counted() {
-        let mut s = vec![
-            Some(1.0),
-            Some(f32::NAN),
-            None,
-            Some(f32::INFINITY),
-            Some(f32::NEG_INFINITY),
-            Some(-2.5),
-        ];
+        let mut s = vec![Some(1.0), Some(f32::NAN), None, Some(f32::INFINITY), Some(f32::NEG_INFINITY), Some(-2.5)];
         assert_eq!(drop_non_finite(&mut s), 3);
         assert_eq!(s, [Some(1.0), None, None, None, None, Some(-2.5)]);
     }

@@ -39,39 +39,21 @@ pub struct RewardModel {
 impl RewardModel {
     /// Loads the reward model at `path` (a directory or a hub id) onto
     /// `device`; `batch_size` sequences go through each forward pass.
-    pub fn load(
-        name: impl Into<String>,
-        path: &str,
-        device: &Device,
-        batch_size: usize,
-    ) -> Result<RewardModel> {
+    pub fn load(name: impl Into<String>, path: &str, device: &Device, batch_size: usize) -> Result<RewardModel> {
         Self::from_dir(name, &resolve_model(path)?, device, batch_size)
     }
 
     /// [`load`](Self::load) from a model directory.
-    pub fn from_dir(
-        name: impl Into<String>,
-        dir: &Path,
-        device: &Device,
-        batch_size: usize,
-    ) -> Result<RewardModel> {
+    pub fn from_dir(name: impl Into<String>, dir: &Path, device: &Device, batch_size: usize) -> Result<RewardModel> {
         if batch_size == 0 {
-            return Err(Error::Invalid(
-                "batch_size must be at least 1, got 0".into(),
-            ));
+            return Err(Error::Invalid("batch_size must be at least 1, got 0".into()));
         }
         // The head is checked before the weights are read, so that pointing
         // at the policy instead of the reward model fails fast and clearly.
         check_head(&ModelConfig::from_dir(dir)?)?;
         let model = Model::load(dir, device)?;
         let tokenizer = Tokenizer::from_dir(dir)?;
-        Ok(RewardModel {
-            name: name.into(),
-            model,
-            tokenizer,
-            device: device.clone(),
-            batch_size,
-        })
+        Ok(RewardModel { name: name.into(), model, tokenizer, device: device.clone(), batch_size })
     }
 
     /// The directory the model was loaded from.
@@ -154,9 +136,8 @@ impl RewardSource for RewardModel {
         let mut rows: Vec<(usize, Vec<u32>)> = Vec::with_capacity(samples.len());
         let (mut empty, mut too_long) = (0, 0);
         for (i, sample) in samples.iter().enumerate() {
-            let ids = self
-                .encode(sample)
-                .map_err(|e| Error::Invalid(format!("reward `{}`: sample {i}: {e}", self.name)))?;
+            let ids =
+                self.encode(sample).map_err(|e| Error::Invalid(format!("reward `{}`: sample {i}: {e}", self.name)))?;
             if let Some(&bad) = ids.iter().find(|&&id| id as usize >= vocab) {
                 return Err(Error::bad_file(
                     self.dir(),
@@ -186,13 +167,8 @@ impl RewardSource for RewardModel {
         // Similar lengths share a batch, so little compute goes to padding.
         rows.sort_by_key(|(_, ids)| ids.len());
         for chunk in rows.chunks(self.batch_size) {
-            let pairs: Vec<Pair> = chunk
-                .iter()
-                .map(|(_, ids)| Pair {
-                    prompt: ids.clone(),
-                    completion: Vec::new(),
-                })
-                .collect();
+            let pairs: Vec<Pair> =
+                chunk.iter().map(|(_, ids)| Pair { prompt: ids.clone(), completion: Vec::new() }).collect();
             let scores = sequence_scores(self.model.frozen(), &pairs, &self.device)?;
             for ((i, _), s) in chunk.iter().zip(scores) {
                 out[*i] = s.first().copied();
@@ -220,18 +196,12 @@ mod tests {
     use std::path::PathBuf;
 
     fn fixture(path: &str) -> PathBuf {
-        Path::new(env!("CARGO_MANIFEST_DIR"))
-            .join("tests/fixtures")
-            .join(path)
+        Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/fixtures").join(path)
     }
 
     fn expected_rows(name: &str) -> Vec<Map<String, Value>> {
         let path = fixture(&format!("score/expected/{name}.jsonl"));
-        std::fs::read_to_string(&path)
-            .unwrap()
-            .lines()
-            .map(|l| serde_json::from_str(l).unwrap())
-            .collect()
+        std::fs::read_to_string(&path).unwrap().lines().map(|l| serde_json::from_str(l).unwrap()).collect()
     }
 
     fn ids(v: &Value) -> Vec<u32> {
@@ -250,33 +220,19 @@ mod tests {
 
     fn edit_config(dir: &Path, edit: impl FnOnce(&mut Map<String, Value>)) {
         let path = dir.join("config.json");
-        let mut config: Map<String, Value> =
-            serde_json::from_str(&std::fs::read_to_string(&path).unwrap()).unwrap();
+        let mut config: Map<String, Value> = serde_json::from_str(&std::fs::read_to_string(&path).unwrap()).unwrap();
         edit(&mut config);
         std::fs::write(&path, Value::Object(config).to_string()).unwrap();
     }
 
     #[test]
     fn scores_text_prompts_like_transformers() {
-        for name in [
-            "qwen2-seqcls",
-            "llama-seqcls",
-            "qwen3-seqcls",
-            "gpt_neox-seqcls",
-            "gpt2-seqcls",
-        ] {
-            let rm =
-                RewardModel::from_dir("rm", &fixture(&format!("models/{name}")), &Device::Cpu, 2)
-                    .unwrap();
+        for name in ["qwen2-seqcls", "llama-seqcls", "qwen3-seqcls", "gpt_neox-seqcls", "gpt2-seqcls"] {
+            let rm = RewardModel::from_dir("rm", &fixture(&format!("models/{name}")), &Device::Cpu, 2).unwrap();
             let rows = expected_rows(name);
             let owned: Vec<Owned> = rows
                 .iter()
-                .map(|r| {
-                    Owned::text(
-                        r["prompt"].as_str().unwrap(),
-                        r["completion"].as_str().unwrap(),
-                    )
-                })
+                .map(|r| Owned::text(r["prompt"].as_str().unwrap(), r["completion"].as_str().unwrap()))
                 .collect();
             let samples = samples(&owned);
             for (row, sample) in rows.iter().zip(&samples) {
@@ -313,10 +269,7 @@ mod tests {
         ];
         let completion = "About nine minutes for a firm yolk.";
         let owned = vec![
-            Owned {
-                prompt: Prompt::Messages(messages.clone()),
-                ..Owned::text("", completion)
-            },
+            Owned { prompt: Prompt::Messages(messages.clone()), ..Owned::text("", completion) },
             Owned::text("The movie was", " surprisingly good."),
         ];
         let samples = samples(&owned);
@@ -324,37 +277,24 @@ mod tests {
 
         let mut conversation = messages;
         conversation.push(Message::new("assistant", completion));
-        let text = rm
-            .tokenizer()
-            .chat_template()
-            .unwrap()
-            .render(&conversation, false)
-            .unwrap();
+        let text = rm.tokenizer().chat_template().unwrap().render(&conversation, false).unwrap();
         assert!(
-            text.ends_with("<|start_header_id|>assistant<|end_header_id|>\n\nAbout nine minutes for a firm yolk.<|eot_id|>"),
+            text.ends_with(
+                "<|start_header_id|>assistant<|end_header_id|>\n\nAbout nine minutes for a firm yolk.<|eot_id|>"
+            ),
             "{text:?}"
         );
         assert_eq!(got, rm.tokenizer().encode(&text).unwrap());
-        assert_eq!(
-            got.iter().filter(|&&t| t == 4).count(),
-            1,
-            "exactly one BOS (the template writes it)"
-        );
+        assert_eq!(got.iter().filter(|&&t| t == 4).count(), 1, "exactly one BOS (the template writes it)");
 
         // Scoring in a batch with a text prompt gives each sample's own score.
         let batch = rm.score(&samples).unwrap();
         for (i, sample) in samples.iter().enumerate() {
             let alone = rm.score(std::slice::from_ref(sample)).unwrap();
-            let pair = Pair {
-                prompt: rm.encode(sample).unwrap(),
-                completion: Vec::new(),
-            };
+            let pair = Pair { prompt: rm.encode(sample).unwrap(), completion: Vec::new() };
             let direct = sequence_scores(rm.model.frozen(), &[pair], &Device::Cpu).unwrap();
             assert!((alone[0].unwrap() - direct[0][0]).abs() < 1e-6);
-            assert!(
-                (batch[i].unwrap() - direct[0][0]).abs() < 1e-4,
-                "sample {i}: {batch:?} vs {direct:?}"
-            );
+            assert!((batch[i].unwrap() - direct[0][0]).abs() < 1e-4, "sample {i}: {batch:?} vs {direct:?}");
         }
     }
 
@@ -362,10 +302,8 @@ mod tests {
     fn chat_prompts_without_a_template_name_the_reward_model() {
         let dir = fixture("models/qwen2-seqcls");
         let rm = RewardModel::from_dir("rm", &dir, &Device::Cpu, 1).unwrap();
-        let owned = vec![Owned {
-            prompt: Prompt::Messages(vec![Message::new("user", "hi")]),
-            ..Owned::text("", "hello")
-        }];
+        let owned =
+            vec![Owned { prompt: Prompt::Messages(vec![Message::new("user", "hi")]), ..Owned::text("", "hello") }];
         let err = rm.score(&samples(&owned)).unwrap_err().to_string();
         assert!(
             err.starts_with(&format!(
@@ -402,9 +340,7 @@ mod tests {
     #[test]
     fn a_causal_lm_is_rejected_with_its_class() {
         let dir = fixture("models/llama-causal");
-        let err = RewardModel::from_dir("rm", &dir, &Device::Cpu, 8)
-            .unwrap_err()
-            .to_string();
+        let err = RewardModel::from_dir("rm", &dir, &Device::Cpu, 8).unwrap_err().to_string();
         assert_eq!(
             err,
             format!(
@@ -422,9 +358,7 @@ mod tests {
         edit_config(dir.path(), |c| {
             c.insert("id2label".into(), json!({"0": "LABEL_0", "1": "LABEL_1"}));
         });
-        let err = RewardModel::from_dir("rm", dir.path(), &Device::Cpu, 8)
-            .unwrap_err()
-            .to_string();
+        let err = RewardModel::from_dir("rm", dir.path(), &Device::Cpu, 8).unwrap_err().to_string();
         assert_eq!(
             err,
             format!(
@@ -439,29 +373,20 @@ mod tests {
     fn a_missing_score_head_names_the_directory() {
         let dir = copy_model("qwen2-causal");
         edit_config(dir.path(), |c| {
-            c.insert(
-                "architectures".into(),
-                json!(["Qwen2ForSequenceClassification"]),
-            );
+            c.insert("architectures".into(), json!(["Qwen2ForSequenceClassification"]));
             c.insert("id2label".into(), json!({"0": "LABEL_0"}));
         });
-        let err = RewardModel::from_dir("rm", dir.path(), &Device::Cpu, 8)
-            .unwrap_err()
-            .to_string();
+        let err = RewardModel::from_dir("rm", dir.path(), &Device::Cpu, 8).unwrap_err().to_string();
         assert!(
-            err.starts_with(&format!(
-                "{}: the sequence-classification head `score.weight`",
-                dir.path().display()
-            )),
+            err.starts_with(&format!("{}: the sequence-classification head `score.weight`", dir.path().display())),
             "{err}"
         );
     }
 
     #[test]
     fn zero_batch_size_is_an_error() {
-        let err = RewardModel::from_dir("rm", &fixture("models/qwen2-seqcls"), &Device::Cpu, 0)
-            .unwrap_err()
-            .to_string();
+        let err =
+            RewardModel::from_dir("rm", &fixture("models/qwen2-seqcls"), &Device::Cpu, 0).unwrap_err().to_string();
         assert_eq!(err, "batch_size must be at least 1, got 0");
     }
 

@@ -41,12 +41,7 @@ pub struct Length {
 
 impl Length {
     pub fn new(name: impl Into<String>, unit: LengthUnit, target: Option<f32>, scale: f32) -> Self {
-        Length {
-            name: name.into(),
-            unit,
-            target,
-            scale,
-        }
+        Length { name: name.into(), unit, target, scale }
     }
 
     fn score_one(&self, sample: &Sample) -> f32 {
@@ -95,30 +90,19 @@ impl Count {
     /// Compiles the needle; a literal substring becomes an escaped regex so
     /// that both kinds share one case-insensitive matcher. The error names the
     /// pattern.
-    pub fn new(
-        name: impl Into<String>,
-        needle: &Needle,
-        case_insensitive: bool,
-        max: Option<u32>,
-    ) -> Result<Count> {
+    pub fn new(name: impl Into<String>, needle: &Needle, case_insensitive: bool, max: Option<u32>) -> Result<Count> {
         let (text, source, what) = match needle {
             Needle::Pattern(p) => (p, p.clone(), "pattern"),
             Needle::Substring(s) => (s, regex::escape(s), "substring"),
         };
         if text.is_empty() {
-            return Err(Error::Invalid(format!(
-                "{what} is empty; it would match between every two characters"
-            )));
+            return Err(Error::Invalid(format!("{what} is empty; it would match between every two characters")));
         }
         let regex = RegexBuilder::new(&source)
             .case_insensitive(case_insensitive)
             .build()
             .map_err(|e| Error::Invalid(format!("{what} `{text}` is not a valid regex: {e}")))?;
-        Ok(Count {
-            name: name.into(),
-            regex,
-            max,
-        })
+        Ok(Count { name: name.into(), regex, max })
     }
 }
 
@@ -154,33 +138,18 @@ impl Lexicon {
     /// Builds the lexicon from two word lists (lower-cased here). An entry
     /// that is not one word, or that is in both lists, is an error: it could
     /// never match, or would cancel itself out.
-    pub fn new(
-        name: impl Into<String>,
-        positive: &[String],
-        negative: &[String],
-        normalize: bool,
-    ) -> Result<Lexicon> {
+    pub fn new(name: impl Into<String>, positive: &[String], negative: &[String], normalize: bool) -> Result<Lexicon> {
         let positive = word_set(positive, "positive")?;
         let negative = word_set(negative, "negative")?;
         if positive.is_empty() && negative.is_empty() {
-            return Err(Error::Invalid(
-                "both word lists are empty; give `positive`/`negative` words or files".into(),
-            ));
+            return Err(Error::Invalid("both word lists are empty; give `positive`/`negative` words or files".into()));
         }
         let mut both: Vec<&String> = positive.intersection(&negative).collect();
         if !both.is_empty() {
             both.sort();
-            return Err(Error::Invalid(format!(
-                "{} in both the positive and the negative list",
-                quote_list(&both)
-            )));
+            return Err(Error::Invalid(format!("{} in both the positive and the negative list", quote_list(&both))));
         }
-        Ok(Lexicon {
-            name: name.into(),
-            positive,
-            negative,
-            normalize,
-        })
+        Ok(Lexicon { name: name.into(), positive, negative, normalize })
     }
 
     fn score_one(&self, text: &str) -> f32 {
@@ -207,10 +176,7 @@ impl RewardSource for Lexicon {
     }
 
     fn score(&self, samples: &[Sample]) -> Result<Vec<Option<f32>>> {
-        Ok(samples
-            .iter()
-            .map(|s| Some(self.score_one(s.completion)))
-            .collect())
+        Ok(samples.iter().map(|s| Some(self.score_one(s.completion))).collect())
     }
 }
 
@@ -260,19 +226,14 @@ pub fn read_word_list(path: &Path) -> Result<Vec<String>> {
         if entry.is_empty() || entry.starts_with('#') || entry.starts_with(';') {
             continue;
         }
-        word_set(&[entry.to_string()], "the")
-            .map_err(|e| Error::bad_row(path, i + 1, e.to_string()))?;
+        word_set(&[entry.to_string()], "the").map_err(|e| Error::bad_row(path, i + 1, e.to_string()))?;
         out.push(entry.to_string());
     }
     Ok(out)
 }
 
 fn quote_list(items: &[&String]) -> String {
-    items
-        .iter()
-        .map(|s| format!("`{s}`"))
-        .collect::<Vec<_>>()
-        .join(", ")
+    items.iter().map(|s| format!("`{s}`")).collect::<Vec<_>>().join(", ")
 }
 
 /// 1.0 when the completion's answer equals the dataset row's `column`, else
@@ -309,17 +270,9 @@ impl ExactMatch {
             return Err(Error::Invalid("column is empty".into()));
         }
         if marker.as_deref() == Some("") {
-            return Err(Error::Invalid(
-                "marker is empty; leave it out to compare the whole completion".into(),
-            ));
+            return Err(Error::Invalid("marker is empty; leave it out to compare the whole completion".into()));
         }
-        Ok(ExactMatch {
-            name: name.into(),
-            column,
-            case_insensitive,
-            marker,
-            last_number,
-        })
+        Ok(ExactMatch { name: name.into(), column, case_insensitive, marker, last_number })
     }
 
     /// The column's text, `None` when the row has no usable value.
@@ -357,33 +310,18 @@ impl ExactMatch {
             }
         }
         let text = text.trim();
-        Some(Answer::Text(if self.case_insensitive {
-            text.to_lowercase()
-        } else {
-            text.to_string()
-        }))
+        Some(Answer::Text(if self.case_insensitive { text.to_lowercase() } else { text.to_string() }))
     }
 
     fn no_column_error(&self, rows: &[&Map<String, Value>]) -> Error {
-        let columns = rows
-            .first()
-            .map(|r| {
-                r.keys()
-                    .map(|k| format!("`{k}`"))
-                    .collect::<Vec<_>>()
-                    .join(", ")
-            })
-            .unwrap_or_default();
+        let columns =
+            rows.first().map(|r| r.keys().map(|k| format!("`{k}`")).collect::<Vec<_>>().join(", ")).unwrap_or_default();
         Error::Invalid(format!(
             "exact_match reward `{}`: no dataset row has a value in column `{}` \
              (the first row has {})",
             self.name,
             self.column,
-            if columns.is_empty() {
-                "no columns".to_string()
-            } else {
-                format!("columns {columns}")
-            }
+            if columns.is_empty() { "no columns".to_string() } else { format!("columns {columns}") }
         ))
     }
 }
@@ -416,11 +354,7 @@ impl RewardSource for ExactMatch {
                 let reference = self.reference(s.row)?;
                 let want = self.answer(&reference, false);
                 let got = self.answer(s.completion, true);
-                Some(if got.is_some() && got == want {
-                    1.0
-                } else {
-                    0.0
-                })
+                Some(if got.is_some() && got == want { 1.0 } else { 0.0 })
             })
             .collect())
     }
@@ -449,18 +383,11 @@ mod tests {
 
     #[test]
     fn length_counts_tokens_or_chars() {
-        let owned = vec![
-            Owned::text("p", "héllo").with_ids(&[1, 2]),
-            Owned::text("p", "").with_ids(&[]),
-        ];
+        let owned = vec![Owned::text("p", "héllo").with_ids(&[1, 2]), Owned::text("p", "").with_ids(&[])];
         let tokens = Length::new("len", LengthUnit::Tokens, None, 1.0);
         assert_eq!(score(&tokens, &owned), [Some(2.0), Some(0.0)]);
         let chars = Length::new("len", LengthUnit::Chars, None, 0.5);
-        assert_eq!(
-            score(&chars, &owned),
-            [Some(2.5), Some(0.0)],
-            "é is one char"
-        );
+        assert_eq!(score(&chars, &owned), [Some(2.5), Some(0.0)], "é is one char");
     }
 
     #[test]
@@ -482,11 +409,7 @@ mod tests {
     fn count_matches_regex_non_overlapping_and_caps_at_max() {
         let owned = completions(&["aaaa", "Wow! wow!! ok", "nothing"]);
         let aa = Count::new("c", &Needle::Pattern("aa".into()), false, None).unwrap();
-        assert_eq!(
-            score(&aa, &owned)[0],
-            Some(2.0),
-            "aaaa holds 2 non-overlapping aa"
-        );
+        assert_eq!(score(&aa, &owned)[0], Some(2.0), "aaaa holds 2 non-overlapping aa");
         let bang = Count::new("c", &Needle::Pattern("!+".into()), false, Some(1)).unwrap();
         assert_eq!(score(&bang, &owned), [Some(0.0), Some(1.0), Some(0.0)]);
         let wow = Count::new("c", &Needle::Pattern(r"\bwow\b".into()), true, None).unwrap();
@@ -504,52 +427,24 @@ mod tests {
 
     #[test]
     fn count_rejects_bad_and_empty_patterns() {
-        let err = Count::new("c", &Needle::Pattern("(unclosed".into()), false, None)
-            .unwrap_err()
-            .to_string();
-        assert!(
-            err.starts_with("pattern `(unclosed` is not a valid regex: "),
-            "{err}"
-        );
-        let err = Count::new("c", &Needle::Substring(String::new()), false, None)
-            .unwrap_err()
-            .to_string();
-        assert_eq!(
-            err,
-            "substring is empty; it would match between every two characters"
-        );
+        let err = Count::new("c", &Needle::Pattern("(unclosed".into()), false, None).unwrap_err().to_string();
+        assert!(err.starts_with("pattern `(unclosed` is not a valid regex: "), "{err}");
+        let err = Count::new("c", &Needle::Substring(String::new()), false, None).unwrap_err().to_string();
+        assert_eq!(err, "substring is empty; it would match between every two characters");
     }
 
     #[test]
     fn words_are_lowercased_runs_with_inner_apostrophes_and_hyphens() {
         let got: Vec<String> = words("Don't stop -- it's WELL-made, 'good' (3x)!").collect();
-        assert_eq!(
-            got,
-            ["don't", "stop", "it's", "well-made", "good", "3x"],
-            "{got:?}"
-        );
+        assert_eq!(got, ["don't", "stop", "it's", "well-made", "good", "3x"], "{got:?}");
     }
 
     #[test]
     fn lexicon_is_positive_minus_negative_words() {
-        let lex = Lexicon::new(
-            "s",
-            &strings(&["Great", "good"]),
-            &strings(&["bad", "boring"]),
-            false,
-        )
-        .unwrap();
-        let owned = completions(&[
-            "A great, GREAT film; not bad.",
-            "Boring and bad",
-            "",
-            "goodness gracious",
-        ]);
+        let lex = Lexicon::new("s", &strings(&["Great", "good"]), &strings(&["bad", "boring"]), false).unwrap();
+        let owned = completions(&["A great, GREAT film; not bad.", "Boring and bad", "", "goodness gracious"]);
         // 2 - 1; 0 - 2; no words; "goodness" is not "good".
-        assert_eq!(
-            score(&lex, &owned),
-            [Some(1.0), Some(-2.0), Some(0.0), Some(0.0)]
-        );
+        assert_eq!(score(&lex, &owned), [Some(1.0), Some(-2.0), Some(0.0), Some(0.0)]);
     }
 
     #[test]
@@ -562,30 +457,13 @@ mod tests {
 
     #[test]
     fn lexicon_rejects_phrases_overlaps_and_empty_lists() {
-        let err = Lexicon::new("s", &strings(&["not good"]), &[], false)
-            .unwrap_err()
-            .to_string();
-        assert!(
-            err.starts_with("positive word `not good` is not a single word"),
-            "{err}"
-        );
-        let err = Lexicon::new(
-            "s",
-            &strings(&["ok", "Fine"]),
-            &strings(&["fine", "ok"]),
-            false,
-        )
-        .unwrap_err()
-        .to_string();
-        assert_eq!(
-            err,
-            "`fine`, `ok` in both the positive and the negative list"
-        );
+        let err = Lexicon::new("s", &strings(&["not good"]), &[], false).unwrap_err().to_string();
+        assert!(err.starts_with("positive word `not good` is not a single word"), "{err}");
+        let err =
+            Lexicon::new("s", &strings(&["ok", "Fine"]), &strings(&["fine", "ok"]), false).unwrap_err().to_string();
+        assert_eq!(err, "`fine`, `ok` in both the positive and the negative list");
         let err = Lexicon::new("s", &[], &[], false).unwrap_err().to_string();
-        assert_eq!(
-            err,
-            "both word lists are empty; give `positive`/`negative` words or files"
-        );
+        assert_eq!(err, "both word lists are empty; give `positive`/`negative` words or files");
     }
 
     #[test]
@@ -596,23 +474,14 @@ mod tests {
         assert_eq!(read_word_list(&path).unwrap(), ["good", "Great"]);
         std::fs::write(&path, "good\na+\n").unwrap();
         let err = read_word_list(&path).unwrap_err().to_string();
-        assert!(
-            err.starts_with(&format!(
-                "{}:2: the word `a+` is not a single word",
-                path.display()
-            )),
-            "{err}"
-        );
+        assert!(err.starts_with(&format!("{}:2: the word `a+` is not a single word", path.display())), "{err}");
         let missing = dir.path().join("none.txt");
         let err = read_word_list(&missing).unwrap_err().to_string();
         assert!(err.starts_with(&missing.display().to_string()), "{err}");
     }
 
     fn answer_rows(completions: &[(&str, Value)]) -> Vec<Owned> {
-        completions
-            .iter()
-            .map(|(c, row)| Owned::text("q", c).with_row(row.clone()))
-            .collect()
+        completions.iter().map(|(c, row)| Owned::text("q", c).with_row(row.clone())).collect()
     }
 
     #[test]
@@ -624,15 +493,9 @@ mod tests {
             ("Lyon", json!({"answer": "Paris"})),
         ]);
         let exact = ExactMatch::new("em", "answer", false, None, false).unwrap();
-        assert_eq!(
-            score(&exact, &owned),
-            [Some(1.0), Some(0.0), Some(1.0), Some(0.0)]
-        );
+        assert_eq!(score(&exact, &owned), [Some(1.0), Some(0.0), Some(1.0), Some(0.0)]);
         let folded = ExactMatch::new("em", "answer", true, None, false).unwrap();
-        assert_eq!(
-            score(&folded, &owned),
-            [Some(1.0), Some(1.0), Some(1.0), Some(0.0)]
-        );
+        assert_eq!(score(&folded, &owned), [Some(1.0), Some(1.0), Some(1.0), Some(0.0)]);
     }
 
     #[test]
@@ -647,22 +510,9 @@ mod tests {
             ("#### seventy-two", gsm),
         ]);
         let em = ExactMatch::new("em", "answer", false, Some("####".into()), true).unwrap();
-        assert_eq!(
-            score(&em, &owned),
-            [
-                Some(1.0),
-                Some(1.0),
-                Some(0.0),
-                Some(1.0),
-                Some(1.0),
-                Some(0.0)
-            ]
-        );
+        assert_eq!(score(&em, &owned), [Some(1.0), Some(1.0), Some(0.0), Some(1.0), Some(1.0), Some(0.0)]);
         let last = ExactMatch::new("em", "answer", false, None, true).unwrap();
-        let owned = answer_rows(&[
-            ("so 3 + 4 = 7.", json!({"answer": "7"})),
-            ("7 or maybe 8", json!({"answer": "7"})),
-        ]);
+        let owned = answer_rows(&[("so 3 + 4 = 7.", json!({"answer": "7"})), ("7 or maybe 8", json!({"answer": "7"}))]);
         assert_eq!(score(&last, &owned), [Some(1.0), Some(0.0)]);
     }
 

@@ -35,13 +35,7 @@ pub fn checkpoint_dir(output_dir: &Path, step: usize) -> PathBuf {
     output_dir.join(format!("checkpoint-{step}"))
 }
 
-pub fn save(
-    dir: &Path,
-    model: &Model,
-    optimizer: &AdamW,
-    state: &TrainerState,
-    config_toml: &str,
-) -> Result<()> {
+pub fn save(dir: &Path, model: &Model, optimizer: &AdamW, state: &TrainerState, config_toml: &str) -> Result<()> {
     let mut tensors: Vec<(String, Tensor)> = optimizer.state_tensors();
     for p in model.params().iter() {
         if p.stored_dtype != DType::F32 {
@@ -66,16 +60,8 @@ pub fn latest(output_dir: &Path) -> Option<PathBuf> {
     entries
         .filter_map(|e| e.ok())
         .filter_map(|e| {
-            let step = e
-                .file_name()
-                .to_str()?
-                .strip_prefix("checkpoint-")?
-                .parse::<usize>()
-                .ok()?;
-            e.path()
-                .join(STATE_FILE)
-                .is_file()
-                .then(|| (step, e.path()))
+            let step = e.file_name().to_str()?.strip_prefix("checkpoint-")?.parse::<usize>().ok()?;
+            e.path().join(STATE_FILE).is_file().then(|| (step, e.path()))
         })
         .max_by_key(|(step, _)| *step)
         .map(|(_, path)| path)
@@ -85,10 +71,7 @@ pub fn latest(output_dir: &Path) -> Option<PathBuf> {
 pub fn load(dir: &Path, device: &Device, optimizer: &mut AdamW) -> Result<(Model, TrainerState)> {
     let state_path = dir.join(STATE_FILE);
     if !state_path.is_file() {
-        return Err(Error::bad_file(
-            dir,
-            format!("not a complete checkpoint: {STATE_FILE} is missing"),
-        ));
+        return Err(Error::bad_file(dir, format!("not a complete checkpoint: {STATE_FILE} is missing")));
     }
     let state: TrainerState = read_json(&state_path)?;
     let model = Model::load(dir, device)?;
@@ -112,16 +95,7 @@ pub fn prune(output_dir: &Path, limit: usize) -> Result<()> {
     let mut found: Vec<(usize, PathBuf)> = std::fs::read_dir(output_dir)
         .map_err(|e| Error::io(output_dir, e))?
         .filter_map(|e| e.ok())
-        .filter_map(|e| {
-            Some((
-                e.file_name()
-                    .to_str()?
-                    .strip_prefix("checkpoint-")?
-                    .parse()
-                    .ok()?,
-                e.path(),
-            ))
-        })
+        .filter_map(|e| Some((e.file_name().to_str()?.strip_prefix("checkpoint-")?.parse().ok()?, e.path())))
         .collect();
     found.sort();
     let excess = found.len().saturating_sub(limit);

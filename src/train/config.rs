@@ -40,12 +40,7 @@ pub struct ModelSection {
 
 impl Default for ModelSection {
     fn default() -> Self {
-        Self {
-            policy: String::new(),
-            reference: None,
-            tokenizer: None,
-            device: "auto".into(),
-        }
+        Self { policy: String::new(), reference: None, tokenizer: None, device: "auto".into() }
     }
 }
 
@@ -274,17 +269,14 @@ impl TrainConfig {
         let mut table = match file {
             Some(path) => {
                 let text = crate::error::read_to_string(path)?;
-                text.parse::<toml::Table>()
-                    .map_err(|e| Error::bad_config(path, e.to_string()))?
+                text.parse::<toml::Table>().map_err(|e| Error::bad_config(path, e.to_string()))?
             }
             None => toml::Table::new(),
         };
         for (key, value) in overrides {
             set_path(&mut table, key, value.clone())?;
         }
-        let source = file
-            .map(Path::to_path_buf)
-            .unwrap_or_else(|| PathBuf::from("command line"));
+        let source = file.map(Path::to_path_buf).unwrap_or_else(|| PathBuf::from("command line"));
         let cfg: TrainConfig = serde_path_to_error::deserialize(toml::Value::Table(table))
             .map_err(|e| Error::bad_config(&source, format!("{}: {}", e.path(), e.inner())))?;
         Ok(cfg)
@@ -299,9 +291,7 @@ impl TrainConfig {
     pub fn validate(&self) -> Result<()> {
         let bad = |msg: String| Err(Error::Invalid(msg));
         if self.model.policy.is_empty() {
-            return bad(
-                "no policy: set model.policy (or --model_name_or_path / --sft_model_path)".into(),
-            );
+            return bad("no policy: set model.policy (or --model_name_or_path / --sft_model_path)".into());
         }
         if self.data.path.is_empty() {
             return bad("no prompts: set data.path (or --dataset_name)".into());
@@ -313,10 +303,7 @@ impl TrainConfig {
             ));
         }
         if self.generation.temperature <= 0.0 {
-            return bad(format!(
-                "generation.temperature must be > 0, got {}",
-                self.generation.temperature
-            ));
+            return bad(format!("generation.temperature must be > 0, got {}", self.generation.temperature));
         }
         if self.generation.response_length == 0 {
             return bad("generation.response_length must be at least 1".into());
@@ -327,39 +314,22 @@ impl TrainConfig {
                 self.generation.stop_token
             ));
         }
-        if self.rloo.ratio == RatioLevel::Sequence
-            && self.rloo.aggregation == Aggregation::TokenMean
-        {
+        if self.rloo.ratio == RatioLevel::Sequence && self.rloo.aggregation == Aggregation::TokenMean {
             return bad("rloo.aggregation = token_mean needs rloo.ratio = token".into());
         }
         if !(self.rloo.cliprange > 0.0) {
-            return bad(format!(
-                "rloo.cliprange must be > 0, got {}",
-                self.rloo.cliprange
-            ));
+            return bad(format!("rloo.cliprange must be > 0, got {}", self.rloo.cliprange));
         }
         if self.rloo.kl_coef < 0.0 {
-            return bad(format!(
-                "rloo.kl_coef must be >= 0, got {}",
-                self.rloo.kl_coef
-            ));
+            return bad(format!("rloo.kl_coef must be >= 0, got {}", self.rloo.kl_coef));
         }
         for (name, v) in [
             ("rloo.num_ppo_epochs", self.rloo.num_ppo_epochs),
             ("rloo.num_mini_batches", self.rloo.num_mini_batches),
-            (
-                "train.per_device_train_batch_size",
-                self.train.per_device_train_batch_size,
-            ),
-            (
-                "train.gradient_accumulation_steps",
-                self.train.gradient_accumulation_steps,
-            ),
+            ("train.per_device_train_batch_size", self.train.per_device_train_batch_size),
+            ("train.gradient_accumulation_steps", self.train.gradient_accumulation_steps),
             ("train.logging_steps", self.train.logging_steps),
-            (
-                "generation.local_rollout_forward_batch_size",
-                self.generation.local_rollout_forward_batch_size,
-            ),
+            ("generation.local_rollout_forward_batch_size", self.generation.local_rollout_forward_batch_size),
         ] {
             if v == 0 {
                 return bad(format!("{name} must be at least 1"));
@@ -375,17 +345,11 @@ impl TrainConfig {
 /// Sets `a.b.c = value` in a TOML table, creating tables on the way.
 fn set_path(table: &mut toml::Table, key: &str, value: toml::Value) -> Result<()> {
     let parts: Vec<&str> = key.split('.').collect();
-    let (last, sections) = parts
-        .split_last()
-        .ok_or_else(|| Error::Invalid(format!("empty key in --set {key}")))?;
+    let (last, sections) = parts.split_last().ok_or_else(|| Error::Invalid(format!("empty key in --set {key}")))?;
     let mut here = table;
     for part in sections {
-        let entry = here
-            .entry(part.to_string())
-            .or_insert_with(|| toml::Value::Table(toml::Table::new()));
-        here = entry
-            .as_table_mut()
-            .ok_or_else(|| Error::Invalid(format!("--set {key}: `{part}` is not a section")))?;
+        let entry = here.entry(part.to_string()).or_insert_with(|| toml::Value::Table(toml::Table::new()));
+        here = entry.as_table_mut().ok_or_else(|| Error::Invalid(format!("--set {key}: `{part}` is not a section")))?;
     }
     here.insert(last.to_string(), value);
     Ok(())
@@ -394,9 +358,8 @@ fn set_path(table: &mut toml::Table, key: &str, value: toml::Value) -> Result<()
 /// Parses the value of `--set key=value`: TOML syntax (numbers, booleans,
 /// quoted strings, arrays), falling back to a bare string.
 pub fn parse_set(arg: &str) -> Result<(String, toml::Value)> {
-    let (key, raw) = arg
-        .split_once('=')
-        .ok_or_else(|| Error::Invalid(format!("--set expects section.key=value, got `{arg}`")))?;
+    let (key, raw) =
+        arg.split_once('=').ok_or_else(|| Error::Invalid(format!("--set expects section.key=value, got `{arg}`")))?;
     let value = format!("v = {raw}")
         .parse::<toml::Table>()
         .ok()
@@ -493,30 +456,16 @@ mod tests {
     fn defaults_follow_spec_section_6() {
         let c = TrainConfig::default();
         assert_eq!(
-            (
-                c.rloo.k,
-                c.rloo.kl_coef,
-                c.rloo.cliprange,
-                c.rloo.num_ppo_epochs,
-                c.rloo.num_mini_batches
-            ),
+            (c.rloo.k, c.rloo.kl_coef, c.rloo.cliprange, c.rloo.num_ppo_epochs, c.rloo.num_mini_batches),
             (2, 0.05, 0.2, 4, 1)
         );
-        assert_eq!(
-            (c.generation.temperature, c.generation.response_length),
-            (0.7, 53)
-        );
+        assert_eq!((c.generation.temperature, c.generation.response_length), (0.7, 53));
     }
 
     #[test]
     fn set_overrides_reach_nested_keys_and_unknown_keys_are_named() {
-        let c = with(&[
-            "rloo.k=4",
-            "data.path=\"p.jsonl\"",
-            "train.learning_rate=1e-5",
-            "rloo.baseline=group_mean",
-        ])
-        .unwrap();
+        let c = with(&["rloo.k=4", "data.path=\"p.jsonl\"", "train.learning_rate=1e-5", "rloo.baseline=group_mean"])
+            .unwrap();
         assert_eq!(c.rloo.k, 4);
         assert_eq!(c.data.path, "p.jsonl");
         assert_eq!(c.train.learning_rate, 1e-5);
@@ -529,10 +478,7 @@ mod tests {
 
     #[test]
     fn bare_strings_need_no_quotes() {
-        assert_eq!(
-            parse_set("data.path=runs/x.jsonl").unwrap().1,
-            toml::Value::String("runs/x.jsonl".into())
-        );
+        assert_eq!(parse_set("data.path=runs/x.jsonl").unwrap().1, toml::Value::String("runs/x.jsonl".into()));
     }
 
     #[test]
@@ -546,10 +492,7 @@ mod tests {
         ])
         .unwrap();
         let b = BatchSizes::new(&c, Some(100)).unwrap();
-        assert_eq!(
-            (b.micro, b.mini, b.batch, b.prompts_per_batch),
-            (4, 8, 16, 4)
-        );
+        assert_eq!((b.micro, b.mini, b.batch, b.prompts_per_batch), (4, 8, 16, 4));
         assert_eq!(b.total_episodes, 400);
         assert_eq!(b.steps, 25);
         assert_eq!(b.optimizer_steps, 50);

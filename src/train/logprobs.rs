@@ -64,18 +64,9 @@ pub fn completion_logprobs(
     let mask = seqs.mask(device)?;
     if width == 0 {
         let empty = Tensor::zeros((n, 0), candle_core::DType::F32, device)?;
-        return Ok(TokenLogprobs {
-            logprobs: empty.clone(),
-            entropy: empty,
-            mask,
-        });
+        return Ok(TokenLogprobs { logprobs: empty.clone(), entropy: empty, mask });
     }
-    let rows: Vec<Vec<u32>> = seqs
-        .prompts
-        .iter()
-        .zip(&seqs.completions)
-        .map(|(p, c)| [*p, *c].concat())
-        .collect();
+    let rows: Vec<Vec<u32>> = seqs.prompts.iter().zip(&seqs.completions).map(|(p, c)| [*p, *c].concat()).collect();
     let inputs = Inputs::from_rows(&rows, 0, PadSide::Right, device)?;
     let hidden = net.hidden_states(&inputs, None)?;
     let (b, t, h) = hidden.dims3()?;
@@ -94,21 +85,12 @@ pub fn completion_logprobs(
             }
         }
     }
-    let picked = hidden
-        .reshape((b * t, h))?
-        .index_select(&Tensor::from_vec(at, n * width, device)?, 0)?;
+    let picked = hidden.reshape((b * t, h))?.index_select(&Tensor::from_vec(at, n * width, device)?, 0)?;
     let logits = (net.project(&picked)? / temperature)?; // (N * Tc, V)
     let logp = log_softmax_last(&logits)?;
     let targets = Tensor::from_vec(targets, (n * width, 1), device)?;
     let logprobs = logp.gather(&targets, D::Minus1)?.reshape((n, width))?;
     let logp_const = logp.detach();
-    let entropy = (logp_const.exp()? * &logp_const)?
-        .sum(D::Minus1)?
-        .neg()?
-        .reshape((n, width))?;
-    Ok(TokenLogprobs {
-        logprobs: (logprobs * &mask)?,
-        entropy: (entropy * &mask)?,
-        mask,
-    })
+    let entropy = (logp_const.exp()? * &logp_const)?.sum(D::Minus1)?.neg()?.reshape((n, width))?;
+    Ok(TokenLogprobs { logprobs: (logprobs * &mask)?, entropy: (entropy * &mask)?, mask })
 }

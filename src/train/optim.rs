@@ -44,11 +44,7 @@ impl GradAccumulator {
     pub fn norm(&self) -> Result<f64> {
         let mut sq = 0f64;
         for g in self.sums.values() {
-            sq += g
-                .sqr()?
-                .sum_all()?
-                .to_dtype(DType::F64)?
-                .to_scalar::<f64>()?;
+            sq += g.sqr()?.sum_all()?.to_dtype(DType::F64)?.to_scalar::<f64>()?;
         }
         Ok(sq.sqrt())
     }
@@ -92,14 +88,7 @@ pub fn decays(name: &str) -> bool {
 
 impl AdamW {
     pub fn new(beta1: f64, beta2: f64, eps: f64, weight_decay: f64) -> Self {
-        Self {
-            beta1,
-            beta2,
-            eps,
-            weight_decay,
-            step: 0,
-            moments: HashMap::new(),
-        }
+        Self { beta1, beta2, eps, weight_decay, step: 0, moments: HashMap::new() }
     }
 
     /// One update of every parameter that has a gradient at learning rate `lr`.
@@ -140,12 +129,7 @@ impl AdamW {
     }
 
     /// Restores moments saved by [`AdamW::state_tensors`].
-    pub fn load_state(
-        &mut self,
-        tensors: HashMap<String, Tensor>,
-        step: usize,
-        params: &ParamStore,
-    ) -> Result<()> {
+    pub fn load_state(&mut self, tensors: HashMap<String, Tensor>, step: usize, params: &ParamStore) -> Result<()> {
         self.step = step;
         self.moments.clear();
         for p in params.iter() {
@@ -154,16 +138,10 @@ impl AdamW {
             match (m, v) {
                 (Some(m), Some(v)) => {
                     let dev = p.var.device();
-                    self.moments
-                        .insert(p.name.clone(), (m.to_device(dev)?, v.to_device(dev)?));
+                    self.moments.insert(p.name.clone(), (m.to_device(dev)?, v.to_device(dev)?));
                 }
                 (None, None) => {}
-                _ => {
-                    return Err(Error::Invalid(format!(
-                        "optimizer state for `{}` is incomplete",
-                        p.name
-                    )))
-                }
+                _ => return Err(Error::Invalid(format!("optimizer state for `{}` is incomplete", p.name))),
             }
         }
         Ok(())
@@ -173,13 +151,7 @@ impl AdamW {
 /// Learning rate at optimizer step `step` (0-based) of `total`: linear
 /// warm-up from 0, then constant, linear decay to 0, or cosine decay to 0
 /// (the transformers schedules of the same names).
-pub fn learning_rate(
-    base: f64,
-    schedule: Schedule,
-    step: usize,
-    total: usize,
-    warmup: usize,
-) -> f64 {
+pub fn learning_rate(base: f64, schedule: Schedule, step: usize, total: usize, warmup: usize) -> f64 {
     if step < warmup {
         return base * step as f64 / warmup.max(1) as f64;
     }
@@ -217,10 +189,7 @@ mod tests {
         let var = Var::new(&[3.0f32, 4.0], &Device::Cpu).unwrap();
         let store = ParamStore::from_vars(vec![("w".into(), var.clone())]);
         let mut acc = GradAccumulator::default();
-        let loss = (var.as_tensor().sqr().unwrap() * 0.5)
-            .unwrap()
-            .sum_all()
-            .unwrap(); // grad = w
+        let loss = (var.as_tensor().sqr().unwrap() * 0.5).unwrap().sum_all().unwrap(); // grad = w
         acc.add(&store, &loss.backward().unwrap()).unwrap();
         assert!((acc.clip(1.0).unwrap() - 5.0).abs() < 1e-6);
         assert!((acc.norm().unwrap() - 1.0).abs() < 1e-5);

@@ -16,15 +16,11 @@ use crate::algo::{self, Grouped, KlPlacement, LossStats};
 use crate::data::prompts::{resolve_split, PromptDataset, PromptSpec};
 use crate::data::Tokenizer;
 use crate::error::{Error, Result};
-use crate::generate::{
-    generate, Completion, FinishReason, GenerateOptions, Rng, Sampling, StopCriteria,
-};
+use crate::generate::{generate, Completion, FinishReason, GenerateOptions, Rng, Sampling, StopCriteria};
 use crate::io::write_atomic;
 use crate::model::hub::resolve_model;
 use crate::model::{parse_device, GenerationConfig, HeadKind, Model, Network};
-use crate::report::{
-    JsonlMetrics, Metrics, MetricsSink, SampleTable, SampleWriter, TensorBoardWriter, TrainProgress,
-};
+use crate::report::{JsonlMetrics, Metrics, MetricsSink, SampleTable, SampleWriter, TensorBoardWriter, TrainProgress};
 use crate::reward::{self, RewardSet, Sample, Shaping};
 
 /// What a finished (or stopped) run reports.
@@ -63,26 +59,16 @@ pub fn train(cfg: &TrainConfig) -> Result<RunSummary> {
     cfg.validate()?;
     let output_dir = PathBuf::from(&cfg.train.output_dir);
     std::fs::create_dir_all(&output_dir).map_err(|e| Error::io(&output_dir, e))?;
-    let mut optimizer = AdamW::new(
-        cfg.train.adam_beta1,
-        cfg.train.adam_beta2,
-        cfg.train.adam_epsilon,
-        cfg.train.weight_decay,
-    );
+    let mut optimizer =
+        AdamW::new(cfg.train.adam_beta1, cfg.train.adam_beta2, cfg.train.adam_epsilon, cfg.train.weight_decay);
     let mut run = Run::start(cfg)?;
     let start = run.resume_state(&mut optimizer)?;
     let config_toml = cfg.to_toml();
-    write_atomic(
-        &output_dir.join(checkpoint::CONFIG_FILE),
-        config_toml.as_bytes(),
-    )?;
+    write_atomic(&output_dir.join(checkpoint::CONFIG_FILE), config_toml.as_bytes())?;
 
     let first_logged = start.step as u64 + 1;
     let mut sinks: Vec<Box<dyn MetricsSink>> = if start.step == 0 {
-        vec![
-            Box::new(JsonlMetrics::create(&output_dir)?),
-            Box::new(TensorBoardWriter::create(&output_dir)?),
-        ]
+        vec![Box::new(JsonlMetrics::create(&output_dir)?), Box::new(TensorBoardWriter::create(&output_dir)?)]
     } else {
         vec![
             Box::new(JsonlMetrics::resume(&output_dir, first_logged)?),
@@ -96,10 +82,7 @@ pub fn train(cfg: &TrainConfig) -> Result<RunSummary> {
     };
 
     let sizes = run.sizes;
-    let stop_at = cfg
-        .train
-        .stop_after
-        .map_or(sizes.steps, |n| (start.step + n).min(sizes.steps));
+    let stop_at = cfg.train.stop_after.map_or(sizes.steps, |n| (start.step + n).min(sizes.steps));
     let table_every = (sizes.steps / cfg.train.num_sample_generations.max(1)).max(1);
     let progress = TrainProgress::new(sizes.total_episodes as u64);
     let mut state = start;
@@ -116,12 +99,8 @@ pub fn train(cfg: &TrainConfig) -> Result<RunSummary> {
 
         // 2. Scores, shaped (missing-EOS penalty, normalisation, clipping).
         let t1 = Instant::now();
-        let ended: Vec<bool> = rollout
-            .completions
-            .flat()
-            .iter()
-            .map(|c| c.finish_reason == FinishReason::Stop)
-            .collect();
+        let ended: Vec<bool> =
+            rollout.completions.flat().iter().map(|c| c.finish_reason == FinishReason::Stop).collect();
         let scores = {
             let rows = &run.dataset.rows;
             let samples: Vec<Sample> = rollout
@@ -152,10 +131,7 @@ pub fn train(cfg: &TrainConfig) -> Result<RunSummary> {
         let temperature = cfg.generation.temperature;
         let old = run.logprobs_in_chunks(run.policy.frozen(), &seqs, temperature)?;
         let reference = match &run.reference {
-            Some(r) => Some(
-                run.logprobs_in_chunks(r.frozen(), &seqs, temperature)?
-                    .logprobs,
-            ),
+            Some(r) => Some(run.logprobs_in_chunks(r.frozen(), &seqs, temperature)?.logprobs),
             None => None,
         };
         let t_ref = t2.elapsed().as_secs_f64();
@@ -174,39 +150,20 @@ pub fn train(cfg: &TrainConfig) -> Result<RunSummary> {
         // 5. Optimise: epochs x shuffled mini-batches, accumulated over micro-batches.
         let t3 = Instant::now();
         let advantages = Tensor::from_vec(adv.values.flat().to_vec(), seqs.len(), &run.device)?;
-        let train_stats = run.optimise(
-            step,
-            &seqs,
-            &old,
-            reference.as_ref(),
-            &advantages,
-            &mut optimizer,
-            &mut state,
-        )?;
+        let train_stats =
+            run.optimise(step, &seqs, &old, reference.as_ref(), &advantages, &mut optimizer, &mut state)?;
         let t_train = t3.elapsed().as_secs_f64();
 
         // 6. Metrics, samples, checkpoint.
         state.step += 1;
         state.episode += sizes.batch;
         let step_secs = t0.elapsed().as_secs_f64();
-        record_rollout_metrics(
-            &mut metrics,
-            &rollout,
-            &shaped,
-            &returns,
-            &seq_kl,
-            beta,
-            &old,
-            &ended,
-        )?;
+        record_rollout_metrics(&mut metrics, &rollout, &shaped, &returns, &seq_kl, beta, &old, &ended)?;
         for (name, value) in scores.metrics() {
             metrics.set(name, value as f64);
         }
         metrics.set("rloo/degenerate_groups", adv.degenerate_groups as f64);
-        metrics.set(
-            "rloo/unscorable",
-            shaped.iter().filter(|s| s.is_none()).count() as f64,
-        );
+        metrics.set("rloo/unscorable", shaped.iter().filter(|s| s.is_none()).count() as f64);
         train_stats.record(&mut metrics);
         metrics.set(
             "lr",
@@ -237,11 +194,7 @@ pub fn train(cfg: &TrainConfig) -> Result<RunSummary> {
         sample_log.write_all(state.step as u64, table.samples())?;
         if state.step % table_every == 0 || state.step == 1 {
             progress.suspend(|| {
-                eprintln!(
-                    "step {}\n{}",
-                    state.step,
-                    table.render(crate::report::table::terminal_width(), 8)
-                )
+                eprintln!("step {}\n{}", state.step, table.render(crate::report::table::terminal_width(), 8))
             });
         }
         progress.update(
@@ -274,12 +227,7 @@ pub fn train(cfg: &TrainConfig) -> Result<RunSummary> {
         run_started.elapsed().as_secs_f64(),
         output_dir.display()
     );
-    Ok(RunSummary {
-        steps: state.step,
-        episodes: state.episode,
-        output_dir,
-        last,
-    })
+    Ok(RunSummary { steps: state.step, episodes: state.episode, output_dir, last })
 }
 
 impl Run {
@@ -359,12 +307,7 @@ impl Run {
 
     /// Continues from a checkpoint when asked; returns where the run stands.
     fn resume_state(&mut self, optimizer: &mut AdamW) -> Result<TrainerState> {
-        let fresh = TrainerState {
-            step: 0,
-            episode: 0,
-            optimizer_step: 0,
-            total_steps: self.sizes.steps,
-        };
+        let fresh = TrainerState { step: 0, episode: 0, optimizer_step: 0, total_steps: self.sizes.steps };
         let Some(spec) = &self.cfg.train.resume_from_checkpoint else {
             return Ok(fresh);
         };
@@ -373,10 +316,7 @@ impl Run {
             match checkpoint::latest(output_dir) {
                 Some(dir) => dir,
                 None => {
-                    tracing::info!(
-                        "no checkpoint in {} to resume from; starting fresh",
-                        output_dir.display()
-                    );
+                    tracing::info!("no checkpoint in {} to resume from; starting fresh", output_dir.display());
                     return Ok(fresh);
                 }
             }
@@ -398,42 +338,20 @@ impl Run {
     }
 
     fn rollout(&self, step: usize) -> Result<Rollout> {
-        let prompt_rows = self.dataset.batch(
-            step,
-            self.sizes.prompts_per_batch,
-            self.cfg.train.seed,
-            self.cfg.data.shuffle,
-        );
-        let prompts: Vec<Vec<u32>> = prompt_rows
-            .iter()
-            .map(|&i| self.dataset.rows[i].ids.clone())
-            .collect();
+        let prompt_rows =
+            self.dataset.batch(step, self.sizes.prompts_per_batch, self.cfg.train.seed, self.cfg.data.shuffle);
+        let prompts: Vec<Vec<u32>> = prompt_rows.iter().map(|&i| self.dataset.rows[i].ids.clone()).collect();
         let mut opts = self.generation.clone();
         opts.seed = Rng::stream(self.cfg.train.seed, &[0x6e6e, step as u64]).next_u64();
         let mut done: Vec<Completion> = Vec::with_capacity(self.sizes.batch);
-        generate(
-            self.policy.frozen(),
-            &prompts,
-            &opts,
-            Some(&self.tokenizer),
-            &self.device,
-            &mut |_| {},
-            &mut |c| {
-                done.push(c);
-                Ok(())
-            },
-        )?;
+        generate(self.policy.frozen(), &prompts, &opts, Some(&self.tokenizer), &self.device, &mut |_| {}, &mut |c| {
+            done.push(c);
+            Ok(())
+        })?;
         // Finishing order is arbitrary; the layout is [prompts][k].
         done.sort_by_key(|c| (c.prompt_index, c.sample_index));
-        let texts = done
-            .iter()
-            .map(|c| self.tokenizer.decode(&c.tokens, true))
-            .collect::<Result<Vec<_>>>()?;
-        Ok(Rollout {
-            prompt_rows,
-            completions: Grouped::new(self.sizes.k, done),
-            texts,
-        })
+        let texts = done.iter().map(|c| self.tokenizer.decode(&c.tokens, true)).collect::<Result<Vec<_>>>()?;
+        Ok(Rollout { prompt_rows, completions: Grouped::new(self.sizes.k, done), texts })
     }
 
     fn sequences<'a>(&'a self, rollout: &'a Rollout) -> Sequences<'a> {
@@ -445,22 +363,12 @@ impl Run {
                 .iter()
                 .map(|c| rows[rollout.prompt_rows[c.prompt_index]].ids.as_slice())
                 .collect(),
-            completions: rollout
-                .completions
-                .flat()
-                .iter()
-                .map(|c| c.tokens.as_slice())
-                .collect(),
+            completions: rollout.completions.flat().iter().map(|c| c.tokens.as_slice()).collect(),
         }
     }
 
     /// Log-probs without gradients, `local_rollout_forward_batch_size` rows at a time.
-    fn logprobs_in_chunks(
-        &self,
-        net: &Network,
-        seqs: &Sequences,
-        temperature: f64,
-    ) -> Result<TokenLogprobs> {
+    fn logprobs_in_chunks(&self, net: &Network, seqs: &Sequences, temperature: f64) -> Result<TokenLogprobs> {
         let width = seqs.completion_width();
         let chunk = self.cfg.generation.local_rollout_forward_batch_size;
         let (mut lps, mut ents) = (Vec::new(), Vec::new());
@@ -498,28 +406,20 @@ impl Run {
         let mut stats = TrainStats::default();
         let mut grads = GradAccumulator::default();
         for epoch in 0..cfg.rloo.num_ppo_epochs {
-            let order = Rng::stream(cfg.train.seed, &[0x0b5e, step as u64, epoch as u64])
-                .permutation(seqs.len());
+            let order = Rng::stream(cfg.train.seed, &[0x0b5e, step as u64, epoch as u64]).permutation(seqs.len());
             for mini in order.chunks(sizes.mini) {
                 let mini_mask = rows_of(&old.mask, mini)?;
-                let denominator =
-                    algo::loss_denominator(&mini_mask, cfg.rloo.ratio, cfg.rloo.aggregation)?;
+                let denominator = algo::loss_denominator(&mini_mask, cfg.rloo.ratio, cfg.rloo.aggregation)?;
                 grads.clear();
                 for micro in mini.chunks(sizes.micro) {
                     let part = Sequences {
                         prompts: micro.iter().map(|&i| seqs.prompts[i]).collect(),
                         completions: micro.iter().map(|&i| seqs.completions[i]).collect(),
                     };
-                    let now = completion_logprobs(
-                        self.policy.network(),
-                        &part,
-                        cfg.generation.temperature,
-                        &self.device,
-                    )?;
+                    let now =
+                        completion_logprobs(self.policy.network(), &part, cfg.generation.temperature, &self.device)?;
                     let width = part.completion_width();
-                    let narrow = |t: &Tensor| -> Result<Tensor> {
-                        Ok(rows_of(t, micro)?.narrow(1, 0, width)?)
-                    };
+                    let narrow = |t: &Tensor| -> Result<Tensor> { Ok(rows_of(t, micro)?.narrow(1, 0, width)?) };
                     let (lp_old, mask) = (narrow(&old.logprobs)?, narrow(&old.mask)?);
                     let adv = rows_of(advantages, micro)?;
                     let out = algo::policy_loss(
@@ -535,23 +435,13 @@ impl Run {
                     let mut loss = out.loss;
                     if let (KlPlacement::Loss, Some(lp_ref)) = (cfg.rloo.kl_placement, reference) {
                         // beta * mean_t kl_t on the current policy, aggregated like the policy loss.
-                        let kl = algo::kl_per_token(
-                            &now.logprobs,
-                            &narrow(lp_ref)?,
-                            cfg.rloo.kl_estimator,
-                        )?;
-                        let kl_loss = algo::masked_mean_loss(
-                            &kl,
-                            &mask,
-                            cfg.rloo.ratio,
-                            cfg.rloo.aggregation,
-                            denominator,
-                        )?;
+                        let kl = algo::kl_per_token(&now.logprobs, &narrow(lp_ref)?, cfg.rloo.kl_estimator)?;
+                        let kl_loss =
+                            algo::masked_mean_loss(&kl, &mask, cfg.rloo.ratio, cfg.rloo.aggregation, denominator)?;
                         loss = (loss + (kl_loss * cfg.rloo.kl_coef)?)?;
                     }
                     stats.loss.add(&out.stats);
-                    stats.entropy_sum +=
-                        (&now.entropy * &mask)?.sum_all()?.to_scalar::<f32>()? as f64;
+                    stats.entropy_sum += (&now.entropy * &mask)?.sum_all()?.to_scalar::<f32>()? as f64;
                     stats.tokens += mask.sum_all()?.to_scalar::<f32>()? as f64;
                     grads.add(params, &loss.backward()?)?;
                 }
@@ -634,10 +524,7 @@ fn generation_options(
             .with_top_k(g.top_k)
             .with_top_p(g.top_p as f32)
             .with_min_p(g.min_p as f32),
-        stop: StopCriteria {
-            token_ids: stop_ids,
-            strings: vec![],
-        },
+        stop: StopCriteria { token_ids: stop_ids, strings: vec![] },
         batch_size: g.local_rollout_forward_batch_size,
         seed: cfg.train.seed,
         max_positions: policy.config().max_positions(),
@@ -661,10 +548,7 @@ impl TrainStats {
         m.set("loss/policy_avg", self.loss.loss_mean());
         m.set("val/ratio", self.loss.ratio_mean());
         m.set("val/ratio_var", self.loss.ratio_var());
-        m.set(
-            "policy/entropy_avg",
-            self.entropy_sum / self.tokens.max(1.0),
-        );
+        m.set("policy/entropy_avg", self.entropy_sum / self.tokens.max(1.0));
         m.set("grad_norm", self.grad_norm);
         m.set("train/skipped_steps", self.skipped_steps as f64);
     }
@@ -689,59 +573,28 @@ fn record_rollout_metrics(
             sum / n as f64
         }
     };
-    m.set(
-        "objective/scores",
-        mean(&mut scores.iter().flatten().map(|&s| s as f64)),
-    );
+    m.set("objective/scores", mean(&mut scores.iter().flatten().map(|&s| s as f64)));
     m.set("objective/kl", mean(&mut seq_kl.iter().map(|&k| k as f64)));
-    m.set(
-        "objective/non_score_reward",
-        mean(&mut seq_kl.iter().map(|&k| -beta * k as f64)),
-    );
-    m.set(
-        "objective/rlhf_reward",
-        mean(&mut returns.iter().flatten().map(|&r| r as f64)),
-    );
+    m.set("objective/non_score_reward", mean(&mut seq_kl.iter().map(|&k| -beta * k as f64)));
+    m.set("objective/rlhf_reward", mean(&mut returns.iter().flatten().map(|&r| r as f64)));
     let seq_entropy: Vec<f32> = old.entropy.sum(1)?.to_vec1()?;
-    m.set(
-        "objective/entropy",
-        mean(&mut seq_entropy.iter().map(|&e| e as f64)),
-    );
-    let lengths: Vec<f64> = rollout
-        .completions
-        .flat()
-        .iter()
-        .map(|c| c.tokens.len() as f64)
-        .collect();
-    m.set(
-        "completions/mean_length",
-        mean(&mut lengths.iter().copied()),
-    );
+    m.set("objective/entropy", mean(&mut seq_entropy.iter().map(|&e| e as f64)));
+    let lengths: Vec<f64> = rollout.completions.flat().iter().map(|c| c.tokens.len() as f64).collect();
+    m.set("completions/mean_length", mean(&mut lengths.iter().copied()));
     let eos = ended.iter().filter(|&&e| e).count();
     m.set("val/num_eos_tokens", eos as f64);
-    m.set(
-        "completions/clipped_ratio",
-        1.0 - eos as f64 / ended.len().max(1) as f64,
-    );
+    m.set("completions/clipped_ratio", 1.0 - eos as f64 / ended.len().max(1) as f64);
     Ok(())
 }
 
 /// One sample per prompt of the step for the console table and samples.jsonl.
 fn sample_table(run: &Run, rollout: &Rollout, scores: &[Option<f32>]) -> SampleTable {
     let mut table = SampleTable::new();
-    for (i, c) in rollout
-        .completions
-        .flat()
-        .iter()
-        .enumerate()
-        .filter(|(_, c)| c.sample_index == 0)
-    {
+    for (i, c) in rollout.completions.flat().iter().enumerate().filter(|(_, c)| c.sample_index == 0) {
         let row = &run.dataset.rows[rollout.prompt_rows[c.prompt_index]];
         let prompt = match &row.prompt {
             crate::data::Prompt::Text(t) => t.clone(),
-            crate::data::Prompt::Messages(ms) => {
-                ms.last().map(|m| m.content.clone()).unwrap_or_default()
-            }
+            crate::data::Prompt::Messages(ms) => ms.last().map(|m| m.content.clone()).unwrap_or_default(),
         };
         table.push(crate::report::samples::Sample {
             prompt,
@@ -777,19 +630,9 @@ mod tests {
     #[test]
     fn the_worked_example_through_the_trainers_function() {
         // SPEC-RLOO.md: rows = sample index, columns = prompt.
-        let by_sample = [
-            [1.0f32, 2.0, 3.0],
-            [2.0, 3.0, 4.0],
-            [5.0, 6.0, 7.0],
-            [8.0, 9.0, 10.0],
-        ];
-        let scores: Vec<Option<f32>> = (0..3)
-            .flat_map(|p| by_sample.iter().map(move |r| Some(r[p])))
-            .collect();
-        let rloo = RlooSection {
-            kl_coef: 0.5,
-            ..RlooSection::default()
-        };
+        let by_sample = [[1.0f32, 2.0, 3.0], [2.0, 3.0, 4.0], [5.0, 6.0, 7.0], [8.0, 9.0, 10.0]];
+        let scores: Vec<Option<f32>> = (0..3).flat_map(|p| by_sample.iter().map(move |r| Some(r[p]))).collect();
+        let rloo = RlooSection { kl_coef: 0.5, ..RlooSection::default() };
         let (returns, adv) = returns_and_advantages(&scores, &[0.0; 12], 4, &rloo);
         assert_eq!(returns, scores);
         assert!((adv.values.group(0)[0] + 4.0).abs() < 1e-6);
@@ -798,29 +641,16 @@ mod tests {
         let kl: Vec<f32> = (0..12).map(|i| i as f32).collect();
         let (returns, _) = returns_and_advantages(&scores, &kl, 4, &rloo);
         assert_eq!(returns[5], Some(3.0 - 0.5 * 5.0));
-        let loss_placed = RlooSection {
-            kl_placement: KlPlacement::Loss,
-            ..rloo
-        };
-        assert_eq!(
-            returns_and_advantages(&scores, &kl, 4, &loss_placed).0,
-            scores
-        );
+        let loss_placed = RlooSection { kl_placement: KlPlacement::Loss, ..rloo };
+        assert_eq!(returns_and_advantages(&scores, &kl, 4, &loss_placed).0, scores);
     }
 
     fn fixture_run(dir: &Path, extra: &[&str]) -> Run {
         let root = Path::new(env!("CARGO_MANIFEST_DIR"));
         let prompts = dir.join("prompts.jsonl");
-        std::fs::write(
-            &prompts,
-            "{\"prompt\": \"The movie was\"}\n{\"prompt\": \"I think\"}\n",
-        )
-        .unwrap();
+        std::fs::write(&prompts, "{\"prompt\": \"The movie was\"}\n{\"prompt\": \"I think\"}\n").unwrap();
         let mut sets = vec![
-            format!(
-                "model.policy={}",
-                root.join("tests/fixtures/models/gpt_neox-causal").display()
-            ),
+            format!("model.policy={}", root.join("tests/fixtures/models/gpt_neox-causal").display()),
             format!("data.path={}", prompts.display()),
             format!("train.output_dir={}", dir.join("out").display()),
             "model.device=cpu".into(),
@@ -836,49 +666,20 @@ mod tests {
     fn all_masked_completions_leave_the_parameters_unchanged() {
         let tmp = tempfile::tempdir().unwrap();
         // Weight decay and a large learning rate would move every weight on any step.
-        let run = fixture_run(
-            tmp.path(),
-            &["train.weight_decay=0.5", "train.learning_rate=1.0"],
-        );
-        let before: Vec<Vec<f32>> = run
-            .policy
-            .params()
-            .iter()
-            .map(|p| p.var.as_tensor().flatten_all().unwrap().to_vec1().unwrap())
-            .collect();
+        let run = fixture_run(tmp.path(), &["train.weight_decay=0.5", "train.learning_rate=1.0"]);
+        let before: Vec<Vec<f32>> =
+            run.policy.params().iter().map(|p| p.var.as_tensor().flatten_all().unwrap().to_vec1().unwrap()).collect();
         let prompt = [5u32, 6, 7];
-        let seqs = Sequences {
-            prompts: vec![&prompt; 4],
-            completions: vec![&[]; 4],
-        };
-        let old = run
-            .logprobs_in_chunks(run.policy.frozen(), &seqs, 0.7)
-            .unwrap();
+        let seqs = Sequences { prompts: vec![&prompt; 4], completions: vec![&[]; 4] };
+        let old = run.logprobs_in_chunks(run.policy.frozen(), &seqs, 0.7).unwrap();
         let adv = Tensor::new(&[1.0f32, -1.0, 2.0, -2.0], &Device::Cpu).unwrap();
         let mut opt = AdamW::new(0.9, 0.999, 1e-8, 0.5);
-        let mut state = TrainerState {
-            step: 0,
-            episode: 0,
-            optimizer_step: 0,
-            total_steps: 1,
-        };
-        let stats = run
-            .optimise(0, &seqs, &old, None, &adv, &mut opt, &mut state)
-            .unwrap();
+        let mut state = TrainerState { step: 0, episode: 0, optimizer_step: 0, total_steps: 1 };
+        let stats = run.optimise(0, &seqs, &old, None, &adv, &mut opt, &mut state).unwrap();
         assert_eq!(state.optimizer_step, 0);
         assert_eq!(stats.skipped_steps, run.cfg.rloo.num_ppo_epochs);
         for (p, b) in run.policy.params().iter().zip(before) {
-            assert_eq!(
-                p.var
-                    .as_tensor()
-                    .flatten_all()
-                    .unwrap()
-                    .to_vec1::<f32>()
-                    .unwrap(),
-                b,
-                "{} changed",
-                p.name
-            );
+            assert_eq!(p.var.as_tensor().flatten_all().unwrap().to_vec1::<f32>().unwrap(), b, "{} changed", p.name);
         }
     }
 
@@ -887,27 +688,15 @@ mod tests {
         let tmp = tempfile::tempdir().unwrap();
         let run = fixture_run(
             tmp.path(),
-            &[
-                "rloo.num_mini_batches=2",
-                "train.per_device_train_batch_size=2",
-                "rloo.num_ppo_epochs=3",
-            ],
+            &["rloo.num_mini_batches=2", "train.per_device_train_batch_size=2", "rloo.num_ppo_epochs=3"],
         );
         let rollout = run.rollout(0).unwrap();
         let seqs = run.sequences(&rollout);
-        let old = run
-            .logprobs_in_chunks(run.policy.frozen(), &seqs, 0.7)
-            .unwrap();
+        let old = run.logprobs_in_chunks(run.policy.frozen(), &seqs, 0.7).unwrap();
         let adv = Tensor::new(&[1.0f32, -1.0, 2.0, -2.0], &Device::Cpu).unwrap();
         let mut opt = AdamW::new(0.9, 0.999, 1e-8, 0.0);
-        let mut state = TrainerState {
-            step: 0,
-            episode: 0,
-            optimizer_step: 0,
-            total_steps: 1,
-        };
-        run.optimise(0, &seqs, &old, None, &adv, &mut opt, &mut state)
-            .unwrap();
+        let mut state = TrainerState { step: 0, episode: 0, optimizer_step: 0, total_steps: 1 };
+        run.optimise(0, &seqs, &old, None, &adv, &mut opt, &mut state).unwrap();
         assert_eq!(state.optimizer_step, 6);
     }
 }

@@ -31,11 +31,8 @@ pub fn model_dir(name: &str) -> PathBuf {
 
 /// The reference tensors transformers produced for a fixture model.
 pub fn reference(name: &str) -> HashMap<String, Tensor> {
-    let path = fixtures()
-        .join("reference")
-        .join(format!("{name}.safetensors"));
-    candle_core::safetensors::load(&path, &Device::Cpu)
-        .unwrap_or_else(|e| panic!("{}: {e}", path.display()))
+    let path = fixtures().join("reference").join(format!("{name}.safetensors"));
+    candle_core::safetensors::load(&path, &Device::Cpu).unwrap_or_else(|e| panic!("{}: {e}", path.display()))
 }
 
 pub fn is_causal(name: &str) -> bool {
@@ -50,26 +47,10 @@ pub fn max_diff_masked(a: &Tensor, b: &Tensor, mask: &Tensor) -> f32 {
     while mask.rank() < diff.rank() {
         mask = mask.unsqueeze(mask.rank()).unwrap();
     }
-    diff.broadcast_mul(&mask)
-        .unwrap()
-        .flatten_all()
-        .unwrap()
-        .max(0)
-        .unwrap()
-        .to_scalar::<f32>()
-        .unwrap()
+    diff.broadcast_mul(&mask).unwrap().flatten_all().unwrap().max(0).unwrap().to_scalar::<f32>().unwrap()
 }
 
 pub fn max_diff(a: &Tensor, b: &Tensor) -> f32 {
     assert_eq!(a.dims(), b.dims(), "shapes differ");
-    (a - b)
-        .unwrap()
-        .abs()
-        .unwrap()
-        .flatten_all()
-        .unwrap()
-        .max(0)
-        .unwrap()
-        .to_scalar::<f32>()
-        .unwrap()
+    (a - b).unwrap().abs().unwrap().flatten_all().unwrap().max(0).unwrap().to_scalar::<f32>().unwrap()
 }

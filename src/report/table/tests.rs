@@ -1,20 +1,12 @@
 use super::*;
 
 fn rows(cells: &[&[&str]]) -> Vec<Vec<String>> {
-    cells
-        .iter()
-        .map(|r| r.iter().map(|c| c.to_string()).collect())
-        .collect()
+    cells.iter().map(|r| r.iter().map(|c| c.to_string()).collect()).collect()
 }
 
 #[test]
 fn a_table_that_fits_keeps_natural_widths() {
-    let got = render_table(
-        &["prompt", "completion", "score"],
-        &rows(&[&["Say hi", "hello there", "0.5000"]]),
-        120,
-        4,
-    );
+    let got = render_table(&["prompt", "completion", "score"], &rows(&[&["Say hi", "hello there", "0.5000"]]), 120, 4);
     assert_eq!(
         got,
         "\
@@ -129,12 +121,7 @@ fn two_samples() -> SampleTable {
         score: 1.0,
         extra_scores: vec![("rewards/math".into(), 1.0)],
     });
-    t.push(Sample {
-        prompt: "a|b".into(),
-        completion: "*x*\ny".into(),
-        score: -0.25,
-        extra_scores: vec![],
-    });
+    t.push(Sample { prompt: "a|b".into(), completion: "*x*\ny".into(), score: -0.25, extra_scores: vec![] });
     t
 }
 

@@ -17,22 +17,15 @@ const PYTHON_RECORDS: &str = "1800000000000000a37f4b2209000000000000f83f1a0d6272
 3fef3eac0f000000000000006d532b0909000000000000004010043a0208017601b5eb";
 
 fn hex(s: &str) -> Vec<u8> {
-    (0..s.len())
-        .step_by(2)
-        .map(|i| u8::from_str_radix(&s[i..i + 2], 16).unwrap())
-        .collect()
+    (0..s.len()).step_by(2).map(|i| u8::from_str_radix(&s[i..i + 2], 16).unwrap()).collect()
 }
 
 #[test]
 fn records_match_those_of_the_python_writer_byte_for_byte() {
     let metrics: Metrics = [("objective/kl", 0.25), ("lr", 3e-6)].into_iter().collect();
     let mut ours = tfrecord::frame(&file_version_event(1.5).0);
-    ours.extend(tfrecord::frame(
-        &summary_event(2.0, 300, &scalar_summary(&metrics)).0,
-    ));
-    ours.extend(tfrecord::frame(
-        &summary_event(2.0, 3, &text_summary("samples", "| a |")).0,
-    ));
+    ours.extend(tfrecord::frame(&summary_event(2.0, 300, &scalar_summary(&metrics)).0));
+    ours.extend(tfrecord::frame(&summary_event(2.0, 3, &text_summary("samples", "| a |")).0));
     ours.extend(tfrecord::frame(&session_start_event(2.0, 4).0));
     assert_eq!(ours, hex(PYTHON_RECORDS));
 }
@@ -144,15 +137,11 @@ fn event_file_holds_version_then_one_scalar_event_per_step() {
     for record in &records[1..] {
         let event = decode(record);
         assert!(wall_time_of(&event) >= wall_time_of(&first));
-        let Field::Varint(step) = field(&event, 2) else {
-            panic!("step")
-        };
+        let Field::Varint(step) = field(&event, 2) else { panic!("step") };
         for (n, value) in decode(field(&event, 5).bytes()) {
             assert_eq!(n, 1, "Summary.value");
             let value = decode(value.bytes());
-            let Field::Fixed32(v) = field(&value, 2) else {
-                panic!("simple_value")
-            };
+            let Field::Fixed32(v) = field(&value, 2) else { panic!("simple_value") };
             seen.push((step, field(&value, 1).str(), f32::from_le_bytes(v)));
         }
     }
@@ -168,8 +157,7 @@ fn event_file_holds_version_then_one_scalar_event_per_step() {
 fn text_event_carries_the_text_plugin_and_a_scalar_string_tensor() {
     let dir = tempfile::tempdir().unwrap();
     let mut w = TensorBoardWriter::create(dir.path()).unwrap();
-    w.add_text(7, "samples", "| prompt |\n|---|\n| héllo |")
-        .unwrap();
+    w.add_text(7, "samples", "| prompt |\n|---|\n| héllo |").unwrap();
     let bytes = std::fs::read(w.path()).unwrap();
     let records = unframe(&bytes).unwrap();
     let event = decode(records[1]);
@@ -206,7 +194,5 @@ fn resume_starts_a_new_file_with_a_session_start_at_the_resume_step() {
 fn hostname_is_safe_in_a_file_name() {
     let host = hostname();
     assert!(!host.is_empty());
-    assert!(host
-        .chars()
-        .all(|c| c.is_ascii_alphanumeric() || "-_.".contains(c)));
+    assert!(host.chars().all(|c| c.is_ascii_alphanumeric() || "-_.".contains(c)));
 }
