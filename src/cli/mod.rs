@@ -4,6 +4,7 @@
 
 mod generate;
 mod score;
+mod sft;
 mod train;
 
 use std::process::ExitCode;
@@ -25,6 +26,7 @@ pub struct Cli {
 enum Command {
     Generate(generate::GenerateArgs),
     Score(score::ScoreArgs),
+    Sft(sft::SftArgs),
     Train(train::TrainArgs),
 }
 
@@ -34,6 +36,7 @@ pub fn main() -> ExitCode {
     let result = match cli.command {
         Command::Generate(args) => generate::run(args),
         Command::Score(args) => score::run(args),
+        Command::Sft(args) => sft::run(args),
         Command::Train(args) => train::run(args),
     };
     match result {

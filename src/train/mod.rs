@@ -6,5 +6,6 @@ pub mod config;
 pub mod logprobs;
 pub mod optim;
 pub mod rloo;
+pub mod sft;
 
 pub use config::{BatchSizes, TrainConfig};

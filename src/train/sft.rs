@@ -1,0 +1,298 @@
+//! Supervised fine-tuning: cross-entropy on completion tokens (prompt tokens
+//! masked, or every token with `all_tokens`), AdamW with a schedule and
+//! gradient accumulation, an evaluation loss on a held-out split, and a
+//! Hugging Face directory at the end.
+//!
+//! Rows are `{"prompt", "completion"}` (each a string or chat messages),
+//! `{"messages": [...]}` (the last assistant message is the completion), or
+//! `{"text"}` (language modelling on all tokens).
+
+use std::path::{Path, PathBuf};
+use std::time::Instant;
+
+use candle_core::Device;
+use serde::{Deserialize, Serialize};
+use serde_json::Value;
+
+use super::config::Schedule;
+use super::logprobs::{completion_logprobs, Sequences};
+use super::optim::{learning_rate, AdamW, GradAccumulator};
+use crate::data::jsonl::{read_rows, Row};
+use crate::data::{Message, Prompt, Tokenizer};
+use crate::error::{Error, Result};
+use crate::generate::Rng;
+use crate::model::hub::resolve_model;
+use crate::model::{parse_device, HeadKind, Model, Network};
+use crate::report::{JsonlMetrics, Metrics, MetricsSink, TensorBoardWriter};
+
+#[derive(Debug, Clone, Serialize, Deserialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct SftConfig {
+    pub model: String,
+    pub dataset: String,
+    /// A held-out file; without it, `eval_fraction` of the rows are held out.
+    pub eval_dataset: Option<String>,
+    pub eval_fraction: f64,
+    pub output_dir: String,
+    pub device: String,
+    pub learning_rate: f64,
+    pub per_device_train_batch_size: usize,
+    pub gradient_accumulation_steps: usize,
+    pub num_train_epochs: usize,
+    pub lr_scheduler_type: Schedule,
+    pub warmup_ratio: f64,
+    pub weight_decay: f64,
+    pub max_grad_norm: f64,
+    /// Longest prompt + completion in tokens; longer rows are cut at the end.
+    pub max_length: usize,
+    /// Train on prompt tokens too.
+    pub all_tokens: bool,
+    pub seed: u64,
+    pub logging_steps: usize,
+}
+
+impl Default for SftConfig {
+    fn default() -> Self {
+        Self {
+            model: String::new(),
+            dataset: String::new(),
+            eval_dataset: None,
+            eval_fraction: 0.0,
+            output_dir: "runs/sft".into(),
+            device: "auto".into(),
+            learning_rate: 2e-5,
+            per_device_train_batch_size: 8,
+            gradient_accumulation_steps: 1,
+            num_train_epochs: 1,
+            lr_scheduler_type: Schedule::Linear,
+            warmup_ratio: 0.0,
+            weight_decay: 0.0,
+            max_grad_norm: 1.0,
+            max_length: 1024,
+            all_tokens: false,
+            seed: 42,
+            logging_steps: 10,
+        }
+    }
+}
+
+/// One tokenized training example.
+#[derive(Debug, Clone, PartialEq)]
+pub struct Example {
+    pub prompt: Vec<u32>,
+    pub completion: Vec<u32>,
+}
+
+pub struct SftSummary {
+    pub steps: usize,
+    pub train_loss: f64,
+    pub eval_loss: Option<f64>,
+    pub output_dir: PathBuf,
+}
+
+/// Tokenizes one row (see the module doc for the formats).
+pub fn example_from_row(row: &Row, tok: &Tokenizer, all_tokens: bool) -> std::result::Result<Example, String> {
+    let f = &row.fields;
+    let eos: Vec<u32> = tok.eos_token_id().into_iter().collect();
+    let (prompt, completion) = if let Some(messages) = f.get("messages") {
+        let Prompt::Messages(mut messages) =
+            Prompt::from_value(messages).map_err(|e| format!("column `messages`: {e}"))?
+        else {
+            return Err("column `messages` must be a list of chat messages".into());
+        };
+        let last =
+            messages.pop().filter(|m| m.role == "assistant").ok_or("the last message must be the assistant's")?;
+        chat_pair(tok, &messages, &last)?
+    } else if let Some(text) = f.get("text") {
+        let text = text.as_str().ok_or("column `text` must be a string")?;
+        let ids = tok.encode_prompt(&Prompt::Text(text.to_string())).map_err(|e| e.to_string())?;
+        let (first, rest) = ids.split_first().ok_or("column `text` is empty")?;
+        (vec![*first], [rest, &eos].concat())
+    } else {
+        let prompt = f.get("prompt").ok_or("expected `prompt` and `completion`, `messages`, or `text` columns")?;
+        let prompt = Prompt::from_value(prompt).map_err(|e| format!("column `prompt`: {e}"))?;
+        match (prompt, f.get("completion")) {
+            (Prompt::Messages(messages), Some(Value::Array(c))) => {
+                let Some(Prompt::Messages(reply)) = Prompt::from_value(&Value::Array(c.clone())).ok() else {
+                    return Err("column `completion` must be messages when `prompt` is".into());
+                };
+                let last = reply.last().ok_or("column `completion` is empty")?;
+                chat_pair(tok, &messages, last)?
+            }
+            (Prompt::Messages(messages), Some(Value::String(c))) => {
+                chat_pair(tok, &messages, &Message::new("assistant", c))?
+            }
+            (prompt, Some(Value::String(c))) => {
+                let p = tok.encode_prompt(&prompt).map_err(|e| e.to_string())?;
+                (p, [tok.encode(c).map_err(|e| e.to_string())?, eos].concat())
+            }
+            (_, Some(other)) => return Err(format!("column `completion` must be a string or messages, got {other}")),
+            (_, None) => return Err("missing column `completion`".into()),
+        }
+    };
+    if prompt.is_empty() || completion.is_empty() {
+        return Err("the prompt or the completion has no tokens".into());
+    }
+    Ok(if all_tokens {
+        let all = [prompt, completion].concat();
+        Example { prompt: all[..1].to_vec(), completion: all[1..].to_vec() }
+    } else {
+        Example { prompt, completion }
+    })
+}
+
+/// A conversation's prompt (template with the generation prompt) and the
+/// assistant reply's tokens: the full rendering minus the prompt rendering.
+fn chat_pair(
+    tok: &Tokenizer,
+    messages: &[Message],
+    reply: &Message,
+) -> std::result::Result<(Vec<u32>, Vec<u32>), String> {
+    let prompt = tok.encode_prompt(&Prompt::Messages(messages.to_vec())).map_err(|e| e.to_string())?;
+    let template = tok.chat_template().ok_or("chat rows need a model with a chat template")?;
+    let mut all = messages.to_vec();
+    all.push(reply.clone());
+    let text = template.render(&all, false).map_err(|e| e.to_string())?;
+    let mut full = tok.encode(&text).map_err(|e| e.to_string())?;
+    if prompt.first() != full.first() && prompt.first() == tok.bos_token_id().as_ref() {
+        full.insert(0, prompt[0]);
+    }
+    if !full.starts_with(&prompt) {
+        return Err("the chat template renders the conversation with a different prefix than the prompt".into());
+    }
+    Ok((prompt.clone(), full[prompt.len()..].to_vec()))
+}
+
+fn load_examples(path: &Path, tok: &Tokenizer, cfg: &SftConfig) -> Result<Vec<Example>> {
+    let mut out = Vec::new();
+    for row in read_rows(path)? {
+        let mut ex = example_from_row(&row, tok, cfg.all_tokens).map_err(|e| Error::bad_row(path, row.line, e))?;
+        let room = cfg.max_length.saturating_sub(ex.prompt.len());
+        if room == 0 {
+            return Err(Error::bad_row(
+                path,
+                row.line,
+                format!("the prompt alone exceeds max_length = {}", cfg.max_length),
+            ));
+        }
+        ex.completion.truncate(room);
+        out.push(ex);
+    }
+    if out.is_empty() {
+        return Err(Error::bad_file(path, "no rows"));
+    }
+    Ok(out)
+}
+
+/// Mean next-token loss over the completion tokens of `examples`.
+pub fn mean_loss(net: &Network, examples: &[&Example], batch: usize, device: &Device) -> Result<f64> {
+    let (mut total, mut tokens) = (0f64, 0f64);
+    for chunk in examples.chunks(batch.max(1)) {
+        let seqs = sequences(chunk);
+        let lp = completion_logprobs(net, &seqs, 1.0, device)?;
+        total -= lp.logprobs.sum_all()?.to_scalar::<f32>()? as f64;
+        tokens += lp.mask.sum_all()?.to_scalar::<f32>()? as f64;
+    }
+    Ok(total / tokens.max(1.0))
+}
+
+fn sequences<'a>(examples: &[&'a Example]) -> Sequences<'a> {
+    Sequences {
+        prompts: examples.iter().map(|e| e.prompt.as_slice()).collect(),
+        completions: examples.iter().map(|e| e.completion.as_slice()).collect(),
+    }
+}
+
+pub fn train_sft(cfg: &SftConfig) -> Result<SftSummary> {
+    if cfg.per_device_train_batch_size == 0 || cfg.gradient_accumulation_steps == 0 || cfg.num_train_epochs == 0 {
+        return Err(Error::Invalid(
+            "batch size, gradient_accumulation_steps and num_train_epochs must be at least 1".into(),
+        ));
+    }
+    let device = parse_device(&cfg.device)?;
+    let dir = resolve_model(&cfg.model)?;
+    let model = Model::load(&dir, &device)?;
+    if model.head() != HeadKind::CausalLm {
+        return Err(Error::bad_file(&dir, "SFT needs a causal LM"));
+    }
+    let tok = Tokenizer::from_dir(&dir)?;
+    let mut train = load_examples(Path::new(&cfg.dataset), &tok, cfg)?;
+    let eval = match &cfg.eval_dataset {
+        Some(path) => load_examples(Path::new(path), &tok, cfg)?,
+        None => {
+            let order = Rng::stream(cfg.seed, &[0x5f7]).permutation(train.len());
+            let held = (cfg.eval_fraction * train.len() as f64).round() as usize;
+            let mut shuffled: Vec<Example> = order.iter().map(|&i| train[i].clone()).collect();
+            let eval = shuffled.split_off(shuffled.len() - held.min(shuffled.len().saturating_sub(1)));
+            train = shuffled;
+            eval
+        }
+    };
+    let output_dir = PathBuf::from(&cfg.output_dir);
+    std::fs::create_dir_all(&output_dir).map_err(|e| Error::io(&output_dir, e))?;
+    let mut sinks: Vec<Box<dyn MetricsSink>> =
+        vec![Box::new(JsonlMetrics::create(&output_dir)?), Box::new(TensorBoardWriter::create(&output_dir)?)];
+
+    let mini = cfg.per_device_train_batch_size * cfg.gradient_accumulation_steps;
+    let steps_per_epoch = train.len().div_ceil(mini);
+    let total_steps = steps_per_epoch * cfg.num_train_epochs;
+    let warmup = (cfg.warmup_ratio * total_steps as f64).ceil() as usize;
+    tracing::info!(
+        "SFT: {} train / {} eval examples; {} epochs x {} steps of {} ({} x {} accumulated)",
+        train.len(),
+        eval.len(),
+        cfg.num_train_epochs,
+        steps_per_epoch,
+        mini,
+        cfg.per_device_train_batch_size,
+        cfg.gradient_accumulation_steps
+    );
+    let mut optimizer = AdamW::new(0.9, 0.999, 1e-8, cfg.weight_decay);
+    let mut grads = GradAccumulator::default();
+    let (mut step, mut last_loss, mut eval_loss) = (0usize, f64::NAN, None);
+    let started = Instant::now();
+    for epoch in 0..cfg.num_train_epochs {
+        let order = Rng::stream(cfg.seed, &[0x5f7, epoch as u64 + 1]).permutation(train.len());
+        for batch in order.chunks(mini) {
+            let examples: Vec<&Example> = batch.iter().map(|&i| &train[i]).collect();
+            let tokens: f64 = examples.iter().map(|e| e.completion.len() as f64).sum();
+            grads.clear();
+            let mut loss_sum = 0f64;
+            for micro in examples.chunks(cfg.per_device_train_batch_size) {
+                let lp = completion_logprobs(model.network(), &sequences(micro), 1.0, &device)?;
+                // Token mean over the whole optimizer step, however it is split.
+                let loss = (lp.logprobs.sum_all()?.neg()? / tokens)?;
+                loss_sum += loss.to_scalar::<f32>()? as f64;
+                grads.add(model.params(), &loss.backward()?)?;
+            }
+            let grad_norm = grads.clip(cfg.max_grad_norm)?;
+            let lr = learning_rate(cfg.learning_rate, cfg.lr_scheduler_type, step, total_steps, warmup);
+            optimizer.step(model.params(), &grads, lr)?;
+            step += 1;
+            last_loss = loss_sum;
+            let mut m = Metrics::new();
+            m.set("train/loss", loss_sum);
+            m.set("train/grad_norm", grad_norm);
+            m.set("train/lr", lr);
+            m.set("train/epoch", step as f64 / steps_per_epoch as f64);
+            if step % steps_per_epoch == 0 && !eval.is_empty() {
+                let refs: Vec<&Example> = eval.iter().collect();
+                let l = mean_loss(model.frozen(), &refs, cfg.per_device_train_batch_size, &device)?;
+                m.set("eval/loss", l);
+                eval_loss = Some(l);
+            }
+            if step % cfg.logging_steps.max(1) == 0 || m.get("eval/loss").is_some() {
+                sinks.log(step as u64, &m)?;
+                sinks.flush()?;
+            }
+        }
+    }
+    model.save_files(&output_dir)?;
+    tracing::info!(
+        "SFT: {step} steps in {:.1} s, last train loss {last_loss:.4}, eval loss {} -> {}",
+        started.elapsed().as_secs_f64(),
+        eval_loss.map_or("n/a".into(), |l| format!("{l:.4}")),
+        output_dir.display()
+    );
+    Ok(SftSummary { steps: step, train_loss: last_loss, eval_loss, output_dir })
+}

@@ -1,0 +1,85 @@
+//! `rloo sft`: the row formats, and a short run that learns its data.
+
+mod common;
+
+use std::process::Command;
+
+use candle_core::Device;
+use common::*;
+use rloo::data::jsonl::Row;
+use rloo::data::Tokenizer;
+use rloo::model::Model;
+use rloo::train::logprobs::{completion_logprobs, Sequences};
+use rloo::train::sft::{example_from_row, Example};
+use serde_json::json;
+
+fn row(v: serde_json::Value) -> Row {
+    Row { line: 1, fields: v.as_object().unwrap().clone() }
+}
+
+#[test]
+fn row_formats_tokenize_like_the_chat_template() {
+    let tok = Tokenizer::from_dir(&model_dir("qwen2-causal")).unwrap();
+    let eos = tok.eos_token_id().unwrap();
+    let ex = example_from_row(&row(json!({"prompt": "The movie was", "completion": " good."})), &tok, false).unwrap();
+    assert_eq!(ex.prompt, tok.encode("The movie was").unwrap());
+    assert_eq!(ex.completion, [tok.encode(" good.").unwrap(), vec![eos]].concat(), "text completions end with EOS");
+
+    let chat = json!({"messages": [{"role": "user", "content": "Hi"}, {"role": "assistant", "content": "Hello!"}]});
+    let ex = example_from_row(&row(chat), &tok, false).unwrap();
+    let template = tok.chat_template().unwrap();
+    let user = [rloo::data::Message::new("user", "Hi")];
+    assert_eq!(ex.prompt, tok.encode(&template.render(&user, true).unwrap()).unwrap());
+    let reply = tok.decode(&ex.completion, false).unwrap();
+    assert!(reply.starts_with("Hello!") && reply.contains("<|im_end|>"), "{reply}");
+
+    let all = example_from_row(&row(json!({"prompt": "a b", "completion": " c"})), &tok, true).unwrap();
+    assert_eq!(all.prompt.len(), 1, "all_tokens trains on everything after the first token");
+    let err = example_from_row(&row(json!({"prompt": "a"})), &tok, false).unwrap_err();
+    assert!(err.contains("completion"), "{err}");
+}
+
+fn logprob_of(model: &Model, ex: &Example) -> f32 {
+    let seqs = Sequences { prompts: vec![&ex.prompt], completions: vec![&ex.completion] };
+    completion_logprobs(model.frozen(), &seqs, 1.0, &Device::Cpu)
+        .unwrap()
+        .logprobs
+        .sum_all()
+        .unwrap()
+        .to_scalar()
+        .unwrap()
+}
+
+#[test]
+fn a_short_run_learns_its_completions() {
+    let tmp = tempfile::tempdir().unwrap();
+    let data = tmp.path().join("sft.jsonl");
+    let rows: Vec<String> = (0..12)
+        .map(|i| {
+            json!({"prompt": format!("Review {i}:"), "completion": " wonderful acting and lovely music."}).to_string()
+        })
+        .collect();
+    std::fs::write(&data, rows.join("\n")).unwrap();
+    let out = tmp.path().join("sft");
+    let run = Command::new(env!("CARGO_BIN_EXE_rloo"))
+        .args(["sft", "--model", model_dir("gpt_neox-causal").to_str().unwrap(), "--dataset", data.to_str().unwrap()])
+        .args(["--output-dir", out.to_str().unwrap(), "--learning-rate", "3e-3", "--num-train-epochs", "5"])
+        .args(["--per-device-train-batch-size", "2", "--gradient-accumulation-steps", "2", "--eval-fraction", "0.25"])
+        .args(["--device", "cpu"])
+        .output()
+        .unwrap();
+    assert!(run.status.success(), "{}", String::from_utf8_lossy(&run.stderr));
+    let tok = Tokenizer::from_dir(&model_dir("gpt_neox-causal")).unwrap();
+    let ex = example_from_row(
+        &row(json!({"prompt": "Review 99:", "completion": " wonderful acting and lovely music."})),
+        &tok,
+        false,
+    )
+    .unwrap();
+    let before = logprob_of(&Model::load(&model_dir("gpt_neox-causal"), &Device::Cpu).unwrap(), &ex);
+    let after = logprob_of(&Model::load(&out, &Device::Cpu).unwrap(), &ex);
+    println!("log p(completion | unseen prompt): {before:.2} -> {after:.2}");
+    assert!(after > before + 10.0, "{before} -> {after}");
+    let metrics = std::fs::read_to_string(out.join("metrics.jsonl")).unwrap();
+    assert!(metrics.contains("eval/loss") && metrics.contains("train/loss"));
+}
