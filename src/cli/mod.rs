@@ -3,6 +3,7 @@
 //! 1 for a failed run and 2 for a usage error.
 
 mod generate;
+mod reward;
 mod score;
 mod sft;
 mod train;
@@ -25,6 +26,9 @@ pub struct Cli {
 #[derive(Debug, Subcommand)]
 enum Command {
     Generate(generate::GenerateArgs),
+    /// Reward models: `rloo reward train`.
+    #[command(subcommand)]
+    Reward(reward::RewardCommand),
     Score(score::ScoreArgs),
     Sft(sft::SftArgs),
     Train(train::TrainArgs),
@@ -35,6 +39,7 @@ pub fn main() -> ExitCode {
     init_logging(cli.verbose);
     let result = match cli.command {
         Command::Generate(args) => generate::run(args),
+        Command::Reward(cmd) => reward::run(cmd),
         Command::Score(args) => score::run(args),
         Command::Sft(args) => sft::run(args),
         Command::Train(args) => train::run(args),

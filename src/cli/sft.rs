@@ -69,7 +69,7 @@ pub struct SftArgs {
     logging_steps: usize,
 }
 
-fn parse_schedule(s: &str) -> Result<Schedule, String> {
+pub(crate) fn parse_schedule(s: &str) -> Result<Schedule, String> {
     match s {
         "constant" => Ok(Schedule::Constant),
         "linear" => Ok(Schedule::Linear),

@@ -55,6 +55,12 @@ impl Rng {
         order
     }
 
+    /// Standard normal (Box-Muller).
+    pub fn normal(&mut self) -> f64 {
+        let u = 1.0 - self.uniform(); // (0, 1]
+        (-2.0 * u.ln()).sqrt() * (2.0 * std::f64::consts::PI * self.uniform()).cos()
+    }
+
     /// Uniform in [0, 1) with 53 bits.
     pub fn uniform(&mut self) -> f64 {
         (self.next_u64() >> 11) as f64 * (1.0 / (1u64 << 53) as f64)

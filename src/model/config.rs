@@ -156,6 +156,11 @@ impl ModelConfig {
         if let Value::Object(map) = &mut raw {
             map.insert("architectures".into(), Value::Array(vec![Value::String(self.class_name())]));
             if let HeadKind::SequenceClassification { num_labels } = self.head {
+                // transformers reads the label count from id2label: keep the two in step.
+                let labels =
+                    |f: &dyn Fn(usize) -> (String, Value)| -> Value { Value::Object((0..num_labels).map(f).collect()) };
+                map.insert("id2label".into(), labels(&|i| (i.to_string(), format!("LABEL_{i}").into())));
+                map.insert("label2id".into(), labels(&|i| (format!("LABEL_{i}"), i.into())));
                 map.insert("num_labels".into(), num_labels.into());
             }
         }

@@ -129,8 +129,35 @@ impl Model {
     /// Loads a Hugging Face model directory.
     pub fn load(dir: &Path, device: &Device) -> Result<Self> {
         let config = ModelConfig::from_dir(dir)?;
+        Self::load_config(dir, device, config, None)
+    }
+
+    /// Loads a directory with the given head. A sequence-classification
+    /// head the checkpoint lacks (a reward model started from a causal LM)
+    /// is initialised like transformers does, normal(0, initializer_range),
+    /// from `seed`.
+    pub fn load_with_head(dir: &Path, device: &Device, head: HeadKind, seed: u64) -> Result<Self> {
+        let mut config = ModelConfig::from_dir(dir)?;
+        config.head = head;
+        Self::load_config(dir, device, config, Some(seed))
+    }
+
+    fn load_config(dir: &Path, device: &Device, config: ModelConfig, seed: Option<u64>) -> Result<Self> {
         let files = WeightFiles::open(dir)?;
         let source = Source::files(&files, device);
+        if let (HeadKind::SequenceClassification { num_labels }, Some(seed)) = (config.head, seed) {
+            if !files.contains("score.weight") {
+                let std = config.raw.get("initializer_range").and_then(serde_json::Value::as_f64).unwrap_or(0.02);
+                let mut rng = crate::generate::Rng::stream(seed, &[0x5c0e]);
+                let n = num_labels * config.hidden_size();
+                let values: Vec<f32> = (0..n).map(|_| (rng.normal() * std) as f32).collect();
+                source.add_fresh(
+                    "score.weight",
+                    &Tensor::from_vec(values, (num_labels, config.hidden_size()), device)?,
+                )?;
+                tracing::info!("{}: new score head ({num_labels} x {})", dir.display(), config.hidden_size());
+            }
+        }
         let train = Network::build(&config, &source.root())?;
         let unused = source.unused();
         if !unused.is_empty() {
@@ -139,6 +166,13 @@ impl Model {
         let params = source.into_store();
         let frozen = Network::build(&config, &Source::store(&params, true).root())?;
         Ok(Self { config, params, train, frozen, dir: dir.to_path_buf() })
+    }
+
+    /// Sets a `config.json` key written when saving (e.g. `pad_token_id`).
+    pub fn set_config_key(&mut self, key: &str, value: serde_json::Value) {
+        if let serde_json::Value::Object(map) = &mut self.config.raw {
+            map.insert(key.to_string(), value);
+        }
     }
 
     pub fn config(&self) -> &ModelConfig {

@@ -191,6 +191,18 @@ impl<'a> Source<'a> {
         Weights { source: self, prefix: String::new() }
     }
 
+    /// Adds a parameter the checkpoint lacks (a new head), trained and saved as f32.
+    pub fn add_fresh(&self, name: &str, init: &Tensor) -> Result<()> {
+        match self {
+            Source::Files { store, .. } => {
+                let var = Var::from_tensor(&init.to_dtype(DType::F32)?)?;
+                store.borrow_mut().push(Param { name: name.to_string(), var, stored_dtype: DType::F32 });
+                Ok(())
+            }
+            Source::Store { .. } => Err(Error::Invalid(format!("cannot add `{name}` to an existing model"))),
+        }
+    }
+
     /// The parameters created from files (empty for a store source).
     pub fn into_store(self) -> ParamStore {
         match self {

@@ -69,26 +69,34 @@ impl RewardModel {
     /// The token ids the reward model reads for a sample (see the module
     /// documentation).
     pub fn encode(&self, sample: &Sample) -> Result<Vec<u32>> {
-        match sample.prompt {
-            Prompt::Text(text) => {
-                let mut ids = self.tokenizer.encode_prompt(&Prompt::Text(text.clone()))?;
-                ids.extend(self.tokenizer.encode(sample.completion)?);
-                Ok(ids)
-            }
-            Prompt::Messages(messages) => {
-                let template = self.tokenizer.chat_template().ok_or_else(|| {
-                    Error::bad_file(
-                        self.dir(),
-                        "the prompt is a list of chat messages but this reward model has no \
-                         chat template (neither chat_template.jinja nor a chat_template key in \
-                         tokenizer_config.json) to render prompt and completion with",
-                    )
-                })?;
-                let mut conversation = messages.clone();
-                conversation.push(Message::new("assistant", sample.completion));
-                let text = template.render(&conversation, false)?;
-                self.tokenizer.encode_prompt(&Prompt::Text(text))
-            }
+        encode_pair(&self.tokenizer, sample.prompt, sample.completion)
+    }
+}
+
+/// The ids a reward model reads for a prompt and its completion: a text
+/// prompt is encoded (BOS rule included) and followed by the completion's
+/// ids; a conversation gets the completion as the assistant's reply and is
+/// rendered with the reward model's chat template (no generation prompt).
+pub fn encode_pair(tokenizer: &Tokenizer, prompt: &Prompt, completion: &str) -> Result<Vec<u32>> {
+    match prompt {
+        Prompt::Text(text) => {
+            let mut ids = tokenizer.encode_prompt(&Prompt::Text(text.clone()))?;
+            ids.extend(tokenizer.encode(completion)?);
+            Ok(ids)
+        }
+        Prompt::Messages(messages) => {
+            let template = tokenizer.chat_template().ok_or_else(|| {
+                Error::bad_file(
+                    tokenizer.dir(),
+                    "the prompt is a list of chat messages but this reward model has no \
+                     chat template (neither chat_template.jinja nor a chat_template key in \
+                     tokenizer_config.json) to render prompt and completion with",
+                )
+            })?;
+            let mut conversation = messages.clone();
+            conversation.push(Message::new("assistant", completion));
+            let text = template.render(&conversation, false)?;
+            tokenizer.encode_prompt(&Prompt::Text(text))
         }
     }
 }

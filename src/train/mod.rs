@@ -5,6 +5,7 @@ pub mod checkpoint;
 pub mod config;
 pub mod logprobs;
 pub mod optim;
+pub mod reward_model;
 pub mod rloo;
 pub mod sft;
 

@@ -1,0 +1,245 @@
+//! Reward-model training on preference pairs with the Bradley-Terry loss
+//! `-log sigmoid(r(x, y_chosen) - r(x, y_rejected))`, the score read at the
+//! last token by a sequence-classification head (a new one, initialised,
+//! when starting from a causal LM). Accuracy and margin are measured on a
+//! held-out split; the result is a `*ForSequenceClassification` directory.
+
+use std::path::{Path, PathBuf};
+
+use candle_core::{Device, Tensor};
+use serde_json::Value;
+
+use super::config::Schedule;
+use super::optim::{learning_rate, AdamW, GradAccumulator};
+use crate::data::jsonl::{read_rows, Row};
+use crate::data::{Prompt, Tokenizer};
+use crate::error::{Error, Result};
+use crate::generate::Rng;
+use crate::model::hub::resolve_model;
+use crate::model::ops::log_softmax_last;
+use crate::model::{parse_device, HeadKind, Inputs, Model, Network, PadSide};
+use crate::report::{JsonlMetrics, Metrics, MetricsSink, TensorBoardWriter};
+use crate::reward::model::encode_pair;
+
+#[derive(Debug, Clone)]
+pub struct RewardTrainConfig {
+    pub model: String,
+    pub dataset: String,
+    pub eval_dataset: Option<String>,
+    pub eval_fraction: f64,
+    pub output_dir: String,
+    pub device: String,
+    pub learning_rate: f64,
+    /// Pairs per forward/backward.
+    pub per_device_train_batch_size: usize,
+    pub gradient_accumulation_steps: usize,
+    pub num_train_epochs: usize,
+    pub lr_scheduler_type: Schedule,
+    pub weight_decay: f64,
+    pub max_grad_norm: f64,
+    /// Longest sequence in tokens; longer ones are cut at the end.
+    pub max_length: usize,
+    pub seed: u64,
+}
+
+/// One preference pair as token ids.
+#[derive(Debug, Clone)]
+pub struct Pair {
+    pub chosen: Vec<u32>,
+    pub rejected: Vec<u32>,
+}
+
+/// Accuracy (chosen scored higher) and mean margin on held-out pairs.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct PairStats {
+    pub loss: f64,
+    pub accuracy: f64,
+    pub margin: f64,
+}
+
+pub struct RewardTrainSummary {
+    pub steps: usize,
+    pub eval: Option<PairStats>,
+    pub output_dir: PathBuf,
+}
+
+/// `{"prompt", "chosen", "rejected"}` with a text or chat prompt and text
+/// answers, or chosen/rejected as whole conversations (the last assistant
+/// message is the answer).
+pub fn pair_from_row(row: &Row, tok: &Tokenizer, max_length: usize) -> std::result::Result<Pair, String> {
+    let side = |key: &str| -> std::result::Result<Vec<u32>, String> {
+        let value = row.fields.get(key).ok_or(format!("missing column `{key}`"))?;
+        let (prompt, answer) = match (row.fields.get("prompt"), value) {
+            (Some(p), Value::String(answer)) => {
+                (Prompt::from_value(p).map_err(|e| format!("column `prompt`: {e}"))?, answer.clone())
+            }
+            (prompt, Value::Array(_)) => {
+                let Ok(Prompt::Messages(mut conversation)) = Prompt::from_value(value) else {
+                    return Err(format!("column `{key}` must be a string or chat messages"));
+                };
+                let answer = conversation
+                    .pop()
+                    .filter(|m| m.role == "assistant")
+                    .ok_or(format!("column `{key}`: the last message must be the assistant's"))?;
+                if let Some(p) = prompt {
+                    let Ok(Prompt::Messages(mut head)) = Prompt::from_value(p) else {
+                        return Err("column `prompt` must be messages when the answers are".into());
+                    };
+                    head.extend(conversation);
+                    conversation = head;
+                }
+                (Prompt::Messages(conversation), answer.content)
+            }
+            (None, _) => return Err("missing column `prompt`".into()),
+            (_, other) => return Err(format!("column `{key}` must be a string or chat messages, got {other}")),
+        };
+        let mut ids = encode_pair(tok, &prompt, &answer).map_err(|e| e.to_string())?;
+        ids.truncate(max_length);
+        if ids.is_empty() {
+            return Err(format!("column `{key}` gives no tokens"));
+        }
+        Ok(ids)
+    };
+    Ok(Pair { chosen: side("chosen")?, rejected: side("rejected")? })
+}
+
+fn load_pairs(path: &Path, tok: &Tokenizer, max_length: usize) -> Result<Vec<Pair>> {
+    let pairs: Vec<Pair> = read_rows(path)?
+        .iter()
+        .map(|row| pair_from_row(row, tok, max_length).map_err(|e| Error::bad_row(path, row.line, e)))
+        .collect::<Result<_>>()?;
+    if pairs.is_empty() {
+        return Err(Error::bad_file(path, "no preference pairs"));
+    }
+    Ok(pairs)
+}
+
+/// Scores of the chosen and rejected sides: two (N,) tensors.
+fn pair_scores(net: &Network, pairs: &[&Pair], device: &Device) -> Result<(Tensor, Tensor)> {
+    let rows: Vec<Vec<u32>> =
+        pairs.iter().map(|p| p.chosen.clone()).chain(pairs.iter().map(|p| p.rejected.clone())).collect();
+    let scores = net.scores(&Inputs::from_rows(&rows, 0, PadSide::Right, device)?)?.squeeze(1)?;
+    let n = pairs.len();
+    Ok((scores.narrow(0, 0, n)?, scores.narrow(0, n, n)?))
+}
+
+/// `sum -log sigmoid(d)` over margins `d` (N,), as `-log_softmax([d, 0])[0]`:
+/// finite for any |d| and smooth at 0, unlike relu/abs forms whose kinks
+/// give the wrong subgradient there.
+pub fn bradley_terry_sum(margin: &Tensor) -> Result<Tensor> {
+    let pair = Tensor::stack(&[margin, &margin.zeros_like()?], 1)?; // (N, 2)
+    Ok(log_softmax_last(&pair)?.narrow(1, 0, 1)?.sum_all()?.neg()?)
+}
+
+pub fn evaluate(net: &Network, pairs: &[Pair], batch: usize, device: &Device) -> Result<PairStats> {
+    let (mut loss, mut correct, mut margin) = (0f64, 0usize, 0f64);
+    let refs: Vec<&Pair> = pairs.iter().collect();
+    for chunk in refs.chunks(batch.max(1)) {
+        let (c, r) = pair_scores(net, chunk, device)?;
+        let d = (c - r)?;
+        loss += bradley_terry_sum(&d)?.to_scalar::<f32>()? as f64;
+        let d: Vec<f32> = d.to_vec1()?;
+        correct += d.iter().filter(|&&x| x > 0.0).count();
+        margin += d.iter().map(|&x| x as f64).sum::<f64>();
+    }
+    let n = pairs.len().max(1) as f64;
+    Ok(PairStats { loss: loss / n, accuracy: correct as f64 / n, margin: margin / n })
+}
+
+pub fn train_reward_model(cfg: &RewardTrainConfig) -> Result<RewardTrainSummary> {
+    if cfg.per_device_train_batch_size == 0 || cfg.gradient_accumulation_steps == 0 || cfg.num_train_epochs == 0 {
+        return Err(Error::Invalid(
+            "batch size, gradient_accumulation_steps and num_train_epochs must be at least 1".into(),
+        ));
+    }
+    let device = parse_device(&cfg.device)?;
+    let dir = resolve_model(&cfg.model)?;
+    let mut model = Model::load_with_head(&dir, &device, HeadKind::SequenceClassification { num_labels: 1 }, cfg.seed)?;
+    let tok = Tokenizer::from_dir(&dir)?;
+    // transformers needs the pad id to find the last token of padded batches.
+    if model.config().raw.get("pad_token_id").is_none_or(Value::is_null) {
+        if let Some(pad) = tok.pad_token_id().or(tok.eos_token_id()) {
+            model.set_config_key("pad_token_id", pad.into());
+        }
+    }
+    let mut train = load_pairs(Path::new(&cfg.dataset), &tok, cfg.max_length)?;
+    let eval = match &cfg.eval_dataset {
+        Some(path) => load_pairs(Path::new(path), &tok, cfg.max_length)?,
+        None => {
+            let held = ((cfg.eval_fraction * train.len() as f64).round() as usize).min(train.len() - 1);
+            let order = Rng::stream(cfg.seed, &[0x7e]).permutation(train.len());
+            let mut shuffled: Vec<Pair> = order.iter().map(|&i| train[i].clone()).collect();
+            let eval = shuffled.split_off(shuffled.len() - held);
+            train = shuffled;
+            eval
+        }
+    };
+    let output_dir = PathBuf::from(&cfg.output_dir);
+    std::fs::create_dir_all(&output_dir).map_err(|e| Error::io(&output_dir, e))?;
+    let mut sinks: Vec<Box<dyn MetricsSink>> =
+        vec![Box::new(JsonlMetrics::create(&output_dir)?), Box::new(TensorBoardWriter::create(&output_dir)?)];
+    let mini = cfg.per_device_train_batch_size * cfg.gradient_accumulation_steps;
+    let steps_per_epoch = train.len().div_ceil(mini);
+    let total = steps_per_epoch * cfg.num_train_epochs;
+    tracing::info!("reward model: {} train / {} eval pairs, {} steps of {mini} pairs", train.len(), eval.len(), total);
+
+    let mut optimizer = AdamW::new(0.9, 0.999, 1e-8, cfg.weight_decay);
+    let mut grads = GradAccumulator::default();
+    let (mut step, mut last_eval) = (0usize, None);
+    for epoch in 0..cfg.num_train_epochs {
+        let order = Rng::stream(cfg.seed, &[0x7e, epoch as u64 + 1]).permutation(train.len());
+        for batch in order.chunks(mini) {
+            grads.clear();
+            let (mut loss_sum, mut correct) = (0f64, 0usize);
+            for micro in batch.chunks(cfg.per_device_train_batch_size) {
+                let pairs: Vec<&Pair> = micro.iter().map(|&i| &train[i]).collect();
+                let (c, r) = pair_scores(model.network(), &pairs, &device)?;
+                let d = (c - r)?;
+                let loss = (bradley_terry_sum(&d)? / batch.len() as f64)?;
+                loss_sum += loss.to_scalar::<f32>()? as f64;
+                correct += d.to_vec1::<f32>()?.iter().filter(|&&x| x > 0.0).count();
+                grads.add(model.params(), &loss.backward()?)?;
+            }
+            let grad_norm = grads.clip(cfg.max_grad_norm)?;
+            let lr = learning_rate(cfg.learning_rate, cfg.lr_scheduler_type, step, total, 0);
+            optimizer.step(model.params(), &grads, lr)?;
+            step += 1;
+            let mut m = Metrics::new();
+            m.set("train/loss", loss_sum);
+            m.set("train/accuracy", correct as f64 / batch.len() as f64);
+            m.set("train/grad_norm", grad_norm);
+            m.set("train/lr", lr);
+            if step % steps_per_epoch == 0 && !eval.is_empty() {
+                let s = evaluate(model.frozen(), &eval, cfg.per_device_train_batch_size, &device)?;
+                m.set("eval/loss", s.loss);
+                m.set("eval/accuracy", s.accuracy);
+                m.set("eval/margin", s.margin);
+                last_eval = Some(s);
+            }
+            sinks.log(step as u64, &m)?;
+            sinks.flush()?;
+        }
+    }
+    model.save_files(&output_dir)?;
+    Ok(RewardTrainSummary { steps: step, eval: last_eval, output_dir })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use candle_core::Var;
+
+    #[test]
+    fn bradley_terry_loss_and_gradient_match_the_formula() {
+        let d = Var::new(&[0.0f32, 2.0, -30.0], &Device::Cpu).unwrap();
+        let loss = bradley_terry_sum(d.as_tensor()).unwrap();
+        let sig = |x: f64| 1.0 / (1.0 + (-x).exp());
+        let want = -(sig(0.0).ln() + sig(2.0).ln()) + 30.0;
+        assert!((loss.to_scalar::<f32>().unwrap() as f64 - want).abs() < 1e-4);
+        // d/dd -log sigmoid(d) = sigmoid(d) - 1
+        let g: Vec<f32> = loss.backward().unwrap().get(&d).unwrap().to_vec1().unwrap();
+        for (x, gx) in [0.0, 2.0, -30.0].iter().zip(g) {
+            assert!((gx as f64 - (sig(*x) - 1.0)).abs() < 1e-6, "{gx}");
+        }
+    }
+}

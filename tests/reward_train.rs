@@ -1,0 +1,73 @@
+//! `rloo reward train`: a reward model learned from preference pairs,
+//! starting from a causal LM (a new score head), saved as a
+//! sequence-classification directory.
+
+mod common;
+
+use std::process::Command;
+
+use candle_core::Device;
+use common::*;
+use rloo::model::{HeadKind, Model};
+use serde_json::json;
+
+#[test]
+fn preferences_are_learned_and_saved_as_a_reward_model() {
+    let tmp = tempfile::tempdir().unwrap();
+    let good = ["wonderful", "great", "lovely", "brilliant"];
+    let bad = ["boring", "awful", "dull", "terrible"];
+    let rows: Vec<String> = (0..40)
+        .map(|i| {
+            json!({"prompt": format!("Review {i}:"), "chosen": format!(" It was {}.", good[i % 4]), "rejected": format!(" It was {}.", bad[(i / 4) % 4])})
+                .to_string()
+        })
+        .collect();
+    let data = tmp.path().join("pairs.jsonl");
+    std::fs::write(&data, rows.join("\n")).unwrap();
+    let out = tmp.path().join("rm");
+    let run = Command::new(env!("CARGO_BIN_EXE_rloo"))
+        .args(["reward", "train", "--model", model_dir("gpt_neox-causal").to_str().unwrap()])
+        .args(["--dataset", data.to_str().unwrap(), "--output-dir", out.to_str().unwrap()])
+        .args(["--learning-rate", "1e-3", "--num-train-epochs", "4", "--eval-fraction", "0.25", "--device", "cpu"])
+        .output()
+        .unwrap();
+    assert!(run.status.success(), "{}", String::from_utf8_lossy(&run.stderr));
+    let last = std::fs::read_to_string(out.join("metrics.jsonl")).unwrap().lines().last().unwrap().to_string();
+    let last: serde_json::Value = serde_json::from_str(&last).unwrap();
+    println!("held-out: {last}");
+    assert!(last["eval/accuracy"].as_f64().unwrap() >= 0.9);
+    assert!(last["eval/margin"].as_f64().unwrap() > 0.5);
+
+    let rm = Model::load(&out, &Device::Cpu).unwrap();
+    assert_eq!(rm.head(), HeadKind::SequenceClassification { num_labels: 1 });
+    let config: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(out.join("config.json")).unwrap()).unwrap();
+    assert_eq!(config["architectures"][0], "GPTNeoXForSequenceClassification");
+    assert!(config["pad_token_id"].is_u64(), "transformers needs pad_token_id to score batches");
+}
+
+#[test]
+fn malformed_pairs_name_the_row() {
+    let tmp = tempfile::tempdir().unwrap();
+    let data = tmp.path().join("pairs.jsonl");
+    std::fs::write(
+        &data,
+        "{\"prompt\": \"a\", \"chosen\": \"b\", \"rejected\": \"c\"}\n{\"prompt\": \"a\", \"chosen\": \"b\"}\n",
+    )
+    .unwrap();
+    let run = Command::new(env!("CARGO_BIN_EXE_rloo"))
+        .args([
+            "reward",
+            "train",
+            "--model",
+            model_dir("gpt_neox-causal").to_str().unwrap(),
+            "--dataset",
+            data.to_str().unwrap(),
+        ])
+        .args(["--output-dir", tmp.path().join("rm").to_str().unwrap(), "--device", "cpu"])
+        .output()
+        .unwrap();
+    let err = String::from_utf8_lossy(&run.stderr);
+    assert!(!run.status.success());
+    assert!(err.contains("pairs.jsonl:2") && err.contains("`rejected`"), "{err}");
+}
