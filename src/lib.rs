@@ -8,6 +8,7 @@
 pub mod algo;
 pub mod data;
 pub mod error;
+pub mod eval;
 pub mod generate;
 pub mod io;
 pub mod model;

@@ -2,6 +2,7 @@
 //! the library. Errors are printed with their whole chain; the exit code is
 //! 1 for a failed run and 2 for a usage error.
 
+mod eval;
 mod generate;
 mod reward;
 mod score;
@@ -25,6 +26,7 @@ pub struct Cli {
 
 #[derive(Debug, Subcommand)]
 enum Command {
+    Eval(eval::EvalArgs),
     Generate(generate::GenerateArgs),
     /// Reward models: `rloo reward train`.
     #[command(subcommand)]
@@ -38,6 +40,7 @@ pub fn main() -> ExitCode {
     let cli = Cli::parse();
     init_logging(cli.verbose);
     let result = match cli.command {
+        Command::Eval(args) => eval::run(args),
         Command::Generate(args) => generate::run(args),
         Command::Reward(cmd) => reward::run(cmd),
         Command::Score(args) => score::run(args),

@@ -1,0 +1,141 @@
+//! `rloo eval`: compare one or two models on held-out prompts.
+
+use std::path::PathBuf;
+
+use anyhow::{bail, Context, Result};
+use clap::Args;
+use serde::Deserialize;
+
+use rloo::data::Tokenizer;
+use rloo::eval::{evaluate_model, load_prompts, win_rate, EvalOptions, ModelReport, Spread};
+use rloo::model::hub::resolve_model;
+use rloo::model::{parse_device, Model};
+use rloo::report::render_table;
+use rloo::reward::config::ModelSpec;
+use rloo::reward::{build, RewardSpec};
+
+/// Evaluate models on held-out prompts: reward (per source), completion
+/// length, KL to a reference, and the win rate of model A over model B.
+#[derive(Debug, Args)]
+pub struct EvalArgs {
+    /// Held-out prompts (JSONL/JSON rows with a `prompt`, string or chat messages).
+    #[arg(long)]
+    prompts: PathBuf,
+    /// Model A (directory or cached hub id).
+    #[arg(long)]
+    model: String,
+    /// Model B, compared with A.
+    #[arg(long)]
+    model_b: Option<String>,
+    /// Reference for the KL of each model (e.g. the model before RLOO).
+    #[arg(long)]
+    reference: Option<String>,
+    /// A TOML file of `[[reward]]` tables (the format of `rloo train`).
+    #[arg(long)]
+    rewards: Option<PathBuf>,
+    /// A reward model, added to the rewards and used as the judge of the win rate.
+    #[arg(long)]
+    reward_model: Option<String>,
+    /// Completions per prompt and model.
+    #[arg(long, default_value_t = 1)]
+    samples_per_prompt: usize,
+    #[arg(long, default_value_t = 64)]
+    max_new_tokens: usize,
+    /// Sampling temperature (0: greedy).
+    #[arg(long, default_value_t = 0.7)]
+    temperature: f64,
+    #[arg(long, default_value_t = 0)]
+    seed: u64,
+    /// Rows decoded together.
+    #[arg(long, default_value_t = 64)]
+    batch_size: usize,
+    /// Use only the first N prompts.
+    #[arg(long)]
+    take: Option<usize>,
+    /// Write the report as JSON here.
+    #[arg(long)]
+    output: Option<PathBuf>,
+    /// cpu, cuda, cuda:N or auto.
+    #[arg(long, default_value = "auto")]
+    device: String,
+}
+
+#[derive(Deserialize)]
+#[serde(deny_unknown_fields)]
+struct RewardsFile {
+    reward: Vec<RewardSpec>,
+}
+
+fn cell(s: &Option<Spread>) -> String {
+    s.map_or("-".into(), |s| format!("{:.3} ± {:.3}", s.mean, s.std))
+}
+
+pub fn run(a: EvalArgs) -> Result<()> {
+    let device = parse_device(&a.device)?;
+    let mut specs = Vec::new();
+    if let Some(path) = &a.rewards {
+        let text = std::fs::read_to_string(path).with_context(|| format!("reading {}", path.display()))?;
+        let file: RewardsFile = toml::from_str(&text).with_context(|| format!("{}", path.display()))?;
+        specs.extend(file.reward);
+    }
+    let judge_spec = a.reward_model.as_ref().map(|p| {
+        RewardSpec::Model(ModelSpec { name: Some("reward_model".into()), weight: 1.0, path: p.clone(), batch_size: 8 })
+    });
+    specs.extend(judge_spec.clone());
+    if specs.is_empty() {
+        bail!("no reward: give --rewards FILE.toml or --reward-model DIR");
+    }
+    let rewards = build(&specs, &device)?;
+    let opts = EvalOptions {
+        samples_per_prompt: a.samples_per_prompt.max(1),
+        max_new_tokens: a.max_new_tokens,
+        temperature: a.temperature,
+        seed: a.seed,
+        batch_size: a.batch_size.max(1),
+    };
+    let reference = match &a.reference {
+        Some(r) => Some(Model::load(&resolve_model(r)?, &device)?),
+        None => None,
+    };
+    let mut reports: Vec<ModelReport> = Vec::new();
+    let mut datasets = Vec::new();
+    for name in std::iter::once(&a.model).chain(a.model_b.iter()) {
+        let dir = resolve_model(name)?;
+        let model = Model::load(&dir, &device).with_context(|| format!("loading {}", dir.display()))?;
+        let tokenizer = Tokenizer::from_dir(&dir)?;
+        let prompts = load_prompts(&a.prompts, &tokenizer, a.take)?;
+        reports.push(evaluate_model(name, &model, &tokenizer, &prompts, &rewards, reference.as_ref(), &opts, &device)?);
+        datasets.push(prompts);
+    }
+    let win = match (&judge_spec, reports.len()) {
+        (Some(spec), 2) => {
+            Some(win_rate(&build(std::slice::from_ref(spec), &device)?, &datasets[0], &reports[0], &reports[1])?)
+        }
+        _ => None,
+    };
+
+    let mut headers = vec!["model".to_string(), "reward".into()];
+    headers.extend(reports[0].rewards.iter().map(|(n, _)| n.clone()));
+    headers.extend(["length".into(), "eos rate".into(), "KL to reference".into()]);
+    let rows: Vec<Vec<String>> = reports
+        .iter()
+        .map(|r| {
+            let mut row = vec![r.model.clone(), cell(&r.reward)];
+            row.extend(r.rewards.iter().map(|(_, s)| cell(s)));
+            row.extend([cell(&r.length), format!("{:.2}", r.eos_rate), cell(&r.kl)]);
+            row
+        })
+        .collect();
+    let headers: Vec<&str> = headers.iter().map(String::as_str).collect();
+    println!("{}", render_table(&headers, &rows, rloo::report::terminal_width(), 0));
+    if let Some(w) = win {
+        println!("win rate of {} over {}: {:.3}", reports[0].model, reports[1].model, w);
+    }
+    if let Some(path) = &a.output {
+        let json = serde_json::json!({ "models": reports, "win_rate_a_over_b": win, "prompts": a.prompts, "options": {
+            "samples_per_prompt": opts.samples_per_prompt, "max_new_tokens": opts.max_new_tokens,
+            "temperature": opts.temperature, "seed": opts.seed } });
+        rloo::io::write_atomic(path, serde_json::to_string_pretty(&json)?.as_bytes())?;
+    }
+    Ok(())
+}

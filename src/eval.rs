@@ -1,0 +1,201 @@
+//! Evaluation on held-out prompts: sample from one or two models, score
+//! the completions with the reward sources, measure completion lengths and
+//! the KL to a reference model, and the win rate of model A over model B
+//! as judged by a reward model.
+
+use std::path::Path;
+
+use candle_core::Device;
+use serde::Serialize;
+
+use crate::data::prompts::{PromptDataset, PromptSpec};
+use crate::data::Tokenizer;
+use crate::error::{Error, Result};
+use crate::generate::{generate, Completion, FinishReason, GenerateOptions, Sampling, StopCriteria};
+use crate::model::{GenerationConfig, Model};
+use crate::reward::{RewardSet, Sample};
+use crate::train::logprobs::{completion_logprobs, Sequences};
+
+#[derive(Debug, Clone)]
+pub struct EvalOptions {
+    pub samples_per_prompt: usize,
+    pub max_new_tokens: usize,
+    pub temperature: f64,
+    pub seed: u64,
+    pub batch_size: usize,
+}
+
+/// Mean and population standard deviation.
+#[derive(Debug, Clone, Copy, Serialize, PartialEq)]
+pub struct Spread {
+    pub mean: f64,
+    pub std: f64,
+}
+
+impl Spread {
+    pub fn of(xs: impl IntoIterator<Item = f64>) -> Option<Self> {
+        let xs: Vec<f64> = xs.into_iter().collect();
+        if xs.is_empty() {
+            return None;
+        }
+        let mean = xs.iter().sum::<f64>() / xs.len() as f64;
+        let var = xs.iter().map(|x| (x - mean).powi(2)).sum::<f64>() / xs.len() as f64;
+        Some(Self { mean, std: var.sqrt() })
+    }
+}
+
+/// One model's results.
+#[derive(Debug, Clone, Serialize)]
+pub struct ModelReport {
+    pub model: String,
+    /// The weighted total of the reward sources.
+    pub reward: Option<Spread>,
+    /// Each source's own scores.
+    pub rewards: Vec<(String, Option<Spread>)>,
+    pub length: Option<Spread>,
+    /// Share of completions that ended with EOS.
+    pub eos_rate: f64,
+    /// Sequence KL to the reference (k1, at the sampling temperature).
+    pub kl: Option<Spread>,
+    #[serde(skip)]
+    pub completions: Vec<String>,
+    #[serde(skip)]
+    pub samples: Vec<Completion>,
+}
+
+/// Samples, scores and measures one model on the prompts.
+pub fn evaluate_model(
+    name: &str,
+    model: &Model,
+    tokenizer: &Tokenizer,
+    prompts: &PromptDataset,
+    rewards: &RewardSet,
+    reference: Option<&Model>,
+    opts: &EvalOptions,
+    device: &Device,
+) -> Result<ModelReport> {
+    let ids: Vec<Vec<u32>> = prompts.rows.iter().map(|r| r.ids.clone()).collect();
+    let gen = GenerationConfig::from_dir(model.dir())?.unwrap_or_default();
+    let mut stop = gen.eos_token_ids().to_vec();
+    if stop.is_empty() {
+        stop.extend(tokenizer.eos_token_id());
+    }
+    let sampling =
+        if opts.temperature > 0.0 { Sampling::temperature(opts.temperature as f32) } else { Sampling::greedy() };
+    let gen_opts = GenerateOptions {
+        max_new_tokens: opts.max_new_tokens,
+        num_return_sequences: opts.samples_per_prompt,
+        sampling,
+        stop: StopCriteria { token_ids: stop, strings: vec![] },
+        batch_size: opts.batch_size,
+        seed: opts.seed,
+        max_positions: model.config().max_positions(),
+    };
+    let mut done = Vec::new();
+    generate(model.frozen(), &ids, &gen_opts, Some(tokenizer), device, &mut |_| {}, &mut |c| {
+        done.push(c);
+        Ok(())
+    })?;
+    done.sort_by_key(|c| (c.prompt_index, c.sample_index));
+    let texts = done.iter().map(|c| tokenizer.decode(&c.tokens, true)).collect::<Result<Vec<_>>>()?;
+    let ended: Vec<bool> = done.iter().map(|c| c.finish_reason == FinishReason::Stop).collect();
+    let samples: Vec<Sample> = done
+        .iter()
+        .zip(&texts)
+        .zip(&ended)
+        .map(|((c, t), &eos)| {
+            let row = &prompts.rows[c.prompt_index];
+            Sample {
+                prompt: &row.prompt,
+                completion: t,
+                completion_ids: &c.tokens,
+                ended_with_eos: eos,
+                row: &row.row.fields,
+            }
+        })
+        .collect();
+    let scores = rewards.score(&samples)?;
+    let kl = match reference {
+        Some(r) => {
+            let seqs = Sequences {
+                prompts: done.iter().map(|c| ids[c.prompt_index].as_slice()).collect(),
+                completions: done.iter().map(|c| c.tokens.as_slice()).collect(),
+            };
+            let t = opts.temperature.max(1e-6);
+            let mut kls = Vec::new();
+            for chunk in (0..seqs.len()).step_by(opts.batch_size.max(1)) {
+                let end = (chunk + opts.batch_size.max(1)).min(seqs.len());
+                let part = Sequences {
+                    prompts: seqs.prompts[chunk..end].to_vec(),
+                    completions: seqs.completions[chunk..end].to_vec(),
+                };
+                let lp = completion_logprobs(model.frozen(), &part, t, device)?.logprobs;
+                let lp_ref = completion_logprobs(r.frozen(), &part, t, device)?.logprobs;
+                kls.extend((lp - lp_ref)?.sum(1)?.to_vec1::<f32>()?.into_iter().map(f64::from));
+            }
+            Spread::of(kls)
+        }
+        None => None,
+    };
+    Ok(ModelReport {
+        model: name.to_string(),
+        reward: Spread::of(scores.total.iter().flatten().map(|&s| s as f64)),
+        rewards: scores
+            .per_source
+            .iter()
+            .map(|(n, s)| (n.clone(), Spread::of(s.iter().flatten().map(|&x| x as f64))))
+            .collect(),
+        length: Spread::of(done.iter().map(|c| c.tokens.len() as f64)),
+        eos_rate: ended.iter().filter(|&&e| e).count() as f64 / ended.len().max(1) as f64,
+        kl,
+        completions: texts,
+        samples: done,
+    })
+}
+
+/// Win rate of A over B: the share of (prompt, sample) pairs where the
+/// judge scores A's completion higher; ties count one half.
+pub fn win_rate(judge: &RewardSet, prompts: &PromptDataset, a: &ModelReport, b: &ModelReport) -> Result<f64> {
+    if a.samples.len() != b.samples.len() {
+        return Err(Error::Invalid("the two models have different numbers of samples".into()));
+    }
+    let score = |r: &ModelReport| -> Result<Vec<Option<f32>>> {
+        let samples: Vec<Sample> = r
+            .samples
+            .iter()
+            .zip(&r.completions)
+            .map(|(c, t)| {
+                let row = &prompts.rows[c.prompt_index];
+                Sample {
+                    prompt: &row.prompt,
+                    completion: t,
+                    completion_ids: &c.tokens,
+                    ended_with_eos: c.finish_reason == FinishReason::Stop,
+                    row: &row.row.fields,
+                }
+            })
+            .collect();
+        Ok(judge.score(&samples)?.total)
+    };
+    let (sa, sb) = (score(a)?, score(b)?);
+    let outcomes: Vec<f64> = sa
+        .iter()
+        .zip(&sb)
+        .filter_map(|(x, y)| match (x, y) {
+            (Some(x), Some(y)) if x > y => Some(1.0),
+            (Some(x), Some(y)) if x < y => Some(0.0),
+            (Some(_), Some(_)) => Some(0.5),
+            _ => None,
+        })
+        .collect();
+    if outcomes.is_empty() {
+        return Err(Error::Invalid("the judge scored no pair of completions".into()));
+    }
+    Ok(outcomes.iter().sum::<f64>() / outcomes.len() as f64)
+}
+
+/// Loads held-out prompts (either prompt format) with the given tokenizer.
+pub fn load_prompts(path: &Path, tokenizer: &Tokenizer, take: Option<usize>) -> Result<PromptDataset> {
+    let spec = PromptSpec { prompt_column: "prompt".into(), take, ..Default::default() };
+    PromptDataset::load(path, &spec, tokenizer)
+}
