@@ -11,7 +11,7 @@ use rloo::data::jsonl::{read_rows, JsonlWriter};
 use rloo::data::{Prompt, Tokenizer};
 use rloo::model::hub::resolve_model;
 use rloo::model::scoring::{completion_logprobs, sequence_scores, Pair};
-use rloo::model::{parse_device, HeadKind, Inputs, Model, PadSide};
+use rloo::model::{parse_device, HeadKind, Model};
 
 /// Score prompt/completion pairs with a model.
 ///
@@ -73,7 +73,7 @@ pub fn run(args: ScoreArgs) -> Result<()> {
             bail!("{}: prompt and completion are both empty", at());
         }
         let joined = [pair.prompt.as_slice(), pair.completion.as_slice()].concat();
-        model.check_inputs(&Inputs::from_rows(&[joined], 0, PadSide::Right, &device)?).with_context(at)?;
+        model.check_tokens(&joined).with_context(at)?;
         items.push(ScoreRow { fields: row.fields, pair });
     }
 

@@ -202,23 +202,19 @@ impl Model {
         &self.frozen
     }
 
-    /// Checks that a batch fits the model: token ids inside the vocabulary
-    /// and positions inside learned position tables.
-    pub fn check_inputs(&self, inputs: &Inputs) -> Result<()> {
+    /// Checks that one token sequence fits the model: ids inside the
+    /// vocabulary and length inside learned position tables.
+    pub fn check_tokens(&self, ids: &[u32]) -> Result<()> {
         let vocab = self.config.vocab_size();
-        let max_id = inputs.ids.flatten_all()?.max(0)?.to_scalar::<u32>()?;
-        if max_id as usize >= vocab {
-            return Err(Error::Invalid(format!("token id {max_id} is outside the vocabulary of size {vocab}")));
+        if let Some(&bad) = ids.iter().find(|&&id| id as usize >= vocab) {
+            return Err(Error::Invalid(format!("token id {bad} is outside the vocabulary of size {vocab}")));
         }
-        if let Some(max_pos) = self.config.max_positions() {
-            let pos = inputs.positions.flatten_all()?.max(0)?.to_scalar::<u32>()? as usize;
-            if pos >= max_pos {
-                return Err(Error::Invalid(format!(
-                    "sequence of {} tokens is longer than the model's {max_pos} positions",
-                    pos + 1
-                )));
-            }
+        match self.config.max_positions() {
+            Some(max) if ids.len() > max => Err(Error::Invalid(format!(
+                "sequence of {} tokens is longer than the model's {max} positions",
+                ids.len()
+            ))),
+            _ => Ok(()),
         }
-        Ok(())
     }
 }
