@@ -142,3 +142,29 @@ fn a_directory_without_config_is_not_a_model() {
     let err = load_err(tmp.path());
     assert!(err.contains("config.json is missing"), "{err}");
 }
+
+#[test]
+fn random_initialisation_makes_the_checkpoints_tensors_and_saves_them() {
+    let tmp = tempfile::tempdir().unwrap();
+    for name in MODELS {
+        let dir = model_dir(name);
+        let loaded = Model::load(&dir, &Device::Cpu).unwrap();
+        let config = rloo::model::ModelConfig::from_dir(&dir).unwrap();
+        let fresh = Model::init_random(config, &Device::Cpu, 7, &dir).unwrap();
+        let names = |m: &Model| m.params().iter().map(|p| (p.name.clone(), p.var.dims().to_vec())).collect::<Vec<_>>();
+        assert_eq!(names(&fresh), names(&loaded), "{name}: same tensors as the checkpoint");
+        for p in fresh.params().iter() {
+            let v: Vec<f32> = p.var.as_tensor().flatten_all().unwrap().to_vec1().unwrap();
+            if p.name.ends_with(".bias") {
+                assert!(v.iter().all(|&x| x == 0.0), "{name}: {} starts at zero", p.name);
+            } else if p.name.contains("norm") || p.name.contains(".ln_") {
+                assert!(v.iter().all(|&x| x == 1.0), "{name}: {} starts at one", p.name);
+            }
+        }
+        let out = tmp.path().join(name);
+        fresh.save(&out).unwrap();
+        let again = Model::load(&out, &Device::Cpu).unwrap();
+        assert_eq!(max_diff(&left_logits(&fresh, name), &left_logits(&again, name)), 0.0);
+        assert!(out.join("tokenizer.json").is_file());
+    }
+}

@@ -168,6 +168,18 @@ impl Model {
         Ok(Self { config, params, train, frozen, dir: dir.to_path_buf() })
     }
 
+    /// A new model with random weights (transformers' initialisation,
+    /// normal(0, `initializer_range`)) for `config`; `files_from` is the
+    /// directory whose tokenizer and generation config a save carries over.
+    pub fn init_random(config: ModelConfig, device: &Device, seed: u64, files_from: &Path) -> Result<Self> {
+        let std = config.raw.get("initializer_range").and_then(serde_json::Value::as_f64).unwrap_or(0.02);
+        let source = Source::random(device, std, seed);
+        let train = Network::build(&config, &source.root())?;
+        let params = source.into_store();
+        let frozen = Network::build(&config, &Source::store(&params, true).root())?;
+        Ok(Self { config, params, train, frozen, dir: files_from.to_path_buf() })
+    }
+
     /// Sets a `config.json` key written when saving (e.g. `pad_token_id`).
     pub fn set_config_key(&mut self, key: &str, value: serde_json::Value) {
         if let serde_json::Value::Object(map) = &mut self.config.raw {

@@ -11,6 +11,7 @@ use candle_core::{DType, Device, Shape, Tensor, Var};
 use serde::Deserialize;
 
 use crate::error::{read_json, Error, Result};
+use crate::generate::Rng;
 
 pub const SINGLE_FILE: &str = "model.safetensors";
 pub const INDEX_FILE: &str = "model.safetensors.index.json";
@@ -166,8 +167,24 @@ impl ParamStore {
 /// files (creating the variables) or from an existing store (sharing them,
 /// optionally detached so that no autograd graph is recorded).
 pub enum Source<'a> {
-    Files { files: &'a WeightFiles, device: Device, store: RefCell<ParamStore> },
-    Store { store: &'a ParamStore, detach: bool, used: RefCell<BTreeSet<String>> },
+    Files {
+        files: &'a WeightFiles,
+        device: Device,
+        store: RefCell<ParamStore>,
+    },
+    Store {
+        store: &'a ParamStore,
+        detach: bool,
+        used: RefCell<BTreeSet<String>>,
+    },
+    /// Fresh weights, as transformers' `_init_weights` makes them: normal(0,
+    /// std) for matrices and embeddings, ones for norm weights, zeros for biases.
+    Random {
+        device: Device,
+        std: f64,
+        rng: RefCell<Rng>,
+        store: RefCell<ParamStore>,
+    },
 }
 
 /// A view on a [`Source`] under a name prefix, like walking the HF module
@@ -187,6 +204,15 @@ impl<'a> Source<'a> {
         Source::Store { store, detach, used: RefCell::new(BTreeSet::new()) }
     }
 
+    pub fn random(device: &Device, std: f64, seed: u64) -> Self {
+        Source::Random {
+            device: device.clone(),
+            std,
+            rng: RefCell::new(Rng::stream(seed, &[0x1a17])),
+            store: RefCell::new(ParamStore::default()),
+        }
+    }
+
     pub fn root(&'a self) -> Weights<'a> {
         Weights { source: self, prefix: String::new() }
     }
@@ -199,14 +225,14 @@ impl<'a> Source<'a> {
                 store.borrow_mut().push(Param { name: name.to_string(), var, stored_dtype: DType::F32 });
                 Ok(())
             }
-            Source::Store { .. } => Err(Error::Invalid(format!("cannot add `{name}` to an existing model"))),
+            _ => Err(Error::Invalid(format!("`{name}` can only be added to a model read from files"))),
         }
     }
 
     /// The parameters created from files (empty for a store source).
     pub fn into_store(self) -> ParamStore {
         match self {
-            Source::Files { store, .. } => store.into_inner(),
+            Source::Files { store, .. } | Source::Random { store, .. } => store.into_inner(),
             Source::Store { .. } => ParamStore::default(),
         }
     }
@@ -215,11 +241,32 @@ impl<'a> Source<'a> {
         match self {
             Source::Files { files, store, .. } => files.contains(name) || store.borrow().get(name).is_some(),
             Source::Store { store, .. } => store.get(name).is_some(),
+            // Every tensor an architecture asks for can be made.
+            Source::Random { .. } => true,
         }
     }
 
     fn get(&self, name: &str, shape: &Shape) -> Result<Tensor> {
         match self {
+            Source::Random { device, std, rng, store } => {
+                if let Some(p) = store.borrow().get(name) {
+                    return Ok(p.var.as_tensor().clone());
+                }
+                let n = shape.elem_count();
+                let leaf = name.rsplit('.').nth(1).unwrap_or("");
+                let values: Vec<f32> = if name.ends_with(".bias") {
+                    vec![0.0; n]
+                } else if shape.rank() == 1 && (leaf.contains("norm") || leaf.starts_with("ln_")) {
+                    vec![1.0; n]
+                } else {
+                    let mut rng = rng.borrow_mut();
+                    (0..n).map(|_| (rng.normal() * std) as f32).collect()
+                };
+                let var = Var::from_vec(values, shape.clone(), device)?;
+                let tensor = var.as_tensor().clone();
+                store.borrow_mut().push(Param { name: name.to_string(), var, stored_dtype: DType::F32 });
+                Ok(tensor)
+            }
             Source::Files { files, device, store } => {
                 if let Some(p) = store.borrow().get(name) {
                     return Ok(p.var.as_tensor().clone());
@@ -273,6 +320,7 @@ impl<'a> Source<'a> {
                 let used = used.borrow();
                 store.iter().filter(|p| !used.contains(&p.name)).map(|p| p.name.clone()).collect()
             }
+            Source::Random { .. } => Vec::new(),
         }
     }
 }
@@ -294,16 +342,6 @@ impl<'a> Weights<'a> {
     /// The tensor `prefix.leaf`, which must exist with this shape.
     pub fn get(&self, leaf: &str, shape: impl Into<Shape>) -> Result<Tensor> {
         self.source.get(&self.name(leaf), &shape.into())
-    }
-
-    /// The tensor `prefix.leaf` if the checkpoint has it (optional biases).
-    pub fn get_opt(&self, leaf: &str, shape: impl Into<Shape>) -> Result<Option<Tensor>> {
-        let name = self.name(leaf);
-        if self.source.has(&name) {
-            Ok(Some(self.source.get(&name, &shape.into())?))
-        } else {
-            Ok(None)
-        }
     }
 
     pub fn contains(&self, leaf: &str) -> bool {
