@@ -14,6 +14,7 @@ pub mod io;
 pub mod model;
 pub mod report;
 pub mod reward;
+pub mod task;
 pub mod train;
 
 pub use error::{Error, Result};
