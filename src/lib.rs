@@ -12,6 +12,7 @@ pub mod eval;
 pub mod generate;
 pub mod io;
 pub mod model;
+pub mod pipeline;
 pub mod report;
 pub mod reward;
 pub mod task;

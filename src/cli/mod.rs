@@ -4,6 +4,7 @@
 
 mod eval;
 mod generate;
+mod pipeline;
 mod reward;
 mod score;
 mod sft;
@@ -28,6 +29,7 @@ pub struct Cli {
 enum Command {
     Eval(eval::EvalArgs),
     Generate(generate::GenerateArgs),
+    Pipeline(pipeline::PipelineArgs),
     /// Reward models: `rloo reward train`.
     #[command(subcommand)]
     Reward(reward::RewardCommand),
@@ -42,6 +44,7 @@ pub fn main() -> ExitCode {
     let result = match cli.command {
         Command::Eval(args) => eval::run(args),
         Command::Generate(args) => generate::run(args),
+        Command::Pipeline(args) => pipeline::run(args),
         Command::Reward(cmd) => reward::run(cmd),
         Command::Score(args) => score::run(args),
         Command::Sft(args) => sft::run(args),

@@ -36,6 +36,12 @@ impl Model {
         let source = self.dir();
         write_atomic(&dir.join("config.json"), config.as_bytes())?;
         write_atomic(&dir.join(SINGLE_FILE), &weights)?;
+        // Saving into the directory the files come from: they are already there
+        // (and copying a file onto itself would empty it).
+        let same = |a: &Path, b: &Path| a.canonicalize().ok().is_some_and(|a| Some(a) == b.canonicalize().ok());
+        if same(source, dir) {
+            return Ok(());
+        }
         copy_tokenizer_files(source, dir)?;
         let generation = source.join(GENERATION_CONFIG_FILE);
         if generation.is_file() {
