@@ -129,6 +129,6 @@ impl LayerNorm {
     }
 
     pub fn forward(&self, x: &Tensor) -> Result<Tensor> {
-        ops::layer_norm(x, &self.weight, &self.bias, self.eps)
+        ops::layernorm(x, &self.weight, &self.bias, self.eps)
     }
 }

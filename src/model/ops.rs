@@ -1,8 +1,8 @@
 //! Tensor math shared by the architectures, written as compositions of candle
 //! ops that all have a backward pass.
 //!
-//! candle's fused `softmax_last_dim`, `rms_norm`, `layer_norm`, `rope*` and
-//! `sdpa` have no backward and would silently cut the gradient, so the
+//! candle's fused softmax, RMS and layer norms, rotary and scaled-dot-product
+//! kernels have no backward and would silently cut the gradient, so the
 //! training path never calls them; everything here differentiates.
 
 use candle_core::{DType, Result, Tensor, D};
@@ -24,7 +24,7 @@ pub fn linear(x: &Tensor, weight: &Tensor, bias: Option<&Tensor>) -> Result<Tens
 }
 
 /// LayerNorm over the last dimension: `(x - mean) / sqrt(var + eps) * w + b`.
-pub fn layer_norm(x: &Tensor, weight: &Tensor, bias: &Tensor, eps: f64) -> Result<Tensor> {
+pub fn layernorm(x: &Tensor, weight: &Tensor, bias: &Tensor, eps: f64) -> Result<Tensor> {
     let centered = x.broadcast_sub(&x.mean_keepdim(D::Minus1)?)?;
     let var = centered.sqr()?.mean_keepdim(D::Minus1)?;
     let normed = centered.broadcast_div(&(var + eps)?.sqrt()?)?;
@@ -32,7 +32,7 @@ pub fn layer_norm(x: &Tensor, weight: &Tensor, bias: &Tensor, eps: f64) -> Resul
 }
 
 /// RMSNorm over the last dimension: `x / sqrt(mean(x^2) + eps) * w` (Llama, Qwen).
-pub fn rms_norm(x: &Tensor, weight: &Tensor, eps: f64) -> Result<Tensor> {
+pub fn rmsnorm(x: &Tensor, weight: &Tensor, eps: f64) -> Result<Tensor> {
     let ms = x.sqr()?.mean_keepdim(D::Minus1)?;
     x.broadcast_div(&(ms + eps)?.sqrt()?)?.broadcast_mul(weight)
 }
@@ -164,11 +164,11 @@ mod tests {
         // mean 2.5, var 1.25
         let sd = (1.25f32 + 1e-5).sqrt();
         close(
-            &layer_norm(&x, &w, &b, 1e-5).unwrap(),
+            &layernorm(&x, &w, &b, 1e-5).unwrap(),
             &[-1.5 / sd, -0.5 / sd + 1.0, 2.0 * 0.5 / sd, 2.0 * 1.5 / sd + 1.0],
         );
         let rms = (7.5f32 + 1e-6).sqrt();
-        close(&rms_norm(&x, &w, 1e-6).unwrap(), &[1.0 / rms, 2.0 / rms, 6.0 / rms, 8.0 / rms]);
+        close(&rmsnorm(&x, &w, 1e-6).unwrap(), &[1.0 / rms, 2.0 / rms, 6.0 / rms, 8.0 / rms]);
     }
 
     #[test]
@@ -220,8 +220,8 @@ mod tests {
         let mix = Tensor::from_slice(&(0..12).map(|i| i as f64 - 3.0).collect::<Vec<_>>(), (3, 4), &dev).unwrap();
         check_grad(|x| softmax_last(x)?.mul(&mix), &x, &[3, 4]);
         check_grad(|x| log_softmax_last(x)?.mul(&mix), &x, &[3, 4]);
-        check_grad(|x| layer_norm(x, &w, &b, 1e-5)?.mul(&mix), &x, &[3, 4]);
-        check_grad(|x| rms_norm(x, &w, 1e-6)?.mul(&mix), &x, &[3, 4]);
+        check_grad(|x| layernorm(x, &w, &b, 1e-5)?.mul(&mix), &x, &[3, 4]);
+        check_grad(|x| rmsnorm(x, &w, 1e-6)?.mul(&mix), &x, &[3, 4]);
         for act in [Activation::Gelu, Activation::GeluTanh, Activation::Silu] {
             check_grad(|x| act.apply(x)?.mul(&mix), &x, &[3, 4]);
         }
