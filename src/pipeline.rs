@@ -247,7 +247,8 @@ pub fn run(opts: &PipelineOptions) -> Result<PathBuf> {
     let before = evaluate_model("sft", &sft_model, &tok, &prompts, &rewards, None, &opts_eval, &device)?;
     let after = evaluate_model("rloo", &rl_model, &tok, &prompts, &rewards, Some(&sft_model), &opts_eval, &device)?;
     let win = win_rate(&build(std::slice::from_ref(&judge), &device)?, &prompts, &after, &before)?;
-    let report = write_report(out, &before, &after, win, started.elapsed().as_secs_f64())?;
+    let plots = plot_curves(&rl, out)?;
+    let report = write_report(out, &before, &after, win, &plots, started.elapsed().as_secs_f64())?;
     tracing::info!("pipeline finished in {:.0} s -> {}", started.elapsed().as_secs_f64(), report.display());
     Ok(report)
 }
@@ -260,7 +261,34 @@ fn positive_share(r: &ModelReport) -> f64 {
     r.completions.iter().filter(|c| sentiment_score(c) > 0).count() as f64 / r.completions.len().max(1) as f64
 }
 
-fn write_report(out: &Path, before: &ModelReport, after: &ModelReport, win: f64, secs: f64) -> Result<PathBuf> {
+/// PNG charts of the RLOO run's reward, KL and entropy by step, as
+/// (title, path relative to `out`).
+fn plot_curves(rl: &Path, out: &Path) -> Result<Vec<(String, String)>> {
+    let rows = crate::data::read_rows(rl.join("metrics.jsonl"))?;
+    let dir = out.join("plots");
+    std::fs::create_dir_all(&dir).map_err(|e| Error::io(&dir, e))?;
+    let mut made = Vec::new();
+    for (key, file, title) in [
+        ("objective/scores", "reward.png", "reward-model score by step"),
+        ("objective/kl", "kl.png", "KL to the SFT model by step"),
+        ("objective/entropy", "entropy.png", "entropy per completion by step"),
+    ] {
+        let points: Vec<(f64, f64)> =
+            rows.iter().filter_map(|r| Some((r.fields.get("step")?.as_f64()?, r.fields.get(key)?.as_f64()?))).collect();
+        crate::report::plot::line_chart(&dir.join(file), title, "step", &points)?;
+        made.push((title.to_string(), format!("plots/{file}")));
+    }
+    Ok(made)
+}
+
+fn write_report(
+    out: &Path,
+    before: &ModelReport,
+    after: &ModelReport,
+    win: f64,
+    plots: &[(String, String)],
+    secs: f64,
+) -> Result<PathBuf> {
     let fmt = |s: &Option<crate::eval::Spread>| s.map_or("-".into(), |s| format!("{:.3} ± {:.3}", s.mean, s.std));
     let rows: Vec<Vec<String>> = [before, after]
         .iter()
@@ -281,12 +309,13 @@ fn write_report(out: &Path, before: &ModelReport, after: &ModelReport, win: f64,
         .map(|i| vec![before.completions[i].trim().to_string(), after.completions[i].trim().to_string()])
         .collect();
     let samples = render_markdown(&["before (SFT)", "after (RLOO)"], &samples);
+    let charts: String = plots.iter().map(|(title, path)| format!("![{title}]({path})\n\n")).collect();
     let text = format!(
         "# rloo pipeline report\n\nMovie reviews of controllable sentiment: a tiny GPT-NeoX policy trained from scratch \
          (SFT), a reward model trained on preference pairs, then RLOO against that reward model, evaluated on held-out \
          titles ({} samples each).\n\n## Before and after\n\n{table}\nWin rate of RLOO over SFT (judged by the reward \
-         model): **{:.0}%**\n\n## Samples\n\n{samples}\nThe training curves are in `rloo/metrics.jsonl` and \
-         `rloo/tensorboard/`. Total time: {secs:.0} s.\n",
+         model): **{:.0}%**\n\n## Training curves (RLOO)\n\n{charts}## Samples\n\n{samples}\nAll metrics are in \
+         `rloo/metrics.jsonl` and `rloo/tensorboard/`. Total time: {secs:.0} s.\n",
         before.completions.len(),
         100.0 * win
     );

@@ -2,6 +2,7 @@
 //! completions (JSONL and a console table), and the progress bar.
 
 pub mod metrics;
+pub mod plot;
 pub mod progress;
 mod resume;
 pub mod samples;
