@@ -12,9 +12,9 @@ use crate::data::prompts::{PromptDataset, PromptSpec};
 use crate::data::Tokenizer;
 use crate::error::{Error, Result};
 use crate::generate::{generate, Completion, FinishReason, GenerateOptions, Sampling, StopCriteria};
-use crate::model::{GenerationConfig, Model};
+use crate::model::scoring::{completion_logprobs_chunked, Sequences};
+use crate::model::Model;
 use crate::reward::{RewardSet, Sample};
-use crate::train::logprobs::{completion_logprobs, Sequences};
 
 #[derive(Debug, Clone)]
 pub struct EvalOptions {
@@ -75,11 +75,7 @@ pub fn evaluate_model(
     device: &Device,
 ) -> Result<ModelReport> {
     let ids: Vec<Vec<u32>> = prompts.rows.iter().map(|r| r.ids.clone()).collect();
-    let gen = GenerationConfig::from_dir(model.dir())?.unwrap_or_default();
-    let mut stop = gen.eos_token_ids().to_vec();
-    if stop.is_empty() {
-        stop.extend(tokenizer.eos_token_id());
-    }
+    let stop = StopCriteria::model_eos_ids(model.dir(), tokenizer)?;
     let sampling =
         if opts.temperature > 0.0 { Sampling::temperature(opts.temperature as f32) } else { Sampling::greedy() };
     let gen_opts = GenerateOptions {
@@ -122,17 +118,9 @@ pub fn evaluate_model(
                 completions: done.iter().map(|c| c.tokens.as_slice()).collect(),
             };
             let t = opts.temperature.max(1e-6);
-            let mut kls = Vec::new();
-            for chunk in (0..seqs.len()).step_by(opts.batch_size.max(1)) {
-                let end = (chunk + opts.batch_size.max(1)).min(seqs.len());
-                let part = Sequences {
-                    prompts: seqs.prompts[chunk..end].to_vec(),
-                    completions: seqs.completions[chunk..end].to_vec(),
-                };
-                let lp = completion_logprobs(model.frozen(), &part, t, device)?.logprobs;
-                let lp_ref = completion_logprobs(r.frozen(), &part, t, device)?.logprobs;
-                kls.extend((lp - lp_ref)?.sum(1)?.to_vec1::<f32>()?.into_iter().map(f64::from));
-            }
+            let lp = completion_logprobs_chunked(model.frozen(), &seqs, t, device, opts.batch_size)?;
+            let lp_ref = completion_logprobs_chunked(r.frozen(), &seqs, t, device, opts.batch_size)?;
+            let kls = (lp.logprobs - lp_ref.logprobs)?.sum(1)?.to_vec1::<f32>()?.into_iter().map(f64::from);
             Spread::of(kls)
         }
         None => None,

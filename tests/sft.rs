@@ -8,8 +8,8 @@ use candle_core::Device;
 use common::*;
 use rloo::data::jsonl::Row;
 use rloo::data::Tokenizer;
+use rloo::model::scoring::{completion_logprobs, Sequences};
 use rloo::model::Model;
-use rloo::train::logprobs::{completion_logprobs, Sequences};
 use rloo::train::sft::{example_from_row, Example};
 use serde_json::json;
 

@@ -117,12 +117,7 @@ pub fn run(args: GenerateArgs) -> Result<()> {
     } else if !args.eos_token_id.is_empty() {
         args.eos_token_id.clone()
     } else {
-        let from_config = gen.eos_token_ids().to_vec();
-        if from_config.is_empty() {
-            tokenizer.eos_token_id().into_iter().collect()
-        } else {
-            from_config
-        }
+        StopCriteria::model_eos_ids(&dir, &tokenizer)?
     };
     stop_ids.extend(&args.stop_token_id);
     let opts = GenerateOptions {

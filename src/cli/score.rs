@@ -10,7 +10,7 @@ use serde_json::{Map, Value};
 use rloo::data::jsonl::{read_rows, JsonlWriter};
 use rloo::data::{Prompt, Tokenizer};
 use rloo::model::hub::resolve_model;
-use rloo::model::scoring::{completion_logprobs, sequence_scores, Pair};
+use rloo::model::scoring::{completion_logprobs, sequence_scores, Pair, Sequences};
 use rloo::model::{parse_device, HeadKind, Model};
 
 /// Score prompt/completion pairs with a model.
@@ -83,8 +83,14 @@ pub fn run(args: ScoreArgs) -> Result<()> {
         let pairs: Vec<Pair> = chunk.iter().map(|r| r.pair.clone()).collect();
         match model.head() {
             HeadKind::CausalLm => {
-                let logprobs = completion_logprobs(model.frozen(), &pairs, &device)?;
-                for (row, lp) in chunk.iter().zip(logprobs) {
+                let seqs = Sequences {
+                    prompts: pairs.iter().map(|p| p.prompt.as_slice()).collect(),
+                    completions: pairs.iter().map(|p| p.completion.as_slice()).collect(),
+                };
+                let padded: Vec<Vec<f32>> =
+                    completion_logprobs(model.frozen(), &seqs, 1.0, &device)?.logprobs.to_vec2()?;
+                for ((row, mut lp), pair) in chunk.iter().zip(padded).zip(&pairs) {
+                    lp.truncate(pair.completion.len());
                     let mut fields = row.fields.clone();
                     let sum: f64 = lp.iter().map(|&x| x as f64).sum();
                     fields.insert("logprobs".into(), Value::from(lp));

@@ -10,3 +10,14 @@ pub use chat::ChatTemplate;
 pub use jsonl::{read_rows, JsonlWriter, Row};
 pub use prompt::{Message, Prompt};
 pub use tokenizer::{copy_tokenizer_files, Tokenizer, TOKENIZER_FILES};
+
+/// Shuffles `rows` with `rng` and holds out `fraction` of them (at least one
+/// row stays for training): returns (train, held out).
+pub fn hold_out<T>(rows: Vec<T>, fraction: f64, rng: &mut crate::generate::Rng) -> (Vec<T>, Vec<T>) {
+    let held = ((fraction * rows.len() as f64).round() as usize).min(rows.len().saturating_sub(1));
+    let order = rng.permutation(rows.len());
+    let mut slots: Vec<Option<T>> = rows.into_iter().map(Some).collect();
+    let mut shuffled: Vec<T> = order.iter().filter_map(|&i| slots[i].take()).collect();
+    let eval = shuffled.split_off(shuffled.len() - held);
+    (shuffled, eval)
+}

@@ -34,6 +34,16 @@ pub struct StopCriteria {
     pub strings: Vec<String>,
 }
 
+impl StopCriteria {
+    /// The model's EOS ids: `generation_config.json`'s (one or several),
+    /// else the tokenizer's EOS token; empty when it has neither.
+    pub fn model_eos_ids(model_dir: &std::path::Path, tokenizer: &Tokenizer) -> Result<Vec<u32>> {
+        let from_config =
+            crate::model::GenerationConfig::from_dir(model_dir)?.unwrap_or_default().eos_token_ids().to_vec();
+        Ok(if from_config.is_empty() { tokenizer.eos_token_id().into_iter().collect() } else { from_config })
+    }
+}
+
 #[derive(Debug, Clone)]
 pub struct GenerateOptions {
     pub max_new_tokens: usize,

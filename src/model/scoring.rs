@@ -2,7 +2,7 @@
 //! token under a causal LM, or the score a sequence-classification head
 //! gives the whole sequence.
 
-use candle_core::{Device, Tensor, D};
+use candle_core::{DType, Device, Tensor, D};
 
 use super::batch::{Inputs, PadSide};
 use super::network::Network;
@@ -22,47 +22,6 @@ impl Pair {
     }
 }
 
-/// Log-probability of each completion token given everything before it.
-/// Only the completion positions go through the LM head.
-pub fn completion_logprobs(net: &Network, pairs: &[Pair], device: &Device) -> Result<Vec<Vec<f32>>> {
-    if let Some(i) = pairs.iter().position(|p| p.prompt.is_empty() && !p.completion.is_empty()) {
-        return Err(Error::Invalid(format!(
-            "pair {i}: the prompt has no tokens, so the first completion token has no context"
-        )));
-    }
-    let rows: Vec<Vec<u32>> = pairs.iter().map(Pair::joined).collect();
-    let inputs = Inputs::from_rows(&rows, 0, PadSide::Right, device)?;
-    let hidden = net.hidden_states(&inputs, None)?;
-    let (b, t, h) = hidden.dims3()?;
-    // The hidden state at position p predicts token p + 1.
-    let mut at = Vec::new();
-    let mut targets = Vec::new();
-    for (row, pair) in pairs.iter().enumerate() {
-        let start = pair.prompt.len();
-        for (k, &token) in pair.completion.iter().enumerate() {
-            at.push((row * t + start + k - 1) as u32);
-            targets.push(token);
-        }
-    }
-    debug_assert_eq!(b, pairs.len());
-    if at.is_empty() {
-        return Ok(vec![Vec::new(); pairs.len()]);
-    }
-    let n = at.len();
-    let picked = hidden.reshape((b * t, h))?.index_select(&Tensor::from_vec(at, n, device)?, 0)?;
-    let logp = ops::log_softmax_last(&net.project(&picked)?)?;
-    let targets = Tensor::from_vec(targets, (n, 1), device)?;
-    let flat: Vec<f32> = logp.gather(&targets, D::Minus1)?.flatten_all()?.to_vec1()?;
-    let mut out = Vec::with_capacity(pairs.len());
-    let mut rest = flat.as_slice();
-    for pair in pairs {
-        let (mine, tail) = rest.split_at(pair.completion.len());
-        out.push(mine.to_vec());
-        rest = tail;
-    }
-    Ok(out)
-}
-
 /// The head's output (num_labels values) at the last token of prompt + completion.
 pub fn sequence_scores(net: &Network, pairs: &[Pair], device: &Device) -> Result<Vec<Vec<f32>>> {
     if let Some(i) = pairs.iter().position(|p| p.prompt.is_empty() && p.completion.is_empty()) {
@@ -71,4 +30,130 @@ pub fn sequence_scores(net: &Network, pairs: &[Pair], device: &Device) -> Result
     let rows: Vec<Vec<u32>> = pairs.iter().map(Pair::joined).collect();
     let inputs = Inputs::from_rows(&rows, 0, PadSide::Right, device)?;
     Ok(net.scores(&inputs)?.to_vec2()?)
+}
+
+/// Sampled sequences laid out for scoring: row `i` is `prompts[i]` followed
+/// by `completions[i]`.
+pub struct Sequences<'a> {
+    pub prompts: Vec<&'a [u32]>,
+    pub completions: Vec<&'a [u32]>,
+}
+
+/// Per-token values over completion positions, padded to the longest
+/// completion: all (N, Tc).
+pub struct TokenLogprobs {
+    pub logprobs: Tensor,
+    /// Entropy of the (tempered) next-token distribution, detached.
+    pub entropy: Tensor,
+    /// 1 on completion tokens, 0 on padding.
+    pub mask: Tensor,
+}
+
+impl Sequences<'_> {
+    pub fn len(&self) -> usize {
+        self.prompts.len()
+    }
+
+    pub fn is_empty(&self) -> bool {
+        self.prompts.is_empty()
+    }
+
+    /// The longest completion.
+    pub fn completion_width(&self) -> usize {
+        self.completions.iter().map(|c| c.len()).max().unwrap_or(0)
+    }
+
+    /// (N, Tc) mask of completion tokens.
+    pub fn mask(&self, device: &Device) -> Result<Tensor> {
+        let width = self.completion_width();
+        let data: Vec<f32> = self
+            .completions
+            .iter()
+            .flat_map(|c| (0..width).map(move |j| if j < c.len() { 1.0 } else { 0.0 }))
+            .collect();
+        Ok(Tensor::from_vec(data, (self.len(), width), device)?)
+    }
+}
+
+/// Log-probs of each completion token at `temperature` (logits divided by
+/// it before the log-softmax, as when sampling). Runs `net` as it is: pass
+/// the training network for gradients, the frozen one for constants.
+pub fn completion_logprobs(
+    net: &Network,
+    seqs: &Sequences,
+    temperature: f64,
+    device: &Device,
+) -> Result<TokenLogprobs> {
+    if let Some(i) = seqs.prompts.iter().zip(&seqs.completions).position(|(p, c)| p.is_empty() && !c.is_empty()) {
+        return Err(Error::Invalid(format!(
+            "row {i}: the prompt has no tokens, so the first completion token has no context"
+        )));
+    }
+    let n = seqs.len();
+    let width = seqs.completion_width();
+    let mask = seqs.mask(device)?;
+    if width == 0 {
+        let empty = Tensor::zeros((n, 0), candle_core::DType::F32, device)?;
+        return Ok(TokenLogprobs { logprobs: empty.clone(), entropy: empty, mask });
+    }
+    let rows: Vec<Vec<u32>> = seqs.prompts.iter().zip(&seqs.completions).map(|(p, c)| [*p, *c].concat()).collect();
+    let inputs = Inputs::from_rows(&rows, 0, PadSide::Right, device)?;
+    let hidden = net.hidden_states(&inputs, None)?;
+    let (b, t, h) = hidden.dims3()?;
+    // Hidden state p predicts token p + 1: completion token j of row i is
+    // predicted at prompt_len + j - 1. Padding slots read position 0 and are masked.
+    let mut at = Vec::with_capacity(n * width);
+    let mut targets = Vec::with_capacity(n * width);
+    for (i, (p, c)) in seqs.prompts.iter().zip(&seqs.completions).enumerate() {
+        for j in 0..width {
+            if j < c.len() {
+                at.push((i * t + p.len() + j - 1) as u32);
+                targets.push(c[j]);
+            } else {
+                at.push((i * t) as u32);
+                targets.push(0);
+            }
+        }
+    }
+    let picked = hidden.reshape((b * t, h))?.index_select(&Tensor::from_vec(at, n * width, device)?, 0)?;
+    let logits = (net.project(&picked)? / temperature)?; // (N * Tc, V)
+    let logp = ops::log_softmax_last(&logits)?;
+    let targets = Tensor::from_vec(targets, (n * width, 1), device)?;
+    let logprobs = logp.gather(&targets, D::Minus1)?.reshape((n, width))?;
+    let logp_const = logp.detach();
+    let entropy = (logp_const.exp()? * &logp_const)?.sum(D::Minus1)?.neg()?.reshape((n, width))?;
+    Ok(TokenLogprobs { logprobs: (logprobs * &mask)?, entropy: (entropy * &mask)?, mask })
+}
+
+/// [`completion_logprobs`] on frozen weights, `chunk` rows per forward pass,
+/// padded to the longest completion of all `seqs`.
+pub fn completion_logprobs_chunked(
+    net: &Network,
+    seqs: &Sequences,
+    temperature: f64,
+    device: &Device,
+    chunk: usize,
+) -> Result<TokenLogprobs> {
+    let width = seqs.completion_width();
+    let (mut lps, mut ents) = (Vec::new(), Vec::new());
+    for start in (0..seqs.len()).step_by(chunk.max(1)) {
+        let end = (start + chunk.max(1)).min(seqs.len());
+        let part = Sequences {
+            prompts: seqs.prompts[start..end].to_vec(),
+            completions: seqs.completions[start..end].to_vec(),
+        };
+        let out = completion_logprobs(net, &part, temperature, device)?;
+        lps.push(pad_width(&out.logprobs, width)?);
+        ents.push(pad_width(&out.entropy, width)?);
+    }
+    Ok(TokenLogprobs { logprobs: Tensor::cat(&lps, 0)?, entropy: Tensor::cat(&ents, 0)?, mask: seqs.mask(device)? })
+}
+
+/// Right-pads (N, w) with zeros to (N, width).
+fn pad_width(t: &Tensor, width: usize) -> Result<Tensor> {
+    let (n, w) = t.dims2()?;
+    if w == width {
+        return Ok(t.clone());
+    }
+    Ok(Tensor::cat(&[t, &Tensor::zeros((n, width - w), DType::F32, t.device())?], 1)?)
 }

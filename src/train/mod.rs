@@ -3,7 +3,6 @@
 
 pub mod checkpoint;
 pub mod config;
-pub mod logprobs;
 pub mod optim;
 pub mod reward_model;
 pub mod rloo;

@@ -11,6 +11,7 @@ use serde_json::Value;
 
 use super::config::Schedule;
 use super::optim::{learning_rate, AdamW, GradAccumulator};
+use crate::data::hold_out;
 use crate::data::jsonl::{read_rows, Row};
 use crate::data::{Prompt, Tokenizer};
 use crate::error::{Error, Result};
@@ -166,11 +167,9 @@ pub fn train_reward_model(cfg: &RewardTrainConfig) -> Result<RewardTrainSummary>
     let eval = match &cfg.eval_dataset {
         Some(path) => load_pairs(Path::new(path), &tok, cfg.max_length)?,
         None => {
-            let held = ((cfg.eval_fraction * train.len() as f64).round() as usize).min(train.len() - 1);
-            let order = Rng::stream(cfg.seed, &[0x7e]).permutation(train.len());
-            let mut shuffled: Vec<Pair> = order.iter().map(|&i| train[i].clone()).collect();
-            let eval = shuffled.split_off(shuffled.len() - held);
-            train = shuffled;
+            let (kept, eval) =
+                hold_out(std::mem::take(&mut train), cfg.eval_fraction, &mut Rng::stream(cfg.seed, &[0x7e]));
+            train = kept;
             eval
         }
     };

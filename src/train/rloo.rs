@@ -6,11 +6,10 @@
 use std::path::{Path, PathBuf};
 use std::time::Instant;
 
-use candle_core::{DType, Device, Tensor};
+use candle_core::{Device, Tensor};
 
 use super::checkpoint::{self, TrainerState};
 use super::config::{BatchSizes, LongPrompts, RlooSection, TrainConfig};
-use super::logprobs::{completion_logprobs, Sequences, TokenLogprobs};
 use super::optim::{learning_rate, AdamW, GradAccumulator};
 use crate::algo::{self, Grouped, KlPlacement, LossStats};
 use crate::data::prompts::{resolve_split, PromptDataset, PromptSpec};
@@ -19,7 +18,8 @@ use crate::error::{Error, Result};
 use crate::generate::{generate, Completion, FinishReason, GenerateOptions, Rng, Sampling, StopCriteria};
 use crate::io::write_atomic;
 use crate::model::hub::resolve_model;
-use crate::model::{parse_device, GenerationConfig, HeadKind, Model, Network};
+use crate::model::scoring::{completion_logprobs, completion_logprobs_chunked, Sequences, TokenLogprobs};
+use crate::model::{parse_device, HeadKind, Model, Network};
 use crate::report::{JsonlMetrics, Metrics, MetricsSink, SampleTable, SampleWriter, TensorBoardWriter, TrainProgress};
 use crate::reward::{self, RewardSet, Sample, Shaping};
 
@@ -369,24 +369,8 @@ impl Run {
 
     /// Log-probs without gradients, `local_rollout_forward_batch_size` rows at a time.
     fn logprobs_in_chunks(&self, net: &Network, seqs: &Sequences, temperature: f64) -> Result<TokenLogprobs> {
-        let width = seqs.completion_width();
         let chunk = self.cfg.generation.local_rollout_forward_batch_size;
-        let (mut lps, mut ents) = (Vec::new(), Vec::new());
-        for start in (0..seqs.len()).step_by(chunk) {
-            let end = (start + chunk).min(seqs.len());
-            let part = Sequences {
-                prompts: seqs.prompts[start..end].to_vec(),
-                completions: seqs.completions[start..end].to_vec(),
-            };
-            let out = completion_logprobs(net, &part, temperature, &self.device)?;
-            lps.push(pad_width(&out.logprobs, width)?);
-            ents.push(pad_width(&out.entropy, width)?);
-        }
-        Ok(TokenLogprobs {
-            logprobs: Tensor::cat(&lps, 0)?,
-            entropy: Tensor::cat(&ents, 0)?,
-            mask: seqs.mask(&self.device)?,
-        })
+        completion_logprobs_chunked(net, seqs, temperature, &self.device, chunk)
     }
 
     #[allow(clippy::too_many_arguments)]
@@ -507,11 +491,7 @@ fn generation_options(
     let g = &cfg.generation;
     let mut stop_ids = Vec::new();
     if g.stop_token == "eos" {
-        let gen = GenerationConfig::from_dir(policy_dir)?.unwrap_or_default();
-        stop_ids = gen.eos_token_ids().to_vec();
-        if stop_ids.is_empty() {
-            stop_ids.extend(tokenizer.eos_token_id());
-        }
+        stop_ids = StopCriteria::model_eos_ids(policy_dir, tokenizer)?;
         if stop_ids.is_empty() {
             tracing::warn!("stop_token = \"eos\" but the policy has no EOS id; completions run to response_length");
         }
@@ -610,16 +590,6 @@ fn sample_table(run: &Run, rollout: &Rollout, scores: &[Option<f32>]) -> SampleT
 fn rows_of(t: &Tensor, idx: &[usize]) -> Result<Tensor> {
     let ids: Vec<u32> = idx.iter().map(|&i| i as u32).collect();
     Ok(t.index_select(&Tensor::from_vec(ids, idx.len(), t.device())?, 0)?)
-}
-
-/// Right-pads (N, w) with zeros to (N, width).
-fn pad_width(t: &Tensor, width: usize) -> Result<Tensor> {
-    let (n, w) = t.dims2()?;
-    if w == width {
-        return Ok(t.clone());
-    }
-    let pad = Tensor::zeros((n, width - w), DType::F32, t.device())?;
-    Ok(Tensor::cat(&[t, &pad], 1)?)
 }
 
 #[cfg(test)]

@@ -15,13 +15,14 @@ use serde::{Deserialize, Serialize};
 use serde_json::Value;
 
 use super::config::Schedule;
-use super::logprobs::{completion_logprobs, Sequences};
 use super::optim::{learning_rate, AdamW, GradAccumulator};
+use crate::data::hold_out;
 use crate::data::jsonl::{read_rows, Row};
 use crate::data::{Message, Prompt, Tokenizer};
 use crate::error::{Error, Result};
 use crate::generate::Rng;
 use crate::model::hub::resolve_model;
+use crate::model::scoring::{completion_logprobs, Sequences};
 use crate::model::{parse_device, HeadKind, Model, Network};
 use crate::report::{JsonlMetrics, Metrics, MetricsSink, TensorBoardWriter};
 
@@ -220,11 +221,9 @@ pub fn train_sft(cfg: &SftConfig) -> Result<SftSummary> {
     let eval = match &cfg.eval_dataset {
         Some(path) => load_examples(Path::new(path), &tok, cfg)?,
         None => {
-            let order = Rng::stream(cfg.seed, &[0x5f7]).permutation(train.len());
-            let held = (cfg.eval_fraction * train.len() as f64).round() as usize;
-            let mut shuffled: Vec<Example> = order.iter().map(|&i| train[i].clone()).collect();
-            let eval = shuffled.split_off(shuffled.len() - held.min(shuffled.len().saturating_sub(1)));
-            train = shuffled;
+            let (kept, eval) =
+                hold_out(std::mem::take(&mut train), cfg.eval_fraction, &mut Rng::stream(cfg.seed, &[0x5f7]));
+            train = kept;
             eval
         }
     };
