@@ -68,6 +68,7 @@ const FLAGS: &[(&str, &str, Kind, &str)] = &[
     ("normalize_advantage", "rloo.normalize_advantage", Kind::Bool, "Whiten advantages over the rollout batch"),
     ("normalize_reward", "rloo.normalize_reward", Kind::Bool, "Z-score scores over the rollout batch"),
     ("reward_clip_range", "rloo.reward_clip_range", Kind::Float, "Clip scores to [-r, r]"),
+    ("recompute_old_logprobs", "rloo.recompute_old_logprobs", Kind::Bool, "Recompute the sampling policy's log-probs with a forward pass instead of keeping the sampler's"),
     ("num_train_epochs", "train.num_train_epochs", Kind::Float, "Passes over the prompts when total_episodes is not set"),
     ("lr_scheduler_type", "train.lr_scheduler_type", Kind::Str, "constant, linear or cosine"),
     ("warmup_steps", "train.warmup_steps", Kind::Int, "Warm-up optimizer steps"),

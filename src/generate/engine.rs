@@ -10,7 +10,7 @@ use candle_core::{Device, Tensor};
 use rayon::prelude::*;
 
 use super::rng::Rng;
-use super::sampling::Sampling;
+use super::sampling::{Pick, Sampling, Scratch};
 use crate::data::Tokenizer;
 use crate::error::{Error, Result};
 use crate::model::{Inputs, Network, PadSide};
@@ -68,6 +68,8 @@ pub struct Completion {
     /// Log-prob of each generated token under the sampling distribution
     /// (temperature applied, before truncation).
     pub logprobs: Vec<f32>,
+    /// Entropy of that distribution at each generated token.
+    pub entropies: Vec<f32>,
     pub finish_reason: FinishReason,
 }
 
@@ -78,6 +80,7 @@ struct Row {
     prompt_len: usize,
     tokens: Vec<u32>,
     logprobs: Vec<f32>,
+    entropies: Vec<f32>,
     rng: Rng,
 }
 
@@ -141,6 +144,7 @@ fn decode_batch(
             prompt_len: prompts[p].len(),
             tokens: Vec::with_capacity(opts.max_new_tokens),
             logprobs: Vec::with_capacity(opts.max_new_tokens),
+            entropies: Vec::with_capacity(opts.max_new_tokens),
             rng: Rng::stream(opts.seed, &[p as u64, s as u64]),
         })
         .collect();
@@ -175,17 +179,19 @@ fn decode_batch(
     loop {
         let host: Vec<f32> = logits.flatten_all()?.to_vec1()?;
         // Rows sample independently (each has its own generator), so in parallel.
-        let picks: Vec<(u32, f32)> = rows
+        let picks: Vec<Pick> = rows
             .par_iter_mut()
             .zip(host.par_chunks(vocab))
-            .map_init(Vec::new, |scratch, (row, row_logits)| opts.sampling.pick(row_logits, &mut row.rng, scratch))
+            .map_init(Scratch::default, |scratch, (row, row_logits)| opts.sampling.pick(row_logits, &mut row.rng, scratch))
             .collect();
         let produced = rows.len();
         let mut keep: Vec<u32> = Vec::with_capacity(rows.len());
         let mut still = Vec::with_capacity(rows.len());
-        for (i, (mut row, (token, logprob))) in std::mem::take(&mut rows).into_iter().zip(picks).enumerate() {
+        for (i, (mut row, pick)) in std::mem::take(&mut rows).into_iter().zip(picks).enumerate() {
+            let token = pick.token;
             row.tokens.push(token);
-            row.logprobs.push(logprob);
+            row.logprobs.push(pick.logprob);
+            row.entropies.push(pick.entropy);
             let stopped = opts.stop.token_ids.contains(&token)
                 || (longest_stop > 0 && hits_stop_string(tokenizer, &row.tokens, &opts.stop.strings, longest_stop)?);
             if stopped {
@@ -218,6 +224,7 @@ fn finish(row: Row, finish_reason: FinishReason) -> Completion {
         sample_index: row.sample_index,
         tokens: row.tokens,
         logprobs: row.logprobs,
+        entropies: row.entropies,
         finish_reason,
     }
 }

@@ -3,6 +3,7 @@
 //! transformers' order (temperature, top-k, top-p, min-p).
 
 use super::rng::Rng;
+use crate::model::kernels::math::{exp, with_avx2};
 
 #[derive(Debug, Clone, PartialEq)]
 pub enum Sampling {
@@ -75,36 +76,85 @@ impl Sampling {
         Ok(())
     }
 
-    /// Picks a token from `logits` and returns it with its log-probability
-    /// under the temperature-scaled distribution before truncation (the
+    /// Picks a token from `logits`. Its log-probability and the entropy are
+    /// those of the temperature-scaled distribution before truncation (the
     /// distribution the policy-gradient math refers to). `scratch` is reused
     /// across calls to avoid allocating per token.
-    pub fn pick(&self, logits: &[f32], rng: &mut Rng, scratch: &mut Vec<(f32, u32)>) -> (u32, f32) {
+    pub fn pick(&self, logits: &[f32], rng: &mut Rng, scratch: &mut Scratch) -> Pick {
         let inv_t = 1.0 / self.logprob_temperature();
         let max = logits.iter().copied().fold(f32::NEG_INFINITY, f32::max);
-        // One pass of exponentials serves both the normaliser and the sampling weights.
-        scratch.clear();
-        scratch.extend(logits.iter().enumerate().map(|(i, &l)| (((l - max) * inv_t).exp(), i as u32)));
-        let log_norm = scratch.iter().map(|&(p, _)| p as f64).sum::<f64>().ln() as f32;
-        let token = match self {
+        let (s0, s1) = with_avx2(|| weights(logits, max, inv_t, &mut scratch.weights));
+        let token = match *self {
             Self::Greedy => argmax(logits),
+            Self::Random { top_k, top_p, min_p, .. } if top_k == 0 && top_p >= 1.0 && min_p <= 0.0 => {
+                draw(scratch.weights.iter().copied().zip(0..), s0, rng, logits.len() as u32 - 1)
+            }
             Self::Random { top_k, top_p, min_p, .. } => {
-                truncate(scratch, *top_k, *top_p, *min_p);
-                let total: f64 = scratch.iter().map(|&(p, _)| p as f64).sum();
-                let mut u = rng.uniform() * total;
-                let mut chosen = scratch.last().map_or(0, |&(_, id)| id);
-                for &(p, id) in scratch.iter() {
-                    u -= p as f64;
-                    if u < 0.0 {
-                        chosen = id;
-                        break;
-                    }
-                }
-                chosen
+                let cands = &mut scratch.candidates;
+                cands.clear();
+                cands.extend(scratch.weights.iter().copied().zip(0..));
+                truncate(cands, top_k, top_p, min_p);
+                let total: f64 = cands.iter().map(|&(p, _)| p as f64).sum();
+                let last = cands.last().map_or(0, |&(_, id)| id);
+                draw(cands.iter().copied(), total, rng, last)
             }
         };
-        (token, (logits[token as usize] - max) * inv_t - log_norm)
+        let log_norm = s0.ln();
+        Pick {
+            token,
+            logprob: (logits[token as usize] - max) * inv_t - log_norm as f32,
+            entropy: (log_norm - s1 / s0) as f32,
+        }
     }
+}
+
+/// A sampled token with its log-prob and the entropy of the distribution
+/// it was drawn from.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct Pick {
+    pub token: u32,
+    pub logprob: f32,
+    pub entropy: f32,
+}
+
+/// Buffers [`Sampling::pick`] reuses from token to token.
+#[derive(Debug, Default)]
+pub struct Scratch {
+    weights: Vec<f32>,
+    candidates: Vec<(f32, u32)>,
+}
+
+/// Fills `out` with the unnormalised probabilities `e^u`, u = (l - max) / T,
+/// and returns S0 = sum e^u and S1 = sum u e^u: log Z = ln S0 and the
+/// entropy is ln S0 - S1 / S0. Eight partial sums, so the loop vectorises.
+#[inline(always)]
+fn weights(logits: &[f32], max: f32, inv_t: f32, out: &mut Vec<f32>) -> (f64, f64) {
+    out.clear();
+    out.resize(logits.len(), 0.0);
+    let (mut s0, mut s1) = ([0f32; 8], [0f32; 8]);
+    for (o, l) in out.chunks_mut(8).zip(logits.chunks(8)) {
+        for j in 0..l.len() {
+            let u = (l[j] - max) * inv_t;
+            let e = exp(u);
+            o[j] = e;
+            s0[j] += e;
+            s1[j] += u * e;
+        }
+    }
+    (s0.iter().map(|&x| x as f64).sum(), s1.iter().map(|&x| x as f64).sum())
+}
+
+/// Draws from `(weight, id)` pairs with the given total; `fallback` when
+/// rounding leaves the draw past the end.
+fn draw(weights: impl Iterator<Item = (f32, u32)>, total: f64, rng: &mut Rng, fallback: u32) -> u32 {
+    let mut u = rng.uniform() * total;
+    for (p, id) in weights {
+        u -= p as f64;
+        if u < 0.0 {
+            return id;
+        }
+    }
+    fallback
 }
 
 fn argmax(logits: &[f32]) -> u32 {
@@ -153,10 +203,10 @@ mod tests {
 
     fn draw(s: &Sampling, logits: &[f32], n: usize) -> Vec<usize> {
         let mut rng = Rng::new(3);
-        let mut scratch = Vec::new();
+        let mut scratch = Scratch::default();
         let mut counts = vec![0; logits.len()];
         for _ in 0..n {
-            counts[s.pick(logits, &mut rng, &mut scratch).0 as usize] += 1;
+            counts[s.pick(logits, &mut rng, &mut scratch).token as usize] += 1;
         }
         counts
     }
@@ -164,10 +214,12 @@ mod tests {
     #[test]
     fn greedy_takes_the_argmax_with_its_logprob() {
         let logits = [0.0f32, 2.0, 1.0];
-        let (tok, lp) = Sampling::greedy().pick(&logits, &mut Rng::new(0), &mut Vec::new());
-        assert_eq!(tok, 1);
+        let pick = Sampling::greedy().pick(&logits, &mut Rng::new(0), &mut Scratch::default());
+        assert_eq!(pick.token, 1);
         let z: f32 = logits.iter().map(|l| l.exp()).sum();
-        assert!((lp - (2f32.exp() / z).ln()).abs() < 1e-6);
+        assert!((pick.logprob - (2f32.exp() / z).ln()).abs() < 1e-6);
+        let entropy: f32 = logits.iter().map(|l| -(l.exp() / z) * (l.exp() / z).ln()).sum();
+        assert!((pick.entropy - entropy).abs() < 1e-6, "{} vs {entropy}", pick.entropy);
     }
 
     #[test]
@@ -180,8 +232,12 @@ mod tests {
         let counts = draw(&Sampling::temperature(2.0), &logits, 20_000);
         let want = 3f64.sqrt() / (1.0 + 3f64.sqrt());
         assert!((counts[1] as f64 / 20_000.0 - want).abs() < 0.015, "{counts:?}");
-        let (_, lp) = Sampling::temperature(2.0).pick(&logits, &mut Rng::new(0), &mut Vec::new());
-        assert!(lp < 0.0);
+        let pick = Sampling::temperature(2.0).pick(&logits, &mut Rng::new(0), &mut Scratch::default());
+        assert!(pick.logprob < 0.0);
+        // Entropy at T = 2 of p ∝ (1, sqrt 3).
+        let p = [1.0 - want as f32, want as f32];
+        let entropy: f32 = p.iter().map(|p| -p * p.ln()).sum();
+        assert!((pick.entropy - entropy).abs() < 1e-6, "{} vs {entropy}", pick.entropy);
     }
 
     #[test]

@@ -12,6 +12,7 @@ use candle_core::{Result as TResult, Tensor, D};
 use serde::Deserialize;
 
 use super::batch::{Inputs, KvCache};
+use super::kernels;
 use super::layers::{embed, self_attention, Context, LayerNorm, Linear, Qkv};
 use super::ops::Activation;
 use super::weights::Weights;
@@ -193,7 +194,7 @@ impl super::Decoder for Decoder {
         let mut x = (embed(&self.wte, &inputs.ids)? + embed(&self.wpe, &inputs.positions)?)?;
         for (i, blk) in self.layers.iter().enumerate() {
             x = (&x + self.attention(blk, &blk.ln_1.forward(&x)?, &ctx, cache.as_deref_mut(), i)?)?;
-            let mlp = blk.mlp_proj.forward(&self.cfg.act.apply(&blk.c_fc.forward(&blk.ln_2.forward(&x)?)?)?)?;
+            let mlp = blk.mlp_proj.forward(&kernels::activation(&blk.c_fc.forward(&blk.ln_2.forward(&x)?)?, self.cfg.act)?)?;
             x = (x + mlp)?;
         }
         ctx.finish(cache);

@@ -9,6 +9,7 @@ use candle_core::{Result as TResult, Tensor, D};
 use serde::Deserialize;
 
 use super::batch::{Inputs, KvCache};
+use super::kernels;
 use super::layers::{embed, self_attention, Context, LayerNorm, Linear, Qkv};
 use super::ops::Activation;
 use super::rope::{RawRope, Rope};
@@ -158,7 +159,7 @@ impl Decoder {
     }
 
     fn mlp(&self, blk: &Block, x: &Tensor) -> TResult<Tensor> {
-        blk.dense_4h_to_h.forward(&self.cfg.act.apply(&blk.dense_h_to_4h.forward(x)?)?)
+        blk.dense_4h_to_h.forward(&kernels::activation(&blk.dense_h_to_4h.forward(x)?, self.cfg.act)?)
     }
 }
 

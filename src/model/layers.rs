@@ -5,7 +5,7 @@
 use candle_core::{Result, Tensor};
 
 use super::batch::{attention_bias, Inputs, KvCache};
-use super::decode::decode_attention;
+use super::kernels::{self, decode_attention};
 use super::ops;
 use super::rope::Rope;
 use super::weights::Weights;
@@ -111,7 +111,11 @@ impl Linear {
     }
 
     pub fn forward(&self, x: &Tensor) -> Result<Tensor> {
-        ops::linear(x, &self.weight, self.bias.as_ref())
+        let y = ops::linear(x, &self.weight, None)?;
+        match &self.bias {
+            Some(bias) => kernels::add_bias(&y, bias),
+            None => Ok(y),
+        }
     }
 }
 
@@ -129,6 +133,6 @@ impl LayerNorm {
     }
 
     pub fn forward(&self, x: &Tensor) -> Result<Tensor> {
-        ops::layernorm(x, &self.weight, &self.bias, self.eps)
+        kernels::layer_norm(x, &self.weight, &self.bias, self.eps)
     }
 }

@@ -13,7 +13,8 @@ use serde::Deserialize;
 
 use super::batch::{Inputs, KvCache};
 use super::layers::{embed, self_attention, Context, Linear, Qkv};
-use super::ops::{self, Activation};
+use super::kernels;
+use super::ops::Activation;
 use super::rope::{RawRope, Rope};
 use super::weights::Weights;
 use crate::error::Result;
@@ -212,15 +213,15 @@ impl Decoder {
         let mut k = a.k_proj.forward(x)?.reshape((b, t, c.num_kv_heads, c.head_dim))?;
         let v = a.v_proj.forward(x)?.reshape((b, t, c.num_kv_heads, c.head_dim))?;
         if let Some((qn, kn)) = &a.qk_norm {
-            q = ops::rmsnorm(&q, qn, c.rms_norm_eps)?;
-            k = ops::rmsnorm(&k, kn, c.rms_norm_eps)?;
+            q = kernels::rms_norm(&q, qn, c.rms_norm_eps)?;
+            k = kernels::rms_norm(&k, kn, c.rms_norm_eps)?;
         }
         let out = self_attention(Qkv { q, k, v }, ctx, cache, layer, 1.0 / (c.head_dim as f64).sqrt())?;
         a.o_proj.forward(&out)
     }
 
     fn mlp(&self, m: &Mlp, x: &Tensor) -> TResult<Tensor> {
-        let gate = self.cfg.act.apply(&m.gate_proj.forward(x)?)?;
+        let gate = kernels::activation(&m.gate_proj.forward(x)?, self.cfg.act)?;
         m.down_proj.forward(&(gate * m.up_proj.forward(x)?)?)
     }
 }
@@ -231,13 +232,13 @@ impl super::Decoder for Decoder {
         let ctx = Context::new(inputs, cache.as_deref(), Some((&self.cfg.rope, &self.inv_freq)))?;
         let mut x = embed(&self.embed_tokens, &inputs.ids)?;
         for (i, block) in self.layers.iter().enumerate() {
-            let h = ops::rmsnorm(&x, &block.input_layernorm, eps)?;
+            let h = kernels::rms_norm(&x, &block.input_layernorm, eps)?;
             x = (x + self.attention(&block.self_attn, &h, &ctx, cache.as_deref_mut(), i)?)?;
-            let h = ops::rmsnorm(&x, &block.post_attention_layernorm, eps)?;
+            let h = kernels::rms_norm(&x, &block.post_attention_layernorm, eps)?;
             x = (x + self.mlp(&block.mlp, &h)?)?;
         }
         ctx.finish(cache);
-        ops::rmsnorm(&x, &self.norm, eps)
+        kernels::rms_norm(&x, &self.norm, eps)
     }
 
     fn embedding(&self) -> &Tensor {

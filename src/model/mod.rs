@@ -4,12 +4,12 @@
 
 pub mod batch;
 pub mod config;
-pub mod decode;
 pub mod device;
 pub mod generation_config;
 pub mod gpt2;
 pub mod gpt_neox;
 pub mod hub;
+pub mod kernels;
 pub mod layers;
 pub mod llama;
 pub mod network;

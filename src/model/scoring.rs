@@ -2,11 +2,11 @@
 //! token under a causal LM, or the score a sequence-classification head
 //! gives the whole sequence.
 
-use candle_core::{DType, Device, Tensor, D};
+use candle_core::{DType, Device, Tensor};
 
 use super::batch::{Inputs, PadSide};
 use super::network::Network;
-use super::ops;
+use super::kernels;
 use crate::error::{Error, Result};
 
 /// Token ids of one prompt and its completion.
@@ -116,12 +116,9 @@ pub fn completion_logprobs(
         }
     }
     let picked = hidden.reshape((b * t, h))?.index_select(&Tensor::from_vec(at, n * width, device)?, 0)?;
-    let logits = (net.project(&picked)? / temperature)?; // (N * Tc, V)
-    let logp = ops::log_softmax_last(&logits)?;
-    let targets = Tensor::from_vec(targets, (n * width, 1), device)?;
-    let logprobs = logp.gather(&targets, D::Minus1)?.reshape((n, width))?;
-    let logp_const = logp.detach();
-    let entropy = (logp_const.exp()? * &logp_const)?.sum(D::Minus1)?.neg()?.reshape((n, width))?;
+    let logits = net.project(&picked)?; // (N * Tc, V)
+    let (logprobs, entropy) = kernels::token_logprobs(&logits, &targets, temperature)?;
+    let (logprobs, entropy) = (logprobs.reshape((n, width))?, entropy.reshape((n, width))?);
     Ok(TokenLogprobs { logprobs: (logprobs * &mask)?, entropy: (entropy * &mask)?, mask })
 }
 

@@ -160,6 +160,10 @@ pub struct RlooSection {
     pub normalize_reward: bool,
     /// Clip scores to [-r, r] (after normalisation).
     pub reward_clip_range: Option<f64>,
+    /// Recompute the sampling policy's log-probs with a forward pass instead
+    /// of keeping the sampler's. Both are the same policy's log-probs and
+    /// agree to float rounding; the sampler's save a forward pass per step.
+    pub recompute_old_logprobs: bool,
 }
 
 impl Default for RlooSection {
@@ -179,6 +183,7 @@ impl Default for RlooSection {
             missing_eos_penalty: None,
             normalize_reward: false,
             reward_clip_range: None,
+            recompute_old_logprobs: false,
         }
     }
 }

@@ -129,7 +129,11 @@ pub fn train(cfg: &TrainConfig) -> Result<RunSummary> {
         let t2 = Instant::now();
         let seqs = run.sequences(&rollout);
         let temperature = cfg.generation.temperature;
-        let old = run.logprobs_in_chunks(run.policy.frozen(), &seqs, temperature)?;
+        let old = if cfg.rloo.recompute_old_logprobs {
+            run.logprobs_in_chunks(run.policy.frozen(), &seqs, temperature)?
+        } else {
+            sampler_logprobs(rollout.completions.flat(), &run.device)?
+        };
         let reference = match &run.reference {
             Some(r) => Some(run.logprobs_in_chunks(r.frozen(), &seqs, temperature)?.logprobs),
             None => None,
@@ -449,6 +453,22 @@ impl Run {
         }
         Ok(stats)
     }
+}
+
+/// The sampler's log-probs and entropies of each completion, laid out like
+/// [`completion_logprobs`]' output: (N, Tc), zero-padded, with the mask.
+fn sampler_logprobs(completions: &[Completion], device: &Device) -> Result<TokenLogprobs> {
+    let width = completions.iter().map(|c| c.tokens.len()).max().unwrap_or(0);
+    let padded = |values: &dyn Fn(&Completion) -> Vec<f32>| -> Result<Tensor> {
+        let data: Vec<f32> =
+            completions.iter().flat_map(|c| values(c).into_iter().chain(std::iter::repeat(0.0)).take(width)).collect();
+        Ok(Tensor::from_vec(data, (completions.len(), width), device)?)
+    };
+    Ok(TokenLogprobs {
+        logprobs: padded(&|c| c.logprobs.clone())?,
+        entropy: padded(&|c| c.entropies.clone())?,
+        mask: padded(&|c| vec![1.0; c.tokens.len()])?,
+    })
 }
 
 /// Returns `R_i = s_i - beta * KL_i` (KL in the reward; `R = s` when the

@@ -1,0 +1,63 @@
+#!/usr/bin/env python3
+"""Runs one trainer as a child process and reports its steady-state
+throughput and peak resident memory as one JSON line.
+
+Usage: measure.py rloo|trl OUT_JSON -- COMMAND...
+
+Peak RSS is the child's own ru_maxrss from wait4 (the whole process: for
+TRL that includes Python, PyTorch and the tokenizers). Throughput is taken
+over the steady-state steps: every step but the first, which carries
+one-time warm-up work on both sides.
+"""
+
+import json
+import os
+import subprocess
+import sys
+
+
+def rloo_steps(out_dir):
+    rows = [json.loads(l) for l in open(os.path.join(out_dir, "metrics.jsonl")) if l.strip()]
+    keys = ["generation", "scoring", "reference", "training"]
+    return (
+        [r["time/step"] for r in rows],
+        sum(r["completions/mean_length"] for r in rows) / len(rows),
+        {k: sum(r[f"time/{k}"] for r in rows[1:]) / max(len(rows) - 1, 1) for k in keys},
+    )
+
+
+def main():
+    side, out_json = sys.argv[1], sys.argv[2]
+    cmd = sys.argv[sys.argv.index("--") + 1:]
+    stdout_path = out_json + ".stdout"
+    with open(stdout_path, "w") as out, open(out_json + ".stderr", "w") as err:
+        proc = subprocess.Popen(cmd, stdout=out, stderr=err)
+        _, status, usage = os.wait4(proc.pid, 0)
+    if status != 0:
+        sys.stderr.write(open(out_json + ".stderr").read()[-4000:])
+        sys.exit(f"{side}: {' '.join(cmd)} failed with status {status}")
+    peak_mb = usage.ru_maxrss / 1024  # KiB on Linux
+    if side == "trl":
+        result = json.loads(open(stdout_path).read().strip().splitlines()[-1])
+        seconds, per_step = result["step_seconds"], result["completions_per_step"]
+        length, breakdown = result["mean_completion_length"], {}
+    else:
+        out_dir = cmd[cmd.index("--output-dir") + 1] if "--output-dir" in cmd else os.environ["RLOO_OUT"]
+        seconds, length, breakdown = rloo_steps(out_dir)
+        per_step = int(os.environ["COMPLETIONS_PER_STEP"])
+    steady = seconds[1:]
+    json.dump(
+        {
+            "side": side,
+            "steps": len(seconds),
+            "completions_per_s": per_step * len(steady) / sum(steady),
+            "peak_rss_mb": peak_mb,
+            "mean_completion_length": length,
+            "breakdown": breakdown,
+        },
+        open(out_json, "w"),
+    )
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,119 @@
+#!/usr/bin/env python3
+"""TRL's RLOOTrainer on the benchmark task; prints one JSON line with the
+wall time of every optimizer step and the mean completion length.
+
+Usage: trl_rloo.py --model DIR --prompts FILE (--words DIR | --reward-model DIR)
+                   [--steps 6] [--threads 2] [--seed 1] [--output DIR]
+"""
+
+import argparse
+import json
+import re
+import tempfile
+import time
+
+import torch
+
+
+def word_list_reward(positive, negative):
+    """Positive minus negative words, the same words rloo's lexicon reward counts."""
+    pos, neg = set(positive), set(negative)
+
+    def lexicon(completions, **kwargs):
+        scores = []
+        for text in completions:
+            words = [w.strip("'-").lower() for w in re.findall(r"[\w'\u2019-]+", text)]
+            scores.append(float(sum((w in pos) - (w in neg) for w in words)))
+        return scores
+
+    return lexicon
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--model", required=True)
+    ap.add_argument("--prompts", required=True)
+    ap.add_argument("--words")
+    ap.add_argument("--reward-model")
+    ap.add_argument("--steps", type=int, default=6)
+    ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--seed", type=int, default=1)
+    ap.add_argument("--prompts-per-step", type=int, default=8)
+    ap.add_argument("--k", type=int, default=4)
+    ap.add_argument("--max-new-tokens", type=int, default=32)
+    ap.add_argument("--beta", type=float, default=0.05)
+    ap.add_argument("--learning-rate", type=float, default=1e-5)
+    ap.add_argument("--output")
+    args = ap.parse_args()
+    if (args.words is None) == (args.reward_model is None):
+        ap.error("give exactly one of --words and --reward-model")
+
+    torch.set_num_threads(args.threads)
+    from datasets import Dataset
+    from transformers import TrainerCallback
+    from trl import RLOOConfig, RLOOTrainer
+
+    prompts = [json.loads(line)["prompt"] for line in open(args.prompts) if line.strip()]
+    dataset = Dataset.from_list([{"prompt": p} for p in prompts])
+    if args.words:
+        read = lambda name: [w.strip() for w in open(f"{args.words}/{name}.txt") if w.strip()]
+        reward = word_list_reward(read("positive"), read("negative"))
+    else:
+        reward = args.reward_model
+
+    config = RLOOConfig(
+        output_dir=args.output or tempfile.mkdtemp(prefix="trl-rloo-"),
+        per_device_train_batch_size=args.prompts_per_step * args.k,
+        gradient_accumulation_steps=1,
+        num_generations=args.k,
+        max_completion_length=args.max_new_tokens,
+        temperature=1.0,
+        beta=args.beta,
+        num_iterations=1,
+        max_steps=args.steps,
+        learning_rate=args.learning_rate,
+        gradient_checkpointing=False,
+        bf16=False,
+        fp16=False,
+        use_cpu=True,
+        seed=args.seed,
+        logging_steps=1,
+        save_strategy="no",
+        report_to="none",
+        dataloader_num_workers=0,
+        log_completions=False,
+        disable_tqdm=True,
+    )
+
+    class StepTimer(TrainerCallback):
+        def __init__(self):
+            self.seconds, self.lengths, self._t = [], [], None
+
+        def on_step_begin(self, *a, **k):
+            self._t = time.perf_counter()
+
+        def on_step_end(self, *a, **k):
+            self.seconds.append(time.perf_counter() - self._t)
+
+        def on_log(self, _args, _state, _control, logs=None, **k):
+            if logs and "completions/mean_length" in logs:
+                self.lengths.append(logs["completions/mean_length"])
+
+    timer = StepTimer()
+    trainer = RLOOTrainer(
+        model=args.model,
+        reward_funcs=reward,
+        args=config,
+        train_dataset=dataset,
+        callbacks=[timer],
+    )
+    trainer.train()
+    print(json.dumps({
+        "step_seconds": timer.seconds,
+        "completions_per_step": args.prompts_per_step * args.k,
+        "mean_completion_length": sum(timer.lengths) / max(len(timer.lengths), 1),
+    }))
+
+
+if __name__ == "__main__":
+    main()

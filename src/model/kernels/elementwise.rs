@@ -1,0 +1,184 @@
+//! Bias addition and activations with their backward passes. candle's
+//! broadcast add reduces its gradient over the rows on one thread, and its
+//! activation gradients are chains of five to ten whole-tensor ops.
+
+use candle_core::{CpuStorage, CustomOp1, CustomOp2, Layout, Result, Shape, Tensor};
+use rayon::prelude::*;
+
+use super::math::{erf, exp, with_avx2};
+use super::{contiguous_f32, rows_per_task};
+use crate::model::ops::Activation;
+
+/// `x + bias` with `bias` (H,) added to every row of `x` (..., H).
+pub fn add_bias(x: &Tensor, bias: &Tensor) -> Result<Tensor> {
+    if !(super::fused(x) && super::fused(bias)) {
+        return x.broadcast_add(bias);
+    }
+    x.contiguous()?.apply_op2(&bias.contiguous()?, AddBias)
+}
+
+/// The activation applied elementwise.
+pub fn activation(x: &Tensor, act: Activation) -> Result<Tensor> {
+    if !super::fused(x) {
+        return act.apply(x);
+    }
+    x.contiguous()?.apply_op1(Act(act))
+}
+
+/// Elementwise over `x` in parallel chunks.
+fn map(x: &[f32], f: impl Fn(f32) -> f32 + Sync) -> Vec<f32> {
+    let mut out = vec![0f32; x.len()];
+    out.par_chunks_mut(CHUNK).zip(x.par_chunks(CHUNK)).for_each(|(o, x)| {
+        with_avx2(|| {
+            for (o, &x) in o.iter_mut().zip(x) {
+                *o = f(x);
+            }
+        })
+    });
+    out
+}
+
+/// Elements per parallel task of the elementwise kernels.
+const CHUNK: usize = 1 << 14;
+
+struct AddBias;
+
+impl CustomOp2 for AddBias {
+    fn name(&self) -> &'static str {
+        "add-bias"
+    }
+
+    fn cpu_fwd(&self, x: &CpuStorage, x_l: &Layout, b: &CpuStorage, b_l: &Layout) -> Result<(CpuStorage, Shape)> {
+        let (x, b) = (contiguous_f32(x, x_l)?, contiguous_f32(b, b_l)?);
+        let h = b.len();
+        if x.len() % h != 0 {
+            candle_core::bail!("add-bias: {:?} rows do not match a bias of {h}", x_l.dims());
+        }
+        let mut out = vec![0f32; x.len()];
+        let chunk = rows_per_task(h) * h;
+        out.par_chunks_mut(chunk).zip(x.par_chunks(chunk)).for_each(|(o, x)| {
+            for (o, x) in o.chunks_mut(h).zip(x.chunks(h)) {
+                for ((o, x), b) in o.iter_mut().zip(x).zip(b) {
+                    *o = x + b;
+                }
+            }
+        });
+        Ok((CpuStorage::F32(out), x_l.shape().clone()))
+    }
+
+    fn bwd(&self, _x: &Tensor, b: &Tensor, _y: &Tensor, grad: &Tensor) -> Result<(Option<Tensor>, Option<Tensor>)> {
+        let h = b.dim(0)?;
+        let grad_b = grad.contiguous()?.reshape(((), h))?.apply_op1_no_bwd(&ColumnSum)?;
+        Ok((Some(grad.clone()), Some(grad_b)))
+    }
+}
+
+/// (N, H) -> (H,): the sum of the rows.
+struct ColumnSum;
+
+impl CustomOp1 for ColumnSum {
+    fn name(&self) -> &'static str {
+        "column-sum"
+    }
+
+    fn cpu_fwd(&self, s: &CpuStorage, l: &Layout) -> Result<(CpuStorage, Shape)> {
+        let x = contiguous_f32(s, l)?;
+        let h = l.dims()[1];
+        let partial = |rows: &[f32]| {
+            let mut acc = vec![0f32; h];
+            for row in rows.chunks(h) {
+                for (a, x) in acc.iter_mut().zip(row) {
+                    *a += x;
+                }
+            }
+            acc
+        };
+        let sums = x
+            .par_chunks(rows_per_task(h) * h)
+            .map(partial)
+            .reduce(|| vec![0f32; h], |a, b| a.iter().zip(&b).map(|(a, b)| a + b).collect());
+        Ok((CpuStorage::F32(sums), Shape::from(h)))
+    }
+}
+
+struct Act(Activation);
+
+impl CustomOp1 for Act {
+    fn name(&self) -> &'static str {
+        "activation"
+    }
+
+    fn cpu_fwd(&self, s: &CpuStorage, l: &Layout) -> Result<(CpuStorage, Shape)> {
+        let x = contiguous_f32(s, l)?;
+        let out = match self.0 {
+            Activation::Gelu => map(x, gelu_erf),
+            Activation::GeluTanh => map(x, |x| gelu_tanh(x).0),
+            Activation::Silu => map(x, |x| x / (1.0 + exp(-x))),
+            Activation::Relu => map(x, |x| x.max(0.0)),
+        };
+        Ok((CpuStorage::F32(out), l.shape().clone()))
+    }
+
+    fn bwd(&self, x: &Tensor, _y: &Tensor, grad: &Tensor) -> Result<Option<Tensor>> {
+        Ok(Some(x.apply_op2_no_bwd(&grad.contiguous()?, &ActGrad(self.0))?))
+    }
+}
+
+/// (x, d y) -> d x = d y * act'(x).
+struct ActGrad(Activation);
+
+impl CustomOp2 for ActGrad {
+    fn name(&self) -> &'static str {
+        "activation-grad"
+    }
+
+    fn cpu_fwd(&self, x: &CpuStorage, x_l: &Layout, g: &CpuStorage, g_l: &Layout) -> Result<(CpuStorage, Shape)> {
+        let (x, g) = (contiguous_f32(x, x_l)?, contiguous_f32(g, g_l)?);
+        let derivative: fn(f32) -> f32 = match self.0 {
+            // d/dx x Phi(x) = Phi(x) + x phi(x)
+            Activation::Gelu => |x| {
+                let cdf = 0.5 * (1.0 + erf(x * std::f32::consts::FRAC_1_SQRT_2));
+                cdf + x * exp(-0.5 * x * x) * INV_SQRT_2PI
+            },
+            Activation::GeluTanh => |x| gelu_tanh(x).1,
+            // d/dx x s(x) = s(x) (1 + x (1 - s(x)))
+            Activation::Silu => |x| {
+                let s = sigmoid(x);
+                s * (1.0 + x * (1.0 - s))
+            },
+            Activation::Relu => |x| if x > 0.0 { 1.0 } else { 0.0 },
+        };
+        let mut out = vec![0f32; x.len()];
+        out.par_chunks_mut(CHUNK).zip(x.par_chunks(CHUNK).zip(g.par_chunks(CHUNK))).for_each(|(o, (x, g))| {
+            with_avx2(|| {
+                for ((o, &x), &g) in o.iter_mut().zip(x).zip(g) {
+                    *o = g * derivative(x);
+                }
+            })
+        });
+        Ok((CpuStorage::F32(out), x_l.shape().clone()))
+    }
+}
+
+const INV_SQRT_2PI: f32 = 0.398_942_3;
+
+/// Exact GELU: `x Phi(x)`.
+#[inline(always)]
+fn gelu_erf(x: f32) -> f32 {
+    (erf(x * std::f32::consts::FRAC_1_SQRT_2) + 1.0) * 0.5 * x
+}
+
+/// GELU's tanh approximation and its derivative.
+#[inline(always)]
+fn gelu_tanh(x: f32) -> (f32, f32) {
+    const C: f32 = 0.797_884_6; // sqrt(2 / pi)
+    // tanh y = 1 - 2 / (e^{2y} + 1)
+    let t = 1.0 - 2.0 / (exp(2.0 * C * x * (1.0 + 0.044715 * x * x)) + 1.0);
+    let dt = (1.0 - t * t) * C * (1.0 + 3.0 * 0.044715 * x * x);
+    (0.5 * x * (1.0 + t), 0.5 * (1.0 + t) + 0.5 * x * dt)
+}
+
+#[inline(always)]
+fn sigmoid(x: f32) -> f32 {
+    1.0 / (1.0 + exp(-x))
+}

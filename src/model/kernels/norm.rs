@@ -1,0 +1,239 @@
+//! LayerNorm and RMSNorm over the last dimension, forward and backward, one
+//! pass over the rows each (the compositions in `ops` take nine and five
+//! candle ops forward and several times that backward).
+//!
+//! The backward kernel returns d input, d weight (and d bias) stacked in
+//! one (N + 2, H) tensor, split by views: candle's custom ops have one
+//! output. The statistics of each row are recomputed rather than stored.
+
+use candle_core::{CpuStorage, CustomOp2, CustomOp3, Layout, Result, Shape, Tensor};
+use rayon::prelude::*;
+
+use super::{contiguous_f32, rows_per_task};
+use crate::model::ops;
+
+/// `(x - mean) / sqrt(var + eps) * weight + bias` over the last dimension.
+pub fn layer_norm(x: &Tensor, weight: &Tensor, bias: &Tensor, eps: f64) -> Result<Tensor> {
+    if !(super::fused(x) && super::fused(weight) && super::fused(bias)) {
+        return ops::layernorm(x, weight, bias, eps);
+    }
+    let (rows, shape) = as_rows(x)?;
+    rows.apply_op3(&weight.contiguous()?, &bias.contiguous()?, LayerNorm { eps: eps as f32 })?.reshape(shape)
+}
+
+/// `x / sqrt(mean(x^2) + eps) * weight` over the last dimension.
+pub fn rms_norm(x: &Tensor, weight: &Tensor, eps: f64) -> Result<Tensor> {
+    if !(super::fused(x) && super::fused(weight)) {
+        return ops::rmsnorm(x, weight, eps);
+    }
+    let (rows, shape) = as_rows(x)?;
+    rows.apply_op2(&weight.contiguous()?, RmsNorm { eps: eps as f32 })?.reshape(shape)
+}
+
+/// (..., H) -> (N, H), contiguous, and the original shape.
+fn as_rows(x: &Tensor) -> Result<(Tensor, Shape)> {
+    let shape = x.shape().clone();
+    let h = *shape.dims().last().unwrap_or(&1);
+    Ok((x.contiguous()?.reshape(((), h))?, shape))
+}
+
+/// Mean and 1 / std of a row.
+fn moments(row: &[f32], eps: f32) -> (f32, f32) {
+    let n = row.len() as f32;
+    let mean = row.iter().sum::<f32>() / n;
+    let var = row.iter().map(|x| (x - mean) * (x - mean)).sum::<f32>() / n;
+    (mean, 1.0 / (var + eps).sqrt())
+}
+
+/// 1 / sqrt(mean(x^2) + eps) of a row.
+fn inv_rms(row: &[f32], eps: f32) -> f32 {
+    1.0 / (row.iter().map(|x| x * x).sum::<f32>() / row.len() as f32 + eps).sqrt()
+}
+
+/// Applies `per_row(input row, output row)` to every row, in parallel.
+fn map_rows(input: &[f32], h: usize, per_row: impl Fn(&[f32], &mut [f32]) + Sync) -> Vec<f32> {
+    let mut out = vec![0f32; input.len()];
+    let chunk = rows_per_task(h) * h;
+    out.par_chunks_mut(chunk).zip(input.par_chunks(chunk)).for_each(|(out, input)| {
+        for (o, x) in out.chunks_mut(h).zip(input.chunks(h)) {
+            per_row(x, o);
+        }
+    });
+    out
+}
+
+/// For every row i, `per_row(i, d input row, column sums)`, in parallel;
+/// returns the d input rows followed by the `sums` column-sum rows.
+fn grad_rows(n: usize, h: usize, sums: usize, per_row: impl Fn(usize, &mut [f32], &mut [f32]) + Sync) -> Vec<f32> {
+    let mut out = vec![0f32; (n + sums) * h];
+    let per_task = rows_per_task(h);
+    let partials: Vec<Vec<f32>> = out[..n * h]
+        .par_chunks_mut(per_task * h)
+        .enumerate()
+        .map(|(task, dx)| {
+            let mut acc = vec![0f32; sums * h];
+            for (r, dx) in dx.chunks_mut(h).enumerate() {
+                per_row(task * per_task + r, dx, &mut acc);
+            }
+            acc
+        })
+        .collect();
+    let tail = &mut out[n * h..];
+    for acc in partials {
+        for (t, a) in tail.iter_mut().zip(acc) {
+            *t += a;
+        }
+    }
+    out
+}
+
+struct LayerNorm {
+    eps: f32,
+}
+
+impl CustomOp3 for LayerNorm {
+    fn name(&self) -> &'static str {
+        "layer-norm"
+    }
+
+    fn cpu_fwd(
+        &self,
+        x: &CpuStorage,
+        x_l: &Layout,
+        w: &CpuStorage,
+        w_l: &Layout,
+        b: &CpuStorage,
+        b_l: &Layout,
+    ) -> Result<(CpuStorage, Shape)> {
+        let (x, w, b) = (contiguous_f32(x, x_l)?, contiguous_f32(w, w_l)?, contiguous_f32(b, b_l)?);
+        let h = w.len();
+        let y = map_rows(x, h, |x, y| {
+            let (mean, rstd) = moments(x, self.eps);
+            for (((y, x), w), b) in y.iter_mut().zip(x).zip(w).zip(b) {
+                *y = (x - mean) * rstd * w + b;
+            }
+        });
+        Ok((CpuStorage::F32(y), x_l.shape().clone()))
+    }
+
+    fn bwd(&self, x: &Tensor, w: &Tensor, _b: &Tensor, _y: &Tensor, grad: &Tensor) -> Result<BwdOut3> {
+        let n = x.dim(0)?;
+        let all = x.apply_op3_no_bwd(w, &grad.contiguous()?, &LayerNormGrad { eps: self.eps })?;
+        Ok((Some(all.narrow(0, 0, n)?), Some(all.get(n)?), Some(all.get(n + 1)?)))
+    }
+}
+
+type BwdOut3 = (Option<Tensor>, Option<Tensor>, Option<Tensor>);
+
+/// (x, weight, d y) -> [d x; d weight; d bias].
+struct LayerNormGrad {
+    eps: f32,
+}
+
+impl CustomOp3 for LayerNormGrad {
+    fn name(&self) -> &'static str {
+        "layer-norm-grad"
+    }
+
+    fn cpu_fwd(
+        &self,
+        x: &CpuStorage,
+        x_l: &Layout,
+        w: &CpuStorage,
+        w_l: &Layout,
+        g: &CpuStorage,
+        g_l: &Layout,
+    ) -> Result<(CpuStorage, Shape)> {
+        let (x, w, g) = (contiguous_f32(x, x_l)?, contiguous_f32(w, w_l)?, contiguous_f32(g, g_l)?);
+        let h = w.len();
+        let n = x.len() / h;
+        // With x^ = (x - mean) rstd and g^ = g w:
+        // dx = rstd (g^ - mean(g^) - x^ mean(g^ x^)); dw = sum g x^; db = sum g.
+        let out = grad_rows(n, h, 2, |i, dx, acc| {
+            let (x, g) = (&x[i * h..(i + 1) * h], &g[i * h..(i + 1) * h]);
+            let (mean, rstd) = moments(x, self.eps);
+            let (mut mean_g, mut mean_gx) = (0f32, 0f32);
+            for j in 0..h {
+                let xh = (x[j] - mean) * rstd;
+                let gh = g[j] * w[j];
+                mean_g += gh;
+                mean_gx += gh * xh;
+                acc[j] += g[j] * xh;
+                acc[h + j] += g[j];
+            }
+            let (mean_g, mean_gx) = (mean_g / h as f32, mean_gx / h as f32);
+            for j in 0..h {
+                let xh = (x[j] - mean) * rstd;
+                dx[j] = rstd * (g[j] * w[j] - mean_g - xh * mean_gx);
+            }
+        });
+        Ok((CpuStorage::F32(out), Shape::from((n + 2, h))))
+    }
+}
+
+struct RmsNorm {
+    eps: f32,
+}
+
+impl CustomOp2 for RmsNorm {
+    fn name(&self) -> &'static str {
+        "rms-norm"
+    }
+
+    fn cpu_fwd(&self, x: &CpuStorage, x_l: &Layout, w: &CpuStorage, w_l: &Layout) -> Result<(CpuStorage, Shape)> {
+        let (x, w) = (contiguous_f32(x, x_l)?, contiguous_f32(w, w_l)?);
+        let y = map_rows(x, w.len(), |x, y| {
+            let r = inv_rms(x, self.eps);
+            for ((y, x), w) in y.iter_mut().zip(x).zip(w) {
+                *y = x * r * w;
+            }
+        });
+        Ok((CpuStorage::F32(y), x_l.shape().clone()))
+    }
+
+    fn bwd(&self, x: &Tensor, w: &Tensor, _y: &Tensor, grad: &Tensor) -> Result<(Option<Tensor>, Option<Tensor>)> {
+        let n = x.dim(0)?;
+        let all = x.apply_op3_no_bwd(w, &grad.contiguous()?, &RmsNormGrad { eps: self.eps })?;
+        Ok((Some(all.narrow(0, 0, n)?), Some(all.get(n)?)))
+    }
+}
+
+/// (x, weight, d y) -> [d x; d weight].
+struct RmsNormGrad {
+    eps: f32,
+}
+
+impl CustomOp3 for RmsNormGrad {
+    fn name(&self) -> &'static str {
+        "rms-norm-grad"
+    }
+
+    fn cpu_fwd(
+        &self,
+        x: &CpuStorage,
+        x_l: &Layout,
+        w: &CpuStorage,
+        w_l: &Layout,
+        g: &CpuStorage,
+        g_l: &Layout,
+    ) -> Result<(CpuStorage, Shape)> {
+        let (x, w, g) = (contiguous_f32(x, x_l)?, contiguous_f32(w, w_l)?, contiguous_f32(g, g_l)?);
+        let h = w.len();
+        let n = x.len() / h;
+        // With x^ = x r and g^ = g w: dx = r (g^ - x^ mean(g^ x^)); dw = sum g x^.
+        let out = grad_rows(n, h, 1, |i, dx, acc| {
+            let (x, g) = (&x[i * h..(i + 1) * h], &g[i * h..(i + 1) * h]);
+            let r = inv_rms(x, self.eps);
+            let mut mean_gx = 0f32;
+            for j in 0..h {
+                mean_gx += g[j] * w[j] * x[j] * r;
+                acc[j] += g[j] * x[j] * r;
+            }
+            let mean_gx = mean_gx / h as f32;
+            for j in 0..h {
+                dx[j] = r * (g[j] * w[j] - x[j] * r * mean_gx);
+            }
+        });
+        Ok((CpuStorage::F32(out), Shape::from((n + 1, h))))
+    }
+}

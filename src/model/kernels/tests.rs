@@ -1,0 +1,79 @@
+//! Every training kernel against its composition: values and the gradient
+//! of every input, on random data.
+
+use candle_core::{Device, Result, Tensor, Var};
+
+use super::*;
+use crate::model::ops::{self, Activation};
+
+fn max_abs_diff(a: &Tensor, b: &Tensor) -> f32 {
+    (a - b).unwrap().abs().unwrap().flatten_all().unwrap().max(0).unwrap().to_scalar().unwrap()
+}
+
+/// Runs `fused` and `composed` on the same inputs, then backpropagates a
+/// random weighting of the output through both; values and every input's
+/// gradient must agree within `tol` (relative to the largest magnitude).
+fn check(
+    name: &str,
+    inputs: &[Tensor],
+    fused: impl Fn(&[Tensor]) -> Result<Tensor>,
+    composed: impl Fn(&[Tensor]) -> Result<Tensor>,
+    tol: f32,
+) {
+    let run = |f: &dyn Fn(&[Tensor]) -> Result<Tensor>| {
+        let vars: Vec<Var> = inputs.iter().map(|t| Var::from_tensor(t).unwrap()).collect();
+        let ts: Vec<Tensor> = vars.iter().map(|v| v.as_tensor().clone()).collect();
+        let out = f(&ts).unwrap();
+        let w = Tensor::randn(0f32, 1.0, out.shape(), out.device()).unwrap();
+        (out, vars, w)
+    };
+    let (out_f, vars_f, w) = run(&fused);
+    let (out_c, vars_c, _) = run(&composed);
+    let scale = |t: &Tensor| 1.0 + t.abs().unwrap().flatten_all().unwrap().max(0).unwrap().to_scalar::<f32>().unwrap();
+    assert!(max_abs_diff(&out_f, &out_c) < tol * scale(&out_c), "{name}: values differ");
+    let g_f = out_f.mul(&w).unwrap().sum_all().unwrap().backward().unwrap();
+    let g_c = out_c.mul(&w).unwrap().sum_all().unwrap().backward().unwrap();
+    for (i, (vf, vc)) in vars_f.iter().zip(&vars_c).enumerate() {
+        let (gf, gc) = (g_f.get(vf).expect("fused gradient"), g_c.get(vc).expect("composed gradient"));
+        assert_eq!(gf.dims(), gc.dims(), "{name}: gradient {i} shape");
+        let diff = max_abs_diff(gf, gc);
+        assert!(diff < tol * scale(gc), "{name}: gradient of input {i} differs by {diff}");
+    }
+}
+
+fn randn(shape: &[usize], mean: f32) -> Tensor {
+    Tensor::randn(mean, 1.5, shape, &Device::Cpu).unwrap()
+}
+
+#[test]
+fn layer_norm_matches_the_composition() {
+    let (x, w, b) = (randn(&[3, 5, 24], 0.7), randn(&[24], 1.0), randn(&[24], 0.0));
+    check(
+        "layer_norm",
+        &[x, w, b],
+        |t| layer_norm(&t[0], &t[1], &t[2], 1e-5),
+        |t| ops::layernorm(&t[0], &t[1], &t[2], 1e-5),
+        2e-5,
+    );
+}
+
+#[test]
+fn rms_norm_matches_the_composition() {
+    let (x, w) = (randn(&[2, 7, 3, 16], 0.3), randn(&[16], 1.0));
+    check("rms_norm", &[x, w], |t| rms_norm(&t[0], &t[1], 1e-6), |t| ops::rmsnorm(&t[0], &t[1], 1e-6), 2e-5);
+}
+
+#[test]
+fn add_bias_matches_broadcast_add() {
+    // 300 rows: several parallel tasks, the last one partial.
+    let (x, b) = (randn(&[3, 100, 96], 0.0), randn(&[96], 0.0));
+    check("add_bias", &[x, b], |t| add_bias(&t[0], &t[1]), |t| t[0].broadcast_add(&t[1]), 1e-5);
+}
+
+#[test]
+fn activations_match_the_composition() {
+    for act in [Activation::Gelu, Activation::GeluTanh, Activation::Silu, Activation::Relu] {
+        let x = randn(&[4, 9000], 0.0);
+        check(&format!("{act:?}"), &[x], |t| activation(&t[0], act), |t| act.apply(&t[0]), 1e-5);
+    }
+}
