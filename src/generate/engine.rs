@@ -182,7 +182,9 @@ fn decode_batch(
         let picks: Vec<Pick> = rows
             .par_iter_mut()
             .zip(host.par_chunks(vocab))
-            .map_init(Scratch::default, |scratch, (row, row_logits)| opts.sampling.pick(row_logits, &mut row.rng, scratch))
+            .map_init(Scratch::default, |scratch, (row, row_logits)| {
+                opts.sampling.pick(row_logits, &mut row.rng, scratch)
+            })
             .collect();
         let produced = rows.len();
         let mut keep: Vec<u32> = Vec::with_capacity(rows.len());

@@ -83,7 +83,10 @@ impl Sampling {
     pub fn pick(&self, logits: &[f32], rng: &mut Rng, scratch: &mut Scratch) -> Pick {
         let inv_t = 1.0 / self.logprob_temperature();
         let max = logits.iter().copied().fold(f32::NEG_INFINITY, f32::max);
-        let (s0, s1) = with_avx2(|| weights(logits, max, inv_t, &mut scratch.weights));
+        let (s0, s1) = with_avx2(
+            #[inline(always)]
+            || weights(logits, max, inv_t, &mut scratch.weights),
+        );
         let token = match *self {
             Self::Greedy => argmax(logits),
             Self::Random { top_k, top_p, min_p, .. } if top_k == 0 && top_p >= 1.0 && min_p <= 0.0 => {

@@ -194,7 +194,9 @@ impl super::Decoder for Decoder {
         let mut x = (embed(&self.wte, &inputs.ids)? + embed(&self.wpe, &inputs.positions)?)?;
         for (i, blk) in self.layers.iter().enumerate() {
             x = (&x + self.attention(blk, &blk.ln_1.forward(&x)?, &ctx, cache.as_deref_mut(), i)?)?;
-            let mlp = blk.mlp_proj.forward(&kernels::activation(&blk.c_fc.forward(&blk.ln_2.forward(&x)?)?, self.cfg.act)?)?;
+            let mlp = blk
+                .mlp_proj
+                .forward(&kernels::activation(&blk.c_fc.forward(&blk.ln_2.forward(&x)?)?, self.cfg.act)?)?;
             x = (x + mlp)?;
         }
         ctx.finish(cache);

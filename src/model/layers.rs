@@ -22,6 +22,9 @@ pub struct Context {
     /// The same mask on the host, for the fused decoding kernel (one new
     /// token per row with a cache, on the CPU).
     decode_mask: Option<Vec<f32>>,
+    /// Bias and rotary tables on the host, for the fused attention kernel
+    /// (whole sequences without a cache, on the CPU).
+    whole: Option<kernels::AttentionInputs>,
 }
 
 impl Context {
@@ -35,7 +38,11 @@ impl Context {
             Some(_) if inputs.seq_len() == 1 && key_mask.device().is_cpu() => Some(key_mask.flatten_all()?.to_vec1()?),
             _ => None,
         };
-        Ok(Self { bias, rotary, key_mask, decode_mask })
+        let whole = match cache {
+            None if kernels::fused(&bias) => Some(kernels::AttentionInputs::new(&bias, rotary.as_ref())?),
+            _ => None,
+        };
+        Ok(Self { bias, rotary, key_mask, decode_mask, whole })
     }
 
     /// Hands the key mask to the cache once every layer has appended.
@@ -64,6 +71,9 @@ pub fn self_attention(
 ) -> Result<Tensor> {
     let (b, t, n_heads, d) = qkv.q.dims4()?;
     let n_kv = qkv.k.dim(2)?;
+    if let (Some(whole), None, true) = (&ctx.whole, &cache, kernels::fused(&qkv.q)) {
+        return kernels::attention(&qkv.q, &qkv.k, &qkv.v, whole, scale);
+    }
     // (B, T, H, D) -> (B, H, T, D)
     let mut q = qkv.q.transpose(1, 2)?.contiguous()?;
     let mut k = qkv.k.transpose(1, 2)?.contiguous()?;

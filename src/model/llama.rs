@@ -12,8 +12,8 @@ use candle_core::{Result as TResult, Tensor};
 use serde::Deserialize;
 
 use super::batch::{Inputs, KvCache};
-use super::layers::{embed, self_attention, Context, Linear, Qkv};
 use super::kernels;
+use super::layers::{embed, self_attention, Context, Linear, Qkv};
 use super::ops::Activation;
 use super::rope::{RawRope, Rope};
 use super::weights::Weights;

@@ -5,8 +5,8 @@
 use candle_core::{DType, Device, Tensor};
 
 use super::batch::{Inputs, PadSide};
-use super::network::Network;
 use super::kernels;
+use super::network::Network;
 use crate::error::{Error, Result};
 
 /// Token ids of one prompt and its completion.

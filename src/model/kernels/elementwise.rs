@@ -29,11 +29,30 @@ pub fn activation(x: &Tensor, act: Activation) -> Result<Tensor> {
 fn map(x: &[f32], f: impl Fn(f32) -> f32 + Sync) -> Vec<f32> {
     let mut out = vec![0f32; x.len()];
     out.par_chunks_mut(CHUNK).zip(x.par_chunks(CHUNK)).for_each(|(o, x)| {
-        with_avx2(|| {
-            for (o, &x) in o.iter_mut().zip(x) {
-                *o = f(x);
-            }
-        })
+        with_avx2(
+            #[inline(always)]
+            || {
+                for (o, &x) in o.iter_mut().zip(x) {
+                    *o = f(x);
+                }
+            },
+        )
+    });
+    out
+}
+
+/// `f(x, y)` elementwise over two slices of equal length, in parallel chunks.
+fn map2(x: &[f32], y: &[f32], f: impl Fn(f32, f32) -> f32 + Sync) -> Vec<f32> {
+    let mut out = vec![0f32; x.len()];
+    out.par_chunks_mut(CHUNK).zip(x.par_chunks(CHUNK).zip(y.par_chunks(CHUNK))).for_each(|(o, (x, y))| {
+        with_avx2(
+            #[inline(always)]
+            || {
+                for ((o, &x), &y) in o.iter_mut().zip(x).zip(y) {
+                    *o = f(x, y);
+                }
+            },
+        )
     });
     out
 }
@@ -134,28 +153,20 @@ impl CustomOp2 for ActGrad {
 
     fn cpu_fwd(&self, x: &CpuStorage, x_l: &Layout, g: &CpuStorage, g_l: &Layout) -> Result<(CpuStorage, Shape)> {
         let (x, g) = (contiguous_f32(x, x_l)?, contiguous_f32(g, g_l)?);
-        let derivative: fn(f32) -> f32 = match self.0 {
+        let out = match self.0 {
             // d/dx x Phi(x) = Phi(x) + x phi(x)
-            Activation::Gelu => |x| {
+            Activation::Gelu => map2(x, g, |x, g| {
                 let cdf = 0.5 * (1.0 + erf(x * std::f32::consts::FRAC_1_SQRT_2));
-                cdf + x * exp(-0.5 * x * x) * INV_SQRT_2PI
-            },
-            Activation::GeluTanh => |x| gelu_tanh(x).1,
+                g * (cdf + x * exp(-0.5 * x * x) * INV_SQRT_2PI)
+            }),
+            Activation::GeluTanh => map2(x, g, |x, g| g * gelu_tanh(x).1),
             // d/dx x s(x) = s(x) (1 + x (1 - s(x)))
-            Activation::Silu => |x| {
+            Activation::Silu => map2(x, g, |x, g| {
                 let s = sigmoid(x);
-                s * (1.0 + x * (1.0 - s))
-            },
-            Activation::Relu => |x| if x > 0.0 { 1.0 } else { 0.0 },
+                g * s * (1.0 + x * (1.0 - s))
+            }),
+            Activation::Relu => map2(x, g, |x, g| if x > 0.0 { g } else { 0.0 }),
         };
-        let mut out = vec![0f32; x.len()];
-        out.par_chunks_mut(CHUNK).zip(x.par_chunks(CHUNK).zip(g.par_chunks(CHUNK))).for_each(|(o, (x, g))| {
-            with_avx2(|| {
-                for ((o, &x), &g) in o.iter_mut().zip(x).zip(g) {
-                    *o = g * derivative(x);
-                }
-            })
-        });
         Ok((CpuStorage::F32(out), x_l.shape().clone()))
     }
 }
@@ -172,7 +183,7 @@ fn gelu_erf(x: f32) -> f32 {
 #[inline(always)]
 fn gelu_tanh(x: f32) -> (f32, f32) {
     const C: f32 = 0.797_884_6; // sqrt(2 / pi)
-    // tanh y = 1 - 2 / (e^{2y} + 1)
+                                // tanh y = 1 - 2 / (e^{2y} + 1)
     let t = 1.0 - 2.0 / (exp(2.0 * C * x * (1.0 + 0.044715 * x * x)) + 1.0);
     let dt = (1.0 - t * t) * C * (1.0 + 3.0 * 0.044715 * x * x);
     (0.5 * x * (1.0 + t), 0.5 * (1.0 + t) + 0.5 * x * dt)

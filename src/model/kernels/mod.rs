@@ -7,12 +7,14 @@
 //! for sampling only and refuse one. On other devices and dtypes the entry
 //! points fall back to the compositions.
 
+mod attention;
 mod decode_attention;
 mod elementwise;
 pub(crate) mod math;
 mod norm;
 mod token_logprobs;
 
+pub use attention::{attention, AttentionInputs};
 pub use decode_attention::decode_attention;
 pub use elementwise::{activation, add_bias};
 pub use norm::{layer_norm, rms_norm};
@@ -21,7 +23,7 @@ pub use token_logprobs::token_logprobs;
 use candle_core::{CpuStorage, DType, Layout, Result, Tensor};
 
 /// Whether the fused CPU kernels can run on `t`.
-fn fused(t: &Tensor) -> bool {
+pub fn fused(t: &Tensor) -> bool {
     t.device().is_cpu() && t.dtype() == DType::F32
 }
 

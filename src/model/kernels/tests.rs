@@ -77,3 +77,27 @@ fn activations_match_the_composition() {
         check(&format!("{act:?}"), &[x], |t| activation(&t[0], act), |t| act.apply(&t[0]), 1e-5);
     }
 }
+
+#[test]
+fn attention_matches_the_composition_with_gqa_partial_rotary_and_padding() {
+    use crate::model::batch::{attention_bias, Inputs, PadSide};
+    let dev = Device::Cpu;
+    let (b, t, h, h_kv, d, r) = (2, 5, 4, 2, 6, 4);
+    // Row 1 is right-padded: its last two slots are padding.
+    let inputs = Inputs::from_rows(&[vec![1, 2, 3, 4, 5], vec![6, 7, 8]], 0, PadSide::Right, &dev).unwrap();
+    let (bias, _) = attention_bias(&inputs, None).unwrap();
+    let angles = Tensor::randn(0f32, 1.0, (b, 1, t, r / 2), &dev).unwrap();
+    let angles = Tensor::cat(&[&angles, &angles], 3).unwrap();
+    let rotary = (angles.cos().unwrap(), angles.sin().unwrap());
+    let host = AttentionInputs::new(&bias, Some(&rotary)).unwrap();
+    let scale = 0.4;
+    let composed = |x: &[Tensor]| -> Result<Tensor> {
+        let heads = |x: &Tensor| x.transpose(1, 2)?.contiguous();
+        let q = ops::apply_rotary(&heads(&x[0])?, &rotary.0, &rotary.1)?;
+        let k = ops::apply_rotary(&heads(&x[1])?, &rotary.0, &rotary.1)?;
+        let (k, v) = (ops::repeat_kv(&k, h / h_kv)?, ops::repeat_kv(&heads(&x[2])?, h / h_kv)?);
+        ops::attention(&q, &k, &v, &bias, scale)?.transpose(1, 2)?.reshape((b, t, h * d))
+    };
+    let (q, k, v) = (randn(&[b, t, h, d], 0.0), randn(&[b, t, h_kv, d], 0.0), randn(&[b, t, h_kv, d], 0.0));
+    check("attention", &[q, k, v], |x| attention(&x[0], &x[1], &x[2], &host, scale), composed, 2e-5);
+}

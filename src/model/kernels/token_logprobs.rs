@@ -57,15 +57,18 @@ impl CustomOp1 for TokenLogprobs {
         let (n, v, logits) = rows(storage, layout, "token-logprobs")?;
         let mut out = vec![0f32; n * 2];
         out.par_chunks_mut(2 * ROWS_PER_TASK).enumerate().for_each(|(task, out)| {
-            with_avx2(|| {
-                for (r, out) in out.chunks_mut(2).enumerate() {
-                    let i = task * ROWS_PER_TASK + r;
-                    let row = &logits[i * v..(i + 1) * v];
-                    let (lse, entropy) = log_sum_exp_and_entropy(row, self.inv_temperature);
-                    out[0] = row[self.targets[i] as usize] * self.inv_temperature - lse;
-                    out[1] = entropy;
-                }
-            })
+            with_avx2(
+                #[inline(always)]
+                || {
+                    for (r, out) in out.chunks_mut(2).enumerate() {
+                        let i = task * ROWS_PER_TASK + r;
+                        let row = &logits[i * v..(i + 1) * v];
+                        let (lse, entropy) = log_sum_exp_and_entropy(row, self.inv_temperature);
+                        out[0] = row[self.targets[i] as usize] * self.inv_temperature - lse;
+                        out[1] = entropy;
+                    }
+                },
+            )
         });
         Ok((CpuStorage::F32(out), Shape::from((n, 2))))
     }
@@ -141,11 +144,14 @@ impl CustomOp3 for TokenLogprobsGrad {
                 let target = self.targets[i] as usize;
                 let lse = row[target] * s - out[2 * i];
                 let gs = g * s;
-                with_avx2(|| {
-                    for (d, &x) in grad.iter_mut().zip(row) {
-                        *d = -gs * exp(x * s - lse);
-                    }
-                });
+                with_avx2(
+                    #[inline(always)]
+                    || {
+                        for (d, &x) in grad.iter_mut().zip(row) {
+                            *d = -gs * exp(x * s - lse);
+                        }
+                    },
+                );
                 grad[target] += gs;
             }
         });
