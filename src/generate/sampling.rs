@@ -90,7 +90,7 @@ impl Sampling {
         let token = match *self {
             Self::Greedy => argmax(logits),
             Self::Random { top_k, top_p, min_p, .. } if top_k == 0 && top_p >= 1.0 && min_p <= 0.0 => {
-                draw(scratch.weights.iter().copied().zip(0..), s0, rng, logits.len() as u32 - 1)
+                draw_dense(&scratch.weights, s0, rng)
             }
             Self::Random { top_k, top_p, min_p, .. } => {
                 let cands = &mut scratch.candidates;
@@ -135,7 +135,7 @@ fn weights(logits: &[f32], max: f32, inv_t: f32, out: &mut Vec<f32>) -> (f64, f6
     out.clear();
     out.resize(logits.len(), 0.0);
     let (mut s0, mut s1) = ([0f32; 8], [0f32; 8]);
-    for (o, l) in out.chunks_mut(8).zip(logits.chunks(8)) {
+    let mut step = |o: &mut [f32], l: &[f32]| {
         for j in 0..l.len() {
             let u = (l[j] - max) * inv_t;
             let e = exp(u);
@@ -143,14 +143,40 @@ fn weights(logits: &[f32], max: f32, inv_t: f32, out: &mut Vec<f32>) -> (f64, f6
             s0[j] += e;
             s1[j] += u * e;
         }
+    };
+    let whole = logits.len() / 8 * 8;
+    for (o, l) in out[..whole].chunks_exact_mut(8).zip(logits[..whole].chunks_exact(8)) {
+        step(o, l);
     }
+    step(&mut out[whole..], &logits[whole..]);
     (s0.iter().map(|&x| x as f64).sum(), s1.iter().map(|&x| x as f64).sum())
+}
+
+/// Draws from `weights` (ids are positions) with the given total: skips
+/// whole blocks of 8 by their sums, then walks the block it lands in.
+fn draw_dense(weights: &[f32], total: f64, rng: &mut Rng) -> u32 {
+    let mut u = rng.uniform() * total;
+    let mut start = 0;
+    for block in weights.chunks(8) {
+        let sum: f32 = block.iter().sum();
+        if u < sum as f64 {
+            break;
+        }
+        u -= sum as f64;
+        start += block.len();
+    }
+    let rest = weights[start.min(weights.len())..].iter().copied().zip(start as u32..);
+    draw_from(rest, u, weights.len() as u32 - 1)
 }
 
 /// Draws from `(weight, id)` pairs with the given total; `fallback` when
 /// rounding leaves the draw past the end.
 fn draw(weights: impl Iterator<Item = (f32, u32)>, total: f64, rng: &mut Rng, fallback: u32) -> u32 {
-    let mut u = rng.uniform() * total;
+    draw_from(weights, rng.uniform() * total, fallback)
+}
+
+/// The first id at which the running sum of weights passes `u`.
+fn draw_from(weights: impl Iterator<Item = (f32, u32)>, mut u: f64, fallback: u32) -> u32 {
     for (p, id) in weights {
         u -= p as f64;
         if u < 0.0 {

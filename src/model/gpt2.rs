@@ -183,7 +183,9 @@ impl Decoder {
         if self.cfg.scale_attn_by_inverse_layer_idx {
             scale /= (layer + 1) as f64;
         }
-        let out = self_attention(Qkv { q: split(0)?, k: split(1)?, v: split(2)? }, ctx, cache, layer, scale)?;
+        let packing = kernels::Packing { q: 0, k: h, v: 2 * h, head_stride: d };
+        let qkv_heads = Qkv { q: split(0)?, k: split(1)?, v: split(2)?, packed: Some((qkv.clone(), packing)) };
+        let out = self_attention(qkv_heads, ctx, cache, layer, scale)?;
         blk.attn_proj.forward(&out)
     }
 }

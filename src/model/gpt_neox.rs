@@ -148,11 +148,13 @@ impl Decoder {
         let (b, t, _) = x.dims3()?;
         let (heads, d) = (self.cfg.num_heads, self.cfg.head_dim);
         // The fused projection is laid out per head: (B, T, H, 3 * D) = [q | k | v].
-        let qkv = blk.query_key_value.forward(x)?.reshape((b, t, heads, 3 * d))?;
+        let fused = blk.query_key_value.forward(x)?;
+        let qkv = fused.reshape((b, t, heads, 3 * d))?;
         let qkv = Qkv {
             q: qkv.narrow(D::Minus1, 0, d)?,
             k: qkv.narrow(D::Minus1, d, d)?,
             v: qkv.narrow(D::Minus1, 2 * d, d)?,
+            packed: Some((fused, kernels::Packing { q: 0, k: d, v: 2 * d, head_stride: 3 * d })),
         };
         let out = self_attention(qkv, ctx, cache, layer, 1.0 / (d as f64).sqrt())?;
         blk.dense.forward(&out)

@@ -58,6 +58,9 @@ pub struct Qkv {
     pub q: Tensor,
     pub k: Tensor,
     pub v: Tensor,
+    /// The fused projection (B, T, W) they were cut from, if any, and where
+    /// they sit in it: the fused kernel reads it directly.
+    pub packed: Option<(Tensor, kernels::Packing)>,
 }
 
 /// Rotary, cache, grouped-query repeat and scaled dot-product attention.
@@ -72,7 +75,10 @@ pub fn self_attention(
     let (b, t, n_heads, d) = qkv.q.dims4()?;
     let n_kv = qkv.k.dim(2)?;
     if let (Some(whole), None, true) = (&ctx.whole, &cache, kernels::fused(&qkv.q)) {
-        return kernels::attention(&qkv.q, &qkv.k, &qkv.v, whole, scale);
+        return match &qkv.packed {
+            Some((fused, packing)) => kernels::attention_packed(fused, *packing, n_heads, d, whole, scale),
+            None => kernels::attention(&qkv.q, &qkv.k, &qkv.v, whole, scale),
+        };
     }
     // (B, T, H, D) -> (B, H, T, D)
     let mut q = qkv.q.transpose(1, 2)?.contiguous()?;

@@ -216,7 +216,7 @@ impl Decoder {
             q = kernels::rms_norm(&q, qn, c.rms_norm_eps)?;
             k = kernels::rms_norm(&k, kn, c.rms_norm_eps)?;
         }
-        let out = self_attention(Qkv { q, k, v }, ctx, cache, layer, 1.0 / (c.head_dim as f64).sqrt())?;
+        let out = self_attention(Qkv { q, k, v, packed: None }, ctx, cache, layer, 1.0 / (c.head_dim as f64).sqrt())?;
         a.o_proj.forward(&out)
     }
 

@@ -13,7 +13,7 @@
 
 use std::sync::Arc;
 
-use candle_core::{CpuStorage, CustomOp3, Layout, Result, Shape, Tensor};
+use candle_core::{CpuStorage, CustomOp1, CustomOp3, Layout, Result, Shape, Tensor};
 use rayon::prelude::*;
 
 use super::contiguous_f32;
@@ -46,17 +46,44 @@ impl AttentionInputs {
 /// (B, T, H * D).
 pub fn attention(q: &Tensor, k: &Tensor, v: &Tensor, inputs: &AttentionInputs, scale: f64) -> Result<Tensor> {
     let (b, t, h, d) = q.dims4()?;
-    let op = Attention { inputs: inputs.clone(), scale: scale as f32 };
+    let h_kv = k.dim(2)?;
+    let dims = Dims::new(b, t, h, h_kv, d, inputs.rotary_dim)?;
+    let views = [View::heads(h, d), View::heads(h_kv, d), View::heads(h_kv, d)];
+    let op = Attention { inputs: inputs.clone(), scale: scale as f32, dims, views };
     q.contiguous()?.apply_op3(&k.contiguous()?, &v.contiguous()?, op)?.reshape((b, t, h * d))
 }
 
-struct Attention {
-    inputs: AttentionInputs,
-    scale: f32,
+/// Where q, k and v sit in a fused projection (B, T, W): head `h` of q is
+/// at `q + h * head_stride` in each token's W features (likewise k, v).
+#[derive(Debug, Clone, Copy)]
+pub struct Packing {
+    pub q: usize,
+    pub k: usize,
+    pub v: usize,
+    pub head_stride: usize,
+}
+
+/// [`attention`] reading q, k and v straight from the fused projection
+/// `qkv` (B, T, W) of `heads` heads of `head_dim` features: no split, no
+/// copies, one gradient tensor.
+pub fn attention_packed(
+    qkv: &Tensor,
+    packing: Packing,
+    heads: usize,
+    head_dim: usize,
+    inputs: &AttentionInputs,
+    scale: f64,
+) -> Result<Tensor> {
+    let (b, t, w) = qkv.dims3()?;
+    let dims = Dims::new(b, t, heads, heads, head_dim, inputs.rotary_dim)?;
+    let view = |offset| View { offset, token_stride: w, head_stride: packing.head_stride };
+    let views = [view(packing.q), view(packing.k), view(packing.v)];
+    let op = Attention { inputs: inputs.clone(), scale: scale as f32, dims, views };
+    qkv.contiguous()?.apply_op1(Packed(op))?.reshape((b, t, heads * head_dim))
 }
 
 /// Sizes of one call.
-#[derive(Clone, Copy)]
+#[derive(Debug, Clone, Copy)]
 struct Dims {
     b: usize,
     t: usize,
@@ -67,27 +94,52 @@ struct Dims {
 }
 
 impl Dims {
-    fn new(q: &Layout, k: &Layout, r: usize) -> Result<Self> {
-        let (&[b, t, h, d], &[_, _, h_kv, _]) = (q.dims(), k.dims()) else {
-            candle_core::bail!("attention: q and k must be 4-d, got {:?} and {:?}", q.dims(), k.dims())
-        };
-        if h % h_kv != 0 || r > d || r % 2 != 0 {
+    fn new(b: usize, t: usize, h: usize, h_kv: usize, d: usize, r: usize) -> Result<Self> {
+        if h_kv == 0 || h % h_kv != 0 || r > d || r % 2 != 0 {
             candle_core::bail!("attention: {h} query heads over {h_kv} key heads, rotary {r} of {d}");
         }
         Ok(Self { b, t, h, h_kv, d, r })
     }
 }
 
+/// Where one of q, k, v sits in its buffer: feature i of head `head` at
+/// token (b, t) is at `offset + (b * T + t) * token_stride + head * head_stride + i`.
+#[derive(Debug, Clone, Copy)]
+struct View {
+    offset: usize,
+    token_stride: usize,
+    head_stride: usize,
+}
+
+impl View {
+    /// A contiguous (B, T, heads, D) tensor.
+    fn heads(heads: usize, d: usize) -> Self {
+        Self { offset: 0, token_stride: heads * d, head_stride: d }
+    }
+
+    fn at(&self, dims: Dims, bi: usize, ti: usize, head: usize) -> usize {
+        self.offset + (bi * dims.t + ti) * self.token_stride + head * self.head_stride
+    }
+}
+
+struct Attention {
+    inputs: AttentionInputs,
+    scale: f32,
+    dims: Dims,
+    /// Of q, k and v.
+    views: [View; 3],
+}
+
 impl Attention {
     /// Rotates the first R features of `x` (D,) at row `bi`, position `ti`;
     /// `inverse` rotates back (the transpose, for gradients).
     #[inline(always)]
-    fn rotate(&self, x: &mut [f32], dims: Dims, bi: usize, ti: usize, inverse: bool) {
-        let r = dims.r;
+    fn rotate(&self, x: &mut [f32], bi: usize, ti: usize, inverse: bool) {
+        let (r, t) = (self.dims.r, self.dims.t);
         if r == 0 {
             return;
         }
-        let at = (bi * dims.t + ti) * r;
+        let at = (bi * t + ti) * r;
         let (cos, sin) = (&self.inputs.cos[at..at + r], &self.inputs.sin[at..at + r]);
         let half = r / 2;
         let sign = if inverse { -1.0 } else { 1.0 };
@@ -98,17 +150,18 @@ impl Attention {
         }
     }
 
-    /// The (T, D) slice of head `hi` of row `bi` from a (B, T, heads, D)
-    /// tensor, rotated when asked.
-    fn head(&self, x: &[f32], heads: usize, dims: Dims, bi: usize, hi: usize, rotate: bool) -> Vec<f32> {
-        let d = dims.d;
-        let mut out = vec![0f32; dims.t * d];
-        for ti in 0..dims.t {
-            let at = ((bi * dims.t + ti) * heads + hi) * d;
+    /// The (T, D) rows of head `hi` of row `bi` read through `view`,
+    /// rotated when asked.
+    #[inline(always)]
+    fn head(&self, x: &[f32], view: View, bi: usize, hi: usize, rotate: bool) -> Vec<f32> {
+        let Dims { t, d, .. } = self.dims;
+        let mut out = vec![0f32; t * d];
+        for ti in 0..t {
+            let at = view.at(self.dims, bi, ti, hi);
             let row = &mut out[ti * d..(ti + 1) * d];
             row.copy_from_slice(&x[at..at + d]);
             if rotate {
-                self.rotate(row, dims, bi, ti, false);
+                self.rotate(row, bi, ti, false);
             }
         }
         out
@@ -117,8 +170,8 @@ impl Attention {
     /// Softmax probabilities (T, T) of rotated `q` (T, D) against the
     /// transposed rotated keys `k_t` (D, T).
     #[inline(always)]
-    fn probs(&self, q: &[f32], k_t: &[f32], dims: Dims, bi: usize) -> Vec<f32> {
-        let (t, d) = (dims.t, dims.d);
+    fn probs(&self, q: &[f32], k_t: &[f32], bi: usize) -> Vec<f32> {
+        let Dims { t, d, .. } = self.dims;
         let bias = &self.inputs.bias[bi * t * t..(bi + 1) * t * t];
         let mut p = vec![0f32; t * t];
         for i in 0..t {
@@ -138,6 +191,134 @@ impl Attention {
             row.iter_mut().for_each(|s| *s *= inv);
         }
         p
+    }
+
+    /// The attention output (B, T, H, D), one task per (row, kv head).
+    fn forward(&self, q: &[f32], k: &[f32], v: &[f32]) -> Vec<f32> {
+        let Dims { b, t, h, h_kv, d, .. } = self.dims;
+        let [qv, kv, vv] = self.views;
+        let n_rep = h / h_kv;
+        // Each task: its query heads' outputs, (n_rep, T, D).
+        let parts: Vec<Vec<f32>> = (0..b * h_kv)
+            .into_par_iter()
+            .map(|task| {
+                with_avx2(
+                    #[inline(always)]
+                    || {
+                        let (bi, g) = (task / h_kv, task % h_kv);
+                        let k_t = transpose(&self.head(k, kv, bi, g, true), t, d);
+                        let vh = self.head(v, vv, bi, g, false);
+                        let mut out = vec![0f32; n_rep * t * d];
+                        for rep in 0..n_rep {
+                            let qh = self.head(q, qv, bi, g * n_rep + rep, true);
+                            let p = self.probs(&qh, &k_t, bi);
+                            for i in 0..t {
+                                let o = &mut out[(rep * t + i) * d..(rep * t + i + 1) * d];
+                                for j in 0..t {
+                                    axpy(o, p[i * t + j], &vh[j * d..(j + 1) * d]);
+                                }
+                            }
+                        }
+                        out
+                    },
+                )
+            })
+            .collect();
+        let out_view = View::heads(h, d);
+        let mut out = vec![0f32; b * t * h * d];
+        for (task, part) in parts.iter().enumerate() {
+            let (bi, g) = (task / h_kv, task % h_kv);
+            for rep in 0..n_rep {
+                for i in 0..t {
+                    let at = out_view.at(self.dims, bi, i, g * n_rep + rep);
+                    out[at..at + d].copy_from_slice(&part[(rep * t + i) * d..(rep * t + i + 1) * d]);
+                }
+            }
+        }
+        out
+    }
+
+    /// Gradients of q, k and v given d out (B, T, H * D), written through
+    /// `out_views` into a zeroed buffer of `len` elements.
+    fn backward(&self, q: &[f32], k: &[f32], v: &[f32], go: &[f32], out_views: [View; 3], len: usize) -> Vec<f32> {
+        let Dims { b, t, h, h_kv, d, .. } = self.dims;
+        let [qv, kv, vv] = self.views;
+        let go_view = View::heads(h, d);
+        let n_rep = h / h_kv;
+        // Each task: dq of its query heads (n_rep, T, D), then dk and dv (T, D).
+        let parts: Vec<Vec<f32>> = (0..b * h_kv)
+            .into_par_iter()
+            .map(|task| {
+                with_avx2(
+                    #[inline(always)]
+                    || {
+                        let (bi, g) = (task / h_kv, task % h_kv);
+                        let kh = self.head(k, kv, bi, g, true);
+                        let k_t = transpose(&kh, t, d);
+                        let v_t = transpose(&self.head(v, vv, bi, g, false), t, d);
+                        let mut part = vec![0f32; (n_rep + 2) * t * d];
+                        let (dq_all, dkv) = part.split_at_mut(n_rep * t * d);
+                        let (dk, dv) = dkv.split_at_mut(t * d);
+                        let mut ds = vec![0f32; t * t];
+                        for rep in 0..n_rep {
+                            let hi = g * n_rep + rep;
+                            let qh = self.head(q, qv, bi, hi, true);
+                            let p = self.probs(&qh, &k_t, bi);
+                            let dout = self.head(go, go_view, bi, hi, false);
+                            // dV += P^T dO; dP = dO V^T; dS = P (dP - sum_j P dP).
+                            for i in 0..t {
+                                let doi = &dout[i * d..(i + 1) * d];
+                                let (pi, dsi) = (&p[i * t..(i + 1) * t], &mut ds[i * t..(i + 1) * t]);
+                                for (j, &pij) in pi.iter().enumerate() {
+                                    axpy(&mut dv[j * d..(j + 1) * d], pij, doi);
+                                }
+                                row_times(dsi, doi, &v_t);
+                                let row_dot: f32 = pi.iter().zip(dsi.iter()).map(|(p, dp)| p * dp).sum();
+                                for (s, &pij) in dsi.iter_mut().zip(pi) {
+                                    *s = pij * (*s - row_dot) * self.scale;
+                                }
+                            }
+                            // dQ = dS K; dK += dS^T Q (both in rotated space).
+                            let dq = &mut dq_all[rep * t * d..(rep + 1) * t * d];
+                            for i in 0..t {
+                                for j in 0..t {
+                                    let s = ds[i * t + j];
+                                    if s != 0.0 {
+                                        axpy(&mut dq[i * d..(i + 1) * d], s, &kh[j * d..(j + 1) * d]);
+                                        axpy(&mut dk[j * d..(j + 1) * d], s, &qh[i * d..(i + 1) * d]);
+                                    }
+                                }
+                            }
+                            for i in 0..t {
+                                self.rotate(&mut dq[i * d..(i + 1) * d], bi, i, true);
+                            }
+                        }
+                        for j in 0..t {
+                            self.rotate(&mut dk[j * d..(j + 1) * d], bi, j, true);
+                        }
+                        part
+                    },
+                )
+            })
+            .collect();
+        let [dq_view, dk_view, dv_view] = out_views;
+        let mut out = vec![0f32; len];
+        for (task, part) in parts.iter().enumerate() {
+            let (bi, g) = (task / h_kv, task % h_kv);
+            let (dq, dkv) = part.split_at(n_rep * t * d);
+            let (dk, dv) = dkv.split_at(t * d);
+            for i in 0..t {
+                for rep in 0..n_rep {
+                    let at = dq_view.at(self.dims, bi, i, g * n_rep + rep);
+                    out[at..at + d].copy_from_slice(&dq[(rep * t + i) * d..(rep * t + i + 1) * d]);
+                }
+                let at = dk_view.at(self.dims, bi, i, g);
+                out[at..at + d].copy_from_slice(&dk[i * d..(i + 1) * d]);
+                let at = dv_view.at(self.dims, bi, i, g);
+                out[at..at + d].copy_from_slice(&dv[i * d..(i + 1) * d]);
+            }
+        }
+        out
     }
 }
 
@@ -183,47 +364,8 @@ impl CustomOp3 for Attention {
         v: &CpuStorage,
         v_l: &Layout,
     ) -> Result<(CpuStorage, Shape)> {
-        let dims = Dims::new(q_l, k_l, self.inputs.rotary_dim)?;
         let (q, k, v) = (contiguous_f32(q, q_l)?, contiguous_f32(k, k_l)?, contiguous_f32(v, v_l)?);
-        let Dims { b, t, h, h_kv, d, .. } = dims;
-        let n_rep = h / h_kv;
-        // One task per (row, kv head): its query heads' outputs, (n_rep, T, D).
-        let parts: Vec<Vec<f32>> = (0..b * h_kv)
-            .into_par_iter()
-            .map(|task| {
-                with_avx2(
-                    #[inline(always)]
-                    || {
-                        let (bi, g) = (task / h_kv, task % h_kv);
-                        let k_t = transpose(&self.head(k, h_kv, dims, bi, g, true), t, d);
-                        let vh = self.head(v, h_kv, dims, bi, g, false);
-                        let mut out = vec![0f32; n_rep * t * d];
-                        for rep in 0..n_rep {
-                            let qh = self.head(q, h, dims, bi, g * n_rep + rep, true);
-                            let p = self.probs(&qh, &k_t, dims, bi);
-                            for i in 0..t {
-                                let o = &mut out[(rep * t + i) * d..(rep * t + i + 1) * d];
-                                for j in 0..t {
-                                    axpy(o, p[i * t + j], &vh[j * d..(j + 1) * d]);
-                                }
-                            }
-                        }
-                        out
-                    },
-                )
-            })
-            .collect();
-        let mut out = vec![0f32; b * t * h * d];
-        for (task, part) in parts.iter().enumerate() {
-            let (bi, g) = (task / h_kv, task % h_kv);
-            for rep in 0..n_rep {
-                for i in 0..t {
-                    let at = ((bi * t + i) * h + g * n_rep + rep) * d;
-                    out[at..at + d].copy_from_slice(&part[(rep * t + i) * d..(rep * t + i + 1) * d]);
-                }
-            }
-        }
-        Ok((CpuStorage::F32(out), q_l.shape().clone()))
+        Ok((CpuStorage::F32(self.forward(q, k, v)), q_l.shape().clone()))
     }
 
     fn bwd(
@@ -234,9 +376,15 @@ impl CustomOp3 for Attention {
         _out: &Tensor,
         grad: &Tensor,
     ) -> Result<(Option<Tensor>, Option<Tensor>, Option<Tensor>)> {
-        let grad = grad.contiguous()?;
-        let all = q.apply_op3_no_bwd(k, v, &AttentionGrad { fwd: self, grad: &grad })?;
         let (nq, nk) = (q.elem_count(), k.elem_count());
+        let Dims { h, h_kv, d, .. } = self.dims;
+        let views = [
+            View::heads(h, d),
+            View { offset: nq, ..View::heads(h_kv, d) },
+            View { offset: nq + nk, ..View::heads(h_kv, d) },
+        ];
+        let grad = grad.contiguous()?;
+        let all = q.apply_op3_no_bwd(k, v, &Grad { fwd: self, grad: &grad, views, len: nq + 2 * nk })?;
         let dq = all.narrow(0, 0, nq)?.reshape(q.shape())?;
         let dk = all.narrow(0, nq, nk)?.reshape(k.shape())?;
         let dv = all.narrow(0, nq + nk, nk)?.reshape(v.shape())?;
@@ -244,13 +392,48 @@ impl CustomOp3 for Attention {
     }
 }
 
-/// (q, k, v) -> [dq; dk; dv] flattened, given d out.
-struct AttentionGrad<'a> {
-    fwd: &'a Attention,
-    grad: &'a Tensor,
+/// The fused-projection form: one input holding q, k and v.
+struct Packed(Attention);
+
+impl CustomOp1 for Packed {
+    fn name(&self) -> &'static str {
+        "attention-packed"
+    }
+
+    fn cpu_fwd(&self, qkv: &CpuStorage, l: &Layout) -> Result<(CpuStorage, Shape)> {
+        let x = contiguous_f32(qkv, l)?;
+        let Dims { b, t, h, d, .. } = self.0.dims;
+        Ok((CpuStorage::F32(self.0.forward(x, x, x)), Shape::from((b, t, h, d))))
+    }
+
+    fn bwd(&self, qkv: &Tensor, _out: &Tensor, grad: &Tensor) -> Result<Option<Tensor>> {
+        let grad = grad.contiguous()?;
+        let op = Grad { fwd: &self.0, grad: &grad, views: self.0.views, len: qkv.elem_count() };
+        Ok(Some(qkv.apply_op1_no_bwd(&op)?.reshape(qkv.shape())?))
+    }
 }
 
-impl CustomOp3 for AttentionGrad<'_> {
+/// The backward kernel: (q, k, v) or the packed projection -> their
+/// gradients laid out by `views` in one buffer of `len` elements.
+struct Grad<'a> {
+    fwd: &'a Attention,
+    grad: &'a Tensor,
+    views: [View; 3],
+    len: usize,
+}
+
+impl Grad<'_> {
+    fn run(&self, q: &[f32], k: &[f32], v: &[f32]) -> Result<CpuStorage> {
+        let (storage, layout) = self.grad.storage_and_layout();
+        let candle_core::Storage::Cpu(storage) = &*storage else {
+            candle_core::bail!("attention-grad: the gradient is not on the CPU")
+        };
+        let go = contiguous_f32(storage, layout)?;
+        Ok(CpuStorage::F32(self.fwd.backward(q, k, v, go, self.views, self.len)))
+    }
+}
+
+impl CustomOp3 for Grad<'_> {
     fn name(&self) -> &'static str {
         "attention-grad"
     }
@@ -264,91 +447,18 @@ impl CustomOp3 for AttentionGrad<'_> {
         v: &CpuStorage,
         v_l: &Layout,
     ) -> Result<(CpuStorage, Shape)> {
-        let fwd = self.fwd;
-        let dims = Dims::new(q_l, k_l, fwd.inputs.rotary_dim)?;
         let (q, k, v) = (contiguous_f32(q, q_l)?, contiguous_f32(k, k_l)?, contiguous_f32(v, v_l)?);
-        let (g_storage, g_layout) = self.grad.storage_and_layout();
-        let candle_core::Storage::Cpu(g_storage) = &*g_storage else {
-            candle_core::bail!("attention-grad: the gradient is not on the CPU")
-        };
-        let go = contiguous_f32(g_storage, g_layout)?;
-        let Dims { b, t, h, h_kv, d, .. } = dims;
-        let n_rep = h / h_kv;
-        // One task per (row, kv head): dq of its query heads (n_rep, T, D),
-        // then dk and dv of the head (T, D) each.
-        let parts: Vec<Vec<f32>> = (0..b * h_kv)
-            .into_par_iter()
-            .map(|task| {
-                with_avx2(
-                    #[inline(always)]
-                    || {
-                        let (bi, g) = (task / h_kv, task % h_kv);
-                        let kh = fwd.head(k, h_kv, dims, bi, g, true);
-                        let k_t = transpose(&kh, t, d);
-                        let v_t = transpose(&fwd.head(v, h_kv, dims, bi, g, false), t, d);
-                        let mut part = vec![0f32; (n_rep + 2) * t * d];
-                        let (dq_all, dkv) = part.split_at_mut(n_rep * t * d);
-                        let (dk, dv) = dkv.split_at_mut(t * d);
-                        let mut ds = vec![0f32; t * t];
-                        for rep in 0..n_rep {
-                            let hi = g * n_rep + rep;
-                            let qh = fwd.head(q, h, dims, bi, hi, true);
-                            let p = fwd.probs(&qh, &k_t, dims, bi);
-                            let dout = fwd.head(go, h, dims, bi, hi, false);
-                            // dV += P^T dO; dP = dO V^T; dS = P (dP - sum_j P dP).
-                            for i in 0..t {
-                                let doi = &dout[i * d..(i + 1) * d];
-                                let (pi, dsi) = (&p[i * t..(i + 1) * t], &mut ds[i * t..(i + 1) * t]);
-                                for (j, &pij) in pi.iter().enumerate() {
-                                    axpy(&mut dv[j * d..(j + 1) * d], pij, doi);
-                                }
-                                row_times(dsi, doi, &v_t);
-                                let row_dot: f32 = pi.iter().zip(dsi.iter()).map(|(p, dp)| p * dp).sum();
-                                for (s, &pij) in dsi.iter_mut().zip(pi) {
-                                    *s = pij * (*s - row_dot) * fwd.scale;
-                                }
-                            }
-                            // dQ = dS K; dK += dS^T Q (both in rotated space).
-                            let dq = &mut dq_all[rep * t * d..(rep + 1) * t * d];
-                            for i in 0..t {
-                                for j in 0..t {
-                                    let s = ds[i * t + j];
-                                    if s != 0.0 {
-                                        axpy(&mut dq[i * d..(i + 1) * d], s, &kh[j * d..(j + 1) * d]);
-                                        axpy(&mut dk[j * d..(j + 1) * d], s, &qh[i * d..(i + 1) * d]);
-                                    }
-                                }
-                            }
-                            for i in 0..t {
-                                fwd.rotate(&mut dq[i * d..(i + 1) * d], dims, bi, i, true);
-                            }
-                        }
-                        for j in 0..t {
-                            fwd.rotate(&mut dk[j * d..(j + 1) * d], dims, bi, j, true);
-                        }
-                        part
-                    },
-                )
-            })
-            .collect();
-        let (nq, nk) = (b * t * h * d, b * t * h_kv * d);
-        let mut out = vec![0f32; nq + 2 * nk];
-        let (dq_out, dkv_out) = out.split_at_mut(nq);
-        let (dk_out, dv_out) = dkv_out.split_at_mut(nk);
-        for (task, part) in parts.iter().enumerate() {
-            let (bi, g) = (task / h_kv, task % h_kv);
-            let (dq, dkv) = part.split_at(n_rep * t * d);
-            let (dk, dv) = dkv.split_at(t * d);
-            for i in 0..t {
-                for rep in 0..n_rep {
-                    let at = ((bi * t + i) * h + g * n_rep + rep) * d;
-                    dq_out[at..at + d].copy_from_slice(&dq[(rep * t + i) * d..(rep * t + i + 1) * d]);
-                }
-                let at = ((bi * t + i) * h_kv + g) * d;
-                dk_out[at..at + d].copy_from_slice(&dk[i * d..(i + 1) * d]);
-                dv_out[at..at + d].copy_from_slice(&dv[i * d..(i + 1) * d]);
-            }
-        }
-        Ok((CpuStorage::F32(out), Shape::from(nq + 2 * nk)))
+        Ok((self.run(q, k, v)?, Shape::from(self.len)))
+    }
+}
+
+impl CustomOp1 for Grad<'_> {
+    fn name(&self) -> &'static str {
+        "attention-packed-grad"
+    }
+
+    fn cpu_fwd(&self, qkv: &CpuStorage, l: &Layout) -> Result<(CpuStorage, Shape)> {
+        let x = contiguous_f32(qkv, l)?;
+        Ok((self.run(x, x, x)?, Shape::from(self.len)))
     }
 }

@@ -7,6 +7,8 @@
 use candle_core::{CpuStorage, CustomOp3, Layout, Result, Shape, Tensor};
 use rayon::prelude::*;
 
+use super::math::{dot, exp, with_avx2};
+
 struct DecodeAttention {
     scale: f32,
     /// (B, S) 1 for real cache slots, 0 for padding.
@@ -55,39 +57,43 @@ impl CustomOp3 for DecodeAttention {
         out.par_chunks_mut(d).enumerate().for_each_init(
             || vec![0f32; s],
             |scores, (row, out)| {
-                let (bi, hi) = (row / h, row % h);
-                let kvh = hi / n_rep;
-                let qv = &q[row * d..(row + 1) * d];
-                let mask = &self.key_mask[bi * s..(bi + 1) * s];
-                let mut max = f32::NEG_INFINITY;
-                for (j, score) in scores.iter_mut().enumerate() {
-                    if mask[j] == 0.0 {
-                        *score = f32::NEG_INFINITY;
-                        continue;
-                    }
-                    let base = bi * ks[0] + kvh * ks[1] + j * ks[2];
-                    let dot: f32 = qv.iter().zip(&k[base..base + d]).map(|(a, b)| a * b).sum();
-                    *score = dot * self.scale;
-                    max = max.max(*score);
-                }
-                if max == f32::NEG_INFINITY {
-                    return; // no real key (cannot happen for a real token): output 0
-                }
-                let mut total = 0f32;
-                for score in scores.iter_mut() {
-                    *score = (*score - max).exp();
-                    total += *score;
-                }
-                for (j, &p) in scores.iter().enumerate() {
-                    if p == 0.0 {
-                        continue;
-                    }
-                    let w = p / total;
-                    let base = bi * vs[0] + kvh * vs[1] + j * vs[2];
-                    for (o, x) in out.iter_mut().zip(&v[base..base + d]) {
-                        *o += w * x;
-                    }
-                }
+                with_avx2(
+                    #[inline(always)]
+                    || {
+                        let (bi, hi) = (row / h, row % h);
+                        let kvh = hi / n_rep;
+                        let qv = &q[row * d..(row + 1) * d];
+                        let mask = &self.key_mask[bi * s..(bi + 1) * s];
+                        let mut max = f32::NEG_INFINITY;
+                        for (j, score) in scores.iter_mut().enumerate() {
+                            if mask[j] == 0.0 {
+                                *score = f32::NEG_INFINITY;
+                                continue;
+                            }
+                            let base = bi * ks[0] + kvh * ks[1] + j * ks[2];
+                            *score = dot(qv, &k[base..base + d]) * self.scale;
+                            max = max.max(*score);
+                        }
+                        if max == f32::NEG_INFINITY {
+                            return; // no real key (cannot happen for a real token): output 0
+                        }
+                        let mut total = 0f32;
+                        for score in scores.iter_mut() {
+                            *score = exp(*score - max);
+                            total += *score;
+                        }
+                        for (j, &p) in scores.iter().enumerate() {
+                            if p == 0.0 {
+                                continue;
+                            }
+                            let w = p / total;
+                            let base = bi * vs[0] + kvh * vs[1] + j * vs[2];
+                            for (o, x) in out.iter_mut().zip(&v[base..base + d]) {
+                                *o += w * x;
+                            }
+                        }
+                    },
+                )
             },
         );
         Ok((CpuStorage::F32(out), Shape::from((b, h, 1, d))))

@@ -14,7 +14,7 @@ pub(crate) mod math;
 mod norm;
 mod token_logprobs;
 
-pub use attention::{attention, AttentionInputs};
+pub use attention::{attention, attention_packed, AttentionInputs, Packing};
 pub use decode_attention::decode_attention;
 pub use elementwise::{activation, add_bias};
 pub use norm::{layer_norm, rms_norm};

@@ -101,3 +101,27 @@ fn attention_matches_the_composition_with_gqa_partial_rotary_and_padding() {
     let (q, k, v) = (randn(&[b, t, h, d], 0.0), randn(&[b, t, h_kv, d], 0.0), randn(&[b, t, h_kv, d], 0.0));
     check("attention", &[q, k, v], |x| attention(&x[0], &x[1], &x[2], &host, scale), composed, 2e-5);
 }
+
+#[test]
+fn packed_attention_matches_the_composition() {
+    use crate::model::batch::{attention_bias, Inputs, PadSide};
+    let dev = Device::Cpu;
+    let (b, t, h, d, r) = (2, 4, 3, 4, 2);
+    let inputs = Inputs::from_rows(&[vec![1, 2, 3, 4], vec![5, 6]], 0, PadSide::Right, &dev).unwrap();
+    let (bias, _) = attention_bias(&inputs, None).unwrap();
+    let angles = Tensor::randn(0f32, 1.0, (b, 1, t, r / 2), &dev).unwrap();
+    let angles = Tensor::cat(&[&angles, &angles], 3).unwrap();
+    let rotary = (angles.cos().unwrap(), angles.sin().unwrap());
+    let host = AttentionInputs::new(&bias, Some(&rotary)).unwrap();
+    // GPT-NeoX's layout: per head [q | k | v].
+    let packing = Packing { q: 0, k: d, v: 2 * d, head_stride: 3 * d };
+    let composed = |x: &[Tensor]| -> Result<Tensor> {
+        let per_head = x[0].reshape((b, t, h, 3 * d))?;
+        let part = |i: usize| per_head.narrow(3, i * d, d)?.transpose(1, 2)?.contiguous();
+        let q = ops::apply_rotary(&part(0)?, &rotary.0, &rotary.1)?;
+        let k = ops::apply_rotary(&part(1)?, &rotary.0, &rotary.1)?;
+        ops::attention(&q, &k, &part(2)?, &bias, 0.5)?.transpose(1, 2)?.reshape((b, t, h * d))
+    };
+    let fused = |x: &[Tensor]| attention_packed(&x[0], packing, h, d, &host, 0.5);
+    check("attention_packed", &[randn(&[b, t, 3 * h * d], 0.0)], fused, composed, 2e-5);
+}
