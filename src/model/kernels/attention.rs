@@ -215,7 +215,11 @@ impl Attention {
                             for i in 0..t {
                                 let o = &mut out[(rep * t + i) * d..(rep * t + i + 1) * d];
                                 for j in 0..t {
-                                    axpy(o, p[i * t + j], &vh[j * d..(j + 1) * d]);
+                                    // Masked keys (half of them, by causality) weigh exactly 0.
+                                    let pij = p[i * t + j];
+                                    if pij != 0.0 {
+                                        axpy(o, pij, &vh[j * d..(j + 1) * d]);
+                                    }
                                 }
                             }
                         }
@@ -270,7 +274,9 @@ impl Attention {
                                 let doi = &dout[i * d..(i + 1) * d];
                                 let (pi, dsi) = (&p[i * t..(i + 1) * t], &mut ds[i * t..(i + 1) * t]);
                                 for (j, &pij) in pi.iter().enumerate() {
-                                    axpy(&mut dv[j * d..(j + 1) * d], pij, doi);
+                                    if pij != 0.0 {
+                                        axpy(&mut dv[j * d..(j + 1) * d], pij, doi);
+                                    }
                                 }
                                 row_times(dsi, doi, &v_t);
                                 let row_dot: f32 = pi.iter().zip(dsi.iter()).map(|(p, dp)| p * dp).sum();
