@@ -228,5 +228,8 @@ pub fn run(args: TrainArgs) -> Result<()> {
     }
     let summary = rloo::train::rloo::train(&cfg).context("training failed")?;
     eprintln!("trained {} steps ({} episodes) -> {}", summary.steps, summary.episodes, summary.output_dir.display());
+    let t = &summary.timing;
+    let which = if t.after_first { ", after the first" } else { "" };
+    eprintln!("time {} (mean of {} steps{which})", t.describe(), t.steps);
     Ok(())
 }

@@ -31,6 +31,47 @@ pub struct RunSummary {
     pub output_dir: PathBuf,
     /// The last logged metrics.
     pub last: Metrics,
+    /// Where the time of this run's steps went.
+    pub timing: StepTiming,
+}
+
+/// Seconds spent in each phase, summed over steps. The first step of a run
+/// also pays one-time warm-up costs, so it is kept apart.
+#[derive(Debug, Clone, Default)]
+pub struct StepTiming {
+    pub steps: usize,
+    pub completions: usize,
+    pub generation: f64,
+    pub scoring: f64,
+    pub reference: f64,
+    pub training: f64,
+    pub total: f64,
+    /// The sums leave out the run's first step.
+    pub after_first: bool,
+}
+
+impl StepTiming {
+    fn add(&mut self, completions: usize, phases: [f64; 5]) {
+        self.steps += 1;
+        self.completions += completions;
+        let [g, s, r, t, total] = phases;
+        (self.generation, self.scoring, self.reference, self.training, self.total) =
+            (self.generation + g, self.scoring + s, self.reference + r, self.training + t, self.total + total);
+    }
+
+    /// "generation 0.13 s, scoring ..." per step, and completions per second.
+    pub fn describe(&self) -> String {
+        let n = self.steps.max(1) as f64;
+        format!(
+            "per step: generation {:.3} s, scoring {:.3} s, reference {:.3} s, training {:.3} s, total {:.3} s; {:.1} completions/s",
+            self.generation / n,
+            self.scoring / n,
+            self.reference / n,
+            self.training / n,
+            self.total / n,
+            self.completions as f64 / self.total.max(1e-9)
+        )
+    }
 }
 
 /// Everything a step needs that does not change between steps.
@@ -87,6 +128,7 @@ pub fn train(cfg: &TrainConfig) -> Result<RunSummary> {
     let progress = TrainProgress::new(sizes.total_episodes as u64);
     let mut state = start;
     let mut last = Metrics::new();
+    let (mut first_step, mut timing) = (StepTiming::default(), StepTiming::default());
     let run_started = Instant::now();
     while state.step < stop_at {
         let step = state.step;
@@ -181,6 +223,8 @@ pub fn train(cfg: &TrainConfig) -> Result<RunSummary> {
         );
         metrics.set("episode", state.episode as f64);
         metrics.set("eps", sizes.batch as f64 / step_secs);
+        let phases = [t_gen, t_score, t_ref, t_train, step_secs];
+        if state.step as u64 == first_logged { &mut first_step } else { &mut timing }.add(sizes.batch, phases);
         for (name, secs) in [
             ("generation", t_gen),
             ("scoring", t_score),
@@ -231,7 +275,12 @@ pub fn train(cfg: &TrainConfig) -> Result<RunSummary> {
         run_started.elapsed().as_secs_f64(),
         output_dir.display()
     );
-    Ok(RunSummary { steps: state.step, episodes: state.episode, output_dir, last })
+    if timing.steps == 0 {
+        timing = first_step;
+    } else {
+        timing.after_first = true;
+    }
+    Ok(RunSummary { steps: state.step, episodes: state.episode, output_dir, last, timing })
 }
 
 impl Run {
