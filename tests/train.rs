@@ -215,6 +215,60 @@ fn resuming_reproduces_an_uninterrupted_run() {
     }
 }
 
+/// The sampler's log-probs stand in for a forward pass of the sampling
+/// policy: with two PPO epochs (so the ratio moves away from 1) a run logs
+/// the same KL, entropy, ratio and loss either way.
+#[test]
+fn sampler_log_probs_train_like_a_recomputed_forward() {
+    let tmp = tempfile::tempdir().unwrap();
+    let prompts = write_prompts(tmp.path());
+    let p = policy();
+    let run = |out: &Path, recompute: &str| {
+        let args = [
+            "train",
+            "--sft_model_path",
+            &p,
+            "--dataset_name",
+            &prompts,
+            "--output_dir",
+            out.to_str().unwrap(),
+            "--set",
+            "reward=[{type=\"count\", substring=\"e\"}]",
+            "--total_episodes",
+            "16",
+            "--per_device_train_batch_size",
+            "8",
+            "--response_length",
+            "8",
+            "--num_ppo_epochs",
+            "2",
+            "--learning_rate",
+            "1e-4",
+            "--kl_coef",
+            "0.1",
+            "--device",
+            "cpu",
+            "--recompute_old_logprobs",
+            recompute,
+        ];
+        ok(rloo(&args));
+    };
+    let (sampler, forward) = (tmp.path().join("sampler"), tmp.path().join("forward"));
+    run(&sampler, "false");
+    run(&forward, "true");
+    // Metrics, not weights: Adam turns the rounding noise of gradients that
+    // cancel to zero (advantages sum to zero in each group) into whole steps.
+    let (ma, mb) = (metrics(&sampler), metrics(&forward));
+    assert_eq!(ma.len(), 2);
+    for (ra, rb) in ma.iter().zip(&mb) {
+        for key in ["objective/kl", "objective/entropy", "policy/approxkl_avg", "loss/policy_avg", "val/ratio"] {
+            let (x, y) = (ra[key].as_f64().unwrap(), rb[key].as_f64().unwrap());
+            println!("step {} {key}: sampler {x:.6}, recomputed {y:.6}", ra["step"]);
+            assert!((x - y).abs() <= 1e-3 * (1.0 + x.abs()), "step {}: {key} {x} vs {y}", ra["step"]);
+        }
+    }
+}
+
 /// Seed 001's command, with local paths in place of hub ids.
 #[test]
 fn the_trl_example_command_runs_with_local_paths() {
