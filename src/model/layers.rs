@@ -25,6 +25,9 @@ pub struct Context {
     /// Bias and rotary tables on the host, for the fused attention kernel
     /// (whole sequences without a cache, on the CPU).
     whole: Option<kernels::AttentionInputs>,
+    /// Rotary tables on the host, for the rotary kernel (with a cache, on
+    /// the CPU).
+    rotary_host: Option<kernels::RotaryTables>,
 }
 
 impl Context {
@@ -42,7 +45,11 @@ impl Context {
             None if kernels::fused(&bias) => Some(kernels::AttentionInputs::new(&bias, rotary.as_ref())?),
             _ => None,
         };
-        Ok(Self { bias, rotary, key_mask, decode_mask, whole })
+        let rotary_host = match (&rotary, cache) {
+            (Some((cos, sin)), Some(_)) if kernels::fused(cos) => Some(kernels::RotaryTables::new(cos, sin)?),
+            _ => None,
+        };
+        Ok(Self { bias, rotary, key_mask, decode_mask, whole, rotary_host })
     }
 
     /// Hands the key mask to the cache once every layer has appended.
@@ -84,7 +91,10 @@ pub fn self_attention(
     let mut q = qkv.q.transpose(1, 2)?.contiguous()?;
     let mut k = qkv.k.transpose(1, 2)?.contiguous()?;
     let v = qkv.v.transpose(1, 2)?.contiguous()?;
-    if let Some((cos, sin)) = &ctx.rotary {
+    if let (Some(tables), true) = (&ctx.rotary_host, kernels::fused(&q)) {
+        q = kernels::rotary(&q, tables)?;
+        k = kernels::rotary(&k, tables)?;
+    } else if let Some((cos, sin)) = &ctx.rotary {
         q = ops::apply_rotary(&q, cos, sin)?;
         k = ops::apply_rotary(&k, cos, sin)?;
     }

@@ -18,27 +18,24 @@ use rayon::prelude::*;
 
 use super::contiguous_f32;
 use super::math::{exp, with_avx2};
+use super::rotary::RotaryTables;
 
 /// Host copies of what every layer of one forward pass shares.
 #[derive(Clone)]
 pub struct AttentionInputs {
     /// (B, T, S) additive bias: 0 where a query may see a key.
     pub bias: Arc<Vec<f32>>,
-    /// (B, T, R) rotary tables in rotate-half layout, R = 0 for none.
-    pub cos: Arc<Vec<f32>>,
-    pub sin: Arc<Vec<f32>>,
-    pub rotary_dim: usize,
+    pub rotary: RotaryTables,
 }
 
 impl AttentionInputs {
     /// From the (B, 1, T, S) bias and optional (B, 1, T, R) rotary tables.
     pub fn new(bias: &Tensor, rotary: Option<&(Tensor, Tensor)>) -> Result<Self> {
-        let host = |t: &Tensor| -> Result<Arc<Vec<f32>>> { Ok(Arc::new(t.flatten_all()?.to_vec1()?)) };
-        let (cos, sin, rotary_dim) = match rotary {
-            Some((cos, sin)) => (host(cos)?, host(sin)?, cos.dim(3)?),
-            None => (Arc::default(), Arc::default(), 0),
+        let rotary = match rotary {
+            Some((cos, sin)) => RotaryTables::new(cos, sin)?,
+            None => RotaryTables::default(),
         };
-        Ok(Self { bias: host(bias)?, cos, sin, rotary_dim })
+        Ok(Self { bias: Arc::new(bias.flatten_all()?.to_vec1()?), rotary })
     }
 }
 
@@ -47,7 +44,7 @@ impl AttentionInputs {
 pub fn attention(q: &Tensor, k: &Tensor, v: &Tensor, inputs: &AttentionInputs, scale: f64) -> Result<Tensor> {
     let (b, t, h, d) = q.dims4()?;
     let h_kv = k.dim(2)?;
-    let dims = Dims::new(b, t, h, h_kv, d, inputs.rotary_dim)?;
+    let dims = Dims::new(b, t, h, h_kv, d, inputs.rotary.dim)?;
     let views = [View::heads(h, d), View::heads(h_kv, d), View::heads(h_kv, d)];
     let op = Attention { inputs: inputs.clone(), scale: scale as f32, dims, views };
     q.contiguous()?.apply_op3(&k.contiguous()?, &v.contiguous()?, op)?.reshape((b, t, h * d))
@@ -75,7 +72,7 @@ pub fn attention_packed(
     scale: f64,
 ) -> Result<Tensor> {
     let (b, t, w) = qkv.dims3()?;
-    let dims = Dims::new(b, t, heads, heads, head_dim, inputs.rotary_dim)?;
+    let dims = Dims::new(b, t, heads, heads, head_dim, inputs.rotary.dim)?;
     let view = |offset| View { offset, token_stride: w, head_stride: packing.head_stride };
     let views = [view(packing.q), view(packing.k), view(packing.v)];
     let op = Attention { inputs: inputs.clone(), scale: scale as f32, dims, views };
@@ -90,7 +87,6 @@ struct Dims {
     h: usize,
     h_kv: usize,
     d: usize,
-    r: usize,
 }
 
 impl Dims {
@@ -98,7 +94,7 @@ impl Dims {
         if h_kv == 0 || h % h_kv != 0 || r > d || r % 2 != 0 {
             candle_core::bail!("attention: {h} query heads over {h_kv} key heads, rotary {r} of {d}");
         }
-        Ok(Self { b, t, h, h_kv, d, r })
+        Ok(Self { b, t, h, h_kv, d })
     }
 }
 
@@ -135,19 +131,7 @@ impl Attention {
     /// `inverse` rotates back (the transpose, for gradients).
     #[inline(always)]
     fn rotate(&self, x: &mut [f32], bi: usize, ti: usize, inverse: bool) {
-        let (r, t) = (self.dims.r, self.dims.t);
-        if r == 0 {
-            return;
-        }
-        let at = (bi * t + ti) * r;
-        let (cos, sin) = (&self.inputs.cos[at..at + r], &self.inputs.sin[at..at + r]);
-        let half = r / 2;
-        let sign = if inverse { -1.0 } else { 1.0 };
-        for i in 0..half {
-            let (x1, x2) = (x[i], x[i + half]);
-            x[i] = x1 * cos[i] - sign * x2 * sin[i];
-            x[i + half] = x2 * cos[i + half] + sign * x1 * sin[i + half];
-        }
+        self.inputs.rotary.rotate(x, bi * self.dims.t + ti, inverse);
     }
 
     /// The (T, D) rows of head `hi` of row `bi` read through `view`,

@@ -12,12 +12,14 @@ mod decode_attention;
 mod elementwise;
 pub(crate) mod math;
 mod norm;
+mod rotary;
 mod token_logprobs;
 
 pub use attention::{attention, attention_packed, AttentionInputs, Packing};
 pub use decode_attention::decode_attention;
 pub use elementwise::{activation, add_bias};
 pub use norm::{layer_norm, rms_norm};
+pub use rotary::{rotary, RotaryTables};
 pub use token_logprobs::token_logprobs;
 
 use candle_core::{CpuStorage, DType, Layout, Result, Tensor};

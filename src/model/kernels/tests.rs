@@ -125,3 +125,20 @@ fn packed_attention_matches_the_composition() {
     let fused = |x: &[Tensor]| attention_packed(&x[0], packing, h, d, &host, 0.5);
     check("attention_packed", &[randn(&[b, t, 3 * h * d], 0.0)], fused, composed, 2e-5);
 }
+
+#[test]
+fn rotary_matches_the_composition() {
+    let dev = Device::Cpu;
+    let (b, h, t, d, r) = (2, 3, 5, 6, 4);
+    let angles = Tensor::randn(0f32, 1.0, (b, 1, t, r / 2), &dev).unwrap();
+    let angles = Tensor::cat(&[&angles, &angles], 3).unwrap();
+    let (cos, sin) = (angles.cos().unwrap(), angles.sin().unwrap());
+    let tables = RotaryTables::new(&cos, &sin).unwrap();
+    check(
+        "rotary",
+        &[randn(&[b, h, t, d], 0.0)],
+        |x| rotary(&x[0], &tables),
+        |x| ops::apply_rotary(&x[0], &cos, &sin),
+        1e-5,
+    );
+}
