@@ -11,6 +11,20 @@ pub use jsonl::{read_rows, JsonlWriter, Row};
 pub use prompt::{Message, Prompt};
 pub use tokenizer::{copy_tokenizer_files, Tokenizer, TOKENIZER_FILES};
 
+/// The training rows and the evaluation rows: `eval` when a separate set was
+/// given, else `fraction` of `rows` held out (see [`hold_out`]).
+pub fn split_eval<T>(
+    rows: Vec<T>,
+    eval: Option<Vec<T>>,
+    fraction: f64,
+    rng: &mut crate::generate::Rng,
+) -> (Vec<T>, Vec<T>) {
+    match eval {
+        Some(eval) => (rows, eval),
+        None => hold_out(rows, fraction, rng),
+    }
+}
+
 /// Shuffles `rows` with `rng` and holds out `fraction` of them (at least one
 /// row stays for training): returns (train, held out).
 pub fn hold_out<T>(rows: Vec<T>, fraction: f64, rng: &mut crate::generate::Rng) -> (Vec<T>, Vec<T>) {

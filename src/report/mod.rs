@@ -15,3 +15,8 @@ pub use progress::TrainProgress;
 pub use samples::{Sample, SampleWriter};
 pub use table::{render_table, terminal_width, SampleTable};
 pub use tensorboard::TensorBoardWriter;
+
+/// New metrics files in `dir`: `metrics.jsonl` and TensorBoard events.
+pub fn metric_sinks(dir: &std::path::Path) -> crate::error::Result<Vec<Box<dyn MetricsSink>>> {
+    Ok(vec![Box::new(JsonlMetrics::create(dir)?), Box::new(TensorBoardWriter::create(dir)?)])
+}

@@ -11,15 +11,15 @@ use serde_json::Value;
 
 use super::config::Schedule;
 use super::optim::{learning_rate, AdamW, GradAccumulator};
-use crate::data::hold_out;
 use crate::data::jsonl::{read_rows, Row};
+use crate::data::split_eval;
 use crate::data::{Prompt, Tokenizer};
 use crate::error::{Error, Result};
 use crate::generate::Rng;
 use crate::model::hub::resolve_model;
 use crate::model::ops::log_softmax_last;
 use crate::model::{parse_device, HeadKind, Inputs, Model, Network, PadSide};
-use crate::report::{JsonlMetrics, Metrics, MetricsSink, TensorBoardWriter};
+use crate::report::{metric_sinks, Metrics, MetricsSink};
 use crate::reward::model::encode_pair;
 
 #[derive(Debug, Clone)]
@@ -163,20 +163,12 @@ pub fn train_reward_model(cfg: &RewardTrainConfig) -> Result<RewardTrainSummary>
             model.set_config_key("pad_token_id", pad.into());
         }
     }
-    let mut train = load_pairs(Path::new(&cfg.dataset), &tok, cfg.max_length)?;
-    let eval = match &cfg.eval_dataset {
-        Some(path) => load_pairs(Path::new(path), &tok, cfg.max_length)?,
-        None => {
-            let (kept, eval) =
-                hold_out(std::mem::take(&mut train), cfg.eval_fraction, &mut Rng::stream(cfg.seed, &[0x7e]));
-            train = kept;
-            eval
-        }
-    };
+    let train = load_pairs(Path::new(&cfg.dataset), &tok, cfg.max_length)?;
+    let eval = cfg.eval_dataset.as_ref().map(|path| load_pairs(Path::new(path), &tok, cfg.max_length)).transpose()?;
+    let (train, eval) = split_eval(train, eval, cfg.eval_fraction, &mut Rng::stream(cfg.seed, &[0x7e]));
     let output_dir = PathBuf::from(&cfg.output_dir);
     std::fs::create_dir_all(&output_dir).map_err(|e| Error::io(&output_dir, e))?;
-    let mut sinks: Vec<Box<dyn MetricsSink>> =
-        vec![Box::new(JsonlMetrics::create(&output_dir)?), Box::new(TensorBoardWriter::create(&output_dir)?)];
+    let mut sinks = metric_sinks(&output_dir)?;
     let mini = cfg.per_device_train_batch_size * cfg.gradient_accumulation_steps;
     let steps_per_epoch = train.len().div_ceil(mini);
     let total = steps_per_epoch * cfg.num_train_epochs;

@@ -20,7 +20,9 @@ use crate::io::write_atomic;
 use crate::model::hub::resolve_model;
 use crate::model::scoring::{completion_logprobs, completion_logprobs_chunked, Sequences, TokenLogprobs};
 use crate::model::{parse_device, HeadKind, Model, Network};
-use crate::report::{JsonlMetrics, Metrics, MetricsSink, SampleTable, SampleWriter, TensorBoardWriter, TrainProgress};
+use crate::report::{
+    metric_sinks, JsonlMetrics, Metrics, MetricsSink, SampleTable, SampleWriter, TensorBoardWriter, TrainProgress,
+};
 use crate::reward::{self, RewardSet, Sample, Shaping};
 
 /// What a finished (or stopped) run reports.
@@ -54,9 +56,12 @@ impl StepTiming {
     fn add(&mut self, completions: usize, phases: [f64; 5]) {
         self.steps += 1;
         self.completions += completions;
-        let [g, s, r, t, total] = phases;
-        (self.generation, self.scoring, self.reference, self.training, self.total) =
-            (self.generation + g, self.scoring + s, self.reference + r, self.training + t, self.total + total);
+        let [generation, scoring, reference, training, total] = phases;
+        self.generation += generation;
+        self.scoring += scoring;
+        self.reference += reference;
+        self.training += training;
+        self.total += total;
     }
 
     /// "generation 0.13 s, scoring ..." per step, and completions per second.
@@ -109,7 +114,7 @@ pub fn train(cfg: &TrainConfig) -> Result<RunSummary> {
 
     let first_logged = start.step as u64 + 1;
     let mut sinks: Vec<Box<dyn MetricsSink>> = if start.step == 0 {
-        vec![Box::new(JsonlMetrics::create(&output_dir)?), Box::new(TensorBoardWriter::create(&output_dir)?)]
+        metric_sinks(&output_dir)?
     } else {
         vec![
             Box::new(JsonlMetrics::resume(&output_dir, first_logged)?),
@@ -174,7 +179,7 @@ pub fn train(cfg: &TrainConfig) -> Result<RunSummary> {
         let old = if cfg.rloo.recompute_old_logprobs {
             run.logprobs_in_chunks(run.policy.frozen(), &seqs, temperature)?
         } else {
-            sampler_logprobs(rollout.completions.flat(), &run.device)?
+            sampler_logprobs(rollout.completions.flat(), &seqs, &run.device)?
         };
         let reference = match &run.reference {
             Some(r) => Some(run.logprobs_in_chunks(r.frozen(), &seqs, temperature)?.logprobs),
@@ -504,19 +509,22 @@ impl Run {
     }
 }
 
-/// The sampler's log-probs and entropies of each completion, laid out like
-/// [`completion_logprobs`]' output: (N, Tc), zero-padded, with the mask.
-fn sampler_logprobs(completions: &[Completion], device: &Device) -> Result<TokenLogprobs> {
-    let width = completions.iter().map(|c| c.tokens.len()).max().unwrap_or(0);
-    let padded = |values: &dyn Fn(&Completion) -> Vec<f32>| -> Result<Tensor> {
-        let data: Vec<f32> =
-            completions.iter().flat_map(|c| values(c).into_iter().chain(std::iter::repeat(0.0)).take(width)).collect();
+/// The sampler's log-probs and entropies of each completion (`seqs` holds
+/// the same completions), laid out like [`completion_logprobs`]' output:
+/// (N, Tc), zero-padded, with the mask.
+fn sampler_logprobs(completions: &[Completion], seqs: &Sequences, device: &Device) -> Result<TokenLogprobs> {
+    let width = seqs.completion_width();
+    let padded = |values: fn(&Completion) -> &[f32]| -> Result<Tensor> {
+        let data: Vec<f32> = completions
+            .iter()
+            .flat_map(|c| values(c).iter().copied().chain(std::iter::repeat(0.0)).take(width))
+            .collect();
         Ok(Tensor::from_vec(data, (completions.len(), width), device)?)
     };
     Ok(TokenLogprobs {
-        logprobs: padded(&|c| c.logprobs.clone())?,
-        entropy: padded(&|c| c.entropies.clone())?,
-        mask: padded(&|c| vec![1.0; c.tokens.len()])?,
+        logprobs: padded(|c| &c.logprobs)?,
+        entropy: padded(|c| &c.entropies)?,
+        mask: seqs.mask(device)?,
     })
 }
 

@@ -16,15 +16,15 @@ use serde_json::Value;
 
 use super::config::Schedule;
 use super::optim::{learning_rate, AdamW, GradAccumulator};
-use crate::data::hold_out;
 use crate::data::jsonl::{read_rows, Row};
+use crate::data::split_eval;
 use crate::data::{Message, Prompt, Tokenizer};
 use crate::error::{Error, Result};
 use crate::generate::Rng;
 use crate::model::hub::resolve_model;
 use crate::model::scoring::{completion_logprobs, Sequences};
 use crate::model::{parse_device, HeadKind, Model, Network};
-use crate::report::{JsonlMetrics, Metrics, MetricsSink, TensorBoardWriter};
+use crate::report::{metric_sinks, Metrics, MetricsSink};
 
 #[derive(Debug, Clone, Serialize, Deserialize)]
 #[serde(deny_unknown_fields, default)]
@@ -217,20 +217,12 @@ pub fn train_sft(cfg: &SftConfig) -> Result<SftSummary> {
         return Err(Error::bad_file(&dir, "SFT needs a causal LM"));
     }
     let tok = Tokenizer::from_dir(&dir)?;
-    let mut train = load_examples(Path::new(&cfg.dataset), &tok, cfg)?;
-    let eval = match &cfg.eval_dataset {
-        Some(path) => load_examples(Path::new(path), &tok, cfg)?,
-        None => {
-            let (kept, eval) =
-                hold_out(std::mem::take(&mut train), cfg.eval_fraction, &mut Rng::stream(cfg.seed, &[0x5f7]));
-            train = kept;
-            eval
-        }
-    };
+    let train = load_examples(Path::new(&cfg.dataset), &tok, cfg)?;
+    let eval = cfg.eval_dataset.as_ref().map(|path| load_examples(Path::new(path), &tok, cfg)).transpose()?;
+    let (train, eval) = split_eval(train, eval, cfg.eval_fraction, &mut Rng::stream(cfg.seed, &[0x5f7]));
     let output_dir = PathBuf::from(&cfg.output_dir);
     std::fs::create_dir_all(&output_dir).map_err(|e| Error::io(&output_dir, e))?;
-    let mut sinks: Vec<Box<dyn MetricsSink>> =
-        vec![Box::new(JsonlMetrics::create(&output_dir)?), Box::new(TensorBoardWriter::create(&output_dir)?)];
+    let mut sinks = metric_sinks(&output_dir)?;
 
     let mini = cfg.per_device_train_batch_size * cfg.gradient_accumulation_steps;
     let steps_per_epoch = train.len().div_ceil(mini);

@@ -12,10 +12,8 @@ use candle_core::{CpuStorage, CustomOp1, CustomOp3, Layout, Result, Shape, Tenso
 use rayon::prelude::*;
 
 use super::math::{exp, with_avx2};
+use super::rows_per_task;
 use crate::model::ops;
-
-/// Rows per parallel task: enough work per task to amortise its dispatch.
-const ROWS_PER_TASK: usize = 4;
 
 /// logits: (N, V); `targets`: N token ids. Returns (logprobs, entropy), both
 /// (N,); only the log-probs are differentiable.
@@ -56,12 +54,13 @@ impl CustomOp1 for TokenLogprobs {
     fn cpu_fwd(&self, storage: &CpuStorage, layout: &Layout) -> Result<(CpuStorage, Shape)> {
         let (n, v, logits) = rows(storage, layout, "token-logprobs")?;
         let mut out = vec![0f32; n * 2];
-        out.par_chunks_mut(2 * ROWS_PER_TASK).enumerate().for_each(|(task, out)| {
+        let per_task = rows_per_task(v);
+        out.par_chunks_mut(2 * per_task).enumerate().for_each(|(task, out)| {
             with_avx2(
                 #[inline(always)]
                 || {
                     for (r, out) in out.chunks_mut(2).enumerate() {
-                        let i = task * ROWS_PER_TASK + r;
+                        let i = task * per_task + r;
                         let row = &logits[i * v..(i + 1) * v];
                         let (lse, entropy) = log_sum_exp_and_entropy(row, self.inv_temperature);
                         out[0] = row[self.targets[i] as usize] * self.inv_temperature - lse;
@@ -133,9 +132,10 @@ impl CustomOp3 for TokenLogprobsGrad {
         let grad_out = &grad_out.as_slice::<f32>()?[grad_l.start_offset()..];
         let s = self.inv_temperature;
         let mut grad = vec![0f32; n * v];
-        grad.par_chunks_mut(v * ROWS_PER_TASK).enumerate().for_each(|(task, grad)| {
+        let per_task = rows_per_task(v);
+        grad.par_chunks_mut(v * per_task).enumerate().for_each(|(task, grad)| {
             for (r, grad) in grad.chunks_mut(v).enumerate() {
-                let i = task * ROWS_PER_TASK + r;
+                let i = task * per_task + r;
                 let g = grad_out[2 * i];
                 if g == 0.0 {
                     continue; // masked positions: the buffer is already zero
