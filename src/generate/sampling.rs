@@ -3,7 +3,7 @@
 //! transformers' order (temperature, top-k, top-p, min-p).
 
 use super::rng::Rng;
-use crate::model::kernels::math::{exp, with_avx2};
+use crate::model::kernels::math::{exp, max, with_avx2};
 
 #[derive(Debug, Clone, PartialEq)]
 pub enum Sampling {
@@ -82,10 +82,13 @@ impl Sampling {
     /// across calls to avoid allocating per token.
     pub fn pick(&self, logits: &[f32], rng: &mut Rng, scratch: &mut Scratch) -> Pick {
         let inv_t = 1.0 / self.logprob_temperature();
-        let max = logits.iter().copied().fold(f32::NEG_INFINITY, f32::max);
-        let (s0, s1) = with_avx2(
+        let (top, s0, s1) = with_avx2(
             #[inline(always)]
-            || weights(logits, max, inv_t, &mut scratch.weights),
+            || {
+                let top = max(logits);
+                let (s0, s1) = weights(logits, top, inv_t, &mut scratch.weights);
+                (top, s0, s1)
+            },
         );
         let token = match *self {
             Self::Greedy => argmax(logits),
@@ -105,7 +108,7 @@ impl Sampling {
         let log_norm = s0.ln();
         Pick {
             token,
-            logprob: (logits[token as usize] - max) * inv_t - log_norm as f32,
+            logprob: (logits[token as usize] - top) * inv_t - log_norm as f32,
             entropy: (log_norm - s1 / s0) as f32,
         }
     }

@@ -137,11 +137,7 @@ impl Linear {
     }
 
     pub fn forward(&self, x: &Tensor) -> Result<Tensor> {
-        let y = ops::linear(x, &self.weight, None)?;
-        match &self.bias {
-            Some(bias) => kernels::add_bias(&y, bias),
-            None => Ok(y),
-        }
+        kernels::linear(x, &self.weight, self.bias.as_ref())
     }
 }
 

@@ -9,7 +9,7 @@ use candle_core::{Device, Result as TResult, Tensor, D};
 use super::batch::{Inputs, KvCache};
 use super::config::{ArchConfig, HeadKind, ModelConfig};
 use super::weights::{ParamStore, Source, WeightFiles, Weights};
-use super::{gpt2, gpt_neox, llama, ops};
+use super::{gpt2, gpt_neox, kernels, llama, ops};
 use crate::error::{Error, Result};
 
 /// The transformer body: embeddings through the final norm.
@@ -88,7 +88,17 @@ impl Network {
     /// of positions so the full (B, T, V) logits are never materialised.
     pub fn project(&self, hidden: &Tensor) -> TResult<Tensor> {
         match &self.head {
-            Head::Lm(w) | Head::Score(w) => ops::linear(hidden, w, None),
+            Head::Lm(w) | Head::Score(w) => kernels::linear(hidden, w, None),
+        }
+    }
+
+    /// The log-prob of each target under the LM head at temperature `T`
+    /// and the entropy of that distribution, from hidden states (N, H): both
+    /// (N,), only the log-probs differentiable.
+    pub fn token_logprobs(&self, hidden: &Tensor, targets: &[u32], temperature: f64) -> TResult<(Tensor, Tensor)> {
+        match &self.head {
+            Head::Lm(w) => kernels::token_logprobs(hidden, w, targets, temperature),
+            Head::Score(_) => candle_core::bail!("token log-probs need an LM head, not a score head"),
         }
     }
 

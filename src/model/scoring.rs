@@ -5,7 +5,6 @@
 use candle_core::{DType, Device, Tensor};
 
 use super::batch::{Inputs, PadSide};
-use super::kernels;
 use super::network::Network;
 use crate::error::{Error, Result};
 
@@ -116,8 +115,7 @@ pub fn completion_logprobs(
         }
     }
     let picked = hidden.reshape((b * t, h))?.index_select(&Tensor::from_vec(at, n * width, device)?, 0)?;
-    let logits = net.project(&picked)?; // (N * Tc, V)
-    let (logprobs, entropy) = kernels::token_logprobs(&logits, &targets, temperature)?;
+    let (logprobs, entropy) = net.token_logprobs(&picked, &targets, temperature)?;
     let (logprobs, entropy) = (logprobs.reshape((n, width))?, entropy.reshape((n, width))?);
     Ok(TokenLogprobs { logprobs: (logprobs * &mask)?, entropy: (entropy * &mask)?, mask })
 }

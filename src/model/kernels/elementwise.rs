@@ -1,21 +1,12 @@
-//! Bias addition and activations with their backward passes. candle's
-//! broadcast add reduces its gradient over the rows on one thread, and its
-//! activation gradients are chains of five to ten whole-tensor ops.
+//! Activations with their backward passes: candle's activation gradients
+//! are chains of five to ten whole-tensor ops.
 
 use candle_core::{CpuStorage, CustomOp1, CustomOp2, Layout, Result, Shape, Tensor};
 use rayon::prelude::*;
 
+use super::contiguous_f32;
 use super::math::{erf, exp, with_avx2};
-use super::{contiguous_f32, rows_per_task};
 use crate::model::ops::Activation;
-
-/// `x + bias` with `bias` (H,) added to every row of `x` (..., H).
-pub fn add_bias(x: &Tensor, bias: &Tensor) -> Result<Tensor> {
-    if !(super::fused(x) && super::fused(bias)) {
-        return x.broadcast_add(bias);
-    }
-    x.contiguous()?.apply_op2(&bias.contiguous()?, AddBias)
-}
 
 /// The activation applied elementwise.
 pub fn activation(x: &Tensor, act: Activation) -> Result<Tensor> {
@@ -59,66 +50,6 @@ fn map2(x: &[f32], y: &[f32], f: impl Fn(f32, f32) -> f32 + Sync) -> Vec<f32> {
 
 /// Elements per parallel task of the elementwise kernels.
 const CHUNK: usize = 1 << 14;
-
-struct AddBias;
-
-impl CustomOp2 for AddBias {
-    fn name(&self) -> &'static str {
-        "add-bias"
-    }
-
-    fn cpu_fwd(&self, x: &CpuStorage, x_l: &Layout, b: &CpuStorage, b_l: &Layout) -> Result<(CpuStorage, Shape)> {
-        let (x, b) = (contiguous_f32(x, x_l)?, contiguous_f32(b, b_l)?);
-        let h = b.len();
-        if x.len() % h != 0 {
-            candle_core::bail!("add-bias: {:?} rows do not match a bias of {h}", x_l.dims());
-        }
-        let mut out = vec![0f32; x.len()];
-        let chunk = rows_per_task(h) * h;
-        out.par_chunks_mut(chunk).zip(x.par_chunks(chunk)).for_each(|(o, x)| {
-            for (o, x) in o.chunks_mut(h).zip(x.chunks(h)) {
-                for ((o, x), b) in o.iter_mut().zip(x).zip(b) {
-                    *o = x + b;
-                }
-            }
-        });
-        Ok((CpuStorage::F32(out), x_l.shape().clone()))
-    }
-
-    fn bwd(&self, _x: &Tensor, b: &Tensor, _y: &Tensor, grad: &Tensor) -> Result<(Option<Tensor>, Option<Tensor>)> {
-        let h = b.dim(0)?;
-        let grad_b = grad.contiguous()?.reshape(((), h))?.apply_op1_no_bwd(&ColumnSum)?;
-        Ok((Some(grad.clone()), Some(grad_b)))
-    }
-}
-
-/// (N, H) -> (H,): the sum of the rows.
-struct ColumnSum;
-
-impl CustomOp1 for ColumnSum {
-    fn name(&self) -> &'static str {
-        "column-sum"
-    }
-
-    fn cpu_fwd(&self, s: &CpuStorage, l: &Layout) -> Result<(CpuStorage, Shape)> {
-        let x = contiguous_f32(s, l)?;
-        let h = l.dims()[1];
-        let partial = |rows: &[f32]| {
-            let mut acc = vec![0f32; h];
-            for row in rows.chunks(h) {
-                for (a, x) in acc.iter_mut().zip(row) {
-                    *a += x;
-                }
-            }
-            acc
-        };
-        let sums = x
-            .par_chunks(rows_per_task(h) * h)
-            .map(partial)
-            .reduce(|| vec![0f32; h], |a, b| a.iter().zip(&b).map(|(a, b)| a + b).collect());
-        Ok((CpuStorage::F32(sums), Shape::from(h)))
-    }
-}
 
 struct Act(Activation);
 

@@ -77,6 +77,21 @@ pub fn dot(a: &[f32], b: &[f32]) -> f32 {
     acc.iter().sum::<f32>() + tail
 }
 
+/// The largest element (-inf for an empty row), with eight running maxima
+/// so the loop vectorises.
+#[inline(always)]
+pub fn max(row: &[f32]) -> f32 {
+    let mut m = [f32::NEG_INFINITY; 8];
+    let chunks = row.chunks_exact(8);
+    let tail = chunks.remainder();
+    for c in chunks {
+        for j in 0..8 {
+            m[j] = m[j].max(c[j]);
+        }
+    }
+    tail.iter().chain(&m).fold(f32::NEG_INFINITY, |a, &b| a.max(b))
+}
+
 /// Runs `f`, compiled for AVX2 and FMA where the CPU has them.
 #[inline(always)]
 pub fn with_avx2<R>(f: impl FnOnce() -> R) -> R {

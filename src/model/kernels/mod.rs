@@ -10,6 +10,7 @@
 mod attention;
 mod decode_attention;
 mod elementwise;
+mod linear;
 pub(crate) mod math;
 mod norm;
 mod rotary;
@@ -17,7 +18,8 @@ mod token_logprobs;
 
 pub use attention::{attention, attention_packed, AttentionInputs, Packing};
 pub use decode_attention::decode_attention;
-pub use elementwise::{activation, add_bias};
+pub use elementwise::activation;
+pub use linear::linear;
 pub use norm::{layer_norm, rms_norm};
 pub use rotary::{rotary, RotaryTables};
 pub use token_logprobs::token_logprobs;

@@ -64,10 +64,23 @@ fn rms_norm_matches_the_composition() {
 }
 
 #[test]
-fn add_bias_matches_broadcast_add() {
-    // 300 rows: several parallel tasks, the last one partial.
-    let (x, b) = (randn(&[3, 100, 96], 0.0), randn(&[96], 0.0));
-    check("add_bias", &[x, b], |t| add_bias(&t[0], &t[1]), |t| t[0].broadcast_add(&t[1]), 1e-5);
+fn linear_matches_the_composition() {
+    // 300 rows: several parallel tasks for the bias gradient, the last one partial.
+    let (x, w, b) = (randn(&[3, 100, 48], 0.0), randn(&[40, 48], 0.0), randn(&[40], 0.0));
+    check(
+        "linear",
+        &[x.clone(), w.clone(), b],
+        |t| linear(&t[0], &t[1], Some(&t[2])),
+        |t| ops::linear(&t[0], &t[1], Some(&t[2])),
+        1e-5,
+    );
+    check(
+        "linear, no bias",
+        &[x.flatten_to(1).unwrap(), w],
+        |t| linear(&t[0], &t[1], None),
+        |t| ops::linear(&t[0], &t[1], None),
+        1e-5,
+    );
 }
 
 #[test]

@@ -1,37 +1,47 @@
-//! Log-softmax, gather and entropy over the vocabulary in one pass: the
-//! log-prob of each row's target token under `softmax(logits / T)` and the
-//! entropy of that distribution, without materialising the (N, V)
-//! log-softmax. That tensor and the ones its composition keeps for backward
-//! dominate the memory of a training step on a large vocabulary.
+//! The LM head, log-softmax, gather and entropy as one op: from hidden
+//! states, the log-prob of each row's target token under
+//! `softmax(h w^T / T)` and the entropy of that distribution, without the
+//! (N, V) log-softmax or its composition's intermediates, which dominate the
+//! memory of a training step on a large vocabulary.
 //!
-//! The backward pass recomputes the softmax from the logits and the saved
-//! log-sum-exp instead of storing it: d logit_v = g / T * (1[v = target] - p_v).
-//! The entropy is a metric and carries no gradient.
+//! The forward pass keeps its logits for the backward, which turns them in
+//! place into d logit_v = g / T * (1[v = target] - p_v) and multiplies out
+//! d h and d w: the (N, V) gradient never enters candle's gradient store,
+//! which would zero a buffer of that size and add it in on one thread. The
+//! entropy is a metric and carries no gradient.
 
-use candle_core::{CpuStorage, CustomOp1, CustomOp3, Layout, Result, Shape, Tensor, D};
+use std::sync::Mutex;
+
+use candle_core::{CpuStorage, CustomOp2, Layout, Result, Shape, Tensor, D};
 use rayon::prelude::*;
 
-use super::math::{exp, with_avx2};
-use super::rows_per_task;
+use super::linear::{matmul, Operand};
+use super::math::{exp, max, with_avx2};
+use super::{contiguous_f32, rows_per_task};
 use crate::model::ops;
 
-/// logits: (N, V); `targets`: N token ids. Returns (logprobs, entropy), both
-/// (N,); only the log-probs are differentiable.
-pub fn token_logprobs(logits: &Tensor, targets: &[u32], temperature: f64) -> Result<(Tensor, Tensor)> {
-    let (n, _) = logits.dims2()?;
+/// `hidden`: (N, H); `head`: the (V, H) LM head; `targets`: N token ids.
+/// Returns (logprobs, entropy), both (N,); only the log-probs are differentiable.
+pub fn token_logprobs(hidden: &Tensor, head: &Tensor, targets: &[u32], temperature: f64) -> Result<(Tensor, Tensor)> {
+    let (n, _) = hidden.dims2()?;
     if targets.len() != n {
         candle_core::bail!("token-logprobs: {} targets for {n} rows", targets.len());
     }
-    if !super::fused(logits) {
-        return composed(logits, targets, temperature);
+    if !(super::fused(hidden) && super::fused(head)) {
+        return composed(&ops::linear(hidden, head, None)?, targets, temperature);
     }
-    let op = TokenLogprobs { targets: targets.to_vec(), inv_temperature: (1.0 / temperature) as f32 };
+    let op = TokenLogprobs {
+        targets: targets.to_vec(),
+        inv_temperature: (1.0 / temperature) as f32,
+        keep_logits: hidden.track_op() || head.track_op(),
+        logits: Mutex::new(None),
+    };
     // (N, 2): [log-prob, entropy] per row.
-    let out = logits.contiguous()?.apply_op1(op)?;
+    let out = hidden.contiguous()?.apply_op2(&head.contiguous()?, op)?;
     Ok((out.narrow(1, 0, 1)?.squeeze(1)?, out.narrow(1, 1, 1)?.squeeze(1)?.detach()))
 }
 
-/// The same values from differentiable candle ops: any device and dtype.
+/// The same values from differentiable candle ops on the logits: any device and dtype.
 fn composed(logits: &Tensor, targets: &[u32], temperature: f64) -> Result<(Tensor, Tensor)> {
     let logp = ops::log_softmax_last(&(logits / temperature)?)?;
     let ids = Tensor::from_slice(targets, (targets.len(), 1), logits.device())?;
@@ -44,15 +54,42 @@ fn composed(logits: &Tensor, targets: &[u32], temperature: f64) -> Result<(Tenso
 struct TokenLogprobs {
     targets: Vec<u32>,
     inv_temperature: f32,
+    /// Whether a backward pass may follow, so the logits are worth keeping.
+    keep_logits: bool,
+    logits: Mutex<Option<Vec<f32>>>,
 }
 
-impl CustomOp1 for TokenLogprobs {
+/// Checks `hidden` (N, H) against `head` (V, H); returns (N, H, V).
+fn sizes(h_l: &Layout, w_l: &Layout) -> Result<(usize, usize, usize)> {
+    match (h_l.dims(), w_l.dims()) {
+        ([n, h], [v, w_h]) if h == w_h => Ok((*n, *h, *v)),
+        (h, w) => candle_core::bail!("token-logprobs: hidden states {h:?} do not fit a head of {w:?}"),
+    }
+}
+
+/// The (N, V) logits `hidden @ head^T`.
+fn logits(hidden: &[f32], head: &[f32], (n, h, v): (usize, usize, usize)) -> Vec<f32> {
+    let mut logits = Vec::with_capacity(n * v);
+    matmul(
+        &mut logits,
+        false,
+        n,
+        v,
+        h,
+        Operand { data: hidden, row: h, col: 1 },
+        Operand { data: head, row: 1, col: h },
+    );
+    logits
+}
+
+impl CustomOp2 for TokenLogprobs {
     fn name(&self) -> &'static str {
         "token-logprobs"
     }
 
-    fn cpu_fwd(&self, storage: &CpuStorage, layout: &Layout) -> Result<(CpuStorage, Shape)> {
-        let (n, v, logits) = rows(storage, layout, "token-logprobs")?;
+    fn cpu_fwd(&self, h_s: &CpuStorage, h_l: &Layout, w_s: &CpuStorage, w_l: &Layout) -> Result<(CpuStorage, Shape)> {
+        let (n, h, v) = sizes(h_l, w_l)?;
+        let logits = logits(contiguous_f32(h_s, h_l)?, contiguous_f32(w_s, w_l)?, (n, h, v));
         let mut out = vec![0f32; n * 2];
         let per_task = rows_per_task(v);
         out.par_chunks_mut(2 * per_task).enumerate().for_each(|(task, out)| {
@@ -69,13 +106,33 @@ impl CustomOp1 for TokenLogprobs {
                 },
             )
         });
+        if self.keep_logits {
+            *self.logits.lock().unwrap_or_else(|e| e.into_inner()) = Some(logits);
+        }
         Ok((CpuStorage::F32(out), Shape::from((n, 2))))
     }
 
-    fn bwd(&self, logits: &Tensor, out: &Tensor, grad_out: &Tensor) -> Result<Option<Tensor>> {
-        let grad = TokenLogprobsGrad { targets: self.targets.clone(), inv_temperature: self.inv_temperature };
-        let grad_logits = logits.apply_op3_no_bwd(&out.contiguous()?, &grad_out.contiguous()?, &grad)?;
-        Ok(Some(grad_logits))
+    fn bwd(
+        &self,
+        hidden: &Tensor,
+        head: &Tensor,
+        out: &Tensor,
+        grad_out: &Tensor,
+    ) -> Result<(Option<Tensor>, Option<Tensor>)> {
+        let (n, h) = hidden.dims2()?;
+        let v = head.dim(0)?;
+        let grad = TokenLogprobsGrad {
+            targets: self.targets.clone(),
+            inv_temperature: self.inv_temperature,
+            out: out.flatten_all()?.to_vec1()?,
+            grad_out: grad_out.flatten_all()?.to_vec1()?,
+            // A second backward pass over the same graph recomputes them.
+            logits: Mutex::new(self.logits.lock().unwrap_or_else(|e| e.into_inner()).take()),
+        };
+        let all = hidden.apply_op2_no_bwd(head, &grad)?;
+        let d_hidden = all.narrow(0, 0, n * h)?.reshape((n, h))?;
+        let d_head = all.narrow(0, n * h, v * h)?.reshape((v, h))?;
+        Ok((Some(d_hidden), Some(d_head)))
     }
 }
 
@@ -107,77 +164,74 @@ fn log_sum_exp_and_entropy(row: &[f32], s: f32) -> (f32, f32) {
     (max + ln_s0, ln_s0 - s1 / s0)
 }
 
-/// The backward kernel: (logits, forward output, its gradient) -> d logits.
+/// The backward kernel: (hidden, head) -> [d hidden (N H); d head (V H)], flat.
 struct TokenLogprobsGrad {
     targets: Vec<u32>,
     inv_temperature: f32,
+    /// The forward output and its gradient, (N, 2) each, on the host.
+    out: Vec<f32>,
+    grad_out: Vec<f32>,
+    logits: Mutex<Option<Vec<f32>>>,
 }
 
-impl CustomOp3 for TokenLogprobsGrad {
+impl CustomOp2 for TokenLogprobsGrad {
     fn name(&self) -> &'static str {
         "token-logprobs-grad"
     }
 
-    fn cpu_fwd(
-        &self,
-        logits: &CpuStorage,
-        logits_l: &Layout,
-        out: &CpuStorage,
-        out_l: &Layout,
-        grad_out: &CpuStorage,
-        grad_l: &Layout,
-    ) -> Result<(CpuStorage, Shape)> {
-        let (n, v, logits) = rows(logits, logits_l, "token-logprobs-grad")?;
-        let out = &out.as_slice::<f32>()?[out_l.start_offset()..];
-        let grad_out = &grad_out.as_slice::<f32>()?[grad_l.start_offset()..];
+    fn cpu_fwd(&self, h_s: &CpuStorage, h_l: &Layout, w_s: &CpuStorage, w_l: &Layout) -> Result<(CpuStorage, Shape)> {
+        let (n, h, v) = sizes(h_l, w_l)?;
+        let (hidden, head) = (contiguous_f32(h_s, h_l)?, contiguous_f32(w_s, w_l)?);
+        let kept = self.logits.lock().unwrap_or_else(|e| e.into_inner()).take();
+        let mut d_logits = kept.unwrap_or_else(|| logits(hidden, head, (n, h, v)));
         let s = self.inv_temperature;
-        let mut grad = vec![0f32; n * v];
         let per_task = rows_per_task(v);
-        grad.par_chunks_mut(v * per_task).enumerate().for_each(|(task, grad)| {
-            for (r, grad) in grad.chunks_mut(v).enumerate() {
+        d_logits.par_chunks_mut(v * per_task).enumerate().for_each(|(task, rows)| {
+            for (r, row) in rows.chunks_mut(v).enumerate() {
                 let i = task * per_task + r;
-                let g = grad_out[2 * i];
+                let g = self.grad_out[2 * i];
                 if g == 0.0 {
-                    continue; // masked positions: the buffer is already zero
+                    row.fill(0.0); // a masked position
+                    continue;
                 }
-                let row = &logits[i * v..(i + 1) * v];
                 let target = self.targets[i] as usize;
-                let lse = row[target] * s - out[2 * i];
+                let lse = row[target] * s - self.out[2 * i];
                 let gs = g * s;
                 with_avx2(
                     #[inline(always)]
                     || {
-                        for (d, &x) in grad.iter_mut().zip(row) {
-                            *d = -gs * exp(x * s - lse);
+                        for x in row.iter_mut() {
+                            *x = -gs * exp(*x * s - lse);
                         }
                     },
                 );
-                grad[target] += gs;
+                row[target] += gs;
             }
         });
-        Ok((CpuStorage::F32(grad), Shape::from((n, v))))
+        let mut out = Vec::with_capacity((n + v) * h);
+        // d hidden (N, H) = d logits (N, V) @ head (V, H).
+        matmul(
+            &mut out,
+            false,
+            n,
+            h,
+            v,
+            Operand { data: &d_logits, row: v, col: 1 },
+            Operand { data: head, row: h, col: 1 },
+        );
+        // d head (V, H) = d logits^T (V, N) @ hidden (N, H).
+        matmul(
+            &mut out,
+            false,
+            v,
+            h,
+            n,
+            Operand { data: &d_logits, row: 1, col: v },
+            Operand { data: hidden, row: h, col: 1 },
+        );
+        let len = out.len();
+        Ok((CpuStorage::F32(out), Shape::from(len)))
     }
-}
-
-/// The largest element (-inf for an empty row), with eight running maxima
-/// so the loop vectorises.
-#[inline(always)]
-fn max(row: &[f32]) -> f32 {
-    let mut m = [f32::NEG_INFINITY; 8];
-    let chunks = row.chunks_exact(8);
-    let tail = chunks.remainder();
-    for c in chunks {
-        for j in 0..8 {
-            m[j] = m[j].max(c[j]);
-        }
-    }
-    tail.iter().chain(&m).fold(f32::NEG_INFINITY, |a, &b| a.max(b))
-}
-
-/// The (N, V) contiguous f32 rows of a 2-d input.
-fn rows<'a>(storage: &'a CpuStorage, layout: &Layout, op: &str) -> Result<(usize, usize, &'a [f32])> {
-    let [n, v] = layout.dims() else { candle_core::bail!("{op}: expected 2-d logits, got {:?}", layout.dims()) };
-    Ok((*n, *v, super::contiguous_f32(storage, layout)?))
 }
 
 #[cfg(test)]
@@ -192,41 +246,59 @@ mod tests {
     #[test]
     fn matches_the_composition_in_value_and_gradient() {
         let dev = Device::Cpu;
-        let (n, v) = (7, 300);
-        let logits = (Tensor::randn(0f32, 3.0, (n, v), &dev).unwrap() + 5.0).unwrap();
+        let (n, h, v) = (7, 12, 300);
+        let hidden = Tensor::randn(0f32, 1.0, (n, h), &dev).unwrap();
+        let head = (Tensor::randn(0f32, 0.8, (v, h), &dev).unwrap() + 0.1).unwrap();
         let targets: Vec<u32> = (0..n as u32).map(|i| (i * 37 + 11) % v as u32).collect();
         // Weights per row, one of them zero as for a masked position.
         let w = Tensor::from_vec(vec![1.0f32, -2.0, 0.5, 0.0, 3.0, -1.0, 0.25], n, &dev).unwrap();
+        let run = |fused: bool, temperature: f64| {
+            let (hv, wv) = (Var::from_tensor(&hidden).unwrap(), Var::from_tensor(&head).unwrap());
+            let (lp, ent) = if fused {
+                token_logprobs(hv.as_tensor(), wv.as_tensor(), &targets, temperature).unwrap()
+            } else {
+                composed(&ops::linear(hv.as_tensor(), wv.as_tensor(), None).unwrap(), &targets, temperature).unwrap()
+            };
+            let grads = lp.mul(&w).unwrap().sum_all().unwrap().backward().unwrap();
+            (lp, ent, grads.get(&hv).unwrap().clone(), grads.get(&wv).unwrap().clone())
+        };
         for temperature in [1.0, 0.7] {
-            let var = Var::from_tensor(&logits).unwrap();
-            let (lp, ent) = token_logprobs(var.as_tensor(), &targets, temperature).unwrap();
-            let (lp_ref, ent_ref) = composed(&logits, &targets, temperature).unwrap();
+            let (lp, ent, dh, dw) = run(true, temperature);
+            let (lp_ref, ent_ref, dh_ref, dw_ref) = run(false, temperature);
             assert!(max_abs_diff(&lp, &lp_ref) < 2e-5, "logprobs");
             assert!(max_abs_diff(&ent, &ent_ref) < 2e-5, "entropy");
-
-            let grad = lp.mul(&w).unwrap().sum_all().unwrap().backward().unwrap();
-            let got = grad.get(&var).unwrap();
-            let var_ref = Var::from_tensor(&logits).unwrap();
-            let (lp_ref, _) = composed(var_ref.as_tensor(), &targets, temperature).unwrap();
-            let grad_ref = lp_ref.mul(&w).unwrap().sum_all().unwrap().backward().unwrap();
-            let want = grad_ref.get(&var_ref).unwrap();
-            // Gradients reach 3 / 0.7 here: 5e-6 is float rounding.
-            assert!(max_abs_diff(got, want) < 5e-6, "gradient at T={temperature}: {}", max_abs_diff(got, want));
+            assert!(max_abs_diff(&dh, &dh_ref) < 2e-5, "d hidden at T={temperature}: {}", max_abs_diff(&dh, &dh_ref));
+            assert!(max_abs_diff(&dw, &dw_ref) < 2e-5, "d head at T={temperature}: {}", max_abs_diff(&dw, &dw_ref));
         }
     }
 
     #[test]
+    fn a_second_backward_pass_recomputes_the_logits() {
+        let dev = Device::Cpu;
+        let hidden = Var::from_tensor(&Tensor::randn(0f32, 1.0, (3, 4), &dev).unwrap()).unwrap();
+        let head = Tensor::randn(0f32, 1.0, (10, 4), &dev).unwrap();
+        let (lp, _) = token_logprobs(hidden.as_tensor(), &head, &[1, 2, 3], 1.0).unwrap();
+        let loss = lp.sum_all().unwrap();
+        let first = loss.backward().unwrap().get(&hidden).unwrap().clone();
+        let second = loss.backward().unwrap().get(&hidden).unwrap().clone();
+        assert_eq!(max_abs_diff(&first, &second), 0.0);
+    }
+
+    #[test]
     fn entropy_has_no_gradient() {
-        let var = Var::from_tensor(&Tensor::randn(0f32, 1.0, (3, 10), &Device::Cpu).unwrap()).unwrap();
-        let (_, ent) = token_logprobs(var.as_tensor(), &[1, 2, 3], 1.0).unwrap();
+        let dev = Device::Cpu;
+        let var = Var::from_tensor(&Tensor::randn(0f32, 1.0, (3, 4), &dev).unwrap()).unwrap();
+        let head = Tensor::randn(0f32, 1.0, (10, 4), &dev).unwrap();
+        let (_, ent) = token_logprobs(var.as_tensor(), &head, &[1, 2, 3], 1.0).unwrap();
         let grads = ent.sum_all().unwrap().backward().unwrap();
         assert!(grads.get(&var).is_none());
     }
 
     #[test]
     fn a_wrong_number_of_targets_is_an_error() {
-        let logits = Tensor::zeros((3, 10), candle_core::DType::F32, &Device::Cpu).unwrap();
-        let err = token_logprobs(&logits, &[1, 2], 1.0).unwrap_err().to_string();
+        let hidden = Tensor::zeros((3, 4), candle_core::DType::F32, &Device::Cpu).unwrap();
+        let head = Tensor::zeros((10, 4), candle_core::DType::F32, &Device::Cpu).unwrap();
+        let err = token_logprobs(&hidden, &head, &[1, 2], 1.0).unwrap_err().to_string();
         assert!(err.contains("2 targets for 3 rows"), "{err}");
     }
 }

@@ -1,0 +1,230 @@
+//! A dense layer, `x @ w^T + b`, as one op over the `gemm` crate. candle's
+//! composition (reshape, matmul of a transposed view, reshape, bias) zero
+//! fills every matmul output before overwriting it, and its backward adds
+//! each of those five nodes' gradients into a zeroed buffer on one thread
+//! and writes the weight's gradient through a transposed, strided copy.
+//! Here the bias is the matmul's starting value and the backward writes
+//! d x, d w and d b straight in their own layouts.
+
+use candle_core::{CpuStorage, CustomOp2, CustomOp3, Layout, Result, Shape, Tensor};
+use gemm::Parallelism;
+use rayon::prelude::*;
+
+use super::{contiguous_f32, rows_per_task};
+use crate::model::ops;
+
+/// `x @ w^T (+ b)` for `x` (..., in), a PyTorch-layout `w` (out, in) and `b` (out,).
+pub fn linear(x: &Tensor, w: &Tensor, b: Option<&Tensor>) -> Result<Tensor> {
+    if !(super::fused(x) && super::fused(w) && b.is_none_or(super::fused)) {
+        return ops::linear(x, w, b);
+    }
+    let (x, w) = (x.contiguous()?, w.contiguous()?);
+    match b {
+        Some(b) => x.apply_op3(&w, &b.contiguous()?, Linear),
+        None => x.apply_op2(&w, Linear),
+    }
+}
+
+struct Linear;
+
+/// Rows, input and output widths of `x` (..., in) against `w` (out, in).
+fn sizes(op: &str, x_l: &Layout, w_l: &Layout) -> Result<(usize, usize, usize)> {
+    let (&k, lead) = x_l.dims().split_last().unwrap_or((&0, &[]));
+    let [n, w_k] = w_l.dims() else { candle_core::bail!("{op}: the weight must be 2-d, got {:?}", w_l.dims()) };
+    if *w_k != k {
+        candle_core::bail!("{op}: input {:?} does not match weight {:?}", x_l.dims(), w_l.dims());
+    }
+    Ok((lead.iter().product(), k, *n))
+}
+
+/// The output shape: `x`'s with the last dimension `n`.
+fn out_shape(x_l: &Layout, n: usize) -> Shape {
+    let mut dims = x_l.dims().to_vec();
+    if let Some(last) = dims.last_mut() {
+        *last = n;
+    }
+    Shape::from(dims)
+}
+
+impl Linear {
+    fn forward(
+        &self,
+        x: &[f32],
+        x_l: &Layout,
+        w: &[f32],
+        w_l: &Layout,
+        b: Option<&[f32]>,
+    ) -> Result<(CpuStorage, Shape)> {
+        let (m, k, n) = sizes("linear", x_l, w_l)?;
+        let mut y = Vec::with_capacity(m * n);
+        if let Some(b) = b {
+            if b.len() != n {
+                candle_core::bail!("linear: bias of {} for {n} outputs", b.len());
+            }
+            for _ in 0..m {
+                y.extend_from_slice(b);
+            }
+        }
+        // y (m, n) = x (m, k) @ w^T, where w^T (k, n) is w read column-wise.
+        matmul(&mut y, b.is_some(), m, n, k, Operand { data: x, row: k, col: 1 }, Operand { data: w, row: 1, col: k });
+        Ok((CpuStorage::F32(y), out_shape(x_l, n)))
+    }
+}
+
+impl CustomOp2 for Linear {
+    fn name(&self) -> &'static str {
+        "linear"
+    }
+
+    fn cpu_fwd(&self, x: &CpuStorage, x_l: &Layout, w: &CpuStorage, w_l: &Layout) -> Result<(CpuStorage, Shape)> {
+        self.forward(contiguous_f32(x, x_l)?, x_l, contiguous_f32(w, w_l)?, w_l, None)
+    }
+
+    fn bwd(&self, x: &Tensor, w: &Tensor, _y: &Tensor, grad: &Tensor) -> Result<(Option<Tensor>, Option<Tensor>)> {
+        let (dx, dw, _) = grads(x, w, grad, false)?;
+        Ok((Some(dx), Some(dw)))
+    }
+}
+
+impl CustomOp3 for Linear {
+    fn name(&self) -> &'static str {
+        "linear"
+    }
+
+    fn cpu_fwd(
+        &self,
+        x: &CpuStorage,
+        x_l: &Layout,
+        w: &CpuStorage,
+        w_l: &Layout,
+        b: &CpuStorage,
+        b_l: &Layout,
+    ) -> Result<(CpuStorage, Shape)> {
+        let b = contiguous_f32(b, b_l)?;
+        self.forward(contiguous_f32(x, x_l)?, x_l, contiguous_f32(w, w_l)?, w_l, Some(b))
+    }
+
+    fn bwd(
+        &self,
+        x: &Tensor,
+        w: &Tensor,
+        _b: &Tensor,
+        _y: &Tensor,
+        grad: &Tensor,
+    ) -> Result<(Option<Tensor>, Option<Tensor>, Option<Tensor>)> {
+        let (dx, dw, db) = grads(x, w, grad, true)?;
+        Ok((Some(dx), Some(dw), db))
+    }
+}
+
+/// d x, d w and (when `bias`) d b, computed in one buffer and returned as views of it.
+fn grads(x: &Tensor, w: &Tensor, grad: &Tensor, bias: bool) -> Result<(Tensor, Tensor, Option<Tensor>)> {
+    let (n, k) = w.dims2()?;
+    let m = x.elem_count() / k.max(1);
+    let all = grad.contiguous()?.apply_op3_no_bwd(x, w, &LinearGrad { bias })?;
+    let dx = all.narrow(0, 0, m * k)?.reshape(x.shape())?;
+    let dw = all.narrow(0, m * k, n * k)?.reshape((n, k))?;
+    let db = if bias { Some(all.narrow(0, (m + n) * k, n)?) } else { None };
+    Ok((dx, dw, db))
+}
+
+/// (d y, x, w) -> [d x (m k); d w (n k); d b (n) when `bias`], flat.
+struct LinearGrad {
+    bias: bool,
+}
+
+impl CustomOp3 for LinearGrad {
+    fn name(&self) -> &'static str {
+        "linear-grad"
+    }
+
+    fn cpu_fwd(
+        &self,
+        g: &CpuStorage,
+        g_l: &Layout,
+        x: &CpuStorage,
+        x_l: &Layout,
+        w: &CpuStorage,
+        w_l: &Layout,
+    ) -> Result<(CpuStorage, Shape)> {
+        let (g, x, w) = (contiguous_f32(g, g_l)?, contiguous_f32(x, x_l)?, contiguous_f32(w, w_l)?);
+        let (m, k, n) = sizes("linear-grad", x_l, w_l)?;
+        let mut out = Vec::with_capacity((m + n) * k + if self.bias { n } else { 0 });
+        // d x (m, k) = g (m, n) @ w (n, k).
+        matmul(&mut out, false, m, k, n, Operand { data: g, row: n, col: 1 }, Operand { data: w, row: k, col: 1 });
+        // d w (n, k) = g^T (n, m) @ x (m, k).
+        matmul(&mut out, false, n, k, m, Operand { data: g, row: 1, col: n }, Operand { data: x, row: k, col: 1 });
+        if self.bias {
+            out.extend(column_sums(g, n));
+        }
+        let len = out.len();
+        Ok((CpuStorage::F32(out), Shape::from(len)))
+    }
+}
+
+/// The sums of the columns of a row-major matrix `n` wide, over parallel row blocks.
+fn column_sums(g: &[f32], n: usize) -> Vec<f32> {
+    let partial = |rows: &[f32]| {
+        let mut acc = vec![0f32; n];
+        for row in rows.chunks(n) {
+            for (a, x) in acc.iter_mut().zip(row) {
+                *a += x;
+            }
+        }
+        acc
+    };
+    g.par_chunks(rows_per_task(n) * n)
+        .map(partial)
+        .reduce(|| vec![0f32; n], |a, b| a.iter().zip(&b).map(|(a, b)| a + b).collect())
+}
+
+/// A matrix operand: element (i, j) is `data[i * row + j * col]`.
+pub(super) struct Operand<'a> {
+    pub data: &'a [f32],
+    pub row: usize,
+    pub col: usize,
+}
+
+impl Operand<'_> {
+    fn covers(&self, rows: usize, cols: usize) -> bool {
+        rows == 0 || cols == 0 || (rows - 1) * self.row + (cols - 1) * self.col < self.data.len()
+    }
+}
+
+/// The row-major (m, n) product `lhs (m, k) @ rhs (k, n)`: added to the
+/// last m n values of `dst` when `accumulate`, else appended to `dst`.
+pub(super) fn matmul(dst: &mut Vec<f32>, accumulate: bool, m: usize, n: usize, k: usize, lhs: Operand, rhs: Operand) {
+    assert!(lhs.covers(m, k) && rhs.covers(k, n), "matmul operands smaller than ({m}, {k}) @ ({k}, {n})");
+    let base =
+        if accumulate { dst.len().checked_sub(m * n).expect("matmul: fewer values than (m, n)") } else { dst.len() };
+    dst.reserve(base + m * n - dst.len());
+    let threads = rayon::current_num_threads();
+    let parallelism = if threads > 1 { Parallelism::Rayon(threads) } else { Parallelism::None };
+    // Safety: the operands cover every index gemm reads (checked above) and
+    // `dst` has room for m n values from `base`, all of which gemm writes,
+    // reading them first only when accumulating onto initialised values.
+    unsafe {
+        gemm::gemm(
+            m,
+            n,
+            k,
+            dst.as_mut_ptr().add(base),
+            1,
+            n as isize,
+            accumulate,
+            lhs.data.as_ptr(),
+            lhs.col as isize,
+            lhs.row as isize,
+            rhs.data.as_ptr(),
+            rhs.col as isize,
+            rhs.row as isize,
+            1.0,
+            1.0,
+            false,
+            false,
+            false,
+            parallelism,
+        );
+        dst.set_len(base + m * n);
+    }
+}
