@@ -6,7 +6,8 @@ mod common;
 
 use candle_core::{DType, Device, Tensor};
 use common::*;
-use rloo::model::{next_token_logprobs, Inputs, Model};
+use rloo::model::scoring::{completion_logprobs, sequence_scores, Pair, Sequences};
+use rloo::model::{next_token_logprobs, Inputs, Model, PadSide};
 
 const LOGIT_TOL: f32 = 1e-4;
 
@@ -44,6 +45,52 @@ fn logits_match_transformers_on_padded_batches() {
     }
 }
 
+/// Completions of shared prompts, in mixed order and of mixed lengths (one
+/// empty): scored together, each prompt is packed once for its rows.
+fn shared_prompt_rows() -> Vec<(Vec<u32>, Vec<u32>)> {
+    let prompts = [vec![5, 9, 2, 7], vec![3, 11], vec![8]];
+    let completions = [vec![4, 4, 12], vec![30, 2], vec![17], vec![6, 1, 9, 40], vec![], vec![21, 22]];
+    [0, 1, 0, 2, 1, 0, 2].iter().zip(&completions).map(|(&p, c)| (prompts[p].clone(), c.clone())).collect()
+}
+
+#[test]
+fn rows_sharing_a_prompt_score_as_they_do_alone() {
+    let rows = shared_prompt_rows();
+    let dev = Device::Cpu;
+    for name in MODELS {
+        let model = Model::load(&model_dir(name), &dev).unwrap();
+        let net = model.frozen();
+        let alone = |p: &[u32], c: &[u32]| Inputs::from_rows(&[[p, c].concat()], 0, PadSide::Right, &dev).unwrap();
+        if is_causal(name) {
+            let temperature = 0.8;
+            let seqs = Sequences {
+                prompts: rows.iter().map(|(p, _)| p.as_slice()).collect(),
+                completions: rows.iter().map(|(_, c)| c.as_slice()).collect(),
+            };
+            let together =
+                completion_logprobs(net, &seqs, temperature, &dev).unwrap().logprobs.to_vec2::<f32>().unwrap();
+            for (i, (p, c)) in rows.iter().enumerate() {
+                let inputs = alone(p, c);
+                let logits = (net.logits(&inputs, None).unwrap() / temperature).unwrap();
+                let want = next_token_logprobs(&logits, &inputs.ids).unwrap().to_vec2::<f32>().unwrap();
+                for (j, got) in together[i].iter().enumerate() {
+                    let want = if j < c.len() { want[0][p.len() + j - 1] } else { 0.0 };
+                    assert!((got - want).abs() < LOGIT_TOL, "{name} row {i} token {j}: {got} vs {want} alone");
+                }
+            }
+        } else {
+            let pairs: Vec<Pair> =
+                rows.iter().map(|(p, c)| Pair { prompt: p.clone(), completion: c.clone() }).collect();
+            let together = sequence_scores(net, &pairs, &dev).unwrap();
+            for (i, (p, c)) in rows.iter().enumerate() {
+                let want = net.scores(&alone(p, c)).unwrap();
+                let got = Tensor::new(together[i].as_slice(), &dev).unwrap().unsqueeze(0).unwrap();
+                assert!(max_diff(&got, &want) < LOGIT_TOL, "{name} row {i}: score differs from the row alone");
+            }
+        }
+    }
+}
+
 /// Prefill part of the left-padded batch into the cache, then feed the rest
 /// one token per step: every step's logits equal the full forward's.
 #[test]
@@ -61,13 +108,18 @@ fn kv_cache_decoding_matches_the_full_forward() {
             ids: full.ids.narrow(1, 0, prefill).unwrap(),
             mask: full.mask.narrow(1, 0, prefill).unwrap(),
             positions: full.positions.narrow(1, 0, prefill).unwrap(),
+            segments: None,
         };
         let mut outputs = vec![net.logits(&first, Some(&mut cache)).unwrap()];
         for step in prefill..t {
             // One column per step; its mask marks rows still inside their left padding.
             let column = |x: &Tensor| x.narrow(1, step, 1).unwrap();
-            let inputs =
-                Inputs { ids: column(&full.ids), mask: column(&full.mask), positions: column(&full.positions) };
+            let inputs = Inputs {
+                ids: column(&full.ids),
+                mask: column(&full.mask),
+                positions: column(&full.positions),
+                segments: None,
+            };
             outputs.push(net.logits(&inputs, Some(&mut cache)).unwrap());
         }
         assert_eq!(cache.len(), t);

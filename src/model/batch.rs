@@ -21,6 +21,11 @@ pub struct Inputs {
     pub mask: Tensor,
     /// (B, T) u32
     pub positions: Tensor,
+    /// For rows packed by [`Inputs::shared_prefix`], which part of its row
+    /// each token is, (B, T) on the host: 0 for the prompt, c + 1 for
+    /// continuation c. A token sees the prompt and the earlier tokens of its
+    /// own part only.
+    pub segments: Option<Vec<u32>>,
 }
 
 impl Inputs {
@@ -50,6 +55,40 @@ impl Inputs {
             ids: Tensor::from_vec(ids, (b, t), device)?,
             mask: Tensor::from_vec(mask, (b, t), device)?,
             positions: Tensor::from_vec(positions, (b, t), device)?,
+            segments: None,
+        })
+    }
+
+    /// One row per prompt: the prompt once, then each of its continuations,
+    /// right-padded to one length. Each continuation is positioned as if it
+    /// followed the prompt directly and attends to the prompt and to itself
+    /// only, so the prompt's tokens are computed once for all of them.
+    pub fn shared_prefix(groups: &[SharedPrefix], pad_id: u32, device: &Device) -> Result<Self> {
+        let t = groups.iter().map(SharedPrefix::len).max().unwrap_or(0);
+        let b = groups.len();
+        let (mut ids, mut mask) = (Vec::with_capacity(b * t), Vec::with_capacity(b * t));
+        let (mut positions, mut segments) = (Vec::with_capacity(b * t), Vec::with_capacity(b * t));
+        for g in groups {
+            let p = g.prompt.len() as u32;
+            ids.extend_from_slice(g.prompt);
+            positions.extend(0..p);
+            segments.extend(std::iter::repeat_n(0, g.prompt.len()));
+            for (c, cont) in g.continuations.iter().enumerate() {
+                ids.extend_from_slice(cont);
+                positions.extend(p..p + cont.len() as u32);
+                segments.extend(std::iter::repeat_n(c as u32 + 1, cont.len()));
+            }
+            let pad = t - g.len();
+            mask.extend(std::iter::repeat_n(1f32, g.len()).chain(std::iter::repeat_n(0f32, pad)));
+            ids.extend(std::iter::repeat_n(pad_id, pad));
+            positions.extend(std::iter::repeat_n(0, pad));
+            segments.extend(std::iter::repeat_n(u32::MAX, pad));
+        }
+        Ok(Self {
+            ids: Tensor::from_vec(ids, (b, t), device)?,
+            mask: Tensor::from_vec(mask, (b, t), device)?,
+            positions: Tensor::from_vec(positions, (b, t), device)?,
+            segments: Some(segments),
         })
     }
 
@@ -59,7 +98,7 @@ impl Inputs {
         let mask = mask.to_dtype(DType::F32)?;
         let host: Vec<f32> = mask.flatten_all()?.to_vec1()?;
         let positions = Tensor::from_vec(positions_from_mask(&host, b, t), (b, t), ids.device())?;
-        Ok(Self { ids: ids.to_dtype(DType::U32)?, mask, positions })
+        Ok(Self { ids: ids.to_dtype(DType::U32)?, mask, positions, segments: None })
     }
 
     /// One new token per row at the given positions (a decoding step).
@@ -69,6 +108,7 @@ impl Inputs {
             ids: Tensor::from_slice(tokens, (b, 1), device)?,
             mask: Tensor::ones((b, 1), DType::F32, device)?,
             positions: Tensor::from_slice(positions, (b, 1), device)?,
+            segments: None,
         })
     }
 
@@ -84,6 +124,29 @@ impl Inputs {
     pub fn last_token_index(&self) -> Result<Vec<usize>> {
         let mask: Vec<Vec<f32>> = self.mask.to_vec2()?;
         Ok(mask.iter().map(|row| row.iter().rposition(|&m| m > 0.0).unwrap_or(0)).collect())
+    }
+}
+
+/// A prompt and the continuations that share it, for [`Inputs::shared_prefix`].
+#[derive(Debug, Clone)]
+pub struct SharedPrefix<'a> {
+    pub prompt: &'a [u32],
+    pub continuations: Vec<&'a [u32]>,
+}
+
+impl SharedPrefix<'_> {
+    /// Tokens in the packed row.
+    pub fn len(&self) -> usize {
+        self.prompt.len() + self.continuations.iter().map(|c| c.len()).sum::<usize>()
+    }
+
+    pub fn is_empty(&self) -> bool {
+        self.len() == 0
+    }
+
+    /// Where continuation `c` starts in the packed row.
+    pub fn start(&self, c: usize) -> usize {
+        self.prompt.len() + self.continuations[..c].iter().map(|c| c.len()).sum::<usize>()
     }
 }
 
@@ -187,6 +250,12 @@ pub fn attention_bias(inputs: &Inputs, cache: Option<&KvCache>) -> Result<(Tenso
         None => inputs.mask.clone(),
     };
     let s = key_mask.dims()[1];
+    if let Some(segments) = &inputs.segments {
+        if cache.is_some() {
+            candle_core::bail!("shared-prefix rows are for whole-sequence passes, not a key/value cache");
+        }
+        return Ok((shared_prefix_bias(segments, b, t, dev)?, key_mask));
+    }
     let past = s - t;
     // causal (T, S): query i sits at slot past + i.
     let causal: Vec<f32> =
@@ -195,6 +264,27 @@ pub fn attention_bias(inputs: &Inputs, cache: Option<&KvCache>) -> Result<(Tenso
     // (B, S) -> (B, 1, 1, S): 0 for real keys, MASKED for padding.
     let keys = ((key_mask.clone() - 1.0)? * (-MASKED))?.reshape((b, 1, 1, s))?;
     Ok((causal.broadcast_add(&keys)?, key_mask))
+}
+
+/// The (B, 1, T, T) bias of shared-prefix rows: query i sees key j <= i
+/// when j is in the prompt or in i's own part (padding is its own part,
+/// which no real token shares).
+fn shared_prefix_bias(segments: &[u32], b: usize, t: usize, dev: &Device) -> Result<Tensor> {
+    let mut bias = Vec::with_capacity(b * t * t);
+    for row in segments.chunks(t) {
+        for (i, &si) in row.iter().enumerate() {
+            bias.extend(row.iter().enumerate().map(
+                |(j, &sj)| {
+                    if j <= i && (sj == 0 || sj == si) {
+                        0.0
+                    } else {
+                        MASKED as f32
+                    }
+                },
+            ));
+        }
+    }
+    Tensor::from_vec(bias, (b, 1, t, t), dev)
 }
 
 impl KvCache {

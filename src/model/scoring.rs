@@ -2,9 +2,11 @@
 //! token under a causal LM, or the score a sequence-classification head
 //! gives the whole sequence.
 
+use std::collections::HashMap;
+
 use candle_core::{DType, Device, Tensor};
 
-use super::batch::{Inputs, PadSide};
+use super::batch::{Inputs, SharedPrefix};
 use super::network::Network;
 use crate::error::{Error, Result};
 
@@ -15,20 +17,21 @@ pub struct Pair {
     pub completion: Vec<u32>,
 }
 
-impl Pair {
-    fn joined(&self) -> Vec<u32> {
-        [self.prompt.as_slice(), self.completion.as_slice()].concat()
-    }
-}
-
 /// The head's output (num_labels values) at the last token of prompt + completion.
 pub fn sequence_scores(net: &Network, pairs: &[Pair], device: &Device) -> Result<Vec<Vec<f32>>> {
     if let Some(i) = pairs.iter().position(|p| p.prompt.is_empty() && p.completion.is_empty()) {
         return Err(Error::Invalid(format!("pair {i}: prompt and completion are both empty")));
     }
-    let rows: Vec<Vec<u32>> = pairs.iter().map(Pair::joined).collect();
-    let inputs = Inputs::from_rows(&rows, 0, PadSide::Right, device)?;
-    Ok(net.scores(&inputs)?.to_vec2()?)
+    let seqs = Sequences {
+        prompts: pairs.iter().map(|p| p.prompt.as_slice()).collect(),
+        completions: pairs.iter().map(|p| p.completion.as_slice()).collect(),
+    };
+    let packed = seqs.packed(device)?;
+    let hidden = net.hidden_states(&packed.inputs, None)?;
+    // Each pair's last token: its completion's last, or its prompt's last for an empty completion.
+    let last: Vec<u32> = (0..pairs.len()).map(|i| packed.slot(i, seqs.completions[i].len()) as u32).collect();
+    let last = Tensor::from_vec(last, pairs.len(), device)?;
+    Ok(net.project(&packed.flat(&hidden)?.index_select(&last, 0)?)?.to_vec2()?)
 }
 
 /// Sampled sequences laid out for scoring: row `i` is `prompts[i]` followed
@@ -62,6 +65,27 @@ impl Sequences<'_> {
         self.completions.iter().map(|c| c.len()).max().unwrap_or(0)
     }
 
+    /// The rows packed by prompt ([`Inputs::shared_prefix`]): rows with the
+    /// same prompt tokens share one packed row, so the prompt is computed
+    /// once for all its completions.
+    fn packed(&self, device: &Device) -> Result<Packed> {
+        let mut group_of: HashMap<&[u32], usize> = HashMap::new();
+        let mut groups: Vec<SharedPrefix> = Vec::new();
+        let mut place = Vec::with_capacity(self.len());
+        for (p, c) in self.prompts.iter().zip(&self.completions) {
+            let g = *group_of.entry(p).or_insert_with(|| {
+                groups.push(SharedPrefix { prompt: p, continuations: Vec::new() });
+                groups.len() - 1
+            });
+            place.push((g, groups[g].continuations.len()));
+            groups[g].continuations.push(c);
+        }
+        let inputs = Inputs::shared_prefix(&groups, 0, device)?;
+        let width = inputs.seq_len();
+        let place = place.iter().map(|&(g, c)| (g, groups[g].prompt.len(), groups[g].start(c))).collect();
+        Ok(Packed { inputs, width, place })
+    }
+
     /// (N, Tc) mask of completion tokens.
     pub fn mask(&self, device: &Device) -> Result<Tensor> {
         let width = self.completion_width();
@@ -71,6 +95,29 @@ impl Sequences<'_> {
             .flat_map(|c| (0..width).map(move |j| if j < c.len() { 1.0 } else { 0.0 }))
             .collect();
         Ok(Tensor::from_vec(data, (self.len(), width), device)?)
+    }
+}
+
+/// [`Sequences`] packed by prompt, and where each row's tokens went.
+struct Packed {
+    inputs: Inputs,
+    width: usize,
+    /// Per row: its packed row, its prompt's length, where its completion starts.
+    place: Vec<(usize, usize, usize)>,
+}
+
+impl Packed {
+    /// The flat index, in the packed (B * T) hidden states, of the token
+    /// before row `i`'s completion token `j`: the one that predicts it.
+    fn slot(&self, i: usize, j: usize) -> usize {
+        let (g, prompt_len, start) = self.place[i];
+        g * self.width + if j == 0 { prompt_len - 1 } else { start + j - 1 }
+    }
+
+    /// Hidden states (B, T, H) -> (B * T, H).
+    fn flat(&self, hidden: &Tensor) -> Result<Tensor> {
+        let (b, t, h) = hidden.dims3()?;
+        Ok(hidden.reshape((b * t, h))?)
     }
 }
 
@@ -95,26 +142,18 @@ pub fn completion_logprobs(
         let empty = Tensor::zeros((n, 0), candle_core::DType::F32, device)?;
         return Ok(TokenLogprobs { logprobs: empty.clone(), entropy: empty, mask });
     }
-    let rows: Vec<Vec<u32>> = seqs.prompts.iter().zip(&seqs.completions).map(|(p, c)| [*p, *c].concat()).collect();
-    let inputs = Inputs::from_rows(&rows, 0, PadSide::Right, device)?;
-    let hidden = net.hidden_states(&inputs, None)?;
-    let (b, t, h) = hidden.dims3()?;
-    // Hidden state p predicts token p + 1: completion token j of row i is
-    // predicted at prompt_len + j - 1. Padding slots read position 0 and are masked.
+    let packed = seqs.packed(device)?;
+    let hidden = net.hidden_states(&packed.inputs, None)?;
+    // Padding slots read slot 0 and are masked.
     let mut at = Vec::with_capacity(n * width);
     let mut targets = Vec::with_capacity(n * width);
-    for (i, (p, c)) in seqs.prompts.iter().zip(&seqs.completions).enumerate() {
+    for (i, c) in seqs.completions.iter().enumerate() {
         for j in 0..width {
-            if j < c.len() {
-                at.push((i * t + p.len() + j - 1) as u32);
-                targets.push(c[j]);
-            } else {
-                at.push((i * t) as u32);
-                targets.push(0);
-            }
+            at.push(if j < c.len() { packed.slot(i, j) as u32 } else { 0 });
+            targets.push(c.get(j).copied().unwrap_or(0));
         }
     }
-    let picked = hidden.reshape((b * t, h))?.index_select(&Tensor::from_vec(at, n * width, device)?, 0)?;
+    let picked = packed.flat(&hidden)?.index_select(&Tensor::from_vec(at, n * width, device)?, 0)?;
     let (logprobs, entropy) = net.token_logprobs(&picked, &targets, temperature)?;
     let (logprobs, entropy) = (logprobs.reshape((n, width))?, entropy.reshape((n, width))?);
     Ok(TokenLogprobs { logprobs: (logprobs * &mask)?, entropy: (entropy * &mask)?, mask })

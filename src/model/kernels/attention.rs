@@ -8,8 +8,11 @@
 //! with its own allocation and gradient accumulation. Heads here are a few
 //! dozen positions by a few dozen features, so plain loops do.
 //!
-//! The backward pass recomputes the probabilities instead of storing them,
-//! and un-rotates the query and key gradients: rotate-half is orthogonal.
+//! Each query visits only the keys its bias lets it see, as runs of
+//! consecutive keys: half the keys under causality, and far fewer in rows
+//! packed around a shared prompt. The backward pass recomputes the
+//! probabilities instead of storing them, and un-rotates the query and key
+//! gradients: rotate-half is orthogonal.
 
 use std::sync::Arc;
 
@@ -25,6 +28,8 @@ use super::rotary::RotaryTables;
 pub struct AttentionInputs {
     /// (B, T, S) additive bias: 0 where a query may see a key.
     pub bias: Arc<Vec<f32>>,
+    /// The keys each query sees, from the bias.
+    visible: Arc<Visible>,
     pub rotary: RotaryTables,
 }
 
@@ -35,7 +40,52 @@ impl AttentionInputs {
             Some((cos, sin)) => RotaryTables::new(cos, sin)?,
             None => RotaryTables::default(),
         };
-        Ok(Self { bias: Arc::new(bias.flatten_all()?.to_vec1()?), rotary })
+        let s = bias.dims().last().copied().unwrap_or(0);
+        let bias: Vec<f32> = bias.flatten_all()?.to_vec1()?;
+        Ok(Self { visible: Arc::new(Visible::new(&bias, s)), bias: Arc::new(bias), rotary })
+    }
+
+    /// The runs of keys query `ti` of row `bi` sees, as [start, end) ranges.
+    #[inline(always)]
+    fn runs(&self, dims: Dims, bi: usize, ti: usize) -> &[(usize, usize)] {
+        self.visible.runs(bi * dims.t + ti)
+    }
+}
+
+/// Per query, the maximal runs of keys its bias does not mask.
+struct Visible {
+    /// Query q's runs are `runs[starts[q]..starts[q + 1]]`.
+    starts: Vec<usize>,
+    runs: Vec<(usize, usize)>,
+}
+
+impl Visible {
+    /// From a bias of rows of `s` keys. A key is masked when its bias is
+    /// below -1e29 (the mask's -1e30): its probability is exactly 0.
+    fn new(bias: &[f32], s: usize) -> Self {
+        let mut starts = vec![0];
+        let mut runs = Vec::new();
+        for row in bias.chunks(s.max(1)) {
+            let mut j = 0;
+            while j < row.len() {
+                if row[j] < -1e29 {
+                    j += 1;
+                    continue;
+                }
+                let start = j;
+                while j < row.len() && row[j] >= -1e29 {
+                    j += 1;
+                }
+                runs.push((start, j));
+            }
+            starts.push(runs.len());
+        }
+        Self { starts, runs }
+    }
+
+    #[inline(always)]
+    fn runs(&self, query: usize) -> &[(usize, usize)] {
+        &self.runs[self.starts[query]..self.starts[query + 1]]
     }
 }
 
@@ -134,6 +184,12 @@ impl Attention {
         self.inputs.rotary.rotate(x, bi * self.dims.t + ti, inverse);
     }
 
+    /// The keys query `ti` of row `bi` sees.
+    #[inline(always)]
+    fn visible(&self, bi: usize, ti: usize) -> impl Iterator<Item = usize> + '_ {
+        self.inputs.runs(self.dims, bi, ti).iter().flat_map(|&(a, z)| a..z)
+    }
+
     /// The (T, D) rows of head `hi` of row `bi` read through `view`,
     /// rotated when asked.
     #[inline(always)]
@@ -152,27 +208,34 @@ impl Attention {
     }
 
     /// Softmax probabilities (T, T) of rotated `q` (T, D) against the
-    /// transposed rotated keys `k_t` (D, T).
+    /// transposed rotated keys `k_t` (D, T); 0 outside the visible runs.
     #[inline(always)]
     fn probs(&self, q: &[f32], k_t: &[f32], bi: usize) -> Vec<f32> {
         let Dims { t, d, .. } = self.dims;
         let bias = &self.inputs.bias[bi * t * t..(bi + 1) * t * t];
         let mut p = vec![0f32; t * t];
         for i in 0..t {
+            let runs = self.inputs.runs(self.dims, bi, i);
             let row = &mut p[i * t..(i + 1) * t];
-            row_times(row, &q[i * d..(i + 1) * d], k_t);
             let mut max = f32::NEG_INFINITY;
-            for (s, b) in row.iter_mut().zip(&bias[i * t..(i + 1) * t]) {
-                *s = *s * self.scale + b;
-                max = max.max(*s);
+            for &(a, z) in runs {
+                row_times(&mut row[a..z], a, &q[i * d..(i + 1) * d], k_t);
+                for (s, b) in row[a..z].iter_mut().zip(&bias[i * t + a..i * t + z]) {
+                    *s = *s * self.scale + b;
+                    max = max.max(*s);
+                }
             }
             let mut total = 0f32;
-            for s in row.iter_mut() {
-                *s = exp(*s - max);
-                total += *s;
+            for &(a, z) in runs {
+                for s in &mut row[a..z] {
+                    *s = exp(*s - max);
+                    total += *s;
+                }
             }
             let inv = 1.0 / total;
-            row.iter_mut().for_each(|s| *s *= inv);
+            for &(a, z) in runs {
+                row[a..z].iter_mut().for_each(|s| *s *= inv);
+            }
         }
         p
     }
@@ -198,12 +261,8 @@ impl Attention {
                             let p = self.probs(&qh, &k_t, bi);
                             for i in 0..t {
                                 let o = &mut out[(rep * t + i) * d..(rep * t + i + 1) * d];
-                                for j in 0..t {
-                                    // Masked keys (half of them, by causality) weigh exactly 0.
-                                    let pij = p[i * t + j];
-                                    if pij != 0.0 {
-                                        axpy(o, pij, &vh[j * d..(j + 1) * d]);
-                                    }
+                                for j in self.visible(bi, i) {
+                                    axpy(o, p[i * t + j], &vh[j * d..(j + 1) * d]);
                                 }
                             }
                         }
@@ -254,29 +313,33 @@ impl Attention {
                             let p = self.probs(&qh, &k_t, bi);
                             let dout = self.head(go, go_view, bi, hi, false);
                             // dV += P^T dO; dP = dO V^T; dS = P (dP - sum_j P dP).
+                            // ds is 0 outside the visible runs, which are the
+                            // same for every head of the row.
                             for i in 0..t {
                                 let doi = &dout[i * d..(i + 1) * d];
                                 let (pi, dsi) = (&p[i * t..(i + 1) * t], &mut ds[i * t..(i + 1) * t]);
-                                for (j, &pij) in pi.iter().enumerate() {
-                                    if pij != 0.0 {
-                                        axpy(&mut dv[j * d..(j + 1) * d], pij, doi);
+                                let runs = self.inputs.runs(self.dims, bi, i);
+                                let mut row_dot = 0f32;
+                                for &(a, z) in runs {
+                                    for j in a..z {
+                                        axpy(&mut dv[j * d..(j + 1) * d], pi[j], doi);
                                     }
+                                    row_times(&mut dsi[a..z], a, doi, &v_t);
+                                    row_dot += pi[a..z].iter().zip(&dsi[a..z]).map(|(p, dp)| p * dp).sum::<f32>();
                                 }
-                                row_times(dsi, doi, &v_t);
-                                let row_dot: f32 = pi.iter().zip(dsi.iter()).map(|(p, dp)| p * dp).sum();
-                                for (s, &pij) in dsi.iter_mut().zip(pi) {
-                                    *s = pij * (*s - row_dot) * self.scale;
+                                for &(a, z) in runs {
+                                    for (s, &pij) in dsi[a..z].iter_mut().zip(&pi[a..z]) {
+                                        *s = pij * (*s - row_dot) * self.scale;
+                                    }
                                 }
                             }
                             // dQ = dS K; dK += dS^T Q (both in rotated space).
                             let dq = &mut dq_all[rep * t * d..(rep + 1) * t * d];
                             for i in 0..t {
-                                for j in 0..t {
+                                for j in self.visible(bi, i) {
                                     let s = ds[i * t + j];
-                                    if s != 0.0 {
-                                        axpy(&mut dq[i * d..(i + 1) * d], s, &kh[j * d..(j + 1) * d]);
-                                        axpy(&mut dk[j * d..(j + 1) * d], s, &qh[i * d..(i + 1) * d]);
-                                    }
+                                    axpy(&mut dq[i * d..(i + 1) * d], s, &kh[j * d..(j + 1) * d]);
+                                    axpy(&mut dk[j * d..(j + 1) * d], s, &qh[i * d..(i + 1) * d]);
                                 }
                             }
                             for i in 0..t {
@@ -312,14 +375,15 @@ impl Attention {
     }
 }
 
-/// `out = x M` for a row `x` (D,) and `m_t` (D, T) row-major: T-wide
-/// multiply-adds, which vectorise (a dot product's reduction would not).
+/// `out = x M[:, from..from + out.len()]` for a row `x` (D,) and `m_t`
+/// (D, T) row-major: multiply-adds along the row, which vectorise (a dot
+/// product's reduction would not).
 #[inline(always)]
-fn row_times(out: &mut [f32], x: &[f32], m_t: &[f32]) {
-    let t = out.len();
+fn row_times(out: &mut [f32], from: usize, x: &[f32], m_t: &[f32]) {
+    let t = m_t.len() / x.len().max(1);
     out.fill(0.0);
     for (xd, m_row) in x.iter().zip(m_t.chunks_exact(t)) {
-        axpy(out, *xd, m_row);
+        axpy(out, *xd, &m_row[from..from + out.len()]);
     }
 }
 
