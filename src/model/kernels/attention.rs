@@ -20,7 +20,7 @@ use candle_core::{CpuStorage, CustomOp1, CustomOp3, Layout, Result, Shape, Tenso
 use rayon::prelude::*;
 
 use super::contiguous_f32;
-use super::math::{exp, with_avx2};
+use super::math::{axpy, exp, with_avx2};
 use super::rotary::RotaryTables;
 
 /// Host copies of what every layer of one forward pass shares.
@@ -396,12 +396,6 @@ fn transpose(x: &[f32], t: usize, d: usize) -> Vec<f32> {
         }
     }
     out
-}
-
-/// `out += w * x` for rows of equal length.
-#[inline(always)]
-fn axpy(out: &mut [f32], w: f32, x: &[f32]) {
-    out.iter_mut().zip(x).for_each(|(o, x)| *o += w * x);
 }
 
 impl CustomOp3 for Attention {

@@ -7,7 +7,7 @@
 use candle_core::{CpuStorage, CustomOp3, Layout, Result, Shape, Tensor};
 use rayon::prelude::*;
 
-use super::math::{dot, exp, with_avx2};
+use super::math::{axpy, dot, exp, max, with_avx2};
 
 struct DecodeAttention {
     scale: f32,
@@ -57,46 +57,73 @@ impl CustomOp3 for DecodeAttention {
         out.par_chunks_mut(d).enumerate().for_each_init(
             || vec![0f32; s],
             |scores, (row, out)| {
+                let (bi, hi) = (row / h, row % h);
+                let kvh = hi / n_rep;
+                let head = Head {
+                    q: &q[row * d..(row + 1) * d],
+                    k: &k[bi * ks[0] + kvh * ks[1]..],
+                    k_stride: ks[2],
+                    v: &v[bi * vs[0] + kvh * vs[1]..],
+                    v_stride: vs[2],
+                    mask: &self.key_mask[bi * s..(bi + 1) * s],
+                };
+                // A head size known at compile time lets the loops over it unroll.
                 with_avx2(
                     #[inline(always)]
-                    || {
-                        let (bi, hi) = (row / h, row % h);
-                        let kvh = hi / n_rep;
-                        let qv = &q[row * d..(row + 1) * d];
-                        let mask = &self.key_mask[bi * s..(bi + 1) * s];
-                        let mut max = f32::NEG_INFINITY;
-                        for (j, score) in scores.iter_mut().enumerate() {
-                            if mask[j] == 0.0 {
-                                *score = f32::NEG_INFINITY;
-                                continue;
-                            }
-                            let base = bi * ks[0] + kvh * ks[1] + j * ks[2];
-                            *score = dot(qv, &k[base..base + d]) * self.scale;
-                            max = max.max(*score);
-                        }
-                        if max == f32::NEG_INFINITY {
-                            return; // no real key (cannot happen for a real token): output 0
-                        }
-                        let mut total = 0f32;
-                        for score in scores.iter_mut() {
-                            *score = exp(*score - max);
-                            total += *score;
-                        }
-                        for (j, &p) in scores.iter().enumerate() {
-                            if p == 0.0 {
-                                continue;
-                            }
-                            let w = p / total;
-                            let base = bi * vs[0] + kvh * vs[1] + j * vs[2];
-                            for (o, x) in out.iter_mut().zip(&v[base..base + d]) {
-                                *o += w * x;
-                            }
-                        }
+                    || match d {
+                        32 => head.attend(32, self.scale, scores, out),
+                        64 => head.attend(64, self.scale, scores, out),
+                        128 => head.attend(128, self.scale, scores, out),
+                        _ => head.attend(d, self.scale, scores, out),
                     },
                 )
             },
         );
         Ok((CpuStorage::F32(out), Shape::from((b, h, 1, d))))
+    }
+}
+
+/// One query head and the cache slice it reads: key j at `k[j * k_stride..]`.
+struct Head<'a> {
+    q: &'a [f32],
+    k: &'a [f32],
+    k_stride: usize,
+    v: &'a [f32],
+    v_stride: usize,
+    mask: &'a [f32],
+}
+
+impl Head<'_> {
+    /// Writes softmax(q K^T * scale) V into `out` (d,), over the keys the
+    /// mask keeps; `scores` is scratch with one slot per key.
+    #[inline(always)]
+    fn attend(&self, d: usize, scale: f32, scores: &mut [f32], out: &mut [f32]) {
+        for (j, score) in scores.iter_mut().enumerate() {
+            *score = if self.mask[j] == 0.0 {
+                f32::NEG_INFINITY
+            } else {
+                dot(self.q, &self.k[j * self.k_stride..j * self.k_stride + d]) * scale
+            };
+        }
+        let top = max(scores);
+        if top == f32::NEG_INFINITY {
+            return; // no real key (cannot happen for a real token): output 0
+        }
+        // exp(-inf) = 0 for masked keys. Eight partial sums, so the loop vectorises.
+        let mut totals = [0f32; 8];
+        for block in scores.chunks_mut(8) {
+            for (score, total) in block.iter_mut().zip(&mut totals) {
+                *score = exp(*score - top);
+                *total += *score;
+            }
+        }
+        let inv_total = 1.0 / totals.iter().sum::<f32>();
+        let out = &mut out[..d];
+        for (j, &p) in scores.iter().enumerate() {
+            if p != 0.0 {
+                axpy(out, p * inv_total, &self.v[j * self.v_stride..j * self.v_stride + d]);
+            }
+        }
     }
 }
 

@@ -77,6 +77,26 @@ pub fn dot(a: &[f32], b: &[f32]) -> f32 {
     acc.iter().sum::<f32>() + tail
 }
 
+/// `out += w * x` over rows of equal length, eight lanes at a time. Each
+/// block is read whole before it is written: a plain zip loop over a
+/// head-sized row unrolls into scalar code, the compiler unable to show
+/// that its stores miss the next loads.
+#[inline(always)]
+pub fn axpy(out: &mut [f32], w: f32, x: &[f32]) {
+    let (mut o8, x8) = (out.chunks_exact_mut(8), x.chunks_exact(8));
+    let tail = x8.remainder();
+    for (o, x) in (&mut o8).zip(x8) {
+        let mut sum = [0f32; 8];
+        for l in 0..8 {
+            sum[l] = o[l] + w * x[l];
+        }
+        o.copy_from_slice(&sum);
+    }
+    for (o, x) in o8.into_remainder().iter_mut().zip(tail) {
+        *o += w * x;
+    }
+}
+
 /// The largest element (-inf for an empty row), with eight running maxima
 /// so the loop vectorises.
 #[inline(always)]
