@@ -7,7 +7,21 @@ use std::process::ExitCode;
 fn main() -> ExitCode {
     keep_freed_memory();
     elementwise_on_calling_thread();
-    cli::main()
+    on_the_worker_threads(cli::main)
+}
+
+/// Runs `f` on a worker of the thread pool (RAYON_NUM_THREADS threads,
+/// else one per core) rather than beside it. Kernels called from a worker
+/// share out their work in that pool, and when one thread works alone
+/// between parallel regions the idle workers spin on their own cores:
+/// called from outside, the calling thread would be one thread too many
+/// and compete with them for the cores.
+fn on_the_worker_threads(f: impl FnOnce() -> ExitCode + Send) -> ExitCode {
+    // Backward passes recurse through the graph; give workers a main thread's stack.
+    match rayon::ThreadPoolBuilder::new().stack_size(64 << 20).build() {
+        Ok(pool) => pool.install(f),
+        Err(_) => f(),
+    }
 }
 
 /// Decoding and training allocate many short-lived multi-megabyte tensors.
