@@ -120,7 +120,7 @@ impl RawConfig {
 /// Loads a `Conv1D` stored as (in, out) into a [`Linear`] holding the (out, in) view.
 fn conv1d(w: &Weights, name: &str, in_dim: usize, out_dim: usize) -> Result<Linear> {
     let w = w.pp(name);
-    Ok(Linear { weight: w.get("weight", (in_dim, out_dim))?.t()?, bias: Some(w.get("bias", out_dim)?) })
+    Ok(Linear::new(w.get("weight", (in_dim, out_dim))?.t()?, Some(w.get("bias", out_dim)?)))
 }
 
 struct Block {
@@ -207,6 +207,10 @@ impl super::Decoder for Decoder {
 
     fn embedding(&self) -> &Tensor {
         &self.wte
+    }
+
+    fn linears(&self) -> Vec<&Linear> {
+        self.layers.iter().flat_map(|l| [&l.c_attn, &l.attn_proj, &l.c_fc, &l.mlp_proj]).collect()
     }
 
     fn num_layers(&self) -> usize {

@@ -188,6 +188,10 @@ impl super::Decoder for Decoder {
         &self.embed_in
     }
 
+    fn linears(&self) -> Vec<&Linear> {
+        self.layers.iter().flat_map(|l| [&l.query_key_value, &l.dense, &l.dense_h_to_4h, &l.dense_4h_to_h]).collect()
+    }
+
     fn num_layers(&self) -> usize {
         self.cfg.num_layers
     }

@@ -2,6 +2,8 @@
 //! (mask bias, rotary tables), multi-head self-attention over a cache, and
 //! the embedding lookup.
 
+use std::sync::{PoisonError, RwLock};
+
 use candle_core::{Result, Tensor};
 
 use super::batch::{attention_bias, Inputs, KvCache};
@@ -124,20 +126,39 @@ pub fn embed(table: &Tensor, ids: &Tensor) -> Result<Tensor> {
 pub struct Linear {
     pub weight: Tensor,
     pub bias: Option<Tensor>,
+    /// While decoding, the weight stored (in, out), as its (out, in) view.
+    decoding: RwLock<Option<Tensor>>,
 }
 
 impl Linear {
+    pub fn new(weight: Tensor, bias: Option<Tensor>) -> Self {
+        Self { weight, bias, decoding: RwLock::new(None) }
+    }
+
     /// Loads `name.weight` (out, in) and, when `bias`, `name.bias` (out,).
     pub fn load(w: &Weights, name: &str, out_dim: usize, in_dim: usize, bias: bool) -> LoadResult<Self> {
         let w = w.pp(name);
-        Ok(Self {
-            weight: w.get("weight", (out_dim, in_dim))?,
-            bias: if bias { Some(w.get("bias", out_dim)?) } else { None },
-        })
+        let bias = if bias { Some(w.get("bias", out_dim)?) } else { None };
+        Ok(Self::new(w.get("weight", (out_dim, in_dim))?, bias))
     }
 
     pub fn forward(&self, x: &Tensor) -> Result<Tensor> {
-        kernels::linear(x, &self.weight, self.bias.as_ref())
+        let decoding = self.decoding.read().unwrap_or_else(PoisonError::into_inner);
+        kernels::linear(x, decoding.as_ref().unwrap_or(&self.weight), self.bias.as_ref())
+    }
+
+    /// Keeps (`true`) or drops a constant copy of the weight stored (in,
+    /// out). A decoding step multiplies a few rows by each weight, and gemm
+    /// gathers an (out, in) weight into its packed layout anew every time,
+    /// while it copies an (in, out) one straight. The copy does not follow
+    /// later updates of the weight, and carries no gradient.
+    pub fn store_for_decoding(&self, on: bool) -> Result<()> {
+        let copy = match on && kernels::fused(&self.weight) && !self.weight.t()?.is_contiguous() {
+            true => Some(self.weight.detach().t()?.contiguous()?.t()?),
+            false => None,
+        };
+        *self.decoding.write().unwrap_or_else(PoisonError::into_inner) = copy;
+        Ok(())
     }
 }
 

@@ -245,6 +245,16 @@ impl super::Decoder for Decoder {
         &self.embed_tokens
     }
 
+    fn linears(&self) -> Vec<&Linear> {
+        self.layers
+            .iter()
+            .flat_map(|l| {
+                let (a, m) = (&l.self_attn, &l.mlp);
+                [&a.q_proj, &a.k_proj, &a.v_proj, &a.o_proj, &m.gate_proj, &m.up_proj, &m.down_proj]
+            })
+            .collect()
+    }
+
     fn num_layers(&self) -> usize {
         self.cfg.num_layers
     }

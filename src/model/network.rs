@@ -8,6 +8,7 @@ use candle_core::{Device, Result as TResult, Tensor, D};
 
 use super::batch::{Inputs, KvCache};
 use super::config::{ArchConfig, HeadKind, ModelConfig};
+use super::layers::Linear;
 use super::weights::{ParamStore, Source, WeightFiles, Weights};
 use super::{gpt2, gpt_neox, kernels, llama, ops};
 use crate::error::{Error, Result};
@@ -20,13 +21,15 @@ pub trait Decoder: Send + Sync {
     /// The token-embedding table (V, H), which tied LM heads reuse.
     fn embedding(&self) -> &Tensor;
     fn num_layers(&self) -> usize;
+    /// Every dense layer, for [`Network::decoding_weights`].
+    fn linears(&self) -> Vec<&Linear>;
 }
 
 enum Head {
     /// (V, H) next-token projection.
-    Lm(Tensor),
+    Lm(Linear),
     /// (num_labels, H) score projection.
-    Score(Tensor),
+    Score(Linear),
 }
 
 /// A decoder and its head built on one set of weight tensors.
@@ -53,8 +56,8 @@ impl Network {
         };
         let (v, h) = (cfg.vocab_size(), cfg.hidden_size());
         let head = match cfg.head {
-            HeadKind::CausalLm if cfg.tie_word_embeddings() => Head::Lm(decoder.embedding().clone()),
-            HeadKind::CausalLm => Head::Lm(root.get(cfg.lm_head_name(), (v, h))?),
+            HeadKind::CausalLm if cfg.tie_word_embeddings() => Head::Lm(Linear::new(decoder.embedding().clone(), None)),
+            HeadKind::CausalLm => Head::Lm(Linear::new(root.get(cfg.lm_head_name(), (v, h))?, None)),
             HeadKind::SequenceClassification { num_labels } => {
                 if !root.contains("score.weight") {
                     return Err(Error::Weights {
@@ -64,7 +67,7 @@ impl Network {
                         ),
                     });
                 }
-                Head::Score(root.get("score.weight", (num_labels, h))?)
+                Head::Score(Linear::new(root.get("score.weight", (num_labels, h))?, None))
             }
         };
         Ok(Self { decoder, head })
@@ -88,7 +91,7 @@ impl Network {
     /// of positions so the full (B, T, V) logits are never materialised.
     pub fn project(&self, hidden: &Tensor) -> TResult<Tensor> {
         match &self.head {
-            Head::Lm(w) | Head::Score(w) => kernels::linear(hidden, w, None),
+            Head::Lm(head) | Head::Score(head) => head.forward(hidden),
         }
     }
 
@@ -97,9 +100,20 @@ impl Network {
     /// (N,), only the log-probs differentiable.
     pub fn token_logprobs(&self, hidden: &Tensor, targets: &[u32], temperature: f64) -> TResult<(Tensor, Tensor)> {
         match &self.head {
-            Head::Lm(w) => kernels::token_logprobs(hidden, w, targets, temperature),
+            Head::Lm(head) => kernels::token_logprobs(hidden, &head.weight, targets, temperature),
             Head::Score(_) => candle_core::bail!("token log-probs need an LM head, not a score head"),
         }
+    }
+
+    /// Keeps weight copies laid out for decoding ([`Linear::store_for_decoding`])
+    /// until the returned guard drops. For sampling: the copies are
+    /// constants, so the weights must not change while it lives.
+    pub fn decoding_weights(&self) -> TResult<DecodingWeights<'_>> {
+        let guard = DecodingWeights { net: self };
+        for linear in guard.linears() {
+            linear.store_for_decoding(true)?;
+        }
+        Ok(guard)
     }
 
     /// Sequence scores (B, num_labels), read at each row's last real token.
@@ -112,6 +126,29 @@ impl Network {
         let idx = Tensor::from_vec(last, b, hidden.device())?;
         // (B, T, H) -> (B * T, H) -> (B, H)
         self.project(&hidden.reshape((b * t, h))?.index_select(&idx, 0)?)
+    }
+}
+
+/// Holds a network's decoding copies of its weights; drops them when dropped.
+pub struct DecodingWeights<'a> {
+    net: &'a Network,
+}
+
+impl DecodingWeights<'_> {
+    fn linears(&self) -> impl Iterator<Item = &Linear> {
+        let head = match &self.net.head {
+            Head::Lm(head) | Head::Score(head) => head,
+        };
+        self.net.decoder.linears().into_iter().chain(std::iter::once(head))
+    }
+}
+
+impl Drop for DecodingWeights<'_> {
+    fn drop(&mut self) {
+        for linear in self.linears() {
+            // Dropping a copy cannot fail.
+            let _ = linear.store_for_decoding(false);
+        }
     }
 }
 

@@ -13,12 +13,15 @@ use rayon::prelude::*;
 use super::{contiguous_f32, rows_per_task};
 use crate::model::ops;
 
-/// `x @ w^T (+ b)` for `x` (..., in), a PyTorch-layout `w` (out, in) and `b` (out,).
+/// `x @ w^T (+ b)` for `x` (..., in), a PyTorch-layout `w` (out, in) and
+/// `b` (out,). `w` may also be the transposed view of an (in, out) tensor,
+/// which the product reads in place.
 pub fn linear(x: &Tensor, w: &Tensor, b: Option<&Tensor>) -> Result<Tensor> {
     if !(super::fused(x) && super::fused(w) && b.is_none_or(super::fused)) {
         return ops::linear(x, w, b);
     }
-    let (x, w) = (x.contiguous()?, w.contiguous()?);
+    let x = x.contiguous()?;
+    let w = if w.is_contiguous() || w.t()?.is_contiguous() { w.clone() } else { w.contiguous()? };
     match b {
         Some(b) => x.apply_op3(&w, &b.contiguous()?, Linear),
         None => x.apply_op2(&w, Linear),
@@ -51,7 +54,7 @@ impl Linear {
         &self,
         x: &[f32],
         x_l: &Layout,
-        w: &[f32],
+        w: Operand,
         w_l: &Layout,
         b: Option<&[f32]>,
     ) -> Result<(CpuStorage, Shape)> {
@@ -65,8 +68,8 @@ impl Linear {
                 y.extend_from_slice(b);
             }
         }
-        // y (m, n) = x (m, k) @ w^T, where w^T (k, n) is w read column-wise.
-        matmul(&mut y, b.is_some(), m, n, k, Operand { data: x, row: k, col: 1 }, Operand { data: w, row: 1, col: k });
+        // y (m, n) = x (m, k) @ w^T (k, n).
+        matmul(&mut y, b.is_some(), m, n, k, Operand { data: x, row: k, col: 1 }, w.transposed());
         Ok((CpuStorage::F32(y), out_shape(x_l, n)))
     }
 }
@@ -77,7 +80,7 @@ impl CustomOp2 for Linear {
     }
 
     fn cpu_fwd(&self, x: &CpuStorage, x_l: &Layout, w: &CpuStorage, w_l: &Layout) -> Result<(CpuStorage, Shape)> {
-        self.forward(contiguous_f32(x, x_l)?, x_l, contiguous_f32(w, w_l)?, w_l, None)
+        self.forward(contiguous_f32(x, x_l)?, x_l, Operand::weight(w, w_l)?, w_l, None)
     }
 
     fn bwd(&self, x: &Tensor, w: &Tensor, _y: &Tensor, grad: &Tensor) -> Result<(Option<Tensor>, Option<Tensor>)> {
@@ -101,7 +104,7 @@ impl CustomOp3 for Linear {
         b_l: &Layout,
     ) -> Result<(CpuStorage, Shape)> {
         let b = contiguous_f32(b, b_l)?;
-        self.forward(contiguous_f32(x, x_l)?, x_l, contiguous_f32(w, w_l)?, w_l, Some(b))
+        self.forward(contiguous_f32(x, x_l)?, x_l, Operand::weight(w, w_l)?, w_l, Some(b))
     }
 
     fn bwd(
@@ -147,11 +150,12 @@ impl CustomOp3 for LinearGrad {
         w: &CpuStorage,
         w_l: &Layout,
     ) -> Result<(CpuStorage, Shape)> {
-        let (g, x, w) = (contiguous_f32(g, g_l)?, contiguous_f32(x, x_l)?, contiguous_f32(w, w_l)?);
+        let (g, x) = (contiguous_f32(g, g_l)?, contiguous_f32(x, x_l)?);
+        let w = Operand::weight(w, w_l)?;
         let (m, k, n) = sizes("linear-grad", x_l, w_l)?;
         let mut out = Vec::with_capacity((m + n) * k + if self.bias { n } else { 0 });
         // d x (m, k) = g (m, n) @ w (n, k).
-        matmul(&mut out, false, m, k, n, Operand { data: g, row: n, col: 1 }, Operand { data: w, row: k, col: 1 });
+        matmul(&mut out, false, m, k, n, Operand { data: g, row: n, col: 1 }, w);
         // d w (n, k) = g^T (n, m) @ x (m, k).
         matmul(&mut out, false, n, k, m, Operand { data: g, row: 1, col: n }, Operand { data: x, row: k, col: 1 });
         if self.bias {
@@ -185,7 +189,24 @@ pub(super) struct Operand<'a> {
     pub col: usize,
 }
 
-impl Operand<'_> {
+impl<'a> Operand<'a> {
+    /// A 2-d weight stored row-major or as the transposed view of a
+    /// row-major tensor; other layouts are an error.
+    fn weight(storage: &'a CpuStorage, layout: &Layout) -> Result<Self> {
+        let data = &storage.as_slice::<f32>()?[layout.start_offset()..];
+        let w = match (layout.dims(), layout.stride()) {
+            ([_, k], [row, 1]) if row == k => Self { data, row: *row, col: 1 },
+            ([n, _], [1, col]) if col == n => Self { data, row: 1, col: *col },
+            (dims, stride) => candle_core::bail!("linear: weight {dims:?} with strides {stride:?}"),
+        };
+        Ok(w)
+    }
+
+    /// The same matrix read transposed.
+    fn transposed(self) -> Self {
+        Self { data: self.data, row: self.col, col: self.row }
+    }
+
     fn covers(&self, rows: usize, cols: usize) -> bool {
         rows == 0 || cols == 0 || (rows - 1) * self.row + (cols - 1) * self.col < self.data.len()
     }

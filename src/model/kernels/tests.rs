@@ -76,9 +76,17 @@ fn linear_matches_the_composition() {
     );
     check(
         "linear, no bias",
-        &[x.flatten_to(1).unwrap(), w],
+        &[x.flatten_to(1).unwrap(), w.clone()],
         |t| linear(&t[0], &t[1], None),
         |t| ops::linear(&t[0], &t[1], None),
+        1e-5,
+    );
+    // A weight stored (in, out), read through its transposed view as GPT-2's Conv1D is.
+    check(
+        "linear, (in, out) storage",
+        &[x, w.t().unwrap().contiguous().unwrap()],
+        |t| linear(&t[0], &t[1].t()?, None),
+        |t| ops::linear(&t[0], &t[1].t()?, None),
         1e-5,
     );
 }
