@@ -130,6 +130,7 @@ fn a_rule_reward_rises_within_a_short_run() {
         "time/generation",
         "time/scoring",
         "time/reference",
+        "time/scoring_and_reference",
         "time/training",
     ] {
         assert!(rows[0].contains_key(key), "metric {key} missing");

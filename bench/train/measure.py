@@ -18,7 +18,7 @@ import sys
 
 def rloo_steps(out_dir):
     rows = [json.loads(l) for l in open(os.path.join(out_dir, "metrics.jsonl")) if l.strip()]
-    keys = ["generation", "scoring", "reference", "training"]
+    keys = ["generation", "scoring", "reference", "scoring_and_reference", "training"]
     return (
         [r["time/step"] for r in rows],
         sum(r["completions/mean_length"] for r in rows) / len(rows),

@@ -80,7 +80,7 @@ import json, statistics, sys
 work, runs, threads, settings = sys.argv[1], int(sys.argv[2]), sys.argv[3], sys.argv[4:]
 print()
 print(f"{'setting':<13} {'side':<5} {'completions/s':>14} {'peak RSS MB':>12}   per-step seconds: "
-      "generation scoring reference training")
+      "generation scoring reference (both, side by side) training")
 for s in settings:
     med = {}
     for side in ["rloo", "trl"]:
@@ -90,7 +90,7 @@ for s in settings:
         parts = ""
         if side == "rloo":
             parts = "   " + " ".join(f"{statistics.median(r['breakdown'][k] for r in res):.3f}"
-                                     for k in ["generation", "scoring", "reference", "training"])
+                                     for k in ["generation", "scoring", "reference", "scoring_and_reference", "training"])
         print(f"{s:<13} {side:<5} {med[side][0]:>14.1f} {med[side][1]:>12.0f}{parts}")
     print(f"{s:<13} ratio {med['rloo'][0] / med['trl'][0]:>13.2f}x {med['trl'][1] / med['rloo'][1]:>11.2f}x less"
           f"   (medians of {runs}, {threads} threads)")

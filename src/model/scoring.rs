@@ -67,16 +67,22 @@ impl Sequences<'_> {
 
     /// The rows packed by prompt ([`Inputs::shared_prefix`]): rows with the
     /// same prompt tokens share one packed row, so the prompt is computed
-    /// once for all its completions.
+    /// once for all its completions. A row takes completions up to
+    /// [`PACKED_ROW_TOKENS`] (its attention bias grows with the square of its
+    /// length), then the prompt starts another.
     fn packed(&self, device: &Device) -> Result<Packed> {
-        let mut group_of: HashMap<&[u32], usize> = HashMap::new();
+        let mut open: HashMap<&[u32], usize> = HashMap::new();
         let mut groups: Vec<SharedPrefix> = Vec::new();
         let mut place = Vec::with_capacity(self.len());
-        for (p, c) in self.prompts.iter().zip(&self.completions) {
-            let g = *group_of.entry(p).or_insert_with(|| {
-                groups.push(SharedPrefix { prompt: p, continuations: Vec::new() });
-                groups.len() - 1
-            });
+        for (&p, &c) in self.prompts.iter().zip(&self.completions) {
+            let g = match open.get(p) {
+                Some(&g) if groups[g].len() + c.len() <= PACKED_ROW_TOKENS => g,
+                _ => {
+                    groups.push(SharedPrefix { prompt: p, continuations: Vec::new() });
+                    open.insert(p, groups.len() - 1);
+                    groups.len() - 1
+                }
+            };
             place.push((g, groups[g].continuations.len()));
             groups[g].continuations.push(c);
         }
@@ -97,6 +103,9 @@ impl Sequences<'_> {
         Ok(Tensor::from_vec(data, (self.len(), width), device)?)
     }
 }
+
+/// The most tokens a packed row takes once it holds one completion.
+const PACKED_ROW_TOKENS: usize = 2048;
 
 /// [`Sequences`] packed by prompt, and where each row's tokens went.
 struct Packed {
@@ -190,4 +199,24 @@ fn pad_width(t: &Tensor, width: usize) -> Result<Tensor> {
         return Ok(t.clone());
     }
     Ok(Tensor::cat(&[t, &Tensor::zeros((n, width - w), DType::F32, t.device())?], 1)?)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_prompt_starts_a_new_packed_row_when_one_is_full() {
+        let prompt = vec![1u32; 8];
+        let long = vec![2u32; 900];
+        let seqs = Sequences { prompts: vec![&prompt; 3], completions: vec![&long; 3] };
+        let packed = seqs.packed(&Device::Cpu).unwrap();
+        // 8 + 900 + 900 fits in a row, a third completion would not.
+        let rows: Vec<usize> = packed.place.iter().map(|&(g, _, _)| g).collect();
+        assert_eq!(rows, [0, 0, 1]);
+        assert_eq!(packed.width, 8 + 2 * 900);
+        assert_eq!(packed.slot(1, 0), 7, "the first token is predicted from the prompt's last");
+        assert_eq!(packed.slot(1, 5), 8 + 900 + 4);
+        assert_eq!(packed.slot(2, 1), packed.width + 8);
+    }
 }

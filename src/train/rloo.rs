@@ -46,6 +46,8 @@ pub struct StepTiming {
     pub generation: f64,
     pub scoring: f64,
     pub reference: f64,
+    /// Scoring and reference run side by side: the wall time of both.
+    pub scoring_and_reference: f64,
     pub training: f64,
     pub total: f64,
     /// The sums leave out the run's first step.
@@ -53,13 +55,14 @@ pub struct StepTiming {
 }
 
 impl StepTiming {
-    fn add(&mut self, completions: usize, phases: [f64; 5]) {
+    fn add(&mut self, completions: usize, phases: [f64; 6]) {
         self.steps += 1;
         self.completions += completions;
-        let [generation, scoring, reference, training, total] = phases;
+        let [generation, scoring, reference, scoring_and_reference, training, total] = phases;
         self.generation += generation;
         self.scoring += scoring;
         self.reference += reference;
+        self.scoring_and_reference += scoring_and_reference;
         self.training += training;
         self.total += total;
     }
@@ -68,10 +71,12 @@ impl StepTiming {
     pub fn describe(&self) -> String {
         let n = self.steps.max(1) as f64;
         format!(
-            "per step: generation {:.3} s, scoring {:.3} s, reference {:.3} s, training {:.3} s, total {:.3} s; {:.1} completions/s",
+            "per step: generation {:.3} s, scoring {:.3} s and reference {:.3} s side by side ({:.3} s together), \
+             training {:.3} s, total {:.3} s; {:.1} completions/s",
             self.generation / n,
             self.scoring / n,
             self.reference / n,
+            self.scoring_and_reference / n,
             self.training / n,
             self.total / n,
             self.completions as f64 / self.total.max(1e-9)
@@ -144,48 +149,56 @@ pub fn train(cfg: &TrainConfig) -> Result<RunSummary> {
         let rollout = run.rollout(step)?;
         let t_gen = t0.elapsed().as_secs_f64();
 
-        // 2. Scores, shaped (missing-EOS penalty, normalisation, clipping).
-        let t1 = Instant::now();
+        // 2 and 3, side by side (a scorer that waits on a command or a
+        // service, or one thread's serial stretches, leave cores to the other):
+        // the scores, shaped (missing-EOS penalty, normalisation, clipping),
+        // and the log-probs of the sampling policy and of the reference.
         let ended: Vec<bool> =
             rollout.completions.flat().iter().map(|c| c.finish_reason == FinishReason::Stop).collect();
-        let scores = {
-            let rows = &run.dataset.rows;
-            let samples: Vec<Sample> = rollout
-                .completions
-                .flat()
-                .iter()
-                .zip(&rollout.texts)
-                .zip(&ended)
-                .map(|((c, text), &eos)| {
-                    let row = &rows[rollout.prompt_rows[c.prompt_index]];
-                    Sample {
-                        prompt: &row.prompt,
-                        completion: text,
-                        completion_ids: &c.tokens,
-                        ended_with_eos: eos,
-                        row: &row.row.fields,
-                    }
-                })
-                .collect();
-            run.rewards.score(&samples)?
-        };
-        let shaped = run.shaping.apply(&scores.total, &ended);
-        let t_score = t1.elapsed().as_secs_f64();
-
-        // 3. Log-probs of the sampling policy and of the reference.
-        let t2 = Instant::now();
         let seqs = run.sequences(&rollout);
         let temperature = cfg.generation.temperature;
-        let old = if cfg.rloo.recompute_old_logprobs {
-            run.logprobs_in_chunks(run.policy.frozen(), &seqs, temperature)?
-        } else {
-            sampler_logprobs(rollout.completions.flat(), &seqs, &run.device)?
-        };
-        let reference = match &run.reference {
-            Some(r) => Some(run.logprobs_in_chunks(r.frozen(), &seqs, temperature)?.logprobs),
-            None => None,
-        };
-        let t_ref = t2.elapsed().as_secs_f64();
+        let t1 = Instant::now();
+        let (scored, logprobs) = rayon::join(
+            || -> Result<_> {
+                let started = Instant::now();
+                let rows = &run.dataset.rows;
+                let samples: Vec<Sample> = rollout
+                    .completions
+                    .flat()
+                    .iter()
+                    .zip(&rollout.texts)
+                    .zip(&ended)
+                    .map(|((c, text), &eos)| {
+                        let row = &rows[rollout.prompt_rows[c.prompt_index]];
+                        Sample {
+                            prompt: &row.prompt,
+                            completion: text,
+                            completion_ids: &c.tokens,
+                            ended_with_eos: eos,
+                            row: &row.row.fields,
+                        }
+                    })
+                    .collect();
+                let scores = run.rewards.score(&samples)?;
+                Ok((scores, started.elapsed().as_secs_f64()))
+            },
+            || -> Result<_> {
+                let started = Instant::now();
+                let old = if cfg.rloo.recompute_old_logprobs {
+                    run.logprobs_in_chunks(run.policy.frozen(), &seqs, temperature)?
+                } else {
+                    sampler_logprobs(rollout.completions.flat(), &seqs, &run.device)?
+                };
+                let reference = match &run.reference {
+                    Some(r) => Some(run.logprobs_in_chunks(r.frozen(), &seqs, temperature)?.logprobs),
+                    None => None,
+                };
+                Ok((old, reference, started.elapsed().as_secs_f64()))
+            },
+        );
+        let t_both = t1.elapsed().as_secs_f64();
+        let ((scores, t_score), (old, reference, t_ref)) = (scored?, logprobs?);
+        let shaped = run.shaping.apply(&scores.total, &ended);
 
         // 4. KL, returns R = s - beta * KL (reward placement), advantages.
         let beta = cfg.rloo.kl_coef;
@@ -228,12 +241,13 @@ pub fn train(cfg: &TrainConfig) -> Result<RunSummary> {
         );
         metrics.set("episode", state.episode as f64);
         metrics.set("eps", sizes.batch as f64 / step_secs);
-        let phases = [t_gen, t_score, t_ref, t_train, step_secs];
+        let phases = [t_gen, t_score, t_ref, t_both, t_train, step_secs];
         if state.step as u64 == first_logged { &mut first_step } else { &mut timing }.add(sizes.batch, phases);
         for (name, secs) in [
             ("generation", t_gen),
             ("scoring", t_score),
             ("reference", t_ref),
+            ("scoring_and_reference", t_both),
             ("training", t_train),
             ("step", step_secs),
         ] {
