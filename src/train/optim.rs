@@ -8,6 +8,7 @@ use candle_core::{DType, Tensor, Var};
 
 use super::config::Schedule;
 use crate::error::{Error, Result};
+use crate::model::kernels::{self, AdamWStep};
 use crate::model::ParamStore;
 
 /// Gradients summed over micro-batches, per parameter.
@@ -104,11 +105,25 @@ impl AdamW {
                 Some(mv) => mv,
                 None => (w.zeros_like()?, w.zeros_like()?),
             };
+            let decay = if self.weight_decay > 0.0 && decays(&p.name) { 1.0 - lr * self.weight_decay } else { 1.0 };
+            let fused = AdamWStep {
+                beta1: self.beta1 as f32,
+                beta2: self.beta2 as f32,
+                eps: self.eps as f32,
+                lr: lr as f32,
+                bias1: bias1 as f32,
+                bias2: bias2 as f32,
+                decay: decay as f32,
+            };
+            if kernels::adamw(w, g, &m, &v, fused)? {
+                self.moments.insert(p.name.clone(), (m, v));
+                continue;
+            }
             let m = ((m * self.beta1)? + (g * (1.0 - self.beta1))?)?;
             let v = ((v * self.beta2)? + (g.sqr()? * (1.0 - self.beta2))?)?;
             let mut new_w = w.detach();
-            if self.weight_decay > 0.0 && decays(&p.name) {
-                new_w = (new_w * (1.0 - lr * self.weight_decay))?;
+            if decay != 1.0 {
+                new_w = (new_w * decay)?;
             }
             let denom = ((v.sqrt()? / bias2.sqrt())? + self.eps)?;
             new_w = (new_w - ((&m / denom)? * (lr / bias1))?)?;

@@ -7,6 +7,7 @@
 //! for sampling only and refuse one. On other devices and dtypes the entry
 //! points fall back to the compositions.
 
+mod adamw;
 mod attention;
 mod decode_attention;
 mod elementwise;
@@ -16,6 +17,7 @@ mod norm;
 mod rotary;
 mod token_logprobs;
 
+pub use adamw::{adamw, AdamWStep};
 pub use attention::{attention, attention_packed, AttentionInputs, Packing};
 pub use decode_attention::decode_attention;
 pub use elementwise::activation;

@@ -163,3 +163,32 @@ fn rotary_matches_the_composition() {
         1e-5,
     );
 }
+
+#[test]
+fn adamw_matches_the_composition_over_steps() {
+    let (beta1, beta2, eps, lr, wd) = (0.9f64, 0.999f64, 1e-8f64, 1e-2f64, 0.1f64);
+    let w0 = randn(&[37, 1000], 0.0);
+    let (w, m, v) = (w0.copy().unwrap(), w0.zeros_like().unwrap(), w0.zeros_like().unwrap());
+    let (mut w_ref, mut m_ref, mut v_ref) = (w0.clone(), w0.zeros_like().unwrap(), w0.zeros_like().unwrap());
+    for t in 1..=3 {
+        let g = randn(&[37, 1000], 0.1);
+        let (bias1, bias2) = (1.0 - beta1.powi(t), 1.0 - beta2.powi(t));
+        let step = AdamWStep {
+            beta1: beta1 as f32,
+            beta2: beta2 as f32,
+            eps: eps as f32,
+            lr: lr as f32,
+            bias1: bias1 as f32,
+            bias2: bias2 as f32,
+            decay: (1.0 - lr * wd) as f32,
+        };
+        assert!(adamw(&w, &g, &m, &v, step).unwrap());
+        m_ref = ((m_ref * beta1).unwrap() + (&g * (1.0 - beta1)).unwrap()).unwrap();
+        v_ref = ((v_ref * beta2).unwrap() + (g.sqr().unwrap() * (1.0 - beta2)).unwrap()).unwrap();
+        let denom = ((v_ref.sqrt().unwrap() / bias2.sqrt()).unwrap() + eps).unwrap();
+        let update = ((&m_ref / denom).unwrap() * (lr / bias1)).unwrap();
+        w_ref = ((w_ref * (1.0 - lr * wd)).unwrap() - update).unwrap();
+    }
+    assert!(max_abs_diff(&m, &m_ref) < 1e-6 && max_abs_diff(&v, &v_ref) < 1e-6, "moments differ");
+    assert!(max_abs_diff(&w, &w_ref) < 1e-6, "weights differ by {}", max_abs_diff(&w, &w_ref));
+}

@@ -1,0 +1,110 @@
+//! AdamW's update in place, in parallel passes: candle's composition takes
+//! a dozen whole-tensor ops per parameter, each allocating its result, and
+//! a copy back into the parameter.
+
+use candle_core::{CpuStorage, InplaceOp2, InplaceOp3, Layout, Result, Tensor};
+use rayon::prelude::*;
+
+use super::math::with_avx2;
+
+/// The scalars of one AdamW step.
+#[derive(Debug, Clone, Copy)]
+pub struct AdamWStep {
+    pub beta1: f32,
+    pub beta2: f32,
+    pub eps: f32,
+    pub lr: f32,
+    /// 1 - beta^t, the bias corrections of the two moments.
+    pub bias1: f32,
+    pub bias2: f32,
+    /// The weight's factor before the update: 1 - lr * weight decay.
+    pub decay: f32,
+}
+
+/// Updates the moments `m`, `v` and the weight `w` in place from the
+/// gradient `g`, as PyTorch's AdamW does. Returns false, touching nothing,
+/// where the kernel does not apply (not f32 on the CPU, or not contiguous).
+pub fn adamw(w: &Tensor, g: &Tensor, m: &Tensor, v: &Tensor, step: AdamWStep) -> Result<bool> {
+    let all = [w, g, m, v];
+    if !all.iter().all(|t| super::fused(t) && t.is_contiguous() && t.shape() == w.shape()) {
+        return Ok(false);
+    }
+    m.inplace_op2(g, &Moment { beta: step.beta1, squared: false })?;
+    v.inplace_op2(g, &Moment { beta: step.beta2, squared: true })?;
+    w.inplace_op3(m, v, &Update(step))?;
+    Ok(true)
+}
+
+/// Elements per parallel task.
+const CHUNK: usize = 1 << 14;
+
+/// The contiguous f32 elements of an in-place operand.
+fn slice_mut<'a>(s: &'a mut CpuStorage, l: &Layout) -> Result<&'a mut [f32]> {
+    match (s, l.contiguous_offsets()) {
+        (CpuStorage::F32(data), Some((start, end))) => Ok(&mut data[start..end]),
+        _ => candle_core::bail!("adamw: operand {:?} is not contiguous f32", l.dims()),
+    }
+}
+
+/// `x = beta x + (1 - beta) g`, or `g^2` for the second moment.
+struct Moment {
+    beta: f32,
+    squared: bool,
+}
+
+impl InplaceOp2 for Moment {
+    fn name(&self) -> &'static str {
+        "adamw-moment"
+    }
+
+    fn cpu_fwd(&self, dst: &mut CpuStorage, dst_l: &Layout, g: &CpuStorage, g_l: &Layout) -> Result<()> {
+        let (x, g) = (slice_mut(dst, dst_l)?, super::contiguous_f32(g, g_l)?);
+        let (beta, rest, squared) = (self.beta, 1.0 - self.beta, self.squared);
+        x.par_chunks_mut(CHUNK).zip(g.par_chunks(CHUNK)).for_each(|(x, g)| {
+            with_avx2(
+                #[inline(always)]
+                || {
+                    for (x, &g) in x.iter_mut().zip(g) {
+                        *x = beta * *x + rest * if squared { g * g } else { g };
+                    }
+                },
+            )
+        });
+        Ok(())
+    }
+}
+
+/// `w = decay w - lr / bias1 * m / (sqrt(v) / sqrt(bias2) + eps)`.
+struct Update(AdamWStep);
+
+impl InplaceOp3 for Update {
+    fn name(&self) -> &'static str {
+        "adamw-update"
+    }
+
+    fn cpu_fwd(
+        &self,
+        dst: &mut CpuStorage,
+        dst_l: &Layout,
+        m: &CpuStorage,
+        m_l: &Layout,
+        v: &CpuStorage,
+        v_l: &Layout,
+    ) -> Result<()> {
+        let w = slice_mut(dst, dst_l)?;
+        let (m, v) = (super::contiguous_f32(m, m_l)?, super::contiguous_f32(v, v_l)?);
+        let s = self.0;
+        let (step, inv_sqrt_bias2) = (s.lr / s.bias1, 1.0 / s.bias2.sqrt());
+        w.par_chunks_mut(CHUNK).zip(m.par_chunks(CHUNK).zip(v.par_chunks(CHUNK))).for_each(|(w, (m, v))| {
+            with_avx2(
+                #[inline(always)]
+                || {
+                    for ((w, &m), &v) in w.iter_mut().zip(m).zip(v) {
+                        *w = s.decay * *w - step * m / (v.sqrt() * inv_sqrt_bias2 + s.eps);
+                    }
+                },
+            )
+        });
+        Ok(())
+    }
+}
