@@ -15,6 +15,7 @@
 //! The completion is expected without the policy's stop token: a chat
 //! template writes the reward model's own end-of-turn marker.
 
+use std::collections::HashMap;
 use std::path::Path;
 
 use candle_core::Device;
@@ -172,11 +173,18 @@ impl RewardSource for RewardModel {
                 samples.len()
             );
         }
-        // Similar lengths share a batch, so little compute goes to padding.
-        rows.sort_by_key(|(_, ids)| ids.len());
+        // Samples of one prompt share a batch and their common leading
+        // tokens, which the scoring pass computes once for all of them.
+        let shared = shared_prefix_lengths(samples, &rows);
+        rows.sort_by_key(|(i, ids)| (shared[i].0, ids.len()));
         for chunk in rows.chunks(self.batch_size) {
-            let pairs: Vec<Pair> =
-                chunk.iter().map(|(_, ids)| Pair { prompt: ids.clone(), completion: Vec::new() }).collect();
+            let pairs: Vec<Pair> = chunk
+                .iter()
+                .map(|(i, ids)| {
+                    let (prompt, completion) = ids.split_at(shared[i].1);
+                    Pair { prompt: prompt.to_vec(), completion: completion.to_vec() }
+                })
+                .collect();
             let scores = sequence_scores(self.model.frozen(), &pairs, &self.device)?;
             for ((i, _), s) in chunk.iter().zip(scores) {
                 out[*i] = s.first().copied();
@@ -184,6 +192,29 @@ impl RewardSource for RewardModel {
         }
         Ok(out)
     }
+}
+
+/// Per scorable sample (`rows` holds their index and ids): its group of
+/// samples answering the same prompt (the same `Prompt` value in memory, as
+/// the k completions of a training step share), and the number of leading
+/// tokens the whole group has in common.
+fn shared_prefix_lengths(samples: &[Sample], rows: &[(usize, Vec<u32>)]) -> HashMap<usize, (usize, usize)> {
+    let mut group_of: HashMap<*const Prompt, usize> = HashMap::new();
+    let mut common: Vec<&[u32]> = Vec::new();
+    let mut out = HashMap::with_capacity(rows.len());
+    for (i, ids) in rows {
+        let g = *group_of.entry(samples[*i].prompt as *const Prompt).or_insert_with(|| {
+            common.push(ids);
+            common.len() - 1
+        });
+        let same = common[g].iter().zip(ids).take_while(|(a, b)| a == b).count();
+        common[g] = &common[g][..same];
+        out.insert(*i, (g, 0));
+    }
+    for v in out.values_mut() {
+        v.1 = common[v.0].len();
+    }
+    out
 }
 
 impl std::fmt::Debug for RewardModel {
@@ -231,6 +262,34 @@ mod tests {
         let mut config: Map<String, Value> = serde_json::from_str(&std::fs::read_to_string(&path).unwrap()).unwrap();
         edit(&mut config);
         std::fs::write(&path, Value::Object(config).to_string()).unwrap();
+    }
+
+    #[test]
+    fn completions_of_one_prompt_score_as_they_do_alone() {
+        let completions = [" good.", " bad, really", " good.", " fine I guess", ""];
+        for name in ["qwen2-seqcls", "gpt_neox-seqcls", "gpt2-seqcls"] {
+            let rm = RewardModel::from_dir("rm", &fixture(&format!("models/{name}")), &Device::Cpu, 3).unwrap();
+            let prompts = [Prompt::Text("The movie was".into()), Prompt::Text("Rate it:".into())];
+            let row = Map::new();
+            // Completions of each prompt interleaved, sharing the prompt in memory.
+            let samples: Vec<Sample> = completions
+                .iter()
+                .enumerate()
+                .map(|(i, c)| Sample {
+                    prompt: &prompts[i % 2],
+                    completion: c,
+                    completion_ids: &[],
+                    ended_with_eos: true,
+                    row: &row,
+                })
+                .collect();
+            let together = rm.score(&samples).unwrap();
+            for (i, sample) in samples.iter().enumerate() {
+                let alone = rm.score(std::slice::from_ref(sample)).unwrap()[0].unwrap();
+                let got = together[i].unwrap();
+                assert!((got - alone).abs() < 1e-4, "{name} sample {i}: {got} together, {alone} alone");
+            }
+        }
     }
 
     #[test]
