@@ -1,6 +1,6 @@
 //! Parity with transformers on the committed fixtures: logits of padded
-//! batches (left and right), KV-cache decoding, sequence scores, and the
-//! gradient of every parameter. Each test prints its max |Δ|.
+//! batches (left and right), KV-cache decoding (shared slots too), sequence
+//! scores, and the gradient of every parameter. Each test prints its max |Δ|.
 
 mod common;
 
@@ -151,6 +151,55 @@ fn kv_cache_decoding_matches_the_full_forward() {
         let diff = max_diff_masked(&decoded, expected, &full.mask);
         println!("{name} kv-cache: max |Δ logit| = {diff:.2e}");
         assert!(diff <= LOGIT_TOL, "{name} kv-cache: max |Δ logit| = {diff}");
+    }
+}
+
+/// Rows that share their prompt's cached slots (`KvCache::share`) decode
+/// as the full forward does, through whole-chunk and one-token steps and
+/// after rows leave the batch.
+#[test]
+fn rows_sharing_cached_slots_decode_as_the_full_forward() {
+    for name in MODELS {
+        let model = Model::load(&model_dir(name), &Device::Cpu).unwrap();
+        let reference = reference(name);
+        let full = inputs(&reference, "left");
+        let net = model.frozen();
+        let (b, t) = (full.batch_size(), full.seq_len());
+        let prefill = t - 5;
+        let mut cache = net.new_cache();
+        let columns = |x: &Tensor, start: usize, n: usize, rows: &[u32]| {
+            let idx = Tensor::from_slice(rows, rows.len(), &Device::Cpu).unwrap();
+            x.narrow(1, start, n).unwrap().contiguous().unwrap().index_select(&idx, 0).unwrap()
+        };
+        let chunk = |start: usize, n: usize, rows: &[u32]| Inputs {
+            ids: columns(&full.ids, start, n, rows),
+            mask: columns(&full.mask, start, n, rows),
+            positions: columns(&full.positions, start, n, rows),
+            segments: None,
+        };
+        let all: Vec<u32> = (0..b as u32).collect();
+        net.logits(&chunk(0, prefill, &all), Some(&mut cache)).unwrap();
+        // Every prompt twice, in another order.
+        let mut rows: Vec<u32> = all.iter().rev().flat_map(|&r| [r, r]).collect();
+        cache.share(&rows).unwrap();
+        cache.reserve(5);
+        let mut step = prefill;
+        let mut worst = 0f32;
+        for n in [2, 1, 1, 1] {
+            if step == prefill + 3 {
+                // Rows leave the batch: keep every other one.
+                let keep: Vec<u32> = (0..rows.len() as u32).step_by(2).collect();
+                cache.select_rows(&keep).unwrap();
+                rows = keep.iter().map(|&k| rows[k as usize]).collect();
+            }
+            let got = net.logits(&chunk(step, n, &rows), Some(&mut cache)).unwrap();
+            let want = columns(&reference["left.logits"], step, n, &rows);
+            worst = worst.max(max_diff_masked(&got, &want, &columns(&full.mask, step, n, &rows)));
+            step += n;
+        }
+        assert_eq!(cache.len(), t);
+        println!("{name} shared cache: max |Δ logit| = {worst:.2e}");
+        assert!(worst <= LOGIT_TOL, "{name} shared cache: max |Δ logit| = {worst}");
     }
 }
 

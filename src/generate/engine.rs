@@ -1,7 +1,7 @@
 //! The sampling engine: k completions per prompt, decoded in batches with a
-//! KV cache. Each prompt is prefilled once and its cache copied to its k
-//! rows; every row keeps its own position; rows that stop leave the batch
-//! so no compute is spent on them.
+//! KV cache. Each prompt is prefilled once and its k rows read its cached
+//! keys and values from one copy; every row keeps its own position; rows
+//! that stop leave the batch so no compute is spent on them.
 //!
 //! It runs on the frozen network (detached weights), so no autograd graph
 //! is recorded.
@@ -157,7 +157,7 @@ fn decode_batch(
     }
 
     // Prefill each distinct prompt once (left-padded so every row's last
-    // column is its last prompt token), then copy its cache to its rows.
+    // column is its last prompt token); its rows share its cached slots.
     let mut distinct: Vec<usize> = batch.iter().map(|&(p, _)| p).collect();
     distinct.dedup();
     let prefill_rows: Vec<Vec<u32>> = distinct.iter().map(|&p| prompts[p].clone()).collect();
@@ -171,9 +171,11 @@ fn decode_batch(
     let mut logits = if owner.len() == distinct.len() {
         last
     } else {
-        cache.select_rows(&owner)?;
+        cache.share(&owner)?;
         last.index_select(&Tensor::from_slice(&owner, owner.len(), device)?, 0)?
     };
+    // The last sampled token is never fed back.
+    cache.reserve(opts.max_new_tokens - 1);
 
     let longest_stop = opts.stop.strings.iter().map(String::len).max().unwrap_or(0);
     let vocab = logits.dim(1)?;

@@ -1,7 +1,9 @@
 //! What a forward pass reads: token ids, the padding mask, per-row position
-//! ids, and the key/value cache of incremental decoding.
+//! ids, and the attention bias they imply.
 
 use candle_core::{DType, Device, Result, Tensor};
+
+use super::cache::KvCache;
 
 /// Which side of a row the padding goes.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -165,74 +167,6 @@ fn positions_from_mask(mask: &[f32], b: usize, t: usize) -> Vec<u32> {
     out
 }
 
-/// Keys and values of every layer for the tokens seen so far, and which
-/// cache slots are real tokens. Each row keeps its own positions (given in
-/// each step's [`Inputs`]), so rows of different prompt lengths decode
-/// together. Buffers are allocated with spare capacity and written in
-/// place, so a decoding step copies only its new keys and values.
-#[derive(Debug, Clone)]
-pub struct KvCache {
-    /// Per layer: key and value buffers (B, Hkv, capacity, D); only the first
-    /// `len()` slots hold data.
-    layers: Vec<Option<(Tensor, Tensor)>>,
-    /// (B, S) f32 mask over the filled slots.
-    key_mask: Option<Tensor>,
-}
-
-impl KvCache {
-    pub fn new(num_layers: usize) -> Self {
-        Self { layers: vec![None; num_layers], key_mask: None }
-    }
-
-    /// Number of filled slots (S).
-    pub fn len(&self) -> usize {
-        self.key_mask.as_ref().map_or(0, |m| m.dims()[1])
-    }
-
-    pub fn is_empty(&self) -> bool {
-        self.len() == 0
-    }
-
-    /// Keeps only the given rows (finished rows leave the batch).
-    pub fn select_rows(&mut self, rows: &[u32]) -> Result<()> {
-        let Some(mask) = &self.key_mask else { return Ok(()) };
-        let idx = Tensor::from_slice(rows, rows.len(), mask.device())?;
-        self.key_mask = Some(mask.index_select(&idx, 0)?);
-        for (k, v) in self.layers.iter_mut().flatten() {
-            *k = k.index_select(&idx, 0)?;
-            *v = v.index_select(&idx, 0)?;
-        }
-        Ok(())
-    }
-
-    /// Writes one layer's new keys and values (B, Hkv, T, D) after the
-    /// filled slots and returns views of all of that layer's slots.
-    pub fn append(&mut self, layer: usize, k: &Tensor, v: &Tensor) -> Result<(Tensor, Tensor)> {
-        let start = self.len();
-        let need = start + k.dim(2)?;
-        let (kb, vb) = match self.layers[layer].take() {
-            Some((kb, vb)) if kb.dim(2)? >= need => (kb, vb),
-            old => {
-                // Grow geometrically so that decoding N tokens copies O(N) slots in all.
-                let capacity = (2 * need).max(64);
-                let (b, h, _, d) = k.dims4()?;
-                let kb = Tensor::zeros((b, h, capacity, d), k.dtype(), k.device())?;
-                let vb = Tensor::zeros((b, h, capacity, d), v.dtype(), v.device())?;
-                if let Some((ok, ov)) = old {
-                    kb.slice_set(&ok.narrow(2, 0, start)?.contiguous()?, 2, 0)?;
-                    vb.slice_set(&ov.narrow(2, 0, start)?.contiguous()?, 2, 0)?;
-                }
-                (kb, vb)
-            }
-        };
-        kb.slice_set(&k.contiguous()?, 2, start)?;
-        vb.slice_set(&v.contiguous()?, 2, start)?;
-        let views = (kb.narrow(2, 0, need)?, vb.narrow(2, 0, need)?);
-        self.layers[layer] = Some((kb, vb));
-        Ok(views)
-    }
-}
-
 /// A large negative number for disallowed attention pairs. Finite, so that a
 /// query with no allowed key (a padding position) gives a finite, ignored
 /// result instead of NaN.
@@ -245,7 +179,7 @@ const MASKED: f64 = -1e30;
 pub fn attention_bias(inputs: &Inputs, cache: Option<&KvCache>) -> Result<(Tensor, Tensor)> {
     let dev = inputs.ids.device();
     let (b, t) = inputs.ids.dims2()?;
-    let key_mask = match cache.and_then(|c| c.key_mask.as_ref()) {
+    let key_mask = match cache.and_then(KvCache::key_mask) {
         Some(past) => Tensor::cat(&[past, &inputs.mask], 1)?,
         None => inputs.mask.clone(),
     };
@@ -285,13 +219,6 @@ fn shared_prefix_bias(segments: &[u32], b: usize, t: usize, dev: &Device) -> Res
         }
     }
     Tensor::from_vec(bias, (b, 1, t, t), dev)
-}
-
-impl KvCache {
-    /// Records the key mask after a forward pass has appended every layer.
-    pub fn set_key_mask(&mut self, key_mask: Tensor) {
-        self.key_mask = Some(key_mask);
-    }
 }
 
 #[cfg(test)]

@@ -6,7 +6,8 @@ use std::sync::{PoisonError, RwLock};
 
 use candle_core::{Result, Tensor};
 
-use super::batch::{attention_bias, Inputs, KvCache};
+use super::batch::{attention_bias, Inputs};
+use super::cache::KvCache;
 use super::kernels::{self, decode_attention};
 use super::ops;
 use super::rope::Rope;
@@ -101,13 +102,16 @@ pub fn self_attention(
         k = ops::apply_rotary(&k, cos, sin)?;
     }
     let (k, v) = match cache {
-        Some(cache) => cache.append(layer, &k, &v)?,
+        Some(cache) => {
+            let kv = cache.append(layer, &k, &v)?;
+            if let Some(mask) = &ctx.decode_mask {
+                let out = decode_attention(&q, &kv, mask, scale)?;
+                return out.transpose(1, 2)?.reshape((b, t, n_heads * d));
+            }
+            kv.whole()?
+        }
         None => (k, v),
     };
-    if let Some(mask) = &ctx.decode_mask {
-        let out = decode_attention(&q, &k, &v, mask.clone(), scale)?;
-        return out.transpose(1, 2)?.reshape((b, t, n_heads * d));
-    }
     let k = ops::repeat_kv(&k, n_heads / n_kv)?;
     let v = ops::repeat_kv(&v, n_heads / n_kv)?;
     let out = ops::attention(&q, &k, &v, &ctx.bias, scale)?;

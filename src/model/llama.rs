@@ -11,7 +11,8 @@
 use candle_core::{Result as TResult, Tensor};
 use serde::Deserialize;
 
-use super::batch::{Inputs, KvCache};
+use super::batch::Inputs;
+use super::cache::KvCache;
 use super::kernels;
 use super::layers::{embed, self_attention, Context, Linear, Qkv};
 use super::ops::Activation;

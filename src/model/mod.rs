@@ -3,6 +3,7 @@
 //! directories.
 
 pub mod batch;
+pub mod cache;
 pub mod config;
 pub mod device;
 pub mod generation_config;
@@ -21,7 +22,8 @@ pub mod save;
 pub mod scoring;
 pub mod weights;
 
-pub use batch::{Inputs, KvCache, PadSide};
+pub use batch::{Inputs, PadSide};
+pub use cache::KvCache;
 pub use config::{HeadKind, ModelConfig, SUPPORTED_MODEL_TYPES};
 pub use device::parse_device;
 pub use generation_config::GenerationConfig;

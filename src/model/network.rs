@@ -6,7 +6,8 @@ use std::path::{Path, PathBuf};
 
 use candle_core::{Device, Result as TResult, Tensor, D};
 
-use super::batch::{Inputs, KvCache};
+use super::batch::Inputs;
+use super::cache::KvCache;
 use super::config::{ArchConfig, HeadKind, ModelConfig};
 use super::layers::Linear;
 use super::weights::{ParamStore, Source, WeightFiles, Weights};

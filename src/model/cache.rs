@@ -1,0 +1,167 @@
+//! The key/value cache of incremental decoding.
+
+use candle_core::{Result, Tensor};
+
+/// Keys and values of every layer for the tokens seen so far, and which
+/// cache slots are real tokens. Each row keeps its own positions (given in
+/// each step's inputs), so rows of different prompt lengths decode together.
+/// Buffers are allocated with spare capacity and written in place, so a
+/// decoding step copies only its new keys and values.
+///
+/// Rows may start with slots they share ([`KvCache::share`]): the k
+/// completions of a prompt read its keys and values from one copy.
+#[derive(Debug, Clone)]
+pub struct KvCache {
+    /// Per layer: each row's own key and value buffers (B, Hkv, capacity, D),
+    /// whose first `len() - shared_len()` slots hold data.
+    layers: Vec<Option<(Tensor, Tensor)>>,
+    /// (B, S) f32 mask over all filled slots, the shared ones first.
+    key_mask: Option<Tensor>,
+    shared: Option<Shared>,
+    /// Slots per row the own buffers get when next allocated, if more than
+    /// they need.
+    planned: usize,
+}
+
+/// Slots several rows start with, stored once.
+#[derive(Debug, Clone)]
+struct Shared {
+    /// Per layer: keys and values (U, Hkv, P, D).
+    layers: Vec<(Tensor, Tensor)>,
+    /// For each row, the shared row it continues.
+    rows: Vec<u32>,
+    /// P.
+    len: usize,
+}
+
+/// One layer's cache after an append.
+pub struct LayerKv<'a> {
+    /// Each row's own slots: (B, Hkv, S_own, D) views.
+    pub keys: Tensor,
+    pub values: Tensor,
+    /// The shared slots in front of them, if any.
+    pub shared: Option<SharedKv<'a>>,
+}
+
+/// Shared slots: row b reads keys and values of row `rows[b]`.
+pub struct SharedKv<'a> {
+    /// (U, Hkv, P, D)
+    pub keys: &'a Tensor,
+    pub values: &'a Tensor,
+    pub rows: &'a [u32],
+}
+
+impl LayerKv<'_> {
+    /// Every slot of every row, the shared ones first: keys and values
+    /// (B, Hkv, S, D), copied out when slots are shared.
+    pub fn whole(&self) -> Result<(Tensor, Tensor)> {
+        let Some(shared) = &self.shared else {
+            return Ok((self.keys.clone(), self.values.clone()));
+        };
+        let idx = Tensor::from_slice(shared.rows, shared.rows.len(), self.keys.device())?;
+        let keys = Tensor::cat(&[&shared.keys.index_select(&idx, 0)?, &self.keys], 2)?;
+        let values = Tensor::cat(&[&shared.values.index_select(&idx, 0)?, &self.values], 2)?;
+        Ok((keys, values))
+    }
+}
+
+impl KvCache {
+    pub fn new(num_layers: usize) -> Self {
+        Self { layers: vec![None; num_layers], key_mask: None, shared: None, planned: 0 }
+    }
+
+    /// Number of filled slots (S), shared ones included.
+    pub fn len(&self) -> usize {
+        self.key_mask.as_ref().map_or(0, |m| m.dims()[1])
+    }
+
+    pub fn is_empty(&self) -> bool {
+        self.len() == 0
+    }
+
+    /// The (B, S) mask of filled slots: 1 for real tokens, 0 for padding.
+    pub fn key_mask(&self) -> Option<&Tensor> {
+        self.key_mask.as_ref()
+    }
+
+    /// Records the key mask after a forward pass has appended every layer.
+    pub fn set_key_mask(&mut self, key_mask: Tensor) {
+        self.key_mask = Some(key_mask);
+    }
+
+    fn shared_len(&self) -> usize {
+        self.shared.as_ref().map_or(0, |s| s.len)
+    }
+
+    /// Sizes the buffers for `additional` more slots per row when they are
+    /// next allocated, so that decoding that many tokens never regrows
+    /// (copies) them.
+    pub fn reserve(&mut self, additional: usize) {
+        self.planned = self.len() - self.shared_len() + additional;
+    }
+
+    /// Turns the filled slots into slots shared by a new set of rows: new
+    /// row i continues current row `rows[i]`, with no copy of its keys and
+    /// values. Later appends go to each new row's own slots.
+    pub fn share(&mut self, rows: &[u32]) -> Result<()> {
+        if self.shared.is_some() {
+            candle_core::bail!("the cache already has shared slots");
+        }
+        let Some(mask) = &self.key_mask else { candle_core::bail!("the cache is empty: nothing to share") };
+        let len = mask.dim(1)?;
+        let mut layers = Vec::with_capacity(self.layers.len());
+        for layer in &mut self.layers {
+            let Some((k, v)) = layer.take() else { candle_core::bail!("a layer has no cached keys to share") };
+            layers.push((k.narrow(2, 0, len)?.contiguous()?, v.narrow(2, 0, len)?.contiguous()?));
+        }
+        self.key_mask = Some(mask.index_select(&Tensor::from_slice(rows, rows.len(), mask.device())?, 0)?);
+        self.shared = Some(Shared { layers, rows: rows.to_vec(), len });
+        Ok(())
+    }
+
+    /// Keeps only the given rows (finished rows leave the batch).
+    pub fn select_rows(&mut self, rows: &[u32]) -> Result<()> {
+        let Some(mask) = &self.key_mask else { return Ok(()) };
+        let idx = Tensor::from_slice(rows, rows.len(), mask.device())?;
+        self.key_mask = Some(mask.index_select(&idx, 0)?);
+        for (k, v) in self.layers.iter_mut().flatten() {
+            *k = k.index_select(&idx, 0)?;
+            *v = v.index_select(&idx, 0)?;
+        }
+        if let Some(shared) = &mut self.shared {
+            shared.rows = rows.iter().map(|&r| shared.rows[r as usize]).collect();
+        }
+        Ok(())
+    }
+
+    /// Writes one layer's new keys and values (B, Hkv, T, D) after each
+    /// row's filled slots and returns that layer's cache.
+    pub fn append(&mut self, layer: usize, k: &Tensor, v: &Tensor) -> Result<LayerKv<'_>> {
+        let start = self.len() - self.shared_len();
+        let need = start + k.dim(2)?;
+        let (kb, vb) = match self.layers[layer].take() {
+            Some((kb, vb)) if kb.dim(2)? >= need => (kb, vb),
+            old => {
+                // Grow geometrically so that decoding N tokens copies O(N) slots in all.
+                let capacity = if need <= self.planned { self.planned } else { (2 * need).max(64) };
+                let (b, h, _, d) = k.dims4()?;
+                let kb = Tensor::zeros((b, h, capacity, d), k.dtype(), k.device())?;
+                let vb = Tensor::zeros((b, h, capacity, d), v.dtype(), v.device())?;
+                if let Some((ok, ov)) = old {
+                    kb.slice_set(&ok.narrow(2, 0, start)?.contiguous()?, 2, 0)?;
+                    vb.slice_set(&ov.narrow(2, 0, start)?.contiguous()?, 2, 0)?;
+                }
+                (kb, vb)
+            }
+        };
+        kb.slice_set(&k.contiguous()?, 2, start)?;
+        vb.slice_set(&v.contiguous()?, 2, start)?;
+        let (keys, values) = (kb.narrow(2, 0, need)?, vb.narrow(2, 0, need)?);
+        self.layers[layer] = Some((kb, vb));
+        let shared = self.shared.as_ref().map(|s| {
+            let (keys, values) = &s.layers[layer];
+            SharedKv { keys, values, rows: &s.rows }
+        });
+        Ok(LayerKv { keys, values, shared })
+    }
+}
