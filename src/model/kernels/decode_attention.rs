@@ -50,15 +50,19 @@ pub fn decode_attention(q: &Tensor, kv: &LayerKv, key_mask: &[f32], scale: f64) 
                 segments: [front, own.segment(bi, kv_head)],
                 mask: &key_mask[bi * s..(bi + 1) * s],
             };
-            // A head size known at compile time lets the loops over it unroll.
+            #[cfg(target_arch = "x86_64")]
+            if simd::available() {
+                // Safety: the CPU has AVX2 and FMA.
+                match d {
+                    32 => return unsafe { simd::attend::<4>(&head, scale, scores, out) },
+                    64 => return unsafe { simd::attend::<8>(&head, scale, scores, out) },
+                    128 => return unsafe { simd::attend::<16>(&head, scale, scores, out) },
+                    _ => {}
+                }
+            }
             with_avx2(
                 #[inline(always)]
-                || match d {
-                    32 => head.attend(32, scale, scores, out),
-                    64 => head.attend(64, scale, scores, out),
-                    128 => head.attend(128, scale, scores, out),
-                    _ => head.attend(d, scale, scores, out),
-                },
+                || head.attend(d, scale, scores, out),
             )
         },
     );
@@ -153,15 +157,7 @@ impl Head<'_> {
         if top == f32::NEG_INFINITY {
             return; // no real key (cannot happen for a real token): output 0
         }
-        // exp(-inf) = 0 for masked keys. Eight partial sums, so the loop vectorises.
-        let mut totals = [0f32; 8];
-        for block in scores.chunks_mut(8) {
-            for (score, total) in block.iter_mut().zip(&mut totals) {
-                *score = exp(*score - top);
-                *total += *score;
-            }
-        }
-        let inv_total = 1.0 / totals.iter().sum::<f32>();
+        let inv_total = 1.0 / exp_in_place(scores, top);
         let out = &mut out[..d];
         let mut weights = scores.iter();
         for seg in &self.segments {
@@ -171,6 +167,110 @@ impl Head<'_> {
                 }
             }
         }
+    }
+}
+
+/// Replaces each score by e^(score - top) (0 for masked keys, at -inf) and
+/// returns their sum, over eight partial sums so that the loop vectorises.
+#[inline(always)]
+fn exp_in_place(scores: &mut [f32], top: f32) -> f32 {
+    let mut totals = [0f32; 8];
+    for block in scores.chunks_mut(8) {
+        for (score, total) in block.iter_mut().zip(&mut totals) {
+            *score = exp(*score - top);
+            *total += *score;
+        }
+    }
+    totals.iter().sum()
+}
+
+/// The head sizes of real models (32, 64, 128) in AVX2 and FMA registers.
+/// Plain Rust leaves each key's dot product as a chain of unfused
+/// multiplies and adds with a horizontal sum; here eight keys' products
+/// are summed across lanes together, and the output stays in registers.
+#[cfg(target_arch = "x86_64")]
+mod simd {
+    use std::arch::x86_64::*;
+
+    use super::super::math::max;
+    use super::{exp_in_place, Head};
+
+    pub fn available() -> bool {
+        std::is_x86_feature_detected!("avx2") && std::is_x86_feature_detected!("fma")
+    }
+
+    /// [`Head::attend`] for head size 8 N.
+    ///
+    /// Safety: the CPU must have AVX2 and FMA.
+    #[target_feature(enable = "avx2,fma")]
+    pub unsafe fn attend<const N: usize>(head: &Head, scale: f32, scores: &mut [f32], out: &mut [f32]) {
+        let d = 8 * N;
+        let q: [__m256; N] = std::array::from_fn(|n| _mm256_mul_ps(load(&head.q[8 * n..]), _mm256_set1_ps(scale)));
+        let dot = |k: &[f32]| -> __m256 {
+            let mut acc = _mm256_mul_ps(q[0], load(k));
+            for n in 1..N {
+                acc = _mm256_fmadd_ps(q[n], load(&k[8 * n..]), acc);
+            }
+            acc
+        };
+        // Scores of every key, masked ones included (they are overwritten).
+        let mut j = 0;
+        for seg in &head.segments {
+            let key = |i: usize| &seg.k[i * seg.k_stride..i * seg.k_stride + d];
+            let mut i = 0;
+            while i + 8 <= seg.len {
+                let sums: [__m256; 8] = std::array::from_fn(|r| dot(key(i + r)));
+                scores[j..j + 8].copy_from_slice(&sum_lanes(sums));
+                (i, j) = (i + 8, j + 8);
+            }
+            for i in i..seg.len {
+                let lanes: [f32; 8] = std::mem::transmute(dot(key(i)));
+                scores[j] = lanes.iter().sum();
+                j += 1;
+            }
+        }
+        let scores = &mut scores[..j];
+        for (score, &m) in scores.iter_mut().zip(head.mask) {
+            *score = if m == 0.0 { f32::NEG_INFINITY } else { *score };
+        }
+        let top = max(scores);
+        if top == f32::NEG_INFINITY {
+            return; // no real key (cannot happen for a real token): output 0
+        }
+        let total = exp_in_place(scores, top);
+        let mut acc = [_mm256_setzero_ps(); N];
+        let mut weights = scores.iter();
+        for seg in &head.segments {
+            for (i, &p) in (0..seg.len).zip(&mut weights) {
+                if p != 0.0 {
+                    let (v, p) = (&seg.v[i * seg.v_stride..i * seg.v_stride + d], _mm256_set1_ps(p));
+                    for n in 0..N {
+                        acc[n] = _mm256_fmadd_ps(p, load(&v[8 * n..]), acc[n]);
+                    }
+                }
+            }
+        }
+        let inv_total = _mm256_set1_ps(1.0 / total);
+        for n in 0..N {
+            _mm256_storeu_ps(out[8 * n..8 * n + 8].as_mut_ptr(), _mm256_mul_ps(acc[n], inv_total));
+        }
+    }
+
+    /// The first eight lanes of `x`.
+    #[inline(always)]
+    unsafe fn load(x: &[f32]) -> __m256 {
+        _mm256_loadu_ps(x[..8].as_ptr())
+    }
+
+    /// Lane r of the result is the sum of the lanes of `v[r]`.
+    #[inline(always)]
+    unsafe fn sum_lanes(v: [__m256; 8]) -> [f32; 8] {
+        // Pairwise sums within 128-bit halves, then the two halves added.
+        let a = _mm256_hadd_ps(_mm256_hadd_ps(v[0], v[1]), _mm256_hadd_ps(v[2], v[3]));
+        let b = _mm256_hadd_ps(_mm256_hadd_ps(v[4], v[5]), _mm256_hadd_ps(v[6], v[7]));
+        let low = _mm256_permute2f128_ps(a, b, 0x20);
+        let high = _mm256_permute2f128_ps(a, b, 0x31);
+        std::mem::transmute(_mm256_add_ps(low, high))
     }
 }
 
@@ -216,7 +316,8 @@ mod tests {
     #[test]
     fn rows_read_their_shared_slots_then_their_own() {
         let dev = Device::Cpu;
-        let (b, h, h_kv, p, s_own, cap, d) = (3, 4, 2, 4, 2, 6, 32);
+        // Parts of more and fewer than eight keys, head size 32 (the AVX2 path where there is one).
+        let (b, h, h_kv, p, s_own, cap, d) = (3, 4, 2, 11, 9, 12, 32);
         let q = Tensor::randn(0f32, 1.0, (b, h, 1, d), &dev).unwrap();
         // Two shared rows, the first left-padded; rows 0 and 2 continue shared row 1.
         let shared_k = Tensor::randn(0f32, 1.0, (2, h_kv, p, d), &dev).unwrap();
@@ -229,12 +330,11 @@ mod tests {
             values: v_buf.narrow(2, 0, s_own).unwrap(),
             shared: Some(SharedKv { keys: &shared_k, values: &shared_v, rows: &rows }),
         };
-        #[rustfmt::skip]
-        let mask = vec![
-            1.0, 1.0, 1.0, 1.0, 1.0, 1.0,
-            0.0, 1.0, 1.0, 1.0, 1.0, 1.0,
-            1.0, 1.0, 1.0, 1.0, 1.0, 0.0,
-        ];
+        // Row 1's prompt is left-padded by three; row 2's newest slot is padding.
+        let s = p + s_own;
+        let mask: Vec<f32> = (0..b * s)
+            .map(|i| if (i / s == 1 && i % s < 3) || (i / s == 2 && i % s == s - 1) { 0.0 } else { 1.0 })
+            .collect();
         let got = decode_attention(&q, &kv, &mask, 0.3).unwrap();
         let diff = max_diff(&got, &composed(&q, &kv, &mask, 0.3));
         assert!(diff < 1e-5, "{diff}");
