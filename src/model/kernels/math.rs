@@ -97,6 +97,21 @@ pub fn axpy(out: &mut [f32], w: f32, x: &[f32]) {
     }
 }
 
+/// The sum of `f(x)` over a row, with eight partial sums so that the loop
+/// vectorises.
+#[inline(always)]
+pub fn sum_of(row: &[f32], f: impl Fn(f32) -> f32) -> f32 {
+    let mut acc = [0f32; 8];
+    let chunks = row.chunks_exact(8);
+    let tail: f32 = chunks.remainder().iter().map(|&x| f(x)).sum();
+    for c in chunks {
+        for j in 0..8 {
+            acc[j] += f(c[j]);
+        }
+    }
+    acc.iter().sum::<f32>() + tail
+}
+
 /// The largest element (-inf for an empty row), with eight running maxima
 /// so the loop vectorises.
 #[inline(always)]

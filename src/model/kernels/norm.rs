@@ -9,6 +9,7 @@
 use candle_core::{CpuStorage, CustomOp2, CustomOp3, Layout, Result, Shape, Tensor};
 use rayon::prelude::*;
 
+use super::math::{sum_of, with_avx2};
 use super::{contiguous_f32, rows_per_task};
 use crate::model::ops;
 
@@ -38,16 +39,18 @@ fn as_rows(x: &Tensor) -> Result<(Tensor, Shape)> {
 }
 
 /// Mean and 1 / std of a row.
+#[inline(always)]
 fn moments(row: &[f32], eps: f32) -> (f32, f32) {
     let n = row.len() as f32;
-    let mean = row.iter().sum::<f32>() / n;
-    let var = row.iter().map(|x| (x - mean) * (x - mean)).sum::<f32>() / n;
+    let mean = sum_of(row, |x| x) / n;
+    let var = sum_of(row, |x| (x - mean) * (x - mean)) / n;
     (mean, 1.0 / (var + eps).sqrt())
 }
 
 /// 1 / sqrt(mean(x^2) + eps) of a row.
+#[inline(always)]
 fn inv_rms(row: &[f32], eps: f32) -> f32 {
-    1.0 / (row.iter().map(|x| x * x).sum::<f32>() / row.len() as f32 + eps).sqrt()
+    1.0 / (sum_of(row, |x| x * x) / row.len() as f32 + eps).sqrt()
 }
 
 /// Applies `per_row(input row, output row)` to every row, in parallel.
@@ -55,9 +58,14 @@ fn map_rows(input: &[f32], h: usize, per_row: impl Fn(&[f32], &mut [f32]) + Sync
     let mut out = vec![0f32; input.len()];
     let chunk = rows_per_task(h) * h;
     out.par_chunks_mut(chunk).zip(input.par_chunks(chunk)).for_each(|(out, input)| {
-        for (o, x) in out.chunks_mut(h).zip(input.chunks(h)) {
-            per_row(x, o);
-        }
+        with_avx2(
+            #[inline(always)]
+            || {
+                for (o, x) in out.chunks_mut(h).zip(input.chunks(h)) {
+                    per_row(x, o);
+                }
+            },
+        )
     });
     out
 }
