@@ -6,7 +6,7 @@
 //! It runs on the frozen network (detached weights), so no autograd graph
 //! is recorded.
 
-use candle_core::{Device, Tensor};
+use candle_core::{CpuStorage, Device, Storage, Tensor};
 use rayon::prelude::*;
 
 use super::rng::Rng;
@@ -178,17 +178,8 @@ fn decode_batch(
     cache.reserve(opts.max_new_tokens - 1);
 
     let longest_stop = opts.stop.strings.iter().map(String::len).max().unwrap_or(0);
-    let vocab = logits.dim(1)?;
     loop {
-        let host: Vec<f32> = logits.flatten_all()?.to_vec1()?;
-        // Rows sample independently (each has its own generator), so in parallel.
-        let picks: Vec<Pick> = rows
-            .par_iter_mut()
-            .zip(host.par_chunks(vocab))
-            .map_init(Scratch::default, |scratch, (row, row_logits)| {
-                opts.sampling.pick(row_logits, &mut row.rng, scratch)
-            })
-            .collect();
+        let picks = pick_tokens(&logits, &mut rows, &opts.sampling)?;
         let produced = rows.len();
         let mut keep: Vec<u32> = Vec::with_capacity(rows.len());
         let mut still = Vec::with_capacity(rows.len());
@@ -221,6 +212,27 @@ fn decode_batch(
         let step = Inputs::step(&tokens, &positions, device)?;
         logits = net.logits(&step, Some(&mut cache))?.squeeze(1)?;
     }
+}
+
+/// Picks each row's next token from its row of the (B, V) logits. Rows
+/// sample independently (each has its own generator), so in parallel.
+fn pick_tokens(logits: &Tensor, rows: &mut [Row], sampling: &Sampling) -> Result<Vec<Pick>> {
+    let vocab = logits.dim(1)?;
+    let (storage, layout) = logits.storage_and_layout();
+    let copied: Vec<f32>;
+    // Read in place on the CPU: copying the logits costs about as much as sampling from them.
+    let host: &[f32] = match (&*storage, layout.contiguous_offsets()) {
+        (Storage::Cpu(cpu @ CpuStorage::F32(_)), Some((start, end))) => &cpu.as_slice::<f32>()?[start..end],
+        _ => {
+            copied = logits.flatten_all()?.to_vec1()?;
+            &copied
+        }
+    };
+    Ok(rows
+        .par_iter_mut()
+        .zip(host.par_chunks(vocab))
+        .map_init(Scratch::default, |scratch, (row, row_logits)| sampling.pick(row_logits, &mut row.rng, scratch))
+        .collect())
 }
 
 fn finish(row: Row, finish_reason: FinishReason) -> Completion {
