@@ -1,6 +1,7 @@
 //! A fused attention kernel for one decoding step on the CPU: every query
-//! row attends over its cache slice directly, with no copies of the cache,
-//! no repeated key/value heads and no per-head matmul dispatch. Sampling
+//! row attends over its cache slice directly (the slots it shares with
+//! other rows, then its own), with no copies of the cache, no repeated
+//! key/value heads and no per-head matmul dispatch. Sampling
 //! only: it has no backward (candle reports an error if one is asked for),
 //! and the training path never calls it.
 
