@@ -87,9 +87,8 @@ impl Sequences<'_> {
             groups[g].continuations.push(c);
         }
         let inputs = Inputs::shared_prefix(&groups, 0, device)?;
-        let width = inputs.seq_len();
         let place = place.iter().map(|&(g, c)| (g, groups[g].prompt.len(), groups[g].start(c))).collect();
-        Ok(Packed { inputs, width, place })
+        Ok(Packed { inputs, place })
     }
 
     /// (N, Tc) mask of completion tokens.
@@ -110,7 +109,6 @@ const PACKED_ROW_TOKENS: usize = 2048;
 /// [`Sequences`] packed by prompt, and where each row's tokens went.
 struct Packed {
     inputs: Inputs,
-    width: usize,
     /// Per row: its packed row, its prompt's length, where its completion starts.
     place: Vec<(usize, usize, usize)>,
 }
@@ -120,7 +118,7 @@ impl Packed {
     /// before row `i`'s completion token `j`: the one that predicts it.
     fn slot(&self, i: usize, j: usize) -> usize {
         let (g, prompt_len, start) = self.place[i];
-        g * self.width + if j == 0 { prompt_len - 1 } else { start + j - 1 }
+        g * self.inputs.seq_len() + if j == 0 { prompt_len - 1 } else { start + j - 1 }
     }
 
     /// Hidden states (B, T, H) -> (B * T, H).
@@ -214,9 +212,9 @@ mod tests {
         // 8 + 900 + 900 fits in a row, a third completion would not.
         let rows: Vec<usize> = packed.place.iter().map(|&(g, _, _)| g).collect();
         assert_eq!(rows, [0, 0, 1]);
-        assert_eq!(packed.width, 8 + 2 * 900);
+        assert_eq!(packed.inputs.seq_len(), 8 + 2 * 900);
         assert_eq!(packed.slot(1, 0), 7, "the first token is predicted from the prompt's last");
         assert_eq!(packed.slot(1, 5), 8 + 900 + 4);
-        assert_eq!(packed.slot(2, 1), packed.width + 8);
+        assert_eq!(packed.slot(2, 1), packed.inputs.seq_len() + 8);
     }
 }
