@@ -23,6 +23,10 @@ pub enum Error {
     /// An option or argument is invalid.
     #[error("{0}")]
     Invalid(String),
+    /// A run stopped on request (Ctrl-C, SIGTERM) after saving its work; the
+    /// message says where and how to continue.
+    #[error("{0}")]
+    Interrupted(String),
     #[error(transparent)]
     Tensor(#[from] candle_core::Error),
 }

@@ -13,7 +13,7 @@ use crate::data::Tokenizer;
 use crate::error::{Error, Result};
 use crate::generate::{generate, Completion, FinishReason, GenerateOptions, Sampling, StopCriteria};
 use crate::model::scoring::{completion_logprobs_chunked, Sequences};
-use crate::model::Model;
+use crate::model::{HeadKind, Model};
 use crate::reward::{RewardSet, Sample};
 
 #[derive(Debug, Clone)]
@@ -74,6 +74,7 @@ pub fn evaluate_model(
     opts: &EvalOptions,
     device: &Device,
 ) -> Result<ModelReport> {
+    check_models(model, tokenizer, prompts, reference, opts)?;
     let ids: Vec<Vec<u32>> = prompts.rows.iter().map(|r| r.ids.clone()).collect();
     let stop = StopCriteria::model_eos_ids(model.dir(), tokenizer)?;
     let sampling =
@@ -180,6 +181,53 @@ pub fn win_rate(judge: &RewardSet, prompts: &PromptDataset, a: &ModelReport, b: 
         return Err(Error::Invalid("the judge scored no pair of completions".into()));
     }
     Ok(outcomes.iter().sum::<f64>() / outcomes.len() as f64)
+}
+
+/// What would otherwise fail late or measure nothing: a model that cannot
+/// generate, a tokenizer or reference that does not fit it, no samples, a
+/// prompt with no room for its completion in the model's context.
+fn check_models(
+    model: &Model,
+    tokenizer: &Tokenizer,
+    prompts: &PromptDataset,
+    reference: Option<&Model>,
+    opts: &EvalOptions,
+) -> Result<()> {
+    if model.head() != HeadKind::CausalLm {
+        return Err(Error::bad_file(
+            model.dir(),
+            "a reward (sequence-classification) model cannot generate; evaluate a causal LM and give reward models as rewards",
+        ));
+    }
+    tokenizer.check_model(model.config())?;
+    if let Some(r) = reference {
+        let (v, rv) = (model.config().vocab_size(), r.config().vocab_size());
+        if r.head() != HeadKind::CausalLm || v != rv {
+            return Err(Error::Invalid(format!(
+                "the reference {} does not fit {}: it must be a causal LM over the same {v} tokens (it has {rv})",
+                r.dir().display(),
+                model.dir().display()
+            )));
+        }
+    }
+    if opts.samples_per_prompt == 0 || opts.batch_size == 0 || opts.max_new_tokens == 0 {
+        return Err(Error::Invalid("samples per prompt, batch size and max new tokens must be at least 1".into()));
+    }
+    if let Some(positions) = model.config().context_length() {
+        if let Some(r) = prompts.rows.iter().find(|r| r.ids.len() + opts.max_new_tokens > positions) {
+            return Err(Error::bad_row(
+                &prompts.path,
+                r.row.line,
+                format!(
+                    "the prompt has {} tokens: with {} new tokens it exceeds the context of {} ({positions} positions)",
+                    r.ids.len(),
+                    opts.max_new_tokens,
+                    model.dir().display()
+                ),
+            ));
+        }
+    }
+    Ok(())
 }
 
 /// Loads held-out prompts (either prompt format) with the given tokenizer.

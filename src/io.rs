@@ -51,7 +51,8 @@ fn file_name(path: &Path) -> String {
     path.file_name().map(|n| n.to_string_lossy().into_owned()).unwrap_or_else(|| "out".to_string())
 }
 
-fn temp_sibling(path: &Path) -> PathBuf {
+/// `.NAME.tmp<pid>` beside `path`.
+pub(crate) fn temp_sibling(path: &Path) -> PathBuf {
     let name = format!(".{}.tmp{}", file_name(path), std::process::id());
     path.with_file_name(name)
 }

@@ -161,6 +161,8 @@ pub fn run(opts: &PipelineOptions) -> Result<PathBuf> {
             warmup_ratio: 0.05,
             max_length: 128,
             seed: opts.seed,
+            // A stage without its `.done` marker was cut short: start it over.
+            overwrite_output_dir: true,
             ..SftConfig::default()
         })?;
         mark_done(&sft)?;
@@ -185,6 +187,8 @@ pub fn run(opts: &PipelineOptions) -> Result<PathBuf> {
             max_grad_norm: 1.0,
             max_length: 128,
             seed: opts.seed,
+            overwrite_output_dir: true,
+            max_skipped_steps: 10,
         })?;
         mark_done(&rm)?;
     }
@@ -207,6 +211,8 @@ pub fn run(opts: &PipelineOptions) -> Result<PathBuf> {
             format!("train.total_episodes={}", sizes.rl_episodes),
             format!("train.seed={}", opts.seed),
             "train.num_sample_generations=4".into(),
+            // Continue a run that was cut short from its last checkpoint.
+            "train.resume_from_checkpoint=latest".into(),
         ];
         let sets: Vec<_> = sets.iter().map(|s| parse_set(s)).collect::<Result<_>>()?;
         let mut cfg = TrainConfig::load(None, &sets)?;

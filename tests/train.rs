@@ -139,10 +139,12 @@ fn a_rule_reward_rises_within_a_short_run() {
     assert!(std::fs::read_dir(out.join("tensorboard")).unwrap().count() > 0);
 }
 
-/// Two steps, stop, resume for two more: the same weights and metrics as
-/// four steps straight.
+/// With a given thread count a run is bit-identical: two runs of the same
+/// command, and two steps, a stop and two more against four steps straight,
+/// give the same weight bytes, metrics and samples (no reduction whose split
+/// depends on scheduling). Two threads, so that work is shared.
 #[test]
-fn resuming_reproduces_an_uninterrupted_run() {
+fn the_same_seed_gives_a_bit_identical_run_and_resume() {
     let tmp = tempfile::tempdir().unwrap();
     let prompts = write_prompts(tmp.path());
     let run = |out: &Path, extra: &[&str]| {
@@ -157,13 +159,13 @@ fn resuming_reproduces_an_uninterrupted_run() {
             "--set",
             "reward=[{type=\"count\", substring=\"e\"}, {type=\"length\", weight=0.1}]",
             "--total_episodes",
-            "32",
+            "64",
             "--per_device_train_batch_size",
-            "4",
+            "8",
             "--gradient_accumulation_steps",
             "2",
             "--response_length",
-            "8",
+            "16",
             "--num_ppo_epochs",
             "2",
             "--learning_rate",
@@ -180,40 +182,35 @@ fn resuming_reproduces_an_uninterrupted_run() {
         let p = policy();
         args[2] = &p;
         args.extend_from_slice(extra);
-        ok(rloo(&args));
+        let out = Command::new(env!("CARGO_BIN_EXE_rloo")).args(&args).env("RAYON_NUM_THREADS", "2").output().unwrap();
+        ok(out);
     };
     let straight = tmp.path().join("straight");
     run(&straight, &[]);
+    let again = tmp.path().join("again");
+    run(&again, &[]);
     let resumed = tmp.path().join("resumed");
     run(&resumed, &["--stop_after", "2"]);
     assert!(resumed.join("checkpoint-2").is_dir() && !resumed.join("model.safetensors").exists());
     run(&resumed, &["--resume_from_checkpoint", "latest"]);
 
-    let load =
-        |dir: &Path| candle_core::safetensors::load(dir.join("model.safetensors"), &candle_core::Device::Cpu).unwrap();
-    let (a, b) = (load(&straight), load(&resumed));
-    let mut worst = 0f32;
-    for (name, t) in &a {
-        worst = worst.max(max_diff(t, &b[name]));
+    let bytes = |dir: &Path, file: &str| std::fs::read(dir.join(file)).unwrap();
+    // Metrics without the timings, which are the only values that may differ.
+    let logged = |dir: &Path| -> Vec<serde_json::Map<String, Value>> {
+        metrics(dir)
+            .into_iter()
+            .map(|mut row| {
+                row.retain(|k, _| !k.starts_with("time/") && k != "eps");
+                row
+            })
+            .collect()
+    };
+    for other in [&again, &resumed] {
+        assert!(bytes(&straight, "model.safetensors") == bytes(other, "model.safetensors"), "{}", other.display());
+        assert_eq!(logged(&straight), logged(other), "{}", other.display());
+        assert_eq!(bytes(&straight, "samples.jsonl"), bytes(other, "samples.jsonl"), "{}", other.display());
     }
-    println!("max |Δ weight| after 2 + 2 vs 4 steps: {worst:.2e}");
-    assert!(worst <= 1e-6, "{worst}");
-    let (ma, mb) = (metrics(&straight), metrics(&resumed));
-    assert_eq!(ma.len(), 4);
-    assert_eq!(mb.len(), 4, "resumed metrics have one row per step");
-    for (ra, rb) in ma.iter().zip(&mb) {
-        for (key, va) in ra {
-            if key.starts_with("time/") || key == "eps" {
-                continue;
-            }
-            let (x, y) = (va.as_f64().unwrap_or(f64::NAN), rb[key].as_f64().unwrap_or(f64::NAN));
-            assert!(
-                (x - y).abs() <= 1e-6 * (1.0 + x.abs()) || (x.is_nan() && y.is_nan()),
-                "step {}: {key} {x} vs {y}",
-                ra["step"]
-            );
-        }
-    }
+    assert_eq!(logged(&resumed).len(), 4, "resumed metrics have one row per step");
 }
 
 /// The sampler's log-probs stand in for a forward pass of the sampling

@@ -37,8 +37,8 @@ pub struct EvalArgs {
     #[arg(long)]
     reward_model: Option<String>,
     /// Completions per prompt and model.
-    #[arg(long, default_value_t = 1)]
-    samples_per_prompt: usize,
+    #[arg(long, default_value_t = 1, value_parser = clap::value_parser!(u64).range(1..))]
+    samples_per_prompt: u64,
     #[arg(long, default_value_t = 64)]
     max_new_tokens: usize,
     /// Sampling temperature (0: greedy).
@@ -47,8 +47,8 @@ pub struct EvalArgs {
     #[arg(long, default_value_t = 0)]
     seed: u64,
     /// Rows decoded together.
-    #[arg(long, default_value_t = 64)]
-    batch_size: usize,
+    #[arg(long, default_value_t = 64, value_parser = clap::value_parser!(u64).range(1..))]
+    batch_size: u64,
     /// Use only the first N prompts.
     #[arg(long)]
     take: Option<usize>,
@@ -87,11 +87,11 @@ pub fn run(a: EvalArgs) -> Result<()> {
     }
     let rewards = build(&specs, &device)?;
     let opts = EvalOptions {
-        samples_per_prompt: a.samples_per_prompt.max(1),
+        samples_per_prompt: a.samples_per_prompt as usize,
         max_new_tokens: a.max_new_tokens,
         temperature: a.temperature,
         seed: a.seed,
-        batch_size: a.batch_size.max(1),
+        batch_size: a.batch_size as usize,
     };
     let reference = match &a.reference {
         Some(r) => Some(Model::load(&resolve_model(r)?, &device)?),

@@ -30,7 +30,7 @@ pub struct GenerateArgs {
     /// JSONL file (or JSON array) of rows with a `prompt` field.
     #[arg(long)]
     prompts: PathBuf,
-    /// Where to write the completions (JSONL, one row per completion, in finishing order).
+    /// Where to write the completions (JSONL, one row per completion, in finishing order), replaced only when all are done.
     #[arg(long)]
     output: PathBuf,
     /// Completions per prompt (k).
@@ -98,7 +98,10 @@ pub fn run(args: GenerateArgs) -> Result<()> {
         bail!("{}: a sequence-classification model cannot generate text", dir.display());
     }
     let tokenizer = Tokenizer::from_dir(&dir)?;
+    tokenizer.check_model(model.config())?;
     let gen = GenerationConfig::from_dir(&dir)?.unwrap_or_default();
+    let max_new_tokens = args.max_new_tokens.or(gen.max_new_tokens.map(|n| n as usize)).unwrap_or(64);
+    let context = model.config().context_length();
 
     let rows = read_rows(&args.prompts)?;
     if rows.is_empty() {
@@ -109,7 +112,20 @@ pub fn run(args: GenerateArgs) -> Result<()> {
         let at = || format!("{}:{}", args.prompts.display(), row.line);
         let value = row.fields.get("prompt").with_context(|| format!("{}: missing field `prompt`", at()))?;
         let prompt = Prompt::from_value(value).map_err(|e| anyhow::anyhow!("{}: field `prompt`: {e}", at()))?;
-        prompts.push(tokenizer.encode_prompt(&prompt).with_context(at)?);
+        let ids = tokenizer.encode_prompt(&prompt).with_context(at)?;
+        if ids.is_empty() {
+            bail!("{}: the prompt is empty after tokenization", at());
+        }
+        if let Some(positions) = context.filter(|&p| ids.len() + max_new_tokens > p) {
+            bail!(
+                "{}: the prompt has {} tokens: with --max-new-tokens {max_new_tokens} it exceeds the model's \
+                 context of {positions} positions",
+                at(),
+                ids.len()
+            );
+        }
+        model.check_tokens(&ids).with_context(at)?;
+        prompts.push(ids);
     }
 
     let mut stop_ids = if args.ignore_eos {
@@ -121,7 +137,7 @@ pub fn run(args: GenerateArgs) -> Result<()> {
     };
     stop_ids.extend(&args.stop_token_id);
     let opts = GenerateOptions {
-        max_new_tokens: args.max_new_tokens.or(gen.max_new_tokens.map(|n| n as usize)).unwrap_or(64),
+        max_new_tokens,
         num_return_sequences: args.num_return_sequences as usize,
         sampling: sampling(&args, &gen),
         stop: StopCriteria { token_ids: stop_ids, strings: args.stop.clone() },
@@ -137,7 +153,7 @@ pub fn run(args: GenerateArgs) -> Result<()> {
         opts.sampling
     );
 
-    let mut out = JsonlWriter::create(&args.output)?;
+    let mut out = JsonlWriter::replacing(&args.output)?;
     let bar = super::progress_bar((prompts.len() * opts.num_return_sequences) as u64, "completions");
     let started = Instant::now();
     let mut generated = 0usize;
@@ -162,6 +178,7 @@ pub fn run(args: GenerateArgs) -> Result<()> {
     };
     generate(model.frozen(), &prompts, &opts, Some(&tokenizer), &device, &mut on_tokens, &mut on_done)?;
     bar.finish_and_clear();
+    out.commit()?;
     let secs = started.elapsed().as_secs_f64();
     eprintln!(
         "generated {generated} tokens in {secs:.3} s ({:.1} tokens/s) -> {}",

@@ -1,6 +1,7 @@
 //! The command line: parses arguments into each command's options and calls
 //! the library. Errors are printed with their whole chain; the exit code is
-//! 1 for a failed run and 2 for a usage error.
+//! 1 for a failed run, 2 for a usage error and 130 for a run stopped by
+//! Ctrl-C or SIGTERM after saving its work.
 
 mod eval;
 mod generate;
@@ -57,7 +58,12 @@ pub fn main() -> ExitCode {
             for cause in err.chain().skip(1) {
                 eprintln!("  caused by: {cause}");
             }
-            ExitCode::FAILURE
+            let interrupted = err.chain().any(|c| matches!(c.downcast_ref(), Some(rloo::Error::Interrupted(_))));
+            if interrupted {
+                ExitCode::from(rloo::train::stop::EXIT_INTERRUPTED)
+            } else {
+                ExitCode::FAILURE
+            }
         }
     }
 }

@@ -60,6 +60,12 @@ pub struct RewardTrainArgs {
     /// Seed of the new score head, the held-out split and the batch order.
     #[arg(long, default_value_t = 42)]
     seed: u64,
+    /// Replace the logs of a previous run in --output-dir (refused without it).
+    #[arg(long, alias = "overwrite_output_dir")]
+    overwrite_output_dir: bool,
+    /// Stop (saving the model so far) after N optimizer steps in a row with a non-finite loss or gradient.
+    #[arg(long, alias = "max_skipped_steps", default_value_t = 10)]
+    max_skipped_steps: usize,
 }
 
 pub fn run(cmd: RewardCommand) -> Result<()> {
@@ -80,6 +86,8 @@ pub fn run(cmd: RewardCommand) -> Result<()> {
         max_grad_norm: a.max_grad_norm,
         max_length: a.max_length,
         seed: a.seed,
+        overwrite_output_dir: a.overwrite_output_dir,
+        max_skipped_steps: a.max_skipped_steps,
     };
     let s = train_reward_model(&cfg).context("reward-model training failed")?;
     match s.eval {

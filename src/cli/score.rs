@@ -29,7 +29,7 @@ pub struct ScoreArgs {
     /// JSONL file (or JSON array) of rows with `prompt` and `completion`.
     #[arg(long)]
     input: PathBuf,
-    /// Where to write the scored rows as JSONL (rows are written as they finish).
+    /// Where to write the scored rows as JSONL (replaced only when every row is scored).
     #[arg(long)]
     output: PathBuf,
     /// Rows per forward pass.
@@ -50,6 +50,7 @@ pub fn run(args: ScoreArgs) -> Result<()> {
     let dir = resolve_model(&args.model)?;
     let model = Model::load(&dir, &device).with_context(|| format!("loading model {}", dir.display()))?;
     let tokenizer = Tokenizer::from_dir(&dir)?;
+    tokenizer.check_model(model.config())?;
     let rows = read_rows(&args.input)?;
     if rows.is_empty() {
         bail!("{}: no rows to score", args.input.display());
@@ -77,7 +78,7 @@ pub fn run(args: ScoreArgs) -> Result<()> {
         items.push(ScoreRow { fields: row.fields, pair });
     }
 
-    let mut out = JsonlWriter::create(&args.output)?;
+    let mut out = JsonlWriter::replacing(&args.output)?;
     let bar = super::progress_bar(items.len() as u64, "rows");
     for chunk in items.chunks(args.batch_size as usize) {
         let pairs: Vec<Pair> = chunk.iter().map(|r| r.pair.clone()).collect();
@@ -111,6 +112,7 @@ pub fn run(args: ScoreArgs) -> Result<()> {
         bar.inc(chunk.len() as u64);
     }
     bar.finish_and_clear();
+    out.commit()?;
     tracing::info!("scored {} rows -> {}", items.len(), args.output.display());
     Ok(())
 }

@@ -67,6 +67,12 @@ pub struct SftArgs {
     /// Log every N optimizer steps.
     #[arg(long, default_value_t = d().logging_steps)]
     logging_steps: usize,
+    /// Replace the logs of a previous run in --output-dir (refused without it).
+    #[arg(long, alias = "overwrite_output_dir")]
+    overwrite_output_dir: bool,
+    /// Stop (saving the model so far) after N optimizer steps in a row with a non-finite loss or gradient.
+    #[arg(long, alias = "max_skipped_steps", default_value_t = d().max_skipped_steps)]
+    max_skipped_steps: usize,
 }
 
 pub(crate) fn parse_schedule(s: &str) -> Result<Schedule, String> {
@@ -98,6 +104,8 @@ pub fn run(a: SftArgs) -> Result<()> {
         all_tokens: a.all_tokens,
         seed: a.seed,
         logging_steps: a.logging_steps,
+        overwrite_output_dir: a.overwrite_output_dir,
+        max_skipped_steps: a.max_skipped_steps,
     };
     let s = train_sft(&cfg).context("fine-tuning failed")?;
     eprintln!(

@@ -83,7 +83,9 @@ const FLAGS: &[(&str, &str, Kind, &str)] = &[
     ("save_total_limit", "train.save_total_limit", Kind::Int, "Keep at most N checkpoints (0: all)"),
     ("num_sample_generations", "train.num_sample_generations", Kind::Int, "Sample tables printed over the run"),
     ("resume_from_checkpoint", "train.resume_from_checkpoint", Kind::Str, "Checkpoint directory, or \"latest\" in output_dir"),
-    ("stop_after", "train.stop_after", Kind::Int, "Stop (with a checkpoint) after N steps, to resume later"),
+    ("stop_after", "train.stop_after", Kind::Int, "Stop (with a checkpoint) after N rollout steps of this invocation, to continue later with --resume_from_checkpoint"),
+    ("overwrite_output_dir", "train.overwrite_output_dir", Kind::Bool, "Replace the checkpoints and logs of a previous run in output_dir (refused without it, unless resuming)"),
+    ("max_skipped_steps", "train.max_skipped_steps", Kind::Int, "Stop (with a checkpoint of the last good weights) after N optimizer steps in a row skipped for a non-finite loss or gradient or a rollout with no scorable sample"),
 ];
 
 /// Train a policy with REINFORCE Leave-One-Out.
@@ -223,6 +225,7 @@ pub fn run(args: TrainArgs) -> Result<()> {
         cfg.reward.push(RewardSpec::Model(ModelSpec { name: None, weight: 1.0, path: path.clone(), batch_size: 8 }));
     }
     if args.print_config {
+        cfg.validate()?;
         print!("{}", cfg.to_toml());
         return Ok(());
     }

@@ -103,6 +103,9 @@ fn read_lines(path: &Path, reader: BufReader<File>) -> Result<Vec<Row>> {
 pub struct JsonlWriter {
     path: PathBuf,
     file: File,
+    /// Where [`commit`](Self::commit) moves `path` to, for a writer made by
+    /// [`replacing`](Self::replacing).
+    target: Option<PathBuf>,
 }
 
 impl JsonlWriter {
@@ -111,7 +114,24 @@ impl JsonlWriter {
         let path = path.as_ref();
         make_parent(path)?;
         let file = File::create(path).map_err(|e| Error::io(path, e))?;
-        Ok(JsonlWriter { path: path.to_path_buf(), file })
+        Ok(JsonlWriter { path: path.to_path_buf(), file, target: None })
+    }
+
+    /// Writes to a temporary file beside `path` that [`commit`](Self::commit)
+    /// renames to `path`: a file already there stays whole until the new
+    /// one is complete, and a run that fails half-way leaves it untouched.
+    pub fn replacing(path: impl AsRef<Path>) -> Result<JsonlWriter> {
+        let target = path.as_ref().to_path_buf();
+        let mut writer = Self::create(crate::io::temp_sibling(&target))?;
+        writer.target = Some(target);
+        Ok(writer)
+    }
+
+    /// Moves the rows of a [`replacing`](Self::replacing) writer into place.
+    pub fn commit(mut self) -> Result<()> {
+        let Some(target) = self.target.take() else { return Ok(()) };
+        self.file.sync_all().map_err(|e| Error::io(&self.path, e))?;
+        std::fs::rename(&self.path, &target).map_err(|e| Error::io(&target, e))
     }
 
     /// Opens `path` for appending (creating it if needed), as a resumed run
@@ -132,7 +152,7 @@ impl JsonlWriter {
                 file.write_all(b"\n").map_err(|e| Error::io(path, e))?;
             }
         }
-        Ok(JsonlWriter { path: path.to_path_buf(), file })
+        Ok(JsonlWriter { path: path.to_path_buf(), file, target: None })
     }
 
     /// The file being written.
@@ -154,6 +174,15 @@ impl JsonlWriter {
         line.push('\n');
         // One write call per row: an interruption loses at most this row.
         self.file.write_all(line.as_bytes()).and_then(|_| self.file.flush()).map_err(|e| Error::io(&self.path, e))
+    }
+}
+
+impl Drop for JsonlWriter {
+    /// An uncommitted replacement is discarded.
+    fn drop(&mut self) {
+        if self.target.is_some() {
+            let _ = std::fs::remove_file(&self.path);
+        }
     }
 }
 
@@ -255,6 +284,21 @@ mod tests {
         let mut w = JsonlWriter::create(&path).unwrap();
         w.write_row(&json!({"step": 9})).unwrap();
         assert_eq!(read_rows(&path).unwrap().len(), 1, "create truncates");
+    }
+
+    #[test]
+    fn a_replacing_writer_leaves_the_old_file_until_commit() {
+        let dir = tempfile::tempdir().unwrap();
+        let path = write(dir.path(), "out.jsonl", "{\"old\": 1}\n");
+        let mut w = JsonlWriter::replacing(&path).unwrap();
+        w.write_row(&json!({"new": 1})).unwrap();
+        drop(w);
+        assert_eq!(std::fs::read_to_string(&path).unwrap(), "{\"old\": 1}\n", "dropped without commit");
+        assert_eq!(std::fs::read_dir(dir.path()).unwrap().count(), 1, "no temporary left");
+        let mut w = JsonlWriter::replacing(&path).unwrap();
+        w.write_row(&json!({"new": 2})).unwrap();
+        w.commit().unwrap();
+        assert_eq!(std::fs::read_to_string(&path).unwrap(), "{\"new\":2}\n");
     }
 
     #[test]

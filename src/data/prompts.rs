@@ -24,8 +24,20 @@ pub struct PromptSpec {
     pub system_prompt: Option<String>,
     pub take: Option<usize>,
     pub max_prompt_length: Option<usize>,
+    /// The longest prompt the model's context leaves room for (its
+    /// positions less the completion's); longer ones are skipped or errors
+    /// like those over `max_prompt_length`.
+    pub context_room: Option<ContextRoom>,
     /// Stop with an error on a long prompt instead of skipping it.
     pub error_on_long: bool,
+}
+
+/// The model's context (`max_position_embeddings`) and the completion
+/// length that must fit beside a prompt.
+#[derive(Debug, Clone, Copy)]
+pub struct ContextRoom {
+    pub positions: usize,
+    pub completion: usize,
 }
 
 /// One usable prompt.
@@ -95,25 +107,38 @@ impl PromptDataset {
             if ids.is_empty() {
                 return Err(at("the prompt is empty after tokenization".into()));
             }
-            if let Some(max) = spec.max_prompt_length {
-                if ids.len() > max {
-                    if spec.error_on_long {
-                        return Err(at(format!(
-                            "the prompt has {} tokens, more than max_prompt_length = {max}",
-                            ids.len()
-                        )));
-                    }
-                    skipped_long += 1;
-                    continue;
+            let over_max = spec
+                .max_prompt_length
+                .filter(|&max| ids.len() > max)
+                .map(|max| format!("the prompt has {} tokens, more than max_prompt_length = {max}", ids.len()));
+            let over_context = spec.context_room.filter(|c| ids.len() + c.completion > c.positions).map(|c| {
+                format!(
+                    "the prompt has {} tokens: with {} completion tokens it exceeds the model's context of {} positions",
+                    ids.len(),
+                    c.completion,
+                    c.positions
+                )
+            });
+            if let Some(why) = over_max.or(over_context) {
+                if spec.error_on_long {
+                    return Err(at(why));
                 }
+                skipped_long += 1;
+                continue;
             }
             out.push(PromptRow { row, prompt, ids });
         }
         if out.is_empty() {
-            return Err(Error::bad_file(path, format!("all {skipped_long} prompts are longer than max_prompt_length")));
+            return Err(Error::bad_file(
+                path,
+                format!("all {skipped_long} prompts are longer than max_prompt_length or the model's context"),
+            ));
         }
         if skipped_long > 0 {
-            tracing::warn!("{}: skipped {skipped_long} prompts longer than max_prompt_length", path.display());
+            tracing::warn!(
+                "{}: skipped {skipped_long} prompts longer than max_prompt_length or the model's context",
+                path.display()
+            );
         }
         Ok(Self { path: path.to_path_buf(), rows: out, skipped_long })
     }
@@ -124,6 +149,22 @@ impl PromptDataset {
 
     pub fn is_empty(&self) -> bool {
         self.rows.is_empty()
+    }
+
+    /// A digest (FNV-1a, 64 bits) of every prompt's token ids in order: a
+    /// resumed run checks it to be training on the same prompts.
+    pub fn digest(&self) -> String {
+        let mut h: u64 = 0xcbf2_9ce4_8422_2325;
+        let mut eat = |x: u32| {
+            for b in x.to_le_bytes() {
+                h = (h ^ b as u64).wrapping_mul(0x0100_0000_01b3);
+            }
+        };
+        for row in &self.rows {
+            eat(row.ids.len() as u32);
+            row.ids.iter().for_each(|&id| eat(id));
+        }
+        format!("{h:016x}")
     }
 
     /// The prompts of rollout step `step`: positions `step * n ..` of an

@@ -326,6 +326,65 @@ impl Tokenizer {
     }
 }
 
+impl Tokenizer {
+    /// Checks at start-up that this tokenizer can drive the model of
+    /// `model`: its tokens and special ids inside the model's embedding,
+    /// and, when it comes from another directory than the model, the same
+    /// vocabulary and EOS as the model's own tokenizer (or its config's EOS).
+    /// A mismatch would otherwise feed the model ids it never learned or
+    /// decode its samples to empty text.
+    pub fn check_model(&self, model: &crate::model::ModelConfig) -> Result<()> {
+        let model_dir = model.path.parent().unwrap_or(Path::new("."));
+        let vocab = model.vocab_size();
+        let mismatch = |why: String| {
+            Error::Invalid(format!(
+                "the tokenizer of {} does not fit the model {}: {why}",
+                self.dir.display(),
+                model_dir.display()
+            ))
+        };
+        if self.vocab_size() > vocab {
+            return Err(mismatch(format!("the tokenizer has {} tokens, the model embeds {vocab}", self.vocab_size())));
+        }
+        for (what, id) in [("BOS", self.bos_token_id()), ("EOS", self.eos_token_id()), ("pad", self.pad_token_id())] {
+            if let Some(id) = id.filter(|&id| id as usize >= vocab) {
+                return Err(mismatch(format!("its {what} id {id} is outside the model's {vocab} embeddings")));
+            }
+        }
+        if same_dir(&self.dir, model_dir) {
+            return Ok(());
+        }
+        if model_dir.join("tokenizer.json").is_file() {
+            let own = Tokenizer::from_dir(model_dir)?;
+            if own.vocab_size() != self.vocab_size() || own.eos_token_id() != self.eos_token_id() {
+                return Err(mismatch(format!(
+                    "it has {} tokens and EOS id {:?}, the model's own tokenizer {} and {:?}",
+                    self.vocab_size(),
+                    self.eos_token_id(),
+                    own.vocab_size(),
+                    own.eos_token_id()
+                )));
+            }
+        } else if let (Some(eos), Some(config_eos)) = (self.eos_token_id(), model.raw.get("eos_token_id")) {
+            let ids: Vec<u64> = match config_eos {
+                serde_json::Value::Array(a) => a.iter().filter_map(serde_json::Value::as_u64).collect(),
+                v => v.as_u64().into_iter().collect(),
+            };
+            if !ids.is_empty() && !ids.contains(&(eos as u64)) {
+                return Err(mismatch(format!("its EOS id is {eos}, the model's config.json says {config_eos}")));
+            }
+        }
+        Ok(())
+    }
+}
+
+fn same_dir(a: &Path, b: &Path) -> bool {
+    match (a.canonicalize(), b.canonicalize()) {
+        (Ok(a), Ok(b)) => a == b,
+        _ => a == b,
+    }
+}
+
 /// Copies those of [`TOKENIZER_FILES`] that exist in `src_dir` to `dst_dir`
 /// (created if missing).
 pub fn copy_tokenizer_files(src_dir: &Path, dst_dir: &Path) -> Result<()> {

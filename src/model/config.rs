@@ -68,7 +68,7 @@ impl ModelConfig {
                 )))
             }
         };
-        let head = head_kind(&raw);
+        let head = head_kind(&raw).map_err(bad)?;
         Ok(Self { model_type, head, arch, raw, path: path.to_path_buf() })
     }
 
@@ -88,6 +88,14 @@ impl ModelConfig {
         }
     }
 
+    pub fn num_layers(&self) -> usize {
+        match &self.arch {
+            ArchConfig::GptNeox(c) => c.num_layers,
+            ArchConfig::Llama(c) => c.num_layers,
+            ArchConfig::Gpt2(c) => c.num_layers,
+        }
+    }
+
     pub fn tie_word_embeddings(&self) -> bool {
         match &self.arch {
             ArchConfig::GptNeox(c) => c.tie_word_embeddings,
@@ -102,6 +110,14 @@ impl ModelConfig {
             ArchConfig::Gpt2(c) => Some(c.max_positions),
             _ => None,
         }
+    }
+
+    /// The positions the model was trained for: GPT-2's learned positions,
+    /// or `max_position_embeddings` of a rotary model, which runs past it
+    /// without error but not as trained.
+    pub fn context_length(&self) -> Option<usize> {
+        self.max_positions()
+            .or_else(|| self.raw.get("max_position_embeddings").and_then(Value::as_u64).map(|n| n as usize))
     }
 
     /// The module holding the decoder in HF checkpoints.
@@ -172,9 +188,11 @@ fn raw_config<T: serde::de::DeserializeOwned>(raw: &Value, path: &Path) -> Resul
     serde_json::from_value(raw.clone()).map_err(|e| Error::bad_config(path, e.to_string()))
 }
 
-/// The head named by `architectures[0]`; transformers' `num_labels` comes
-/// from `id2label` when present (its default has two labels).
-fn head_kind(raw: &Value) -> HeadKind {
+/// The head named by `architectures[0]` (a causal LM when absent);
+/// transformers' `num_labels` comes from `id2label` when present (its
+/// default has two labels). Other heads (token classification, question
+/// answering, ...) are errors rather than read as a causal LM.
+fn head_kind(raw: &Value) -> std::result::Result<HeadKind, String> {
     let class = raw.get("architectures").and_then(|a| a.get(0)).and_then(Value::as_str).unwrap_or("");
     if class.ends_with("ForSequenceClassification") {
         let num_labels = raw
@@ -183,9 +201,14 @@ fn head_kind(raw: &Value) -> HeadKind {
             .map(|m| m.len())
             .or_else(|| raw.get("num_labels").and_then(Value::as_u64).map(|n| n as usize))
             .unwrap_or(2);
-        HeadKind::SequenceClassification { num_labels }
+        Ok(HeadKind::SequenceClassification { num_labels })
+    } else if class.is_empty() || class.ends_with("ForCausalLM") || class.ends_with("LMHeadModel") {
+        Ok(HeadKind::CausalLm)
     } else {
-        HeadKind::CausalLm
+        Err(format!(
+            "architectures[0] = `{class}` is not supported: rloo loads causal LMs (`*ForCausalLM`, \
+             `GPT2LMHeadModel`) and reward models (`*ForSequenceClassification`)"
+        ))
     }
 }
 
@@ -223,5 +246,11 @@ mod tests {
         let cfg = load(json!({"model_type": "gpt2"})).unwrap();
         assert_eq!(cfg.head, HeadKind::CausalLm);
         assert_eq!(cfg.class_name(), "GPT2LMHeadModel");
+        let err = load(json!({"model_type": "gpt_neox", "architectures": ["GPTNeoXForTokenClassification"],
+            "vocab_size": 10, "hidden_size": 8, "num_hidden_layers": 1, "num_attention_heads": 2,
+            "intermediate_size": 16}))
+        .unwrap_err()
+        .to_string();
+        assert!(err.contains("`GPTNeoXForTokenClassification` is not supported"), "{err}");
     }
 }

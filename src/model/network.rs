@@ -269,9 +269,9 @@ impl Model {
         if let Some(&bad) = ids.iter().find(|&&id| id as usize >= vocab) {
             return Err(Error::Invalid(format!("token id {bad} is outside the vocabulary of size {vocab}")));
         }
-        match self.config.max_positions() {
+        match self.config.context_length() {
             Some(max) if ids.len() > max => Err(Error::Invalid(format!(
-                "sequence of {} tokens is longer than the model's {max} positions",
+                "sequence of {} tokens is longer than the model's context of {max} positions",
                 ids.len()
             ))),
             _ => Ok(()),

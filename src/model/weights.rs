@@ -101,6 +101,12 @@ impl WeightFiles {
     }
 }
 
+/// Whether any value is NaN or infinite, in one pass on the tensor's own
+/// device: `x * 0` is 0 for finite x and NaN otherwise.
+pub fn has_non_finite(t: &Tensor) -> Result<bool> {
+    Ok((t * 0.0)?.sum_all()?.to_dtype(DType::F32)?.to_scalar::<f32>()?.is_nan())
+}
+
 fn view_dtype(d: safetensors::Dtype) -> Option<DType> {
     use safetensors::Dtype as S;
     Some(match d {
@@ -286,7 +292,16 @@ impl<'a> Source<'a> {
                         ),
                     });
                 }
-                let var = Var::from_tensor(&files.load_f32(name, device)?)?;
+                let loaded = files.load_f32(name, device)?;
+                if has_non_finite(&loaded)? {
+                    return Err(Error::Weights {
+                        msg: format!(
+                            "{}: tensor `{name}` holds NaN or infinite values (saved from a diverged run?)",
+                            files.where_is(name)
+                        ),
+                    });
+                }
+                let var = Var::from_tensor(&loaded)?;
                 let tensor = var.as_tensor().clone();
                 store.borrow_mut().push(Param { name: name.to_string(), var, stored_dtype });
                 Ok(tensor)

@@ -50,7 +50,12 @@ impl TensorBoardWriter {
     /// TensorBoard that events of steps `>= next_step` from before it are
     /// orphans of the crashed run, which it then hides (TensorFlow marks
     /// restarts the same way).
+    ///
+    /// Events of steps `>= next_step` in the existing files are dropped first
+    /// (as `metrics.jsonl` rows are), so that readers other than TensorBoard
+    /// see each step once too.
     pub fn resume(dir: impl AsRef<Path>, next_step: u64) -> Result<TensorBoardWriter> {
+        drop_events_from_step(&dir.as_ref().join(Self::SUBDIR), next_step)?;
         let mut writer = Self::create(dir)?;
         writer.write_event(&session_start_event(wall_time(), next_step))?;
         Ok(writer)
@@ -91,6 +96,62 @@ impl MetricsSink for TensorBoardWriter {
     fn flush(&mut self) -> Result<()> {
         self.file.flush().map_err(|e| Error::io(&self.path, e))
     }
+}
+
+/// Rewrites each event file in `tb_dir` (atomically) without the events
+/// of steps `>= next_step` and without a record cut off by a crash.
+fn drop_events_from_step(tb_dir: &Path, next_step: u64) -> Result<()> {
+    let Ok(entries) = std::fs::read_dir(tb_dir) else { return Ok(()) };
+    for path in entries.filter_map(|e| e.ok()).map(|e| e.path()) {
+        if !path.file_name().is_some_and(|n| n.to_string_lossy().contains("tfevents")) {
+            continue;
+        }
+        let bytes = std::fs::read(&path).map_err(|e| Error::io(&path, e))?;
+        let (records, end) = tfrecord::intact_records(&bytes);
+        let kept: Vec<&[u8]> =
+            records.iter().copied().filter(|r| event_step(r).is_none_or(|s| s < next_step)).collect();
+        if kept.len() == records.len() && end.is_ok() {
+            continue;
+        }
+        let framed: Vec<u8> = kept.iter().flat_map(|r| tfrecord::frame(r)).collect();
+        crate::io::write_atomic(&path, &framed)?;
+    }
+    Ok(())
+}
+
+/// The `step` (field 2) of an encoded `Event`; `None` when it has none
+/// (the file-version event) or does not parse.
+fn event_step(mut event: &[u8]) -> Option<u64> {
+    fn varint(bytes: &mut &[u8]) -> Option<u64> {
+        let mut v = 0u64;
+        for shift in (0..64).step_by(7) {
+            let (&b, rest) = bytes.split_first()?;
+            *bytes = rest;
+            v |= ((b & 0x7f) as u64) << shift;
+            if b < 0x80 {
+                return Some(v);
+            }
+        }
+        None
+    }
+    while !event.is_empty() {
+        let key = varint(&mut event)?;
+        let skip = match key & 7 {
+            0 => {
+                let v = varint(&mut event)?;
+                if key >> 3 == 2 {
+                    return Some(v);
+                }
+                0
+            }
+            1 => 8,
+            2 => varint(&mut event)? as usize,
+            5 => 4,
+            _ => return None,
+        };
+        event = event.get(skip..)?;
+    }
+    None
 }
 
 const DT_STRING: u64 = 7;

@@ -53,32 +53,39 @@ pub fn frame(payload: &[u8]) -> Vec<u8> {
 /// Splits a buffer of TFRecords into payloads, checking both CRCs of each;
 /// the error says which record (0-based) is bad and why.
 #[cfg(test)]
-pub(crate) fn unframe(mut bytes: &[u8]) -> Result<Vec<&[u8]>, String> {
+pub(crate) fn unframe(bytes: &[u8]) -> Result<Vec<&[u8]>, String> {
+    let (records, end) = intact_records(bytes);
+    end.map(|_| records)
+}
+
+/// The payloads of the records before the first bad or cut-off one, and
+/// why reading stopped there (`Ok` when the buffer ended cleanly).
+pub fn intact_records(mut bytes: &[u8]) -> (Vec<&[u8]>, Result<(), String>) {
     let mut records = Vec::new();
     while !bytes.is_empty() {
         let n = records.len();
         if bytes.len() < 12 {
-            return Err(format!("record {n}: {} bytes left, header needs 12", bytes.len()));
+            return (records, Err(format!("record {n}: {} bytes left, header needs 12", bytes.len())));
         }
         let (len_bytes, rest) = bytes.split_at(8);
         let len_crc = u32::from_le_bytes(rest[..4].try_into().expect("4 bytes"));
         if len_crc != masked_crc32c(len_bytes) {
-            return Err(format!("record {n}: length CRC mismatch"));
+            return (records, Err(format!("record {n}: length CRC mismatch")));
         }
         let len = u64::from_le_bytes(len_bytes.try_into().expect("8 bytes")) as usize;
         let rest = &rest[4..];
-        if rest.len() < len + 4 {
-            return Err(format!("record {n}: payload of {len} bytes is cut off"));
+        if rest.len() < len.saturating_add(4) {
+            return (records, Err(format!("record {n}: payload of {len} bytes is cut off")));
         }
         let (payload, rest) = rest.split_at(len);
         let crc = u32::from_le_bytes(rest[..4].try_into().expect("4 bytes"));
         if crc != masked_crc32c(payload) {
-            return Err(format!("record {n}: payload CRC mismatch"));
+            return (records, Err(format!("record {n}: payload CRC mismatch")));
         }
         records.push(payload);
         bytes = &rest[4..];
     }
-    Ok(records)
+    (records, Ok(()))
 }
 
 #[cfg(test)]

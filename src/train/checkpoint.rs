@@ -21,7 +21,7 @@ pub const OPTIMIZER_FILE: &str = "optimizer.safetensors";
 pub const CONFIG_FILE: &str = "rloo_config.toml";
 
 /// Progress through the run, saved with each checkpoint.
-#[derive(Debug, Clone, Serialize, Deserialize, PartialEq)]
+#[derive(Debug, Clone, Default, Serialize, Deserialize, PartialEq)]
 pub struct TrainerState {
     /// Rollout steps completed.
     pub step: usize,
@@ -29,6 +29,9 @@ pub struct TrainerState {
     pub episode: usize,
     pub optimizer_step: usize,
     pub total_steps: usize,
+    /// Digest of the run's tokenized prompts (`PromptDataset::digest`).
+    #[serde(default)]
+    pub prompts_digest: String,
 }
 
 pub fn checkpoint_dir(output_dir: &Path, step: usize) -> PathBuf {

@@ -237,6 +237,13 @@ pub struct TrainSection {
     /// Stop after this many rollout steps of this invocation, with a
     /// checkpoint, to continue later with resume_from_checkpoint.
     pub stop_after: Option<usize>,
+    /// Replace the checkpoints and logs of a previous run in output_dir
+    /// (without it, a directory holding a run is refused unless resuming).
+    pub overwrite_output_dir: bool,
+    /// Stop the run, with a checkpoint of the last good weights, after this
+    /// many optimizer steps in a row skipped (a non-finite loss or gradient, or
+    /// a rollout with no scorable sample).
+    pub max_skipped_steps: usize,
 }
 
 impl Default for TrainSection {
@@ -263,6 +270,8 @@ impl Default for TrainSection {
             num_sample_generations: 10,
             resume_from_checkpoint: None,
             stop_after: None,
+            overwrite_output_dir: false,
+            max_skipped_steps: 10,
         }
     }
 }
@@ -307,26 +316,30 @@ impl TrainConfig {
                 self.rloo.k
             ));
         }
-        if self.generation.temperature <= 0.0 {
-            return bad(format!("generation.temperature must be > 0, got {}", self.generation.temperature));
+        let (g, r, t) = (&self.generation, &self.rloo, &self.train);
+        positive("generation.temperature", g.temperature)?;
+        in_range("generation.top_p", g.top_p, Open(0.0), Closed(1.0))?;
+        in_range("generation.min_p", g.min_p, Closed(0.0), Open(1.0))?;
+        positive("rloo.cliprange", r.cliprange)?;
+        non_negative("rloo.kl_coef", r.kl_coef)?;
+        if let Some(p) = r.missing_eos_penalty {
+            finite("rloo.missing_eos_penalty", p)?;
         }
-        if self.generation.response_length == 0 {
+        if let Some(c) = r.reward_clip_range {
+            positive("rloo.reward_clip_range", c)?;
+        }
+        positive("train.learning_rate", t.learning_rate)?;
+        positive("train.num_train_epochs", t.num_train_epochs)?;
+        check_optimizer("train.", &t.optimizer_options())?;
+        in_range("train.warmup_ratio", t.warmup_ratio, Closed(0.0), Closed(1.0))?;
+        if g.response_length == 0 {
             return bad("generation.response_length must be at least 1".into());
         }
-        if !matches!(self.generation.stop_token.as_str(), "eos" | "none") {
-            return bad(format!(
-                "generation.stop_token must be \"eos\" or \"none\", got {:?}",
-                self.generation.stop_token
-            ));
+        if !matches!(g.stop_token.as_str(), "eos" | "none") {
+            return bad(format!("generation.stop_token must be \"eos\" or \"none\", got {:?}", g.stop_token));
         }
-        if self.rloo.ratio == RatioLevel::Sequence && self.rloo.aggregation == Aggregation::TokenMean {
+        if r.ratio == RatioLevel::Sequence && r.aggregation == Aggregation::TokenMean {
             return bad("rloo.aggregation = token_mean needs rloo.ratio = token".into());
-        }
-        if !(self.rloo.cliprange > 0.0) {
-            return bad(format!("rloo.cliprange must be > 0, got {}", self.rloo.cliprange));
-        }
-        if self.rloo.kl_coef < 0.0 {
-            return bad(format!("rloo.kl_coef must be >= 0, got {}", self.rloo.kl_coef));
         }
         for (name, v) in [
             ("rloo.num_ppo_epochs", self.rloo.num_ppo_epochs),
@@ -334,6 +347,7 @@ impl TrainConfig {
             ("train.per_device_train_batch_size", self.train.per_device_train_batch_size),
             ("train.gradient_accumulation_steps", self.train.gradient_accumulation_steps),
             ("train.logging_steps", self.train.logging_steps),
+            ("train.max_skipped_steps", self.train.max_skipped_steps),
             ("generation.local_rollout_forward_batch_size", self.generation.local_rollout_forward_batch_size),
         ] {
             if v == 0 {
@@ -345,6 +359,151 @@ impl TrainConfig {
         }
         BatchSizes::new(self, None).map(|_| ())
     }
+}
+
+/// Keys a resumed run may change: where and how often it reports and
+/// saves, and how it uses the machine. Any other change would make the
+/// resumed run a different run than the one its checkpoint belongs to.
+const CHANGEABLE_ON_RESUME: &[&str] = &[
+    "model.device",
+    "generation.local_rollout_forward_batch_size",
+    "train.output_dir",
+    "train.logging_steps",
+    "train.save_steps",
+    "train.save_total_limit",
+    "train.num_sample_generations",
+    "train.resume_from_checkpoint",
+    "train.stop_after",
+    "train.overwrite_output_dir",
+    "train.max_skipped_steps",
+];
+
+impl TrainConfig {
+    /// The differences from the configuration a checkpoint was saved with,
+    /// as `key: saved -> now`: `Ok` with the changes a resume may make (to
+    /// log), or `Err` with those it may not.
+    pub fn changes_since(&self, saved: &TrainConfig) -> std::result::Result<Vec<String>, Vec<String>> {
+        let (old, new) = (flat_keys(saved), flat_keys(self));
+        let keys: std::collections::BTreeSet<&String> = old.keys().chain(new.keys()).collect();
+        let (mut allowed, mut refused) = (Vec::new(), Vec::new());
+        for key in keys {
+            let (was, is) = (old.get(key), new.get(key));
+            if was == is {
+                continue;
+            }
+            let show = |v: Option<&String>| v.cloned().unwrap_or_else(|| "unset".into());
+            let line = format!("{key}: {} -> {}", show(was), show(is));
+            if CHANGEABLE_ON_RESUME.contains(&key.as_str()) {
+                allowed.push(line);
+            } else {
+                refused.push(line);
+            }
+        }
+        if refused.is_empty() {
+            Ok(allowed)
+        } else {
+            Err(refused)
+        }
+    }
+}
+
+/// `section.key -> value` for every set key; `[[reward]]` is one key.
+fn flat_keys(cfg: &TrainConfig) -> std::collections::BTreeMap<String, String> {
+    let mut out = std::collections::BTreeMap::new();
+    if let Ok(toml::Value::Table(top)) = toml::Value::try_from(cfg) {
+        for (section, value) in top {
+            match value {
+                toml::Value::Table(keys) => {
+                    for (key, v) in keys {
+                        out.insert(format!("{section}.{key}"), v.to_string());
+                    }
+                }
+                other => {
+                    out.insert(section, other.to_string());
+                }
+            }
+        }
+    }
+    out
+}
+
+/// AdamW and clipping options, named as every trainer spells them.
+#[derive(Debug, Clone, Copy)]
+pub struct OptimizerOptions {
+    pub adam_beta1: f64,
+    pub adam_beta2: f64,
+    pub adam_epsilon: f64,
+    pub weight_decay: f64,
+    pub max_grad_norm: f64,
+}
+
+impl TrainSection {
+    pub fn optimizer_options(&self) -> OptimizerOptions {
+        OptimizerOptions {
+            adam_beta1: self.adam_beta1,
+            adam_beta2: self.adam_beta2,
+            adam_epsilon: self.adam_epsilon,
+            weight_decay: self.weight_decay,
+            max_grad_norm: self.max_grad_norm,
+        }
+    }
+}
+
+/// Ranges that keep AdamW's update finite: a zero epsilon divides by zero
+/// for a parameter whose gradient is zero.
+/// `section` prefixes the option names in errors (`train.`, or none).
+pub fn check_optimizer(section: &str, o: &OptimizerOptions) -> Result<()> {
+    let name = |key: &str| format!("{section}{key}");
+    in_range(&name("adam_beta1"), o.adam_beta1, Closed(0.0), Open(1.0))?;
+    in_range(&name("adam_beta2"), o.adam_beta2, Closed(0.0), Open(1.0))?;
+    positive(&name("adam_epsilon"), o.adam_epsilon)?;
+    non_negative(&name("weight_decay"), o.weight_decay)?;
+    non_negative(&name("max_grad_norm"), o.max_grad_norm)
+}
+
+/// One end of an allowed range of a numeric option.
+#[derive(Debug, Clone, Copy)]
+pub enum Bound {
+    Open(f64),
+    Closed(f64),
+}
+use Bound::{Closed, Open};
+
+/// `value` must be finite and within `[lo, hi]` (or open at either end);
+/// the error names the option and the range.
+pub fn in_range(name: &str, value: f64, lo: Bound, hi: Bound) -> Result<()> {
+    let ok_lo = match lo {
+        Open(l) => value > l,
+        Closed(l) => value >= l,
+    };
+    let ok_hi = match hi {
+        Open(h) => value < h,
+        Closed(h) => value <= h,
+    };
+    if value.is_finite() && ok_lo && ok_hi {
+        return Ok(());
+    }
+    let range = match (lo, hi) {
+        (Open(l), Open(h)) => format!("in ({l}, {h})"),
+        (Open(l), Closed(h)) => format!("in ({l}, {h}]"),
+        (Closed(l), Open(h)) => format!("in [{l}, {h})"),
+        (Closed(l), Closed(h)) => format!("in [{l}, {h}]"),
+    };
+    let range = range.replace("inf", "infinity").replace("in (0, infinity)", "> 0").replace("in [0, infinity)", ">= 0");
+    let range = if range.contains("-infinity, infinity") { "a finite number".to_string() } else { range };
+    Err(Error::Invalid(format!("{name} must be {range}, got {value}")))
+}
+
+pub fn positive(name: &str, value: f64) -> Result<()> {
+    in_range(name, value, Open(0.0), Open(f64::INFINITY))
+}
+
+pub fn non_negative(name: &str, value: f64) -> Result<()> {
+    in_range(name, value, Closed(0.0), Open(f64::INFINITY))
+}
+
+pub fn finite(name: &str, value: f64) -> Result<()> {
+    in_range(name, value, Open(f64::NEG_INFINITY), Open(f64::INFINITY))
 }
 
 /// Sets `a.b.c = value` in a TOML table, creating tables on the way.
@@ -504,6 +663,50 @@ mod tests {
         let c = with(&["rloo.k=3"]).unwrap();
         let err = BatchSizes::new(&c, Some(10)).unwrap_err().to_string();
         assert!(err.contains("not a multiple of rloo_k = 3"), "{err}");
+    }
+
+    #[test]
+    fn resume_accepts_reporting_changes_and_refuses_the_rest() {
+        let saved = with(&["rloo.k=4", "data.path=a.jsonl", "train.save_steps=10"]).unwrap();
+        let now = with(&["rloo.k=4", "data.path=a.jsonl", "train.save_steps=5", "train.resume_from_checkpoint=latest"])
+            .unwrap();
+        assert_eq!(
+            now.changes_since(&saved).unwrap(),
+            ["train.resume_from_checkpoint: unset -> \"latest\"", "train.save_steps: 10 -> 5"]
+        );
+        let now = with(&["rloo.k=2", "data.path=b.jsonl", "train.seed=7", "train.learning_rate=1e-3"]).unwrap();
+        let refused = now.changes_since(&saved).unwrap_err();
+        assert_eq!(
+            refused,
+            [
+                "data.path: \"a.jsonl\" -> \"b.jsonl\"",
+                "rloo.k: 4 -> 2",
+                "train.learning_rate: 0.000003 -> 0.001",
+                "train.seed: 42 -> 7"
+            ]
+        );
+    }
+
+    #[test]
+    fn numeric_options_must_be_finite_and_in_range() {
+        let base = ["model.policy=x", "data.path=y", "reward=[{type=\"length\"}]"];
+        let err = |extra: &str| {
+            let mut sets = base.to_vec();
+            sets.push(extra);
+            with(&sets).unwrap().validate().unwrap_err().to_string()
+        };
+        assert_eq!(err("train.learning_rate=nan"), "train.learning_rate must be > 0, got NaN");
+        assert_eq!(err("train.learning_rate=inf"), "train.learning_rate must be > 0, got inf");
+        assert_eq!(err("rloo.kl_coef=nan"), "rloo.kl_coef must be >= 0, got NaN");
+        assert_eq!(err("train.adam_epsilon=0.0"), "train.adam_epsilon must be > 0, got 0");
+        assert_eq!(err("train.adam_beta2=1.0"), "train.adam_beta2 must be in [0, 1), got 1");
+        assert_eq!(err("train.warmup_ratio=1.5"), "train.warmup_ratio must be in [0, 1], got 1.5");
+        assert_eq!(err("train.max_grad_norm=-1.0"), "train.max_grad_norm must be >= 0, got -1");
+        assert_eq!(err("train.weight_decay=-0.1"), "train.weight_decay must be >= 0, got -0.1");
+        assert_eq!(err("generation.top_p=0.0"), "generation.top_p must be in (0, 1], got 0");
+        assert_eq!(err("generation.min_p=1.0"), "generation.min_p must be in [0, 1), got 1");
+        assert_eq!(err("rloo.missing_eos_penalty=inf"), "rloo.missing_eos_penalty must be a finite number, got inf");
+        with(&base).unwrap().validate().unwrap();
     }
 
     #[test]

@@ -11,10 +11,12 @@ use crate::error::{Error, Result};
 use crate::model::kernels::{self, AdamWStep};
 use crate::model::ParamStore;
 
-/// Gradients summed over micro-batches, per parameter.
+/// Gradients summed over micro-batches, per parameter, kept in the order
+/// of the parameters so that the global norm sums them in a fixed order
+/// (a hash map's order changes from run to run, and with it the rounding).
 #[derive(Default)]
 pub struct GradAccumulator {
-    sums: HashMap<candle_core::TensorId, Tensor>,
+    sums: Vec<(candle_core::TensorId, Tensor)>,
 }
 
 impl GradAccumulator {
@@ -23,18 +25,18 @@ impl GradAccumulator {
         for p in params.iter() {
             if let Some(g) = grads.get(&p.var) {
                 let id = p.var.as_tensor().id();
-                let sum = match self.sums.remove(&id) {
-                    Some(s) => (s + g)?,
-                    None => g.clone(),
-                };
-                self.sums.insert(id, sum);
+                match self.sums.iter_mut().find(|(i, _)| *i == id) {
+                    Some((_, sum)) => *sum = (&*sum + g)?,
+                    None => self.sums.push((id, g.clone())),
+                }
             }
         }
         Ok(())
     }
 
     pub fn get(&self, var: &Var) -> Option<&Tensor> {
-        self.sums.get(&var.as_tensor().id())
+        let id = var.as_tensor().id();
+        self.sums.iter().find(|(i, _)| *i == id).map(|(_, g)| g)
     }
 
     pub fn clear(&mut self) {
@@ -44,7 +46,7 @@ impl GradAccumulator {
     /// The global L2 norm over all gradients.
     pub fn norm(&self) -> Result<f64> {
         let mut sq = 0f64;
-        for g in self.sums.values() {
+        for (_, g) in &self.sums {
             sq += g.sqr()?.sum_all()?.to_dtype(DType::F64)?.to_scalar::<f64>()?;
         }
         Ok(sq.sqrt())
@@ -58,12 +60,60 @@ impl GradAccumulator {
         if max_norm > 0.0 {
             let coef = max_norm / (norm + 1e-6);
             if coef < 1.0 {
-                for g in self.sums.values_mut() {
+                for (_, g) in self.sums.iter_mut() {
                     *g = (&*g * coef)?;
                 }
             }
         }
         Ok(norm)
+    }
+}
+
+/// Lets an optimizer step go ahead only when its loss and gradient norm
+/// are finite, so that no NaN or infinity reaches the weights or the
+/// optimizer state; counts the steps skipped in a row, for whatever reason.
+#[derive(Debug)]
+pub struct StepGuard {
+    limit: usize,
+    in_a_row: usize,
+    /// Why the last skipped step was skipped.
+    last: String,
+}
+
+impl StepGuard {
+    /// `limit`: skipped steps in a row after which [`exhausted`](Self::exhausted) holds.
+    pub fn new(limit: usize) -> Self {
+        Self { limit: limit.max(1), in_a_row: 0, last: String::new() }
+    }
+
+    /// Whether optimizer step `step` (0-based) may update the weights.
+    pub fn check(&mut self, step: usize, loss: f64, grad_norm: f64) -> bool {
+        if loss.is_finite() && grad_norm.is_finite() {
+            self.in_a_row = 0;
+            return true;
+        }
+        self.skip(step, format!("loss {loss}, gradient norm {grad_norm}"));
+        false
+    }
+
+    /// Records that optimizer step `step` is skipped, and why.
+    pub fn skip(&mut self, step: usize, why: String) {
+        self.in_a_row += 1;
+        tracing::warn!(
+            "optimizer step {}: {why}; skipped ({} in a row, the run stops at {})",
+            step + 1,
+            self.in_a_row,
+            self.limit
+        );
+        self.last = why;
+    }
+
+    pub fn exhausted(&self) -> bool {
+        self.in_a_row >= self.limit
+    }
+
+    pub fn describe(&self) -> String {
+        format!("{} optimizer steps in a row were skipped (the last: {})", self.in_a_row, self.last)
     }
 }
 
@@ -208,6 +258,19 @@ mod tests {
         acc.add(&store, &loss.backward().unwrap()).unwrap();
         assert!((acc.clip(1.0).unwrap() - 5.0).abs() < 1e-6);
         assert!((acc.norm().unwrap() - 1.0).abs() < 1e-5);
+    }
+
+    #[test]
+    fn the_guard_skips_non_finite_steps_and_gives_up_after_the_limit() {
+        let mut g = StepGuard::new(2);
+        assert!(g.check(0, 1.0, 0.5));
+        assert!(!g.check(1, f64::NAN, 0.5));
+        assert!(!g.exhausted());
+        assert!(g.check(2, 1.0, 0.5), "a good step resets the count");
+        assert!(!g.check(3, 1.0, f64::INFINITY));
+        assert!(!g.check(4, f64::NAN, f64::NAN));
+        assert!(g.exhausted());
+        assert_eq!(g.describe(), "2 optimizer steps in a row were skipped (the last: loss NaN, gradient norm NaN)");
     }
 
     #[test]

@@ -9,8 +9,10 @@ use std::path::{Path, PathBuf};
 use candle_core::{Device, Tensor};
 use serde_json::Value;
 
-use super::config::Schedule;
-use super::optim::{learning_rate, AdamW, GradAccumulator};
+use super::config::{check_optimizer, in_range, positive, Bound, OptimizerOptions, Schedule};
+use super::optim::{learning_rate, AdamW, GradAccumulator, StepGuard};
+use super::run_dir::{Reuse, RunDir};
+use super::stop;
 use crate::data::jsonl::{read_rows, Row};
 use crate::data::split_eval;
 use crate::data::{Prompt, Tokenizer};
@@ -41,6 +43,39 @@ pub struct RewardTrainConfig {
     /// Longest sequence in tokens; longer ones are cut at the end.
     pub max_length: usize,
     pub seed: u64,
+    /// Replace the logs of a previous run in output_dir.
+    pub overwrite_output_dir: bool,
+    /// Stop after this many optimizer steps in a row with a non-finite loss or gradient.
+    pub max_skipped_steps: usize,
+}
+
+impl RewardTrainConfig {
+    /// Checks values that no type can express; messages name the option.
+    pub fn validate(&self) -> Result<()> {
+        if self.per_device_train_batch_size == 0
+            || self.gradient_accumulation_steps == 0
+            || self.num_train_epochs == 0
+            || self.max_length == 0
+        {
+            return Err(Error::Invalid(
+                "per_device_train_batch_size, gradient_accumulation_steps, num_train_epochs and max_length \
+                 must be at least 1"
+                    .into(),
+            ));
+        }
+        positive("learning_rate", self.learning_rate)?;
+        in_range("eval_fraction", self.eval_fraction, Bound::Closed(0.0), Bound::Open(1.0))?;
+        check_optimizer(
+            "",
+            &OptimizerOptions {
+                adam_beta1: 0.9,
+                adam_beta2: 0.999,
+                adam_epsilon: 1e-8,
+                weight_decay: self.weight_decay,
+                max_grad_norm: self.max_grad_norm,
+            },
+        )
+    }
 }
 
 /// One preference pair as token ids.
@@ -104,10 +139,25 @@ pub fn pair_from_row(row: &Row, tok: &Tokenizer, max_length: usize) -> std::resu
     Ok(Pair { chosen: side("chosen")?, rejected: side("rejected")? })
 }
 
-fn load_pairs(path: &Path, tok: &Tokenizer, max_length: usize) -> Result<Vec<Pair>> {
+/// `context`: the model's positions, which no sequence may exceed.
+fn load_pairs(path: &Path, tok: &Tokenizer, max_length: usize, context: Option<usize>) -> Result<Vec<Pair>> {
     let pairs: Vec<Pair> = read_rows(path)?
         .iter()
-        .map(|row| pair_from_row(row, tok, max_length).map_err(|e| Error::bad_row(path, row.line, e)))
+        .map(|row| {
+            let pair = pair_from_row(row, tok, max_length).map_err(|e| Error::bad_row(path, row.line, e))?;
+            let longest = pair.chosen.len().max(pair.rejected.len());
+            match context.filter(|&p| longest > p) {
+                Some(positions) => Err(Error::bad_row(
+                    path,
+                    row.line,
+                    format!(
+                        "{longest} tokens (after max_length = {max_length}) exceed the model's context of \
+                         {positions} positions; lower max_length"
+                    ),
+                )),
+                None => Ok(pair),
+            }
+        })
         .collect::<Result<_>>()?;
     if pairs.is_empty() {
         return Err(Error::bad_file(path, "no preference pairs"));
@@ -148,26 +198,26 @@ pub fn evaluate(net: &Network, pairs: &[Pair], batch: usize, device: &Device) ->
 }
 
 pub fn train_reward_model(cfg: &RewardTrainConfig) -> Result<RewardTrainSummary> {
-    if cfg.per_device_train_batch_size == 0 || cfg.gradient_accumulation_steps == 0 || cfg.num_train_epochs == 0 {
-        return Err(Error::Invalid(
-            "batch size, gradient_accumulation_steps and num_train_epochs must be at least 1".into(),
-        ));
-    }
+    cfg.validate()?;
+    let output_dir = PathBuf::from(&cfg.output_dir);
+    let _run_dir = RunDir::open(&output_dir, if cfg.overwrite_output_dir { Reuse::Overwrite } else { Reuse::Fresh })?;
+    stop::install();
     let device = parse_device(&cfg.device)?;
     let dir = resolve_model(&cfg.model)?;
     let mut model = Model::load_with_head(&dir, &device, HeadKind::SequenceClassification { num_labels: 1 }, cfg.seed)?;
     let tok = Tokenizer::from_dir(&dir)?;
+    tok.check_model(model.config())?;
+    let context = model.config().context_length();
     // transformers needs the pad id to find the last token of padded batches.
     if model.config().raw.get("pad_token_id").is_none_or(Value::is_null) {
         if let Some(pad) = tok.pad_token_id().or(tok.eos_token_id()) {
             model.set_config_key("pad_token_id", pad.into());
         }
     }
-    let train = load_pairs(Path::new(&cfg.dataset), &tok, cfg.max_length)?;
-    let eval = cfg.eval_dataset.as_ref().map(|path| load_pairs(Path::new(path), &tok, cfg.max_length)).transpose()?;
+    let train = load_pairs(Path::new(&cfg.dataset), &tok, cfg.max_length, context)?;
+    let eval =
+        cfg.eval_dataset.as_ref().map(|path| load_pairs(Path::new(path), &tok, cfg.max_length, context)).transpose()?;
     let (train, eval) = split_eval(train, eval, cfg.eval_fraction, &mut Rng::stream(cfg.seed, &[0x7e]));
-    let output_dir = PathBuf::from(&cfg.output_dir);
-    std::fs::create_dir_all(&output_dir).map_err(|e| Error::io(&output_dir, e))?;
     let mut sinks = metric_sinks(&output_dir)?;
     let mini = cfg.per_device_train_batch_size * cfg.gradient_accumulation_steps;
     let steps_per_epoch = train.len().div_ceil(mini);
@@ -176,7 +226,8 @@ pub fn train_reward_model(cfg: &RewardTrainConfig) -> Result<RewardTrainSummary>
 
     let mut optimizer = AdamW::new(0.9, 0.999, 1e-8, cfg.weight_decay);
     let mut grads = GradAccumulator::default();
-    let (mut step, mut last_eval) = (0usize, None);
+    let mut guard = StepGuard::new(cfg.max_skipped_steps);
+    let (mut step, mut skipped, mut last_eval) = (0usize, 0usize, None);
     for epoch in 0..cfg.num_train_epochs {
         let order = Rng::stream(cfg.seed, &[0x7e, epoch as u64 + 1]).permutation(train.len());
         for batch in order.chunks(mini) {
@@ -193,13 +244,18 @@ pub fn train_reward_model(cfg: &RewardTrainConfig) -> Result<RewardTrainSummary>
             }
             let grad_norm = grads.clip(cfg.max_grad_norm)?;
             let lr = learning_rate(cfg.learning_rate, cfg.lr_scheduler_type, step, total, 0);
-            optimizer.step(model.params(), &grads, lr)?;
+            if guard.check(step, loss_sum, grad_norm) {
+                optimizer.step(model.params(), &grads, lr)?;
+            } else {
+                skipped += 1;
+            }
             step += 1;
             let mut m = Metrics::new();
             m.set("train/loss", loss_sum);
             m.set("train/accuracy", correct as f64 / batch.len() as f64);
             m.set("train/grad_norm", grad_norm);
             m.set("train/lr", lr);
+            m.set("train/skipped_steps", skipped as f64);
             if step % steps_per_epoch == 0 && !eval.is_empty() {
                 let s = evaluate(model.frozen(), &eval, cfg.per_device_train_batch_size, &device)?;
                 m.set("eval/loss", s.loss);
@@ -209,6 +265,7 @@ pub fn train_reward_model(cfg: &RewardTrainConfig) -> Result<RewardTrainSummary>
             }
             sinks.log(step as u64, &m)?;
             sinks.flush()?;
+            stop::save_if_stopping(&guard, &model, &output_dir, step)?;
         }
     }
     model.save_files(&output_dir)?;

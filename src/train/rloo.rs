@@ -10,9 +10,11 @@ use candle_core::{Device, Tensor};
 
 use super::checkpoint::{self, TrainerState};
 use super::config::{BatchSizes, LongPrompts, RlooSection, TrainConfig};
-use super::optim::{learning_rate, AdamW, GradAccumulator};
+use super::optim::{learning_rate, AdamW, GradAccumulator, StepGuard};
+use super::run_dir::{Reuse, RunDir};
+use super::stop;
 use crate::algo::{self, Grouped, KlPlacement, LossStats};
-use crate::data::prompts::{resolve_split, PromptDataset, PromptSpec};
+use crate::data::prompts::{resolve_split, ContextRoom, PromptDataset, PromptSpec};
 use crate::data::Tokenizer;
 use crate::error::{Error, Result};
 use crate::generate::{generate, Completion, FinishReason, GenerateOptions, Rng, Sampling, StopCriteria};
@@ -109,7 +111,15 @@ struct Rollout {
 pub fn train(cfg: &TrainConfig) -> Result<RunSummary> {
     cfg.validate()?;
     let output_dir = PathBuf::from(&cfg.train.output_dir);
-    std::fs::create_dir_all(&output_dir).map_err(|e| Error::io(&output_dir, e))?;
+    let reuse = if cfg.train.resume_from_checkpoint.is_some() {
+        Reuse::Resume
+    } else if cfg.train.overwrite_output_dir {
+        Reuse::Overwrite
+    } else {
+        Reuse::Fresh
+    };
+    let _run_dir = RunDir::open(&output_dir, reuse)?;
+    stop::install();
     let mut optimizer =
         AdamW::new(cfg.train.adam_beta1, cfg.train.adam_beta2, cfg.train.adam_epsilon, cfg.train.weight_decay);
     let mut run = Run::start(cfg)?;
@@ -137,6 +147,7 @@ pub fn train(cfg: &TrainConfig) -> Result<RunSummary> {
     let table_every = (sizes.steps / cfg.train.num_sample_generations.max(1)).max(1);
     let progress = TrainProgress::new(sizes.total_episodes as u64);
     let mut state = start;
+    let mut guard = StepGuard::new(cfg.train.max_skipped_steps);
     let mut last = Metrics::new();
     let (mut first_step, mut timing) = (StepTiming::default(), StepTiming::default());
     let run_started = Instant::now();
@@ -214,8 +225,13 @@ pub fn train(cfg: &TrainConfig) -> Result<RunSummary> {
         // 5. Optimise: epochs x shuffled mini-batches, accumulated over micro-batches.
         let t3 = Instant::now();
         let advantages = Tensor::from_vec(adv.values.flat().to_vec(), seqs.len(), &run.device)?;
-        let train_stats =
-            run.optimise(step, &seqs, &old, reference.as_ref(), &advantages, &mut optimizer, &mut state)?;
+        let train_stats = if returns.iter().all(Option::is_none) {
+            // Nothing to learn from, and a step would still move the weights through weight decay.
+            guard.skip(state.optimizer_step, format!("all {} samples of the rollout are unscorable", returns.len()));
+            TrainStats { skipped_steps: 1, ..TrainStats::default() }
+        } else {
+            run.optimise(step, &seqs, &old, reference.as_ref(), &advantages, &mut optimizer, &mut state, &mut guard)?
+        };
         let t_train = t3.elapsed().as_secs_f64();
 
         // 6. Metrics, samples, checkpoint.
@@ -270,16 +286,32 @@ pub fn train(cfg: &TrainConfig) -> Result<RunSummary> {
             metrics.get("objective/scores").unwrap_or(f64::NAN),
             metrics.get("objective/kl").unwrap_or(f64::NAN),
         );
+        let (interrupted, diverged) = (stop::requested(), guard.exhausted());
         let save_now = cfg.train.save_steps > 0 && state.step % cfg.train.save_steps == 0;
-        if save_now || state.step == stop_at {
-            checkpoint::save(
-                &checkpoint::checkpoint_dir(&output_dir, state.step),
-                &run.policy,
-                &optimizer,
-                &state,
-                &config_toml,
-            )?;
+        if save_now || state.step == stop_at || interrupted || diverged {
+            let dir = checkpoint::checkpoint_dir(&output_dir, state.step);
+            checkpoint::save(&dir, &run.policy, &optimizer, &state, &config_toml)?;
             checkpoint::prune(&output_dir, cfg.train.save_total_limit)?;
+            if diverged {
+                progress.finish();
+                return Err(Error::Invalid(format!(
+                    "{}; stopped at step {} with the last good weights in {} (lower the learning rate, or check \
+                     the rewards for huge or non-finite values)",
+                    guard.describe(),
+                    state.step,
+                    dir.display()
+                )));
+            }
+            if interrupted {
+                progress.finish();
+                return Err(Error::Interrupted(format!(
+                    "stopped by a signal after step {} of {}; checkpoint in {}; continue with the same command \
+                     and --resume_from_checkpoint latest",
+                    state.step,
+                    sizes.steps,
+                    dir.display()
+                )));
+            }
         }
         last = metrics;
     }
@@ -318,15 +350,46 @@ impl Run {
                 "the policy must be a causal LM, this is a sequence-classification model",
             ));
         }
+        tokenizer.check_model(policy.config())?;
         let reference = if cfg.rloo.kl_coef > 0.0 {
             let dir = match &cfg.model.reference {
                 Some(r) => resolve_model(r)?,
                 None => policy_dir.clone(),
             };
-            Some(Model::load(&dir, &device)?)
+            let reference = Model::load(&dir, &device)?;
+            let (p, r) = (policy.config().vocab_size(), reference.config().vocab_size());
+            if reference.head() != HeadKind::CausalLm || p != r {
+                return Err(Error::Invalid(format!(
+                    "the reference {} does not fit the policy {}: it must be a causal LM over the same {p} tokens \
+                     (it has {r})",
+                    dir.display(),
+                    policy_dir.display()
+                )));
+            }
+            Some(reference)
         } else {
             None
         };
+        if let Some(id) = cfg.generation.stop_token_id.filter(|&id| id as usize >= policy.config().vocab_size()) {
+            return Err(Error::Invalid(format!(
+                "generation.stop_token_id = {id} is outside the policy's vocabulary of {}",
+                policy.config().vocab_size()
+            )));
+        }
+        let context = policy.config().context_length();
+        if let (Some(max), Some(positions)) = (cfg.data.max_prompt_length, context) {
+            if max > positions {
+                return Err(Error::Invalid(format!(
+                    "data.max_prompt_length = {max} is more than the policy's context of {positions} positions"
+                )));
+            }
+        }
+        if let Some(positions) = context.filter(|&p| cfg.generation.response_length >= p) {
+            return Err(Error::Invalid(format!(
+                "generation.response_length = {} leaves no room for a prompt in the policy's context of {positions} positions",
+                cfg.generation.response_length
+            )));
+        }
         let rewards = reward::build(&cfg.reward, &device)?;
         let shaping = Shaping {
             missing_eos_penalty: cfg.rloo.missing_eos_penalty.map(|p| p as f32),
@@ -343,6 +406,8 @@ impl Run {
             system_prompt: cfg.data.system_prompt.clone(),
             take: cfg.data.take,
             max_prompt_length: cfg.data.max_prompt_length,
+            context_room: context
+                .map(|positions| ContextRoom { positions, completion: cfg.generation.response_length }),
             error_on_long: cfg.data.long_prompts == LongPrompts::Error,
         };
         let dataset = PromptDataset::load(&data_path, &spec, &tokenizer)?;
@@ -356,6 +421,18 @@ impl Run {
             sizes.describe(cfg.rloo.num_ppo_epochs)
         );
 
+        let longest = dataset.rows.iter().map(|r| r.ids.len()).max().unwrap_or(0);
+        let estimate = super::memory::rloo_estimate(
+            cfg,
+            &sizes,
+            policy.config(),
+            policy.params().numel(),
+            longest,
+            reference.is_some(),
+        );
+        if device.is_cpu() {
+            super::memory::warn_if_short(&estimate);
+        }
         let generation = generation_options(cfg, &policy_dir, &tokenizer, &policy)?;
         let warmup = if cfg.train.warmup_steps > 0 {
             cfg.train.warmup_steps
@@ -379,7 +456,13 @@ impl Run {
 
     /// Continues from a checkpoint when asked; returns where the run stands.
     fn resume_state(&mut self, optimizer: &mut AdamW) -> Result<TrainerState> {
-        let fresh = TrainerState { step: 0, episode: 0, optimizer_step: 0, total_steps: self.sizes.steps };
+        let fresh = TrainerState {
+            step: 0,
+            episode: 0,
+            optimizer_step: 0,
+            total_steps: self.sizes.steps,
+            prompts_digest: self.dataset.digest(),
+        };
         let Some(spec) = &self.cfg.train.resume_from_checkpoint else {
             return Ok(fresh);
         };
@@ -395,6 +478,7 @@ impl Run {
         } else {
             PathBuf::from(spec)
         };
+        self.check_resumable(&dir)?;
         let (policy, state) = checkpoint::load(&dir, &self.device, optimizer)?;
         if state.total_steps != self.sizes.steps {
             return Err(Error::Invalid(format!(
@@ -404,9 +488,44 @@ impl Run {
                 self.sizes.steps
             )));
         }
+        if !state.prompts_digest.is_empty() && state.prompts_digest != fresh.prompts_digest {
+            return Err(Error::Invalid(format!(
+                "cannot resume from {}: the prompts of {} differ from those the run was trained on",
+                dir.display(),
+                self.dataset.path.display()
+            )));
+        }
         tracing::info!("resuming from {} at step {}", dir.display(), state.step);
         self.policy = policy;
         Ok(state)
+    }
+
+    /// Refuses a checkpoint saved under a configuration that computes a
+    /// different run (data, k, batch sizes, seed, models, ...); logs the
+    /// changes a resume may make (logging, save cadence, device).
+    fn check_resumable(&self, dir: &Path) -> Result<()> {
+        let saved_path = dir.join(checkpoint::CONFIG_FILE);
+        if !saved_path.is_file() {
+            return Err(Error::bad_file(
+                dir,
+                format!("not a complete checkpoint: {} is missing", checkpoint::CONFIG_FILE),
+            ));
+        }
+        let saved = TrainConfig::load(Some(&saved_path), &[])?;
+        match self.cfg.changes_since(&saved) {
+            Ok(allowed) if allowed.is_empty() => Ok(()),
+            Ok(allowed) => {
+                tracing::info!("resuming with changed options: {}", allowed.join("; "));
+                Ok(())
+            }
+            Err(refused) => Err(Error::Invalid(format!(
+                "cannot resume from {}: these options differ from the checkpoint's and would change the run:\n  {}\n\
+                 resume with the options of {} or start a new run in another output directory",
+                dir.display(),
+                refused.join("\n  "),
+                saved_path.display()
+            ))),
+        }
     }
 
     fn rollout(&self, step: usize) -> Result<Rollout> {
@@ -455,6 +574,7 @@ impl Run {
         advantages: &Tensor,
         optimizer: &mut AdamW,
         state: &mut TrainerState,
+        guard: &mut StepGuard,
     ) -> Result<TrainStats> {
         let cfg = &self.cfg;
         let sizes = self.sizes;
@@ -467,6 +587,7 @@ impl Run {
                 let mini_mask = rows_of(&old.mask, mini)?;
                 let denominator = algo::loss_denominator(&mini_mask, cfg.rloo.ratio, cfg.rloo.aggregation)?;
                 grads.clear();
+                let mut loss_sum = 0f64;
                 for micro in mini.chunks(sizes.micro) {
                     let part = Sequences {
                         prompts: micro.iter().map(|&i| seqs.prompts[i]).collect(),
@@ -496,6 +617,7 @@ impl Run {
                             algo::masked_mean_loss(&kl, &mask, cfg.rloo.ratio, cfg.rloo.aggregation, denominator)?;
                         loss = (loss + (kl_loss * cfg.rloo.kl_coef)?)?;
                     }
+                    loss_sum += loss.to_scalar::<f32>()? as f64;
                     stats.loss.add(&out.stats);
                     stats.entropy_sum += (&now.entropy * &mask)?.sum_all()?.to_scalar::<f32>()? as f64;
                     stats.tokens += mask.sum_all()?.to_scalar::<f32>()? as f64;
@@ -508,6 +630,13 @@ impl Run {
                     continue;
                 }
                 stats.grad_norm = grads.clip(cfg.train.max_grad_norm)?;
+                if !guard.check(state.optimizer_step, loss_sum, stats.grad_norm) {
+                    stats.skipped_steps += 1;
+                    if guard.exhausted() {
+                        return Ok(stats);
+                    }
+                    continue;
+                }
                 let lr = learning_rate(
                     cfg.train.learning_rate,
                     cfg.train.lr_scheduler_type,
@@ -735,8 +864,9 @@ mod tests {
         let old = run.logprobs_in_chunks(run.policy.frozen(), &seqs, 0.7).unwrap();
         let adv = Tensor::new(&[1.0f32, -1.0, 2.0, -2.0], &Device::Cpu).unwrap();
         let mut opt = AdamW::new(0.9, 0.999, 1e-8, 0.5);
-        let mut state = TrainerState { step: 0, episode: 0, optimizer_step: 0, total_steps: 1 };
-        let stats = run.optimise(0, &seqs, &old, None, &adv, &mut opt, &mut state).unwrap();
+        let mut state = TrainerState { total_steps: 1, ..TrainerState::default() };
+        let mut guard = StepGuard::new(10);
+        let stats = run.optimise(0, &seqs, &old, None, &adv, &mut opt, &mut state, &mut guard).unwrap();
         assert_eq!(state.optimizer_step, 0);
         assert_eq!(stats.skipped_steps, run.cfg.rloo.num_ppo_epochs);
         for (p, b) in run.policy.params().iter().zip(before) {
@@ -756,8 +886,8 @@ mod tests {
         let old = run.logprobs_in_chunks(run.policy.frozen(), &seqs, 0.7).unwrap();
         let adv = Tensor::new(&[1.0f32, -1.0, 2.0, -2.0], &Device::Cpu).unwrap();
         let mut opt = AdamW::new(0.9, 0.999, 1e-8, 0.0);
-        let mut state = TrainerState { step: 0, episode: 0, optimizer_step: 0, total_steps: 1 };
-        run.optimise(0, &seqs, &old, None, &adv, &mut opt, &mut state).unwrap();
+        let mut state = TrainerState { total_steps: 1, ..TrainerState::default() };
+        run.optimise(0, &seqs, &old, None, &adv, &mut opt, &mut state, &mut StepGuard::new(10)).unwrap();
         assert_eq!(state.optimizer_step, 6);
     }
 }

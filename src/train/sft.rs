@@ -14,8 +14,10 @@ use candle_core::Device;
 use serde::{Deserialize, Serialize};
 use serde_json::Value;
 
-use super::config::Schedule;
-use super::optim::{learning_rate, AdamW, GradAccumulator};
+use super::config::{check_optimizer, in_range, positive, Bound, OptimizerOptions, Schedule};
+use super::optim::{learning_rate, AdamW, GradAccumulator, StepGuard};
+use super::run_dir::{Reuse, RunDir};
+use super::stop;
 use crate::data::jsonl::{read_rows, Row};
 use crate::data::split_eval;
 use crate::data::{Message, Prompt, Tokenizer};
@@ -50,6 +52,10 @@ pub struct SftConfig {
     pub all_tokens: bool,
     pub seed: u64,
     pub logging_steps: usize,
+    /// Replace the logs of a previous run in output_dir.
+    pub overwrite_output_dir: bool,
+    /// Stop after this many optimizer steps in a row with a non-finite loss or gradient.
+    pub max_skipped_steps: usize,
 }
 
 impl Default for SftConfig {
@@ -73,6 +79,8 @@ impl Default for SftConfig {
             all_tokens: false,
             seed: 42,
             logging_steps: 10,
+            overwrite_output_dir: false,
+            max_skipped_steps: 10,
         }
     }
 }
@@ -164,7 +172,38 @@ fn chat_pair(
     Ok((prompt.clone(), full[prompt.len()..].to_vec()))
 }
 
-fn load_examples(path: &Path, tok: &Tokenizer, cfg: &SftConfig) -> Result<Vec<Example>> {
+impl SftConfig {
+    /// Checks values that no type can express; messages name the option.
+    pub fn validate(&self) -> Result<()> {
+        if self.per_device_train_batch_size == 0
+            || self.gradient_accumulation_steps == 0
+            || self.num_train_epochs == 0
+            || self.max_length == 0
+        {
+            return Err(Error::Invalid(
+                "per_device_train_batch_size, gradient_accumulation_steps, num_train_epochs and max_length \
+                 must be at least 1"
+                    .into(),
+            ));
+        }
+        positive("learning_rate", self.learning_rate)?;
+        in_range("warmup_ratio", self.warmup_ratio, Bound::Closed(0.0), Bound::Closed(1.0))?;
+        in_range("eval_fraction", self.eval_fraction, Bound::Closed(0.0), Bound::Open(1.0))?;
+        check_optimizer(
+            "",
+            &OptimizerOptions {
+                adam_beta1: 0.9,
+                adam_beta2: 0.999,
+                adam_epsilon: 1e-8,
+                weight_decay: self.weight_decay,
+                max_grad_norm: self.max_grad_norm,
+            },
+        )
+    }
+}
+
+/// `context`: the model's positions, which no prompt + completion may exceed.
+fn load_examples(path: &Path, tok: &Tokenizer, cfg: &SftConfig, context: Option<usize>) -> Result<Vec<Example>> {
     let mut out = Vec::new();
     for row in read_rows(path)? {
         let mut ex = example_from_row(&row, tok, cfg.all_tokens).map_err(|e| Error::bad_row(path, row.line, e))?;
@@ -177,6 +216,18 @@ fn load_examples(path: &Path, tok: &Tokenizer, cfg: &SftConfig) -> Result<Vec<Ex
             ));
         }
         ex.completion.truncate(room);
+        let length = ex.prompt.len() + ex.completion.len();
+        if let Some(positions) = context.filter(|&p| length > p) {
+            return Err(Error::bad_row(
+                path,
+                row.line,
+                format!(
+                    "{length} tokens (after max_length = {}) exceed the model's context of {positions} positions; \
+                     lower max_length",
+                    cfg.max_length
+                ),
+            ));
+        }
         out.push(ex);
     }
     if out.is_empty() {
@@ -205,11 +256,10 @@ fn sequences<'a>(examples: &[&'a Example]) -> Sequences<'a> {
 }
 
 pub fn train_sft(cfg: &SftConfig) -> Result<SftSummary> {
-    if cfg.per_device_train_batch_size == 0 || cfg.gradient_accumulation_steps == 0 || cfg.num_train_epochs == 0 {
-        return Err(Error::Invalid(
-            "batch size, gradient_accumulation_steps and num_train_epochs must be at least 1".into(),
-        ));
-    }
+    cfg.validate()?;
+    let output_dir = PathBuf::from(&cfg.output_dir);
+    let _run_dir = RunDir::open(&output_dir, if cfg.overwrite_output_dir { Reuse::Overwrite } else { Reuse::Fresh })?;
+    stop::install();
     let device = parse_device(&cfg.device)?;
     let dir = resolve_model(&cfg.model)?;
     let model = Model::load(&dir, &device)?;
@@ -217,11 +267,11 @@ pub fn train_sft(cfg: &SftConfig) -> Result<SftSummary> {
         return Err(Error::bad_file(&dir, "SFT needs a causal LM"));
     }
     let tok = Tokenizer::from_dir(&dir)?;
-    let train = load_examples(Path::new(&cfg.dataset), &tok, cfg)?;
-    let eval = cfg.eval_dataset.as_ref().map(|path| load_examples(Path::new(path), &tok, cfg)).transpose()?;
+    tok.check_model(model.config())?;
+    let context = model.config().context_length();
+    let train = load_examples(Path::new(&cfg.dataset), &tok, cfg, context)?;
+    let eval = cfg.eval_dataset.as_ref().map(|path| load_examples(Path::new(path), &tok, cfg, context)).transpose()?;
     let (train, eval) = split_eval(train, eval, cfg.eval_fraction, &mut Rng::stream(cfg.seed, &[0x5f7]));
-    let output_dir = PathBuf::from(&cfg.output_dir);
-    std::fs::create_dir_all(&output_dir).map_err(|e| Error::io(&output_dir, e))?;
     let mut sinks = metric_sinks(&output_dir)?;
 
     let mini = cfg.per_device_train_batch_size * cfg.gradient_accumulation_steps;
@@ -240,7 +290,8 @@ pub fn train_sft(cfg: &SftConfig) -> Result<SftSummary> {
     );
     let mut optimizer = AdamW::new(0.9, 0.999, 1e-8, cfg.weight_decay);
     let mut grads = GradAccumulator::default();
-    let (mut step, mut last_loss, mut eval_loss) = (0usize, f64::NAN, None);
+    let mut guard = StepGuard::new(cfg.max_skipped_steps);
+    let (mut step, mut skipped, mut last_loss, mut eval_loss) = (0usize, 0usize, f64::NAN, None);
     let started = Instant::now();
     for epoch in 0..cfg.num_train_epochs {
         let order = Rng::stream(cfg.seed, &[0x5f7, epoch as u64 + 1]).permutation(train.len());
@@ -258,13 +309,18 @@ pub fn train_sft(cfg: &SftConfig) -> Result<SftSummary> {
             }
             let grad_norm = grads.clip(cfg.max_grad_norm)?;
             let lr = learning_rate(cfg.learning_rate, cfg.lr_scheduler_type, step, total_steps, warmup);
-            optimizer.step(model.params(), &grads, lr)?;
+            if guard.check(step, loss_sum, grad_norm) {
+                optimizer.step(model.params(), &grads, lr)?;
+            } else {
+                skipped += 1;
+            }
             step += 1;
             last_loss = loss_sum;
             let mut m = Metrics::new();
             m.set("train/loss", loss_sum);
             m.set("train/grad_norm", grad_norm);
             m.set("train/lr", lr);
+            m.set("train/skipped_steps", skipped as f64);
             m.set("train/epoch", step as f64 / steps_per_epoch as f64);
             if step % steps_per_epoch == 0 && !eval.is_empty() {
                 let refs: Vec<&Example> = eval.iter().collect();
@@ -276,6 +332,7 @@ pub fn train_sft(cfg: &SftConfig) -> Result<SftSummary> {
                 sinks.log(step as u64, &m)?;
                 sinks.flush()?;
             }
+            stop::save_if_stopping(&guard, &model, &output_dir, step)?;
         }
     }
     model.save_files(&output_dir)?;

@@ -166,7 +166,9 @@ impl CustomOp3 for LinearGrad {
     }
 }
 
-/// The sums of the columns of a row-major matrix `n` wide, over parallel row blocks.
+/// The sums of the columns of a row-major matrix `n` wide: each block of
+/// rows is summed in parallel, then the blocks in order, so the rounding
+/// depends on the shape alone and never on which thread finished first.
 fn column_sums(g: &[f32], n: usize) -> Vec<f32> {
     let partial = |rows: &[f32]| {
         let mut acc = vec![0f32; n];
@@ -177,9 +179,12 @@ fn column_sums(g: &[f32], n: usize) -> Vec<f32> {
         }
         acc
     };
-    g.par_chunks(rows_per_task(n) * n)
-        .map(partial)
-        .reduce(|| vec![0f32; n], |a, b| a.iter().zip(&b).map(|(a, b)| a + b).collect())
+    let blocks: Vec<Vec<f32>> = g.par_chunks(rows_per_task(n) * n).map(partial).collect();
+    let mut sums = vec![0f32; n];
+    for block in blocks {
+        sums.iter_mut().zip(block).for_each(|(s, b)| *s += b);
+    }
+    sums
 }
 
 /// A matrix operand: element (i, j) is `data[i * row + j * col]`.
@@ -247,5 +252,39 @@ pub(super) fn matmul(dst: &mut Vec<f32>, accumulate: bool, m: usize, n: usize, k
             parallelism,
         );
         dst.set_len(base + m * n);
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// The bias gradient is the same bits on every call and equals the
+    /// blocks' sums added in order, however the threads interleave (a
+    /// rayon `reduce` adds them in a tree shaped by work stealing).
+    #[test]
+    fn column_sums_add_the_blocks_in_a_fixed_order() {
+        let n = 48;
+        let rows = 40 * rows_per_task(n) + 7;
+        let mut x = 1u64;
+        let g: Vec<f32> = (0..rows * n)
+            .map(|_| {
+                x = x.wrapping_mul(6364136223846793005).wrapping_add(1442695040888963407);
+                ((x >> 40) as f32 / (1u64 << 24) as f32 - 0.5) * 1e3
+            })
+            .collect();
+        let mut want = vec![0f32; n];
+        for block in g.chunks(rows_per_task(n) * n) {
+            let mut acc = vec![0f32; n];
+            for row in block.chunks(n) {
+                acc.iter_mut().zip(row).for_each(|(a, x)| *a += x);
+            }
+            want.iter_mut().zip(acc).for_each(|(w, a)| *w += a);
+        }
+        let pool = rayon::ThreadPoolBuilder::new().num_threads(2).build().unwrap();
+        for _ in 0..20 {
+            let got = pool.install(|| column_sums(&g, n));
+            assert!(got.iter().zip(&want).all(|(a, b)| a.to_bits() == b.to_bits()));
+        }
     }
 }

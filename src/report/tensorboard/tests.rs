@@ -191,6 +191,30 @@ fn resume_starts_a_new_file_with_a_session_start_at_the_resume_step() {
 }
 
 #[test]
+fn resume_drops_events_of_the_steps_to_be_redone_and_a_cut_off_record() {
+    let dir = tempfile::tempdir().unwrap();
+    let mut first = TensorBoardWriter::create(dir.path()).unwrap();
+    for step in 1..=5 {
+        let mut m = Metrics::new();
+        m.set("objective/kl", step as f64);
+        first.add_scalars(step, &m).unwrap();
+    }
+    let old = first.path().to_path_buf();
+    drop(first);
+    // A crash cut the last record short.
+    let mut bytes = std::fs::read(&old).unwrap();
+    bytes.extend_from_slice(&tfrecord::frame(b"cut")[..10]);
+    std::fs::write(&old, bytes).unwrap();
+
+    let _resumed = TensorBoardWriter::resume(dir.path(), 4).unwrap();
+    let bytes = std::fs::read(&old).unwrap();
+    let records = unframe(&bytes).unwrap();
+    let steps: Vec<Field> = records[1..].iter().map(|r| field(&decode(r), 2)).collect();
+    assert_eq!(steps, [Field::Varint(1), Field::Varint(2), Field::Varint(3)]);
+    assert_eq!(field(&decode(records[0]), 3).str(), "brain.Event:2", "the version event stays first");
+}
+
+#[test]
 fn hostname_is_safe_in_a_file_name() {
     let host = hostname();
     assert!(!host.is_empty());

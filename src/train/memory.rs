@@ -1,0 +1,84 @@
+//! A start-up estimate of a run's peak memory, so that a batch that cannot
+//! fit is reported before the machine starts swapping or kills the run.
+//! Sizes are upper bounds in f32 bytes: every row as long as the longest
+//! prompt plus a full completion.
+
+use super::config::{BatchSizes, TrainConfig};
+use crate::model::ModelConfig;
+
+const F32: u64 = 4;
+/// Per layer and token, the hidden-size activations a training forward
+/// keeps for its backward (norm inputs and outputs, q/k/v, attention
+/// output, the MLP's 4x-wide input and activation, residuals).
+const SAVED_PER_LAYER: u64 = 16;
+
+#[derive(Debug)]
+pub struct Estimate {
+    pub parts: Vec<(&'static str, u64)>,
+}
+
+impl Estimate {
+    pub fn total(&self) -> u64 {
+        self.parts.iter().map(|(_, b)| b).sum()
+    }
+
+    pub fn describe(&self) -> String {
+        let parts: Vec<String> = self.parts.iter().map(|(name, b)| format!("{name} {}", gib(*b))).collect();
+        format!("{} ({})", gib(self.total()), parts.join(", "))
+    }
+}
+
+/// Weights, gradients, AdamW moments, the reference, the sampling KV cache,
+/// the training micro-batch's activations and logits, and one scoring
+/// chunk's logits.
+pub fn rloo_estimate(
+    cfg: &TrainConfig,
+    sizes: &BatchSizes,
+    model: &ModelConfig,
+    params: usize,
+    longest_prompt: usize,
+    reference: bool,
+) -> Estimate {
+    let params = params as u64;
+    let (h, layers, vocab) = (model.hidden_size() as u64, model.num_layers() as u64, model.vocab_size() as u64);
+    let tokens = (longest_prompt + cfg.generation.response_length) as u64;
+    let chunk = cfg.generation.local_rollout_forward_batch_size.min(sizes.batch) as u64;
+    let micro = sizes.micro as u64;
+    Estimate {
+        parts: vec![
+            ("weights", params * F32),
+            ("gradients", params * F32),
+            ("optimizer state", 2 * params * F32),
+            ("reference", if reference { params * F32 } else { 0 }),
+            ("KV cache", chunk * tokens * layers * 2 * h * F32),
+            ("activations", micro * tokens * layers * SAVED_PER_LAYER * h * F32),
+            // The logits of a training micro-batch and their gradient, and a scoring chunk's.
+            ("logits", (2 * micro + chunk) * tokens * vocab * F32),
+        ],
+    }
+}
+
+/// Logs the estimate, as a warning when it exceeds the memory available.
+pub fn warn_if_short(estimate: &Estimate) {
+    match available_bytes() {
+        Some(available) if estimate.total() > available => tracing::warn!(
+            "this run may need up to {} but {} is available; lower per_device_train_batch_size, \
+             local_rollout_forward_batch_size or response_length if it runs out of memory",
+            estimate.describe(),
+            gib(available)
+        ),
+        _ => tracing::debug!("memory estimate: {}", estimate.describe()),
+    }
+}
+
+/// `MemAvailable` of /proc/meminfo (Linux), in bytes.
+fn available_bytes() -> Option<u64> {
+    let text = std::fs::read_to_string("/proc/meminfo").ok()?;
+    let line = text.lines().find(|l| l.starts_with("MemAvailable:"))?;
+    let kib: u64 = line.split_whitespace().nth(1)?.parse().ok()?;
+    Some(kib * 1024)
+}
+
+fn gib(bytes: u64) -> String {
+    format!("{:.2} GiB", bytes as f64 / (1u64 << 30) as f64)
+}
