@@ -461,6 +461,48 @@ pub fn check_optimizer(section: &str, o: &OptimizerOptions) -> Result<()> {
     non_negative(&name("max_grad_norm"), o.max_grad_norm)
 }
 
+/// The options SFT and reward-model training share, checked alike.
+pub struct SupervisedOptions {
+    pub per_device_train_batch_size: usize,
+    pub gradient_accumulation_steps: usize,
+    pub num_train_epochs: usize,
+    pub max_length: usize,
+    pub learning_rate: f64,
+    pub warmup_ratio: f64,
+    pub eval_fraction: f64,
+    pub weight_decay: f64,
+    pub max_grad_norm: f64,
+}
+
+impl SupervisedOptions {
+    pub fn validate(&self) -> Result<()> {
+        for (name, v) in [
+            ("per_device_train_batch_size", self.per_device_train_batch_size),
+            ("gradient_accumulation_steps", self.gradient_accumulation_steps),
+            ("num_train_epochs", self.num_train_epochs),
+            ("max_length", self.max_length),
+        ] {
+            if v == 0 {
+                return Err(Error::Invalid(format!("{name} must be at least 1")));
+            }
+        }
+        positive("learning_rate", self.learning_rate)?;
+        in_range("warmup_ratio", self.warmup_ratio, Closed(0.0), Closed(1.0))?;
+        in_range("eval_fraction", self.eval_fraction, Closed(0.0), Open(1.0))?;
+        // AdamW's own constants are fixed in these loops.
+        check_optimizer(
+            "",
+            &OptimizerOptions {
+                adam_beta1: 0.9,
+                adam_beta2: 0.999,
+                adam_epsilon: 1e-8,
+                weight_decay: self.weight_decay,
+                max_grad_norm: self.max_grad_norm,
+            },
+        )
+    }
+}
+
 /// One end of an allowed range of a numeric option.
 #[derive(Debug, Clone, Copy)]
 pub enum Bound {

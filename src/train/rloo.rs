@@ -370,26 +370,7 @@ impl Run {
         } else {
             None
         };
-        if let Some(id) = cfg.generation.stop_token_id.filter(|&id| id as usize >= policy.config().vocab_size()) {
-            return Err(Error::Invalid(format!(
-                "generation.stop_token_id = {id} is outside the policy's vocabulary of {}",
-                policy.config().vocab_size()
-            )));
-        }
-        let context = policy.config().context_length();
-        if let (Some(max), Some(positions)) = (cfg.data.max_prompt_length, context) {
-            if max > positions {
-                return Err(Error::Invalid(format!(
-                    "data.max_prompt_length = {max} is more than the policy's context of {positions} positions"
-                )));
-            }
-        }
-        if let Some(positions) = context.filter(|&p| cfg.generation.response_length >= p) {
-            return Err(Error::Invalid(format!(
-                "generation.response_length = {} leaves no room for a prompt in the policy's context of {positions} positions",
-                cfg.generation.response_length
-            )));
-        }
+        let context = check_lengths(cfg, policy.config())?;
         let rewards = reward::build(&cfg.reward, &device)?;
         let shaping = Shaping {
             missing_eos_penalty: cfg.rloo.missing_eos_penalty.map(|p| p as f32),
@@ -698,6 +679,31 @@ pub fn returns_and_advantages(
         adv.values = Grouped::new(k, values);
     }
     (returns, adv)
+}
+
+/// The options that must fit the policy: the stop token inside its
+/// vocabulary, the longest prompt and the completion inside its context.
+/// Returns the context (positions), if the config states one.
+fn check_lengths(cfg: &TrainConfig, policy: &crate::model::ModelConfig) -> Result<Option<usize>> {
+    let bad = |msg: String| Err(Error::Invalid(msg));
+    let vocab = policy.vocab_size();
+    if let Some(id) = cfg.generation.stop_token_id.filter(|&id| id as usize >= vocab) {
+        return bad(format!("generation.stop_token_id = {id} is outside the policy's vocabulary of {vocab}"));
+    }
+    let Some(positions) = policy.context_length() else { return Ok(None) };
+    if let Some(max) = cfg.data.max_prompt_length.filter(|&m| m > positions) {
+        return bad(format!(
+            "data.max_prompt_length = {max} is more than the policy's context of {positions} positions"
+        ));
+    }
+    let response = cfg.generation.response_length;
+    if response >= positions {
+        return bad(format!(
+            "generation.response_length = {response} leaves no room for a prompt in the policy's context of \
+             {positions} positions"
+        ));
+    }
+    Ok(Some(positions))
 }
 
 /// Sampling and stopping for rollouts, from the configuration and the

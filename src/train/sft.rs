@@ -14,7 +14,7 @@ use candle_core::Device;
 use serde::{Deserialize, Serialize};
 use serde_json::Value;
 
-use super::config::{check_optimizer, in_range, positive, Bound, OptimizerOptions, Schedule};
+use super::config::{Schedule, SupervisedOptions};
 use super::optim::{learning_rate, AdamW, GradAccumulator, StepGuard};
 use super::run_dir::{Reuse, RunDir};
 use super::stop;
@@ -175,30 +175,18 @@ fn chat_pair(
 impl SftConfig {
     /// Checks values that no type can express; messages name the option.
     pub fn validate(&self) -> Result<()> {
-        if self.per_device_train_batch_size == 0
-            || self.gradient_accumulation_steps == 0
-            || self.num_train_epochs == 0
-            || self.max_length == 0
-        {
-            return Err(Error::Invalid(
-                "per_device_train_batch_size, gradient_accumulation_steps, num_train_epochs and max_length \
-                 must be at least 1"
-                    .into(),
-            ));
+        SupervisedOptions {
+            per_device_train_batch_size: self.per_device_train_batch_size,
+            gradient_accumulation_steps: self.gradient_accumulation_steps,
+            num_train_epochs: self.num_train_epochs,
+            max_length: self.max_length,
+            learning_rate: self.learning_rate,
+            warmup_ratio: self.warmup_ratio,
+            eval_fraction: self.eval_fraction,
+            weight_decay: self.weight_decay,
+            max_grad_norm: self.max_grad_norm,
         }
-        positive("learning_rate", self.learning_rate)?;
-        in_range("warmup_ratio", self.warmup_ratio, Bound::Closed(0.0), Bound::Closed(1.0))?;
-        in_range("eval_fraction", self.eval_fraction, Bound::Closed(0.0), Bound::Open(1.0))?;
-        check_optimizer(
-            "",
-            &OptimizerOptions {
-                adam_beta1: 0.9,
-                adam_beta2: 0.999,
-                adam_epsilon: 1e-8,
-                weight_decay: self.weight_decay,
-                max_grad_norm: self.max_grad_norm,
-            },
-        )
+        .validate()
     }
 }
 
