@@ -3,12 +3,10 @@
 //! the KL to a reference model, and the win rate of model A over model B
 //! as judged by a reward model.
 
-use std::path::Path;
-
 use candle_core::Device;
 use serde::Serialize;
 
-use crate::data::prompts::{PromptDataset, PromptSpec};
+use crate::data::prompts::PromptDataset;
 use crate::data::Tokenizer;
 use crate::error::{Error, Result};
 use crate::generate::{generate, Completion, FinishReason, GenerateOptions, Sampling, StopCriteria};
@@ -74,7 +72,7 @@ pub fn evaluate_model(
     opts: &EvalOptions,
     device: &Device,
 ) -> Result<ModelReport> {
-    check_models(model, tokenizer, prompts, reference, opts)?;
+    check_models(model, tokenizer, reference, opts)?;
     let ids: Vec<Vec<u32>> = prompts.rows.iter().map(|r| r.ids.clone()).collect();
     let stop = StopCriteria::model_eos_ids(model.dir(), tokenizer)?;
     let sampling =
@@ -184,15 +182,10 @@ pub fn win_rate(judge: &RewardSet, prompts: &PromptDataset, a: &ModelReport, b: 
 }
 
 /// What would otherwise fail late or measure nothing: a model that cannot
-/// generate, a tokenizer or reference that does not fit it, no samples, a
-/// prompt with no room for its completion in the model's context.
-fn check_models(
-    model: &Model,
-    tokenizer: &Tokenizer,
-    prompts: &PromptDataset,
-    reference: Option<&Model>,
-    opts: &EvalOptions,
-) -> Result<()> {
+/// generate, a tokenizer or reference that does not fit it, no samples.
+/// (Prompts are checked against the context when loaded:
+/// `PromptDataset::from_prompt_column`.)
+fn check_models(model: &Model, tokenizer: &Tokenizer, reference: Option<&Model>, opts: &EvalOptions) -> Result<()> {
     if model.head() != HeadKind::CausalLm {
         return Err(Error::bad_file(
             model.dir(),
@@ -213,25 +206,5 @@ fn check_models(
     if opts.samples_per_prompt == 0 || opts.batch_size == 0 || opts.max_new_tokens == 0 {
         return Err(Error::Invalid("samples per prompt, batch size and max new tokens must be at least 1".into()));
     }
-    if let Some(positions) = model.config().context_length() {
-        if let Some(r) = prompts.rows.iter().find(|r| r.ids.len() + opts.max_new_tokens > positions) {
-            return Err(Error::bad_row(
-                &prompts.path,
-                r.row.line,
-                format!(
-                    "the prompt has {} tokens: with {} new tokens it exceeds the context of {} ({positions} positions)",
-                    r.ids.len(),
-                    opts.max_new_tokens,
-                    model.dir().display()
-                ),
-            ));
-        }
-    }
     Ok(())
-}
-
-/// Loads held-out prompts (either prompt format) with the given tokenizer.
-pub fn load_prompts(path: &Path, tokenizer: &Tokenizer, take: Option<usize>) -> Result<PromptDataset> {
-    let spec = PromptSpec { prompt_column: "prompt".into(), take, ..Default::default() };
-    PromptDataset::load(path, &spec, tokenizer)
 }

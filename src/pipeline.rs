@@ -11,9 +11,10 @@ use std::time::Instant;
 use serde_json::json;
 
 use crate::data::jsonl::JsonlWriter;
+use crate::data::prompts::{ContextRoom, PromptDataset};
 use crate::data::Tokenizer;
 use crate::error::{Error, Result};
-use crate::eval::{evaluate_model, load_prompts, win_rate, EvalOptions, ModelReport};
+use crate::eval::{evaluate_model, win_rate, EvalOptions, ModelReport};
 use crate::io::write_atomic;
 use crate::model::{parse_device, Model, ModelConfig};
 use crate::report::table::render_markdown;
@@ -249,7 +250,8 @@ pub fn run(opts: &PipelineOptions) -> Result<PathBuf> {
     let sft_model = Model::load(&sft, &device)?;
     let rl_model = Model::load(&rl, &device)?;
     let tok = Tokenizer::from_dir(&sft)?;
-    let prompts = load_prompts(&data.join("eval_prompts.jsonl"), &tok, None)?;
+    let room = ContextRoom::of(sft_model.config(), opts_eval.max_new_tokens);
+    let prompts = PromptDataset::from_prompt_column(&data.join("eval_prompts.jsonl"), &tok, None, room)?;
     let before = evaluate_model("sft", &sft_model, &tok, &prompts, &rewards, None, &opts_eval, &device)?;
     let after = evaluate_model("rloo", &rl_model, &tok, &prompts, &rewards, Some(&sft_model), &opts_eval, &device)?;
     let win = win_rate(&build(std::slice::from_ref(&judge), &device)?, &prompts, &after, &before)?;

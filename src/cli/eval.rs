@@ -6,8 +6,9 @@ use anyhow::{bail, Context, Result};
 use clap::Args;
 use serde::Deserialize;
 
+use rloo::data::prompts::{ContextRoom, PromptDataset};
 use rloo::data::Tokenizer;
-use rloo::eval::{evaluate_model, load_prompts, win_rate, EvalOptions, ModelReport, Spread};
+use rloo::eval::{evaluate_model, win_rate, EvalOptions, ModelReport, Spread};
 use rloo::model::hub::resolve_model;
 use rloo::model::{parse_device, Model};
 use rloo::report::render_table;
@@ -103,7 +104,8 @@ pub fn run(a: EvalArgs) -> Result<()> {
         let dir = resolve_model(name)?;
         let model = Model::load(&dir, &device).with_context(|| format!("loading {}", dir.display()))?;
         let tokenizer = Tokenizer::from_dir(&dir)?;
-        let prompts = load_prompts(&a.prompts, &tokenizer, a.take)?;
+        let room = ContextRoom::of(model.config(), a.max_new_tokens);
+        let prompts = PromptDataset::from_prompt_column(&a.prompts, &tokenizer, a.take, room)?;
         reports.push(evaluate_model(name, &model, &tokenizer, &prompts, &rewards, reference.as_ref(), &opts, &device)?);
         datasets.push(prompts);
     }

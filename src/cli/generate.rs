@@ -8,8 +8,9 @@ use anyhow::{bail, Context, Result};
 use clap::Args;
 use serde_json::{Map, Value};
 
-use rloo::data::jsonl::{read_rows, JsonlWriter};
-use rloo::data::{Prompt, Tokenizer};
+use rloo::data::jsonl::JsonlWriter;
+use rloo::data::prompts::{ContextRoom, PromptDataset};
+use rloo::data::Tokenizer;
 use rloo::generate::{generate, GenerateOptions, Sampling, StopCriteria};
 use rloo::model::hub::resolve_model;
 use rloo::model::{parse_device, GenerationConfig, HeadKind, Model};
@@ -101,32 +102,10 @@ pub fn run(args: GenerateArgs) -> Result<()> {
     tokenizer.check_model(model.config())?;
     let gen = GenerationConfig::from_dir(&dir)?.unwrap_or_default();
     let max_new_tokens = args.max_new_tokens.or(gen.max_new_tokens.map(|n| n as usize)).unwrap_or(64);
-    let context = model.config().context_length();
 
-    let rows = read_rows(&args.prompts)?;
-    if rows.is_empty() {
-        bail!("{}: no prompts", args.prompts.display());
-    }
-    let mut prompts = Vec::with_capacity(rows.len());
-    for row in &rows {
-        let at = || format!("{}:{}", args.prompts.display(), row.line);
-        let value = row.fields.get("prompt").with_context(|| format!("{}: missing field `prompt`", at()))?;
-        let prompt = Prompt::from_value(value).map_err(|e| anyhow::anyhow!("{}: field `prompt`: {e}", at()))?;
-        let ids = tokenizer.encode_prompt(&prompt).with_context(at)?;
-        if ids.is_empty() {
-            bail!("{}: the prompt is empty after tokenization", at());
-        }
-        if let Some(positions) = context.filter(|&p| ids.len() + max_new_tokens > p) {
-            bail!(
-                "{}: the prompt has {} tokens: with --max-new-tokens {max_new_tokens} it exceeds the model's \
-                 context of {positions} positions",
-                at(),
-                ids.len()
-            );
-        }
-        model.check_tokens(&ids).with_context(at)?;
-        prompts.push(ids);
-    }
+    let room = ContextRoom::of(model.config(), max_new_tokens);
+    let dataset = PromptDataset::from_prompt_column(&args.prompts, &tokenizer, None, room)?;
+    let prompts: Vec<Vec<u32>> = dataset.rows.iter().map(|r| r.ids.clone()).collect();
 
     let mut stop_ids = if args.ignore_eos {
         Vec::new()
@@ -166,7 +145,7 @@ pub fn run(args: GenerateArgs) -> Result<()> {
         if let Some(cut) = args.stop.iter().filter_map(|s| text.find(s.as_str())).min() {
             text.truncate(cut);
         }
-        let mut fields: Map<String, Value> = rows[c.prompt_index].fields.clone();
+        let mut fields: Map<String, Value> = dataset.rows[c.prompt_index].row.fields.clone();
         fields.insert("completion".into(), text.into());
         fields.insert("finish_reason".into(), serde_json::to_value(c.finish_reason).unwrap_or_default());
         fields.insert("completion_tokens".into(), c.tokens.len().into());

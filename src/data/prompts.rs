@@ -40,6 +40,14 @@ pub struct ContextRoom {
     pub completion: usize,
 }
 
+impl ContextRoom {
+    /// The room `model`'s context leaves for prompts followed by
+    /// `completion` tokens; `None` when its config states no context.
+    pub fn of(model: &crate::model::ModelConfig, completion: usize) -> Option<Self> {
+        model.context_length().map(|positions| Self { positions, completion })
+    }
+}
+
 /// One usable prompt.
 #[derive(Debug, Clone)]
 pub struct PromptRow {
@@ -141,6 +149,25 @@ impl PromptDataset {
             );
         }
         Ok(Self { path: path.to_path_buf(), rows: out, skipped_long })
+    }
+
+    /// Rows whose `prompt` column (text or chat messages) is taken as it
+    /// is, as `generate` and `eval` read them; a prompt with no room for
+    /// its completion in `context` is an error naming its row.
+    pub fn from_prompt_column(
+        path: &Path,
+        tokenizer: &Tokenizer,
+        take: Option<usize>,
+        context: Option<ContextRoom>,
+    ) -> Result<Self> {
+        let spec = PromptSpec {
+            prompt_column: "prompt".into(),
+            take,
+            context_room: context,
+            error_on_long: true,
+            ..Default::default()
+        };
+        Self::load(path, &spec, tokenizer)
     }
 
     pub fn len(&self) -> usize {

@@ -103,7 +103,7 @@ impl WeightFiles {
 
 /// Whether any value is NaN or infinite, in one pass on the tensor's own
 /// device: `x * 0` is 0 for finite x and NaN otherwise.
-pub fn has_non_finite(t: &Tensor) -> Result<bool> {
+fn has_non_finite(t: &Tensor) -> Result<bool> {
     Ok((t * 0.0)?.sum_all()?.to_dtype(DType::F32)?.to_scalar::<f32>()?.is_nan())
 }
 

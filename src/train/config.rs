@@ -449,9 +449,9 @@ impl TrainSection {
     }
 }
 
-/// Ranges that keep AdamW's update finite: a zero epsilon divides by zero
-/// for a parameter whose gradient is zero.
-/// `section` prefixes the option names in errors (`train.`, or none).
+/// Ranges that keep AdamW's update finite (a zero epsilon divides by zero
+/// for a parameter whose gradient is zero); `section` prefixes the option
+/// names in errors (`train.`, or none).
 pub fn check_optimizer(section: &str, o: &OptimizerOptions) -> Result<()> {
     let name = |key: &str| format!("{section}{key}");
     in_range(&name("adam_beta1"), o.adam_beta1, Closed(0.0), Open(1.0))?;
@@ -526,13 +526,21 @@ pub fn in_range(name: &str, value: f64, lo: Bound, hi: Bound) -> Result<()> {
         return Ok(());
     }
     let range = match (lo, hi) {
-        (Open(l), Open(h)) => format!("in ({l}, {h})"),
-        (Open(l), Closed(h)) => format!("in ({l}, {h}]"),
-        (Closed(l), Open(h)) => format!("in [{l}, {h})"),
-        (Closed(l), Closed(h)) => format!("in [{l}, {h}]"),
+        (Open(l), Open(h)) if l == f64::NEG_INFINITY && h == f64::INFINITY => "a finite number".to_string(),
+        (Open(l), Open(h)) if h == f64::INFINITY => format!("> {l}"),
+        (Closed(l), Open(h)) if h == f64::INFINITY => format!(">= {l}"),
+        _ => {
+            let (open, l) = match lo {
+                Open(l) => ('(', l),
+                Closed(l) => ('[', l),
+            };
+            let (close, h) = match hi {
+                Open(h) => (')', h),
+                Closed(h) => (']', h),
+            };
+            format!("in {open}{l}, {h}{close}")
+        }
     };
-    let range = range.replace("inf", "infinity").replace("in (0, infinity)", "> 0").replace("in [0, infinity)", ">= 0");
-    let range = if range.contains("-infinity, infinity") { "a finite number".to_string() } else { range };
     Err(Error::Invalid(format!("{name} must be {range}, got {value}")))
 }
 

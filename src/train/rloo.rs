@@ -370,7 +370,7 @@ impl Run {
         } else {
             None
         };
-        let context = check_lengths(cfg, policy.config())?;
+        check_lengths(cfg, policy.config())?;
         let rewards = reward::build(&cfg.reward, &device)?;
         let shaping = Shaping {
             missing_eos_penalty: cfg.rloo.missing_eos_penalty.map(|p| p as f32),
@@ -387,8 +387,7 @@ impl Run {
             system_prompt: cfg.data.system_prompt.clone(),
             take: cfg.data.take,
             max_prompt_length: cfg.data.max_prompt_length,
-            context_room: context
-                .map(|positions| ContextRoom { positions, completion: cfg.generation.response_length }),
+            context_room: ContextRoom::of(policy.config(), cfg.generation.response_length),
             error_on_long: cfg.data.long_prompts == LongPrompts::Error,
         };
         let dataset = PromptDataset::load(&data_path, &spec, &tokenizer)?;
@@ -402,16 +401,11 @@ impl Run {
             sizes.describe(cfg.rloo.num_ppo_epochs)
         );
 
-        let longest = dataset.rows.iter().map(|r| r.ids.len()).max().unwrap_or(0);
-        let estimate = super::memory::rloo_estimate(
-            cfg,
-            &sizes,
-            policy.config(),
-            policy.params().numel(),
-            longest,
-            reference.is_some(),
-        );
         if device.is_cpu() {
+            let longest = dataset.rows.iter().map(|r| r.ids.len()).max().unwrap_or(0);
+            let params = policy.params().numel();
+            let estimate =
+                super::memory::rloo_estimate(cfg, &sizes, policy.config(), params, longest, reference.is_some());
             super::memory::warn_if_short(&estimate);
         }
         let generation = generation_options(cfg, &policy_dir, &tokenizer, &policy)?;
@@ -683,14 +677,13 @@ pub fn returns_and_advantages(
 
 /// The options that must fit the policy: the stop token inside its
 /// vocabulary, the longest prompt and the completion inside its context.
-/// Returns the context (positions), if the config states one.
-fn check_lengths(cfg: &TrainConfig, policy: &crate::model::ModelConfig) -> Result<Option<usize>> {
+fn check_lengths(cfg: &TrainConfig, policy: &crate::model::ModelConfig) -> Result<()> {
     let bad = |msg: String| Err(Error::Invalid(msg));
     let vocab = policy.vocab_size();
     if let Some(id) = cfg.generation.stop_token_id.filter(|&id| id as usize >= vocab) {
         return bad(format!("generation.stop_token_id = {id} is outside the policy's vocabulary of {vocab}"));
     }
-    let Some(positions) = policy.context_length() else { return Ok(None) };
+    let Some(positions) = policy.context_length() else { return Ok(()) };
     if let Some(max) = cfg.data.max_prompt_length.filter(|&m| m > positions) {
         return bad(format!(
             "data.max_prompt_length = {max} is more than the policy's context of {positions} positions"
@@ -703,7 +696,7 @@ fn check_lengths(cfg: &TrainConfig, policy: &crate::model::ModelConfig) -> Resul
              {positions} positions"
         ));
     }
-    Ok(Some(positions))
+    Ok(())
 }
 
 /// Sampling and stopping for rollouts, from the configuration and the
