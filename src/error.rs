@@ -27,6 +27,10 @@ pub enum Error {
     /// message says where and how to continue.
     #[error("{0}")]
     Interrupted(String),
+    /// A reward source outside the trainer (a command, a service, a judge)
+    /// failed beyond what a run tolerates; the message names it.
+    #[error("{0}")]
+    RewardService(String),
     #[error(transparent)]
     Tensor(#[from] candle_core::Error),
 }

@@ -1,7 +1,7 @@
 //! Evaluation on held-out prompts: sample from one or two models, score
 //! the completions with the reward sources, measure completion lengths and
 //! the KL to a reference model, and the win rate of model A over model B
-//! as judged by a reward model.
+//! (or over a reference answer) as judged by a reward model or an LLM judge.
 
 use candle_core::Device;
 use serde::Serialize;
@@ -12,6 +12,7 @@ use crate::error::{Error, Result};
 use crate::generate::{generate, Completion, FinishReason, GenerateOptions, Sampling, StopCriteria};
 use crate::model::scoring::{completion_logprobs_chunked, Sequences};
 use crate::model::{HeadKind, Model};
+use crate::reward::judge::{Ask, Judge};
 use crate::reward::{RewardSet, Sample};
 
 #[derive(Debug, Clone)]
@@ -106,6 +107,7 @@ pub fn evaluate_model(
                 completion_ids: &c.tokens,
                 ended_with_eos: eos,
                 row: &row.row.fields,
+                group: c.prompt_index,
             }
         })
         .collect();
@@ -159,6 +161,7 @@ pub fn win_rate(judge: &RewardSet, prompts: &PromptDataset, a: &ModelReport, b: 
                     completion_ids: &c.tokens,
                     ended_with_eos: c.finish_reason == FinishReason::Stop,
                     row: &row.row.fields,
+                    group: c.prompt_index,
                 }
             })
             .collect();
@@ -207,4 +210,111 @@ fn check_models(model: &Model, tokenizer: &Tokenizer, reference: Option<&Model>,
         return Err(Error::Invalid("samples per prompt, batch size and max new tokens must be at least 1".into()));
     }
     Ok(())
+}
+
+/// What model A's completions are judged against.
+pub enum Opponent<'a> {
+    /// Model B's completion of the same prompt and sample.
+    Model(&'a ModelReport),
+    /// A reference answer in this dataset column (e.g. TL;DR's human summaries).
+    Column(&'a str),
+}
+
+/// The win rate of A as a pairwise judge sees it.
+#[derive(Debug, Clone, Serialize, PartialEq)]
+pub struct JudgedWinRate {
+    /// The share of read verdicts that prefer A; ties count one half.
+    pub win_rate: f64,
+    /// Pairs of completions compared (each asked in both orders).
+    pub pairs: usize,
+    /// Verdicts read (at most two per pair).
+    pub verdicts: usize,
+    /// Answers without a match of the score pattern (excluded).
+    pub unparsable: usize,
+    /// Requests that got no answer (excluded).
+    pub failed: usize,
+    /// Samples whose row has no reference in the column (not compared).
+    pub missing_reference: usize,
+}
+
+/// Asks the judge about every (A, opponent) pair in both orders, so that a
+/// preference for the first (or second) position cancels out. Returns the
+/// win rate and one JSON row per request for the record.
+pub fn judged_win_rate(
+    judge: &Judge,
+    prompts: &PromptDataset,
+    a: &ModelReport,
+    opponent: Opponent,
+) -> Result<(JudgedWinRate, Vec<serde_json::Value>)> {
+    if let Opponent::Model(b) = opponent {
+        if a.samples.len() != b.samples.len() {
+            return Err(Error::Invalid("the two models have different numbers of samples".into()));
+        }
+    }
+    let mut pairs: Vec<(usize, &str, String)> = Vec::new(); // (sample of A, A's text, opponent's text)
+    let mut missing_reference = 0;
+    for (i, (c, text)) in a.samples.iter().zip(&a.completions).enumerate() {
+        let other = match &opponent {
+            Opponent::Model(b) => Some(b.completions[i].clone()),
+            Opponent::Column(col) => {
+                prompts.rows[c.prompt_index].row.fields.get(*col).and_then(|v| v.as_str()).map(str::to_string)
+            }
+        };
+        match other {
+            Some(o) => pairs.push((i, text, o)),
+            None => missing_reference += 1,
+        }
+    }
+    if pairs.is_empty() {
+        return Err(Error::Invalid("no pair to judge: no row has a reference answer in the column".into()));
+    }
+    let asks: Vec<Ask> = pairs
+        .iter()
+        .flat_map(|(i, ta, tb)| {
+            let row = &prompts.rows[a.samples[*i].prompt_index];
+            let ab = Ask { prompt: &row.prompt, row: &row.row.fields, completions: [*ta, tb.as_str()] };
+            let ba = Ask { prompt: &row.prompt, row: &row.row.fields, completions: [tb.as_str(), *ta] };
+            [ab, ba]
+        })
+        .collect();
+    let verdicts = judge.verdicts(&asks);
+    let (mut outcomes, mut unparsable, mut failed) = (Vec::new(), 0, 0);
+    let mut record = Vec::with_capacity(verdicts.len());
+    for (r, v) in verdicts.iter().enumerate() {
+        let (i, a_first) = (pairs[r / 2].0, r % 2 == 0);
+        let outcome = v.scores.as_ref().map(|s| {
+            let (sa, sb) = if a_first { (s[0], s[1]) } else { (s[1], s[0]) };
+            if sa > sb {
+                1.0
+            } else if sa < sb {
+                0.0
+            } else {
+                0.5
+            }
+        });
+        match (&v.answer, outcome) {
+            (_, Some(o)) => outcomes.push(o),
+            (Ok(_), None) => unparsable += 1,
+            (Err(_), None) => failed += 1,
+        }
+        let c = &a.samples[i];
+        record.push(serde_json::json!({
+            "prompt_index": c.prompt_index,
+            "sample_index": c.sample_index,
+            "order": if a_first { "a_first" } else { "b_first" },
+            "answer": v.answer.as_ref().ok(),
+            "error": v.answer.as_ref().err(),
+            "scores": v.scores,
+            "a_wins": outcome,
+        }));
+    }
+    if outcomes.is_empty() {
+        return Err(Error::Invalid(format!(
+            "the judge gave no readable verdict: {unparsable} answers without a score, {failed} failed requests"
+        )));
+    }
+    let win_rate = outcomes.iter().sum::<f64>() / outcomes.len() as f64;
+    let summary =
+        JudgedWinRate { win_rate, pairs: pairs.len(), verdicts: outcomes.len(), unparsable, failed, missing_reference };
+    Ok((summary, record))
 }

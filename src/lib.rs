@@ -3,7 +3,7 @@
 //! The crate follows the path of one rollout batch: `data` turns rows into
 //! token ids, `model` runs the networks (forward, log-probs, training
 //! path, loading and saving Hugging Face directories), `reward` scores
-//! completions. The `rloo` binary is a thin command line over it.
+//! completions, `service` talks HTTP to what lives outside. The `rloo` binary is a thin command line over it.
 
 pub mod algo;
 pub mod data;
@@ -15,6 +15,7 @@ pub mod model;
 pub mod pipeline;
 pub mod report;
 pub mod reward;
+pub mod service;
 pub mod task;
 pub mod train;
 

@@ -49,6 +49,7 @@ fn model_and_rules_combine_into_one_shaped_score() {
             completion_ids: &ids[i],
             ended_with_eos: eos[i],
             row: &rows[i],
+            group: i,
         })
         .collect();
 

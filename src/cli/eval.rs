@@ -1,6 +1,6 @@
 //! `rloo eval`: compare one or two models on held-out prompts.
 
-use std::path::PathBuf;
+use std::path::{Path, PathBuf};
 
 use anyhow::{bail, Context, Result};
 use clap::Args;
@@ -8,15 +8,20 @@ use serde::Deserialize;
 
 use rloo::data::prompts::{ContextRoom, PromptDataset};
 use rloo::data::Tokenizer;
-use rloo::eval::{evaluate_model, win_rate, EvalOptions, ModelReport, Spread};
+use rloo::eval::{evaluate_model, judged_win_rate, win_rate, EvalOptions, ModelReport, Opponent, Spread};
 use rloo::model::hub::resolve_model;
 use rloo::model::{parse_device, Model};
 use rloo::report::render_table;
 use rloo::reward::config::ModelSpec;
-use rloo::reward::{build, RewardSpec};
+use rloo::reward::judge::{Judge, JudgeMode};
+use rloo::reward::{build, RewardSet, RewardSpec};
 
 /// Evaluate models on held-out prompts: reward (per source), completion
 /// length, KL to a reference, and the win rate of model A over model B.
+///
+/// With --judge, an LLM judge (pairwise) compares A with B, or A with a
+/// reference answer column (--judge-reference-column), asking each pair in
+/// both orders; its answers are saved beside the report.
 #[derive(Debug, Args)]
 pub struct EvalArgs {
     /// Held-out prompts (JSONL/JSON rows with a `prompt`, string or chat messages).
@@ -37,6 +42,16 @@ pub struct EvalArgs {
     /// A reward model, added to the rewards and used as the judge of the win rate.
     #[arg(long)]
     reward_model: Option<String>,
+    /// A TOML file with one `[[reward]]` table of `type = "judge"` and `mode = "pairwise"`:
+    /// the LLM judge of the win rate.
+    #[arg(long)]
+    judge: Option<PathBuf>,
+    /// Judge model A against the reference answers in this dataset column instead of model B.
+    #[arg(long, requires = "judge", conflicts_with = "model_b")]
+    judge_reference_column: Option<String>,
+    /// Where to save the judge's answers (JSONL) [default: beside --output, as <output>.judge.jsonl].
+    #[arg(long, requires = "judge")]
+    judge_answers: Option<PathBuf>,
     /// Completions per prompt and model.
     #[arg(long, default_value_t = 1, value_parser = clap::value_parser!(u64).range(1..))]
     samples_per_prompt: u64,
@@ -71,22 +86,43 @@ fn cell(s: &Option<Spread>) -> String {
     s.map_or("-".into(), |s| format!("{:.3} ± {:.3}", s.mean, s.std))
 }
 
+fn read_rewards(path: &Path) -> Result<Vec<RewardSpec>> {
+    let text = std::fs::read_to_string(path).with_context(|| format!("reading {}", path.display()))?;
+    let file: RewardsFile = toml::from_str(&text).with_context(|| format!("{}", path.display()))?;
+    Ok(file.reward)
+}
+
+/// The pairwise judge of `--judge FILE`.
+fn read_judge(path: &Path) -> Result<Judge> {
+    let specs = read_rewards(path)?;
+    let [RewardSpec::Judge(spec)] = specs.as_slice() else {
+        bail!("{}: give exactly one [[reward]] table, of type = \"judge\"", path.display());
+    };
+    if spec.mode != JudgeMode::Pairwise {
+        bail!("{}: the judge of a win rate compares two answers: set mode = \"pairwise\"", path.display());
+    }
+    spec.judge().with_context(|| format!("{}", path.display()))
+}
+
 pub fn run(a: EvalArgs) -> Result<()> {
     let device = parse_device(&a.device)?;
     let mut specs = Vec::new();
     if let Some(path) = &a.rewards {
-        let text = std::fs::read_to_string(path).with_context(|| format!("reading {}", path.display()))?;
-        let file: RewardsFile = toml::from_str(&text).with_context(|| format!("{}", path.display()))?;
-        specs.extend(file.reward);
+        specs.extend(read_rewards(path)?);
+    }
+    let judge = a.judge.as_deref().map(read_judge).transpose()?;
+    if judge.is_some() && a.model_b.is_none() && a.judge_reference_column.is_none() {
+        bail!("--judge compares model A with --model-b or with --judge-reference-column; give one");
     }
     let judge_spec = a.reward_model.as_ref().map(|p| {
         RewardSpec::Model(ModelSpec { name: Some("reward_model".into()), weight: 1.0, path: p.clone(), batch_size: 8 })
     });
     specs.extend(judge_spec.clone());
-    if specs.is_empty() {
-        bail!("no reward: give --rewards FILE.toml or --reward-model DIR");
-    }
-    let rewards = build(&specs, &device)?;
+    let rewards = match (specs.is_empty(), &judge) {
+        (true, None) => bail!("no reward: give --rewards FILE.toml, --reward-model DIR or --judge FILE.toml"),
+        (true, Some(_)) => RewardSet::new(),
+        (false, _) => build(&specs, &device)?,
+    };
     let opts = EvalOptions {
         samples_per_prompt: a.samples_per_prompt as usize,
         max_new_tokens: a.max_new_tokens,
@@ -128,13 +164,44 @@ pub fn run(a: EvalArgs) -> Result<()> {
             row
         })
         .collect();
+    let judged = match &judge {
+        Some(judge) => {
+            let opponent = match &a.judge_reference_column {
+                Some(col) => Opponent::Column(col),
+                None => Opponent::Model(&reports[1]),
+            };
+            let (summary, answers) = judged_win_rate(judge, &datasets[0], &reports[0], opponent)?;
+            let path = a.judge_answers.clone().or_else(|| a.output.as_ref().map(|o| o.with_extension("judge.jsonl")));
+            match &path {
+                Some(path) => {
+                    let text: String = answers.iter().map(|r| format!("{r}\n")).collect();
+                    rloo::io::write_atomic(path, text.as_bytes())?;
+                    tracing::info!("the judge's {} answers -> {}", answers.len(), path.display());
+                }
+                None => tracing::info!("the judge's answers are not saved (give --output or --judge-answers)"),
+            }
+            Some(summary)
+        }
+        None => None,
+    };
+
     let headers: Vec<&str> = headers.iter().map(String::as_str).collect();
     println!("{}", render_table(&headers, &rows, rloo::report::terminal_width(), 0));
     if let Some(w) = win {
         println!("win rate of {} over {}: {:.3}", reports[0].model, reports[1].model, w);
     }
+    if let Some(j) = &judged {
+        let over = match &a.judge_reference_column {
+            Some(c) => format!("the `{c}` column"),
+            None => reports[1].model.clone(),
+        };
+        println!(
+            "judged win rate of {} over {over}: {:.3} ({} pairs, {} verdicts read, {} unparsable, {} failed, {} without a reference)",
+            reports[0].model, j.win_rate, j.pairs, j.verdicts, j.unparsable, j.failed, j.missing_reference
+        );
+    }
     if let Some(path) = &a.output {
-        let json = serde_json::json!({ "models": reports, "win_rate_a_over_b": win, "prompts": a.prompts, "options": {
+        let json = serde_json::json!({ "models": reports, "win_rate_a_over_b": win, "judged": judged, "prompts": a.prompts, "options": {
             "samples_per_prompt": opts.samples_per_prompt, "max_new_tokens": opts.max_new_tokens,
             "temperature": opts.temperature, "seed": opts.seed } });
         rloo::io::write_atomic(path, serde_json::to_string_pretty(&json)?.as_bytes())?;

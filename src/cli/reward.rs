@@ -1,14 +1,57 @@
-//! `rloo reward train`: a reward model from preference pairs.
+//! `rloo reward train`: a reward model from preference pairs;
+//! `rloo reward serve`: a reward model over HTTP.
 
 use anyhow::{Context, Result};
 use clap::{Args, Subcommand};
 
+use rloo::model::parse_device;
+use rloo::reward::serve::{serve, ServeOptions};
+use rloo::reward::RewardModel;
 use rloo::train::config::Schedule;
 use rloo::train::reward_model::{train_reward_model, RewardTrainConfig};
 
 #[derive(Debug, Subcommand)]
 pub enum RewardCommand {
     Train(RewardTrainArgs),
+    Serve(RewardServeArgs),
+}
+
+/// Serve a reward model over HTTP for `type = "http"` rewards on other machines.
+///
+/// `POST /score` takes `{"prompts": [...], "completions": [...], "rows": [...]}`
+/// (prompts as text or chat message lists; rows optional) and answers
+/// `{"scores": [...]}`. `GET /health` answers `{"status": "ok"}`. Requests that
+/// arrive together are scored together. Listens on loopback unless --host says
+/// otherwise; stops on Ctrl-C.
+#[derive(Debug, Args)]
+pub struct RewardServeArgs {
+    /// A *ForSequenceClassification model directory (num_labels = 1) or cached hub id.
+    #[arg(long)]
+    model: String,
+    /// Address to listen on (0.0.0.0: every interface).
+    #[arg(long, default_value = "127.0.0.1")]
+    host: String,
+    /// Port to listen on (0: any free port; the address is printed).
+    #[arg(long, default_value_t = 8000)]
+    port: u16,
+    /// Environment variable holding a token that clients must send as `Authorization: Bearer <token>`.
+    #[arg(long, alias = "api_key_env")]
+    api_key_env: Option<String>,
+    /// Samples scored together at most (also the forward-pass batch).
+    #[arg(long, alias = "batch_size", default_value_t = 32, value_parser = clap::value_parser!(u64).range(1..))]
+    batch_size: u64,
+    /// Samples one request may hold.
+    #[arg(long, alias = "max_request_samples", default_value_t = 1024, value_parser = clap::value_parser!(u64).range(1..))]
+    max_request_samples: u64,
+    /// Largest request body in MiB.
+    #[arg(long, alias = "max_body_mib", default_value_t = 64, value_parser = clap::value_parser!(u64).range(1..4096))]
+    max_body_mib: u64,
+    /// Threads reading requests.
+    #[arg(long, default_value_t = 8, value_parser = clap::value_parser!(u64).range(1..))]
+    threads: u64,
+    /// cpu, cuda, cuda:N or auto.
+    #[arg(long, default_value = "auto")]
+    device: String,
 }
 
 /// Train a reward model (Bradley-Terry) on preference pairs.
@@ -69,7 +112,38 @@ pub struct RewardTrainArgs {
 }
 
 pub fn run(cmd: RewardCommand) -> Result<()> {
-    let RewardCommand::Train(a) = cmd;
+    match cmd {
+        RewardCommand::Train(a) => train(a),
+        RewardCommand::Serve(a) => serve_model(a),
+    }
+}
+
+fn serve_model(a: RewardServeArgs) -> Result<()> {
+    let token = match &a.api_key_env {
+        Some(var) => Some(std::env::var(var).with_context(|| format!("--api-key-env: `{var}` is not set"))?),
+        None => None,
+    };
+    let device = parse_device(&a.device)?;
+    let batch_size = a.batch_size as usize;
+    let model = RewardModel::load("reward_model", &a.model, &device, batch_size)?;
+    let opts = ServeOptions {
+        host: a.host,
+        port: a.port,
+        token,
+        batch_size,
+        max_request_samples: a.max_request_samples as usize,
+        max_body_bytes: (a.max_body_mib as usize) << 20,
+        threads: a.threads as usize,
+    };
+    rloo::train::stop::install();
+    serve(&model, &opts, rloo::train::stop::requested, |addr| {
+        eprintln!("serving {} on http://{addr} (POST /score, GET /health)", model.dir().display());
+    })?;
+    eprintln!("stopped");
+    Ok(())
+}
+
+fn train(a: RewardTrainArgs) -> Result<()> {
     let cfg = RewardTrainConfig {
         model: a.model,
         dataset: a.dataset,

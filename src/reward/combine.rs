@@ -30,6 +30,8 @@ pub struct Scores {
     /// How many NaN or infinite scores each source returned (dropped to
     /// `None`, and warned about).
     pub non_finite: Vec<(String, usize)>,
+    /// The requests of the sources that make any.
+    pub calls: Vec<(String, super::CallStats)>,
 }
 
 impl RewardSet {
@@ -80,6 +82,8 @@ impl RewardSet {
     }
 
     /// Scores a batch with every source and adds up the weighted scores.
+    /// Sources score side by side, each on its own thread, so that one that
+    /// waits on a service holds up no other.
     ///
     /// A sample scored by only some sources gets the weighted sum over those
     /// that scored it: a missing score counts as "no opinion", not as 0 and
@@ -91,9 +95,22 @@ impl RewardSet {
         let mut total: Vec<Option<f32>> = vec![None; n];
         let mut per_source = Vec::with_capacity(self.sources.len());
         let mut non_finite = Vec::with_capacity(self.sources.len());
-        for (source, weight) in &self.sources {
+        let mut calls = Vec::new();
+        let scored: Vec<Result<Vec<Option<f32>>>> = if self.sources.len() == 1 {
+            vec![self.sources[0].0.score(samples)]
+        } else {
+            std::thread::scope(|s| {
+                let running: Vec<_> =
+                    self.sources.iter().map(|(source, _)| s.spawn(|| source.score(samples))).collect();
+                running.into_iter().map(|r| r.join().expect("a reward source panicked")).collect()
+            })
+        };
+        for ((source, weight), scores) in self.sources.iter().zip(scored) {
             let name = source.name();
-            let mut scores = source.score(samples)?;
+            let mut scores = scores?;
+            if let Some(stats) = source.call_stats() {
+                calls.push((name.to_string(), stats));
+            }
             if scores.len() != n {
                 return Err(Error::Invalid(format!(
                     "reward `{name}` returned {} scores for {n} samples",
@@ -125,7 +142,7 @@ impl RewardSet {
                  those samples are unscorable"
             );
         }
-        Ok(Scores { per_source, total, non_finite })
+        Ok(Scores { per_source, total, non_finite, calls })
     }
 }
 
@@ -137,7 +154,8 @@ impl Scores {
 
     /// `rewards/<name>/mean` and `rewards/<name>/std` (population standard
     /// deviation) over the samples each source scored; a source that scored
-    /// nothing in the batch has no entry, so no NaN reaches the logs.
+    /// nothing in the batch has no entry, so no NaN reaches the logs. Sources
+    /// that make requests add `failures` and `latency_s/{p50,p95}`.
     pub fn metrics(&self) -> Vec<(String, f32)> {
         let mut out = Vec::new();
         for (name, scores) in &self.per_source {
@@ -145,6 +163,9 @@ impl Scores {
                 out.push((format!("rewards/{name}/mean"), mean as f32));
                 out.push((format!("rewards/{name}/std"), var.sqrt() as f32));
             }
+        }
+        for (name, stats) in &self.calls {
+            out.extend(stats.metrics(name));
         }
         out
     }

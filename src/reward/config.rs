@@ -17,25 +17,50 @@
 //! weight = 0.5
 //! ```
 //!
+//! Sources outside the trainer:
+//!
+//! ```toml
+//! [[reward]]
+//! type = "command"        # a process speaking JSON lines on stdin/stdout
+//! command = ["python3", "score.py"]
+//!
+//! [[reward]]
+//! type = "http"           # POST {"prompts", "completions", "rows"}
+//! url = "http://127.0.0.1:8000/score"
+//! api_key_env = "SCORER_TOKEN"
+//!
+//! [[reward]]
+//! type = "judge"          # an OpenAI-compatible chat endpoint
+//! url = "http://127.0.0.1:8000/v1"
+//! model = "nvidia/Llama-3_3-Nemotron-Super-49B-GenRM-Multilingual"
+//! mode = "pairwise"
+//! ```
+//!
 //! Every table takes `name` (used in the metrics as `rewards/<name>/mean`;
 //! default: the type; names must be unique) and `weight` (default 1.0; the
 //! score is `sum_j weight_j * reward_j`). Unknown keys are errors, so that a
 //! misspelt option never silently falls back to its default. Relative file
 //! paths are read from the current directory.
 
+use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};
+use std::time::Duration;
 
 use candle_core::Device;
 use serde::{Deserialize, Serialize};
 
 use super::combine::RewardSet;
+use super::command::{CommandSource, Launch};
+use super::http::HttpSource;
+use super::judge::{Judge, JudgeMode, JudgeSettings, JudgeSource, Pairs};
 use super::model::RewardModel;
 use super::rules::{read_word_list, Count, ExactMatch, LengthUnit, Lexicon, Needle};
 use super::RewardSource;
 use crate::error::{Error, Result};
+use crate::service::{Client, Retry};
 
 /// The values of `type`, in the order of [`RewardSpec`]'s variants.
-pub const REWARD_TYPES: &[&str] = &["model", "length", "count", "lexicon", "exact_match"];
+pub const REWARD_TYPES: &[&str] = &["model", "length", "count", "lexicon", "exact_match", "command", "http", "judge"];
 
 /// One `[[reward]]` table.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
@@ -51,6 +76,12 @@ pub enum RewardSpec {
     Lexicon(LexiconSpec),
     /// 1 when the completion equals a dataset column, else 0.
     ExactMatch(ExactMatchSpec),
+    /// A process that scores batches over JSON lines.
+    Command(CommandSpec),
+    /// A scoring service over HTTP.
+    Http(HttpSpec),
+    /// An LLM judge behind an OpenAI-compatible chat endpoint.
+    Judge(JudgeSpec),
 }
 
 fn one() -> f32 {
@@ -164,6 +195,220 @@ pub struct ExactMatchSpec {
     pub last_number: bool,
 }
 
+fn default_command_timeout() -> f64 {
+    300.0
+}
+
+fn default_timeout() -> f64 {
+    60.0
+}
+
+fn default_judge_timeout() -> f64 {
+    300.0
+}
+
+fn default_max_failure_rate() -> f64 {
+    0.1
+}
+
+fn default_retries() -> u32 {
+    3
+}
+
+fn default_backoff() -> f64 {
+    1.0
+}
+
+fn default_concurrency() -> usize {
+    8
+}
+
+fn default_http_batch_size() -> usize {
+    32
+}
+
+fn default_max_tokens() -> u32 {
+    1024
+}
+
+/// `type = "command"`: a long-running process scoring over JSON lines
+/// (see `reward::command`).
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct CommandSpec {
+    /// Metric name; default `command`.
+    pub name: Option<String>,
+    /// Weight in the total score.
+    #[serde(default = "one")]
+    pub weight: f32,
+    /// The program and its arguments, e.g. `["python3", "score.py"]`.
+    pub command: Vec<String>,
+    /// Working directory of the process; default: the current one.
+    pub cwd: Option<PathBuf>,
+    /// Variables added to the process's environment (it inherits rloo's;
+    /// keep secrets there rather than here, since this table is saved with
+    /// the run).
+    #[serde(default)]
+    pub env: BTreeMap<String, String>,
+    /// Samples per request line; default: all the samples of a step.
+    pub batch_size: Option<usize>,
+    /// Seconds to wait for an answer line before the process is stopped and
+    /// the batch fails.
+    #[serde(default = "default_command_timeout")]
+    pub timeout_s: f64,
+    /// The share of a step's samples that may fail before the run stops.
+    #[serde(default = "default_max_failure_rate")]
+    pub max_failure_rate: f64,
+}
+
+/// `type = "http"`: a scoring service (see `reward::http`; `rloo reward
+/// serve` is one).
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct HttpSpec {
+    /// Metric name; default `http`.
+    pub name: Option<String>,
+    /// Weight in the total score.
+    #[serde(default = "one")]
+    pub weight: f32,
+    /// Where batches are POSTed, e.g. `http://10.0.0.5:8000/score`.
+    pub url: String,
+    /// Samples per request.
+    #[serde(default = "default_http_batch_size")]
+    pub batch_size: usize,
+    /// Extra request headers.
+    #[serde(default)]
+    pub headers: BTreeMap<String, String>,
+    /// The environment variable holding a bearer token (the token itself is
+    /// never written anywhere).
+    pub api_key_env: Option<String>,
+    /// Requests in flight at once.
+    #[serde(default = "default_concurrency")]
+    pub max_concurrency: usize,
+    /// Seconds per attempt, from connecting to the end of the answer.
+    #[serde(default = "default_timeout")]
+    pub timeout_s: f64,
+    /// Attempts after the first, on connection errors, timeouts, 429 and 5xx.
+    #[serde(default = "default_retries")]
+    pub retries: u32,
+    /// Seconds before the first retry; doubled for each next one, jittered.
+    #[serde(default = "default_backoff")]
+    pub backoff_s: f64,
+    /// The share of a step's samples that may fail before the run stops.
+    #[serde(default = "default_max_failure_rate")]
+    pub max_failure_rate: f64,
+}
+
+/// `type = "judge"`: an LLM judge (see `reward::judge`).
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct JudgeSpec {
+    /// Metric name; default `judge`.
+    pub name: Option<String>,
+    /// Weight in the total score.
+    #[serde(default = "one")]
+    pub weight: f32,
+    /// The API base, e.g. `http://127.0.0.1:8000/v1`; requests go to
+    /// `<url>/chat/completions`.
+    pub url: String,
+    /// The model name the server expects.
+    pub model: String,
+    /// The environment variable holding the API key (sent as a bearer
+    /// token; never written anywhere).
+    pub api_key_env: Option<String>,
+    /// A system message, sent before the rendered template.
+    pub system: Option<String>,
+    /// The user message, with `{prompt}`, `{completion}` (pointwise) or
+    /// `{completion_1}`, `{completion_2}` (pairwise) and `{column}` fields;
+    /// default: a 1-to-5 helpfulness rating in the GenRM convention.
+    pub template: Option<String>,
+    /// A regex whose first group (pointwise) or first two groups (pairwise)
+    /// are the scores; default: `\boxed{s}` or `\boxed{s1, s2}`.
+    pub score_pattern: Option<String>,
+    /// `pointwise` (one completion per request) or `pairwise` (GenRM).
+    #[serde(default)]
+    pub mode: JudgeMode,
+    /// Pairwise: `round_robin` (k comparisons per group) or `all`
+    /// (k (k - 1)).
+    #[serde(default)]
+    pub pairs: Pairs,
+    #[serde(default)]
+    pub temperature: f64,
+    /// The longest answer, in the judge's tokens.
+    #[serde(default = "default_max_tokens")]
+    pub max_tokens: u32,
+    /// Extra request headers.
+    #[serde(default)]
+    pub headers: BTreeMap<String, String>,
+    /// Requests in flight at once.
+    #[serde(default = "default_concurrency")]
+    pub max_concurrency: usize,
+    /// Seconds per attempt.
+    #[serde(default = "default_judge_timeout")]
+    pub timeout_s: f64,
+    /// Attempts after the first, on connection errors, timeouts, 429 and 5xx.
+    #[serde(default = "default_retries")]
+    pub retries: u32,
+    /// Seconds before the first retry; doubled for each next one, jittered.
+    #[serde(default = "default_backoff")]
+    pub backoff_s: f64,
+    /// The share of a step's requests that may fail before the run stops.
+    #[serde(default = "default_max_failure_rate")]
+    pub max_failure_rate: f64,
+}
+
+/// How to reach a service: what the `http` and `judge` tables share.
+struct Reach<'a> {
+    url: &'a str,
+    headers: &'a BTreeMap<String, String>,
+    api_key_env: &'a Option<String>,
+    max_concurrency: usize,
+    timeout_s: f64,
+    retries: u32,
+    backoff_s: f64,
+    max_failure_rate: f64,
+}
+
+impl Reach<'_> {
+    /// Checks the options and makes the client.
+    fn client(&self) -> Result<Client> {
+        if !(self.url.starts_with("http://") || self.url.starts_with("https://")) {
+            return Err(Error::Invalid(format!("url `{}` must start with http:// or https://", self.url)));
+        }
+        if self.max_concurrency == 0 {
+            return Err(Error::Invalid("max_concurrency must be at least 1".into()));
+        }
+        let timeout = seconds("timeout_s", self.timeout_s)?;
+        let backoff = if self.backoff_s == 0.0 { Duration::ZERO } else { seconds("backoff_s", self.backoff_s)? };
+        check_failure_rate(self.max_failure_rate)?;
+        let token = match self.api_key_env {
+            Some(var) => Some(
+                std::env::var(var)
+                    .map_err(|_| Error::Invalid(format!("api_key_env: the environment variable `{var}` is not set")))?,
+            ),
+            None => None,
+        };
+        let headers: Vec<(String, String)> = self.headers.iter().map(|(k, v)| (k.clone(), v.clone())).collect();
+        Ok(Client::new(timeout, &headers, token.as_deref(), Retry { retries: self.retries, backoff }))
+    }
+}
+
+fn seconds(key: &str, s: f64) -> Result<Duration> {
+    if s.is_finite() && s > 0.0 && s < 1e9 {
+        Ok(Duration::from_secs_f64(s))
+    } else {
+        Err(Error::Invalid(format!("{key} must be a number of seconds > 0, got {s}")))
+    }
+}
+
+fn check_failure_rate(rate: f64) -> Result<()> {
+    if (0.0..=1.0).contains(&rate) {
+        Ok(())
+    } else {
+        Err(Error::Invalid(format!("max_failure_rate must be in [0, 1], got {rate}")))
+    }
+}
+
 impl RewardSpec {
     /// The `type` value.
     pub fn type_name(&self) -> &'static str {
@@ -173,6 +418,9 @@ impl RewardSpec {
             RewardSpec::Count(_) => "count",
             RewardSpec::Lexicon(_) => "lexicon",
             RewardSpec::ExactMatch(_) => "exact_match",
+            RewardSpec::Command(_) => "command",
+            RewardSpec::Http(_) => "http",
+            RewardSpec::Judge(_) => "judge",
         }
     }
 
@@ -184,6 +432,9 @@ impl RewardSpec {
             RewardSpec::Count(s) => &s.name,
             RewardSpec::Lexicon(s) => &s.name,
             RewardSpec::ExactMatch(s) => &s.name,
+            RewardSpec::Command(s) => &s.name,
+            RewardSpec::Http(s) => &s.name,
+            RewardSpec::Judge(s) => &s.name,
         };
         name.as_deref().unwrap_or(self.type_name())
     }
@@ -195,6 +446,9 @@ impl RewardSpec {
             RewardSpec::Count(s) => s.weight,
             RewardSpec::Lexicon(s) => s.weight,
             RewardSpec::ExactMatch(s) => s.weight,
+            RewardSpec::Command(s) => s.weight,
+            RewardSpec::Http(s) => s.weight,
+            RewardSpec::Judge(s) => s.weight,
         }
     }
 
@@ -251,7 +505,86 @@ impl RewardSpec {
             RewardSpec::ExactMatch(s) => {
                 Box::new(ExactMatch::new(name, s.column.clone(), s.case_insensitive, s.marker.clone(), s.last_number)?)
             }
+            RewardSpec::Command(s) => {
+                if s.batch_size == Some(0) {
+                    return Err(Error::Invalid("batch_size must be at least 1".into()));
+                }
+                check_failure_rate(s.max_failure_rate)?;
+                let launch = Launch {
+                    argv: s.command.clone(),
+                    cwd: s.cwd.clone(),
+                    env: s.env.iter().map(|(k, v)| (k.clone(), v.clone())).collect(),
+                };
+                let timeout = seconds("timeout_s", s.timeout_s)?;
+                Box::new(CommandSource::start(name, launch, s.batch_size, timeout, s.max_failure_rate)?)
+            }
+            RewardSpec::Http(s) => {
+                if s.batch_size == 0 {
+                    return Err(Error::Invalid("batch_size must be at least 1".into()));
+                }
+                let reach = s.reach();
+                Box::new(HttpSource::new(
+                    name,
+                    &s.url,
+                    reach.client()?,
+                    s.batch_size,
+                    s.max_concurrency,
+                    s.max_failure_rate,
+                ))
+            }
+            RewardSpec::Judge(s) => Box::new(JudgeSource::new(name, s.judge()?, s.pairs, s.max_failure_rate)),
         })
+    }
+}
+
+impl HttpSpec {
+    fn reach(&self) -> Reach<'_> {
+        Reach {
+            url: &self.url,
+            headers: &self.headers,
+            api_key_env: &self.api_key_env,
+            max_concurrency: self.max_concurrency,
+            timeout_s: self.timeout_s,
+            retries: self.retries,
+            backoff_s: self.backoff_s,
+            max_failure_rate: self.max_failure_rate,
+        }
+    }
+}
+
+impl JudgeSpec {
+    /// The judge this table describes (also what `rloo eval --judge` asks).
+    pub fn judge(&self) -> Result<Judge> {
+        let reach = Reach {
+            url: &self.url,
+            headers: &self.headers,
+            api_key_env: &self.api_key_env,
+            max_concurrency: self.max_concurrency,
+            timeout_s: self.timeout_s,
+            retries: self.retries,
+            backoff_s: self.backoff_s,
+            max_failure_rate: self.max_failure_rate,
+        };
+        if !(self.temperature.is_finite() && self.temperature >= 0.0) {
+            return Err(Error::Invalid(format!("temperature must be >= 0, got {}", self.temperature)));
+        }
+        if self.max_tokens == 0 {
+            return Err(Error::Invalid("max_tokens must be at least 1".into()));
+        }
+        Judge::new(
+            reach.client()?,
+            JudgeSettings {
+                url: self.url.clone(),
+                model: self.model.clone(),
+                system: self.system.clone(),
+                template: self.template.clone(),
+                score_pattern: self.score_pattern.clone(),
+                temperature: self.temperature,
+                max_tokens: self.max_tokens,
+                max_concurrency: self.max_concurrency,
+                mode: self.mode,
+            },
+        )
     }
 }
 
@@ -382,7 +715,7 @@ mod tests {
         assert_eq!(
             parse(json!([{"type": "sentiment"}])).unwrap_err(),
             "unknown variant `sentiment`, expected one of `model`, `length`, `count`, \
-             `lexicon`, `exact_match`"
+             `lexicon`, `exact_match`, `command`, `http`, `judge`"
         );
         assert_eq!(
             parse(json!([{"type": "lexicon", "postive": ["good"]}])).unwrap_err(),
@@ -402,7 +735,7 @@ mod tests {
         assert_eq!(
             build_err(json!([])),
             "no reward: add at least one [[reward]] table with a type (model, length, count, \
-             lexicon, exact_match)"
+             lexicon, exact_match, command, http, judge)"
         );
         let err = build_err(json!([
             {"type": "length"},

@@ -1,8 +1,9 @@
 //! Rewards: what turns a completion into a score (SPEC-RLOO section 1).
 //!
 //! A [`RewardSource`] scores a batch of [`Sample`]s: a reward model
-//! ([`model::RewardModel`]), or a rule ([`rules`]: length, count, lexicon,
-//! exact match). A [`RewardSet`] adds the weighted scores of several sources
+//! ([`model::RewardModel`]), a rule ([`rules`]: length, count, lexicon,
+//! exact match), or something outside the trainer ([`remote`]): a process
+//! ([`command`]), a scoring service ([`http`]) or an LLM judge ([`judge`]). A [`RewardSet`] adds the weighted scores of several sources
 //! into one score per sample, and [`Shaping`] applies the missing-EOS
 //! penalty, z-score normalisation and clipping. The `[[reward]]` tables of a
 //! config file become a `RewardSet` through [`config::build`].
@@ -12,9 +13,14 @@
 //! *unscorable*: it gets no advantage and enters no baseline.
 
 pub mod combine;
+pub mod command;
 pub mod config;
+pub mod http;
+pub mod judge;
 pub mod model;
+pub mod remote;
 pub mod rules;
+pub mod serve;
 
 use serde_json::{Map, Value};
 
@@ -24,6 +30,7 @@ use crate::error::Result;
 pub use combine::{clip, missing_eos_penalty, normalize, RewardSet, Scores, Shaping};
 pub use config::{build, RewardSpec, REWARD_TYPES};
 pub use model::RewardModel;
+pub use remote::CallStats;
 
 /// One completion as a reward sees it.
 #[derive(Debug, Clone, Copy)]
@@ -40,6 +47,9 @@ pub struct Sample<'a> {
     /// The dataset row the prompt came from, so that rules can compare the
     /// completion with one of its columns.
     pub row: &'a Map<String, Value>,
+    /// The prompt group: samples with the same `group` answer the same
+    /// prompt (the `k` completions of one prompt in a rollout).
+    pub group: usize,
 }
 
 /// Something that scores completions.
@@ -60,6 +70,12 @@ pub trait RewardSource: Send + Sync {
     /// rollout. Most sources look at no column and accept anything.
     fn check_rows(&self, _rows: &[&Map<String, Value>]) -> Result<()> {
         Ok(())
+    }
+
+    /// The requests of the last [`score`](Self::score) call, for sources
+    /// that make any (failures and latencies); taken once.
+    fn call_stats(&self) -> Option<CallStats> {
+        None
     }
 }
 
@@ -119,6 +135,7 @@ pub(crate) mod test_support {
                 completion_ids: &self.ids,
                 ended_with_eos: self.eos,
                 row: &self.row,
+                group: 0,
             }
         }
     }

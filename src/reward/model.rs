@@ -194,16 +194,15 @@ impl RewardSource for RewardModel {
     }
 }
 
-/// Per scorable sample (`rows` holds their index and ids): its group of
-/// samples answering the same prompt (the same `Prompt` value in memory, as
-/// the k completions of a training step share), and the number of leading
-/// tokens the whole group has in common.
+/// Per scorable sample (`rows` holds their index and ids): its prompt group
+/// ([`Sample::group`]), and the number of leading tokens the group's
+/// scorable samples have in common.
 fn shared_prefix_lengths(samples: &[Sample], rows: &[(usize, Vec<u32>)]) -> HashMap<usize, (usize, usize)> {
-    let mut group_of: HashMap<*const Prompt, usize> = HashMap::new();
+    let mut group_of: HashMap<usize, usize> = HashMap::new();
     let mut common: Vec<&[u32]> = Vec::new();
     let mut out = HashMap::with_capacity(rows.len());
     for (i, ids) in rows {
-        let g = *group_of.entry(samples[*i].prompt as *const Prompt).or_insert_with(|| {
+        let g = *group_of.entry(samples[*i].group).or_insert_with(|| {
             common.push(ids);
             common.len() - 1
         });
@@ -271,7 +270,7 @@ mod tests {
             let rm = RewardModel::from_dir("rm", &fixture(&format!("models/{name}")), &Device::Cpu, 3).unwrap();
             let prompts = [Prompt::Text("The movie was".into()), Prompt::Text("Rate it:".into())];
             let row = Map::new();
-            // Completions of each prompt interleaved, sharing the prompt in memory.
+            // Completions of each prompt interleaved.
             let samples: Vec<Sample> = completions
                 .iter()
                 .enumerate()
@@ -281,6 +280,7 @@ mod tests {
                     completion_ids: &[],
                     ended_with_eos: true,
                     row: &row,
+                    group: i % 2,
                 })
                 .collect();
             let together = rm.score(&samples).unwrap();

@@ -101,6 +101,29 @@ struct Run {
     warmup: usize,
 }
 
+/// Saves the weights of the last finished step, when no checkpoint holds
+/// them yet, before a run stops on a failure outside it; says where.
+fn save_before_stopping(
+    output_dir: &Path,
+    run: &Run,
+    optimizer: &AdamW,
+    state: &TrainerState,
+    config_toml: &str,
+) -> Result<String> {
+    if state.step == 0 {
+        return Ok("no step had finished, so there was nothing to save".into());
+    }
+    let dir = checkpoint::checkpoint_dir(output_dir, state.step);
+    if !dir.join(checkpoint::STATE_FILE).exists() {
+        checkpoint::save(&dir, &run.policy, optimizer, state, config_toml)?;
+    }
+    Ok(format!(
+        "the run stopped after step {} with its weights in {}; continue with --resume_from_checkpoint latest",
+        state.step,
+        dir.display()
+    ))
+}
+
 /// One step's rollout, laid out `[prompts][k]`.
 struct Rollout {
     prompt_rows: Vec<usize>,
@@ -160,17 +183,17 @@ pub fn train(cfg: &TrainConfig) -> Result<RunSummary> {
         let rollout = run.rollout(step)?;
         let t_gen = t0.elapsed().as_secs_f64();
 
-        // 2 and 3, side by side (a scorer that waits on a command or a
-        // service, or one thread's serial stretches, leave cores to the other):
-        // the scores, shaped (missing-EOS penalty, normalisation, clipping),
-        // and the log-probs of the sampling policy and of the reference.
+        // 2 and 3, side by side: the scores, shaped (missing-EOS penalty,
+        // normalisation, clipping), on a thread of their own (a source that
+        // waits on a command or a service holds no compute thread), and the
+        // log-probs of the sampling policy and of the reference.
         let ended: Vec<bool> =
             rollout.completions.flat().iter().map(|c| c.finish_reason == FinishReason::Stop).collect();
         let seqs = run.sequences(&rollout);
         let temperature = cfg.generation.temperature;
         let t1 = Instant::now();
-        let (scored, logprobs) = rayon::join(
-            || -> Result<_> {
+        let (scored, logprobs) = std::thread::scope(|s| {
+            let scoring = s.spawn(|| -> Result<_> {
                 let started = Instant::now();
                 let rows = &run.dataset.rows;
                 let samples: Vec<Sample> = rollout
@@ -187,13 +210,14 @@ pub fn train(cfg: &TrainConfig) -> Result<RunSummary> {
                             completion_ids: &c.tokens,
                             ended_with_eos: eos,
                             row: &row.row.fields,
+                            group: c.prompt_index,
                         }
                     })
                     .collect();
                 let scores = run.rewards.score(&samples)?;
                 Ok((scores, started.elapsed().as_secs_f64()))
-            },
-            || -> Result<_> {
+            });
+            let logprobs = (|| -> Result<_> {
                 let started = Instant::now();
                 let old = if cfg.rloo.recompute_old_logprobs {
                     run.logprobs_in_chunks(run.policy.frozen(), &seqs, temperature)?
@@ -205,10 +229,18 @@ pub fn train(cfg: &TrainConfig) -> Result<RunSummary> {
                     None => None,
                 };
                 Ok((old, reference, started.elapsed().as_secs_f64()))
-            },
-        );
+            })();
+            (scoring.join().expect("the scoring thread panicked"), logprobs)
+        });
         let t_both = t1.elapsed().as_secs_f64();
-        let ((scores, t_score), (old, reference, t_ref)) = (scored?, logprobs?);
+        let ((scores, t_score), (old, reference, t_ref)) = match (scored, logprobs) {
+            (Err(Error::RewardService(why)), _) => {
+                progress.finish();
+                let saved = save_before_stopping(&output_dir, &run, &optimizer, &state, &config_toml)?;
+                return Err(Error::RewardService(format!("{why}; {saved}")));
+            }
+            (scored, logprobs) => (scored?, logprobs?),
+        };
         let shaped = run.shaping.apply(&scores.total, &ended);
 
         // 4. KL, returns R = s - beta * KL (reward placement), advantages.

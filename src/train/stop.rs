@@ -24,7 +24,7 @@ extern "C" fn on_signal(_: libc::c_int) {
         // Safety: _exit is async-signal-safe.
         unsafe { libc::_exit(EXIT_INTERRUPTED as libc::c_int) };
     }
-    let msg = b"\nstopping after this step with a checkpoint; signal again to stop at once\n";
+    let msg = b"\nstopping once the work in progress is saved; signal again to stop at once\n";
     // Safety: write(2) is async-signal-safe; the buffer outlives the call.
     unsafe { libc::write(2, msg.as_ptr().cast(), msg.len()) };
 }

@@ -1,0 +1,263 @@
+//! `type = "command"`: a long-running process that scores batches over
+//! JSON lines. rloo writes one request line per batch,
+//! `{"samples": [{"prompt", "completion", "row"}, ...]}`, and reads one
+//! answer line, `{"scores": [number or null, ...]}`. The process's stderr
+//! goes to the log under the source's name.
+//!
+//! The process is started when the source is built (so that a wrong command
+//! fails before training), restarted once if it dies (the batch it died on is
+//! sent again), and killed when a batch takes longer than `timeout_s` (that
+//! batch fails; the next one starts a fresh process).
+
+use std::collections::VecDeque;
+use std::io::{BufRead, BufReader, Write};
+use std::path::PathBuf;
+use std::process::{Child, Command, Stdio};
+use std::sync::mpsc::{self, Receiver, RecvTimeoutError, Sender};
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
+
+use serde_json::{json, Value};
+
+use super::remote::{read_scores, sample_json, CallStats, FailureBudget, Tally};
+use super::{RewardSource, Sample};
+use crate::error::{Error, Result};
+
+/// Lines of the process's stderr kept for error messages.
+const STDERR_TAIL: usize = 5;
+
+/// How the process is started.
+#[derive(Debug, Clone)]
+pub struct Launch {
+    pub argv: Vec<String>,
+    pub cwd: Option<PathBuf>,
+    pub env: Vec<(String, String)>,
+}
+
+impl Launch {
+    /// The command line for messages, cut when long.
+    fn describe(&self) -> String {
+        crate::service::client::quote(&self.argv.join(" "))
+    }
+}
+
+pub struct CommandSource {
+    name: String,
+    launch: Launch,
+    batch_size: Option<usize>,
+    timeout: Duration,
+    budget: FailureBudget,
+    state: Mutex<State>,
+}
+
+struct State {
+    process: Option<Process>,
+    restarts_left: u32,
+}
+
+/// A running scorer. Its stdin is written and its stdout read on threads of
+/// their own, so that a process that stops reading cannot block the
+/// trainer past the timeout; the answer channel closes with stdout.
+struct Process {
+    child: Child,
+    requests: Sender<String>,
+    lines: Receiver<std::io::Result<String>>,
+    stderr_tail: Arc<Mutex<VecDeque<String>>>,
+}
+
+/// Why a batch got no answer.
+enum NoAnswer {
+    /// The process exited or closed its pipes; the text says how.
+    Died(String),
+    TimedOut,
+}
+
+impl CommandSource {
+    /// Starts the process; `batch_size` samples per request (`None`: all the
+    /// samples of a call in one request).
+    pub fn start(
+        name: impl Into<String>,
+        launch: Launch,
+        batch_size: Option<usize>,
+        timeout: Duration,
+        max_failure_rate: f64,
+    ) -> Result<CommandSource> {
+        let name = name.into();
+        let process = Process::start(&name, &launch)?;
+        Ok(CommandSource {
+            budget: FailureBudget::new(&name, &format!("command `{}`", launch.describe()), max_failure_rate),
+            name,
+            launch,
+            batch_size,
+            timeout,
+            state: Mutex::new(State { process: Some(process), restarts_left: 1 }),
+        })
+    }
+
+    /// One batch's scores, restarting a dead process once.
+    fn score_batch(
+        &self,
+        state: &mut State,
+        samples: &[Sample],
+    ) -> Result<std::result::Result<Vec<Option<f32>>, String>> {
+        let request = json!({"samples": samples.iter().map(sample_json).collect::<Vec<Value>>()}).to_string();
+        loop {
+            let process = match &mut state.process {
+                Some(p) => p,
+                None => state.process.insert(Process::start(&self.name, &self.launch)?),
+            };
+            match process.ask(&request, self.timeout) {
+                Ok(line) => {
+                    return Ok(serde_json::from_str::<Value>(&line)
+                        .map_err(|e| {
+                            format!("the answer line is not JSON ({e}): {}", crate::service::client::quote(&line))
+                        })
+                        .and_then(|v| read_scores(&v, samples.len())))
+                }
+                Err(NoAnswer::TimedOut) => {
+                    state.process = None;
+                    return Ok(Err(format!(
+                        "no answer within {:.1} s; the process was stopped",
+                        self.timeout.as_secs_f64()
+                    )));
+                }
+                Err(NoAnswer::Died(how)) => {
+                    state.process = None;
+                    if state.restarts_left == 0 {
+                        return Err(Error::RewardService(format!(
+                            "reward `{}`: command `{}` {how}, and it was already restarted once",
+                            self.name,
+                            self.launch.describe()
+                        )));
+                    }
+                    state.restarts_left -= 1;
+                    tracing::warn!(
+                        "reward `{}`: the command {how}; restarting it and sending the batch again",
+                        self.name
+                    );
+                }
+            }
+        }
+    }
+}
+
+impl RewardSource for CommandSource {
+    fn name(&self) -> &str {
+        &self.name
+    }
+
+    fn score(&self, samples: &[Sample]) -> Result<Vec<Option<f32>>> {
+        let mut state = self.state.lock().unwrap_or_else(|e| e.into_inner());
+        let mut tally = Tally::new(samples.len());
+        for batch in samples.chunks(self.batch_size.unwrap_or(samples.len()).max(1)) {
+            let started = Instant::now();
+            let answer = self.score_batch(&mut state, batch)?;
+            tally.add(answer, batch.len(), started.elapsed().as_secs_f64());
+        }
+        drop(state);
+        tally.settle(&self.budget)
+    }
+
+    fn call_stats(&self) -> Option<CallStats> {
+        self.budget.take()
+    }
+}
+
+impl Process {
+    fn start(name: &str, launch: &Launch) -> Result<Process> {
+        let (program, args) = launch
+            .argv
+            .split_first()
+            .ok_or_else(|| Error::Invalid("command must name a program, e.g. [\"python3\", \"score.py\"]".into()))?;
+        let mut command = Command::new(program);
+        command
+            .args(args)
+            .envs(launch.env.iter().cloned())
+            .stdin(Stdio::piped())
+            .stdout(Stdio::piped())
+            .stderr(Stdio::piped());
+        if let Some(dir) = &launch.cwd {
+            command.current_dir(dir);
+        }
+        let mut child = command
+            .spawn()
+            .map_err(|e| Error::Invalid(format!("cannot start command `{}`: {e}", launch.describe())))?;
+        let mut stdin = child.stdin.take().expect("piped stdin");
+        let stdout = child.stdout.take().expect("piped stdout");
+        let stderr = child.stderr.take().expect("piped stderr");
+        let (requests, to_write) = mpsc::channel::<String>();
+        std::thread::spawn(move || {
+            for line in to_write {
+                let sent =
+                    stdin.write_all(line.as_bytes()).and_then(|_| stdin.write_all(b"\n")).and_then(|_| stdin.flush());
+                if sent.is_err() {
+                    break;
+                }
+            }
+        });
+        let (tx, lines) = mpsc::channel();
+        std::thread::spawn(move || {
+            for line in BufReader::new(stdout).lines() {
+                if tx.send(line).is_err() {
+                    break;
+                }
+            }
+        });
+        let stderr_tail = Arc::new(Mutex::new(VecDeque::new()));
+        let tail = Arc::clone(&stderr_tail);
+        let name = name.to_string();
+        std::thread::spawn(move || {
+            for line in BufReader::new(stderr).lines().map_while(std::io::Result::ok) {
+                tracing::info!("[{name}] {line}");
+                let mut tail = tail.lock().unwrap_or_else(|e| e.into_inner());
+                if tail.len() == STDERR_TAIL {
+                    tail.pop_front();
+                }
+                tail.push_back(line);
+            }
+        });
+        Ok(Process { child, requests, lines, stderr_tail })
+    }
+
+    /// Sends one request line and waits for one answer line.
+    fn ask(&mut self, request: &str, timeout: Duration) -> std::result::Result<String, NoAnswer> {
+        if self.requests.send(request.to_string()).is_err() {
+            return Err(NoAnswer::Died(self.exit_description()));
+        }
+        match self.lines.recv_timeout(timeout) {
+            Ok(Ok(line)) => Ok(line),
+            Ok(Err(_)) | Err(RecvTimeoutError::Disconnected) => Err(NoAnswer::Died(self.exit_description())),
+            Err(RecvTimeoutError::Timeout) => Err(NoAnswer::TimedOut),
+        }
+    }
+
+    /// `exited with status 3 (stderr: ...)`, waiting a moment for the exit.
+    fn exit_description(&mut self) -> String {
+        let deadline = Instant::now() + Duration::from_secs(2);
+        let status = loop {
+            match self.child.try_wait() {
+                Ok(Some(status)) => break Some(status),
+                Ok(None) if Instant::now() < deadline => std::thread::sleep(Duration::from_millis(10)),
+                _ => break None,
+            }
+        };
+        let how = match status {
+            Some(s) => format!("exited ({s})"),
+            None => "closed its output".to_string(),
+        };
+        // The stderr thread may still be reading the last lines.
+        std::thread::sleep(Duration::from_millis(50));
+        let tail = self.stderr_tail.lock().unwrap_or_else(|e| e.into_inner());
+        match tail.back() {
+            Some(last) => format!("{how}; its last stderr line: {last}"),
+            None => how,
+        }
+    }
+}
+
+impl Drop for Process {
+    fn drop(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
+}

@@ -1,0 +1,212 @@
+//! `rloo reward serve`: a reward model behind the `http` reward protocol,
+//! so that it can live on another machine (OpenRLHF's `serve_rm`).
+//!
+//! `POST /score` takes `{"prompts": [...], "completions": [...], "rows":
+//! [...]}` (`rows` optional) and answers `{"scores": [...]}`; `GET /health`
+//! answers `{"status": "ok", "model": ...}`. Requests that arrive together
+//! are scored together, up to `batch_size` samples, by the prefix-sharing
+//! scorer of [`RewardModel`]. Malformed requests get a 4xx JSON error naming
+//! the field at fault.
+
+use std::collections::HashMap;
+use std::sync::mpsc::{self, Receiver, Sender};
+use std::sync::Mutex;
+
+use serde_json::{json, Map, Value};
+
+use super::{RewardModel, RewardSource, Sample};
+use crate::data::prompt::describe_json;
+use crate::data::Prompt;
+use crate::error::{Error, Result};
+use crate::service::server::{HttpError, JsonRequest, JsonServer};
+
+/// Where and how to serve.
+#[derive(Debug, Clone)]
+pub struct ServeOptions {
+    pub host: String,
+    /// 0: any free port (the address is logged).
+    pub port: u16,
+    /// Required as `Authorization: Bearer <token>` on `/score`.
+    pub token: Option<String>,
+    /// Samples scored together at most.
+    pub batch_size: usize,
+    /// Samples one request may hold.
+    pub max_request_samples: usize,
+    pub max_body_bytes: usize,
+    /// Threads reading and checking requests.
+    pub threads: usize,
+}
+
+/// One request's samples, owned, waiting for the scoring thread.
+struct Job {
+    prompts: Vec<Prompt>,
+    completions: Vec<String>,
+    rows: Vec<Map<String, Value>>,
+    reply: Sender<Result<Vec<Option<f32>>>>,
+}
+
+impl Job {
+    fn len(&self) -> usize {
+        self.completions.len()
+    }
+}
+
+/// Serves until `stop()` says so; `on_listen` hears the bound address.
+pub fn serve(
+    model: &RewardModel,
+    opts: &ServeOptions,
+    stop: impl Fn() -> bool + Sync,
+    on_listen: impl FnOnce(std::net::SocketAddr),
+) -> Result<()> {
+    if opts.batch_size == 0 || opts.max_request_samples == 0 {
+        return Err(Error::Invalid("--batch-size and --max-request-samples must be at least 1".into()));
+    }
+    let server = JsonServer::bind(&opts.host, opts.port, opts.token.clone(), opts.max_body_bytes)?;
+    on_listen(server.addr());
+    let (jobs, queue) = mpsc::channel::<Job>();
+    let jobs = Mutex::new(jobs);
+    let model_name = model.dir().display().to_string();
+    std::thread::scope(|s| {
+        let stop = &stop;
+        let scorer = s.spawn(move || score_jobs(model, queue, opts.batch_size, stop));
+        let served = server.serve(opts.threads, stop, |request: &JsonRequest| {
+            match (request.method.as_str(), request.path.as_str()) {
+                ("GET", "/health") => Ok(json!({"status": "ok", "model": model_name})),
+                ("POST", "/score") => {
+                    let job = read_job(model, &request.body, opts.max_request_samples)?;
+                    let (reply, answer) = mpsc::channel();
+                    jobs.lock()
+                        .unwrap_or_else(|e| e.into_inner())
+                        .send(Job { reply, ..job })
+                        .map_err(|_| HttpError::new(503, "the server is stopping"))?;
+                    match answer.recv() {
+                        Ok(Ok(scores)) => Ok(json!({ "scores": scores })),
+                        Ok(Err(e)) => Err(HttpError::new(500, format!("scoring failed: {e}"))),
+                        Err(_) => Err(HttpError::new(503, "the server is stopping")),
+                    }
+                }
+                (_, "/health" | "/score") => {
+                    Err(HttpError::new(405, format!("{} {} is not allowed", request.method, request.path)))
+                }
+                (_, path) => Err(HttpError::new(404, format!("no route {path}; use POST /score or GET /health"))),
+            }
+        });
+        let scored = scorer.join().expect("the scoring thread panicked");
+        served.and(scored)
+    })
+}
+
+/// The scoring thread: takes the first waiting job, adds whatever else is
+/// queued up to `batch_size` samples, scores them in one call and answers
+/// each job with its share.
+fn score_jobs(
+    model: &RewardModel,
+    queue: Receiver<Job>,
+    batch_size: usize,
+    stop: &(impl Fn() -> bool + Sync),
+) -> Result<()> {
+    while !stop() {
+        let first = match queue.recv_timeout(std::time::Duration::from_millis(200)) {
+            Ok(job) => job,
+            Err(mpsc::RecvTimeoutError::Timeout) => continue,
+            Err(mpsc::RecvTimeoutError::Disconnected) => break,
+        };
+        let mut batch = vec![first];
+        let mut n = batch[0].len();
+        while n < batch_size {
+            match queue.try_recv() {
+                Ok(job) => {
+                    n += job.len();
+                    batch.push(job);
+                }
+                Err(_) => break,
+            }
+        }
+        // Samples with the same prompt share a group, and so their prefix.
+        let mut groups: HashMap<String, usize> = HashMap::new();
+        let mut samples = Vec::with_capacity(n);
+        for job in &batch {
+            for ((prompt, completion), row) in job.prompts.iter().zip(&job.completions).zip(&job.rows) {
+                let next = groups.len();
+                let group = *groups.entry(format!("{prompt:?}")).or_insert(next);
+                samples.push(Sample { prompt, completion, completion_ids: &[], ended_with_eos: true, row, group });
+            }
+        }
+        let scores = model.score(&samples);
+        let mut at = 0;
+        for job in &batch {
+            let share =
+                scores.as_ref().map(|s| s[at..at + job.len()].to_vec()).map_err(|e| Error::Invalid(e.to_string()));
+            at += job.len();
+            let _ = job.reply.send(share);
+        }
+    }
+    Ok(())
+}
+
+/// Reads and checks a `/score` body.
+fn read_job(model: &RewardModel, body: &Value, max_samples: usize) -> std::result::Result<Job, HttpError> {
+    let field = |name: &str| -> std::result::Result<Option<&Vec<Value>>, HttpError> {
+        match body.get(name) {
+            None | Some(Value::Null) => Ok(None),
+            Some(Value::Array(items)) => Ok(Some(items)),
+            Some(other) => {
+                Err(HttpError::bad_request(format!("`{name}` must be a list, got {}", describe_json(other))))
+            }
+        }
+    };
+    if !body.is_object() {
+        return Err(HttpError::bad_request(format!(
+            "the body must be an object {{\"prompts\", \"completions\", \"rows\"}}, got {}",
+            describe_json(body)
+        )));
+    }
+    let prompts = field("prompts")?.ok_or_else(|| HttpError::bad_request("missing `prompts`"))?;
+    let completions = field("completions")?.ok_or_else(|| HttpError::bad_request("missing `completions`"))?;
+    let n = prompts.len();
+    if completions.len() != n {
+        return Err(HttpError::bad_request(format!("{n} prompts but {} completions", completions.len())));
+    }
+    if n > max_samples {
+        return Err(HttpError::new(413, format!("{n} samples in one request; the limit is {max_samples}")));
+    }
+    let rows = match field("rows")? {
+        Some(rows) if rows.len() != n => {
+            return Err(HttpError::bad_request(format!("{n} prompts but {} rows", rows.len())))
+        }
+        Some(rows) => rows
+            .iter()
+            .enumerate()
+            .map(|(i, r)| match r {
+                Value::Object(m) => Ok(m.clone()),
+                other => {
+                    Err(HttpError::bad_request(format!("rows[{i}] must be an object, got {}", describe_json(other))))
+                }
+            })
+            .collect::<std::result::Result<Vec<_>, _>>()?,
+        None => vec![Map::new(); n],
+    };
+    let prompts = prompts
+        .iter()
+        .enumerate()
+        .map(|(i, p)| Prompt::from_value(p).map_err(|e| HttpError::bad_request(format!("prompts[{i}]: {e}"))))
+        .collect::<std::result::Result<Vec<_>, _>>()?;
+    let completions = completions
+        .iter()
+        .enumerate()
+        .map(|(i, c)| match c {
+            Value::String(s) => Ok(s.clone()),
+            other => {
+                Err(HttpError::bad_request(format!("completions[{i}] must be a string, got {}", describe_json(other))))
+            }
+        })
+        .collect::<std::result::Result<Vec<_>, _>>()?;
+    // Encoding errors (a chat prompt for a model without a chat template)
+    // are the client's, and are found here rather than in a shared batch.
+    for (i, (prompt, completion)) in prompts.iter().zip(&completions).enumerate() {
+        super::model::encode_pair(model.tokenizer(), prompt, completion)
+            .map_err(|e| HttpError::bad_request(format!("sample {i}: {e}")))?;
+    }
+    let (reply, _) = mpsc::channel();
+    Ok(Job { prompts, completions, rows, reply })
+}
