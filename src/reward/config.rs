@@ -553,9 +553,8 @@ impl HttpSpec {
 }
 
 impl JudgeSpec {
-    /// The judge this table describes (also what `rloo eval --judge` asks).
-    pub fn judge(&self) -> Result<Judge> {
-        let reach = Reach {
+    fn reach(&self) -> Reach<'_> {
+        Reach {
             url: &self.url,
             headers: &self.headers,
             api_key_env: &self.api_key_env,
@@ -564,7 +563,11 @@ impl JudgeSpec {
             retries: self.retries,
             backoff_s: self.backoff_s,
             max_failure_rate: self.max_failure_rate,
-        };
+        }
+    }
+
+    /// The judge this table describes (also what `rloo eval --judge` asks).
+    pub fn judge(&self) -> Result<Judge> {
         if !(self.temperature.is_finite() && self.temperature >= 0.0) {
             return Err(Error::Invalid(format!("temperature must be >= 0, got {}", self.temperature)));
         }
@@ -572,7 +575,7 @@ impl JudgeSpec {
             return Err(Error::Invalid("max_tokens must be at least 1".into()));
         }
         Judge::new(
-            reach.client()?,
+            self.reach().client()?,
             JudgeSettings {
                 url: self.url.clone(),
                 model: self.model.clone(),

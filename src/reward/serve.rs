@@ -37,17 +37,22 @@ pub struct ServeOptions {
     pub threads: usize,
 }
 
-/// One request's samples, owned, waiting for the scoring thread.
-struct Job {
+/// One request's samples, read and checked.
+struct ScoreRequest {
     prompts: Vec<Prompt>,
     completions: Vec<String>,
     rows: Vec<Map<String, Value>>,
+}
+
+/// A request waiting for the scoring thread, and where its scores go.
+struct Job {
+    request: ScoreRequest,
     reply: Sender<Result<Vec<Option<f32>>>>,
 }
 
 impl Job {
     fn len(&self) -> usize {
-        self.completions.len()
+        self.request.completions.len()
     }
 }
 
@@ -73,11 +78,11 @@ pub fn serve(
             match (request.method.as_str(), request.path.as_str()) {
                 ("GET", "/health") => Ok(json!({"status": "ok", "model": model_name})),
                 ("POST", "/score") => {
-                    let job = read_job(model, &request.body, opts.max_request_samples)?;
+                    let request = read_request(model, &request.body, opts.max_request_samples)?;
                     let (reply, answer) = mpsc::channel();
                     jobs.lock()
                         .unwrap_or_else(|e| e.into_inner())
-                        .send(Job { reply, ..job })
+                        .send(Job { request, reply })
                         .map_err(|_| HttpError::new(503, "the server is stopping"))?;
                     match answer.recv() {
                         Ok(Ok(scores)) => Ok(json!({ "scores": scores })),
@@ -125,8 +130,8 @@ fn score_jobs(
         // Samples with the same prompt share a group, and so their prefix.
         let mut groups: HashMap<String, usize> = HashMap::new();
         let mut samples = Vec::with_capacity(n);
-        for job in &batch {
-            for ((prompt, completion), row) in job.prompts.iter().zip(&job.completions).zip(&job.rows) {
+        for Job { request: r, .. } in &batch {
+            for ((prompt, completion), row) in r.prompts.iter().zip(&r.completions).zip(&r.rows) {
                 let next = groups.len();
                 let group = *groups.entry(format!("{prompt:?}")).or_insert(next);
                 samples.push(Sample { prompt, completion, completion_ids: &[], ended_with_eos: true, row, group });
@@ -145,7 +150,7 @@ fn score_jobs(
 }
 
 /// Reads and checks a `/score` body.
-fn read_job(model: &RewardModel, body: &Value, max_samples: usize) -> std::result::Result<Job, HttpError> {
+fn read_request(model: &RewardModel, body: &Value, max_samples: usize) -> std::result::Result<ScoreRequest, HttpError> {
     let field = |name: &str| -> std::result::Result<Option<&Vec<Value>>, HttpError> {
         match body.get(name) {
             None | Some(Value::Null) => Ok(None),
@@ -207,6 +212,5 @@ fn read_job(model: &RewardModel, body: &Value, max_samples: usize) -> std::resul
         super::model::encode_pair(model.tokenizer(), prompt, completion)
             .map_err(|e| HttpError::bad_request(format!("sample {i}: {e}")))?;
     }
-    let (reply, _) = mpsc::channel();
-    Ok(Job { prompts, completions, rows, reply })
+    Ok(ScoreRequest { prompts, completions, rows })
 }
