@@ -11,9 +11,9 @@ pub enum Error {
     /// A file was read but its content is not what was expected.
     #[error("{}: {msg}", path.display())]
     BadFile { path: PathBuf, msg: String },
-    /// One row of a JSONL/JSON dataset is malformed (line numbers start at 1).
-    #[error("{}:{line}: {msg}", path.display())]
-    BadRow { path: PathBuf, line: usize, msg: String },
+    /// One row of a dataset file is malformed.
+    #[error("{}{at}: {msg}", path.display())]
+    BadRow { path: PathBuf, at: RowPlace, msg: String },
     /// A model configuration that rloo cannot run.
     #[error("{}: {msg}", path.display())]
     BadConfig { path: PathBuf, msg: String },
@@ -37,6 +37,25 @@ pub enum Error {
 
 pub type Result<T> = std::result::Result<T, Error>;
 
+/// Where a row sits in its file: a line of a text format (`path:3:`), or
+/// a record of a table (`path: row 3 (row group 0):`). Rows and lines count
+/// from 1, Parquet row groups from 0 as pyarrow numbers them.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum RowPlace {
+    Line(usize),
+    Record { row: usize, group: Option<usize> },
+}
+
+impl std::fmt::Display for RowPlace {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self {
+            RowPlace::Line(n) => write!(f, ":{n}"),
+            RowPlace::Record { row, group: None } => write!(f, ": row {row}"),
+            RowPlace::Record { row, group: Some(g) } => write!(f, ": row {row} (row group {g})"),
+        }
+    }
+}
+
 impl Error {
     pub fn io(path: impl AsRef<Path>, source: std::io::Error) -> Self {
         Error::Io { path: path.as_ref().to_path_buf(), source }
@@ -44,8 +63,9 @@ impl Error {
     pub fn bad_file(path: impl AsRef<Path>, msg: impl Into<String>) -> Self {
         Error::BadFile { path: path.as_ref().to_path_buf(), msg: msg.into() }
     }
+    /// A malformed line of a text file (lines count from 1).
     pub fn bad_row(path: impl AsRef<Path>, line: usize, msg: impl Into<String>) -> Self {
-        Error::BadRow { path: path.as_ref().to_path_buf(), line, msg: msg.into() }
+        Error::BadRow { path: path.as_ref().to_path_buf(), at: RowPlace::Line(line), msg: msg.into() }
     }
     pub fn bad_config(path: impl AsRef<Path>, msg: impl Into<String>) -> Self {
         Error::BadConfig { path: path.as_ref().to_path_buf(), msg: msg.into() }

@@ -12,7 +12,7 @@ use serde_json::json;
 
 use crate::data::jsonl::JsonlWriter;
 use crate::data::prompts::{ContextRoom, PromptDataset};
-use crate::data::Tokenizer;
+use crate::data::{DatasetSpec, Tokenizer};
 use crate::error::{Error, Result};
 use crate::eval::{evaluate_model, win_rate, EvalOptions, ModelReport};
 use crate::io::write_atomic;
@@ -152,7 +152,7 @@ pub fn run(opts: &PipelineOptions) -> Result<PathBuf> {
     if !done(&sft) {
         train_sft(&SftConfig {
             model: init.display().to_string(),
-            dataset: data.join("sft.jsonl").display().to_string(),
+            dataset: DatasetSpec::named(data.join("sft.jsonl").display().to_string()),
             eval_fraction: 0.05,
             output_dir: sft.display().to_string(),
             device: opts.device.clone(),
@@ -174,7 +174,7 @@ pub fn run(opts: &PipelineOptions) -> Result<PathBuf> {
     if !done(&rm) {
         train_reward_model(&RewardTrainConfig {
             model: sft.display().to_string(),
-            dataset: data.join("preferences.jsonl").display().to_string(),
+            dataset: DatasetSpec::named(data.join("preferences.jsonl").display().to_string()),
             eval_dataset: None,
             eval_fraction: 0.1,
             output_dir: rm.display().to_string(),
@@ -251,7 +251,8 @@ pub fn run(opts: &PipelineOptions) -> Result<PathBuf> {
     let rl_model = Model::load(&rl, &device)?;
     let tok = Tokenizer::from_dir(&sft)?;
     let room = ContextRoom::of(sft_model.config(), opts_eval.max_new_tokens);
-    let prompts = PromptDataset::from_prompt_column(&data.join("eval_prompts.jsonl"), &tok, None, room)?;
+    let eval_prompts = DatasetSpec::named(data.join("eval_prompts.jsonl").display().to_string());
+    let prompts = PromptDataset::from_prompt_column(&eval_prompts, &tok, room)?;
     let before = evaluate_model("sft", &sft_model, &tok, &prompts, &rewards, None, &opts_eval, &device)?;
     let after = evaluate_model("rloo", &rl_model, &tok, &prompts, &rewards, Some(&sft_model), &opts_eval, &device)?;
     let win = win_rate(&build(std::slice::from_ref(&judge), &device)?, &prompts, &after, &before)?;

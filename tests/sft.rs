@@ -6,15 +6,16 @@ use std::process::Command;
 
 use candle_core::Device;
 use common::*;
-use rloo::data::jsonl::Row;
+use rloo::data::Row;
 use rloo::data::Tokenizer;
+use rloo::error::RowPlace;
 use rloo::model::scoring::{completion_logprobs, Sequences};
 use rloo::model::Model;
 use rloo::train::sft::{example_from_row, Example};
 use serde_json::json;
 
 fn row(v: serde_json::Value) -> Row {
-    Row { line: 1, fields: v.as_object().unwrap().clone() }
+    Row::new(std::sync::Arc::from(std::path::Path::new("t.jsonl")), RowPlace::Line(1), v.as_object().unwrap().clone())
 }
 
 #[test]

@@ -16,6 +16,8 @@ use rloo::reward::config::ModelSpec;
 use rloo::reward::judge::{Judge, JudgeMode};
 use rloo::reward::{build, RewardSet, RewardSpec};
 
+use super::dataset_flags::DatasetFlags;
+
 /// Evaluate models on held-out prompts: reward (per source), completion
 /// length, KL to a reference, and the win rate of model A over model B.
 ///
@@ -24,9 +26,12 @@ use rloo::reward::{build, RewardSet, RewardSpec};
 /// both orders; its answers are saved beside the report.
 #[derive(Debug, Args)]
 pub struct EvalArgs {
-    /// Held-out prompts (JSONL/JSON rows with a `prompt`, string or chat messages).
+    /// Held-out rows with a `prompt` (string or chat messages): a dataset file, directory,
+    /// datasets save or hub dataset id (split: --dataset_split, else test).
     #[arg(long)]
-    prompts: PathBuf,
+    prompts: String,
+    #[command(flatten)]
+    data: DatasetFlags,
     /// Model A (directory or cached hub id).
     #[arg(long)]
     model: String,
@@ -141,7 +146,7 @@ pub fn run(a: EvalArgs) -> Result<()> {
         let model = Model::load(&dir, &device).with_context(|| format!("loading {}", dir.display()))?;
         let tokenizer = Tokenizer::from_dir(&dir)?;
         let room = ContextRoom::of(model.config(), a.max_new_tokens);
-        let prompts = PromptDataset::from_prompt_column(&a.prompts, &tokenizer, a.take, room)?;
+        let prompts = PromptDataset::from_prompt_column(&a.data.spec(&a.prompts, "test", a.take), &tokenizer, room)?;
         reports.push(evaluate_model(name, &model, &tokenizer, &prompts, &rewards, reference.as_ref(), &opts, &device)?);
         datasets.push(prompts);
     }

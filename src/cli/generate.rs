@@ -15,6 +15,8 @@ use rloo::generate::{generate, GenerateOptions, Sampling, StopCriteria};
 use rloo::model::hub::resolve_model;
 use rloo::model::{parse_device, GenerationConfig, HeadKind, Model};
 
+use super::dataset_flags::DatasetFlags;
+
 /// Sample completions for a file of prompts.
 ///
 /// Input rows carry a `prompt` (a string, or a list of chat messages
@@ -28,9 +30,12 @@ pub struct GenerateArgs {
     /// Model directory in the Hugging Face layout, or a hub id (`owner/name`) found in the local cache.
     #[arg(long)]
     model: String,
-    /// JSONL file (or JSON array) of rows with a `prompt` field.
+    /// Rows with a `prompt` field: a dataset file (JSONL, JSON, CSV, Parquet, Arrow; .gz/.zst),
+    /// a dataset directory or datasets save, or a hub dataset id.
     #[arg(long)]
-    prompts: PathBuf,
+    prompts: String,
+    #[command(flatten)]
+    data: DatasetFlags,
     /// Where to write the completions (JSONL, one row per completion, in finishing order), replaced only when all are done.
     #[arg(long)]
     output: PathBuf,
@@ -104,7 +109,7 @@ pub fn run(args: GenerateArgs) -> Result<()> {
     let max_new_tokens = args.max_new_tokens.or(gen.max_new_tokens.map(|n| n as usize)).unwrap_or(64);
 
     let room = ContextRoom::of(model.config(), max_new_tokens);
-    let dataset = PromptDataset::from_prompt_column(&args.prompts, &tokenizer, None, room)?;
+    let dataset = PromptDataset::from_prompt_column(&args.data.spec(&args.prompts, "train", None), &tokenizer, room)?;
     let prompts: Vec<Vec<u32>> = dataset.rows.iter().map(|r| r.ids.clone()).collect();
 
     let mut stop_ids = if args.ignore_eos {

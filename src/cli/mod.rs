@@ -3,6 +3,8 @@
 //! 1 for a failed run, 2 for a usage error and 130 for a run stopped by
 //! Ctrl-C or SIGTERM after saving its work.
 
+mod data;
+mod dataset_flags;
 mod eval;
 mod generate;
 mod pipeline;
@@ -28,6 +30,9 @@ pub struct Cli {
 
 #[derive(Debug, Subcommand)]
 enum Command {
+    /// Datasets: `rloo data inspect`, `rloo data prepare`.
+    #[command(subcommand)]
+    Data(data::DataCommand),
     Eval(eval::EvalArgs),
     Generate(generate::GenerateArgs),
     Pipeline(pipeline::PipelineArgs),
@@ -43,6 +48,7 @@ pub fn main() -> ExitCode {
     let cli = Cli::parse();
     init_logging(cli.verbose);
     let result = match cli.command {
+        Command::Data(cmd) => data::run(cmd),
         Command::Eval(args) => eval::run(args),
         Command::Generate(args) => generate::run(args),
         Command::Pipeline(args) => pipeline::run(args),

@@ -10,6 +10,8 @@ use rloo::reward::RewardModel;
 use rloo::train::config::Schedule;
 use rloo::train::reward_model::{train_reward_model, RewardTrainConfig};
 
+use super::dataset_flags::TrainingDataFlags;
+
 #[derive(Debug, Subcommand)]
 pub enum RewardCommand {
     Train(RewardTrainArgs),
@@ -66,13 +68,9 @@ pub struct RewardTrainArgs {
     /// Model directory or cached hub id to start from (causal LM or reward model).
     #[arg(long)]
     model: String,
-    /// Preference pairs (JSONL or JSON).
-    #[arg(long)]
-    dataset: String,
-    /// Held-out pairs for accuracy and margin [default: --eval-fraction of the pairs].
-    #[arg(long)]
-    eval_dataset: Option<String>,
-    /// Fraction of the pairs held out when no --eval-dataset is given.
+    #[command(flatten)]
+    data: TrainingDataFlags,
+    /// Fraction of the training rows held out when no --eval-dataset or --dataset_test_split is given.
     #[arg(long, default_value_t = 0.1)]
     eval_fraction: f64,
     #[arg(long, default_value = "runs/reward_model")]
@@ -144,10 +142,11 @@ fn serve_model(a: RewardServeArgs) -> Result<()> {
 }
 
 fn train(a: RewardTrainArgs) -> Result<()> {
+    let (dataset, eval_dataset) = a.data.specs();
     let cfg = RewardTrainConfig {
         model: a.model,
-        dataset: a.dataset,
-        eval_dataset: a.eval_dataset,
+        dataset,
+        eval_dataset,
         eval_fraction: a.eval_fraction,
         output_dir: a.output_dir,
         device: a.device,

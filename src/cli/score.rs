@@ -7,11 +7,13 @@ use anyhow::{bail, Context, Result};
 use clap::Args;
 use serde_json::{Map, Value};
 
-use rloo::data::jsonl::{read_rows, JsonlWriter};
+use rloo::data::jsonl::JsonlWriter;
 use rloo::data::{Prompt, Tokenizer};
 use rloo::model::hub::resolve_model;
 use rloo::model::scoring::{completion_logprobs, sequence_scores, Pair, Sequences};
 use rloo::model::{parse_device, HeadKind, Model};
+
+use super::dataset_flags::DatasetFlags;
 
 /// Score prompt/completion pairs with a model.
 ///
@@ -26,9 +28,12 @@ pub struct ScoreArgs {
     /// Model directory in the Hugging Face layout, or a hub id (`owner/name`) found in the local cache.
     #[arg(long)]
     model: String,
-    /// JSONL file (or JSON array) of rows with `prompt` and `completion`.
+    /// Rows with `prompt` and `completion`: a dataset file (JSONL, JSON, CSV, Parquet, Arrow; .gz/.zst),
+    /// a dataset directory or datasets save, or a hub dataset id.
     #[arg(long)]
-    input: PathBuf,
+    input: String,
+    #[command(flatten)]
+    data: DatasetFlags,
     /// Where to write the scored rows as JSONL (replaced only when every row is scored).
     #[arg(long)]
     output: PathBuf,
@@ -51,20 +56,16 @@ pub fn run(args: ScoreArgs) -> Result<()> {
     let model = Model::load(&dir, &device).with_context(|| format!("loading model {}", dir.display()))?;
     let tokenizer = Tokenizer::from_dir(&dir)?;
     tokenizer.check_model(model.config())?;
-    let rows = read_rows(&args.input)?;
-    if rows.is_empty() {
-        bail!("{}: no rows to score", args.input.display());
-    }
+    let rows = args.data.spec(&args.input, "train", None).read_all()?;
     // Tokenize everything first so a malformed row fails before any output.
     let mut items = Vec::with_capacity(rows.len());
     for row in rows {
-        let at = || format!("{}:{}", args.input.display(), row.line);
-        let prompt = row.fields.get("prompt").with_context(|| format!("{}: missing field `prompt`", at()))?;
-        let prompt = Prompt::from_value(prompt).map_err(|e| anyhow::anyhow!("{}: field `prompt`: {e}", at()))?;
-        let completion = match row.fields.get("completion") {
-            Some(Value::String(s)) => s.clone(),
-            Some(other) => bail!("{}: field `completion` must be a string, got {other}", at()),
-            None => bail!("{}: missing field `completion`", at()),
+        let at = || row.location();
+        let prompt = row.column("prompt").map_err(|e| row.error(e))?;
+        let prompt = Prompt::from_value(prompt).map_err(|e| row.error(format!("column `prompt`: {e}")))?;
+        let completion = match row.column("completion").map_err(|e| row.error(e))? {
+            Value::String(s) => s.clone(),
+            other => return Err(row.error(format!("column `completion` must be a string, got {other}")).into()),
         };
         let pair = Pair {
             prompt: tokenizer.encode_prompt(&prompt).with_context(at)?,

@@ -4,6 +4,8 @@ use anyhow::{Context, Result};
 use clap::Args;
 
 use rloo::train::config::Schedule;
+
+use super::dataset_flags::TrainingDataFlags;
 use rloo::train::sft::{train_sft, SftConfig};
 
 fn d() -> SftConfig {
@@ -20,13 +22,9 @@ pub struct SftArgs {
     /// Model directory or cached hub id to start from.
     #[arg(long)]
     model: String,
-    /// Training rows (JSONL or JSON).
-    #[arg(long)]
-    dataset: String,
-    /// Held-out rows for the evaluation loss [default: --eval-fraction of the training rows].
-    #[arg(long)]
-    eval_dataset: Option<String>,
-    /// Fraction of the training rows held out when no --eval-dataset is given.
+    #[command(flatten)]
+    data: TrainingDataFlags,
+    /// Fraction of the training rows held out when no --eval-dataset or --dataset_test_split is given.
     #[arg(long, default_value_t = d().eval_fraction)]
     eval_fraction: f64,
     /// Where the model and metrics go.
@@ -85,10 +83,11 @@ pub(crate) fn parse_schedule(s: &str) -> Result<Schedule, String> {
 }
 
 pub fn run(a: SftArgs) -> Result<()> {
+    let (dataset, eval_dataset) = a.data.specs();
     let cfg = SftConfig {
         model: a.model,
-        dataset: a.dataset,
-        eval_dataset: a.eval_dataset,
+        dataset,
+        eval_dataset,
         eval_fraction: a.eval_fraction,
         output_dir: a.output_dir,
         device: a.device,

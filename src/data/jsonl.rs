@@ -1,100 +1,126 @@
-//! Dataset rows from JSON Lines files (one object per line) or JSON files
-//! holding an array of objects, and a JSONL writer for outputs (samples,
-//! metrics) that keeps every finished row if the run is interrupted.
+//! Dataset rows from JSON Lines (one object per line) or a JSON document
+//! holding an array of objects (or `{"data": [...]}`), and a JSONL writer
+//! for outputs (samples, metrics) that keeps every finished row if the run
+//! is interrupted.
 
 use std::fs::{File, OpenOptions};
-use std::io::{BufRead, BufReader, Read, Seek, SeekFrom, Write};
+use std::io::{BufRead, Cursor, Read, Seek, SeekFrom, Write};
 use std::path::{Path, PathBuf};
+use std::sync::Arc;
 
 use serde::Serialize;
-use serde_json::{Map, Value};
+use serde_json::Value;
 
+use super::rows::{read_all, Row, RowIter};
 use crate::data::prompt::describe_json;
-use crate::error::{Error, Result};
+use crate::error::{Error, Result, RowPlace};
 
-/// One dataset row: its fields, and where it came from for error messages.
-#[derive(Debug, Clone, PartialEq)]
-pub struct Row {
-    /// 1-based line number in a JSONL file; 1-based index in a JSON array.
-    pub line: usize,
-    pub fields: Map<String, Value>,
+/// The rows of a JSON or JSON Lines stream.
+///
+/// Where `array_allowed` (a `.json` file), content starting with `[` is
+/// read as an array of objects and `{"data": [...]}` as that array, as the
+/// Hugging Face `datasets` json loader reads them; anything else is JSON
+/// Lines, streamed line by line with blank lines skipped. A line or element
+/// that is not a JSON object is an error naming the file and the line (or
+/// row).
+pub fn json_rows(file: Arc<Path>, mut reader: Box<dyn BufRead + Send>, array_allowed: bool) -> Result<RowIter> {
+    let (head, first) = first_byte(&mut reader).map_err(|e| Error::io(&file, e))?;
+    let reader: Box<dyn BufRead + Send> = Box::new(Cursor::new(head).chain(reader));
+    if array_allowed && matches!(first, Some(b'[') | Some(b'{')) {
+        let text = read_all(&file, reader)?;
+        if let Some(items) = document_rows(&file, &text, first == Some(b'['))? {
+            return Ok(Box::new(items.into_iter()));
+        }
+        return Ok(Box::new(lines(file, Box::new(Cursor::new(text.into_bytes())))));
+    }
+    Ok(Box::new(lines(file, reader)))
 }
 
-/// Reads every row of `path`.
-///
-/// A `.json` file whose content starts with `[` is read as an array of
-/// objects; anything else as JSON Lines, where blank lines are skipped (a
-/// `.json` file may hold JSON Lines too, as the Hugging Face `datasets` json
-/// loader accepts). A line or element that is not a JSON object is an error
-/// naming the file and the line (or row).
-pub fn read_rows(path: impl AsRef<Path>) -> Result<Vec<Row>> {
-    let path = path.as_ref();
-    let file = File::open(path).map_err(|e| Error::io(path, e))?;
-    let mut reader = BufReader::new(file);
-    let is_json = path.extension().is_some_and(|e| e.eq_ignore_ascii_case("json"));
-    if is_json && starts_with_bracket(&mut reader).map_err(|e| Error::io(path, e))? {
-        read_array(path, reader)
-    } else {
-        read_lines(path, reader)
+/// The bytes up to and including the first one that is not whitespace or a
+/// UTF-8 byte order mark, and that byte.
+fn first_byte(reader: &mut dyn BufRead) -> std::io::Result<(Vec<u8>, Option<u8>)> {
+    let mut head = Vec::new();
+    loop {
+        let buf = reader.fill_buf()?;
+        if buf.is_empty() {
+            return Ok((head, None));
+        }
+        let skip = |b: u8| b.is_ascii_whitespace() || matches!(b, 0xEF | 0xBB | 0xBF);
+        match buf.iter().position(|&b| !skip(b)) {
+            Some(i) => {
+                let first = buf[i];
+                head.extend_from_slice(&buf[..=i]);
+                reader.consume(i + 1);
+                return Ok((head, Some(first)));
+            }
+            None => {
+                let n = buf.len();
+                head.extend_from_slice(buf);
+                reader.consume(n);
+            }
+        }
     }
 }
 
-/// Whether the first non-whitespace byte (after a UTF-8 BOM) is `[`; leaves
-/// the reader at the start.
-fn starts_with_bracket(reader: &mut BufReader<File>) -> std::io::Result<bool> {
-    let mut head = Vec::new();
-    reader.by_ref().take(4096).read_to_end(&mut head)?;
-    reader.seek(SeekFrom::Start(0))?;
-    let head = head.strip_prefix(b"\xEF\xBB\xBF").unwrap_or(&head);
-    Ok(head.iter().find(|b| !b.is_ascii_whitespace()) == Some(&b'['))
+/// A whole-document array (or `{"data": [...]}`) as rows; `None` when the
+/// text is not one such document (JSON Lines in a `.json` file).
+fn document_rows(file: &Arc<Path>, text: &str, is_array: bool) -> Result<Option<Vec<Result<Row>>>> {
+    let text = text.strip_prefix('\u{feff}').unwrap_or(text);
+    let items = match serde_json::from_str::<Value>(text) {
+        Ok(Value::Array(items)) => items,
+        Ok(Value::Object(mut map)) if map.len() == 1 && map.get("data").is_some_and(Value::is_array) => {
+            match map.remove("data") {
+                Some(Value::Array(items)) => items,
+                _ => unreachable!("checked above"),
+            }
+        }
+        Ok(_) => return Ok(None),
+        Err(e) if is_array => return Err(Error::bad_file(file, format!("invalid JSON: {e}"))),
+        Err(_) => return Ok(None),
+    };
+    Ok(Some(
+        items
+            .into_iter()
+            .enumerate()
+            .map(|(i, item)| {
+                let at = RowPlace::Record { row: i + 1, group: None };
+                match item {
+                    Value::Object(fields) => Ok(Row::new(file.clone(), at, fields)),
+                    other => Err(Error::BadRow {
+                        path: file.to_path_buf(),
+                        at,
+                        msg: format!("expected a JSON object, got {}", describe_json(&other)),
+                    }),
+                }
+            })
+            .collect(),
+    ))
 }
 
-fn read_array(path: &Path, mut reader: BufReader<File>) -> Result<Vec<Row>> {
-    let mut text = String::new();
-    reader.read_to_string(&mut text).map_err(|e| Error::io(path, e))?;
-    let text = text.strip_prefix('\u{feff}').unwrap_or(&text);
-    let items: Vec<Value> =
-        serde_json::from_str(text).map_err(|e| Error::bad_file(path, format!("invalid JSON: {e}")))?;
-    items
-        .into_iter()
-        .enumerate()
-        .map(|(i, item)| match item {
-            Value::Object(fields) => Ok(Row { line: i + 1, fields }),
-            other => Err(Error::bad_row(
-                path,
-                i + 1,
-                format!("row {}: expected a JSON object, got {}", i + 1, describe_json(&other)),
-            )),
-        })
-        .collect()
-}
-
-fn read_lines(path: &Path, reader: BufReader<File>) -> Result<Vec<Row>> {
-    let mut rows = Vec::new();
-    for (i, line) in reader.lines().enumerate() {
+/// JSON Lines rows, read as the consumer asks for them.
+fn lines(file: Arc<Path>, reader: Box<dyn BufRead + Send>) -> impl Iterator<Item = Result<Row>> + Send {
+    reader.lines().enumerate().filter_map(move |(i, line)| {
         let line_no = i + 1;
-        let line = line.map_err(|e| match e.kind() {
-            std::io::ErrorKind::InvalidData => Error::bad_row(path, line_no, "not valid UTF-8".to_string()),
-            _ => Error::io(path, e),
-        })?;
+        let line = match line {
+            Ok(line) => line,
+            Err(e) if e.kind() == std::io::ErrorKind::InvalidData => {
+                return Some(Err(Error::bad_row(&file, line_no, "not valid UTF-8")))
+            }
+            Err(e) => return Some(Err(Error::io(&file, e))),
+        };
         let text = if line_no == 1 { line.strip_prefix('\u{feff}').unwrap_or(&line) } else { &line };
         let text = text.trim();
         if text.is_empty() {
-            continue;
+            return None;
         }
-        match serde_json::from_str::<Value>(text) {
-            Ok(Value::Object(fields)) => rows.push(Row { line: line_no, fields }),
+        Some(match serde_json::from_str::<Value>(text) {
+            Ok(Value::Object(fields)) => Ok(Row::new(file.clone(), RowPlace::Line(line_no), fields)),
             Ok(other) => {
-                return Err(Error::bad_row(
-                    path,
-                    line_no,
-                    format!("expected a JSON object, got {}", describe_json(&other)),
-                ))
+                Err(Error::bad_row(&file, line_no, format!("expected a JSON object, got {}", describe_json(&other))))
             }
-            Err(e) => return Err(Error::bad_row(path, line_no, format!("invalid JSON: {e}"))),
-        }
-    }
-    Ok(rows)
+            Err(e) => Err(Error::bad_row(&file, line_no, format!("invalid JSON: {e}"))),
+        })
+    })
 }
 
 /// Writes one JSON object per line and flushes after each, so that a run
@@ -198,6 +224,7 @@ fn make_parent(path: &Path) -> Result<()> {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::data::rows::read_rows;
     use serde_json::json;
 
     fn write(dir: &Path, name: &str, text: &str) -> PathBuf {
@@ -212,9 +239,9 @@ mod tests {
         let path = write(dir.path(), "d.jsonl", "\u{feff}{\"a\": 1}\n\n  \r\n{\"a\": 2, \"b\": \"x\"}\r\n");
         let rows = read_rows(&path).unwrap();
         assert_eq!(rows.len(), 2);
-        assert_eq!(rows[0].line, 1);
+        assert_eq!(rows[0].at, RowPlace::Line(1));
         assert_eq!(rows[0].fields["a"], json!(1));
-        assert_eq!(rows[1].line, 4);
+        assert_eq!(rows[1].at, RowPlace::Line(4));
         assert_eq!(rows[1].fields["b"], json!("x"));
     }
 
@@ -223,7 +250,7 @@ mod tests {
         let dir = tempfile::tempdir().unwrap();
         let path = write(dir.path(), "d.jsonl", "{\"a\": 1}\n[1, 2]\n");
         let err = read_rows(&path).unwrap_err();
-        assert!(matches!(err, Error::BadRow { line: 2, .. }));
+        assert!(matches!(err, Error::BadRow { at: RowPlace::Line(2), .. }));
         assert_eq!(err.to_string(), format!("{}:2: expected a JSON object, got a list of 2 items", path.display()));
     }
 
@@ -240,7 +267,7 @@ mod tests {
         let dir = tempfile::tempdir().unwrap();
         let path = write(dir.path(), "d.json", " [{\"a\": 1}, {\"a\": 2}]");
         let rows = read_rows(&path).unwrap();
-        assert_eq!(rows.iter().map(|r| r.line).collect::<Vec<_>>(), [1, 2]);
+        assert_eq!(rows[1].at, RowPlace::Record { row: 2, group: None });
         assert_eq!(rows[1].fields["a"], json!(2));
     }
 
@@ -249,7 +276,17 @@ mod tests {
         let dir = tempfile::tempdir().unwrap();
         let path = write(dir.path(), "d.json", "[{\"a\": 1}, \"oops\"]");
         let err = read_rows(&path).unwrap_err().to_string();
-        assert_eq!(err, format!("{}:2: row 2: expected a JSON object, got a string (\"oops\")", path.display()));
+        assert_eq!(err, format!("{}: row 2: expected a JSON object, got a string (\"oops\")", path.display()));
+    }
+
+    #[test]
+    fn a_data_object_holds_the_rows() {
+        let dir = tempfile::tempdir().unwrap();
+        let path = write(dir.path(), "d.json", "{\"data\": [{\"a\": 1}, {\"a\": 2}]}");
+        assert_eq!(read_rows(&path).unwrap()[1].fields["a"], json!(2));
+        // One object with other keys is a one-row JSON Lines file.
+        let path = write(dir.path(), "e.json", "{\"prompt\": [{\"role\": \"user\", \"content\": \"hi\"}]}");
+        assert_eq!(read_rows(&path).unwrap().len(), 1);
     }
 
     #[test]

@@ -1,14 +1,26 @@
-//! Dataset rows to token ids: JSONL readers, prompts, chat templates, tokenizers.
+//! Dataset rows to token ids: file readers, dataset names and splits,
+//! filters, prompts, chat templates, tokenizers, and the recipes that turn
+//! published datasets into the files the trainers read.
 
 pub mod chat;
+pub mod csv;
+pub mod filter;
+pub mod inspect;
 pub mod jsonl;
+pub mod prepare;
 pub mod prompt;
 pub mod prompts;
+pub mod recipes;
+pub mod rows;
+pub mod source;
+pub mod table;
 pub mod tokenizer;
 
 pub use chat::ChatTemplate;
-pub use jsonl::{read_rows, JsonlWriter, Row};
+pub use jsonl::JsonlWriter;
 pub use prompt::{Message, Prompt};
+pub use rows::{read_rows, Row};
+pub use source::DatasetSpec;
 pub use tokenizer::{copy_tokenizer_files, Tokenizer, TOKENIZER_FILES};
 
 /// The training rows and the evaluation rows: `eval` when a separate set was

@@ -4,12 +4,11 @@
 //! such as `"Summarize: {post}"`; tokenized once, filtered by length, and
 //! served in a seeded order that depends only on the step.
 
-use std::path::{Path, PathBuf};
-
 use serde_json::Value;
 
-use super::jsonl::{read_rows, Row};
 use super::prompt::{Message, Prompt};
+use super::rows::Row;
+use super::source::DatasetSpec;
 use super::tokenizer::Tokenizer;
 use crate::error::{Error, Result};
 use crate::generate::Rng;
@@ -22,7 +21,6 @@ pub struct PromptSpec {
     /// Wrap templated (or plain-text) prompts as a user chat message.
     pub chat: bool,
     pub system_prompt: Option<String>,
-    pub take: Option<usize>,
     pub max_prompt_length: Option<usize>,
     /// The longest prompt the model's context leaves room for (its
     /// positions less the completion's); longer ones are skipped or errors
@@ -30,6 +28,10 @@ pub struct PromptSpec {
     pub context_room: Option<ContextRoom>,
     /// Stop with an error on a long prompt instead of skipping it.
     pub error_on_long: bool,
+    /// Drop prompts of more tokens than this, always (`filter_length`: 0.9
+    /// of the completion length, for tasks whose answer should be shorter
+    /// than the input).
+    pub length_filter: Option<usize>,
 }
 
 /// The model's context (`max_position_embeddings`) and the completion
@@ -48,6 +50,12 @@ impl ContextRoom {
     }
 }
 
+/// The `filter_length` limit: prompts of more than 0.9 x `response_length`
+/// tokens are dropped.
+pub fn length_filter(response_length: usize) -> usize {
+    response_length * 9 / 10
+}
+
 /// One usable prompt.
 #[derive(Debug, Clone)]
 pub struct PromptRow {
@@ -59,61 +67,40 @@ pub struct PromptRow {
 
 #[derive(Debug)]
 pub struct PromptDataset {
-    pub path: PathBuf,
+    /// The dataset's name, configuration and split, for messages.
+    pub label: String,
     pub rows: Vec<PromptRow>,
-    /// Prompts left out for exceeding `max_prompt_length`.
+    /// Prompts left out for their length.
     pub skipped_long: usize,
 }
 
-/// A dataset file, or `<dir>/<split>.jsonl|json` for a dataset directory.
-pub fn resolve_split(path: &Path, split: &str) -> Result<PathBuf> {
-    if path.is_file() {
-        return Ok(path.to_path_buf());
-    }
-    if !path.is_dir() {
-        return Err(Error::bad_file(path, "no such dataset file or directory"));
-    }
-    let candidates = [
-        format!("{split}.jsonl"),
-        format!("{split}.json"),
-        format!("data/{split}.jsonl"),
-        format!("data/{split}.json"),
-    ];
-    candidates
-        .iter()
-        .map(|c| path.join(c))
-        .find(|p| p.is_file())
-        .ok_or_else(|| Error::bad_file(path, format!("no split `{split}`: looked for {}", candidates.join(", "))))
-}
-
 impl PromptDataset {
-    pub fn load(path: &Path, spec: &PromptSpec, tokenizer: &Tokenizer) -> Result<Self> {
-        let mut rows = read_rows(path)?;
-        if let Some(n) = spec.take {
-            rows.truncate(n);
-        }
-        if rows.is_empty() {
-            return Err(Error::bad_file(path, "the dataset has no rows"));
-        }
-        if spec.template.is_none() && rows.iter().all(|r| !r.fields.contains_key(&spec.prompt_column)) {
-            let columns: Vec<&String> = rows[0].fields.keys().collect();
-            return Err(Error::bad_file(
-                path,
-                format!(
+    pub fn load(dataset: &DatasetSpec, spec: &PromptSpec, tokenizer: &Tokenizer) -> Result<Self> {
+        let label = dataset.label();
+        let mut rows = dataset.rows()?;
+        let mut out = Vec::new();
+        let mut skipped_long = 0;
+        for row in rows.by_ref() {
+            let row = row?;
+            if out.is_empty()
+                && skipped_long == 0
+                && spec.template.is_none()
+                && row.column(&spec.prompt_column).is_err()
+            {
+                return Err(row.error(format!(
                     "no `{}` column (columns: {}); set data.prompt_column or data.template",
                     spec.prompt_column,
-                    columns.iter().map(|c| c.as_str()).collect::<Vec<_>>().join(", ")
-                ),
-            ));
-        }
-        let mut out = Vec::with_capacity(rows.len());
-        let mut skipped_long = 0;
-        for row in rows {
-            let at = |msg: String| Error::bad_row(path, row.line, msg);
-            let prompt = build_prompt(&row, spec).map_err(at)?;
-            let ids = tokenizer.encode_prompt(&prompt).map_err(|e| at(e.to_string()))?;
+                    row.column_names()
+                )));
+            }
+            let prompt = build_prompt(&row, spec).map_err(|e| row.error(e))?;
+            let ids = tokenizer.encode_prompt(&prompt).map_err(|e| row.error(e.to_string()))?;
             if ids.is_empty() {
-                return Err(at("the prompt is empty after tokenization".into()));
+                return Err(row.error("the prompt is empty after tokenization"));
+            }
+            if spec.length_filter.is_some_and(|max| ids.len() > max) {
+                skipped_long += 1;
+                continue;
             }
             let over_max = spec
                 .max_prompt_length
@@ -129,45 +116,45 @@ impl PromptDataset {
             });
             if let Some(why) = over_max.or(over_context) {
                 if spec.error_on_long {
-                    return Err(at(why));
+                    return Err(row.error(why));
                 }
                 skipped_long += 1;
                 continue;
             }
             out.push(PromptRow { row, prompt, ids });
         }
+        rows.log_filtered(&label);
+        if out.is_empty() && skipped_long == 0 {
+            return Err(Error::Invalid(format!("{label}: {}", rows.why_empty())));
+        }
         if out.is_empty() {
-            return Err(Error::bad_file(
-                path,
-                format!("all {skipped_long} prompts are longer than max_prompt_length or the model's context"),
-            ));
+            return Err(Error::Invalid(format!(
+                "{label}: all {skipped_long} prompts are longer than max_prompt_length, filter_length or the model's context"
+            )));
         }
         if skipped_long > 0 {
             tracing::warn!(
-                "{}: skipped {skipped_long} prompts longer than max_prompt_length or the model's context",
-                path.display()
+                "{label}: skipped {skipped_long} prompts longer than max_prompt_length, filter_length or the model's context"
             );
         }
-        Ok(Self { path: path.to_path_buf(), rows: out, skipped_long })
+        Ok(Self { label, rows: out, skipped_long })
     }
 
     /// Rows whose `prompt` column (text or chat messages) is taken as it
     /// is, as `generate` and `eval` read them; a prompt with no room for
     /// its completion in `context` is an error naming its row.
     pub fn from_prompt_column(
-        path: &Path,
+        dataset: &DatasetSpec,
         tokenizer: &Tokenizer,
-        take: Option<usize>,
         context: Option<ContextRoom>,
     ) -> Result<Self> {
         let spec = PromptSpec {
             prompt_column: "prompt".into(),
-            take,
             context_room: context,
             error_on_long: true,
             ..Default::default()
         };
-        Self::load(path, &spec, tokenizer)
+        Self::load(dataset, &spec, tokenizer)
     }
 
     pub fn len(&self) -> usize {
@@ -220,10 +207,7 @@ fn build_prompt(row: &Row, spec: &PromptSpec) -> std::result::Result<Prompt, Str
     let prompt = match &spec.template {
         Some(template) => Prompt::Text(fill_template(template, row)?),
         None => {
-            let value = row
-                .fields
-                .get(&spec.prompt_column)
-                .ok_or_else(|| format!("missing column `{}`", spec.prompt_column))?;
+            let value = row.column(&spec.prompt_column)?;
             Prompt::from_value(value).map_err(|e| format!("column `{}`: {e}", spec.prompt_column))?
         }
     };
@@ -261,7 +245,10 @@ pub fn fill_template(template: &str, row: &Row) -> std::result::Result<String, S
             match row.fields.get(column) {
                 Some(Value::String(s)) => out.push_str(s),
                 Some(Value::Null) | None => {
-                    return Err(format!("template {template:?} needs column `{column}`, which this row lacks"))
+                    return Err(format!(
+                        "template {template:?} needs column `{column}`, which this row lacks (columns: {})",
+                        row.column_names()
+                    ))
                 }
                 Some(other) => out.push_str(&other.to_string()),
             }
@@ -275,10 +262,15 @@ pub fn fill_template(template: &str, row: &Row) -> std::result::Result<String, S
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::error::RowPlace;
     use serde_json::json;
 
     fn row(v: Value) -> Row {
-        Row { line: 3, fields: v.as_object().unwrap().clone() }
+        Row::new(
+            std::sync::Arc::from(std::path::Path::new("d.jsonl")),
+            RowPlace::Line(3),
+            v.as_object().unwrap().clone(),
+        )
     }
 
     #[test]
@@ -311,7 +303,7 @@ mod tests {
     #[test]
     fn batches_depend_only_on_seed_and_step_and_cover_each_epoch() {
         let ds = PromptDataset {
-            path: "x".into(),
+            label: "x".into(),
             rows: (0..10)
                 .map(|i| PromptRow { row: row(json!({"i": i})), prompt: Prompt::Text(String::new()), ids: vec![1] })
                 .collect(),

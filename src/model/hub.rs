@@ -144,6 +144,11 @@ impl HubId {
     pub fn folder_name(&self) -> String {
         format!("models--{}", self.repo.replace('/', "--"))
     }
+
+    /// The cache folder name of a dataset repo: `datasets--owner--name`.
+    pub fn dataset_folder_name(&self) -> String {
+        format!("datasets--{}", self.repo.replace('/', "--"))
+    }
 }
 
 impl std::fmt::Display for HubId {
@@ -162,8 +167,13 @@ fn is_commit_hash(s: &str) -> bool {
 /// The snapshot directory of `id` in the cache rooted at `cache_dir`, if it
 /// is there and holds a `config.json`. Reads only the file system.
 pub fn find_cached(cache_dir: &Path, id: &HubId) -> Option<PathBuf> {
-    let repo_dir = cache_dir.join(id.folder_name());
-    let revision = id.revision();
+    let snapshot = find_snapshot(&cache_dir.join(id.folder_name()), id.revision())?;
+    snapshot.join("config.json").is_file().then_some(snapshot)
+}
+
+/// The snapshot directory that `revision` names in a cached repo folder
+/// (`models--o--n`, `datasets--o--n`), if it is there.
+pub fn find_snapshot(repo_dir: &Path, revision: &str) -> Option<PathBuf> {
     let commit = if is_commit_hash(revision) {
         revision.to_string()
     } else {
@@ -174,7 +184,7 @@ pub fn find_cached(cache_dir: &Path, id: &HubId) -> Option<PathBuf> {
         return None;
     }
     let snapshot = repo_dir.join("snapshots").join(commit);
-    snapshot.join("config.json").is_file().then_some(snapshot)
+    snapshot.is_dir().then_some(snapshot)
 }
 
 /// Resolves a model argument with this process's environment; see
@@ -243,20 +253,29 @@ const DOWNLOAD_FILES: &[&str] = &[
     "added_tokens.json",
 ];
 
+/// The hub API for one repo, caching into `cache_dir`.
+#[cfg(feature = "hub")]
+pub(crate) fn hub_repo(
+    id: &HubId,
+    env: &HubEnv,
+    cache_dir: &Path,
+    kind: hf_hub::RepoType,
+) -> std::result::Result<hf_hub::api::sync::ApiRepo, String> {
+    let mut builder =
+        hf_hub::api::sync::ApiBuilder::new().with_cache_dir(cache_dir.to_path_buf()).with_token(env.token());
+    if let Some(endpoint) = &env.hf_endpoint {
+        builder = builder.with_endpoint(endpoint.trim_end_matches('/').to_string());
+    }
+    let api = builder.build().map_err(|e| format!("downloading it failed: {e}"))?;
+    Ok(api.repo(hf_hub::Repo::with_revision(id.repo.clone(), kind, id.revision().to_string())))
+}
+
 /// Downloads config, tokenizer files and safetensors weights (single file or
 /// index plus shards) into the cache and returns the snapshot directory.
 #[cfg(feature = "hub")]
 fn download(id: &HubId, env: &HubEnv, cache_dir: &Path) -> std::result::Result<PathBuf, String> {
-    use hf_hub::api::sync::ApiBuilder;
-    use hf_hub::{Repo, RepoType};
-
     let fail = |e: &dyn std::fmt::Display| format!("downloading it failed: {e}");
-    let mut builder = ApiBuilder::new().with_cache_dir(cache_dir.to_path_buf()).with_token(env.token());
-    if let Some(endpoint) = &env.hf_endpoint {
-        builder = builder.with_endpoint(endpoint.trim_end_matches('/').to_string());
-    }
-    let api = builder.build().map_err(|e| fail(&e))?;
-    let repo = api.repo(Repo::with_revision(id.repo.clone(), RepoType::Model, id.revision().to_string()));
+    let repo = hub_repo(id, env, cache_dir, hf_hub::RepoType::Model)?;
     let info = repo.info().map_err(|e| fail(&e))?;
     let present: std::collections::HashSet<&str> = info.siblings.iter().map(|s| s.rfilename.as_str()).collect();
     if !present.contains("config.json") {

@@ -58,10 +58,15 @@ pub enum LongPrompts {
 #[derive(Debug, Clone, Serialize, Deserialize)]
 #[serde(deny_unknown_fields, default)]
 pub struct DataSection {
-    /// A JSONL/JSON file of prompts, or a directory holding `<split>.jsonl` / `<split>.json`.
+    /// The prompts: a dataset file (JSONL, JSON, CSV, Parquet, Arrow, ...),
+    /// a dataset directory or `datasets` save, or a hub dataset id.
     pub path: String,
-    /// The split read from a dataset directory.
+    /// The configuration (sub-directory) of a dataset that has several.
+    pub config: Option<String>,
+    /// The split read from a dataset directory or hub dataset.
     pub split: String,
+    /// Keep only the rows this expression accepts, e.g. `language == "english"`.
+    pub filter: Option<String>,
     /// The column holding the prompt: a string, or a list of chat messages.
     pub prompt_column: String,
     /// Builds the prompt from other columns instead, e.g. "Summarize: {post}".
@@ -78,13 +83,17 @@ pub struct DataSection {
     pub max_prompt_length: Option<usize>,
     /// skip or error for prompts longer than max_prompt_length.
     pub long_prompts: LongPrompts,
+    /// Drop prompts longer than 0.9 x generation.response_length tokens.
+    pub filter_length: bool,
 }
 
 impl Default for DataSection {
     fn default() -> Self {
         Self {
             path: String::new(),
+            config: None,
             split: "train".into(),
+            filter: None,
             prompt_column: "prompt".into(),
             template: None,
             chat: false,
@@ -93,6 +102,7 @@ impl Default for DataSection {
             shuffle: true,
             max_prompt_length: None,
             long_prompts: LongPrompts::Skip,
+            filter_length: false,
         }
     }
 }

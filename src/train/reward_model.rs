@@ -4,7 +4,7 @@
 //! when starting from a causal LM). Accuracy and margin are measured on a
 //! held-out split; the result is a `*ForSequenceClassification` directory.
 
-use std::path::{Path, PathBuf};
+use std::path::PathBuf;
 
 use candle_core::{Device, Tensor};
 use serde_json::Value;
@@ -13,10 +13,10 @@ use super::config::{Schedule, SupervisedOptions};
 use super::optim::{learning_rate, AdamW, GradAccumulator, StepGuard};
 use super::run_dir::{Reuse, RunDir};
 use super::stop;
-use crate::data::jsonl::{read_rows, Row};
 use crate::data::split_eval;
+use crate::data::{DatasetSpec, Row};
 use crate::data::{Prompt, Tokenizer};
-use crate::error::{Error, Result};
+use crate::error::Result;
 use crate::generate::Rng;
 use crate::model::hub::resolve_model;
 use crate::model::ops::log_softmax_last;
@@ -27,8 +27,9 @@ use crate::reward::model::encode_pair;
 #[derive(Debug, Clone)]
 pub struct RewardTrainConfig {
     pub model: String,
-    pub dataset: String,
-    pub eval_dataset: Option<String>,
+    pub dataset: DatasetSpec,
+    /// Held-out rows; without them, `eval_fraction` of the rows are held out.
+    pub eval_dataset: Option<DatasetSpec>,
     pub eval_fraction: f64,
     pub output_dir: String,
     pub device: String,
@@ -129,29 +130,21 @@ pub fn pair_from_row(row: &Row, tok: &Tokenizer, max_length: usize) -> std::resu
 }
 
 /// `context`: the model's positions, which no sequence may exceed.
-fn load_pairs(path: &Path, tok: &Tokenizer, max_length: usize, context: Option<usize>) -> Result<Vec<Pair>> {
-    let pairs: Vec<Pair> = read_rows(path)?
+fn load_pairs(data: &DatasetSpec, tok: &Tokenizer, max_length: usize, context: Option<usize>) -> Result<Vec<Pair>> {
+    data.read_all()?
         .iter()
         .map(|row| {
-            let pair = pair_from_row(row, tok, max_length).map_err(|e| Error::bad_row(path, row.line, e))?;
+            let pair = pair_from_row(row, tok, max_length).map_err(|e| row.error(e))?;
             let longest = pair.chosen.len().max(pair.rejected.len());
             match context.filter(|&p| longest > p) {
-                Some(positions) => Err(Error::bad_row(
-                    path,
-                    row.line,
-                    format!(
-                        "{longest} tokens (after max_length = {max_length}) exceed the model's context of \
-                         {positions} positions; lower max_length"
-                    ),
-                )),
+                Some(positions) => Err(row.error(format!(
+                    "{longest} tokens (after max_length = {max_length}) exceed the model's context of \
+                     {positions} positions; lower max_length"
+                ))),
                 None => Ok(pair),
             }
         })
-        .collect::<Result<_>>()?;
-    if pairs.is_empty() {
-        return Err(Error::bad_file(path, "no preference pairs"));
-    }
-    Ok(pairs)
+        .collect()
 }
 
 /// Scores of the chosen and rejected sides: two (N,) tensors.
@@ -203,9 +196,8 @@ pub fn train_reward_model(cfg: &RewardTrainConfig) -> Result<RewardTrainSummary>
             model.set_config_key("pad_token_id", pad.into());
         }
     }
-    let train = load_pairs(Path::new(&cfg.dataset), &tok, cfg.max_length, context)?;
-    let eval =
-        cfg.eval_dataset.as_ref().map(|path| load_pairs(Path::new(path), &tok, cfg.max_length, context)).transpose()?;
+    let train = load_pairs(&cfg.dataset, &tok, cfg.max_length, context)?;
+    let eval = cfg.eval_dataset.as_ref().map(|data| load_pairs(data, &tok, cfg.max_length, context)).transpose()?;
     let (train, eval) = split_eval(train, eval, cfg.eval_fraction, &mut Rng::stream(cfg.seed, &[0x7e]));
     let mut sinks = metric_sinks(&output_dir)?;
     let mini = cfg.per_device_train_batch_size * cfg.gradient_accumulation_steps;

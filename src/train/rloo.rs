@@ -14,7 +14,8 @@ use super::optim::{learning_rate, AdamW, GradAccumulator, StepGuard};
 use super::run_dir::{Reuse, RunDir};
 use super::stop;
 use crate::algo::{self, Grouped, KlPlacement, LossStats};
-use crate::data::prompts::{resolve_split, ContextRoom, PromptDataset, PromptSpec};
+use crate::data::prompts::{length_filter, ContextRoom, PromptDataset, PromptSpec};
+use crate::data::DatasetSpec;
 use crate::data::Tokenizer;
 use crate::error::{Error, Result};
 use crate::generate::{generate, Completion, FinishReason, GenerateOptions, Rng, Sampling, StopCriteria};
@@ -411,27 +412,28 @@ impl Run {
         };
         shaping.validate()?;
 
-        let data_path = resolve_split(Path::new(&cfg.data.path), &cfg.data.split)?;
+        let source = DatasetSpec {
+            name: cfg.data.path.clone(),
+            config: cfg.data.config.clone(),
+            split: cfg.data.split.clone(),
+            filter: cfg.data.filter.clone(),
+            take: cfg.data.take,
+        };
         let spec = PromptSpec {
             prompt_column: cfg.data.prompt_column.clone(),
             template: cfg.data.template.clone(),
             chat: cfg.data.chat,
             system_prompt: cfg.data.system_prompt.clone(),
-            take: cfg.data.take,
             max_prompt_length: cfg.data.max_prompt_length,
             context_room: ContextRoom::of(policy.config(), cfg.generation.response_length),
             error_on_long: cfg.data.long_prompts == LongPrompts::Error,
+            length_filter: cfg.data.filter_length.then(|| length_filter(cfg.generation.response_length)),
         };
-        let dataset = PromptDataset::load(&data_path, &spec, &tokenizer)?;
+        let dataset = PromptDataset::load(&source, &spec, &tokenizer)?;
         let rows: Vec<_> = dataset.rows.iter().map(|r| &r.row.fields).collect();
         rewards.check_rows(&rows)?;
         let sizes = BatchSizes::new(cfg, Some(dataset.len()))?;
-        tracing::info!(
-            "{} prompts from {}; {}",
-            dataset.len(),
-            data_path.display(),
-            sizes.describe(cfg.rloo.num_ppo_epochs)
-        );
+        tracing::info!("{} prompts from {}; {}", dataset.len(), dataset.label, sizes.describe(cfg.rloo.num_ppo_epochs));
 
         if device.is_cpu() {
             let longest = dataset.rows.iter().map(|r| r.ids.len()).max().unwrap_or(0);
@@ -499,7 +501,7 @@ impl Run {
             return Err(Error::Invalid(format!(
                 "cannot resume from {}: the prompts of {} differ from those the run was trained on",
                 dir.display(),
-                self.dataset.path.display()
+                self.dataset.label
             )));
         }
         tracing::info!("resuming from {} at step {}", dir.display(), state.step);

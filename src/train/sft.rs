@@ -7,7 +7,7 @@
 //! `{"messages": [...]}` (the last assistant message is the completion), or
 //! `{"text"}` (language modelling on all tokens).
 
-use std::path::{Path, PathBuf};
+use std::path::PathBuf;
 use std::time::Instant;
 
 use candle_core::Device;
@@ -18,8 +18,8 @@ use super::config::{Schedule, SupervisedOptions};
 use super::optim::{learning_rate, AdamW, GradAccumulator, StepGuard};
 use super::run_dir::{Reuse, RunDir};
 use super::stop;
-use crate::data::jsonl::{read_rows, Row};
 use crate::data::split_eval;
+use crate::data::{DatasetSpec, Row};
 use crate::data::{Message, Prompt, Tokenizer};
 use crate::error::{Error, Result};
 use crate::generate::Rng;
@@ -32,9 +32,9 @@ use crate::report::{metric_sinks, Metrics, MetricsSink};
 #[serde(deny_unknown_fields, default)]
 pub struct SftConfig {
     pub model: String,
-    pub dataset: String,
-    /// A held-out file; without it, `eval_fraction` of the rows are held out.
-    pub eval_dataset: Option<String>,
+    pub dataset: DatasetSpec,
+    /// Held-out rows; without them, `eval_fraction` of the rows are held out.
+    pub eval_dataset: Option<DatasetSpec>,
     pub eval_fraction: f64,
     pub output_dir: String,
     pub device: String,
@@ -62,7 +62,7 @@ impl Default for SftConfig {
     fn default() -> Self {
         Self {
             model: String::new(),
-            dataset: String::new(),
+            dataset: DatasetSpec::default(),
             eval_dataset: None,
             eval_fraction: 0.0,
             output_dir: "runs/sft".into(),
@@ -191,35 +191,24 @@ impl SftConfig {
 }
 
 /// `context`: the model's positions, which no prompt + completion may exceed.
-fn load_examples(path: &Path, tok: &Tokenizer, cfg: &SftConfig, context: Option<usize>) -> Result<Vec<Example>> {
+fn load_examples(data: &DatasetSpec, tok: &Tokenizer, cfg: &SftConfig, context: Option<usize>) -> Result<Vec<Example>> {
     let mut out = Vec::new();
-    for row in read_rows(path)? {
-        let mut ex = example_from_row(&row, tok, cfg.all_tokens).map_err(|e| Error::bad_row(path, row.line, e))?;
+    for row in data.read_all()? {
+        let mut ex = example_from_row(&row, tok, cfg.all_tokens).map_err(|e| row.error(e))?;
         let room = cfg.max_length.saturating_sub(ex.prompt.len());
         if room == 0 {
-            return Err(Error::bad_row(
-                path,
-                row.line,
-                format!("the prompt alone exceeds max_length = {}", cfg.max_length),
-            ));
+            return Err(row.error(format!("the prompt alone exceeds max_length = {}", cfg.max_length)));
         }
         ex.completion.truncate(room);
         let length = ex.prompt.len() + ex.completion.len();
         if let Some(positions) = context.filter(|&p| length > p) {
-            return Err(Error::bad_row(
-                path,
-                row.line,
-                format!(
-                    "{length} tokens (after max_length = {}) exceed the model's context of {positions} positions; \
-                     lower max_length",
-                    cfg.max_length
-                ),
-            ));
+            return Err(row.error(format!(
+                "{length} tokens (after max_length = {}) exceed the model's context of {positions} positions; \
+                 lower max_length",
+                cfg.max_length
+            )));
         }
         out.push(ex);
-    }
-    if out.is_empty() {
-        return Err(Error::bad_file(path, "no rows"));
     }
     Ok(out)
 }
@@ -257,8 +246,8 @@ pub fn train_sft(cfg: &SftConfig) -> Result<SftSummary> {
     let tok = Tokenizer::from_dir(&dir)?;
     tok.check_model(model.config())?;
     let context = model.config().context_length();
-    let train = load_examples(Path::new(&cfg.dataset), &tok, cfg, context)?;
-    let eval = cfg.eval_dataset.as_ref().map(|path| load_examples(Path::new(path), &tok, cfg, context)).transpose()?;
+    let train = load_examples(&cfg.dataset, &tok, cfg, context)?;
+    let eval = cfg.eval_dataset.as_ref().map(|data| load_examples(data, &tok, cfg, context)).transpose()?;
     let (train, eval) = split_eval(train, eval, cfg.eval_fraction, &mut Rng::stream(cfg.seed, &[0x5f7]));
     let mut sinks = metric_sinks(&output_dir)?;
 
