@@ -27,6 +27,9 @@ pub struct InspectArgs {
     /// Rows to print.
     #[arg(long, default_value_t = 3)]
     rows: usize,
+    /// Read only the first N rows (after the filter): the count and lengths cover those.
+    #[arg(long)]
+    take: Option<usize>,
     /// Count tokens of --column with this model's tokenizer (a directory or hub id).
     #[arg(long)]
     tokenizer: Option<String>,
@@ -86,7 +89,7 @@ pub fn run(cmd: DataCommand) -> Result<()> {
     match cmd {
         DataCommand::Inspect(a) => {
             let opts = InspectOptions {
-                dataset: a.data.spec(&a.name, "train", None),
+                dataset: a.data.spec(&a.name, "train", a.take),
                 rows: a.rows,
                 tokenizer: a.tokenizer,
                 column: a.column,
