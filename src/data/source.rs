@@ -246,7 +246,7 @@ fn list_files(dir: &Path) -> Vec<String> {
             let path = entry.path();
             if path.is_dir() && depth > 0 {
                 walk(&path, &format!("{rel}/"), depth - 1, out);
-            } else if path.is_file() && format_of(&name).is_some() {
+            } else if path.is_file() && is_data_file(&name) {
                 out.push(rel);
             }
         }
@@ -255,6 +255,13 @@ fn list_files(dir: &Path) -> Vec<String> {
     walk(dir, "", 3, &mut out);
     out.sort();
     out
+}
+
+/// Whether a file name is a dataset file's, not the metadata that
+/// `datasets` writes beside them.
+fn is_data_file(name: &str) -> bool {
+    const METADATA: [&str; 4] = ["dataset_info.json", "dataset_infos.json", "dataset_dict.json", "state.json"];
+    format_of(name).is_some() && !METADATA.contains(&name)
 }
 
 /// The split a data file belongs to, with `rel` taken inside a
@@ -395,7 +402,7 @@ fn download(id: &HubId, env: &HubEnv, cache_dir: &Path, spec: &DatasetSpec) -> s
         .siblings
         .into_iter()
         .map(|s| s.rfilename)
-        .filter(|f| f.rsplit('/').next().and_then(format_of).is_some())
+        .filter(|f| is_data_file(f.rsplit('/').next().unwrap_or(f)))
         .collect();
     let chosen = select(&files, spec.config.as_deref(), &spec.split)?;
     let mut snapshot = None;
