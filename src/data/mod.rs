@@ -41,9 +41,14 @@ pub fn split_eval<T>(
 /// row stays for training): returns (train, held out).
 pub fn hold_out<T>(rows: Vec<T>, fraction: f64, rng: &mut crate::generate::Rng) -> (Vec<T>, Vec<T>) {
     let held = ((fraction * rows.len() as f64).round() as usize).min(rows.len().saturating_sub(1));
-    let order = rng.permutation(rows.len());
-    let mut slots: Vec<Option<T>> = rows.into_iter().map(Some).collect();
-    let mut shuffled: Vec<T> = order.iter().filter_map(|&i| slots[i].take()).collect();
+    let mut shuffled = shuffle(rows, rng);
     let eval = shuffled.split_off(shuffled.len() - held);
     (shuffled, eval)
+}
+
+/// `rows` in an order drawn from `rng`.
+pub fn shuffle<T>(rows: Vec<T>, rng: &mut crate::generate::Rng) -> Vec<T> {
+    let order = rng.permutation(rows.len());
+    let mut slots: Vec<Option<T>> = rows.into_iter().map(Some).collect();
+    order.iter().filter_map(|&i| slots[i].take()).collect()
 }

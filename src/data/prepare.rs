@@ -19,7 +19,7 @@ use serde_json::{json, Value};
 
 use super::recipes::{Answers, Example, Recipe, RecipeOptions};
 use super::source::DatasetSpec;
-use super::{hold_out, JsonlWriter, Prompt, Tokenizer};
+use super::{hold_out, shuffle, JsonlWriter, Prompt, Tokenizer};
 use crate::error::{Error, Result};
 use crate::generate::Rng;
 use crate::reward::model::encode_pair;
@@ -60,6 +60,10 @@ pub struct SplitReport {
 }
 
 const KINDS: [&str; 3] = ["preference", "sft", "prompts"];
+
+/// Random streams of the seed: each split's shuffle, the validation hold-out.
+const SHUFFLE_STREAM: u64 = 0x5b0f;
+const VALIDATION_STREAM: u64 = 0x7a1d;
 
 /// Runs the recipe and writes the files; returns each split's report.
 pub fn prepare(opts: &PrepareOptions) -> Result<BTreeMap<String, SplitReport>> {
@@ -111,11 +115,9 @@ pub fn prepare(opts: &PrepareOptions) -> Result<BTreeMap<String, SplitReport>> {
     }
     for (split, rows) in examples.iter_mut() {
         let report = reports.get_mut(split).expect("a report per split");
-        let mut rng = Rng::stream(opts.seed, &[0xda7a, split.len() as u64]);
         if opts.shuffle {
-            let order = rng.permutation(rows.len());
-            let mut slots: Vec<Option<Example>> = std::mem::take(rows).into_iter().map(Some).collect();
-            *rows = order.into_iter().filter_map(|i| slots[i].take()).collect();
+            let split_key = split.bytes().fold(0u64, |h, b| h.wrapping_mul(0x100_0000_01b3) ^ b as u64);
+            *rows = shuffle(std::mem::take(rows), &mut Rng::stream(opts.seed, &[SHUFFLE_STREAM, split_key]));
         }
         let mut skip = |why: &str, n: usize| {
             if n > 0 {
@@ -155,7 +157,7 @@ pub fn prepare(opts: &PrepareOptions) -> Result<BTreeMap<String, SplitReport>> {
         }
         let train = examples.remove("train").expect("checked above");
         let (train, validation) =
-            hold_out(train, opts.validation_percentage / 100.0, &mut Rng::stream(opts.seed, &[0x7a1d]));
+            hold_out(train, opts.validation_percentage / 100.0, &mut Rng::stream(opts.seed, &[VALIDATION_STREAM]));
         examples.insert("train".into(), train);
         reports.insert("validation".into(), SplitReport::default());
         examples.insert("validation".into(), validation);
