@@ -375,3 +375,78 @@ fn train_reads_a_cached_hub_dataset_through_a_filter() {
     let log = String::from_utf8_lossy(&refused.stderr);
     assert!(log.contains("all 4 prompts are longer than max_prompt_length, filter_length"), "{log}");
 }
+
+/// A stand-in for the hub's dataset API serving `files` of `org/remote`:
+/// the repo listing, and each file by byte range with the headers
+/// `hf-hub` reads. Returns its URL and the paths it was asked for.
+fn stub_hub(files: Vec<(&'static str, Vec<u8>)>) -> (String, std::sync::Arc<std::sync::Mutex<Vec<String>>>) {
+    let server = tiny_http::Server::http("127.0.0.1:0").unwrap();
+    let url = format!("http://{}", server.server_addr().to_ip().unwrap());
+    let asked = std::sync::Arc::new(std::sync::Mutex::new(Vec::new()));
+    let log = asked.clone();
+    std::thread::spawn(move || {
+        let header = |k: &str, v: &str| tiny_http::Header::from_bytes(k.as_bytes(), v.as_bytes()).unwrap();
+        for request in server.incoming_requests() {
+            let path = request.url().to_string();
+            log.lock().unwrap().push(path.clone());
+            if path == "/api/datasets/org/remote/revision/main" {
+                let siblings: Vec<Value> = files.iter().map(|(name, _)| json!({"rfilename": name})).collect();
+                let body = json!({"sha": "f".repeat(40), "siblings": siblings}).to_string();
+                request.respond(tiny_http::Response::from_string(body)).unwrap();
+                continue;
+            }
+            let file = path.strip_prefix("/datasets/org/remote/resolve/main/");
+            let Some((_, bytes)) = files.iter().find(|(name, _)| Some(*name) == file) else {
+                request.respond(tiny_http::Response::empty(404)).unwrap();
+                continue;
+            };
+            let range = request.headers().iter().find(|h| h.field.equiv("Range")).map(|h| h.value.to_string());
+            let (start, end) = match range.as_deref().and_then(|r| r.strip_prefix("bytes=")) {
+                Some(r) => {
+                    let (a, b) = r.split_once('-').unwrap();
+                    (a.parse().unwrap(), b.parse().map_or(bytes.len(), |b: usize| b + 1))
+                }
+                None => (0, bytes.len()),
+            };
+            let response = tiny_http::Response::from_data(bytes[start..end].to_vec())
+                .with_status_code(206)
+                .with_header(header("Content-Range", &format!("bytes {start}-{}/{}", end - 1, bytes.len())))
+                .with_header(header("ETag", &format!("\"etag{}\"", bytes.len())))
+                .with_header(header("X-Repo-Commit", &"f".repeat(40)));
+            request.respond(response).unwrap();
+        }
+    });
+    (url, asked)
+}
+
+#[test]
+fn hub_datasets_download_only_the_split_they_read() {
+    let snapshot = data("hub/datasets--org--tiny/snapshots/0123456789abcdef0123456789abcdef01234567");
+    let read = |rel: &str| std::fs::read(snapshot.join(rel)).unwrap();
+    let (url, asked) = stub_hub(vec![
+        ("README.md", b"# remote\n".to_vec()),
+        ("data/train-00000-of-00002.parquet", read("data/train-00000-of-00002.parquet")),
+        ("data/train-00001-of-00002.parquet", read("data/train-00001-of-00002.parquet")),
+        ("data/test-00000-of-00001.parquet", read("data/test-00000-of-00001.parquet")),
+    ]);
+    let cache = tempfile::tempdir().unwrap();
+    let inspect = |offline: &str| {
+        Command::new(env!("CARGO_BIN_EXE_rloo"))
+            .args(["data", "inspect", "org/remote", "--rows", "0"])
+            .env("HF_HUB_CACHE", cache.path())
+            .env("HF_ENDPOINT", &url)
+            .env("HF_HUB_OFFLINE", offline)
+            .output()
+            .unwrap()
+    };
+    let out = inspect("0");
+    let text = String::from_utf8_lossy(&out.stdout);
+    assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
+    assert!(text.contains("rows: 5\n"), "{text}");
+    let paths = asked.lock().unwrap().clone();
+    assert!(paths.iter().all(|p| !p.contains("test-") && !p.contains("README")), "{paths:?}");
+    // Now in the cache: read again with downloads off.
+    let again = inspect("1");
+    assert!(again.status.success(), "{}", String::from_utf8_lossy(&again.stderr));
+    assert!(String::from_utf8_lossy(&again.stdout).contains("rows: 5\n"));
+}
