@@ -34,12 +34,8 @@ pub struct Spread {
 impl Spread {
     pub fn of(xs: impl IntoIterator<Item = f64>) -> Option<Self> {
         let xs: Vec<f64> = xs.into_iter().collect();
-        if xs.is_empty() {
-            return None;
-        }
-        let mean = xs.iter().sum::<f64>() / xs.len() as f64;
-        let var = xs.iter().map(|x| (x - mean).powi(2)).sum::<f64>() / xs.len() as f64;
-        Some(Self { mean, std: var.sqrt() })
+        let (mean, std) = crate::stats::mean_std(&xs, crate::stats::Deviation::Population)?;
+        Some(Self { mean, std })
     }
 }
 
@@ -181,7 +177,7 @@ pub fn win_rate(judge: &RewardSet, prompts: &PromptDataset, a: &ModelReport, b: 
     if outcomes.is_empty() {
         return Err(Error::Invalid("the judge scored no pair of completions".into()));
     }
-    Ok(outcomes.iter().sum::<f64>() / outcomes.len() as f64)
+    Ok(crate::stats::mean(&outcomes).expect("checked non-empty"))
 }
 
 /// What would otherwise fail late or measure nothing: a model that cannot
@@ -313,7 +309,7 @@ pub fn judged_win_rate(
             "the judge gave no readable verdict: {unparsable} answers without a score, {failed} failed requests"
         )));
     }
-    let win_rate = outcomes.iter().sum::<f64>() / outcomes.len() as f64;
+    let win_rate = crate::stats::mean(&outcomes).expect("checked non-empty");
     let summary =
         JudgedWinRate { win_rate, pairs: pairs.len(), verdicts: outcomes.len(), unparsable, failed, missing_reference };
     Ok((summary, record))

@@ -16,6 +16,7 @@ pub mod pipeline;
 pub mod report;
 pub mod reward;
 pub mod service;
+pub mod stats;
 pub mod task;
 pub mod train;
 

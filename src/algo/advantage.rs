@@ -3,6 +3,7 @@
 use serde::{Deserialize, Serialize};
 
 use super::groups::Grouped;
+use super::kl::KlPlacement;
 
 /// What is subtracted from a sample's return.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default, Serialize, Deserialize)]
@@ -36,7 +37,7 @@ pub struct Advantages {
 pub fn advantages(returns: &Grouped<Option<f32>>, baseline: Baseline) -> Advantages {
     let mut degenerate_groups = 0;
     let scorable: Vec<f64> = returns.flat().iter().flatten().map(|&r| r as f64).collect();
-    let batch_mean = if scorable.is_empty() { 0.0 } else { scorable.iter().sum::<f64>() / scorable.len() as f64 };
+    let batch_mean = crate::stats::mean(&scorable).unwrap_or(0.0);
     let mut values = Vec::with_capacity(returns.len());
     for group in returns.groups() {
         let n = group.iter().flatten().count();
@@ -67,14 +68,51 @@ pub fn whiten(values: &mut [f32], included: &[bool]) {
     if xs.len() < 2 {
         return;
     }
-    let mean = xs.iter().sum::<f64>() / xs.len() as f64;
-    let var = xs.iter().map(|x| (x - mean).powi(2)).sum::<f64>() / (xs.len() - 1) as f64;
-    let std = var.sqrt();
+    let (mean, std) = crate::stats::mean_std(&xs, crate::stats::Deviation::Sample).expect("two or more values");
     for (v, &inc) in values.iter_mut().zip(included) {
         if inc {
             *v = ((*v as f64 - mean) / (std + 1e-8)) as f32;
         }
     }
+}
+
+/// How a step's returns and advantages are formed.
+#[derive(Debug, Clone, Copy)]
+pub struct ReturnOptions {
+    /// beta.
+    pub kl_coef: f32,
+    pub kl_placement: KlPlacement,
+    pub baseline: Baseline,
+    /// Whiten the advantages over the batch.
+    pub normalize: bool,
+}
+
+/// Returns `R_i = s_i - beta * KL_i` (KL in the reward; `R = s` when the
+/// KL goes to the loss) and their advantages over each prompt's group,
+/// whitened over the batch when asked. `scores` and `seq_kl` are laid out
+/// `[prompts][k]`.
+pub fn returns_and_advantages(
+    scores: &[Option<f32>],
+    seq_kl: &[f32],
+    k: usize,
+    opts: &ReturnOptions,
+) -> (Vec<Option<f32>>, Advantages) {
+    let returns: Vec<Option<f32>> = scores
+        .iter()
+        .zip(seq_kl)
+        .map(|(s, kl)| match opts.kl_placement {
+            KlPlacement::Reward => s.map(|s| s - opts.kl_coef * kl),
+            KlPlacement::Loss => *s,
+        })
+        .collect();
+    let mut adv = advantages(&Grouped::new(k, returns.clone()), opts.baseline);
+    if opts.normalize {
+        let scorable: Vec<bool> = returns.iter().map(Option::is_some).collect();
+        let mut values = adv.values.into_flat();
+        whiten(&mut values, &scorable);
+        adv.values = Grouped::new(k, values);
+    }
+    (returns, adv)
 }
 
 #[cfg(test)]
@@ -135,5 +173,26 @@ mod tests {
         whiten(&mut v, &[true, false, true, true]);
         // mean 3, unbiased std 2
         assert!((v[0] + 1.0).abs() < 1e-6 && v[1] == 0.0 && v[2].abs() < 1e-6 && (v[3] - 1.0).abs() < 1e-6);
+    }
+
+    #[test]
+    fn returns_and_advantages_of_the_worked_example() {
+        let scores: Vec<Option<f32>> = worked_example().into_flat();
+        let opts = ReturnOptions {
+            kl_coef: 0.5,
+            kl_placement: KlPlacement::Reward,
+            baseline: Baseline::LeaveOneOut,
+            normalize: false,
+        };
+        let (returns, adv) = returns_and_advantages(&scores, &[0.0; 12], 4, &opts);
+        assert_eq!(returns, scores);
+        assert!((adv.values.group(0)[0] + 4.0).abs() < 1e-6);
+        assert!((adv.values.group(1)[2] - 1.333_333).abs() < 1e-5);
+        // KL in the reward: R = s - beta * KL.
+        let kl: Vec<f32> = (0..12).map(|i| i as f32).collect();
+        let (returns, _) = returns_and_advantages(&scores, &kl, 4, &opts);
+        assert_eq!(returns[5], Some(3.0 - 0.5 * 5.0));
+        let loss_placed = ReturnOptions { kl_placement: KlPlacement::Loss, ..opts };
+        assert_eq!(returns_and_advantages(&scores, &kl, 4, &loss_placed).0, scores);
     }
 }

@@ -6,7 +6,7 @@ pub mod groups;
 pub mod kl;
 pub mod loss;
 
-pub use advantage::{advantages, whiten, Advantages, Baseline};
+pub use advantage::{advantages, returns_and_advantages, whiten, Advantages, Baseline, ReturnOptions};
 pub use groups::Grouped;
 pub use kl::{kl_per_token, sequence_kl, KlEstimator, KlPlacement};
 pub use loss::{loss_denominator, masked_mean_loss, policy_loss, Aggregation, LossStats, PolicyLoss, RatioLevel};

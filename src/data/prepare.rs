@@ -21,6 +21,7 @@ use super::recipes::{Answers, Example, Recipe, RecipeOptions};
 use super::source::DatasetSpec;
 use super::{hold_out, shuffle, JsonlWriter, Prompt, Tokenizer};
 use crate::error::{Error, Result};
+use crate::generate::rng::streams;
 use crate::generate::Rng;
 use crate::reward::model::encode_pair;
 
@@ -60,10 +61,6 @@ pub struct SplitReport {
 }
 
 const KINDS: [&str; 3] = ["preference", "sft", "prompts"];
-
-/// Random streams of the seed: each split's shuffle, the validation hold-out.
-const SHUFFLE_STREAM: u64 = 0x5b0f;
-const VALIDATION_STREAM: u64 = 0x7a1d;
 
 /// Runs the recipe and writes the files; returns each split's report.
 pub fn prepare(opts: &PrepareOptions) -> Result<BTreeMap<String, SplitReport>> {
@@ -117,7 +114,7 @@ pub fn prepare(opts: &PrepareOptions) -> Result<BTreeMap<String, SplitReport>> {
         let report = reports.get_mut(split).expect("a report per split");
         if opts.shuffle {
             let split_key = split.bytes().fold(0u64, |h, b| h.wrapping_mul(0x100_0000_01b3) ^ b as u64);
-            *rows = shuffle(std::mem::take(rows), &mut Rng::stream(opts.seed, &[SHUFFLE_STREAM, split_key]));
+            *rows = shuffle(std::mem::take(rows), &mut Rng::stream(opts.seed, &[streams::PREPARE_SHUFFLE, split_key]));
         }
         let mut skip = |why: &str, n: usize| {
             if n > 0 {
@@ -156,8 +153,11 @@ pub fn prepare(opts: &PrepareOptions) -> Result<BTreeMap<String, SplitReport>> {
             )));
         }
         let train = examples.remove("train").expect("checked above");
-        let (train, validation) =
-            hold_out(train, opts.validation_percentage / 100.0, &mut Rng::stream(opts.seed, &[VALIDATION_STREAM]));
+        let (train, validation) = hold_out(
+            train,
+            opts.validation_percentage / 100.0,
+            &mut Rng::stream(opts.seed, &[streams::PREPARE_VALIDATION]),
+        );
         examples.insert("train".into(), train);
         reports.insert("validation".into(), SplitReport::default());
         examples.insert("validation".into(), validation);

@@ -11,6 +11,7 @@ use super::rows::Row;
 use super::source::DatasetSpec;
 use super::tokenizer::Tokenizer;
 use crate::error::{Error, Result};
+use crate::generate::rng::streams;
 use crate::generate::Rng;
 
 /// How rows become prompts.
@@ -195,7 +196,8 @@ impl PromptDataset {
                     return pos;
                 }
                 if epoch_order.as_ref().map(|(e, _)| *e) != Some(epoch) {
-                    epoch_order = Some((epoch, Rng::stream(seed, &[0x5eed_da7a, epoch as u64]).permutation(len)));
+                    epoch_order =
+                        Some((epoch, Rng::stream(seed, &[streams::PROMPT_ORDER, epoch as u64]).permutation(len)));
                 }
                 epoch_order.as_ref().map_or(pos, |(_, order)| order[pos])
             })

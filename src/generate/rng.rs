@@ -67,6 +67,33 @@ impl Rng {
     }
 }
 
+/// The random streams drawn from a run's seed (the first word of
+/// [`Rng::stream`]'s path), one name each, so that no two uses share a
+/// stream by accident.
+pub mod streams {
+    /// RLOO: the sampler's seed of each rollout step (with the step).
+    pub const ROLLOUT_SAMPLING: u64 = 0x6e6e;
+    /// RLOO: the mini-batch order (with the step and the epoch).
+    pub const MINIBATCH_ORDER: u64 = 0x0b5e;
+    /// The prompts' order in each epoch (with the epoch).
+    pub const PROMPT_ORDER: u64 = 0x5eed_da7a;
+    /// SFT: the held-out rows, and each epoch's order (with the epoch + 1).
+    pub const SFT_DATA: u64 = 0x5f7;
+    /// Reward-model training: the held-out pairs and each epoch's order.
+    pub const REWARD_DATA: u64 = 0x7e;
+    /// A new sequence-classification head.
+    pub const SCORE_HEAD_INIT: u64 = 0x5c0e;
+    /// Randomly initialised weights (the built-in task's policy).
+    pub const WEIGHT_INIT: u64 = 0x1a17;
+    /// The built-in task's rows, and its held-out titles.
+    pub const TASK_DATA: u64 = 0x1bdb;
+    pub const TASK_EVAL: u64 = 0xe7a1;
+    /// `rloo data prepare`: each split's shuffle (with a hash of its name),
+    /// and the validation hold-out.
+    pub const PREPARE_SHUFFLE: u64 = 0x5b0f;
+    pub const PREPARE_VALIDATION: u64 = 0x7a1d;
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;

@@ -196,7 +196,7 @@ impl Model {
         if let (HeadKind::SequenceClassification { num_labels }, Some(seed)) = (config.head, seed) {
             if !files.contains("score.weight") {
                 let std = config.raw.get("initializer_range").and_then(serde_json::Value::as_f64).unwrap_or(0.02);
-                let mut rng = crate::generate::Rng::stream(seed, &[0x5c0e]);
+                let mut rng = crate::generate::Rng::stream(seed, &[crate::generate::rng::streams::SCORE_HEAD_INIT]);
                 let n = num_labels * config.hidden_size();
                 let values: Vec<f32> = (0..n).map(|_| (rng.normal() * std) as f32).collect();
                 source.add_fresh(

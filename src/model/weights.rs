@@ -214,7 +214,7 @@ impl<'a> Source<'a> {
         Source::Random {
             device: device.clone(),
             std,
-            rng: RefCell::new(Rng::stream(seed, &[0x1a17])),
+            rng: RefCell::new(Rng::stream(seed, &[crate::generate::rng::streams::WEIGHT_INIT])),
             store: RefCell::new(ParamStore::default()),
         }
     }

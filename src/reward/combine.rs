@@ -11,6 +11,7 @@ use serde::{Deserialize, Serialize};
 
 use super::{drop_non_finite, RewardSource, Sample};
 use crate::error::{Error, Result};
+use crate::stats::Deviation;
 
 /// Weighted reward sources with distinct names.
 #[derive(Default)]
@@ -159,9 +160,9 @@ impl Scores {
     pub fn metrics(&self) -> Vec<(String, f32)> {
         let mut out = Vec::new();
         for (name, scores) in &self.per_source {
-            if let Some((mean, var)) = mean_var(scores, false) {
+            if let Some((mean, std)) = mean_std(scores, Deviation::Population) {
                 out.push((format!("rewards/{name}/mean"), mean as f32));
-                out.push((format!("rewards/{name}/std"), var.sqrt() as f32));
+                out.push((format!("rewards/{name}/std"), std as f32));
             }
         }
         for (name, stats) in &self.calls {
@@ -171,22 +172,11 @@ impl Scores {
     }
 }
 
-/// Mean and variance of the scored entries (f64 accumulation), `None` when
-/// there are none; `unbiased` divides by `n - 1` (and gives 0 for `n = 1`).
-fn mean_var(scores: &[Option<f32>], unbiased: bool) -> Option<(f64, f64)> {
+/// Mean and standard deviation of the scored entries, `None` when there
+/// are none.
+fn mean_std(scores: &[Option<f32>], deviation: Deviation) -> Option<(f64, f64)> {
     let xs: Vec<f64> = scores.iter().flatten().map(|&x| x as f64).collect();
-    let n = xs.len();
-    if n == 0 {
-        return None;
-    }
-    let mean = xs.iter().sum::<f64>() / n as f64;
-    let ss: f64 = xs.iter().map(|x| (x - mean).powi(2)).sum();
-    let var = match (unbiased, n) {
-        (true, 1) => 0.0,
-        (true, n) => ss / (n - 1) as f64,
-        (false, n) => ss / n as f64,
-    };
-    Some((mean, var))
+    crate::stats::mean_std(&xs, deviation)
 }
 
 /// `s_i - penalty` for each completion that did not end with a stop/EOS
@@ -201,10 +191,10 @@ pub fn missing_eos_penalty(scores: &[Option<f32>], ended_with_eos: &[bool], pena
 /// `torch.std` in TRL's `normalize_reward`. One scorable sample becomes 0
 /// (where torch would give NaN); unscorable samples stay `None`.
 pub fn normalize(scores: &[Option<f32>]) -> Vec<Option<f32>> {
-    let Some((mean, var)) = mean_var(scores, true) else {
+    let Some((mean, std)) = mean_std(scores, Deviation::Sample) else {
         return scores.to_vec();
     };
-    let denom = var.sqrt() + 1e-8;
+    let denom = std + 1e-8;
     scores.iter().map(|s| s.map(|s| ((s as f64 - mean) / denom) as f32)).collect()
 }
 

@@ -36,21 +36,12 @@ impl CallStats {
         let mut sorted = self.latencies.clone();
         sorted.sort_by(f64::total_cmp);
         for (label, q) in [("p50", 0.5), ("p95", 0.95)] {
-            if let Some(x) = percentile(&sorted, q) {
+            if let Some(x) = crate::stats::percentile(&sorted, q) {
                 out.push((format!("rewards/{name}/latency_s/{label}"), x as f32));
             }
         }
         out
     }
-}
-
-/// The nearest-rank percentile of sorted values.
-pub fn percentile(sorted: &[f64], q: f64) -> Option<f64> {
-    if sorted.is_empty() {
-        return None;
-    }
-    let rank = (q * sorted.len() as f64).ceil() as usize;
-    Some(sorted[rank.clamp(1, sorted.len()) - 1])
 }
 
 /// The failure budget of one source and the stats of its last step.
@@ -195,15 +186,6 @@ mod tests {
             .unwrap_err()
             .starts_with("score 1 must be a number or null"));
         assert!(read_scores(&json!({"scores": 3}), 1).unwrap_err().starts_with("\"scores\" must be a list"));
-    }
-
-    #[test]
-    fn percentiles_are_nearest_rank() {
-        let xs: Vec<f64> = (1..=20).map(f64::from).collect();
-        assert_eq!(percentile(&xs, 0.5), Some(10.0));
-        assert_eq!(percentile(&xs, 0.95), Some(19.0));
-        assert_eq!(percentile(&[3.0], 0.95), Some(3.0));
-        assert_eq!(percentile(&[], 0.5), None);
     }
 
     #[test]

@@ -8,6 +8,7 @@
 
 use serde_json::json;
 
+use crate::generate::rng::streams;
 use crate::generate::Rng;
 
 pub const POSITIVE: &[&str] = &[
@@ -93,7 +94,7 @@ pub struct TaskData {
 
 /// Generates the task deterministically from `seed`.
 pub fn generate(seed: u64, sft: usize, preferences: usize, prompts: usize, eval_prompts: usize) -> TaskData {
-    let mut rng = Rng::stream(seed, &[0x1bdb]);
+    let mut rng = Rng::stream(seed, &[streams::TASK_DATA]);
     let mut seen = std::collections::BTreeSet::new();
     let mut split = |n: usize, make: &mut dyn FnMut(&mut Rng, &str) -> serde_json::Value| -> Vec<serde_json::Value> {
         (0..n)
@@ -114,7 +115,7 @@ pub fn generate(seed: u64, sft: usize, preferences: usize, prompts: usize, eval_
     );
     let prompts = split(prompts, &mut |_, t| json!({"prompt": prompt(t)}));
     // Held-out titles: a second word order no training title uses.
-    let mut eval_rng = Rng::stream(seed, &[0xe7a1]);
+    let mut eval_rng = Rng::stream(seed, &[streams::TASK_EVAL]);
     let eval_prompts = (0..eval_prompts)
         .map(|_| {
             let t = format!("{} in {}", pick(&mut eval_rng, SUBJECTS), pick(&mut eval_rng, PLACES));

@@ -176,6 +176,18 @@ pub struct RlooSection {
     pub recompute_old_logprobs: bool,
 }
 
+impl RlooSection {
+    /// The options of [`algo::returns_and_advantages`](crate::algo::returns_and_advantages).
+    pub fn return_options(&self) -> crate::algo::ReturnOptions {
+        crate::algo::ReturnOptions {
+            kl_coef: self.kl_coef as f32,
+            kl_placement: self.kl_placement,
+            baseline: self.baseline,
+            normalize: self.normalize_advantage,
+        }
+    }
+}
+
 impl Default for RlooSection {
     fn default() -> Self {
         Self {

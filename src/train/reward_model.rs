@@ -17,6 +17,7 @@ use crate::data::split_eval;
 use crate::data::{DatasetSpec, Row};
 use crate::data::{Prompt, Tokenizer};
 use crate::error::Result;
+use crate::generate::rng::streams;
 use crate::generate::Rng;
 use crate::model::hub::resolve_model;
 use crate::model::ops::log_softmax_last;
@@ -198,7 +199,7 @@ pub fn train_reward_model(cfg: &RewardTrainConfig) -> Result<RewardTrainSummary>
     }
     let train = load_pairs(&cfg.dataset, &tok, cfg.max_length, context)?;
     let eval = cfg.eval_dataset.as_ref().map(|data| load_pairs(data, &tok, cfg.max_length, context)).transpose()?;
-    let (train, eval) = split_eval(train, eval, cfg.eval_fraction, &mut Rng::stream(cfg.seed, &[0x7e]));
+    let (train, eval) = split_eval(train, eval, cfg.eval_fraction, &mut Rng::stream(cfg.seed, &[streams::REWARD_DATA]));
     let mut sinks = metric_sinks(&output_dir)?;
     let mini = cfg.per_device_train_batch_size * cfg.gradient_accumulation_steps;
     let steps_per_epoch = train.len().div_ceil(mini);
@@ -210,7 +211,7 @@ pub fn train_reward_model(cfg: &RewardTrainConfig) -> Result<RewardTrainSummary>
     let mut guard = StepGuard::new(cfg.max_skipped_steps);
     let (mut step, mut skipped, mut last_eval) = (0usize, 0usize, None);
     for epoch in 0..cfg.num_train_epochs {
-        let order = Rng::stream(cfg.seed, &[0x7e, epoch as u64 + 1]).permutation(train.len());
+        let order = Rng::stream(cfg.seed, &[streams::REWARD_DATA, epoch as u64 + 1]).permutation(train.len());
         for batch in order.chunks(mini) {
             grads.clear();
             let (mut loss_sum, mut correct) = (0f64, 0usize);

@@ -9,7 +9,7 @@ use std::time::Instant;
 use candle_core::{Device, Tensor};
 
 use super::checkpoint::{self, TrainerState};
-use super::config::{BatchSizes, LongPrompts, RlooSection, TrainConfig};
+use super::config::{BatchSizes, LongPrompts, TrainConfig};
 use super::optim::{learning_rate, AdamW, GradAccumulator, StepGuard};
 use super::run_dir::{Reuse, RunDir};
 use super::stop;
@@ -18,6 +18,7 @@ use crate::data::prompts::{length_filter, ContextRoom, PromptDataset, PromptSpec
 use crate::data::DatasetSpec;
 use crate::data::Tokenizer;
 use crate::error::{Error, Result};
+use crate::generate::rng::streams;
 use crate::generate::{generate, Completion, FinishReason, GenerateOptions, Rng, Sampling, StopCriteria};
 use crate::io::write_atomic;
 use crate::model::hub::resolve_model;
@@ -253,7 +254,7 @@ pub fn train(cfg: &TrainConfig) -> Result<RunSummary> {
             }
             None => vec![0.0; seqs.len()],
         };
-        let (returns, adv) = returns_and_advantages(&shaped, &seq_kl, sizes.k, &cfg.rloo);
+        let (returns, adv) = algo::returns_and_advantages(&shaped, &seq_kl, sizes.k, &cfg.rloo.return_options());
 
         // 5. Optimise: epochs x shuffled mini-batches, accumulated over micro-batches.
         let t3 = Instant::now();
@@ -542,7 +543,7 @@ impl Run {
             self.dataset.batch(step, self.sizes.prompts_per_batch, self.cfg.train.seed, self.cfg.data.shuffle);
         let prompts: Vec<Vec<u32>> = prompt_rows.iter().map(|&i| self.dataset.rows[i].ids.clone()).collect();
         let mut opts = self.generation.clone();
-        opts.seed = Rng::stream(self.cfg.train.seed, &[0x6e6e, step as u64]).next_u64();
+        opts.seed = Rng::stream(self.cfg.train.seed, &[streams::ROLLOUT_SAMPLING, step as u64]).next_u64();
         let mut done: Vec<Completion> = Vec::with_capacity(self.sizes.batch);
         generate(self.policy.frozen(), &prompts, &opts, Some(&self.tokenizer), &self.device, &mut |_| {}, &mut |c| {
             done.push(c);
@@ -591,7 +592,8 @@ impl Run {
         let mut stats = TrainStats::default();
         let mut grads = GradAccumulator::default();
         for epoch in 0..cfg.rloo.num_ppo_epochs {
-            let order = Rng::stream(cfg.train.seed, &[0x0b5e, step as u64, epoch as u64]).permutation(seqs.len());
+            let order = Rng::stream(cfg.train.seed, &[streams::MINIBATCH_ORDER, step as u64, epoch as u64])
+                .permutation(seqs.len());
             for mini in order.chunks(sizes.mini) {
                 let mini_mask = rows_of(&old.mask, mini)?;
                 let denominator = algo::loss_denominator(&mini_mask, cfg.rloo.ratio, cfg.rloo.aggregation)?;
@@ -678,35 +680,6 @@ fn sampler_logprobs(completions: &[Completion], seqs: &Sequences, device: &Devic
         entropy: padded(|c| &c.entropies)?,
         mask: seqs.mask(device)?,
     })
-}
-
-/// Returns `R_i = s_i - beta * KL_i` (KL in the reward; `R = s` when the
-/// KL goes to the loss) and their advantages over each prompt's group,
-/// whitened over the batch when asked. `scores` and `seq_kl` are laid out
-/// `[prompts][k]`.
-pub fn returns_and_advantages(
-    scores: &[Option<f32>],
-    seq_kl: &[f32],
-    k: usize,
-    rloo: &RlooSection,
-) -> (Vec<Option<f32>>, algo::Advantages) {
-    let beta = rloo.kl_coef as f32;
-    let returns: Vec<Option<f32>> = scores
-        .iter()
-        .zip(seq_kl)
-        .map(|(s, kl)| match rloo.kl_placement {
-            KlPlacement::Reward => s.map(|s| s - beta * kl),
-            KlPlacement::Loss => *s,
-        })
-        .collect();
-    let mut adv = algo::advantages(&Grouped::new(k, returns.clone()), rloo.baseline);
-    if rloo.normalize_advantage {
-        let scorable: Vec<bool> = returns.iter().map(Option::is_some).collect();
-        let mut values = adv.values.into_flat();
-        algo::whiten(&mut values, &scorable);
-        adv.values = Grouped::new(k, values);
-    }
-    (returns, adv)
 }
 
 /// The options that must fit the policy: the stop token inside its
@@ -798,14 +771,7 @@ fn record_rollout_metrics(
     old: &TokenLogprobs,
     ended: &[bool],
 ) -> Result<()> {
-    let mean = |xs: &mut dyn Iterator<Item = f64>| {
-        let (sum, n) = xs.fold((0.0, 0usize), |(s, n), x| (s + x, n + 1));
-        if n == 0 {
-            f64::NAN
-        } else {
-            sum / n as f64
-        }
-    };
+    let mean = |xs: &mut dyn Iterator<Item = f64>| crate::stats::mean(&xs.collect::<Vec<_>>()).unwrap_or(f64::NAN);
     m.set("objective/scores", mean(&mut scores.iter().flatten().map(|&s| s as f64)));
     m.set("objective/kl", mean(&mut seq_kl.iter().map(|&k| k as f64)));
     m.set("objective/non_score_reward", mean(&mut seq_kl.iter().map(|&k| -beta * k as f64)));
@@ -849,24 +815,6 @@ fn rows_of(t: &Tensor, idx: &[usize]) -> Result<Tensor> {
 mod tests {
     use super::*;
     use crate::train::config::parse_set;
-
-    #[test]
-    fn the_worked_example_through_the_trainers_function() {
-        // SPEC-RLOO.md: rows = sample index, columns = prompt.
-        let by_sample = [[1.0f32, 2.0, 3.0], [2.0, 3.0, 4.0], [5.0, 6.0, 7.0], [8.0, 9.0, 10.0]];
-        let scores: Vec<Option<f32>> = (0..3).flat_map(|p| by_sample.iter().map(move |r| Some(r[p]))).collect();
-        let rloo = RlooSection { kl_coef: 0.5, ..RlooSection::default() };
-        let (returns, adv) = returns_and_advantages(&scores, &[0.0; 12], 4, &rloo);
-        assert_eq!(returns, scores);
-        assert!((adv.values.group(0)[0] + 4.0).abs() < 1e-6);
-        assert!((adv.values.group(1)[2] - 1.333_333).abs() < 1e-5);
-        // KL in the reward: R = s - beta * KL.
-        let kl: Vec<f32> = (0..12).map(|i| i as f32).collect();
-        let (returns, _) = returns_and_advantages(&scores, &kl, 4, &rloo);
-        assert_eq!(returns[5], Some(3.0 - 0.5 * 5.0));
-        let loss_placed = RlooSection { kl_placement: KlPlacement::Loss, ..rloo };
-        assert_eq!(returns_and_advantages(&scores, &kl, 4, &loss_placed).0, scores);
-    }
 
     fn fixture_run(dir: &Path, extra: &[&str]) -> Run {
         let root = Path::new(env!("CARGO_MANIFEST_DIR"));

@@ -22,6 +22,7 @@ use crate::data::split_eval;
 use crate::data::{DatasetSpec, Row};
 use crate::data::{Message, Prompt, Tokenizer};
 use crate::error::{Error, Result};
+use crate::generate::rng::streams;
 use crate::generate::Rng;
 use crate::model::hub::resolve_model;
 use crate::model::scoring::{completion_logprobs, Sequences};
@@ -248,7 +249,7 @@ pub fn train_sft(cfg: &SftConfig) -> Result<SftSummary> {
     let context = model.config().context_length();
     let train = load_examples(&cfg.dataset, &tok, cfg, context)?;
     let eval = cfg.eval_dataset.as_ref().map(|data| load_examples(data, &tok, cfg, context)).transpose()?;
-    let (train, eval) = split_eval(train, eval, cfg.eval_fraction, &mut Rng::stream(cfg.seed, &[0x5f7]));
+    let (train, eval) = split_eval(train, eval, cfg.eval_fraction, &mut Rng::stream(cfg.seed, &[streams::SFT_DATA]));
     let mut sinks = metric_sinks(&output_dir)?;
 
     let mini = cfg.per_device_train_batch_size * cfg.gradient_accumulation_steps;
@@ -271,7 +272,7 @@ pub fn train_sft(cfg: &SftConfig) -> Result<SftSummary> {
     let (mut step, mut skipped, mut last_loss, mut eval_loss) = (0usize, 0usize, f64::NAN, None);
     let started = Instant::now();
     for epoch in 0..cfg.num_train_epochs {
-        let order = Rng::stream(cfg.seed, &[0x5f7, epoch as u64 + 1]).permutation(train.len());
+        let order = Rng::stream(cfg.seed, &[streams::SFT_DATA, epoch as u64 + 1]).permutation(train.len());
         for batch in order.chunks(mini) {
             let examples: Vec<&Example> = batch.iter().map(|&i| &train[i]).collect();
             let tokens: f64 = examples.iter().map(|e| e.completion.len() as f64).sum();
