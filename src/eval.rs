@@ -9,11 +9,12 @@ use serde::Serialize;
 use crate::data::prompts::PromptDataset;
 use crate::data::Tokenizer;
 use crate::error::{Error, Result};
-use crate::generate::{generate, Completion, FinishReason, GenerateOptions, Sampling, StopCriteria};
-use crate::model::scoring::{completion_logprobs_chunked, Sequences};
+use crate::generate::{GenerateOptions, Sampling, StopCriteria};
+use crate::model::scoring::completion_logprobs_chunked;
 use crate::model::{HeadKind, Model};
 use crate::reward::judge::{Ask, Judge};
-use crate::reward::{RewardSet, Sample};
+use crate::reward::RewardSet;
+use crate::rollout::Rollout;
 
 #[derive(Debug, Clone)]
 pub struct EvalOptions {
@@ -52,10 +53,9 @@ pub struct ModelReport {
     pub eos_rate: f64,
     /// Sequence KL to the reference (k1, at the sampling temperature).
     pub kl: Option<Spread>,
+    /// The completions, over every prompt in order.
     #[serde(skip)]
-    pub completions: Vec<String>,
-    #[serde(skip)]
-    pub samples: Vec<Completion>,
+    pub rollout: Rollout,
 }
 
 /// Samples, scores and measures one model on the prompts.
@@ -70,7 +70,6 @@ pub fn evaluate_model(
     device: &Device,
 ) -> Result<ModelReport> {
     check_models(model, tokenizer, reference, opts)?;
-    let ids: Vec<Vec<u32>> = prompts.rows.iter().map(|r| r.ids.clone()).collect();
     let stop = StopCriteria::model_eos_ids(model.dir(), tokenizer)?;
     let sampling =
         if opts.temperature > 0.0 { Sampling::temperature(opts.temperature as f32) } else { Sampling::greedy() };
@@ -83,37 +82,13 @@ pub fn evaluate_model(
         seed: opts.seed,
         max_positions: model.config().max_positions(),
     };
-    let mut done = Vec::new();
-    generate(model.frozen(), &ids, &gen_opts, Some(tokenizer), device, &mut |_| {}, &mut |c| {
-        done.push(c);
-        Ok(())
-    })?;
-    done.sort_by_key(|c| (c.prompt_index, c.sample_index));
-    let texts = done.iter().map(|c| tokenizer.decode(&c.tokens, true)).collect::<Result<Vec<_>>>()?;
-    let ended: Vec<bool> = done.iter().map(|c| c.finish_reason == FinishReason::Stop).collect();
-    let samples: Vec<Sample> = done
-        .iter()
-        .zip(&texts)
-        .zip(&ended)
-        .map(|((c, t), &eos)| {
-            let row = &prompts.rows[c.prompt_index];
-            Sample {
-                prompt: &row.prompt,
-                completion: t,
-                completion_ids: &c.tokens,
-                ended_with_eos: eos,
-                row: &row.row.fields,
-                group: c.prompt_index,
-            }
-        })
-        .collect();
-    let scores = rewards.score(&samples)?;
+    let rows = (0..prompts.len()).collect();
+    let rollout = Rollout::sample(model.frozen(), prompts, rows, &gen_opts, tokenizer, device)?;
+    let scores = rewards.score(&rollout.samples(prompts))?;
+    let ended = rollout.ended_with_eos();
     let kl = match reference {
         Some(r) => {
-            let seqs = Sequences {
-                prompts: done.iter().map(|c| ids[c.prompt_index].as_slice()).collect(),
-                completions: done.iter().map(|c| c.tokens.as_slice()).collect(),
-            };
+            let seqs = rollout.sequences(prompts);
             let t = opts.temperature.max(1e-6);
             let lp = completion_logprobs_chunked(model.frozen(), &seqs, t, device, opts.batch_size)?;
             let lp_ref = completion_logprobs_chunked(r.frozen(), &seqs, t, device, opts.batch_size)?;
@@ -130,39 +105,20 @@ pub fn evaluate_model(
             .iter()
             .map(|(n, s)| (n.clone(), Spread::of(s.iter().flatten().map(|&x| x as f64))))
             .collect(),
-        length: Spread::of(done.iter().map(|c| c.tokens.len() as f64)),
+        length: Spread::of(rollout.completions.flat().iter().map(|c| c.tokens.len() as f64)),
         eos_rate: ended.iter().filter(|&&e| e).count() as f64 / ended.len().max(1) as f64,
         kl,
-        completions: texts,
-        samples: done,
+        rollout,
     })
 }
 
 /// Win rate of A over B: the share of (prompt, sample) pairs where the
 /// judge scores A's completion higher; ties count one half.
 pub fn win_rate(judge: &RewardSet, prompts: &PromptDataset, a: &ModelReport, b: &ModelReport) -> Result<f64> {
-    if a.samples.len() != b.samples.len() {
+    if a.rollout.len() != b.rollout.len() {
         return Err(Error::Invalid("the two models have different numbers of samples".into()));
     }
-    let score = |r: &ModelReport| -> Result<Vec<Option<f32>>> {
-        let samples: Vec<Sample> = r
-            .samples
-            .iter()
-            .zip(&r.completions)
-            .map(|(c, t)| {
-                let row = &prompts.rows[c.prompt_index];
-                Sample {
-                    prompt: &row.prompt,
-                    completion: t,
-                    completion_ids: &c.tokens,
-                    ended_with_eos: c.finish_reason == FinishReason::Stop,
-                    row: &row.row.fields,
-                    group: c.prompt_index,
-                }
-            })
-            .collect();
-        Ok(judge.score(&samples)?.total)
-    };
+    let score = |r: &ModelReport| -> Result<Vec<Option<f32>>> { Ok(judge.score(&r.rollout.samples(prompts))?.total) };
     let (sa, sb) = (score(a)?, score(b)?);
     let outcomes: Vec<f64> = sa
         .iter()
@@ -243,15 +199,16 @@ pub fn judged_win_rate(
     opponent: Opponent,
 ) -> Result<(JudgedWinRate, Vec<serde_json::Value>)> {
     if let Opponent::Model(b) = opponent {
-        if a.samples.len() != b.samples.len() {
+        if a.rollout.len() != b.rollout.len() {
             return Err(Error::Invalid("the two models have different numbers of samples".into()));
         }
     }
+    let samples = a.rollout.completions.flat();
     let mut pairs: Vec<(usize, &str, String)> = Vec::new(); // (sample of A, A's text, opponent's text)
     let mut missing_reference = 0;
-    for (i, (c, text)) in a.samples.iter().zip(&a.completions).enumerate() {
+    for (i, (c, text)) in samples.iter().zip(&a.rollout.texts).enumerate() {
         let other = match &opponent {
-            Opponent::Model(b) => Some(b.completions[i].clone()),
+            Opponent::Model(b) => Some(b.rollout.texts[i].clone()),
             Opponent::Column(col) => {
                 prompts.rows[c.prompt_index].row.fields.get(*col).and_then(|v| v.as_str()).map(str::to_string)
             }
@@ -267,7 +224,7 @@ pub fn judged_win_rate(
     let asks: Vec<Ask> = pairs
         .iter()
         .flat_map(|(i, ta, tb)| {
-            let row = &prompts.rows[a.samples[*i].prompt_index];
+            let row = &prompts.rows[samples[*i].prompt_index];
             let ab = Ask { prompt: &row.prompt, row: &row.row.fields, completions: [*ta, tb.as_str()] };
             let ba = Ask { prompt: &row.prompt, row: &row.row.fields, completions: [tb.as_str(), *ta] };
             [ab, ba]
@@ -293,7 +250,7 @@ pub fn judged_win_rate(
             (Ok(_), None) => unparsable += 1,
             (Err(_), None) => failed += 1,
         }
-        let c = &a.samples[i];
+        let c = &samples[i];
         record.push(serde_json::json!({
             "prompt_index": c.prompt_index,
             "sample_index": c.sample_index,

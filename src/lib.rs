@@ -15,6 +15,7 @@ pub mod model;
 pub mod pipeline;
 pub mod report;
 pub mod reward;
+pub mod rollout;
 pub mod service;
 pub mod stats;
 pub mod task;

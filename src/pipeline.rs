@@ -267,7 +267,7 @@ fn toml_str(p: &Path) -> String {
 }
 
 fn positive_share(r: &ModelReport) -> f64 {
-    r.completions.iter().filter(|c| sentiment_score(c) > 0).count() as f64 / r.completions.len().max(1) as f64
+    r.rollout.texts.iter().filter(|c| sentiment_score(c) > 0).count() as f64 / r.rollout.len().max(1) as f64
 }
 
 /// PNG charts of the RLOO run's reward, KL and entropy by step, as
@@ -313,9 +313,10 @@ fn write_report(
         .collect();
     let table =
         render_markdown(&["model", "reward-model score", "positive reviews", "length (tokens)", "KL to SFT"], &rows);
-    let samples: Vec<Vec<String>> = (0..before.completions.len().min(8))
-        .step_by(before.completions.len().min(8).max(1) / 4)
-        .map(|i| vec![before.completions[i].trim().to_string(), after.completions[i].trim().to_string()])
+    let (before_texts, after_texts) = (&before.rollout.texts, &after.rollout.texts);
+    let samples: Vec<Vec<String>> = (0..before_texts.len().min(8))
+        .step_by(before_texts.len().min(8).max(1) / 4)
+        .map(|i| vec![before_texts[i].trim().to_string(), after_texts[i].trim().to_string()])
         .collect();
     let samples = render_markdown(&["before (SFT)", "after (RLOO)"], &samples);
     let charts: String = plots.iter().map(|(title, path)| format!("![{title}]({path})\n\n")).collect();
@@ -325,7 +326,7 @@ fn write_report(
          titles ({} samples each).\n\n## Before and after\n\n{table}\nWin rate of RLOO over SFT (judged by the reward \
          model): **{:.0}%**\n\n## Training curves (RLOO)\n\n{charts}## Samples\n\n{samples}\nAll metrics are in \
          `rloo/metrics.jsonl` and `rloo/tensorboard/`. Total time: {secs:.0} s.\n",
-        before.completions.len(),
+        before.rollout.len(),
         100.0 * win
     );
     let path = out.join("report.md");

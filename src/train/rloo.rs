@@ -13,13 +13,13 @@ use super::config::{BatchSizes, LongPrompts, TrainConfig};
 use super::optim::{learning_rate, AdamW, GradAccumulator, StepGuard};
 use super::run_dir::{Reuse, RunDir};
 use super::stop;
-use crate::algo::{self, Grouped, KlPlacement, LossStats};
+use crate::algo::{self, KlPlacement, LossStats};
 use crate::data::prompts::{length_filter, ContextRoom, PromptDataset, PromptSpec};
 use crate::data::DatasetSpec;
 use crate::data::Tokenizer;
 use crate::error::{Error, Result};
 use crate::generate::rng::streams;
-use crate::generate::{generate, Completion, FinishReason, GenerateOptions, Rng, Sampling, StopCriteria};
+use crate::generate::{Completion, GenerateOptions, Rng, Sampling, StopCriteria};
 use crate::io::write_atomic;
 use crate::model::hub::resolve_model;
 use crate::model::scoring::{completion_logprobs, completion_logprobs_chunked, Sequences, TokenLogprobs};
@@ -27,7 +27,8 @@ use crate::model::{parse_device, HeadKind, Model, Network};
 use crate::report::{
     metric_sinks, JsonlMetrics, Metrics, MetricsSink, SampleTable, SampleWriter, TensorBoardWriter, TrainProgress,
 };
-use crate::reward::{self, RewardSet, Sample, Shaping};
+use crate::reward::{self, RewardSet, Shaping};
+use crate::rollout::Rollout;
 
 /// What a finished (or stopped) run reports.
 #[derive(Debug, Clone)]
@@ -126,13 +127,6 @@ fn save_before_stopping(
     ))
 }
 
-/// One step's rollout, laid out `[prompts][k]`.
-struct Rollout {
-    prompt_rows: Vec<usize>,
-    completions: Grouped<Completion>,
-    texts: Vec<String>,
-}
-
 pub fn train(cfg: &TrainConfig) -> Result<RunSummary> {
     cfg.validate()?;
     let output_dir = PathBuf::from(&cfg.train.output_dir);
@@ -189,34 +183,14 @@ pub fn train(cfg: &TrainConfig) -> Result<RunSummary> {
         // normalisation, clipping), on a thread of their own (a source that
         // waits on a command or a service holds no compute thread), and the
         // log-probs of the sampling policy and of the reference.
-        let ended: Vec<bool> =
-            rollout.completions.flat().iter().map(|c| c.finish_reason == FinishReason::Stop).collect();
-        let seqs = run.sequences(&rollout);
+        let ended = rollout.ended_with_eos();
+        let seqs = rollout.sequences(&run.dataset);
         let temperature = cfg.generation.temperature;
         let t1 = Instant::now();
         let (scored, logprobs) = std::thread::scope(|s| {
             let scoring = s.spawn(|| -> Result<_> {
                 let started = Instant::now();
-                let rows = &run.dataset.rows;
-                let samples: Vec<Sample> = rollout
-                    .completions
-                    .flat()
-                    .iter()
-                    .zip(&rollout.texts)
-                    .zip(&ended)
-                    .map(|((c, text), &eos)| {
-                        let row = &rows[rollout.prompt_rows[c.prompt_index]];
-                        Sample {
-                            prompt: &row.prompt,
-                            completion: text,
-                            completion_ids: &c.tokens,
-                            ended_with_eos: eos,
-                            row: &row.row.fields,
-                            group: c.prompt_index,
-                        }
-                    })
-                    .collect();
-                let scores = run.rewards.score(&samples)?;
+                let scores = run.rewards.score(&rollout.samples(&run.dataset))?;
                 Ok((scores, started.elapsed().as_secs_f64()))
             });
             let logprobs = (|| -> Result<_> {
@@ -541,31 +515,9 @@ impl Run {
     fn rollout(&self, step: usize) -> Result<Rollout> {
         let prompt_rows =
             self.dataset.batch(step, self.sizes.prompts_per_batch, self.cfg.train.seed, self.cfg.data.shuffle);
-        let prompts: Vec<Vec<u32>> = prompt_rows.iter().map(|&i| self.dataset.rows[i].ids.clone()).collect();
         let mut opts = self.generation.clone();
         opts.seed = Rng::stream(self.cfg.train.seed, &[streams::ROLLOUT_SAMPLING, step as u64]).next_u64();
-        let mut done: Vec<Completion> = Vec::with_capacity(self.sizes.batch);
-        generate(self.policy.frozen(), &prompts, &opts, Some(&self.tokenizer), &self.device, &mut |_| {}, &mut |c| {
-            done.push(c);
-            Ok(())
-        })?;
-        // Finishing order is arbitrary; the layout is [prompts][k].
-        done.sort_by_key(|c| (c.prompt_index, c.sample_index));
-        let texts = done.iter().map(|c| self.tokenizer.decode(&c.tokens, true)).collect::<Result<Vec<_>>>()?;
-        Ok(Rollout { prompt_rows, completions: Grouped::new(self.sizes.k, done), texts })
-    }
-
-    fn sequences<'a>(&'a self, rollout: &'a Rollout) -> Sequences<'a> {
-        let rows = &self.dataset.rows;
-        Sequences {
-            prompts: rollout
-                .completions
-                .flat()
-                .iter()
-                .map(|c| rows[rollout.prompt_rows[c.prompt_index]].ids.as_slice())
-                .collect(),
-            completions: rollout.completions.flat().iter().map(|c| c.tokens.as_slice()).collect(),
-        }
+        Rollout::sample(self.policy.frozen(), &self.dataset, prompt_rows, &opts, &self.tokenizer, &self.device)
     }
 
     /// Log-probs without gradients, `local_rollout_forward_batch_size` rows at a time.
@@ -863,7 +815,7 @@ mod tests {
             &["rloo.num_mini_batches=2", "train.per_device_train_batch_size=2", "rloo.num_ppo_epochs=3"],
         );
         let rollout = run.rollout(0).unwrap();
-        let seqs = run.sequences(&rollout);
+        let seqs = rollout.sequences(&run.dataset);
         let old = run.logprobs_in_chunks(run.policy.frozen(), &seqs, 0.7).unwrap();
         let adv = Tensor::new(&[1.0f32, -1.0, 2.0, -2.0], &Device::Cpu).unwrap();
         let mut opt = AdamW::new(0.9, 0.999, 1e-8, 0.0);
