@@ -83,9 +83,10 @@ impl Rollout {
     /// Prompt and completion tokens of each completion, for scoring passes.
     pub fn sequences<'a>(&'a self, dataset: &'a PromptDataset) -> Sequences<'a> {
         let flat = self.completions.flat();
-        Sequences {
-            prompts: flat.iter().map(|c| dataset.rows[self.prompt_rows[c.prompt_index]].ids.as_slice()).collect(),
-            completions: flat.iter().map(|c| c.tokens.as_slice()).collect(),
-        }
+        Sequences::grouped(
+            flat.iter().map(|c| dataset.rows[self.prompt_rows[c.prompt_index]].ids.as_slice()).collect(),
+            flat.iter().map(|c| c.tokens.as_slice()).collect(),
+            flat.iter().map(|c| c.prompt_index).collect(),
+        )
     }
 }

@@ -79,10 +79,10 @@ fn rows_sharing_a_prompt_score_as_they_do_alone() {
         let alone = |p: &[u32], c: &[u32]| Inputs::from_rows(&[[p, c].concat()], 0, PadSide::Right, &dev).unwrap();
         if is_causal(name) {
             let temperature = 0.8;
-            let seqs = Sequences {
-                prompts: rows.iter().map(|(p, _)| p.as_slice()).collect(),
-                completions: rows.iter().map(|(_, c)| c.as_slice()).collect(),
-            };
+            let seqs = Sequences::new(
+                rows.iter().map(|(p, _)| p.as_slice()).collect(),
+                rows.iter().map(|(_, c)| c.as_slice()).collect(),
+            );
             let together =
                 completion_logprobs(net, &seqs, temperature, &dev).unwrap().logprobs.to_vec2::<f32>().unwrap();
             for (i, (p, c)) in rows.iter().enumerate() {

@@ -41,7 +41,7 @@ fn row_formats_tokenize_like_the_chat_template() {
 }
 
 fn logprob_of(model: &Model, ex: &Example) -> f32 {
-    let seqs = Sequences { prompts: vec![&ex.prompt], completions: vec![&ex.completion] };
+    let seqs = Sequences::new(vec![&ex.prompt], vec![&ex.completion]);
     completion_logprobs(model.frozen(), &seqs, 1.0, &Device::Cpu)
         .unwrap()
         .logprobs

@@ -85,10 +85,10 @@ pub fn run(args: ScoreArgs) -> Result<()> {
         let pairs: Vec<Pair> = chunk.iter().map(|r| r.pair.clone()).collect();
         match model.head() {
             HeadKind::CausalLm => {
-                let seqs = Sequences {
-                    prompts: pairs.iter().map(|p| p.prompt.as_slice()).collect(),
-                    completions: pairs.iter().map(|p| p.completion.as_slice()).collect(),
-                };
+                let seqs = Sequences::new(
+                    pairs.iter().map(|p| p.prompt.as_slice()).collect(),
+                    pairs.iter().map(|p| p.completion.as_slice()).collect(),
+                );
                 let padded: Vec<Vec<f32>> =
                     completion_logprobs(model.frozen(), &seqs, 1.0, &device)?.logprobs.to_vec2()?;
                 for ((row, mut lp), pair) in chunk.iter().zip(padded).zip(&pairs) {

@@ -22,10 +22,10 @@ pub fn sequence_scores(net: &Network, pairs: &[Pair], device: &Device) -> Result
     if let Some(i) = pairs.iter().position(|p| p.prompt.is_empty() && p.completion.is_empty()) {
         return Err(Error::Invalid(format!("pair {i}: prompt and completion are both empty")));
     }
-    let seqs = Sequences {
-        prompts: pairs.iter().map(|p| p.prompt.as_slice()).collect(),
-        completions: pairs.iter().map(|p| p.completion.as_slice()).collect(),
-    };
+    let seqs = Sequences::new(
+        pairs.iter().map(|p| p.prompt.as_slice()).collect(),
+        pairs.iter().map(|p| p.completion.as_slice()).collect(),
+    );
     let packed = seqs.packed(device)?;
     let hidden = net.hidden_states(&packed.inputs, None)?;
     // Each pair's last token: its completion's last, or its prompt's last for an empty completion.
@@ -35,10 +35,13 @@ pub fn sequence_scores(net: &Network, pairs: &[Pair], device: &Device) -> Result
 }
 
 /// Sampled sequences laid out for scoring: row `i` is `prompts[i]` followed
-/// by `completions[i]`.
+/// by `completions[i]`. Rows of one prompt group (the `k` completions of a
+/// prompt) share one computation of the prompt.
 pub struct Sequences<'a> {
     pub prompts: Vec<&'a [u32]>,
     pub completions: Vec<&'a [u32]>,
+    /// The prompt group of each row.
+    groups: Vec<usize>,
 }
 
 /// Per-token values over completion positions, padded to the longest
@@ -51,7 +54,34 @@ pub struct TokenLogprobs {
     pub mask: Tensor,
 }
 
-impl Sequences<'_> {
+impl<'a> Sequences<'a> {
+    /// Rows whose groups are known: `groups[i]` is row i's prompt group,
+    /// whose rows all have the same prompt.
+    pub fn grouped(prompts: Vec<&'a [u32]>, completions: Vec<&'a [u32]>, groups: Vec<usize>) -> Self {
+        assert!(
+            prompts.len() == completions.len() && prompts.len() == groups.len(),
+            "one prompt, completion and group per row"
+        );
+        Sequences { prompts, completions, groups }
+    }
+
+    /// Rows with no known structure: rows with the same prompt tokens form
+    /// a group.
+    pub fn new(prompts: Vec<&'a [u32]>, completions: Vec<&'a [u32]>) -> Self {
+        let mut first: HashMap<&[u32], usize> = HashMap::new();
+        let groups = prompts.iter().enumerate().map(|(i, &p)| *first.entry(p).or_insert(i)).collect();
+        Self::grouped(prompts, completions, groups)
+    }
+
+    /// The rows at `rows`, in that order, keeping their groups.
+    pub fn select(&self, rows: &[usize]) -> Sequences<'a> {
+        Sequences {
+            prompts: rows.iter().map(|&i| self.prompts[i]).collect(),
+            completions: rows.iter().map(|&i| self.completions[i]).collect(),
+            groups: rows.iter().map(|&i| self.groups[i]).collect(),
+        }
+    }
+
     pub fn len(&self) -> usize {
         self.prompts.len()
     }
@@ -65,21 +95,21 @@ impl Sequences<'_> {
         self.completions.iter().map(|c| c.len()).max().unwrap_or(0)
     }
 
-    /// The rows packed by prompt ([`Inputs::shared_prefix`]): rows with the
-    /// same prompt tokens share one packed row, so the prompt is computed
-    /// once for all its completions. A row takes completions up to
+    /// The rows packed by prompt group ([`Inputs::shared_prefix`]): a
+    /// group's rows share one packed row, so the prompt is computed once for
+    /// all its completions. A row takes completions up to
     /// [`PACKED_ROW_TOKENS`] (its attention bias grows with the square of its
-    /// length), then the prompt starts another.
+    /// length), then the group starts another.
     fn packed(&self, device: &Device) -> Result<Packed> {
-        let mut open: HashMap<&[u32], usize> = HashMap::new();
+        let mut open: HashMap<usize, usize> = HashMap::new();
         let mut groups: Vec<SharedPrefix> = Vec::new();
         let mut place = Vec::with_capacity(self.len());
-        for (&p, &c) in self.prompts.iter().zip(&self.completions) {
-            let g = match open.get(p) {
+        for ((&p, &c), &group) in self.prompts.iter().zip(&self.completions).zip(&self.groups) {
+            let g = match open.get(&group) {
                 Some(&g) if groups[g].len() + c.len() <= PACKED_ROW_TOKENS => g,
                 _ => {
                     groups.push(SharedPrefix { prompt: p, continuations: Vec::new() });
-                    open.insert(p, groups.len() - 1);
+                    open.insert(group, groups.len() - 1);
                     groups.len() - 1
                 }
             };
@@ -179,10 +209,7 @@ pub fn completion_logprobs_chunked(
     let (mut lps, mut ents) = (Vec::new(), Vec::new());
     for start in (0..seqs.len()).step_by(chunk.max(1)) {
         let end = (start + chunk.max(1)).min(seqs.len());
-        let part = Sequences {
-            prompts: seqs.prompts[start..end].to_vec(),
-            completions: seqs.completions[start..end].to_vec(),
-        };
+        let part = seqs.select(&(start..end).collect::<Vec<_>>());
         let out = completion_logprobs(net, &part, temperature, device)?;
         lps.push(pad_width(&out.logprobs, width)?);
         ents.push(pad_width(&out.entropy, width)?);
@@ -207,7 +234,7 @@ mod tests {
     fn a_prompt_starts_a_new_packed_row_when_one_is_full() {
         let prompt = vec![1u32; 8];
         let long = vec![2u32; 900];
-        let seqs = Sequences { prompts: vec![&prompt; 3], completions: vec![&long; 3] };
+        let seqs = Sequences::new(vec![&prompt; 3], vec![&long; 3]);
         let packed = seqs.packed(&Device::Cpu).unwrap();
         // 8 + 900 + 900 fits in a row, a third completion would not.
         let rows: Vec<usize> = packed.place.iter().map(|&(g, _, _)| g).collect();

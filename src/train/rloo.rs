@@ -552,10 +552,7 @@ impl Run {
                 grads.clear();
                 let mut loss_sum = 0f64;
                 for micro in mini.chunks(sizes.micro) {
-                    let part = Sequences {
-                        prompts: micro.iter().map(|&i| seqs.prompts[i]).collect(),
-                        completions: micro.iter().map(|&i| seqs.completions[i]).collect(),
-                    };
+                    let part = seqs.select(micro);
                     let now =
                         completion_logprobs(self.policy.network(), &part, cfg.generation.temperature, &self.device)?;
                     let width = part.completion_width();
@@ -793,7 +790,7 @@ mod tests {
         let before: Vec<Vec<f32>> =
             run.policy.params().iter().map(|p| p.var.as_tensor().flatten_all().unwrap().to_vec1().unwrap()).collect();
         let prompt = [5u32, 6, 7];
-        let seqs = Sequences { prompts: vec![&prompt; 4], completions: vec![&[]; 4] };
+        let seqs = Sequences::new(vec![&prompt; 4], vec![&[]; 4]);
         let old = run.logprobs_in_chunks(run.policy.frozen(), &seqs, 0.7).unwrap();
         let adv = Tensor::new(&[1.0f32, -1.0, 2.0, -2.0], &Device::Cpu).unwrap();
         let mut opt = AdamW::new(0.9, 0.999, 1e-8, 0.5);

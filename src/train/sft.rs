@@ -227,10 +227,10 @@ pub fn mean_loss(net: &Network, examples: &[&Example], batch: usize, device: &De
 }
 
 fn sequences<'a>(examples: &[&'a Example]) -> Sequences<'a> {
-    Sequences {
-        prompts: examples.iter().map(|e| e.prompt.as_slice()).collect(),
-        completions: examples.iter().map(|e| e.completion.as_slice()).collect(),
-    }
+    Sequences::new(
+        examples.iter().map(|e| e.prompt.as_slice()).collect(),
+        examples.iter().map(|e| e.completion.as_slice()).collect(),
+    )
 }
 
 pub fn train_sft(cfg: &SftConfig) -> Result<SftSummary> {
