@@ -10,5 +10,6 @@ pub mod rloo;
 pub mod run_dir;
 pub mod sft;
 pub mod stop;
+pub mod supervised;
 
 pub use config::{BatchSizes, TrainConfig};

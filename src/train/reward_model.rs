@@ -10,9 +10,9 @@ use candle_core::{Device, Tensor};
 use serde_json::Value;
 
 use super::config::{Schedule, SupervisedOptions};
-use super::optim::{learning_rate, AdamW, GradAccumulator, StepGuard};
 use super::run_dir::{Reuse, RunDir};
 use super::stop;
+use super::supervised::{train_supervised, LoopOptions, Objective};
 use crate::data::split_eval;
 use crate::data::{DatasetSpec, Row};
 use crate::data::{Prompt, Tokenizer};
@@ -22,7 +22,7 @@ use crate::generate::Rng;
 use crate::model::hub::resolve_model;
 use crate::model::ops::log_softmax_last;
 use crate::model::{parse_device, HeadKind, Inputs, Model, Network, PadSide};
-use crate::report::{metric_sinks, Metrics, MetricsSink};
+use crate::report::{metric_sinks, Metrics};
 use crate::reward::model::encode_pair;
 
 #[derive(Debug, Clone)]
@@ -51,7 +51,59 @@ pub struct RewardTrainConfig {
     pub max_skipped_steps: usize,
 }
 
+/// The reward model's objective: the Bradley-Terry loss averaged over each
+/// optimizer step's pairs, with the share ranked right; held-out loss,
+/// accuracy and margin after each epoch.
+struct BradleyTerry<'a> {
+    eval: Vec<Pair>,
+    batch: usize,
+    device: &'a Device,
+    last_eval: Option<PairStats>,
+}
+
+impl Objective for BradleyTerry<'_> {
+    type Example = Pair;
+
+    fn micro_loss(&mut self, net: &Network, micro: &[&Pair], step: &[&Pair]) -> Result<(Tensor, usize)> {
+        let (c, r) = pair_scores(net, micro, self.device)?;
+        let d = (c - r)?;
+        let correct = d.to_vec1::<f32>()?.iter().filter(|&&x| x > 0.0).count();
+        Ok(((bradley_terry_sum(&d)? / step.len() as f64)?, correct))
+    }
+
+    fn step_metrics(&self, m: &mut Metrics, step_len: usize, correct: usize, _: f64) {
+        m.set("train/accuracy", correct as f64 / step_len as f64);
+    }
+
+    fn evaluate(&mut self, net: &Network) -> Result<Option<Metrics>> {
+        if self.eval.is_empty() {
+            return Ok(None);
+        }
+        let s = evaluate(net, &self.eval, self.batch, self.device)?;
+        self.last_eval = Some(s);
+        Ok(Some(Metrics::from_iter([("eval/loss", s.loss), ("eval/accuracy", s.accuracy), ("eval/margin", s.margin)])))
+    }
+}
+
 impl RewardTrainConfig {
+    /// The shared loop's options: no warm-up, a log line every step.
+    fn loop_options(&self) -> LoopOptions {
+        LoopOptions {
+            per_device_train_batch_size: self.per_device_train_batch_size,
+            gradient_accumulation_steps: self.gradient_accumulation_steps,
+            num_train_epochs: self.num_train_epochs,
+            learning_rate: self.learning_rate,
+            lr_scheduler_type: self.lr_scheduler_type,
+            warmup_ratio: 0.0,
+            weight_decay: self.weight_decay,
+            max_grad_norm: self.max_grad_norm,
+            max_skipped_steps: self.max_skipped_steps,
+            logging_steps: 1,
+            seed: self.seed,
+            order_stream: streams::REWARD_DATA,
+        }
+    }
+
     /// Checks values that no type can express; messages name the option.
     pub fn validate(&self) -> Result<()> {
         SupervisedOptions {
@@ -202,54 +254,12 @@ pub fn train_reward_model(cfg: &RewardTrainConfig) -> Result<RewardTrainSummary>
     let (train, eval) = split_eval(train, eval, cfg.eval_fraction, &mut Rng::stream(cfg.seed, &[streams::REWARD_DATA]));
     let mut sinks = metric_sinks(&output_dir)?;
     let mini = cfg.per_device_train_batch_size * cfg.gradient_accumulation_steps;
-    let steps_per_epoch = train.len().div_ceil(mini);
-    let total = steps_per_epoch * cfg.num_train_epochs;
+    let total = train.len().div_ceil(mini) * cfg.num_train_epochs;
     tracing::info!("reward model: {} train / {} eval pairs, {} steps of {mini} pairs", train.len(), eval.len(), total);
 
-    let mut optimizer = AdamW::new(0.9, 0.999, 1e-8, cfg.weight_decay);
-    let mut grads = GradAccumulator::default();
-    let mut guard = StepGuard::new(cfg.max_skipped_steps);
-    let (mut step, mut skipped, mut last_eval) = (0usize, 0usize, None);
-    for epoch in 0..cfg.num_train_epochs {
-        let order = Rng::stream(cfg.seed, &[streams::REWARD_DATA, epoch as u64 + 1]).permutation(train.len());
-        for batch in order.chunks(mini) {
-            grads.clear();
-            let (mut loss_sum, mut correct) = (0f64, 0usize);
-            for micro in batch.chunks(cfg.per_device_train_batch_size) {
-                let pairs: Vec<&Pair> = micro.iter().map(|&i| &train[i]).collect();
-                let (c, r) = pair_scores(model.network(), &pairs, &device)?;
-                let d = (c - r)?;
-                let loss = (bradley_terry_sum(&d)? / batch.len() as f64)?;
-                loss_sum += loss.to_scalar::<f32>()? as f64;
-                correct += d.to_vec1::<f32>()?.iter().filter(|&&x| x > 0.0).count();
-                grads.add(model.params(), &loss.backward()?)?;
-            }
-            let grad_norm = grads.clip(cfg.max_grad_norm)?;
-            let lr = learning_rate(cfg.learning_rate, cfg.lr_scheduler_type, step, total, 0);
-            if guard.check(step, loss_sum, grad_norm) {
-                optimizer.step(model.params(), &grads, lr)?;
-            } else {
-                skipped += 1;
-            }
-            step += 1;
-            let mut m = Metrics::new();
-            m.set("train/loss", loss_sum);
-            m.set("train/accuracy", correct as f64 / batch.len() as f64);
-            m.set("train/grad_norm", grad_norm);
-            m.set("train/lr", lr);
-            m.set("train/skipped_steps", skipped as f64);
-            if step % steps_per_epoch == 0 && !eval.is_empty() {
-                let s = evaluate(model.frozen(), &eval, cfg.per_device_train_batch_size, &device)?;
-                m.set("eval/loss", s.loss);
-                m.set("eval/accuracy", s.accuracy);
-                m.set("eval/margin", s.margin);
-                last_eval = Some(s);
-            }
-            sinks.log(step as u64, &m)?;
-            sinks.flush()?;
-            stop::save_if_stopping(&guard, &model, &output_dir, step)?;
-        }
-    }
+    let mut objective = BradleyTerry { eval, batch: cfg.per_device_train_batch_size, device: &device, last_eval: None };
+    let done = train_supervised(&model, &train, &mut objective, &cfg.loop_options(), &mut sinks, &output_dir)?;
+    let (step, last_eval) = (done.steps, objective.last_eval);
     model.save_files(&output_dir)?;
     Ok(RewardTrainSummary { steps: step, eval: last_eval, output_dir })
 }

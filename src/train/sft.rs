@@ -10,14 +10,14 @@
 use std::path::PathBuf;
 use std::time::Instant;
 
-use candle_core::Device;
+use candle_core::{Device, Tensor};
 use serde::{Deserialize, Serialize};
 use serde_json::Value;
 
 use super::config::{Schedule, SupervisedOptions};
-use super::optim::{learning_rate, AdamW, GradAccumulator, StepGuard};
 use super::run_dir::{Reuse, RunDir};
 use super::stop;
+use super::supervised::{train_supervised, LoopOptions, Objective};
 use crate::data::split_eval;
 use crate::data::{DatasetSpec, Row};
 use crate::data::{Message, Prompt, Tokenizer};
@@ -27,7 +27,7 @@ use crate::generate::Rng;
 use crate::model::hub::resolve_model;
 use crate::model::scoring::{completion_logprobs, Sequences};
 use crate::model::{parse_device, HeadKind, Model, Network};
-use crate::report::{metric_sinks, Metrics, MetricsSink};
+use crate::report::{metric_sinks, Metrics};
 
 #[derive(Debug, Clone, Serialize, Deserialize)]
 #[serde(deny_unknown_fields, default)]
@@ -173,7 +173,59 @@ fn chat_pair(
     Ok((prompt.clone(), full[prompt.len()..].to_vec()))
 }
 
+/// SFT's objective: the mean next-token loss over the completion tokens of
+/// each optimizer step; the held-out loss after each epoch.
+struct NextTokenLoss<'a> {
+    eval: Vec<Example>,
+    batch: usize,
+    device: &'a Device,
+    eval_loss: Option<f64>,
+}
+
+impl Objective for NextTokenLoss<'_> {
+    type Example = Example;
+
+    fn micro_loss(&mut self, net: &Network, micro: &[&Example], step: &[&Example]) -> Result<(Tensor, usize)> {
+        let tokens: f64 = step.iter().map(|e| e.completion.len() as f64).sum();
+        let lp = completion_logprobs(net, &sequences(micro), 1.0, self.device)?;
+        // Token mean over the whole optimizer step, however it is split.
+        Ok(((lp.logprobs.sum_all()?.neg()? / tokens)?, 0))
+    }
+
+    fn step_metrics(&self, m: &mut Metrics, _: usize, _: usize, epoch_progress: f64) {
+        m.set("train/epoch", epoch_progress);
+    }
+
+    fn evaluate(&mut self, net: &Network) -> Result<Option<Metrics>> {
+        if self.eval.is_empty() {
+            return Ok(None);
+        }
+        let refs: Vec<&Example> = self.eval.iter().collect();
+        let loss = mean_loss(net, &refs, self.batch, self.device)?;
+        self.eval_loss = Some(loss);
+        Ok(Some(Metrics::from_iter([("eval/loss", loss)])))
+    }
+}
+
 impl SftConfig {
+    /// The shared loop's options.
+    fn loop_options(&self) -> LoopOptions {
+        LoopOptions {
+            per_device_train_batch_size: self.per_device_train_batch_size,
+            gradient_accumulation_steps: self.gradient_accumulation_steps,
+            num_train_epochs: self.num_train_epochs,
+            learning_rate: self.learning_rate,
+            lr_scheduler_type: self.lr_scheduler_type,
+            warmup_ratio: self.warmup_ratio,
+            weight_decay: self.weight_decay,
+            max_grad_norm: self.max_grad_norm,
+            max_skipped_steps: self.max_skipped_steps,
+            logging_steps: self.logging_steps,
+            seed: self.seed,
+            order_stream: streams::SFT_DATA,
+        }
+    }
+
     /// Checks values that no type can express; messages name the option.
     pub fn validate(&self) -> Result<()> {
         SupervisedOptions {
@@ -254,8 +306,6 @@ pub fn train_sft(cfg: &SftConfig) -> Result<SftSummary> {
 
     let mini = cfg.per_device_train_batch_size * cfg.gradient_accumulation_steps;
     let steps_per_epoch = train.len().div_ceil(mini);
-    let total_steps = steps_per_epoch * cfg.num_train_epochs;
-    let warmup = (cfg.warmup_ratio * total_steps as f64).ceil() as usize;
     tracing::info!(
         "SFT: {} train / {} eval examples; {} epochs x {} steps of {} ({} x {} accumulated)",
         train.len(),
@@ -266,53 +316,11 @@ pub fn train_sft(cfg: &SftConfig) -> Result<SftSummary> {
         cfg.per_device_train_batch_size,
         cfg.gradient_accumulation_steps
     );
-    let mut optimizer = AdamW::new(0.9, 0.999, 1e-8, cfg.weight_decay);
-    let mut grads = GradAccumulator::default();
-    let mut guard = StepGuard::new(cfg.max_skipped_steps);
-    let (mut step, mut skipped, mut last_loss, mut eval_loss) = (0usize, 0usize, f64::NAN, None);
+    let mut objective =
+        NextTokenLoss { eval, batch: cfg.per_device_train_batch_size, device: &device, eval_loss: None };
     let started = Instant::now();
-    for epoch in 0..cfg.num_train_epochs {
-        let order = Rng::stream(cfg.seed, &[streams::SFT_DATA, epoch as u64 + 1]).permutation(train.len());
-        for batch in order.chunks(mini) {
-            let examples: Vec<&Example> = batch.iter().map(|&i| &train[i]).collect();
-            let tokens: f64 = examples.iter().map(|e| e.completion.len() as f64).sum();
-            grads.clear();
-            let mut loss_sum = 0f64;
-            for micro in examples.chunks(cfg.per_device_train_batch_size) {
-                let lp = completion_logprobs(model.network(), &sequences(micro), 1.0, &device)?;
-                // Token mean over the whole optimizer step, however it is split.
-                let loss = (lp.logprobs.sum_all()?.neg()? / tokens)?;
-                loss_sum += loss.to_scalar::<f32>()? as f64;
-                grads.add(model.params(), &loss.backward()?)?;
-            }
-            let grad_norm = grads.clip(cfg.max_grad_norm)?;
-            let lr = learning_rate(cfg.learning_rate, cfg.lr_scheduler_type, step, total_steps, warmup);
-            if guard.check(step, loss_sum, grad_norm) {
-                optimizer.step(model.params(), &grads, lr)?;
-            } else {
-                skipped += 1;
-            }
-            step += 1;
-            last_loss = loss_sum;
-            let mut m = Metrics::new();
-            m.set("train/loss", loss_sum);
-            m.set("train/grad_norm", grad_norm);
-            m.set("train/lr", lr);
-            m.set("train/skipped_steps", skipped as f64);
-            m.set("train/epoch", step as f64 / steps_per_epoch as f64);
-            if step % steps_per_epoch == 0 && !eval.is_empty() {
-                let refs: Vec<&Example> = eval.iter().collect();
-                let l = mean_loss(model.frozen(), &refs, cfg.per_device_train_batch_size, &device)?;
-                m.set("eval/loss", l);
-                eval_loss = Some(l);
-            }
-            if step % cfg.logging_steps.max(1) == 0 || m.get("eval/loss").is_some() {
-                sinks.log(step as u64, &m)?;
-                sinks.flush()?;
-            }
-            stop::save_if_stopping(&guard, &model, &output_dir, step)?;
-        }
-    }
+    let done = train_supervised(&model, &train, &mut objective, &cfg.loop_options(), &mut sinks, &output_dir)?;
+    let (step, last_loss, eval_loss) = (done.steps, done.last_loss, objective.eval_loss);
     model.save_files(&output_dir)?;
     tracing::info!(
         "SFT: {step} steps in {:.1} s, last train loss {last_loss:.4}, eval loss {} -> {}",
