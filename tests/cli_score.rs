@@ -5,7 +5,6 @@
 mod common;
 
 use std::path::{Path, PathBuf};
-use std::process::Command;
 
 use common::*;
 use rloo::data::{Prompt, Tokenizer};
@@ -20,10 +19,6 @@ fn expected_rows(name: &str) -> Vec<serde_json::Map<String, Value>> {
         .lines()
         .map(|l| serde_json::from_str::<Value>(l).unwrap().as_object().unwrap().clone())
         .collect()
-}
-
-fn rloo(args: &[&str]) -> std::process::Output {
-    Command::new(env!("CARGO_BIN_EXE_rloo")).args(args).output().unwrap()
 }
 
 fn run_score(model: &Path, input: &Path, output: &Path) -> std::process::Output {

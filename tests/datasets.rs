@@ -25,10 +25,6 @@ fn spec(path: &Path) -> DatasetSpec {
     DatasetSpec::named(path.to_str().unwrap())
 }
 
-fn rloo(args: &[&str]) -> std::process::Output {
-    Command::new(env!("CARGO_BIN_EXE_rloo")).args(args).output().unwrap()
-}
-
 fn read_jsonl(path: &Path) -> Vec<Value> {
     read_rows(path).unwrap().into_iter().map(|r| Value::Object(r.fields)).collect()
 }

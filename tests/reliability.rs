@@ -11,20 +11,6 @@ use std::time::{Duration, Instant};
 
 use common::*;
 
-fn rloo(args: &[&str]) -> Output {
-    Command::new(env!("CARGO_BIN_EXE_rloo")).args(args).output().unwrap()
-}
-
-fn ok(out: Output) -> Output {
-    assert!(out.status.success(), "rloo failed:\n{}", String::from_utf8_lossy(&out.stderr));
-    out
-}
-
-fn err(out: Output) -> String {
-    assert!(!out.status.success(), "rloo should have failed:\n{}", String::from_utf8_lossy(&out.stderr));
-    String::from_utf8_lossy(&out.stderr).into_owned()
-}
-
 fn policy() -> String {
     model_dir("gpt_neox-causal").to_str().unwrap().to_string()
 }

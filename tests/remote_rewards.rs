@@ -5,7 +5,7 @@
 mod common;
 
 use std::path::Path;
-use std::process::{Command, Output, Stdio};
+use std::process::{Command, Stdio};
 use std::time::Duration;
 
 use candle_core::Device;
@@ -335,10 +335,6 @@ fn a_pairwise_judge_averages_each_samples_scores_over_its_comparisons() {
     assert_eq!(scores.total, [Some(2.0), None, Some(0.0), Some(3.0)]);
     assert_eq!(stub.count(), 12);
     assert_eq!(metric(&scores, "rewards/judge/failures"), Some(6.0));
-}
-
-fn rloo(args: &[&str]) -> Output {
-    Command::new(env!("CARGO_BIN_EXE_rloo")).args(args).output().unwrap()
 }
 
 fn write_prompts(dir: &Path) -> String {

@@ -5,24 +5,10 @@
 mod common;
 
 use std::path::Path;
-use std::process::{Command, Output};
+use std::process::Command;
 
 use common::*;
 use serde_json::Value;
-
-fn rloo(args: &[&str]) -> Output {
-    Command::new(env!("CARGO_BIN_EXE_rloo")).args(args).output().unwrap()
-}
-
-fn ok(out: Output) -> Output {
-    assert!(out.status.success(), "rloo failed:\n{}", String::from_utf8_lossy(&out.stderr));
-    out
-}
-
-fn err(out: Output) -> String {
-    assert!(!out.status.success(), "rloo should have failed");
-    String::from_utf8_lossy(&out.stderr).into_owned()
-}
 
 fn write_prompts(dir: &Path) -> String {
     let path = dir.join("prompts.jsonl");

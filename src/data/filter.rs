@@ -101,11 +101,7 @@ impl Filter {
 }
 
 fn invalid(source: &str, pos: usize, msg: &str) -> Error {
-    Error::Invalid(format!(
-        "--dataset_filter: {msg} at character {}\n  {source}\n  {}^",
-        pos + 1,
-        " ".repeat(source[..source.char_indices().nth(pos).map_or(source.len(), |(b, _)| b)].chars().count())
-    ))
+    Error::Invalid(format!("--dataset_filter: {msg} at character {}\n  {source}\n  {}^", pos + 1, " ".repeat(pos)))
 }
 
 /// Tokens with the character position each starts at.

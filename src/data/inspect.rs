@@ -10,7 +10,7 @@ use serde_json::Value;
 use super::prompt::Prompt;
 use super::rows::{format_of, Format};
 use super::source::{splits, DatasetSpec};
-use super::table::{ipc_schema, parquet_summary};
+use super::table::{ipc_schema, parquet_schema};
 use super::Tokenizer;
 use crate::error::{Error, Result};
 
@@ -82,7 +82,7 @@ pub fn inspect(opts: &InspectOptions, out: &mut dyn Write) -> Result<()> {
 fn schema(first_file: &std::path::Path, rows: &[super::Row]) -> Result<Vec<(String, String)>> {
     let name = first_file.file_name().map(|n| n.to_string_lossy().into_owned()).unwrap_or_default();
     let arrow = match format_of(&name).map(|(f, _)| f) {
-        Some(Format::Parquet) => Some(parquet_summary(first_file)?.0),
+        Some(Format::Parquet) => Some(parquet_schema(first_file)?),
         Some(Format::Arrow) => Some(ipc_schema(first_file)?),
         _ => None,
     };

@@ -5,7 +5,7 @@
 
 use std::fs::File;
 use std::io::{BufRead, BufReader, Read};
-use std::path::{Path, PathBuf};
+use std::path::Path;
 use std::sync::Arc;
 
 use serde_json::{Map, Value};
@@ -144,11 +144,6 @@ pub(crate) fn read_all(path: &Path, mut reader: impl Read) -> Result<String> {
         _ => Error::io(path, e),
     })?;
     Ok(text)
-}
-
-/// The path of `file` as the rows carry it.
-pub fn file_key(path: impl Into<PathBuf>) -> Arc<Path> {
-    Arc::from(path.into().as_path())
 }
 
 #[cfg(test)]

@@ -87,9 +87,9 @@ pub struct Rows {
     current: Option<RowIter>,
     filter: Option<Filter>,
     left: Option<usize>,
-    /// Rows read and rows kept by the filter so far.
+    /// Rows read so far, and those the filter kept.
     pub seen: usize,
-    pub kept: usize,
+    kept: usize,
 }
 
 impl Rows {

@@ -7,7 +7,7 @@
 
 use std::collections::VecDeque;
 use std::fs::File;
-use std::io::{BufReader, Read};
+use std::io::{BufReader, Read, Seek};
 use std::path::Path;
 use std::sync::Arc;
 
@@ -28,16 +28,22 @@ const BATCH_ROWS: usize = 256;
 /// The rows of a Parquet file, one batch at a time.
 pub fn parquet_rows(file: Arc<Path>) -> Result<RowIter> {
     let builder = parquet_builder(&file)?;
-    let groups: Vec<usize> = builder.metadata().row_groups().iter().map(|g| g.num_rows() as usize).collect();
+    let group_ends: Vec<usize> = builder
+        .metadata()
+        .row_groups()
+        .iter()
+        .scan(0, |end, g| {
+            *end += g.num_rows() as usize;
+            Some(*end)
+        })
+        .collect();
     let reader = builder.with_batch_size(BATCH_ROWS).build().map_err(|e| Error::bad_file(&file, e.to_string()))?;
-    Ok(Box::new(BatchRows::new(file, Box::new(reader), Some(groups))))
+    Ok(Box::new(BatchRows::new(file, Box::new(reader), Some(group_ends))))
 }
 
-/// The schema and row count of a Parquet file, from its footer alone.
-pub fn parquet_summary(path: &Path) -> Result<(SchemaRef, usize)> {
-    let builder = parquet_builder(path)?;
-    let rows = builder.metadata().file_metadata().num_rows() as usize;
-    Ok((builder.schema().clone(), rows))
+/// The schema of a Parquet file, from its footer alone.
+pub fn parquet_schema(path: &Path) -> Result<SchemaRef> {
+    Ok(parquet_builder(path)?.schema().clone())
 }
 
 fn parquet_builder(path: &Path) -> Result<ParquetRecordBatchReaderBuilder<File>> {
@@ -64,7 +70,7 @@ fn ipc_batches(path: &Path) -> Result<(SchemaRef, Batches)> {
     let mut file = File::open(path).map_err(|e| Error::io(path, e))?;
     let mut magic = [0u8; 6];
     let is_file_form = file.read_exact(&mut magic).is_ok() && &magic == b"ARROW1";
-    let file = File::open(path).map_err(|e| Error::io(path, e))?;
+    file.rewind().map_err(|e| Error::io(path, e))?;
     if is_file_form {
         let reader = arrow_ipc::reader::FileReader::try_new(file, None).map_err(bad)?;
         Ok((reader.schema(), Box::new(reader)))
@@ -82,26 +88,20 @@ struct BatchRows {
     pending: VecDeque<Row>,
     /// Rows handed out so far.
     next_row: usize,
-    /// Rows per row group, for error places.
-    groups: Option<Vec<usize>>,
+    /// The row count at the end of each row group, for error places.
+    group_ends: Option<Vec<usize>>,
     failed: bool,
 }
 
 impl BatchRows {
-    fn new(file: Arc<Path>, batches: Batches, groups: Option<Vec<usize>>) -> Self {
-        BatchRows { file, batches, pending: VecDeque::new(), next_row: 0, groups, failed: false }
+    fn new(file: Arc<Path>, batches: Batches, group_ends: Option<Vec<usize>>) -> Self {
+        BatchRows { file, batches, pending: VecDeque::new(), next_row: 0, group_ends, failed: false }
     }
 
     /// The place of the 0-based row `index`.
     fn place(&self, index: usize) -> RowPlace {
-        let group = self.groups.as_ref().map(|sizes| {
-            let mut end = 0;
-            sizes.iter().position(|&n| {
-                end += n;
-                index < end
-            })
-        });
-        RowPlace::Record { row: index + 1, group: group.flatten() }
+        let group = self.group_ends.as_ref().map(|ends| ends.partition_point(|&end| end <= index));
+        RowPlace::Record { row: index + 1, group }
     }
 
     fn decode(&mut self, batch: &RecordBatch) -> Result<()> {

@@ -6,6 +6,7 @@ pub mod stub;
 
 use std::collections::HashMap;
 use std::path::{Path, PathBuf};
+use std::process::{Command, Output};
 
 use candle_core::{Device, Tensor};
 
@@ -22,6 +23,23 @@ pub const MODELS: &[&str] = &[
     "gpt2-causal",
     "gpt2-seqcls",
 ];
+
+/// Runs the built `rloo` binary.
+pub fn rloo(args: &[&str]) -> Output {
+    Command::new(env!("CARGO_BIN_EXE_rloo")).args(args).output().unwrap()
+}
+
+/// The output of a run that must succeed.
+pub fn ok(out: Output) -> Output {
+    assert!(out.status.success(), "rloo failed:\n{}", String::from_utf8_lossy(&out.stderr));
+    out
+}
+
+/// The stderr of a run that must fail.
+pub fn err(out: Output) -> String {
+    assert!(!out.status.success(), "rloo should have failed:\n{}", String::from_utf8_lossy(&out.stderr));
+    String::from_utf8_lossy(&out.stderr).into_owned()
+}
 
 pub fn fixtures() -> PathBuf {
     Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/fixtures")
