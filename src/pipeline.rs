@@ -25,7 +25,7 @@ use crate::task::tokenizer::{train_byte_level_bpe, EOS};
 use crate::train::config::parse_set;
 use crate::train::reward_model::{train_reward_model, RewardTrainConfig};
 use crate::train::sft::{train_sft, SftConfig};
-use crate::train::{rloo, TrainConfig};
+use crate::train::{rl, TrainConfig};
 
 /// Sizes of one pipeline run.
 #[derive(Debug, Clone)]
@@ -223,7 +223,7 @@ pub fn run(opts: &PipelineOptions) -> Result<PathBuf> {
             path: rm.display().to_string(),
             batch_size: 32,
         }));
-        rloo::train(&cfg)?;
+        rl::train(&cfg)?;
         mark_done(&rl)?;
     }
 

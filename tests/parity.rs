@@ -1,12 +1,12 @@
 //! Parity with transformers on the committed fixtures: logits of padded
 //! batches (left and right), KV-cache decoding (shared slots too), sequence
-//! scores, and the gradient of every parameter. Each test prints its max |Δ|.
+//! scores and critic values, and the gradient of every parameter. Each test prints its max |Δ|.
 
 mod common;
 
 use candle_core::{DType, Device, Tensor};
 use common::*;
-use rloo::model::scoring::{completion_logprobs, sequence_scores, Pair, Sequences};
+use rloo::model::scoring::{completion_logprobs, completion_values, sequence_scores, Pair, Sequences};
 use rloo::model::{next_token_logprobs, Inputs, Model, PadSide};
 
 const LOGIT_TOL: f32 = 1e-4;
@@ -98,10 +98,21 @@ fn rows_sharing_a_prompt_score_as_they_do_alone() {
             let pairs: Vec<Pair> =
                 rows.iter().map(|(p, c)| Pair { prompt: p.clone(), completion: c.clone() }).collect();
             let together = sequence_scores(net, &pairs, &dev).unwrap();
+            // As a critic: the score head at the position before each completion token.
+            let seqs = Sequences::new(
+                rows.iter().map(|(p, _)| p.as_slice()).collect(),
+                rows.iter().map(|(_, c)| c.as_slice()).collect(),
+            );
+            let values = completion_values(net, &seqs, &dev).unwrap().to_vec2::<f32>().unwrap();
             for (i, (p, c)) in rows.iter().enumerate() {
                 let want = net.scores(&alone(p, c)).unwrap();
                 let got = Tensor::new(together[i].as_slice(), &dev).unwrap().unsqueeze(0).unwrap();
                 assert!(max_diff(&got, &want) < LOGIT_TOL, "{name} row {i}: score differs from the row alone");
+                let per_position = net.logits(&alone(p, c), None).unwrap().to_vec3::<f32>().unwrap();
+                for (j, got) in values[i].iter().enumerate() {
+                    let want = if j < c.len() { per_position[0][p.len() + j - 1][0] } else { 0.0 };
+                    assert!((got - want).abs() < LOGIT_TOL, "{name} row {i} value {j}: {got} vs {want} alone");
+                }
             }
         }
     }

@@ -38,13 +38,11 @@ fn policy() -> String {
 }
 
 /// A short run of a rule reward ("count the letter e") on the committed tiny
-/// policy: the reward's mean rises clearly, the KL stays bounded.
-#[test]
-fn a_rule_reward_rises_within_a_short_run() {
-    let tmp = tempfile::tempdir().unwrap();
-    let out = tmp.path().join("run");
-    let prompts = write_prompts(tmp.path());
-    ok(rloo(&[
+/// policy, with `algo`'s options: the reward's mean rises clearly, the KL
+/// stays bounded. Gives the metrics' rows.
+fn learning_run(out: &Path, algo: &[&str]) -> Vec<serde_json::Map<String, Value>> {
+    let prompts = write_prompts(out.parent().unwrap());
+    let mut args = vec![
         "train",
         "--model_name_or_path",
         &policy(),
@@ -58,8 +56,6 @@ fn a_rule_reward_rises_within_a_short_run() {
         "640",
         "--per_device_train_batch_size",
         "16",
-        "--rloo_k",
-        "4",
         "--response_length",
         "16",
         "--num_ppo_epochs",
@@ -72,15 +68,19 @@ fn a_rule_reward_rises_within_a_short_run() {
         "0",
         "--device",
         "cpu",
-    ]));
-    let rows = metrics(&out);
+    ]
+    .into_iter()
+    .map(String::from)
+    .collect::<Vec<_>>();
+    args.extend(algo.iter().map(|a| a.to_string()));
+    ok(rloo(&args.iter().map(String::as_str).collect::<Vec<_>>()));
+    let rows = metrics(out);
     assert_eq!(rows.len(), 40);
     let mean = |rows: &[serde_json::Map<String, Value>], key: &str| {
         rows.iter().map(|r| r[key].as_f64().unwrap()).sum::<f64>() / rows.len() as f64
     };
     let (first, last) = (mean(&rows[..5], "objective/scores"), mean(&rows[35..], "objective/scores"));
     let kl = rows.iter().map(|r| r["objective/kl"].as_f64().unwrap()).fold(0.0, f64::max);
-    println!("reward {first:.2} -> {last:.2}, max KL {kl:.2}");
     for r in &rows {
         println!(
             "step {:>2} reward {:.2} kl {:.3}",
@@ -89,8 +89,18 @@ fn a_rule_reward_rises_within_a_short_run() {
             r["objective/kl"].as_f64().unwrap()
         );
     }
+    println!("reward {first:.2} -> {last:.2}, max KL {kl:.2}");
     assert!(last > first + 1.0, "reward did not rise: {first} -> {last}");
     assert!(kl < 16.0, "KL per sequence of 16 tokens should stay below one nat per token, got {kl}");
+    assert!(out.join("model.safetensors").is_file() && out.join("rloo_config.toml").is_file());
+    assert!(std::fs::read_dir(out.join("tensorboard")).unwrap().count() > 0);
+    rows
+}
+
+#[test]
+fn a_rule_reward_rises_within_a_short_run() {
+    let tmp = tempfile::tempdir().unwrap();
+    let rows = learning_run(&tmp.path().join("run"), &["--rloo_k", "4"]);
     // Every SPEC-RLOO.md section 5 metric is logged.
     for key in [
         "objective/scores",
@@ -121,8 +131,29 @@ fn a_rule_reward_rises_within_a_short_run() {
     ] {
         assert!(rows[0].contains_key(key), "metric {key} missing");
     }
-    assert!(out.join("model.safetensors").is_file() && out.join("rloo_config.toml").is_file());
-    assert!(std::fs::read_dir(out.join("tensorboard")).unwrap().count() > 0);
+}
+
+/// PPO learns the same reward with one completion per prompt, logs TRL's
+/// PPO metrics, and saves its critic as a one-label sequence classifier.
+#[test]
+fn ppo_learns_a_rule_reward_and_saves_its_critic() {
+    let tmp = tempfile::tempdir().unwrap();
+    let out = tmp.path().join("run");
+    let rows = learning_run(&out, &["--algo", "ppo", "--rloo_k", "1", "--vf_coef", "0.5"]);
+    for key in
+        ["loss/value_avg", "val/clipfrac_avg", "val/vpred", "val/error", "loss/policy_avg", "objective/rlhf_reward"]
+    {
+        assert!(rows.iter().all(|r| r[key].as_f64().is_some_and(f64::is_finite)), "metric {key} missing");
+    }
+    // The critic learns: its error on the last steps is below that of the first.
+    let error =
+        |rows: &[serde_json::Map<String, Value>]| rows.iter().map(|r| r["val/error"].as_f64().unwrap()).sum::<f64>();
+    assert!(error(&rows[35..]) < error(&rows[..5]), "the critic's error did not fall");
+    let critic: Value =
+        serde_json::from_str(&std::fs::read_to_string(out.join("critic/config.json")).unwrap()).unwrap();
+    assert_eq!(critic["architectures"][0], "GPTNeoXForSequenceClassification");
+    assert_eq!(critic["num_labels"], 1);
+    assert!(out.join("critic/model.safetensors").is_file());
 }
 
 /// With a given thread count a run is bit-identical: two runs of the same
@@ -131,6 +162,19 @@ fn a_rule_reward_rises_within_a_short_run() {
 /// depends on scheduling). Two threads, so that work is shared.
 #[test]
 fn the_same_seed_gives_a_bit_identical_run_and_resume() {
+    bit_identical_runs_and_resume(&[], &["model.safetensors"]);
+}
+
+/// The same for PPO, whose critic and its optimizer state resume too.
+#[test]
+fn ppo_runs_and_resumes_bit_identically() {
+    bit_identical_runs_and_resume(
+        &["--algo", "ppo", "--rloo_k", "1", "--vf_coef", "0.5"],
+        &["model.safetensors", "critic/model.safetensors"],
+    );
+}
+
+fn bit_identical_runs_and_resume(algo: &[&str], weights: &[&str]) {
     let tmp = tempfile::tempdir().unwrap();
     let prompts = write_prompts(tmp.path());
     let run = |out: &Path, extra: &[&str]| {
@@ -167,6 +211,7 @@ fn the_same_seed_gives_a_bit_identical_run_and_resume() {
         ];
         let p = policy();
         args[2] = &p;
+        args.extend_from_slice(algo);
         args.extend_from_slice(extra);
         let out = Command::new(env!("CARGO_BIN_EXE_rloo")).args(&args).env("RAYON_NUM_THREADS", "2").output().unwrap();
         ok(out);
@@ -192,7 +237,9 @@ fn the_same_seed_gives_a_bit_identical_run_and_resume() {
             .collect()
     };
     for other in [&again, &resumed] {
-        assert!(bytes(&straight, "model.safetensors") == bytes(other, "model.safetensors"), "{}", other.display());
+        for file in weights {
+            assert!(bytes(&straight, file) == bytes(other, file), "{file} of {}", other.display());
+        }
         assert_eq!(logged(&straight), logged(other), "{}", other.display());
         assert_eq!(bytes(&straight, "samples.jsonl"), bytes(other, "samples.jsonl"), "{}", other.display());
     }

@@ -83,7 +83,8 @@ impl LossStats {
 /// Clipped surrogate `L = -min(rho * A, clip(rho, 1 - eps, 1 + eps) * A)`.
 ///
 /// `lp`: (N, T) current log-probs (differentiable); `lp_old`: (N, T) of the
-/// sampling policy; `mask`: (N, T) in {0, 1}; `adv`: (N,). A sequence with
+/// sampling policy; `mask`: (N, T) in {0, 1}; `adv`: (N,), or (N, T) per
+/// token with the token ratio (PPO's GAE advantages). A sequence with
 /// no unmasked token contributes nothing. `denominator` is the number of
 /// terms the loss is averaged over: pass the mini-batch's count (sequences
 /// or unmasked tokens) so that micro-batches accumulate to the mini-batch mean.
@@ -97,6 +98,9 @@ pub fn policy_loss(
     aggregation: Aggregation,
     denominator: f64,
 ) -> Result<PolicyLoss> {
+    if adv.rank() == 2 && ratio == RatioLevel::Sequence {
+        candle_core::bail!("per-token advantages need the token ratio");
+    }
     let lengths = mask.sum(1)?; // (N,)
     let has_tokens = lengths.gt(0.0)?.to_dtype(DType::F32)?;
     let seq_lp = (lp * mask)?.sum(1)?;
@@ -112,7 +116,11 @@ pub fn policy_loss(
                 Aggregation::SequenceMean => mask.broadcast_div(&lengths.maximum(1.0)?.unsqueeze(1)?)?,
                 Aggregation::TokenMean => mask.clone(),
             };
-            ((lp - lp_old)?, adv.unsqueeze(1)?.broadcast_as(lp.shape())?.contiguous()?, w)
+            let adv_t = match adv.rank() {
+                2 => adv.clone(),
+                _ => adv.unsqueeze(1)?.broadcast_as(lp.shape())?.contiguous()?,
+            };
+            ((lp - lp_old)?, adv_t, w)
         }
     };
     let rho = log_ratio.exp()?;

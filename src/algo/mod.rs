@@ -1,10 +1,12 @@
-//! The numbers of RLOO (../SPEC-RLOO.md): advantages, KL, the clipped
-//! policy loss and score shaping, as pure functions with worked examples.
+//! The numbers of RLOO (../SPEC-RLOO.md) and PPO: advantages, KL, the
+//! clipped policy and value losses, GAE, as pure functions with worked
+//! examples.
 
 pub mod advantage;
 pub mod groups;
 pub mod kl;
 pub mod loss;
+pub mod ppo;
 
 pub use advantage::{advantages, returns_and_advantages, whiten, Advantages, Baseline, ReturnOptions};
 pub use groups::Grouped;

@@ -1,4 +1,4 @@
-//! `rloo train`: the RLOO trainer. Options come from a TOML file, then
+//! `rloo train`: the RLOO (or PPO) trainer. Options come from a TOML file, then
 //! `--set section.key=value`, then the flags below (TRL's RLOO script flags
 //! plus one per remaining config key); later ones win.
 
@@ -38,7 +38,7 @@ const FLAGS: &[(&str, &str, Kind, &str)] = &[
     ("total_episodes", "train.total_episodes", Kind::Int, "Completions to train on [none: num_train_epochs x prompts x k]"),
     ("num_ppo_epochs", "rloo.num_ppo_epochs", Kind::Int, "Optimisation passes over each rollout batch"),
     ("num_mini_batches", "rloo.num_mini_batches", Kind::Int, "Mini-batches (optimizer steps) per pass; rollout batch = per_device_train_batch_size x gradient_accumulation_steps x num_mini_batches"),
-    ("rloo_k", "rloo.k", Kind::Int, "Completions sampled per prompt (k >= 2)"),
+    ("rloo_k", "rloo.k", Kind::Int, "Completions sampled per prompt (k >= 2; PPO: k >= 1)"),
     ("kl_coef", "rloo.kl_coef", Kind::Float, "KL coefficient beta (0: no reference model)"),
     ("cliprange", "rloo.cliprange", Kind::Float, "Clip range epsilon of the policy ratio"),
     ("response_length", "generation.response_length", Kind::Int, "Most new tokens per completion"),
@@ -47,6 +47,16 @@ const FLAGS: &[(&str, &str, Kind, &str)] = &[
     ("stop_token", "generation.stop_token", Kind::Str, "\"eos\": completions end at EOS; \"none\": always response_length tokens"),
     ("local_rollout_forward_batch_size", "generation.local_rollout_forward_batch_size", Kind::Int, "Rows per forward pass when sampling and computing log-probs"),
     ("seed", "train.seed", Kind::Int, "Seed of sampling, shuffling and mini-batch order"),
+    // TRL's PPO script.
+    ("algo", "train.algo", Kind::Str, "rloo, or ppo (a critic, GAE and a clipped value loss)"),
+    ("value_model_path", "ppo.value_model", Kind::Str, "PPO's critic: a sequence-classification model, \"reward\" or \"policy\" [none: the reward model if there is one, else the policy]"),
+    ("vf_coef", "ppo.vf_coef", Kind::Float, "PPO: weight of the value loss"),
+    ("cliprange_value", "ppo.cliprange_value", Kind::Float, "PPO: clip range of predicted values"),
+    ("gamma", "ppo.gamma", Kind::Float, "PPO: discount"),
+    ("lam", "ppo.lam", Kind::Float, "PPO: GAE lambda"),
+    ("whiten_rewards", "ppo.whiten_rewards", Kind::Bool, "PPO: whiten per-token rewards before GAE"),
+    ("critic_learning_rate", "ppo.critic_learning_rate", Kind::Float, "PPO: the critic's learning rate [none: learning_rate]"),
+    ("init_kl_coeff", "rloo.kl_coef", Kind::Float, "The same as --kl_coef"),
     // Every other key.
     ("reference_model_path", "model.reference", Kind::Str, "KL reference model [none: the initial policy]"),
     ("device", "model.device", Kind::Str, "cpu, cuda, cuda:N or auto"),
@@ -91,7 +101,7 @@ const FLAGS: &[(&str, &str, Kind, &str)] = &[
     ("max_skipped_steps", "train.max_skipped_steps", Kind::Int, "Stop (with a checkpoint of the last good weights) after N optimizer steps in a row skipped for a non-finite loss or gradient or a rollout with no scorable sample"),
 ];
 
-/// Train a policy with REINFORCE Leave-One-Out.
+/// Train a policy with REINFORCE Leave-One-Out (or PPO).
 #[derive(Debug)]
 pub struct TrainArgs {
     config: Option<PathBuf>,
@@ -168,6 +178,7 @@ fn section_heading(key: &str) -> &'static str {
         Some("data") => "Data",
         Some("generation") => "Generation",
         Some("rloo") => "RLOO",
+        Some("ppo") => "PPO",
         _ => "Training",
     }
 }
@@ -232,7 +243,7 @@ pub fn run(args: TrainArgs) -> Result<()> {
         print!("{}", cfg.to_toml());
         return Ok(());
     }
-    let summary = rloo::train::rloo::train(&cfg).context("training failed")?;
+    let summary = rloo::train::rl::train(&cfg).context("training failed")?;
     eprintln!("trained {} steps ({} episodes) -> {}", summary.steps, summary.episodes, summary.output_dir.display());
     let t = &summary.timing;
     let which = if t.after_first { ", after the first" } else { "" };

@@ -34,6 +34,7 @@ impl Model {
         let weights = safetensors::tensor::serialize(tensors.iter().map(|(n, t)| (n.as_str(), t)), Some(metadata))
             .map_err(|e| Error::Invalid(format!("cannot serialise weights: {e}")))?;
         let source = self.dir();
+        std::fs::create_dir_all(dir).map_err(|e| Error::io(dir, e))?;
         write_atomic(&dir.join("config.json"), config.as_bytes())?;
         write_atomic(&dir.join(SINGLE_FILE), &weights)?;
         // Saving into the directory the files come from: they are already there

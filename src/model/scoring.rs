@@ -179,21 +179,44 @@ pub fn completion_logprobs(
         let empty = Tensor::zeros((n, 0), candle_core::DType::F32, device)?;
         return Ok(TokenLogprobs { logprobs: empty.clone(), entropy: empty, mask });
     }
-    let packed = seqs.packed(device)?;
-    let hidden = net.hidden_states(&packed.inputs, None)?;
-    // Padding slots read slot 0 and are masked.
-    let mut at = Vec::with_capacity(n * width);
-    let mut targets = Vec::with_capacity(n * width);
-    for (i, c) in seqs.completions.iter().enumerate() {
-        for j in 0..width {
-            at.push(if j < c.len() { packed.slot(i, j) as u32 } else { 0 });
-            targets.push(c.get(j).copied().unwrap_or(0));
-        }
-    }
-    let picked = packed.flat(&hidden)?.index_select(&Tensor::from_vec(at, n * width, device)?, 0)?;
+    let picked = completion_hidden(net, seqs, device)?;
+    let targets: Vec<u32> =
+        seqs.completions.iter().flat_map(|c| (0..width).map(|j| c.get(j).copied().unwrap_or(0))).collect();
     let (logprobs, entropy) = net.token_logprobs(&picked, &targets, temperature)?;
     let (logprobs, entropy) = (logprobs.reshape((n, width))?, entropy.reshape((n, width))?);
     Ok(TokenLogprobs { logprobs: (logprobs * &mask)?, entropy: (entropy * &mask)?, mask })
+}
+
+/// The hidden state that predicts each completion token, (N * Tc, H) row
+/// by row; padding slots read slot 0 (callers mask them).
+fn completion_hidden(net: &Network, seqs: &Sequences, device: &Device) -> Result<Tensor> {
+    let width = seqs.completion_width();
+    let packed = seqs.packed(device)?;
+    let hidden = net.hidden_states(&packed.inputs, None)?;
+    let packed = &packed;
+    let at: Vec<u32> = seqs
+        .completions
+        .iter()
+        .enumerate()
+        .flat_map(|(i, c)| (0..width).map(move |j| if j < c.len() { packed.slot(i, j) as u32 } else { 0 }))
+        .collect();
+    Ok(packed.flat(&hidden)?.index_select(&Tensor::from_vec(at, seqs.len() * width, device)?, 0)?)
+}
+
+/// A critic's value of the state before each completion token: its score
+/// head (one label) at the token that precedes it, (N, Tc), zero on padding.
+/// Runs `net` as it is: the training network for gradients.
+pub fn completion_values(net: &Network, seqs: &Sequences, device: &Device) -> Result<Tensor> {
+    let (n, width) = (seqs.len(), seqs.completion_width());
+    let mask = seqs.mask(device)?;
+    if width == 0 {
+        return Ok(mask);
+    }
+    let values = net.project(&completion_hidden(net, seqs, device)?)?;
+    if values.dim(1)? != 1 {
+        return Err(Error::Invalid(format!("a critic has one output per token, this head has {}", values.dim(1)?)));
+    }
+    Ok((values.reshape((n, width))? * mask)?)
 }
 
 /// [`completion_logprobs`] on frozen weights, `chunk` rows per forward pass,
@@ -207,14 +230,29 @@ pub fn completion_logprobs_chunked(
 ) -> Result<TokenLogprobs> {
     let width = seqs.completion_width();
     let (mut lps, mut ents) = (Vec::new(), Vec::new());
-    for start in (0..seqs.len()).step_by(chunk.max(1)) {
-        let end = (start + chunk.max(1)).min(seqs.len());
-        let part = seqs.select(&(start..end).collect::<Vec<_>>());
+    for part in chunks(seqs, chunk) {
         let out = completion_logprobs(net, &part, temperature, device)?;
         lps.push(pad_width(&out.logprobs, width)?);
         ents.push(pad_width(&out.entropy, width)?);
     }
     Ok(TokenLogprobs { logprobs: Tensor::cat(&lps, 0)?, entropy: Tensor::cat(&ents, 0)?, mask: seqs.mask(device)? })
+}
+
+/// [`completion_values`] on frozen weights, `chunk` rows per forward pass.
+pub fn completion_values_chunked(net: &Network, seqs: &Sequences, device: &Device, chunk: usize) -> Result<Tensor> {
+    let width = seqs.completion_width();
+    let parts: Vec<Tensor> = chunks(seqs, chunk)
+        .map(|part| pad_width(&completion_values(net, &part, device)?, width))
+        .collect::<Result<_>>()?;
+    Ok(Tensor::cat(&parts, 0)?)
+}
+
+/// `seqs` in consecutive parts of `chunk` rows.
+fn chunks<'s, 'a>(seqs: &'s Sequences<'a>, chunk: usize) -> impl Iterator<Item = Sequences<'a>> + 's {
+    let chunk = chunk.max(1);
+    (0..seqs.len())
+        .step_by(chunk)
+        .map(move |start| seqs.select(&(start..(start + chunk).min(seqs.len())).collect::<Vec<_>>()))
 }
 
 /// Right-pads (N, w) with zeros to (N, width).

@@ -38,19 +38,35 @@ pub fn checkpoint_dir(output_dir: &Path, step: usize) -> PathBuf {
     output_dir.join(format!("checkpoint-{step}"))
 }
 
-pub fn save(dir: &Path, model: &Model, optimizer: &AdamW, state: &TrainerState, config_toml: &str) -> Result<()> {
-    let mut tensors: Vec<(String, Tensor)> = optimizer.state_tensors();
-    for p in model.params().iter() {
-        if p.stored_dtype != DType::F32 {
-            tensors.push((format!("master.{}", p.name), p.var.as_tensor().clone()));
+/// A trained model and its optimizer, saved in a checkpoint's directory
+/// (`subdir` ""; the policy) or a sub-directory of it (`critic`).
+pub struct Part<'a> {
+    pub subdir: &'static str,
+    pub model: &'a Model,
+    pub optimizer: &'a AdamW,
+}
+
+/// Saves every part and the state, all or nothing.
+pub fn save(dir: &Path, parts: &[Part], state: &TrainerState, config_toml: &str) -> Result<()> {
+    let mut files = Vec::new();
+    for part in parts {
+        let mut tensors: Vec<(String, Tensor)> = part.optimizer.state_tensors();
+        for p in part.model.params().iter() {
+            if p.stored_dtype != DType::F32 {
+                tensors.push((format!("master.{}", p.name), p.var.as_tensor().clone()));
+            }
         }
+        let bytes = safetensors::tensor::serialize(tensors.iter().map(|(n, t)| (n.as_str(), t)), None)
+            .map_err(|e| Error::Invalid(format!("cannot serialise optimizer state: {e}")))?;
+        files.push((part, bytes));
     }
-    let bytes = safetensors::tensor::serialize(tensors.iter().map(|(n, t)| (n.as_str(), t)), None)
-        .map_err(|e| Error::Invalid(format!("cannot serialise optimizer state: {e}")))?;
     let state_json = serde_json::to_vec_pretty(state).map_err(|e| Error::Invalid(e.to_string()))?;
     write_dir_atomic(dir, |tmp| {
-        model.save_files(tmp)?;
-        write_atomic(&tmp.join(OPTIMIZER_FILE), &bytes)?;
+        for (part, bytes) in &files {
+            let at = tmp.join(part.subdir);
+            part.model.save_files(&at)?;
+            write_atomic(&at.join(OPTIMIZER_FILE), bytes)?;
+        }
         write_atomic(&tmp.join(CONFIG_FILE), config_toml.as_bytes())?;
         // Written last: a directory with this file is complete.
         write_atomic(&tmp.join(STATE_FILE), &state_json)
@@ -70,15 +86,27 @@ pub fn latest(output_dir: &Path) -> Option<PathBuf> {
         .map(|(_, path)| path)
 }
 
-/// Loads a checkpoint's policy, optimizer and state.
-pub fn load(dir: &Path, device: &Device, optimizer: &mut AdamW) -> Result<(Model, TrainerState)> {
+/// A complete checkpoint's state.
+pub fn load_state(dir: &Path) -> Result<TrainerState> {
     let state_path = dir.join(STATE_FILE);
     if !state_path.is_file() {
         return Err(Error::bad_file(dir, format!("not a complete checkpoint: {STATE_FILE} is missing")));
     }
-    let state: TrainerState = read_json(&state_path)?;
-    let model = Model::load(dir, device)?;
-    let opt_path = dir.join(OPTIMIZER_FILE);
+    read_json(&state_path)
+}
+
+/// Loads the model saved as `subdir` of a checkpoint and restores its
+/// optimizer, which has made `optimizer_step` steps.
+pub fn load_part(
+    dir: &Path,
+    subdir: &str,
+    device: &Device,
+    optimizer: &mut AdamW,
+    optimizer_step: usize,
+) -> Result<Model> {
+    let at = dir.join(subdir);
+    let model = Model::load(&at, device)?;
+    let opt_path = at.join(OPTIMIZER_FILE);
     let tensors: HashMap<String, Tensor> = candle_core::safetensors::load(&opt_path, device)
         .map_err(|e| Error::bad_file(&opt_path, format!("cannot read optimizer state: {e}")))?;
     for p in model.params().iter() {
@@ -86,8 +114,8 @@ pub fn load(dir: &Path, device: &Device, optimizer: &mut AdamW) -> Result<(Model
             p.var.set(master)?;
         }
     }
-    optimizer.load_state(tensors, state.optimizer_step, model.params())?;
-    Ok((model, state))
+    optimizer.load_state(tensors, optimizer_step, model.params())?;
+    Ok(model)
 }
 
 /// Deletes the oldest checkpoints beyond `limit` (0: keep all).

@@ -20,6 +20,10 @@ pub struct TrainConfig {
     pub data: DataSection,
     pub generation: GenerationSection,
     pub rloo: RlooSection,
+    /// PPO's own options (`train.algo = "ppo"`); PPO shares k, kl_coef,
+    /// kl_estimator, cliprange, the epochs, mini-batches and score shaping
+    /// with `[rloo]`.
+    pub ppo: PpoSection,
     pub train: TrainSection,
     /// Reward sources, summed with their weights (`[[reward]]` tables).
     pub reward: Vec<RewardSpec>,
@@ -210,6 +214,53 @@ impl Default for RlooSection {
     }
 }
 
+#[derive(Debug, Clone, Serialize, Deserialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct PpoSection {
+    /// Where the critic starts: a sequence-classification model directory,
+    /// "reward" (the one reward model of `[[reward]]`) or "policy" (a new
+    /// value head on the policy) [default: "reward" when there is exactly
+    /// one reward model, else "policy"].
+    pub value_model: Option<String>,
+    /// Weight of the value loss.
+    pub vf_coef: f64,
+    /// Clip range of the predicted values around the rollout's values.
+    pub cliprange_value: f64,
+    /// Discount.
+    pub gamma: f64,
+    /// GAE's lambda.
+    pub lam: f64,
+    /// Whiten the per-token rewards over the batch before GAE.
+    pub whiten_rewards: bool,
+    /// The critic's learning rate [default: train.learning_rate].
+    pub critic_learning_rate: Option<f64>,
+}
+
+impl Default for PpoSection {
+    fn default() -> Self {
+        Self {
+            value_model: None,
+            vf_coef: 0.1,
+            cliprange_value: 0.2,
+            gamma: 1.0,
+            lam: 0.95,
+            whiten_rewards: false,
+            critic_learning_rate: None,
+        }
+    }
+}
+
+/// Which policy-gradient algorithm trains the policy.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum Algo {
+    /// REINFORCE Leave-One-Out: k completions per prompt, no critic.
+    #[default]
+    Rloo,
+    /// PPO with a critic, GAE and a clipped value loss.
+    Ppo,
+}
+
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default, Serialize, Deserialize)]
 #[serde(rename_all = "snake_case")]
 pub enum Schedule {
@@ -222,6 +273,8 @@ pub enum Schedule {
 #[derive(Debug, Clone, Serialize, Deserialize)]
 #[serde(deny_unknown_fields, default)]
 pub struct TrainSection {
+    /// rloo or ppo.
+    pub algo: Algo,
     /// Checkpoints, the final model, metrics and samples go here.
     pub output_dir: String,
     pub learning_rate: f64,
@@ -271,6 +324,7 @@ pub struct TrainSection {
 impl Default for TrainSection {
     fn default() -> Self {
         Self {
+            algo: Algo::Rloo,
             output_dir: "runs/rloo".into(),
             learning_rate: 3e-6,
             per_device_train_batch_size: 8,
@@ -332,11 +386,26 @@ impl TrainConfig {
         if self.data.path.is_empty() {
             return bad("no prompts: set data.path (or --dataset_name)".into());
         }
-        if self.rloo.k < 2 {
-            return bad(format!(
-                "rloo.k (--rloo_k) must be at least 2 for a leave-one-out baseline, got {}",
-                self.rloo.k
-            ));
+        match self.train.algo {
+            Algo::Rloo if self.rloo.k < 2 => {
+                return bad(format!(
+                    "rloo.k (--rloo_k) must be at least 2 for a leave-one-out baseline, got {}",
+                    self.rloo.k
+                ))
+            }
+            Algo::Ppo if self.rloo.k == 0 => return bad("rloo.k (--rloo_k) must be at least 1".into()),
+            Algo::Ppo if self.rloo.kl_placement == KlPlacement::Loss => {
+                return bad("PPO puts the KL penalty into per-token rewards: rloo.kl_placement must be reward".into())
+            }
+            _ => {}
+        }
+        let p = &self.ppo;
+        non_negative("ppo.vf_coef", p.vf_coef)?;
+        positive("ppo.cliprange_value", p.cliprange_value)?;
+        in_range("ppo.gamma", p.gamma, Closed(0.0), Closed(1.0))?;
+        in_range("ppo.lam", p.lam, Closed(0.0), Closed(1.0))?;
+        if let Some(lr) = p.critic_learning_rate {
+            positive("ppo.critic_learning_rate", lr)?;
         }
         let (g, r, t) = (&self.generation, &self.rloo, &self.train);
         positive("generation.temperature", g.temperature)?;
@@ -481,48 +550,6 @@ pub fn check_optimizer(section: &str, o: &OptimizerOptions) -> Result<()> {
     positive(&name("adam_epsilon"), o.adam_epsilon)?;
     non_negative(&name("weight_decay"), o.weight_decay)?;
     non_negative(&name("max_grad_norm"), o.max_grad_norm)
-}
-
-/// The options SFT and reward-model training share, checked alike.
-pub struct SupervisedOptions {
-    pub per_device_train_batch_size: usize,
-    pub gradient_accumulation_steps: usize,
-    pub num_train_epochs: usize,
-    pub max_length: usize,
-    pub learning_rate: f64,
-    pub warmup_ratio: f64,
-    pub eval_fraction: f64,
-    pub weight_decay: f64,
-    pub max_grad_norm: f64,
-}
-
-impl SupervisedOptions {
-    pub fn validate(&self) -> Result<()> {
-        for (name, v) in [
-            ("per_device_train_batch_size", self.per_device_train_batch_size),
-            ("gradient_accumulation_steps", self.gradient_accumulation_steps),
-            ("num_train_epochs", self.num_train_epochs),
-            ("max_length", self.max_length),
-        ] {
-            if v == 0 {
-                return Err(Error::Invalid(format!("{name} must be at least 1")));
-            }
-        }
-        positive("learning_rate", self.learning_rate)?;
-        in_range("warmup_ratio", self.warmup_ratio, Closed(0.0), Closed(1.0))?;
-        in_range("eval_fraction", self.eval_fraction, Closed(0.0), Open(1.0))?;
-        // AdamW's own constants are fixed in these loops.
-        check_optimizer(
-            "",
-            &OptimizerOptions {
-                adam_beta1: 0.9,
-                adam_beta2: 0.999,
-                adam_epsilon: 1e-8,
-                weight_decay: self.weight_decay,
-                max_grad_norm: self.max_grad_norm,
-            },
-        )
-    }
 }
 
 /// One end of an allowed range of a numeric option.

@@ -38,8 +38,10 @@ pub fn rloo_estimate(
     params: usize,
     longest_prompt: usize,
     reference: bool,
+    critic_params: usize,
 ) -> Estimate {
     let params = params as u64;
+    let critic = critic_params as u64;
     let (h, layers, vocab) = (model.hidden_size() as u64, model.num_layers() as u64, model.vocab_size() as u64);
     let tokens = (longest_prompt + cfg.generation.response_length) as u64;
     let chunk = cfg.generation.local_rollout_forward_batch_size.min(sizes.batch) as u64;
@@ -50,6 +52,11 @@ pub fn rloo_estimate(
             ("gradients", params * F32),
             ("optimizer state", 2 * params * F32),
             ("reference", if reference { params * F32 } else { 0 }),
+            // PPO's critic: weights, gradients and optimizer state, and its activations.
+            (
+                "critic",
+                4 * critic * F32 + if critic > 0 { micro * tokens * layers * SAVED_PER_LAYER * h * F32 } else { 0 },
+            ),
             ("KV cache", chunk * tokens * layers * 2 * h * F32),
             ("activations", micro * tokens * layers * SAVED_PER_LAYER * h * F32),
             // The logits of a training micro-batch and their gradient, and a scoring chunk's.

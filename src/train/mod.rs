@@ -3,10 +3,11 @@
 
 pub mod checkpoint;
 pub mod config;
+pub mod harness;
 pub mod memory;
 pub mod optim;
 pub mod reward_model;
-pub mod rloo;
+pub mod rl;
 pub mod run_dir;
 pub mod sft;
 pub mod stop;

@@ -9,9 +9,9 @@ use std::path::PathBuf;
 use candle_core::{Device, Tensor};
 use serde_json::Value;
 
-use super::config::{Schedule, SupervisedOptions};
-use super::run_dir::{Reuse, RunDir};
-use super::stop;
+use super::config::{in_range, Bound, Schedule};
+use super::harness::{Harness, HarnessOptions};
+use super::run_dir::Reuse;
 use super::supervised::{train_supervised, LoopOptions, Objective};
 use crate::data::split_eval;
 use crate::data::{DatasetSpec, Row};
@@ -22,7 +22,7 @@ use crate::generate::Rng;
 use crate::model::hub::resolve_model;
 use crate::model::ops::log_softmax_last;
 use crate::model::{parse_device, HeadKind, Inputs, Model, Network, PadSide};
-use crate::report::{metric_sinks, Metrics};
+use crate::report::Metrics;
 use crate::reward::model::encode_pair;
 
 #[derive(Debug, Clone)]
@@ -98,7 +98,6 @@ impl RewardTrainConfig {
             weight_decay: self.weight_decay,
             max_grad_norm: self.max_grad_norm,
             max_skipped_steps: self.max_skipped_steps,
-            logging_steps: 1,
             seed: self.seed,
             order_stream: streams::REWARD_DATA,
         }
@@ -106,18 +105,9 @@ impl RewardTrainConfig {
 
     /// Checks values that no type can express; messages name the option.
     pub fn validate(&self) -> Result<()> {
-        SupervisedOptions {
-            per_device_train_batch_size: self.per_device_train_batch_size,
-            gradient_accumulation_steps: self.gradient_accumulation_steps,
-            num_train_epochs: self.num_train_epochs,
-            max_length: self.max_length,
-            learning_rate: self.learning_rate,
-            warmup_ratio: 0.0,
-            eval_fraction: self.eval_fraction,
-            weight_decay: self.weight_decay,
-            max_grad_norm: self.max_grad_norm,
-        }
-        .validate()
+        self.loop_options().validate()?;
+        in_range("max_length", self.max_length as f64, Bound::Closed(1.0), Bound::Open(f64::INFINITY))?;
+        in_range("eval_fraction", self.eval_fraction, Bound::Closed(0.0), Bound::Open(1.0))
     }
 }
 
@@ -235,8 +225,7 @@ pub fn evaluate(net: &Network, pairs: &[Pair], batch: usize, device: &Device) ->
 pub fn train_reward_model(cfg: &RewardTrainConfig) -> Result<RewardTrainSummary> {
     cfg.validate()?;
     let output_dir = PathBuf::from(&cfg.output_dir);
-    let _run_dir = RunDir::open(&output_dir, if cfg.overwrite_output_dir { Reuse::Overwrite } else { Reuse::Fresh })?;
-    stop::install();
+    let run_dir = Harness::lock(&output_dir, if cfg.overwrite_output_dir { Reuse::Overwrite } else { Reuse::Fresh })?;
     let device = parse_device(&cfg.device)?;
     let dir = resolve_model(&cfg.model)?;
     let mut model = Model::load_with_head(&dir, &device, HeadKind::SequenceClassification { num_labels: 1 }, cfg.seed)?;
@@ -252,13 +241,14 @@ pub fn train_reward_model(cfg: &RewardTrainConfig) -> Result<RewardTrainSummary>
     let train = load_pairs(&cfg.dataset, &tok, cfg.max_length, context)?;
     let eval = cfg.eval_dataset.as_ref().map(|data| load_pairs(data, &tok, cfg.max_length, context)).transpose()?;
     let (train, eval) = split_eval(train, eval, cfg.eval_fraction, &mut Rng::stream(cfg.seed, &[streams::REWARD_DATA]));
-    let mut sinks = metric_sinks(&output_dir)?;
+    let options = HarnessOptions { logging_steps: 1, progress_total: None, samples: false };
+    let mut harness = Harness::open(run_dir, 0, options)?;
     let mini = cfg.per_device_train_batch_size * cfg.gradient_accumulation_steps;
     let total = train.len().div_ceil(mini) * cfg.num_train_epochs;
     tracing::info!("reward model: {} train / {} eval pairs, {} steps of {mini} pairs", train.len(), eval.len(), total);
 
     let mut objective = BradleyTerry { eval, batch: cfg.per_device_train_batch_size, device: &device, last_eval: None };
-    let done = train_supervised(&model, &train, &mut objective, &cfg.loop_options(), &mut sinks, &output_dir)?;
+    let done = train_supervised(&model, &train, &mut objective, &cfg.loop_options(), &mut harness)?;
     let (step, last_eval) = (done.steps, objective.last_eval);
     model.save_files(&output_dir)?;
     Ok(RewardTrainSummary { steps: step, eval: last_eval, output_dir })

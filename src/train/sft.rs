@@ -14,9 +14,9 @@ use candle_core::{Device, Tensor};
 use serde::{Deserialize, Serialize};
 use serde_json::Value;
 
-use super::config::{Schedule, SupervisedOptions};
-use super::run_dir::{Reuse, RunDir};
-use super::stop;
+use super::config::{in_range, Bound, Schedule};
+use super::harness::{Harness, HarnessOptions};
+use super::run_dir::Reuse;
 use super::supervised::{train_supervised, LoopOptions, Objective};
 use crate::data::split_eval;
 use crate::data::{DatasetSpec, Row};
@@ -27,7 +27,7 @@ use crate::generate::Rng;
 use crate::model::hub::resolve_model;
 use crate::model::scoring::{completion_logprobs, Sequences};
 use crate::model::{parse_device, HeadKind, Model, Network};
-use crate::report::{metric_sinks, Metrics};
+use crate::report::Metrics;
 
 #[derive(Debug, Clone, Serialize, Deserialize)]
 #[serde(deny_unknown_fields, default)]
@@ -220,7 +220,6 @@ impl SftConfig {
             weight_decay: self.weight_decay,
             max_grad_norm: self.max_grad_norm,
             max_skipped_steps: self.max_skipped_steps,
-            logging_steps: self.logging_steps,
             seed: self.seed,
             order_stream: streams::SFT_DATA,
         }
@@ -228,18 +227,9 @@ impl SftConfig {
 
     /// Checks values that no type can express; messages name the option.
     pub fn validate(&self) -> Result<()> {
-        SupervisedOptions {
-            per_device_train_batch_size: self.per_device_train_batch_size,
-            gradient_accumulation_steps: self.gradient_accumulation_steps,
-            num_train_epochs: self.num_train_epochs,
-            max_length: self.max_length,
-            learning_rate: self.learning_rate,
-            warmup_ratio: self.warmup_ratio,
-            eval_fraction: self.eval_fraction,
-            weight_decay: self.weight_decay,
-            max_grad_norm: self.max_grad_norm,
-        }
-        .validate()
+        self.loop_options().validate()?;
+        in_range("max_length", self.max_length as f64, Bound::Closed(1.0), Bound::Open(f64::INFINITY))?;
+        in_range("eval_fraction", self.eval_fraction, Bound::Closed(0.0), Bound::Open(1.0))
     }
 }
 
@@ -288,8 +278,7 @@ fn sequences<'a>(examples: &[&'a Example]) -> Sequences<'a> {
 pub fn train_sft(cfg: &SftConfig) -> Result<SftSummary> {
     cfg.validate()?;
     let output_dir = PathBuf::from(&cfg.output_dir);
-    let _run_dir = RunDir::open(&output_dir, if cfg.overwrite_output_dir { Reuse::Overwrite } else { Reuse::Fresh })?;
-    stop::install();
+    let run_dir = Harness::lock(&output_dir, if cfg.overwrite_output_dir { Reuse::Overwrite } else { Reuse::Fresh })?;
     let device = parse_device(&cfg.device)?;
     let dir = resolve_model(&cfg.model)?;
     let model = Model::load(&dir, &device)?;
@@ -302,7 +291,8 @@ pub fn train_sft(cfg: &SftConfig) -> Result<SftSummary> {
     let train = load_examples(&cfg.dataset, &tok, cfg, context)?;
     let eval = cfg.eval_dataset.as_ref().map(|data| load_examples(data, &tok, cfg, context)).transpose()?;
     let (train, eval) = split_eval(train, eval, cfg.eval_fraction, &mut Rng::stream(cfg.seed, &[streams::SFT_DATA]));
-    let mut sinks = metric_sinks(&output_dir)?;
+    let options = HarnessOptions { logging_steps: cfg.logging_steps, progress_total: None, samples: false };
+    let mut harness = Harness::open(run_dir, 0, options)?;
 
     let mini = cfg.per_device_train_batch_size * cfg.gradient_accumulation_steps;
     let steps_per_epoch = train.len().div_ceil(mini);
@@ -319,7 +309,7 @@ pub fn train_sft(cfg: &SftConfig) -> Result<SftSummary> {
     let mut objective =
         NextTokenLoss { eval, batch: cfg.per_device_train_batch_size, device: &device, eval_loss: None };
     let started = Instant::now();
-    let done = train_supervised(&model, &train, &mut objective, &cfg.loop_options(), &mut sinks, &output_dir)?;
+    let done = train_supervised(&model, &train, &mut objective, &cfg.loop_options(), &mut harness)?;
     let (step, last_loss, eval_loss) = (done.steps, done.last_loss, objective.eval_loss);
     model.save_files(&output_dir)?;
     tracing::info!(

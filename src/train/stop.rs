@@ -3,15 +3,8 @@
 //! the process at once. The handler only counts and writes one line, both
 //! safe inside a signal handler.
 
-use std::path::Path;
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::Once;
-
-use super::checkpoint::checkpoint_dir;
-use super::optim::StepGuard;
-use crate::error::{Error, Result};
-use crate::io::write_dir_atomic;
-use crate::model::Model;
 
 static RECEIVED: AtomicUsize = AtomicUsize::new(0);
 static INSTALL: Once = Once::new();
@@ -46,28 +39,4 @@ pub fn install() {
 /// Whether a stop was asked for since the process started.
 pub fn requested() -> bool {
     RECEIVED.load(Ordering::SeqCst) > 0
-}
-
-/// For loops without resume (SFT, reward model): after an optimizer step,
-/// when a signal asked to stop or `guard` gave up, saves the model so far
-/// as `<output_dir>/checkpoint-<step>` and returns the error to stop with.
-pub fn save_if_stopping(guard: &StepGuard, model: &Model, output_dir: &Path, step: usize) -> Result<()> {
-    let (interrupted, diverged) = (requested(), guard.exhausted());
-    if !interrupted && !diverged {
-        return Ok(());
-    }
-    let dir = checkpoint_dir(output_dir, step);
-    write_dir_atomic(&dir, |tmp| model.save_files(tmp))?;
-    if diverged {
-        return Err(Error::Invalid(format!(
-            "{}; stopped at step {step} with the last good weights in {} (lower the learning rate)",
-            guard.describe(),
-            dir.display()
-        )));
-    }
-    Err(Error::Interrupted(format!(
-        "stopped by a signal after step {step}; the model so far is in {}; this command does not resume: \
-         run it again with --overwrite_output_dir to start over",
-        dir.display()
-    )))
 }

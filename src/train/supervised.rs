@@ -2,19 +2,19 @@
 //! shuffled optimizer steps, each accumulated over micro-batches, clipped,
 //! scheduled and guarded against non-finite values; step metrics, the
 //! held-out evaluation after each epoch, and the save on Ctrl-C or
-//! divergence. What differs between the two is an [`Objective`].
-
-use std::path::Path;
+//! divergence, through the run [`Harness`]. What differs between the two is an [`Objective`].
 
 use candle_core::Tensor;
 
-use super::config::Schedule;
+use super::checkpoint::checkpoint_dir;
+use super::config::{check_optimizer, in_range, positive, Bound, OptimizerOptions, Schedule};
+use super::harness::{Harness, Stopping};
 use super::optim::{learning_rate, AdamW, GradAccumulator, StepGuard};
-use super::stop;
-use crate::error::Result;
+use crate::error::{Error, Result};
 use crate::generate::Rng;
+use crate::io::write_dir_atomic;
 use crate::model::{Model, Network};
-use crate::report::{Metrics, MetricsSink};
+use crate::report::Metrics;
 
 /// The loop's options, as `sft` and `reward train` name them.
 #[derive(Debug, Clone)]
@@ -29,11 +29,37 @@ pub struct LoopOptions {
     pub weight_decay: f64,
     pub max_grad_norm: f64,
     pub max_skipped_steps: usize,
-    /// Log every N steps, and after every evaluation.
-    pub logging_steps: usize,
     pub seed: u64,
     /// The random stream of each epoch's order (with the epoch + 1).
     pub order_stream: u64,
+}
+
+impl LoopOptions {
+    /// Checks values that no type can express; messages name the option.
+    pub fn validate(&self) -> Result<()> {
+        for (name, v) in [
+            ("per_device_train_batch_size", self.per_device_train_batch_size),
+            ("gradient_accumulation_steps", self.gradient_accumulation_steps),
+            ("num_train_epochs", self.num_train_epochs),
+        ] {
+            if v == 0 {
+                return Err(Error::Invalid(format!("{name} must be at least 1")));
+            }
+        }
+        positive("learning_rate", self.learning_rate)?;
+        in_range("warmup_ratio", self.warmup_ratio, Bound::Closed(0.0), Bound::Closed(1.0))?;
+        // AdamW's own constants are fixed in these loops.
+        check_optimizer(
+            "",
+            &OptimizerOptions {
+                adam_beta1: 0.9,
+                adam_beta2: 0.999,
+                adam_epsilon: 1e-8,
+                weight_decay: self.weight_decay,
+                max_grad_norm: self.max_grad_norm,
+            },
+        )
+    }
 }
 
 /// What a trainer puts into the loop.
@@ -67,14 +93,13 @@ pub struct LoopSummary {
     pub last_loss: f64,
 }
 
-/// Trains `model` on `train` with `objective`, logging to `sinks`.
+/// Trains `model` on `train` with `objective`, reporting through `harness`.
 pub fn train_supervised<O: Objective>(
     model: &Model,
     train: &[O::Example],
     objective: &mut O,
     opts: &LoopOptions,
-    sinks: &mut dyn MetricsSink,
-    output_dir: &Path,
+    harness: &mut Harness,
 ) -> Result<LoopSummary> {
     let mini = opts.per_device_train_batch_size * opts.gradient_accumulation_steps;
     let steps_per_epoch = train.len().div_ceil(mini);
@@ -118,11 +143,14 @@ pub fn train_supervised<O: Objective>(
             for (name, value) in evaluated.iter().flat_map(Metrics::iter) {
                 m.set(name, value);
             }
-            if step % opts.logging_steps.max(1) == 0 || evaluated.is_some() {
-                sinks.log(step as u64, &m)?;
-                sinks.flush()?;
+            harness.log(step, &m, evaluated.is_some())?;
+            if let Some(stopping) = Stopping::now(&guard) {
+                // These loops do not resume: the model so far is what is kept.
+                let dir = checkpoint_dir(harness.output_dir(), step);
+                write_dir_atomic(&dir, |tmp| model.save_files(tmp))?;
+                let resume = "this command does not resume: run it again with --overwrite_output_dir to start over";
+                return Err(stopping.error(&guard, step, &dir, resume));
             }
-            stop::save_if_stopping(&guard, model, output_dir, step)?;
         }
     }
     Ok(LoopSummary { steps: step, last_loss })

@@ -1,0 +1,412 @@
+//! Online policy-gradient training, one rollout batch per step:
+//! rollout -> scores, and the old and reference log-probs (and PPO's
+//! values) side by side -> KL -> advantages (RLOO's leave-one-out over
+//! sequences, or PPO's GAE over tokens) -> epochs x mini-batches x
+//! micro-batches of the clipped policy loss (plus PPO's value loss) ->
+//! metrics, samples, checkpoint. See ../SPEC-RLOO.md.
+
+mod optimise;
+mod ppo;
+mod report;
+mod setup;
+
+use std::path::PathBuf;
+
+use candle_core::{Device, Tensor};
+
+use super::checkpoint::{self, Part, TrainerState};
+use super::config::{BatchSizes, TrainConfig};
+use super::harness::{Harness, HarnessOptions, Phases, StepTiming, Stopping};
+use super::optim::{learning_rate, AdamW, StepGuard};
+use super::run_dir::Reuse;
+use crate::algo;
+use crate::data::prompts::PromptDataset;
+use crate::data::Tokenizer;
+use crate::error::{Error, Result};
+use crate::generate::rng::streams;
+use crate::generate::{Completion, GenerateOptions, Rng};
+use crate::io::write_atomic;
+use crate::model::scoring::{completion_logprobs_chunked, Sequences, TokenLogprobs};
+use crate::model::{Model, Network};
+use crate::report::Metrics;
+use crate::reward::{RewardSet, Shaping};
+use crate::rollout::Rollout;
+use optimise::{Advantages, TrainStats};
+use ppo::{Critic, CRITIC_DIR};
+
+/// What a finished (or stopped) run reports.
+#[derive(Debug, Clone)]
+pub struct RunSummary {
+    pub steps: usize,
+    pub episodes: usize,
+    pub output_dir: PathBuf,
+    /// The last logged metrics.
+    pub last: Metrics,
+    /// Where the time of this invocation's steps went.
+    pub timing: StepTiming,
+}
+
+/// Everything a step needs that does not change between steps.
+struct Run {
+    cfg: TrainConfig,
+    sizes: BatchSizes,
+    device: Device,
+    tokenizer: Tokenizer,
+    policy: Model,
+    reference: Option<Model>,
+    /// PPO's value model.
+    critic: Option<Critic>,
+    rewards: RewardSet,
+    shaping: Shaping,
+    dataset: PromptDataset,
+    generation: GenerateOptions,
+    warmup: usize,
+}
+
+/// The optimizers of the trained models.
+struct Optimizers {
+    policy: AdamW,
+    critic: Option<AdamW>,
+}
+
+pub fn train(cfg: &TrainConfig) -> Result<RunSummary> {
+    cfg.validate()?;
+    let output_dir = PathBuf::from(&cfg.train.output_dir);
+    let reuse = if cfg.train.resume_from_checkpoint.is_some() {
+        Reuse::Resume
+    } else if cfg.train.overwrite_output_dir {
+        Reuse::Overwrite
+    } else {
+        Reuse::Fresh
+    };
+    let run_dir = Harness::lock(&output_dir, reuse)?;
+    let mut run = Run::start(cfg)?;
+    let t = &cfg.train;
+    let adamw = || AdamW::new(t.adam_beta1, t.adam_beta2, t.adam_epsilon, t.weight_decay);
+    let mut optimizers = Optimizers { policy: adamw(), critic: run.critic.as_ref().map(|_| adamw()) };
+    let start = run.resume_state(&mut optimizers)?;
+    let sizes = run.sizes;
+    let options = HarnessOptions {
+        logging_steps: t.logging_steps,
+        progress_total: Some(sizes.total_episodes as u64),
+        samples: true,
+    };
+    let mut harness = Harness::open(run_dir, start.step, options)?;
+    let config_toml = cfg.to_toml();
+    write_atomic(&output_dir.join(checkpoint::CONFIG_FILE), config_toml.as_bytes())?;
+
+    let stop_at = t.stop_after.map_or(sizes.steps, |n| (start.step + n).min(sizes.steps));
+    let table_every = (sizes.steps / t.num_sample_generations.max(1)).max(1);
+    let mut state = start;
+    let mut guard = StepGuard::new(t.max_skipped_steps);
+    let mut last = Metrics::new();
+    let run_started = std::time::Instant::now();
+    while state.step < stop_at {
+        let step = state.step;
+        let mut phases = Phases::start();
+        let mut metrics = Metrics::new();
+        let step_result = run.step(step, &mut optimizers, &mut state, &mut guard, &mut phases, &mut metrics);
+        let (rollout, shaped) = match step_result {
+            Ok(done) => done,
+            Err(Error::RewardService(why)) => {
+                harness.finish();
+                let saved = run.save_before_stopping(&output_dir, &optimizers, &state, &config_toml)?;
+                return Err(Error::RewardService(format!("{why}; {saved}")));
+            }
+            Err(e) => return Err(e),
+        };
+
+        state.step += 1;
+        state.episode += sizes.batch;
+        metrics.set(
+            "lr",
+            learning_rate(
+                t.learning_rate,
+                t.lr_scheduler_type,
+                state.optimizer_step.saturating_sub(1),
+                sizes.optimizer_steps,
+                run.warmup,
+            ),
+        );
+        metrics.set("episode", state.episode as f64);
+        metrics.set("eps", sizes.batch as f64 / phases.elapsed());
+        harness.record_phases(state.step, sizes.batch, &phases, &mut metrics);
+        harness.log(state.step, &metrics, state.step == stop_at)?;
+        let table = report::sample_table(&run.dataset, &rollout, &shaped);
+        harness.samples(state.step, &table, state.step % table_every == 0 || state.step == 1)?;
+        harness.progress(state.episode, &metrics);
+        let stopping = Stopping::now(&guard);
+        let save_now = t.save_steps > 0 && state.step % t.save_steps == 0;
+        if save_now || state.step == stop_at || stopping.is_some() {
+            let dir = checkpoint::checkpoint_dir(&output_dir, state.step);
+            checkpoint::save(&dir, &run.parts(&optimizers), &state, &config_toml)?;
+            checkpoint::prune(&output_dir, t.save_total_limit)?;
+            if let Some(stopping) = stopping {
+                harness.finish();
+                let resume = "continue with the same command and --resume_from_checkpoint latest";
+                return Err(stopping.error(&guard, state.step, &dir, resume));
+            }
+        }
+        last = metrics;
+    }
+    let timing = harness.finish();
+    if state.step == sizes.steps {
+        run.policy.save_files(&output_dir)?;
+        if let Some(critic) = &run.critic {
+            critic.model.save_files(&output_dir.join(CRITIC_DIR))?;
+        }
+    }
+    tracing::info!(
+        "{} steps, {} episodes in {:.1} s -> {}",
+        state.step,
+        state.episode,
+        run_started.elapsed().as_secs_f64(),
+        output_dir.display()
+    );
+    Ok(RunSummary { steps: state.step, episodes: state.episode, output_dir, last, timing })
+}
+
+impl Run {
+    /// One rollout step up to its metrics; gives the rollout and its shaped
+    /// scores for the sample log.
+    fn step(
+        &self,
+        step: usize,
+        optimizers: &mut Optimizers,
+        state: &mut TrainerState,
+        guard: &mut StepGuard,
+        phases: &mut Phases,
+        metrics: &mut Metrics,
+    ) -> Result<(Rollout, Vec<Option<f32>>)> {
+        let cfg = &self.cfg;
+        // 1. Rollout: k completions of each prompt of this step.
+        let rollout = phases.time("generation", || self.rollout(step))?;
+
+        // 2 and 3, side by side: the scores, shaped (missing-EOS penalty,
+        // normalisation, clipping), on a thread of their own (a source that
+        // waits on a command or a service holds no compute thread), and the
+        // log-probs of the sampling policy and of the reference (and PPO's values).
+        let ended = rollout.ended_with_eos();
+        let seqs = rollout.sequences(&self.dataset);
+        let started = std::time::Instant::now();
+        let (scored, forward) = std::thread::scope(|s| {
+            let scoring = s.spawn(|| -> Result<_> {
+                let started = std::time::Instant::now();
+                let scores = self.rewards.score(&rollout.samples(&self.dataset))?;
+                Ok((scores, started.elapsed().as_secs_f64()))
+            });
+            (scoring.join().expect("the scoring thread panicked"), self.rollout_forward(&rollout, &seqs))
+        });
+        let both = started.elapsed().as_secs_f64();
+        let ((scores, t_score), forward) = (scored?, forward?);
+        phases.record("scoring", t_score);
+        phases.record("reference", forward.secs);
+        phases.record("scoring_and_reference", both);
+        let shaped = self.shaping.apply(&scores.total, &ended);
+
+        // 4. KL and advantages.
+        let beta = cfg.rloo.kl_coef;
+        let (old, reference) = (&forward.old, forward.reference.as_ref());
+        let kl = match reference {
+            Some(lp_ref) => Some(algo::kl_per_token(&old.logprobs, lp_ref, cfg.rloo.kl_estimator)?),
+            None => None,
+        };
+        let seq_kl: Vec<f32> = match &kl {
+            Some(kl) => algo::sequence_kl(kl, &old.mask)?.to_vec1()?,
+            None => vec![0.0; seqs.len()],
+        };
+        let advantages = match (&self.critic, &forward.values) {
+            (Some(_), Some(values)) => {
+                let targets = Critic::targets(&cfg.ppo, beta, &shaped, kl.as_ref(), values, &old.mask)?;
+                metrics.set("objective/rlhf_reward", targets.rlhf_reward);
+                Advantages::Tokens(targets)
+            }
+            _ => {
+                let (returns, adv) =
+                    algo::returns_and_advantages(&shaped, &seq_kl, self.sizes.k, &cfg.rloo.return_options());
+                let rlhf = returns.iter().flatten().map(|&r| r as f64).collect::<Vec<_>>();
+                metrics.set("objective/rlhf_reward", crate::stats::mean(&rlhf).unwrap_or(f64::NAN));
+                metrics.set("rloo/degenerate_groups", adv.degenerate_groups as f64);
+                let values = Tensor::from_vec(adv.values.flat().to_vec(), seqs.len(), &self.device)?;
+                Advantages::Sequences(values)
+            }
+        };
+
+        // 5. Optimise: epochs x shuffled mini-batches, accumulated over micro-batches.
+        let train_stats = phases.time("training", || -> Result<TrainStats> {
+            if shaped.iter().all(Option::is_none) {
+                // Nothing to learn from, and a step would still move the weights through weight decay.
+                guard.skip(state.optimizer_step, format!("all {} samples of the rollout are unscorable", shaped.len()));
+                return Ok(TrainStats { skipped_steps: 1, ..TrainStats::default() });
+            }
+            self.optimise(step, &seqs, old, reference, &advantages, optimizers, state, guard)
+        })?;
+
+        // 6. Metrics.
+        report::rollout_metrics(metrics, &rollout, &shaped, &seq_kl, beta, old, &ended)?;
+        for (name, value) in scores.metrics() {
+            metrics.set(name, value as f64);
+        }
+        metrics.set("rloo/unscorable", shaped.iter().filter(|s| s.is_none()).count() as f64);
+        train_stats.record(metrics, self.critic.is_some());
+        Ok((rollout, shaped))
+    }
+
+    fn rollout(&self, step: usize) -> Result<Rollout> {
+        let prompt_rows =
+            self.dataset.batch(step, self.sizes.prompts_per_batch, self.cfg.train.seed, self.cfg.data.shuffle);
+        let mut opts = self.generation.clone();
+        opts.seed = Rng::stream(self.cfg.train.seed, &[streams::ROLLOUT_SAMPLING, step as u64]).next_u64();
+        Rollout::sample(self.policy.frozen(), &self.dataset, prompt_rows, &opts, &self.tokenizer, &self.device)
+    }
+
+    /// The forward passes over a rollout without gradients: the sampling
+    /// policy's log-probs (kept from sampling unless recomputed), the
+    /// reference's, and the critic's values.
+    fn rollout_forward(&self, rollout: &Rollout, seqs: &Sequences) -> Result<RolloutForward> {
+        let started = std::time::Instant::now();
+        let temperature = self.cfg.generation.temperature;
+        let old = if self.cfg.rloo.recompute_old_logprobs {
+            self.logprobs_in_chunks(self.policy.frozen(), seqs, temperature)?
+        } else {
+            sampler_logprobs(rollout.completions.flat(), seqs, &self.device)?
+        };
+        let reference = match &self.reference {
+            Some(r) => Some(self.logprobs_in_chunks(r.frozen(), seqs, temperature)?.logprobs),
+            None => None,
+        };
+        let chunk = self.cfg.generation.local_rollout_forward_batch_size;
+        let values = self.critic.as_ref().map(|c| c.values(seqs, &self.device, chunk)).transpose()?;
+        Ok(RolloutForward { old, reference, values, secs: started.elapsed().as_secs_f64() })
+    }
+
+    /// Log-probs without gradients, `local_rollout_forward_batch_size` rows at a time.
+    fn logprobs_in_chunks(&self, net: &Network, seqs: &Sequences, temperature: f64) -> Result<TokenLogprobs> {
+        let chunk = self.cfg.generation.local_rollout_forward_batch_size;
+        completion_logprobs_chunked(net, seqs, temperature, &self.device, chunk)
+    }
+
+    /// The models a checkpoint holds, with their optimizers.
+    fn parts<'a>(&'a self, optimizers: &'a Optimizers) -> Vec<Part<'a>> {
+        let mut parts = vec![Part { subdir: "", model: &self.policy, optimizer: &optimizers.policy }];
+        if let (Some(critic), Some(optimizer)) = (&self.critic, &optimizers.critic) {
+            parts.push(Part { subdir: CRITIC_DIR, model: &critic.model, optimizer });
+        }
+        parts
+    }
+
+    /// Saves the weights of the last finished step, when no checkpoint holds
+    /// them yet, before a run stops on a failure outside it; says where.
+    fn save_before_stopping(
+        &self,
+        output_dir: &std::path::Path,
+        optimizers: &Optimizers,
+        state: &TrainerState,
+        config_toml: &str,
+    ) -> Result<String> {
+        if state.step == 0 {
+            return Ok("no step had finished, so there was nothing to save".into());
+        }
+        let dir = checkpoint::checkpoint_dir(output_dir, state.step);
+        if !dir.join(checkpoint::STATE_FILE).exists() {
+            checkpoint::save(&dir, &self.parts(optimizers), state, config_toml)?;
+        }
+        Ok(format!(
+            "the run stopped after step {} with its weights in {}; continue with --resume_from_checkpoint latest",
+            state.step,
+            dir.display()
+        ))
+    }
+}
+
+/// What the rollout's forward passes give.
+struct RolloutForward {
+    old: TokenLogprobs,
+    reference: Option<Tensor>,
+    /// PPO's values (N, Tc).
+    values: Option<Tensor>,
+    secs: f64,
+}
+
+/// The sampler's log-probs and entropies of each completion (`seqs` holds
+/// the same completions), laid out like [`completion_logprobs`]' output:
+/// (N, Tc), zero-padded, with the mask.
+fn sampler_logprobs(completions: &[Completion], seqs: &Sequences, device: &Device) -> Result<TokenLogprobs> {
+    let width = seqs.completion_width();
+    let padded = |values: fn(&Completion) -> &[f32]| -> Result<Tensor> {
+        let data: Vec<f32> = completions
+            .iter()
+            .flat_map(|c| values(c).iter().copied().chain(std::iter::repeat(0.0)).take(width))
+            .collect();
+        Ok(Tensor::from_vec(data, (completions.len(), width), device)?)
+    };
+    Ok(TokenLogprobs {
+        logprobs: padded(|c| &c.logprobs)?,
+        entropy: padded(|c| &c.entropies)?,
+        mask: seqs.mask(device)?,
+    })
+}
+
+#[cfg(test)]
+mod tests {
+    use std::path::Path;
+
+    use super::*;
+    use crate::train::config::parse_set;
+
+    fn fixture_run(dir: &Path, extra: &[&str]) -> Run {
+        let root = Path::new(env!("CARGO_MANIFEST_DIR"));
+        let prompts = dir.join("prompts.jsonl");
+        std::fs::write(&prompts, "{\"prompt\": \"The movie was\"}\n{\"prompt\": \"I think\"}\n").unwrap();
+        let mut sets = vec![
+            format!("model.policy={}", root.join("tests/fixtures/models/gpt_neox-causal").display()),
+            format!("data.path={}", prompts.display()),
+            format!("train.output_dir={}", dir.join("out").display()),
+            "model.device=cpu".into(),
+            "train.per_device_train_batch_size=4".into(),
+            "reward=[{type=\"length\"}]".into(),
+        ];
+        sets.extend(extra.iter().map(|s| s.to_string()));
+        let sets: Vec<_> = sets.iter().map(|s| parse_set(s).unwrap()).collect();
+        Run::start(&TrainConfig::load(None, &sets).unwrap()).unwrap()
+    }
+
+    #[test]
+    fn all_masked_completions_leave_the_parameters_unchanged() {
+        let tmp = tempfile::tempdir().unwrap();
+        // Weight decay and a large learning rate would move every weight on any step.
+        let run = fixture_run(tmp.path(), &["train.weight_decay=0.5", "train.learning_rate=1.0"]);
+        let before: Vec<Vec<f32>> =
+            run.policy.params().iter().map(|p| p.var.as_tensor().flatten_all().unwrap().to_vec1().unwrap()).collect();
+        let prompt = [5u32, 6, 7];
+        let seqs = Sequences::new(vec![&prompt; 4], vec![&[]; 4]);
+        let old = run.logprobs_in_chunks(run.policy.frozen(), &seqs, 0.7).unwrap();
+        let adv = Advantages::Sequences(Tensor::new(&[1.0f32, -1.0, 2.0, -2.0], &Device::Cpu).unwrap());
+        let mut opt = Optimizers { policy: AdamW::new(0.9, 0.999, 1e-8, 0.5), critic: None };
+        let mut state = TrainerState { total_steps: 1, ..TrainerState::default() };
+        let mut guard = StepGuard::new(10);
+        let stats = run.optimise(0, &seqs, &old, None, &adv, &mut opt, &mut state, &mut guard).unwrap();
+        assert_eq!(state.optimizer_step, 0);
+        assert_eq!(stats.skipped_steps, run.cfg.rloo.num_ppo_epochs);
+        for (p, b) in run.policy.params().iter().zip(before) {
+            assert_eq!(p.var.as_tensor().flatten_all().unwrap().to_vec1::<f32>().unwrap(), b, "{} changed", p.name);
+        }
+    }
+
+    #[test]
+    fn one_optimizer_step_per_mini_batch_and_epoch() {
+        let tmp = tempfile::tempdir().unwrap();
+        let run = fixture_run(
+            tmp.path(),
+            &["rloo.num_mini_batches=2", "train.per_device_train_batch_size=2", "rloo.num_ppo_epochs=3"],
+        );
+        let rollout = run.rollout(0).unwrap();
+        let seqs = rollout.sequences(&run.dataset);
+        let old = run.logprobs_in_chunks(run.policy.frozen(), &seqs, 0.7).unwrap();
+        let adv = Advantages::Sequences(Tensor::new(&[1.0f32, -1.0, 2.0, -2.0], &Device::Cpu).unwrap());
+        let mut opt = Optimizers { policy: AdamW::new(0.9, 0.999, 1e-8, 0.0), critic: None };
+        let mut state = TrainerState { total_steps: 1, ..TrainerState::default() };
+        run.optimise(0, &seqs, &old, None, &adv, &mut opt, &mut state, &mut StepGuard::new(10)).unwrap();
+        assert_eq!(state.optimizer_step, 6);
+    }
+}

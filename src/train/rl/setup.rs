@@ -1,0 +1,261 @@
+//! A run's fixed parts, made once: the models (policy, reference, critic),
+//! tokenizer, rewards, prompts, batch sizes and sampling options; and the
+//! resume from a checkpoint.
+
+use std::path::{Path, PathBuf};
+
+use super::ppo::{Critic, CRITIC_DIR};
+use super::{Optimizers, Run};
+use crate::data::prompts::{length_filter, ContextRoom, PromptDataset, PromptSpec};
+use crate::data::{DatasetSpec, Tokenizer};
+use crate::error::{Error, Result};
+use crate::generate::{GenerateOptions, Sampling, StopCriteria};
+use crate::model::hub::resolve_model;
+use crate::model::{parse_device, HeadKind, Model};
+use crate::reward::{self, Shaping};
+use crate::train::checkpoint::{self, TrainerState};
+use crate::train::config::{Algo, BatchSizes, LongPrompts, TrainConfig};
+use crate::train::memory;
+
+impl Run {
+    pub(super) fn start(cfg: &TrainConfig) -> Result<Self> {
+        let device = parse_device(&cfg.model.device)?;
+        let policy_dir = resolve_model(&cfg.model.policy)?;
+        let tokenizer_dir = match &cfg.model.tokenizer {
+            Some(t) => resolve_model(t)?,
+            None => policy_dir.clone(),
+        };
+        let tokenizer = Tokenizer::from_dir(&tokenizer_dir)?;
+        let policy = Model::load(&policy_dir, &device)?;
+        if policy.head() != HeadKind::CausalLm {
+            return Err(Error::bad_file(
+                &policy_dir,
+                "the policy must be a causal LM, this is a sequence-classification model",
+            ));
+        }
+        tokenizer.check_model(policy.config())?;
+        let reference = if cfg.rloo.kl_coef > 0.0 {
+            let dir = match &cfg.model.reference {
+                Some(r) => resolve_model(r)?,
+                None => policy_dir.clone(),
+            };
+            let reference = Model::load(&dir, &device)?;
+            let (p, r) = (policy.config().vocab_size(), reference.config().vocab_size());
+            if reference.head() != HeadKind::CausalLm || p != r {
+                return Err(Error::Invalid(format!(
+                    "the reference {} does not fit the policy {}: it must be a causal LM over the same {p} tokens \
+                     (it has {r})",
+                    dir.display(),
+                    policy_dir.display()
+                )));
+            }
+            Some(reference)
+        } else {
+            None
+        };
+        check_lengths(cfg, policy.config())?;
+        let critic = match cfg.train.algo {
+            Algo::Rloo => None,
+            Algo::Ppo => Some(Critic::load(cfg, &policy_dir, policy.config(), &device)?),
+        };
+        let rewards = reward::build(&cfg.reward, &device)?;
+        let shaping = Shaping {
+            missing_eos_penalty: cfg.rloo.missing_eos_penalty.map(|p| p as f32),
+            normalize: cfg.rloo.normalize_reward,
+            clip: cfg.rloo.reward_clip_range.map(|r| [-r as f32, r as f32]),
+        };
+        shaping.validate()?;
+
+        let source = DatasetSpec {
+            name: cfg.data.path.clone(),
+            config: cfg.data.config.clone(),
+            split: cfg.data.split.clone(),
+            filter: cfg.data.filter.clone(),
+            take: cfg.data.take,
+        };
+        let spec = PromptSpec {
+            prompt_column: cfg.data.prompt_column.clone(),
+            template: cfg.data.template.clone(),
+            chat: cfg.data.chat,
+            system_prompt: cfg.data.system_prompt.clone(),
+            max_prompt_length: cfg.data.max_prompt_length,
+            context_room: ContextRoom::of(policy.config(), cfg.generation.response_length),
+            error_on_long: cfg.data.long_prompts == LongPrompts::Error,
+            length_filter: cfg.data.filter_length.then(|| length_filter(cfg.generation.response_length)),
+        };
+        let dataset = PromptDataset::load(&source, &spec, &tokenizer)?;
+        let rows: Vec<_> = dataset.rows.iter().map(|r| &r.row.fields).collect();
+        rewards.check_rows(&rows)?;
+        let sizes = BatchSizes::new(cfg, Some(dataset.len()))?;
+        tracing::info!("{} prompts from {}; {}", dataset.len(), dataset.label, sizes.describe(cfg.rloo.num_ppo_epochs));
+
+        if device.is_cpu() {
+            let longest = dataset.rows.iter().map(|r| r.ids.len()).max().unwrap_or(0);
+            let params = policy.params().numel();
+            let critic_params = critic.as_ref().map_or(0, |c| c.model.params().numel());
+            let estimate = memory::rloo_estimate(
+                cfg,
+                &sizes,
+                policy.config(),
+                params,
+                longest,
+                reference.is_some(),
+                critic_params,
+            );
+            memory::warn_if_short(&estimate);
+        }
+        let generation = generation_options(cfg, &policy_dir, &tokenizer, &policy)?;
+        let warmup = if cfg.train.warmup_steps > 0 {
+            cfg.train.warmup_steps
+        } else {
+            (cfg.train.warmup_ratio * sizes.optimizer_steps as f64).ceil() as usize
+        };
+        Ok(Self {
+            cfg: cfg.clone(),
+            sizes,
+            device,
+            tokenizer,
+            policy,
+            reference,
+            critic,
+            rewards,
+            shaping,
+            dataset,
+            generation,
+            warmup,
+        })
+    }
+
+    /// Continues from a checkpoint when asked; returns where the run stands.
+    pub(super) fn resume_state(&mut self, optimizers: &mut Optimizers) -> Result<TrainerState> {
+        let fresh = TrainerState {
+            step: 0,
+            episode: 0,
+            optimizer_step: 0,
+            total_steps: self.sizes.steps,
+            prompts_digest: self.dataset.digest(),
+        };
+        let Some(spec) = &self.cfg.train.resume_from_checkpoint else {
+            return Ok(fresh);
+        };
+        let output_dir = Path::new(&self.cfg.train.output_dir);
+        let dir = if spec == "latest" {
+            match checkpoint::latest(output_dir) {
+                Some(dir) => dir,
+                None => {
+                    tracing::info!("no checkpoint in {} to resume from; starting fresh", output_dir.display());
+                    return Ok(fresh);
+                }
+            }
+        } else {
+            PathBuf::from(spec)
+        };
+        self.check_resumable(&dir)?;
+        let state = checkpoint::load_state(&dir)?;
+        if state.total_steps != self.sizes.steps {
+            return Err(Error::Invalid(format!(
+                "{} belongs to a run of {} steps, this configuration makes {}; resume with the same batch sizes and total_episodes",
+                dir.display(),
+                state.total_steps,
+                self.sizes.steps
+            )));
+        }
+        if !state.prompts_digest.is_empty() && state.prompts_digest != fresh.prompts_digest {
+            return Err(Error::Invalid(format!(
+                "cannot resume from {}: the prompts of {} differ from those the run was trained on",
+                dir.display(),
+                self.dataset.label
+            )));
+        }
+        tracing::info!("resuming from {} at step {}", dir.display(), state.step);
+        let at = state.optimizer_step;
+        self.policy = checkpoint::load_part(&dir, "", &self.device, &mut optimizers.policy, at)?;
+        if let (Some(critic), Some(optimizer)) = (&mut self.critic, &mut optimizers.critic) {
+            critic.model = checkpoint::load_part(&dir, CRITIC_DIR, &self.device, optimizer, at)?;
+        }
+        Ok(state)
+    }
+
+    /// Refuses a checkpoint saved under a configuration that computes a
+    /// different run (data, k, batch sizes, seed, models, ...); logs the
+    /// changes a resume may make (logging, save cadence, device).
+    fn check_resumable(&self, dir: &Path) -> Result<()> {
+        let saved_path = dir.join(checkpoint::CONFIG_FILE);
+        if !saved_path.is_file() {
+            return Err(Error::bad_file(
+                dir,
+                format!("not a complete checkpoint: {} is missing", checkpoint::CONFIG_FILE),
+            ));
+        }
+        let saved = TrainConfig::load(Some(&saved_path), &[])?;
+        match self.cfg.changes_since(&saved) {
+            Ok(allowed) if allowed.is_empty() => Ok(()),
+            Ok(allowed) => {
+                tracing::info!("resuming with changed options: {}", allowed.join("; "));
+                Ok(())
+            }
+            Err(refused) => Err(Error::Invalid(format!(
+                "cannot resume from {}: these options differ from the checkpoint's and would change the run:\n  {}\n\
+                 resume with the options of {} or start a new run in another output directory",
+                dir.display(),
+                refused.join("\n  "),
+                saved_path.display()
+            ))),
+        }
+    }
+}
+
+/// The options that must fit the policy: the stop token inside its
+/// vocabulary, the longest prompt and the completion inside its context.
+fn check_lengths(cfg: &TrainConfig, policy: &crate::model::ModelConfig) -> Result<()> {
+    let bad = |msg: String| Err(Error::Invalid(msg));
+    let vocab = policy.vocab_size();
+    if let Some(id) = cfg.generation.stop_token_id.filter(|&id| id as usize >= vocab) {
+        return bad(format!("generation.stop_token_id = {id} is outside the policy's vocabulary of {vocab}"));
+    }
+    let Some(positions) = policy.context_length() else { return Ok(()) };
+    if let Some(max) = cfg.data.max_prompt_length.filter(|&m| m > positions) {
+        return bad(format!(
+            "data.max_prompt_length = {max} is more than the policy's context of {positions} positions"
+        ));
+    }
+    let response = cfg.generation.response_length;
+    if response >= positions {
+        return bad(format!(
+            "generation.response_length = {response} leaves no room for a prompt in the policy's context of \
+             {positions} positions"
+        ));
+    }
+    Ok(())
+}
+
+/// Sampling and stopping for rollouts, from the configuration and the
+/// policy's generation config.
+fn generation_options(
+    cfg: &TrainConfig,
+    policy_dir: &Path,
+    tokenizer: &Tokenizer,
+    policy: &Model,
+) -> Result<GenerateOptions> {
+    let g = &cfg.generation;
+    let mut stop_ids = Vec::new();
+    if g.stop_token == "eos" {
+        stop_ids = StopCriteria::model_eos_ids(policy_dir, tokenizer)?;
+        if stop_ids.is_empty() {
+            tracing::warn!("stop_token = \"eos\" but the policy has no EOS id; completions run to response_length");
+        }
+    }
+    stop_ids.extend(g.stop_token_id);
+    Ok(GenerateOptions {
+        max_new_tokens: g.response_length,
+        num_return_sequences: cfg.rloo.k,
+        sampling: Sampling::temperature(g.temperature as f32)
+            .with_top_k(g.top_k)
+            .with_top_p(g.top_p as f32)
+            .with_min_p(g.min_p as f32),
+        stop: StopCriteria { token_ids: stop_ids, strings: vec![] },
+        batch_size: g.local_rollout_forward_batch_size,
+        seed: cfg.train.seed,
+        max_positions: policy.config().max_positions(),
+    })
+}
