@@ -18,6 +18,7 @@ pub mod reward;
 pub mod rollout;
 pub mod service;
 pub mod stats;
+pub mod study;
 pub mod task;
 pub mod train;
 

@@ -17,6 +17,7 @@ use crate::error::{Error, Result};
 use crate::eval::{evaluate_model, win_rate, EvalOptions, ModelReport};
 use crate::io::write_atomic;
 use crate::model::{parse_device, Model, ModelConfig};
+use crate::report::chart::{Chart, Series};
 use crate::report::table::render_markdown;
 use crate::reward::config::{LexiconSpec, ModelSpec};
 use crate::reward::{build, RewardSpec};
@@ -284,7 +285,9 @@ fn plot_curves(rl: &Path, out: &Path) -> Result<Vec<(String, String)>> {
     ] {
         let points: Vec<(f64, f64)> =
             rows.iter().filter_map(|r| Some((r.fields.get("step")?.as_f64()?, r.fields.get(key)?.as_f64()?))).collect();
-        crate::report::plot::line_chart(&dir.join(file), title, "step", &points)?;
+        let series = vec![Series { points, ..Series::default() }];
+        let chart = Chart { title: title.into(), x_label: "step".into(), y_label: String::new(), series };
+        chart.write_png(&dir.join(file))?;
         made.push((title.to_string(), format!("plots/{file}")));
     }
     Ok(made)

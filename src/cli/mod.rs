@@ -11,6 +11,7 @@ mod pipeline;
 mod reward;
 mod score;
 mod sft;
+mod study;
 mod train;
 
 use std::process::ExitCode;
@@ -41,6 +42,7 @@ enum Command {
     Reward(reward::RewardCommand),
     Score(score::ScoreArgs),
     Sft(sft::SftArgs),
+    Study(study::StudyArgs),
     Train(train::TrainArgs),
 }
 
@@ -55,6 +57,7 @@ pub fn main() -> ExitCode {
         Command::Reward(cmd) => reward::run(cmd),
         Command::Score(args) => score::run(args),
         Command::Sft(args) => sft::run(args),
+        Command::Study(args) => study::run(args),
         Command::Train(args) => train::run(args),
     };
     match result {

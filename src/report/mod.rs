@@ -1,8 +1,8 @@
 //! What a run reports: per-step metrics (JSONL and TensorBoard), sampled
 //! completions (JSONL and a console table), and the progress bar.
 
+pub mod chart;
 pub mod metrics;
-pub mod plot;
 pub mod progress;
 mod resume;
 pub mod samples;

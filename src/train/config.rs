@@ -367,9 +367,13 @@ impl TrainConfig {
             set_path(&mut table, key, value.clone())?;
         }
         let source = file.map(Path::to_path_buf).unwrap_or_else(|| PathBuf::from("command line"));
-        let cfg: TrainConfig = serde_path_to_error::deserialize(toml::Value::Table(table))
-            .map_err(|e| Error::bad_config(&source, format!("{}: {}", e.path(), e.inner())))?;
-        Ok(cfg)
+        Self::from_table(table, &source)
+    }
+
+    /// Deserialises a TOML table; errors name `source` and the key's path.
+    pub fn from_table(table: toml::Table, source: &Path) -> Result<Self> {
+        serde_path_to_error::deserialize(toml::Value::Table(table))
+            .map_err(|e| Error::bad_config(source, format!("{}: {}", e.path(), e.inner())))
     }
 
     /// The resolved configuration as TOML, written next to the outputs.

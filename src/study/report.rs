@@ -1,0 +1,260 @@
+//! The study's report: a table per arm (final reward and its spread over
+//! seeds, KL, wall time, peak memory, completions/s) and overlaid curves
+//! with the seeds' spread: reward and KL against episodes, and the
+//! reward-KL frontier. Written as `study.md` with PNGs.
+
+use std::path::{Path, PathBuf};
+
+use super::{RunRecord, Study};
+use crate::error::Result;
+use crate::io::write_atomic;
+use crate::report::chart::{Chart, Series};
+use crate::report::table::render_markdown;
+use crate::stats::{mean, mean_std, Deviation};
+
+/// One arm over its seeds.
+#[derive(Debug, Clone)]
+pub struct ArmSummary {
+    pub name: String,
+    /// Per seed: the mean score of the run's last tenth of steps.
+    pub final_reward: Vec<f64>,
+    pub final_kl: Vec<f64>,
+    pub wall_seconds: Vec<f64>,
+    pub peak_rss_mb: Vec<f64>,
+    pub completions_per_second: Vec<f64>,
+    /// Per step, over seeds: (episode, [value of each seed]).
+    pub reward_curve: Vec<(f64, Vec<f64>)>,
+    pub kl_curve: Vec<(f64, Vec<f64>)>,
+}
+
+/// Reads each run's metrics and gathers them by arm.
+pub fn summarise(study: &Study, records: &[RunRecord]) -> Result<Vec<ArmSummary>> {
+    let mut out = Vec::new();
+    for arm in &study.arms {
+        let mut s = ArmSummary {
+            name: arm.name.clone(),
+            final_reward: vec![],
+            final_kl: vec![],
+            wall_seconds: vec![],
+            peak_rss_mb: vec![],
+            completions_per_second: vec![],
+            reward_curve: vec![],
+            kl_curve: vec![],
+        };
+        for record in records.iter().filter(|r| r.arm == arm.name) {
+            let rows = crate::data::read_rows(study.run_dir(arm, record.seed).join("metrics.jsonl"))?;
+            let get = |key: &str| -> Vec<f64> {
+                rows.iter().map(|r| r.fields.get(key).and_then(|v| v.as_f64()).unwrap_or(f64::NAN)).collect()
+            };
+            let (episodes, rewards, kls, secs) =
+                (get("episode"), get("objective/scores"), get("objective/kl"), get("time/step"));
+            let tail = (rows.len() / 10).max(1);
+            let last = |xs: &[f64]| mean(&xs[xs.len().saturating_sub(tail)..]).unwrap_or(f64::NAN);
+            s.final_reward.push(last(&rewards));
+            s.final_kl.push(last(&kls));
+            s.wall_seconds.push(record.wall_seconds);
+            s.peak_rss_mb.push(record.peak_rss_mb);
+            let step_secs: f64 = secs.iter().filter(|x| x.is_finite()).sum();
+            s.completions_per_second.push(episodes.last().copied().unwrap_or(0.0) / step_secs.max(1e-9));
+            add_curve(&mut s.reward_curve, &episodes, &rewards);
+            add_curve(&mut s.kl_curve, &episodes, &kls);
+        }
+        out.push(s);
+    }
+    Ok(out)
+}
+
+/// Adds one seed's values to a curve, step by step.
+fn add_curve(curve: &mut Vec<(f64, Vec<f64>)>, episodes: &[f64], values: &[f64]) {
+    for (i, (&e, &v)) in episodes.iter().zip(values).enumerate() {
+        match curve.get_mut(i) {
+            Some((_, seeds)) => seeds.push(v),
+            None => curve.push((e, vec![v])),
+        }
+    }
+}
+
+impl ArmSummary {
+    fn reward(&self) -> (f64, f64) {
+        mean_std(&self.final_reward, Deviation::Sample).unwrap_or((f64::NAN, f64::NAN))
+    }
+}
+
+/// Writes `study.md` and its charts into the study's output directory;
+/// gives the report's path.
+pub fn write_report(study: &Study, arms: &[ArmSummary]) -> Result<PathBuf> {
+    let dir = &study.output_dir;
+    let headers = ["arm", "final reward (mean ± sd)", "KL", "wall time s", "peak memory MB", "completions/s"];
+    let avg = |xs: &[f64]| mean(xs).unwrap_or(f64::NAN);
+    let rows: Vec<Vec<String>> = arms
+        .iter()
+        .map(|a| {
+            let (m, sd) = a.reward();
+            vec![
+                a.name.clone(),
+                format!("{m:.3} ± {sd:.3}"),
+                format!("{:.3}", avg(&a.final_kl)),
+                format!("{:.1}", avg(&a.wall_seconds)),
+                format!("{:.0}", a.peak_rss_mb.iter().copied().fold(0.0, f64::max)),
+                format!("{:.1}", avg(&a.completions_per_second)),
+            ]
+        })
+        .collect();
+    let charts = write_charts(dir, arms)?;
+    let mut md = format!(
+        "# Study\n\n{} arms x {} seeds ({:?}), {} episodes per run. Final values are the mean over the \
+         last tenth of each run's steps, then over seeds (± the sample standard deviation over seeds); wall \
+         time and completions/s are means over seeds, peak memory the largest.\n\n",
+        arms.len(),
+        study.seeds.len(),
+        study.seeds,
+        arms.iter().flat_map(|a| a.reward_curve.last()).map(|(e, _)| *e).fold(0.0, f64::max)
+    );
+    md.push_str(&render_markdown(&headers, &rows));
+    md.push('\n');
+    md.push_str(&verdict(arms));
+    for (title, file) in charts {
+        md.push_str(&format!("\n## {title}\n\n![{title}]({file})\n"));
+    }
+    let path = dir.join("study.md");
+    write_atomic(&path, md.as_bytes())?;
+    Ok(path)
+}
+
+/// Which arm won on final reward, and by how much against the spread.
+fn verdict(arms: &[ArmSummary]) -> String {
+    let mut ranked: Vec<&ArmSummary> = arms.iter().filter(|a| a.reward().0.is_finite()).collect();
+    ranked.sort_by(|a, b| b.reward().0.total_cmp(&a.reward().0));
+    let Some(best) = ranked.first() else { return "\nNo arm finished with a finite reward.\n".into() };
+    let (m, sd) = best.reward();
+    let mut text = format!("\n**{}** reached the highest final reward, {m:.3} ± {sd:.3}", best.name);
+    if let Some(second) = ranked.get(1) {
+        let (m2, sd2) = second.reward();
+        let clear = m - sd > m2 + sd2;
+        text.push_str(&format!(
+            ", ahead of {} ({m2:.3} ± {sd2:.3}){}",
+            second.name,
+            if clear {
+                "; the seeds' spreads do not overlap"
+            } else {
+                "; the seeds' spreads overlap, so the lead is not clear"
+            }
+        ));
+    }
+    text.push_str(&format!(", at a final KL of {:.3}.\n", mean(&best.final_kl).unwrap_or(f64::NAN)));
+    text
+}
+
+/// The curves, smoothed over a few steps, with the seeds' min-max band.
+fn write_charts(dir: &Path, arms: &[ArmSummary]) -> Result<Vec<(String, String)>> {
+    let band = |curve: &[(f64, Vec<f64>)]| -> (Vec<(f64, f64)>, Vec<(f64, f64, f64)>) {
+        let xs: Vec<f64> = curve.iter().map(|(e, _)| *e).collect();
+        let (means, lows, highs): (Vec<f64>, Vec<f64>, Vec<f64>) = {
+            let mut m = (vec![], vec![], vec![]);
+            for (_, seeds) in curve {
+                m.0.push(mean(seeds).unwrap_or(f64::NAN));
+                m.1.push(seeds.iter().copied().fold(f64::INFINITY, f64::min));
+                m.2.push(seeds.iter().copied().fold(f64::NEG_INFINITY, f64::max));
+            }
+            m
+        };
+        let (means, lows, highs) = (smooth(&means), smooth(&lows), smooth(&highs));
+        let points = xs.iter().copied().zip(means).collect();
+        let band = xs.iter().zip(lows).zip(highs).map(|((&x, lo), hi)| (x, lo, hi)).collect();
+        (points, band)
+    };
+    let chart = |title: &str, x: &str, y: &str, series: Vec<Series>| Chart {
+        title: title.into(),
+        x_label: x.into(),
+        y_label: y.into(),
+        series,
+    };
+    let mut reward = vec![];
+    let mut kl = vec![];
+    let mut frontier = vec![];
+    for a in arms {
+        let (points, spread) = band(&a.reward_curve);
+        reward.push(Series { label: a.name.clone(), points: points.clone(), band: spread, traces: vec![] });
+        let (kl_points, kl_spread) = band(&a.kl_curve);
+        kl.push(Series { label: a.name.clone(), points: kl_points.clone(), band: kl_spread, traces: vec![] });
+        // Reward against KL, step by step; each seed's path behind the mean's.
+        let traces = (0..a.reward_curve.first().map_or(0, |(_, s)| s.len()))
+            .map(|seed| {
+                let of = |curve: &[(f64, Vec<f64>)]| smooth(&curve.iter().map(|(_, s)| s[seed]).collect::<Vec<_>>());
+                of(&a.kl_curve).into_iter().zip(of(&a.reward_curve)).collect()
+            })
+            .collect();
+        let at_kl = kl_points.iter().map(|p| p.1);
+        frontier.push(Series {
+            label: a.name.clone(),
+            points: at_kl.zip(&points).map(|(k, p)| (k, p.1)).collect(),
+            band: vec![],
+            traces,
+        });
+    }
+    let made = [
+        ("reward against episodes", "reward.png", chart("Reward against episodes", "episodes", "mean score", reward)),
+        (
+            "KL against episodes",
+            "kl.png",
+            chart("KL to the reference against episodes", "episodes", "KL (nats per completion)", kl),
+        ),
+        (
+            "reward-KL frontier",
+            "frontier.png",
+            chart("Reward against KL", "KL (nats per completion)", "mean score", frontier),
+        ),
+    ];
+    let mut out = vec![];
+    for (title, file, chart) in made {
+        chart.write_png(&dir.join(file))?;
+        out.push((title.to_string(), file.to_string()));
+    }
+    Ok(out)
+}
+
+/// A centred moving average over about a twentieth of the points.
+fn smooth(xs: &[f64]) -> Vec<f64> {
+    let half = xs.len() / 40;
+    (0..xs.len())
+        .map(|i| {
+            let window = &xs[i.saturating_sub(half)..(i + half + 1).min(xs.len())];
+            mean(&window.iter().copied().filter(|x| x.is_finite()).collect::<Vec<_>>()).unwrap_or(f64::NAN)
+        })
+        .collect()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn arm(name: &str, rewards: &[f64]) -> ArmSummary {
+        ArmSummary {
+            name: name.into(),
+            final_reward: rewards.to_vec(),
+            final_kl: vec![0.5; rewards.len()],
+            wall_seconds: vec![],
+            peak_rss_mb: vec![],
+            completions_per_second: vec![],
+            reward_curve: vec![],
+            kl_curve: vec![],
+        }
+    }
+
+    #[test]
+    fn the_verdict_names_the_winner_and_whether_the_spreads_overlap() {
+        let text = verdict(&[arm("a", &[1.0, 1.2]), arm("b", &[2.0, 2.2]), arm("c", &[1.9, 2.5])]);
+        assert!(text.starts_with("\n**c** reached the highest final reward, 2.200"), "{text}");
+        assert!(text.contains("ahead of b") && text.contains("overlap, so the lead is not clear"), "{text}");
+        let text = verdict(&[arm("a", &[1.0, 1.1]), arm("b", &[2.0, 2.1])]);
+        assert!(text.contains("**b**") && text.contains("do not overlap"), "{text}");
+    }
+
+    #[test]
+    fn smoothing_keeps_the_length_and_averages_neighbours() {
+        let xs: Vec<f64> = (0..80).map(|i| if i % 2 == 0 { 0.0 } else { 2.0 }).collect();
+        let s = smooth(&xs);
+        assert_eq!(s.len(), 80);
+        assert!(s[40..42].iter().all(|v| (v - 1.0).abs() < 0.3), "{:?}", &s[38..44]);
+    }
+}
