@@ -151,7 +151,7 @@ impl Default for GenerationSection {
 #[derive(Debug, Clone, Serialize, Deserialize)]
 #[serde(deny_unknown_fields, default)]
 pub struct RlooSection {
-    /// Completions per prompt (k >= 2).
+    /// Completions per prompt (k >= 2; PPO: k >= 1).
     pub k: usize,
     /// KL coefficient beta; 0 loads no reference model.
     pub kl_coef: f64,

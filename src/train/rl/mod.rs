@@ -200,6 +200,7 @@ impl Run {
         let both = started.elapsed().as_secs_f64();
         let ((scores, t_score), forward) = (scored?, forward?);
         phases.record("scoring", t_score);
+        // "reference": every forward pass beside the scoring (old log-probs, reference, PPO's values).
         phases.record("reference", forward.secs);
         phases.record("scoring_and_reference", both);
         let shaped = self.shaping.apply(&scores.total, &ended);
