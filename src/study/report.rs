@@ -13,7 +13,7 @@ use crate::report::table::render_markdown;
 use crate::stats::{mean, mean_std, Deviation};
 
 /// One arm over its seeds.
-#[derive(Debug, Clone)]
+#[derive(Debug, Clone, Default)]
 pub struct ArmSummary {
     pub name: String,
     /// Per seed: the mean score of the run's last tenth of steps.
@@ -31,16 +31,7 @@ pub struct ArmSummary {
 pub fn summarise(study: &Study, records: &[RunRecord]) -> Result<Vec<ArmSummary>> {
     let mut out = Vec::new();
     for arm in &study.arms {
-        let mut s = ArmSummary {
-            name: arm.name.clone(),
-            final_reward: vec![],
-            final_kl: vec![],
-            wall_seconds: vec![],
-            peak_rss_mb: vec![],
-            completions_per_second: vec![],
-            reward_curve: vec![],
-            kl_curve: vec![],
-        };
+        let mut s = ArmSummary { name: arm.name.clone(), ..ArmSummary::default() };
         for record in records.iter().filter(|r| r.arm == arm.name) {
             let rows = crate::data::read_rows(study.run_dir(arm, record.seed).join("metrics.jsonl"))?;
             let get = |key: &str| -> Vec<f64> {
@@ -149,16 +140,10 @@ fn verdict(arms: &[ArmSummary]) -> String {
 fn write_charts(dir: &Path, arms: &[ArmSummary]) -> Result<Vec<(String, String)>> {
     let band = |curve: &[(f64, Vec<f64>)]| -> (Vec<(f64, f64)>, Vec<(f64, f64, f64)>) {
         let xs: Vec<f64> = curve.iter().map(|(e, _)| *e).collect();
-        let (means, lows, highs): (Vec<f64>, Vec<f64>, Vec<f64>) = {
-            let mut m = (vec![], vec![], vec![]);
-            for (_, seeds) in curve {
-                m.0.push(mean(seeds).unwrap_or(f64::NAN));
-                m.1.push(seeds.iter().copied().fold(f64::INFINITY, f64::min));
-                m.2.push(seeds.iter().copied().fold(f64::NEG_INFINITY, f64::max));
-            }
-            m
-        };
-        let (means, lows, highs) = (smooth(&means), smooth(&lows), smooth(&highs));
+        let over_seeds = |f: fn(&[f64]) -> f64| smooth(&curve.iter().map(|(_, seeds)| f(seeds)).collect::<Vec<_>>());
+        let means = over_seeds(|s| mean(s).unwrap_or(f64::NAN));
+        let lows = over_seeds(|s| s.iter().copied().fold(f64::INFINITY, f64::min));
+        let highs = over_seeds(|s| s.iter().copied().fold(f64::NEG_INFINITY, f64::max));
         let points = xs.iter().copied().zip(means).collect();
         let band = xs.iter().zip(lows).zip(highs).map(|((&x, lo), hi)| (x, lo, hi)).collect();
         (points, band)
@@ -233,11 +218,7 @@ mod tests {
             name: name.into(),
             final_reward: rewards.to_vec(),
             final_kl: vec![0.5; rewards.len()],
-            wall_seconds: vec![],
-            peak_rss_mb: vec![],
-            completions_per_second: vec![],
-            reward_curve: vec![],
-            kl_curve: vec![],
+            ..ArmSummary::default()
         }
     }
 

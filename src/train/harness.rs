@@ -3,7 +3,7 @@
 //! resumed run left off), the progress bar, named phase timings, the
 //! logging and checkpoint cadence, and the errors a run stops with.
 
-use std::path::{Path, PathBuf};
+use std::path::Path;
 use std::time::Instant;
 
 use super::optim::StepGuard;
@@ -26,8 +26,7 @@ pub struct HarnessOptions {
 
 /// An open run: its directory, sinks, sample log and progress bar.
 pub struct Harness {
-    output_dir: PathBuf,
-    _run_dir: RunDir,
+    run_dir: RunDir,
     sinks: Vec<Box<dyn MetricsSink>>,
     samples: Option<SampleWriter>,
     progress: Option<TrainProgress>,
@@ -49,8 +48,7 @@ impl Harness {
     /// Opens the logs of the locked directory: new ones, or a resumed run's
     /// with the rows of steps after `done` dropped (they run again).
     pub fn open(run_dir: RunDir, done: usize, opts: HarnessOptions) -> Result<Self> {
-        let output_dir = run_dir.path().to_path_buf();
-        let output_dir = output_dir.as_path();
+        let output_dir = run_dir.path();
         let first_step = done + 1;
         let sinks: Vec<Box<dyn MetricsSink>> = if done == 0 {
             metric_sinks(output_dir)?
@@ -66,8 +64,7 @@ impl Harness {
             (true, done) => Some(SampleWriter::resume(output_dir, done as u64 + 1)?),
         };
         Ok(Self {
-            output_dir: output_dir.to_path_buf(),
-            _run_dir: run_dir,
+            run_dir,
             sinks,
             samples,
             progress: opts.progress_total.map(TrainProgress::new),
@@ -78,7 +75,7 @@ impl Harness {
     }
 
     pub fn output_dir(&self) -> &Path {
-        &self.output_dir
+        self.run_dir.path()
     }
 
     /// Writes `metrics` of `step` (1-based) when logging is due, or when `force`d.

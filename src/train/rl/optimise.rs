@@ -98,10 +98,8 @@ impl Run {
                     let width = part.completion_width();
                     let narrow = |t: &Tensor| -> Result<Tensor> { Ok(rows_of(t, micro)?.narrow(1, 0, width)?) };
                     let (lp_old, mask) = (narrow(&old.logprobs)?, narrow(loss_mask)?);
-                    let adv = match advantages {
-                        Advantages::Sequences(_) => rows_of(adv, micro)?,
-                        Advantages::Tokens(_) => narrow(adv)?,
-                    };
+                    // Per completion (N,), or per token (N, Tc).
+                    let adv = if adv.rank() == 1 { rows_of(adv, micro)? } else { narrow(adv)? };
                     let out = algo::policy_loss(
                         &now.logprobs,
                         &lp_old,
