@@ -3,8 +3,10 @@
 //! the KL to a reference model, and the win rate of model A over model B
 //! (or over a reference answer) as judged by a reward model or an LLM judge.
 
+use std::collections::BTreeMap;
+
 use candle_core::Device;
-use serde::Serialize;
+use serde::{Deserialize, Serialize};
 
 use crate::data::prompts::PromptDataset;
 use crate::data::Tokenizer;
@@ -48,6 +50,9 @@ pub struct ModelReport {
     pub reward: Option<Spread>,
     /// Each source's own scores.
     pub rewards: Vec<(String, Option<Spread>)>,
+    /// Each source's score of every completion, in the rollout's order.
+    #[serde(skip)]
+    pub scores: Vec<(String, Vec<Option<f32>>)>,
     pub length: Option<Spread>,
     /// Share of completions that ended with EOS.
     pub eos_rate: f64,
@@ -105,11 +110,60 @@ pub fn evaluate_model(
             .iter()
             .map(|(n, s)| (n.clone(), Spread::of(s.iter().flatten().map(|&x| x as f64))))
             .collect(),
+        scores: scores.per_source,
         length: Spread::of(rollout.completions.flat().iter().map(|c| c.tokens.len() as f64)),
         eos_rate: ended.iter().filter(|&&e| e).count() as f64 / ended.len().max(1) as f64,
         kl,
         rollout,
     })
+}
+
+/// The share of completions whose scores pass thresholds, e.g. positive
+/// reviews as those with praise and no criticism:
+/// `above = { praise = 0.5 }, below = { criticism = 0.5 }`.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct Share {
+    pub name: String,
+    /// Reward source name -> the score a completion must exceed.
+    #[serde(default)]
+    pub above: BTreeMap<String, f64>,
+    /// Reward source name -> the score a completion must stay under.
+    #[serde(default)]
+    pub below: BTreeMap<String, f64>,
+}
+
+impl Share {
+    /// Checks that it has a condition and names only the given sources.
+    pub fn validate(&self, sources: &[&str]) -> Result<()> {
+        if self.above.is_empty() && self.below.is_empty() {
+            return Err(Error::Invalid(format!("share {:?}: give `above` or `below` thresholds", self.name)));
+        }
+        match self.above.keys().chain(self.below.keys()).find(|k| !sources.contains(&k.as_str())) {
+            Some(k) => Err(Error::Invalid(format!(
+                "share {:?}: no reward named {k:?} (the rewards are {})",
+                self.name,
+                sources.join(", ")
+            ))),
+            None => Ok(()),
+        }
+    }
+
+    /// The share of completions that every named source scored, strictly
+    /// above each `above` and below each `below` threshold; `scores` are
+    /// each source's scores of the completions (`ModelReport::scores`).
+    pub fn of(&self, scores: &[(String, Vec<Option<f32>>)]) -> Result<f64> {
+        let names: Vec<&str> = scores.iter().map(|(n, _)| n.as_str()).collect();
+        self.validate(&names)?;
+        let of_source = |name: &str| &scores.iter().find(|(n, _)| n == name).expect("validated").1;
+        let passes = |i: usize| {
+            let score = |name: &str| of_source(name)[i].map(f64::from);
+            self.above.iter().all(|(n, t)| score(n).is_some_and(|s| s > *t))
+                && self.below.iter().all(|(n, t)| score(n).is_some_and(|s| s < *t))
+        };
+        let n = scores.first().map_or(0, |(_, s)| s.len());
+        Ok((0..n).filter(|&i| passes(i)).count() as f64 / n.max(1) as f64)
+    }
 }
 
 /// Win rate of A over B: the share of (prompt, sample) pairs where the
@@ -270,4 +324,30 @@ pub fn judged_win_rate(
     let summary =
         JudgedWinRate { win_rate, pairs: pairs.len(), verdicts: outcomes.len(), unparsable, failed, missing_reference };
     Ok((summary, record))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_share_counts_completions_passing_every_threshold() {
+        let scores = vec![
+            ("praise".to_string(), vec![Some(2.0), Some(1.0), Some(0.0), None]),
+            ("criticism".to_string(), vec![Some(0.0), Some(1.0), Some(0.0), Some(0.0)]),
+        ];
+        let positive = Share {
+            name: "positive".into(),
+            above: [("praise".to_string(), 0.5)].into(),
+            below: [("criticism".to_string(), 0.5)].into(),
+        };
+        // Only the first passes: the second criticises, the third does not
+        // praise, the fourth was not scored for praise.
+        assert_eq!(positive.of(&scores).unwrap(), 0.25);
+        let unknown = Share { name: "x".into(), above: [("tone".to_string(), 0.0)].into(), below: BTreeMap::new() };
+        let err = unknown.of(&scores).unwrap_err().to_string();
+        assert!(err.contains("no reward named \"tone\"") && err.contains("praise, criticism"), "{err}");
+        let empty = Share { name: "x".into(), above: BTreeMap::new(), below: BTreeMap::new() };
+        assert!(empty.validate(&["praise"]).is_err());
+    }
 }

@@ -1,9 +1,11 @@
 //! The whole pipeline on the built-in movie-review task, the default job:
 //! generate the data, train a tokenizer, initialise a tiny Pythia-shaped
 //! policy, SFT it, train a reward model on preference pairs, run RLOO
-//! against that reward model, evaluate before/after, and write a report.
-//! Each stage writes its own directory and a `.done` marker last, so a
-//! second run reuses every finished stage.
+//! against that reward model, evaluate before/after, and write a report;
+//! with `--study`, also compare RLOO's k and baselines with PPO (a
+//! `rloo study` in `study/`). Each stage writes its own directory and a
+//! `.done` marker last, so a second run reuses every finished stage (and
+//! the study its finished runs).
 
 use std::path::{Path, PathBuf};
 use std::time::Instant;
@@ -14,19 +16,20 @@ use crate::data::jsonl::JsonlWriter;
 use crate::data::prompts::{ContextRoom, PromptDataset};
 use crate::data::{DatasetSpec, Tokenizer};
 use crate::error::{Error, Result};
-use crate::eval::{evaluate_model, win_rate, EvalOptions, ModelReport};
+use crate::eval::{evaluate_model, win_rate, EvalOptions, ModelReport, Share};
 use crate::io::write_atomic;
 use crate::model::{parse_device, Model, ModelConfig};
 use crate::report::chart::{Chart, Series};
 use crate::report::table::render_markdown;
 use crate::reward::config::{LexiconSpec, ModelSpec};
 use crate::reward::{build, RewardSpec};
-use crate::task::movie_reviews::{self, sentiment_score, NEGATIVE, POSITIVE};
+use crate::study::eval::StudyEval;
+use crate::study::{summarise, write_report as write_study_report, Arm, Study, StudyReport};
+use crate::task::movie_reviews::{self, NEGATIVE, POSITIVE};
 use crate::task::tokenizer::{train_byte_level_bpe, EOS};
-use crate::train::config::parse_set;
 use crate::train::reward_model::{train_reward_model, RewardTrainConfig};
+use crate::train::rl;
 use crate::train::sft::{train_sft, SftConfig};
-use crate::train::{rl, TrainConfig};
 
 /// Sizes of one pipeline run.
 #[derive(Debug, Clone)]
@@ -36,6 +39,9 @@ pub struct PipelineOptions {
     pub device: String,
     /// A few-seconds version for tests.
     pub fast: bool,
+    /// Also run the study of RLOO's k and baseline against PPO, training
+    /// its arms with this `rloo` binary.
+    pub study: Option<PathBuf>,
 }
 
 struct Sizes {
@@ -77,7 +83,7 @@ impl Sizes {
                 layers: 4,
                 sft_epochs: 2,
                 rm_epochs: 2,
-                rl_episodes: 2048,
+                rl_episodes: 4096,
             }
         }
     }
@@ -148,7 +154,7 @@ pub fn run(opts: &PipelineOptions) -> Result<PathBuf> {
         mark_done(&init)?;
     }
 
-    // 3. Supervised fine-tuning on reviews of both sentiments.
+    // 3. Supervised fine-tuning on positive, negative and mixed reviews.
     let sft = stage("sft");
     if !done(&sft) {
         train_sft(&SftConfig {
@@ -195,57 +201,19 @@ pub fn run(opts: &PipelineOptions) -> Result<PathBuf> {
         mark_done(&rm)?;
     }
 
-    // 5. RLOO against the reward model, KL-anchored to the SFT model.
+    // 5. RLOO against the reward model, KL-anchored to the SFT model; a
+    // run cut short continues from its last checkpoint.
+    let rl_base = rl_base(opts, &sizes, &data, &sft, &rm)?;
     let rl = stage("rloo");
     if !done(&rl) {
-        let sets = [
-            format!("model.policy={}", toml_str(&sft)),
-            format!("model.device={}", toml_str(Path::new(&opts.device))),
-            format!("data.path={}", toml_str(&data.join("prompts.jsonl"))),
-            format!("train.output_dir={}", toml_str(&rl)),
-            "rloo.k=4".into(),
-            "rloo.kl_coef=0.05".into(),
-            "rloo.num_ppo_epochs=1".into(),
-            "generation.response_length=32".into(),
-            "generation.temperature=1.0".into(),
-            "train.learning_rate=3e-4".into(),
-            "train.per_device_train_batch_size=32".into(),
-            format!("train.total_episodes={}", sizes.rl_episodes),
-            format!("train.seed={}", opts.seed),
-            "train.num_sample_generations=4".into(),
-            // Continue a run that was cut short from its last checkpoint.
-            "train.resume_from_checkpoint=latest".into(),
-        ];
-        let sets: Vec<_> = sets.iter().map(|s| parse_set(s)).collect::<Result<_>>()?;
-        let mut cfg = TrainConfig::load(None, &sets)?;
-        cfg.reward.push(RewardSpec::Model(ModelSpec {
-            name: Some("reward_model".into()),
-            weight: 1.0,
-            path: rm.display().to_string(),
-            batch_size: 32,
-        }));
-        rl::train(&cfg)?;
+        let run = Arm { name: "rloo".into(), config: rl_base.clone() };
+        rl::train(&run.config(opts.seed, &rl)?)?;
         mark_done(&rl)?;
     }
 
     // 6. Evaluation before (SFT) and after (RLOO) on held-out titles.
-    let judge = RewardSpec::Model(ModelSpec {
-        name: Some("reward_model".into()),
-        weight: 1.0,
-        path: rm.display().to_string(),
-        batch_size: 32,
-    });
-    // The word lists are reported beside the reward model, with weight 0.
-    let lexicon = RewardSpec::Lexicon(LexiconSpec {
-        name: Some("sentiment_words".into()),
-        weight: 0.0,
-        positive: POSITIVE.iter().map(|w| w.to_string()).collect(),
-        negative: NEGATIVE.iter().map(|w| w.to_string()).collect(),
-        positive_file: None,
-        negative_file: None,
-        normalize: false,
-    });
-    let rewards = build(&[judge.clone(), lexicon], &device)?;
+    let (measures, positive) = positive_reviews(&rm);
+    let rewards = build(&measures, &device)?;
     let opts_eval =
         EvalOptions { samples_per_prompt: 4, max_new_tokens: 32, temperature: 1.0, seed: opts.seed, batch_size: 64 };
     let sft_model = Model::load(&sft, &device)?;
@@ -256,19 +224,147 @@ pub fn run(opts: &PipelineOptions) -> Result<PathBuf> {
     let prompts = PromptDataset::from_prompt_column(&eval_prompts, &tok, room)?;
     let before = evaluate_model("sft", &sft_model, &tok, &prompts, &rewards, None, &opts_eval, &device)?;
     let after = evaluate_model("rloo", &rl_model, &tok, &prompts, &rewards, Some(&sft_model), &opts_eval, &device)?;
-    let win = win_rate(&build(std::slice::from_ref(&judge), &device)?, &prompts, &after, &before)?;
+    let win = win_rate(&build(&measures[..1], &device)?, &prompts, &after, &before)?;
     let plots = plot_curves(&rl, out)?;
-    let report = write_report(out, &before, &after, win, &plots, started.elapsed().as_secs_f64())?;
+    let shares = [positive.of(&before.scores)?, positive.of(&after.scores)?];
+
+    // 7. Seed 004's ablation on the same task, when asked.
+    let study = match &opts.study {
+        Some(exe) => Some(run_study(out, rl_base, &data, &rm, opts.seed, exe)?),
+        None => None,
+    };
+    let report = write_report(out, [&before, &after], shares, win, &plots, study, started.elapsed().as_secs_f64())?;
     tracing::info!("pipeline finished in {:.0} s -> {}", started.elapsed().as_secs_f64(), report.display());
     Ok(report)
+}
+
+/// The RL stage's configuration but its seed and output directory; the
+/// base of the study's arms too.
+fn rl_base(opts: &PipelineOptions, sizes: &Sizes, data: &Path, sft: &Path, rm: &Path) -> Result<toml::Table> {
+    let text = format!(
+        r#"
+[model]
+policy = {policy}
+device = {device}
+[data]
+path = {prompts}
+[generation]
+response_length = 32
+temperature = 1.0
+[rloo]
+k = 4
+kl_coef = 0.05
+num_ppo_epochs = 1
+[train]
+learning_rate = 3e-4
+per_device_train_batch_size = 32
+total_episodes = {episodes}
+num_sample_generations = 4
+[[reward]]
+type = "model"
+name = "reward_model"
+path = {rm}
+batch_size = 32
+"#,
+        policy = toml_str(sft),
+        device = toml_str(Path::new(&opts.device)),
+        prompts = toml_str(&data.join("prompts.jsonl")),
+        episodes = sizes.rl_episodes,
+        rm = toml_str(rm),
+    );
+    toml::from_str(&text).map_err(|e| Error::Invalid(format!("the RL stage's configuration: {e}")))
+}
+
+/// Seed 004's study on the task: RLOO with k = 2 and 4, the leave-one-out
+/// baseline against the batch mean and none, and PPO, over two seeds,
+/// ranked by the share of positive reviews on held-out titles.
+fn run_study(out: &Path, base: toml::Table, data: &Path, rm: &Path, seed: u64, exe: &Path) -> Result<StudyReport> {
+    let dir = out.join("study");
+    std::fs::create_dir_all(&dir).map_err(|e| Error::io(&dir, e))?;
+    let mut table = base;
+    let arms: toml::Table = toml::from_str(
+        r#"
+[[arm]]
+name = "rloo k=2"
+rloo = { k = 2 }
+[[arm]]
+name = "rloo k=4"
+[[arm]]
+name = "batch mean k=4"
+rloo = { baseline = "batch_mean" }
+[[arm]]
+name = "no baseline k=4"
+rloo = { baseline = "none" }
+[[arm]]
+name = "ppo"
+train = { algo = "ppo" }
+rloo = { k = 1 }
+"#,
+    )
+    .map_err(|e| Error::Invalid(e.to_string()))?;
+    table.extend(arms);
+    table.insert("seeds".into(), toml::Value::Array(vec![(seed as i64).into(), (seed as i64 + 1).into()]));
+    table.insert("output_dir".into(), dir.display().to_string().into());
+    let (reward, positive) = positive_reviews(rm);
+    let eval = StudyEval {
+        prompts: data.join("eval_prompts.jsonl").display().to_string(),
+        split: "train".into(),
+        take: None,
+        samples_per_prompt: 4,
+        max_new_tokens: None,
+        temperature: None,
+        seed,
+        batch_size: 64,
+        rank_by: Some(positive.name.clone()),
+        reward,
+        share: vec![positive],
+    };
+    table.insert("eval".into(), toml::Value::try_from(eval).map_err(|e| Error::Invalid(e.to_string()))?);
+    let path = dir.join("study.toml");
+    let text = toml::to_string_pretty(&table).map_err(|e| Error::Invalid(e.to_string()))?;
+    write_atomic(&path, text.as_bytes())?;
+    let study = Study::load(&path)?;
+    let records = study.run(exe)?;
+    write_study_report(&study, &summarise(&study, &records)?)
 }
 
 fn toml_str(p: &Path) -> String {
     toml::Value::String(p.display().to_string()).to_string()
 }
 
-fn positive_share(r: &ModelReport) -> f64 {
-    r.rollout.texts.iter().filter(|c| sentiment_score(c) > 0).count() as f64 / r.rollout.len().max(1) as f64
+/// The measures of the evaluation: the reward model's score (the judge of
+/// the win rate), praise and criticism (the task's word lists, weight 0),
+/// and the share of positive reviews: praise and no criticism.
+fn positive_reviews(rm: &Path) -> (Vec<RewardSpec>, Share) {
+    let words = |list: &[&str]| list.iter().map(|w| w.to_string()).collect::<Vec<_>>();
+    let lexicon = |name: &str, positive, negative| {
+        RewardSpec::Lexicon(LexiconSpec {
+            name: Some(name.into()),
+            weight: 0.0,
+            positive,
+            negative,
+            positive_file: None,
+            negative_file: None,
+            normalize: false,
+        })
+    };
+    let measures = vec![
+        RewardSpec::Model(ModelSpec {
+            name: Some("reward_model".into()),
+            weight: 1.0,
+            path: rm.display().to_string(),
+            batch_size: 32,
+        }),
+        lexicon("praise", words(POSITIVE), vec![]),
+        lexicon("criticism", vec![], words(NEGATIVE)),
+    ];
+    // Criticism scores minus one per negative word.
+    let share = Share {
+        name: "positive reviews".into(),
+        above: [("praise".to_string(), 0.5), ("criticism".to_string(), -0.5)].into(),
+        below: Default::default(),
+    };
+    (measures, share)
 }
 
 /// PNG charts of the RLOO run's reward, KL and entropy by step, as
@@ -295,23 +391,19 @@ fn plot_curves(rl: &Path, out: &Path) -> Result<Vec<(String, String)>> {
 
 fn write_report(
     out: &Path,
-    before: &ModelReport,
-    after: &ModelReport,
+    [before, after]: [&ModelReport; 2],
+    positive: [f64; 2],
     win: f64,
     plots: &[(String, String)],
+    study: Option<StudyReport>,
     secs: f64,
 ) -> Result<PathBuf> {
     let fmt = |s: &Option<crate::eval::Spread>| s.map_or("-".into(), |s| format!("{:.3} ± {:.3}", s.mean, s.std));
     let rows: Vec<Vec<String>> = [before, after]
         .iter()
-        .map(|r| {
-            vec![
-                r.model.clone(),
-                fmt(&r.reward),
-                format!("{:.0}%", 100.0 * positive_share(r)),
-                fmt(&r.length),
-                fmt(&r.kl),
-            ]
+        .zip(positive)
+        .map(|(r, positive)| {
+            vec![r.model.clone(), fmt(&r.reward), format!("{:.0}%", 100.0 * positive), fmt(&r.length), fmt(&r.kl)]
         })
         .collect();
     let table =
@@ -323,11 +415,21 @@ fn write_report(
         .collect();
     let samples = render_markdown(&["before (SFT)", "after (RLOO)"], &samples);
     let charts: String = plots.iter().map(|(title, path)| format!("![{title}]({path})\n\n")).collect();
+    let study = match study {
+        Some(s) => format!(
+            "## Study: RLOO's k and baseline against PPO\n\nEvery arm starts from the SFT model with the same \
+             reward model, prompts and episodes; held-out measures on the evaluation titles. Charts and runs: \
+             [study/study.md](study/study.md).\n\n{}\n{}\n",
+            s.table, s.verdict
+        ),
+        None => String::new(),
+    };
     let text = format!(
         "# rloo pipeline report\n\nMovie reviews of controllable sentiment: a tiny GPT-NeoX policy trained from scratch \
          (SFT), a reward model trained on preference pairs, then RLOO against that reward model, evaluated on held-out \
-         titles ({} samples each).\n\n## Before and after\n\n{table}\nWin rate of RLOO over SFT (judged by the reward \
-         model): **{:.0}%**\n\n## Training curves (RLOO)\n\n{charts}## Samples\n\n{samples}\nAll metrics are in \
+         titles ({} samples each). A review is positive when it praises and never criticises.\n\n\
+         ## Before and after\n\n{table}\nWin rate of RLOO over SFT (judged by the reward \
+         model): **{:.0}%**\n\n## Training curves (RLOO)\n\n{charts}## Samples\n\n{samples}\n{study}All metrics are in \
          `rloo/metrics.jsonl` and `rloo/tensorboard/`. Total time: {secs:.0} s.\n",
         before.rollout.len(),
         100.0 * win

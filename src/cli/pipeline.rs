@@ -23,11 +23,19 @@ pub struct PipelineArgs {
     /// A seconds-long version with tiny sizes (for tests).
     #[arg(long)]
     fast: bool,
+    /// Then compare RLOO (k = 2 and 4; leave-one-out, batch-mean and no
+    /// baseline) with PPO over two seeds, as `rloo study` does, in `<out>/study/`.
+    #[arg(long)]
+    study: bool,
 }
 
 pub fn run(a: PipelineArgs) -> Result<()> {
-    let report = run_pipeline(&PipelineOptions { out: a.out, seed: a.seed, device: a.device, fast: a.fast })
-        .context("pipeline failed")?;
+    let study = match a.study {
+        true => Some(std::env::current_exe().context("cannot find the rloo binary to run the study's arms")?),
+        false => None,
+    };
+    let opts = PipelineOptions { out: a.out, seed: a.seed, device: a.device, fast: a.fast, study };
+    let report = run_pipeline(&opts).context("pipeline failed")?;
     println!("{}", std::fs::read_to_string(&report)?);
     eprintln!("report: {}", report.display());
     Ok(())

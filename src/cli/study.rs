@@ -25,7 +25,7 @@ pub fn run(a: StudyArgs) -> Result<()> {
     let exe = std::env::current_exe().context("cannot find the rloo binary to run the arms")?;
     let records = if a.report_only { study.finished()? } else { study.run(&exe)? };
     let arms = summarise(&study, &records)?;
-    let report = write_report(&study, &arms)?;
+    let report = write_report(&study, &arms)?.path;
     print!("{}", std::fs::read_to_string(&report)?);
     eprintln!("report: {}", report.display());
     Ok(())

@@ -91,6 +91,8 @@ impl Chart {
             .x_desc(&self.x_label)
             .y_desc(&self.y_label)
             .label_style((FONT, 13))
+            .x_label_formatter(&tick)
+            .y_label_formatter(&tick)
             .axis_desc_style((FONT, 15))
             .light_line_style(RGBColor(235, 235, 235))
             .draw()?;
@@ -163,6 +165,16 @@ fn finite(points: &[(f64, f64)]) -> Vec<(f64, f64)> {
     points.iter().copied().filter(|(x, y)| x.is_finite() && y.is_finite()).collect()
 }
 
+/// A tick label: whole numbers without decimals ("1000", not "1000.0"),
+/// others to at most three decimals without trailing zeros.
+fn tick(v: &f64) -> String {
+    if v.fract() == 0.0 {
+        return format!("{v:.0}");
+    }
+    let text = format!("{v:.3}");
+    text.trim_end_matches('0').trim_end_matches('.').to_string()
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -197,5 +209,11 @@ mod tests {
         }
         // Text was drawn: dark pixels of the title, labels and ticks.
         assert!(pixels.iter().filter(|p| p.iter().all(|&c| c < 60)).count() > 500);
+    }
+
+    #[test]
+    fn ticks_drop_needless_decimals() {
+        let ticks: Vec<String> = [1000.0, -2.0, 0.25, 0.1 + 0.2, 1e-4].iter().map(tick).collect();
+        assert_eq!(ticks, ["1000", "-2", "0.25", "0.3", "0"]);
     }
 }

@@ -22,21 +22,26 @@
 //!
 //! Each (arm, seed) trains in its own process (`<output_dir>/<arm>/seed-<s>/`),
 //! so that its peak memory is its own; a finished one is kept, an
-//! interrupted one resumes from its last checkpoint.
+//! interrupted one resumes from its last checkpoint. With an `[eval]`
+//! table (see [`eval`]), each finished run is then measured on held-out
+//! prompts.
 
+pub mod eval;
 mod report;
 
+use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};
 use std::process::Command;
 use std::time::Instant;
 
 use serde::{Deserialize, Serialize};
 
+use self::eval::{Measure, StudyEval};
 use crate::error::{read_json, Error, Result};
 use crate::io::write_atomic;
 use crate::train::TrainConfig;
 
-pub use report::{summarise, write_report, ArmSummary};
+pub use report::{summarise, write_report, ArmSummary, StudyReport};
 
 /// A parsed study: its arms' configurations, one per seed.
 #[derive(Debug, Clone)]
@@ -44,6 +49,8 @@ pub struct Study {
     pub output_dir: PathBuf,
     pub seeds: Vec<u64>,
     pub arms: Vec<Arm>,
+    /// Measures on held-out prompts, taken after each run.
+    pub eval: Option<StudyEval>,
 }
 
 #[derive(Debug, Clone)]
@@ -61,6 +68,9 @@ pub struct RunRecord {
     pub wall_seconds: f64,
     /// The training process's peak resident memory.
     pub peak_rss_mb: f64,
+    /// The `[eval]` measures of the trained policy (`None`: nothing scored).
+    #[serde(default)]
+    pub eval: BTreeMap<String, Option<f64>>,
 }
 
 const RUN_RECORD: &str = "study_run.json";
@@ -84,6 +94,10 @@ impl Study {
             Some(other) => return Err(bad(format!("output_dir must be a string, got {other}"))),
             None => PathBuf::from("runs/study"),
         };
+        let eval: Option<StudyEval> = match table.remove("eval") {
+            Some(v) => Some(v.try_into().map_err(|e| bad(format!("[eval]: {e}")))?),
+            None => None,
+        };
         let arms = match table.remove("arm") {
             Some(toml::Value::Array(arms)) => arms,
             _ => return Err(bad("no [[arm]] tables: a study compares at least one arm".into())),
@@ -98,7 +112,8 @@ impl Study {
             None => toml::Table::new(),
         };
         merge(&mut base, table);
-        let mut out = Vec::new();
+        let mut out: Vec<Arm> = Vec::new();
+        let mut first_measures = None;
         for (i, arm) in arms.into_iter().enumerate() {
             let toml::Value::Table(mut arm) = arm else {
                 return Err(bad(format!("arm {}: expected a table", i + 1)));
@@ -116,9 +131,24 @@ impl Study {
             let source = path.join(format!("arm {:?}", arm.name));
             let cfg = TrainConfig::from_table(arm.run_table(seeds[0], Path::new("check")), &source)?;
             cfg.validate().map_err(|e| bad(format!("arm {:?}: {e}", arm.name)))?;
+            if let Some(eval) = &eval {
+                eval.validate(&cfg).map_err(|e| bad(format!("[eval] for arm {:?}: {e}", arm.name)))?;
+                let measures = eval.measures(&cfg);
+                match &first_measures {
+                    None => first_measures = Some(measures),
+                    Some(first) if *first != measures => {
+                        return Err(bad(format!(
+                            "arms {:?} and {:?} have different rewards, so [eval] would measure them differently: \
+                             give [[eval.reward]] tables",
+                            out[0].name, arm.name
+                        )))
+                    }
+                    Some(_) => {}
+                }
+            }
             out.push(arm);
         }
-        Ok(Study { output_dir, seeds, arms: out })
+        Ok(Study { output_dir, seeds, arms: out, eval })
     }
 
     /// Where the run of `arm` with `seed` goes.
@@ -136,48 +166,45 @@ impl Study {
             for &seed in &self.seeds {
                 let dir = self.run_dir(arm, seed);
                 let record_path = dir.join(RUN_RECORD);
-                if record_path.is_file() {
+                let mut record = if record_path.is_file() {
                     tracing::info!("study: {} seed {seed} is done ({})", arm.name, dir.display());
-                    records.push(read_json(&record_path)?);
-                    continue;
-                }
-                tracing::info!(
-                    "study: run {} of {total}: {} seed {seed} -> {}",
-                    records.len() + 1,
-                    arm.name,
-                    dir.display()
-                );
-                let config_path = dir.with_extension("toml");
-                let table = arm.run_table(seed, &dir);
-                let text = toml::to_string_pretty(&table).map_err(|e| Error::Invalid(e.to_string()))?;
-                if let Some(parent) = config_path.parent() {
-                    std::fs::create_dir_all(parent).map_err(|e| Error::io(parent, e))?;
-                }
-                write_atomic(&config_path, text.as_bytes())?;
-                let started = Instant::now();
-                let peak_rss_mb = run_measured(Command::new(exe).arg("train").arg(&config_path)).map_err(|e| {
-                    Error::Invalid(format!(
-                        "study arm {:?} seed {seed} ({}): {e}; run the study again to continue from its last checkpoint",
+                    read_json(&record_path)?
+                } else {
+                    tracing::info!(
+                        "study: run {} of {total}: {} seed {seed} -> {}",
+                        records.len() + 1,
                         arm.name,
                         dir.display()
-                    ))
-                })?;
-                let record = RunRecord {
-                    arm: arm.name.clone(),
-                    seed,
-                    wall_seconds: started.elapsed().as_secs_f64(),
-                    peak_rss_mb,
+                    );
+                    let record = arm.train(exe, seed, &dir)?;
+                    save_record(&record_path, &record)?;
+                    record
                 };
-                let json = serde_json::to_vec_pretty(&record).map_err(|e| Error::Invalid(e.to_string()))?;
-                write_atomic(&record_path, &json)?;
+                if let Some(eval) = &self.eval {
+                    let cfg = arm.config(seed, &dir)?;
+                    if eval.measures(&cfg).iter().any(|m| !record.eval.contains_key(m.name())) {
+                        tracing::info!("study: evaluating {} seed {seed} on {}", arm.name, eval.prompts);
+                        record.eval = eval.evaluate(&cfg, &dir)?;
+                        save_record(&record_path, &record)?;
+                    }
+                }
                 records.push(record);
             }
         }
         Ok(records)
     }
-}
 
-impl Study {
+    /// The `[eval]` measures (the same for every arm), or none.
+    pub fn measures(&self) -> Result<Vec<Measure>> {
+        match (&self.eval, self.arms.first()) {
+            (Some(eval), Some(arm)) => {
+                let seed = self.seeds[0];
+                Ok(eval.measures(&arm.config(seed, &self.run_dir(arm, seed))?))
+            }
+            _ => Ok(vec![]),
+        }
+    }
+
     /// The records of the runs that finished.
     pub fn finished(&self) -> Result<Vec<RunRecord>> {
         let mut records = Vec::new();
@@ -193,7 +220,42 @@ impl Study {
     }
 }
 
+fn save_record(path: &Path, record: &RunRecord) -> Result<()> {
+    let json = serde_json::to_vec_pretty(record).map_err(|e| Error::Invalid(e.to_string()))?;
+    write_atomic(path, &json)
+}
+
 impl Arm {
+    /// Trains with `seed` into `dir` in a child process.
+    fn train(&self, exe: &Path, seed: u64, dir: &Path) -> Result<RunRecord> {
+        let config_path = dir.with_extension("toml");
+        let text = toml::to_string_pretty(&self.run_table(seed, dir)).map_err(|e| Error::Invalid(e.to_string()))?;
+        if let Some(parent) = config_path.parent() {
+            std::fs::create_dir_all(parent).map_err(|e| Error::io(parent, e))?;
+        }
+        write_atomic(&config_path, text.as_bytes())?;
+        let started = Instant::now();
+        let peak_rss_mb = run_measured(Command::new(exe).arg("train").arg(&config_path)).map_err(|e| {
+            Error::Invalid(format!(
+                "study arm {:?} seed {seed} ({}): {e}; run the study again to continue from its last checkpoint",
+                self.name,
+                dir.display()
+            ))
+        })?;
+        Ok(RunRecord {
+            arm: self.name.clone(),
+            seed,
+            wall_seconds: started.elapsed().as_secs_f64(),
+            peak_rss_mb,
+            eval: BTreeMap::new(),
+        })
+    }
+
+    /// The arm's configuration for one run into `dir`.
+    pub fn config(&self, seed: u64, dir: &Path) -> Result<TrainConfig> {
+        TrainConfig::from_table(self.run_table(seed, dir), &dir.with_extension("toml"))
+    }
+
     /// The arm's table for one run: its seed, output directory, and a resume
     /// of whatever an interrupted run left there.
     fn run_table(&self, seed: u64, dir: &Path) -> toml::Table {

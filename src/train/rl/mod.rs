@@ -10,6 +10,8 @@ mod ppo;
 mod report;
 mod setup;
 
+pub use setup::prompt_spec;
+
 use std::path::PathBuf;
 
 use candle_core::{Device, Tensor};

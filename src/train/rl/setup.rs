@@ -11,11 +11,27 @@ use crate::data::{DatasetSpec, Tokenizer};
 use crate::error::{Error, Result};
 use crate::generate::{GenerateOptions, Sampling, StopCriteria};
 use crate::model::hub::resolve_model;
-use crate::model::{parse_device, HeadKind, Model};
+use crate::model::{parse_device, HeadKind, Model, ModelConfig};
 use crate::reward::{self, Shaping};
 use crate::train::checkpoint::{self, TrainerState};
 use crate::train::config::{Algo, BatchSizes, LongPrompts, TrainConfig};
 use crate::train::memory;
+
+/// How the run reads prompts from its rows (column or template, chat,
+/// length limits), for a policy of `config`; evaluations on held-out rows
+/// read them the same way.
+pub fn prompt_spec(cfg: &TrainConfig, config: &ModelConfig) -> PromptSpec {
+    PromptSpec {
+        prompt_column: cfg.data.prompt_column.clone(),
+        template: cfg.data.template.clone(),
+        chat: cfg.data.chat,
+        system_prompt: cfg.data.system_prompt.clone(),
+        max_prompt_length: cfg.data.max_prompt_length,
+        context_room: ContextRoom::of(config, cfg.generation.response_length),
+        error_on_long: cfg.data.long_prompts == LongPrompts::Error,
+        length_filter: cfg.data.filter_length.then(|| length_filter(cfg.generation.response_length)),
+    }
+}
 
 impl Run {
     pub(super) fn start(cfg: &TrainConfig) -> Result<Self> {
@@ -73,17 +89,7 @@ impl Run {
             filter: cfg.data.filter.clone(),
             take: cfg.data.take,
         };
-        let spec = PromptSpec {
-            prompt_column: cfg.data.prompt_column.clone(),
-            template: cfg.data.template.clone(),
-            chat: cfg.data.chat,
-            system_prompt: cfg.data.system_prompt.clone(),
-            max_prompt_length: cfg.data.max_prompt_length,
-            context_room: ContextRoom::of(policy.config(), cfg.generation.response_length),
-            error_on_long: cfg.data.long_prompts == LongPrompts::Error,
-            length_filter: cfg.data.filter_length.then(|| length_filter(cfg.generation.response_length)),
-        };
-        let dataset = PromptDataset::load(&source, &spec, &tokenizer)?;
+        let dataset = PromptDataset::load(&source, &prompt_spec(cfg, policy.config()), &tokenizer)?;
         let rows: Vec<_> = dataset.rows.iter().map(|r| &r.row.fields).collect();
         rewards.check_rows(&rows)?;
         let sizes = BatchSizes::new(cfg, Some(dataset.len()))?;
