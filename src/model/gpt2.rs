@@ -118,10 +118,13 @@ impl RawConfig {
     }
 }
 
-/// Loads a `Conv1D` stored as (in, out) into a [`Linear`] holding the (out, in) view.
+/// Loads a `Conv1D` stored as (in, out) into a [`Linear`] holding the (out,
+/// in) view, with its adapter when `w`'s plan targets it.
 fn conv1d(w: &Weights, name: &str, in_dim: usize, out_dim: usize) -> Result<Linear> {
+    let adapter = w.adapter(name, out_dim, in_dim)?;
     let w = w.pp(name);
-    Ok(Linear::new(w.get("weight", (in_dim, out_dim))?.t()?, Some(w.get("bias", out_dim)?)))
+    let linear = Linear::new(w.get("weight", (in_dim, out_dim))?.t()?, Some(w.get("bias", out_dim)?));
+    Ok(linear.with_adapter(adapter))
 }
 
 struct Block {

@@ -9,6 +9,7 @@ use candle_core::{Result, Tensor};
 use super::batch::{attention_bias, Inputs};
 use super::cache::KvCache;
 use super::kernels::{self, decode_attention};
+use super::lora::Adapter;
 use super::ops;
 use super::rope::Rope;
 use super::weights::Weights;
@@ -126,40 +127,63 @@ pub fn embed(table: &Tensor, ids: &Tensor) -> Result<Tensor> {
     table.index_select(&ids.flatten_all()?, 0)?.reshape((b, t, hidden))
 }
 
-/// A dense layer with a PyTorch-layout weight (out, in).
+/// A dense layer with a PyTorch-layout weight (out, in), and optionally a
+/// LoRA adapter.
 pub struct Linear {
     pub weight: Tensor,
     pub bias: Option<Tensor>,
-    /// While decoding, the weight stored (in, out), as its (out, in) view.
+    pub adapter: Option<Adapter>,
+    /// While decoding, the weight (with the adapter merged in) stored (in,
+    /// out), as its (out, in) view.
     decoding: RwLock<Option<Tensor>>,
 }
 
 impl Linear {
     pub fn new(weight: Tensor, bias: Option<Tensor>) -> Self {
-        Self { weight, bias, decoding: RwLock::new(None) }
+        Self { weight, bias, adapter: None, decoding: RwLock::new(None) }
     }
 
-    /// Loads `name.weight` (out, in) and, when `bias`, `name.bias` (out,).
+    pub fn with_adapter(mut self, adapter: Option<Adapter>) -> Self {
+        self.adapter = adapter;
+        self
+    }
+
+    /// Loads `name.weight` (out, in) and, when `bias`, `name.bias` (out,),
+    /// and the layer's adapter when `w`'s plan targets it.
     pub fn load(w: &Weights, name: &str, out_dim: usize, in_dim: usize, bias: bool) -> LoadResult<Self> {
+        let adapter = w.adapter(name, out_dim, in_dim)?;
         let w = w.pp(name);
         let bias = if bias { Some(w.get("bias", out_dim)?) } else { None };
-        Ok(Self::new(w.get("weight", (out_dim, in_dim))?, bias))
+        Ok(Self::new(w.get("weight", (out_dim, in_dim))?, bias).with_adapter(adapter))
     }
 
     pub fn forward(&self, x: &Tensor) -> Result<Tensor> {
         let decoding = self.decoding.read().unwrap_or_else(PoisonError::into_inner);
-        kernels::linear(x, decoding.as_ref().unwrap_or(&self.weight), self.bias.as_ref())
+        if let Some(merged) = decoding.as_ref() {
+            return kernels::linear(x, merged, self.bias.as_ref());
+        }
+        let y = kernels::linear(x, &self.weight, self.bias.as_ref())?;
+        match &self.adapter {
+            Some(adapter) => y + adapter.delta(x)?,
+            None => Ok(y),
+        }
     }
 
-    /// Keeps (`true`) or drops a constant copy of the weight stored (in,
-    /// out). A decoding step multiplies a few rows by each weight, and gemm
-    /// gathers an (out, in) weight into its packed layout anew every time,
-    /// while it copies an (in, out) one straight. The copy does not follow
-    /// later updates of the weight, and carries no gradient.
+    /// Keeps (`true`) or drops a constant copy of the weight, with the
+    /// adapter merged in, stored (in, out). A decoding step multiplies a few
+    /// rows by each weight, and gemm gathers an (out, in) weight into its
+    /// packed layout anew every time, while it copies an (in, out) one
+    /// straight; merged, the adapter costs nothing per token. The copy does
+    /// not follow later updates of the weights, and carries no gradient.
     pub fn store_for_decoding(&self, on: bool) -> Result<()> {
-        let copy = match on && kernels::fused(&self.weight) && !self.weight.t()?.is_contiguous() {
-            true => Some(self.weight.detach().t()?.contiguous()?.t()?),
-            false => None,
+        let weight = match &self.adapter {
+            Some(adapter) if on => adapter.merged(&self.weight)?,
+            _ => self.weight.clone(),
+        };
+        let copy = match on && kernels::fused(&weight) {
+            true if !weight.t()?.is_contiguous() => Some(weight.detach().t()?.contiguous()?.t()?),
+            true if self.adapter.is_some() => Some(weight.detach()),
+            _ => None,
         };
         *self.decoding.write().unwrap_or_else(PoisonError::into_inner) = copy;
         Ok(())

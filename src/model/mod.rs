@@ -13,6 +13,7 @@ pub mod hub;
 pub mod kernels;
 pub mod layers;
 pub mod llama;
+pub mod lora;
 pub mod network;
 pub mod ops;
 pub mod qwen2;

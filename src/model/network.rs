@@ -2,6 +2,7 @@
 //! of rloo sees a network (forward, log-probs, parameters, save), never
 //! an architecture's fields.
 
+use std::collections::HashMap;
 use std::path::{Path, PathBuf};
 
 use candle_core::{Device, Result as TResult, Tensor, D};
@@ -10,9 +11,10 @@ use super::batch::Inputs;
 use super::cache::KvCache;
 use super::config::{ArchConfig, HeadKind, ModelConfig};
 use super::layers::Linear;
-use super::weights::{ParamStore, Source, WeightFiles, Weights};
+use super::lora::{self, AdapterPlan, LoraConfig, ADAPTER_CONFIG, PEFT_PREFIX};
+use super::weights::{Detach, ParamStore, Source, WeightFiles, Weights};
 use super::{gpt2, gpt_neox, kernels, llama, ops};
-use crate::error::{Error, Result};
+use crate::error::{read_json, Error, Result};
 
 /// The transformer body: embeddings through the final norm.
 pub trait Decoder: Send + Sync {
@@ -162,22 +164,43 @@ pub fn next_token_logprobs(logits: &Tensor, ids: &Tensor) -> TResult<Tensor> {
     logp.gather(&targets, D::Minus1)?.squeeze(D::Minus1)
 }
 
-/// A loaded model: its config, its trainable parameters, a network that
-/// records gradients, and a frozen one on detached weights for sampling
-/// and scoring. Both share storage, so optimizer updates show in both.
+/// A loaded model: its config, its parameters, a network that records
+/// gradients, and a frozen one on detached weights for sampling and
+/// scoring. Both share storage, so optimizer updates show in both.
 pub struct Model {
     config: ModelConfig,
     params: ParamStore,
     train: Network,
     frozen: Network,
     dir: PathBuf,
+    lora: Option<Lora>,
+}
+
+/// A model's LoRA adapters: their config, the base model's directory, and
+/// the network without them (the base, on the same detached weights).
+struct Lora {
+    config: LoraConfig,
+    base_dir: PathBuf,
+    base: Network,
+}
+
+/// Where a model's adapters come from.
+enum Adapters<'a> {
+    /// New ones: `B` = 0, `A` drawn from the seed.
+    New(LoraConfig, u64),
+    /// A PEFT adapter directory's.
+    Saved(LoraConfig, &'a Path),
 }
 
 impl Model {
-    /// Loads a Hugging Face model directory.
+    /// Loads a Hugging Face model directory, or a PEFT adapter directory
+    /// onto the base model its `adapter_config.json` names.
     pub fn load(dir: &Path, device: &Device) -> Result<Self> {
+        if dir.join(ADAPTER_CONFIG).is_file() {
+            return Self::load_adapter(dir, None, device);
+        }
         let config = ModelConfig::from_dir(dir)?;
-        Self::load_config(dir, device, config, None)
+        Self::load_config(dir, device, config, None, None)
     }
 
     /// Loads a directory with the given head. A sequence-classification
@@ -187,12 +210,76 @@ impl Model {
     pub fn load_with_head(dir: &Path, device: &Device, head: HeadKind, seed: u64) -> Result<Self> {
         let mut config = ModelConfig::from_dir(dir)?;
         config.head = head;
-        Self::load_config(dir, device, config, Some(seed))
+        Self::load_config(dir, device, config, Some(seed), None)
     }
 
-    fn load_config(dir: &Path, device: &Device, config: ModelConfig, seed: Option<u64>) -> Result<Self> {
+    /// Loads the model in `dir` (with `head`) and adds new LoRA adapters:
+    /// it starts as the base, and only the adapters and `modules_to_save`
+    /// train.
+    pub fn load_with_new_adapters(
+        dir: &Path,
+        device: &Device,
+        head: HeadKind,
+        lora: LoraConfig,
+        seed: u64,
+    ) -> Result<Self> {
+        lora.validate()?;
+        let mut config = ModelConfig::from_dir(dir)?;
+        config.head = head;
+        Self::load_config(dir, device, config, Some(seed), Some(Adapters::New(lora, seed)))
+    }
+
+    /// Loads a PEFT adapter directory onto its base model: `base`, or the
+    /// one its `adapter_config.json` names.
+    pub fn load_adapter(dir: &Path, base: Option<&Path>, device: &Device) -> Result<Self> {
+        let (lora, named_base) = lora::read_adapter_config(dir)?;
+        let base_dir = match base {
+            Some(b) => b.to_path_buf(),
+            None => super::hub::resolve_model(&named_base)?,
+        };
+        let mut config = ModelConfig::from_dir(&base_dir)?;
+        let task: Option<String> = read_json::<serde_json::Value>(&dir.join(ADAPTER_CONFIG))?
+            .get("task_type")
+            .and_then(|t| t.as_str().map(str::to_string));
+        if task.as_deref() == Some("SEQ_CLS") && config.head == HeadKind::CausalLm {
+            // A reward model trained from a causal LM: its head is in the adapter.
+            let score = format!("{PEFT_PREFIX}score.weight");
+            let (shape, _) = WeightFiles::open_adapter(dir)?.info(&score).map_err(|_| {
+                Error::bad_file(dir, format!("a SEQ_CLS adapter on a causal LM must hold its head `{score}`"))
+            })?;
+            config.head = HeadKind::SequenceClassification { num_labels: shape[0] };
+        }
+        let mut model = Self::load_config(&base_dir, device, config, None, Some(Adapters::Saved(lora, dir)))?;
+        model.dir = dir.to_path_buf();
+        Ok(model)
+    }
+
+    fn load_config(
+        dir: &Path,
+        device: &Device,
+        config: ModelConfig,
+        seed: Option<u64>,
+        adapters: Option<Adapters>,
+    ) -> Result<Self> {
         let files = WeightFiles::open(dir)?;
         let source = Source::files(&files, device);
+        // A saved adapter's tensors: its modules_to_save replace the base's
+        // tensors; its LoRA matrices wait for the modules they adapt.
+        let mut saved_adapters = HashMap::new();
+        if let Some(Adapters::Saved(_, adapter_dir)) = &adapters {
+            let adapter_files = WeightFiles::open_adapter(adapter_dir)?;
+            for name in adapter_files.names() {
+                let short = name.strip_prefix(PEFT_PREFIX).ok_or_else(|| {
+                    Error::bad_file(adapter_dir, format!("adapter tensor `{name}` lacks PEFT's `{PEFT_PREFIX}`"))
+                })?;
+                let tensor = adapter_files.load_f32(name, device)?;
+                if lora::is_adapter(short) {
+                    saved_adapters.insert(short.to_string(), tensor);
+                } else {
+                    source.add_fresh(short, &tensor)?;
+                }
+            }
+        }
         if let (HeadKind::SequenceClassification { num_labels }, Some(seed)) = (config.head, seed) {
             if !files.contains("score.weight") {
                 let std = config.raw.get("initializer_range").and_then(serde_json::Value::as_f64).unwrap_or(0.02);
@@ -206,14 +293,36 @@ impl Model {
                 tracing::info!("{}: new score head ({num_labels} x {})", dir.display(), config.hidden_size());
             }
         }
-        let train = Network::build(&config, &source.root())?;
+        let plan = adapters.map(|a| match a {
+            Adapters::New(lora, seed) => AdapterPlan::new(lora, seed),
+            Adapters::Saved(lora, _) => AdapterPlan::saved(lora, saved_adapters),
+        });
+        let train = Network::build(&config, &source.root_with(plan.as_ref()))?;
         let unused = source.unused();
         if !unused.is_empty() {
             tracing::debug!("{}: ignoring {} unused tensors: {:?}", dir.display(), unused.len(), unused);
         }
-        let params = source.into_store();
-        let frozen = Network::build(&config, &Source::store(&params, true).root())?;
-        Ok(Self { config, params, train, frozen, dir: dir.to_path_buf() })
+        let mut params = source.into_store();
+        let Some(plan) = plan else {
+            let frozen = Network::build(&config, &Source::store(&params, Detach::All).root())?;
+            return Ok(Self { config, params, train, frozen, dir: dir.to_path_buf(), lora: None });
+        };
+        if let Some(stray) = plan.unused().first() {
+            return Err(Error::Weights {
+                msg: format!(
+                    "adapter tensor `{PEFT_PREFIX}{stray}` fits no module of the base model {}",
+                    dir.display()
+                ),
+            });
+        }
+        let lora = plan.config.clone();
+        params.freeze_all_but(|name| lora::is_adapter(name) || lora.saves(name));
+        // Rebuilt on the store, so that the base weights record no graph.
+        let train = Network::build(&config, &Source::store(&params, Detach::Frozen).root_with(Some(&plan)))?;
+        let frozen = Network::build(&config, &Source::store(&params, Detach::All).root_with(Some(&plan)))?;
+        let base = Network::build(&config, &Source::store(&params, Detach::All).root())?;
+        let lora = Some(Lora { config: lora, base_dir: dir.to_path_buf(), base });
+        Ok(Self { config, params, train, frozen, dir: dir.to_path_buf(), lora })
     }
 
     /// A new model with random weights (transformers' initialisation,
@@ -224,8 +333,8 @@ impl Model {
         let source = Source::random(device, std, seed);
         let train = Network::build(&config, &source.root())?;
         let params = source.into_store();
-        let frozen = Network::build(&config, &Source::store(&params, true).root())?;
-        Ok(Self { config, params, train, frozen, dir: files_from.to_path_buf() })
+        let frozen = Network::build(&config, &Source::store(&params, Detach::All).root())?;
+        Ok(Self { config, params, train, frozen, dir: files_from.to_path_buf(), lora: None })
     }
 
     /// Sets a `config.json` key written when saving (e.g. `pad_token_id`).
@@ -260,6 +369,17 @@ impl Model {
     /// The same network on detached weights: no autograd graph is recorded.
     pub fn frozen(&self) -> &Network {
         &self.frozen
+    }
+
+    /// With LoRA adapters: the network without them (the base model, on
+    /// the same detached weights), e.g. the KL reference.
+    pub fn base(&self) -> Option<&Network> {
+        self.lora.as_ref().map(|l| &l.base)
+    }
+
+    /// With LoRA adapters: their config and the base model's directory.
+    pub fn lora(&self) -> Option<(&LoraConfig, &Path)> {
+        self.lora.as_ref().map(|l| (&l.config, l.base_dir.as_path()))
     }
 
     /// Checks that one token sequence fits the model: ids inside the

@@ -6,7 +6,9 @@
 use std::collections::HashMap;
 use std::path::Path;
 
+use super::config::HeadKind;
 use super::generation_config::GENERATION_CONFIG_FILE;
+use super::lora::{adapter_config_json, ADAPTER_CONFIG, ADAPTER_WEIGHTS, PEFT_PREFIX};
 use super::network::Model;
 use super::weights::SINGLE_FILE;
 use crate::data::copy_tokenizer_files;
@@ -23,20 +25,39 @@ impl Model {
 
     /// Writes the model's files into an existing directory (for callers that
     /// add files of their own before an atomic rename, like checkpoints).
+    /// A model with LoRA adapters is written as a PEFT adapter directory:
+    /// `adapter_config.json` naming the base, and `adapter_model.safetensors`
+    /// with what trains (adapters and `modules_to_save`) under PEFT's names.
     pub fn save_files(&self, dir: &Path) -> Result<()> {
-        let config = serde_json::to_string_pretty(&self.config().to_json())
-            .map_err(|e| Error::Invalid(format!("cannot serialise config.json: {e}")))?;
-        let mut tensors = Vec::with_capacity(self.params().len());
-        for p in self.params().iter() {
-            tensors.push((p.name.clone(), p.var.as_tensor().to_dtype(p.stored_dtype)?.contiguous()?));
+        let (config_file, config, weights_file, tensors) = match self.lora() {
+            None => {
+                let tensors = self.params().iter().map(|p| (p.name.clone(), p));
+                ("config.json", self.config().to_json(), SINGLE_FILE, tensors.collect::<Vec<_>>())
+            }
+            Some((lora, base)) => {
+                let task = match self.head() {
+                    HeadKind::CausalLm => "CAUSAL_LM",
+                    HeadKind::SequenceClassification { .. } => "SEQ_CLS",
+                };
+                let gpt2 = self.config().model_type == "gpt2";
+                let config = adapter_config_json(lora, &base.display().to_string(), task, gpt2);
+                let tensors = self.params().trainable().map(|p| (format!("{PEFT_PREFIX}{}", p.name), p));
+                (ADAPTER_CONFIG, config, ADAPTER_WEIGHTS, tensors.collect())
+            }
+        };
+        let config = serde_json::to_string_pretty(&config)
+            .map_err(|e| Error::Invalid(format!("cannot serialise {config_file}: {e}")))?;
+        let mut stored = Vec::with_capacity(tensors.len());
+        for (name, p) in tensors {
+            stored.push((name, p.var.as_tensor().to_dtype(p.stored_dtype)?.contiguous()?));
         }
         let metadata = HashMap::from([("format".to_string(), "pt".to_string())]);
-        let weights = safetensors::tensor::serialize(tensors.iter().map(|(n, t)| (n.as_str(), t)), Some(metadata))
+        let weights = safetensors::tensor::serialize(stored.iter().map(|(n, t)| (n.as_str(), t)), Some(metadata))
             .map_err(|e| Error::Invalid(format!("cannot serialise weights: {e}")))?;
         let source = self.dir();
         std::fs::create_dir_all(dir).map_err(|e| Error::io(dir, e))?;
-        write_atomic(&dir.join("config.json"), config.as_bytes())?;
-        write_atomic(&dir.join(SINGLE_FILE), &weights)?;
+        write_atomic(&dir.join(config_file), config.as_bytes())?;
+        write_atomic(&dir.join(weights_file), &weights)?;
         // Saving into the directory the files come from: they are already there
         // (and copying a file onto itself would empty it).
         let same = |a: &Path, b: &Path| a.canonicalize().ok().is_some_and(|a| Some(a) == b.canonicalize().ok());

@@ -10,6 +10,7 @@ use candle_core::safetensors::MmapedSafetensors;
 use candle_core::{DType, Device, Shape, Tensor, Var};
 use serde::Deserialize;
 
+use super::lora::{adapter_names, Adapter, AdapterPlan};
 use crate::error::{read_json, Error, Result};
 use crate::generate::Rng;
 
@@ -54,12 +55,28 @@ impl WeightFiles {
                 return Err(Error::bad_file(p, "shard listed in the index is missing"));
             }
         }
+        Self::from_paths(dir, &paths)
+    }
+
+    /// Opens a PEFT adapter's `adapter_model.safetensors`.
+    pub fn open_adapter(dir: &Path) -> Result<Self> {
+        let path = dir.join(super::lora::ADAPTER_WEIGHTS);
+        if !path.is_file() {
+            return Err(Error::bad_file(
+                dir,
+                format!("no adapter weights: {} is missing", super::lora::ADAPTER_WEIGHTS),
+            ));
+        }
+        Self::from_paths(dir, &[path])
+    }
+
+    fn from_paths(dir: &Path, paths: &[PathBuf]) -> Result<Self> {
         // Safety: the files are mapped read-only; rloo never writes into a
         // directory while it has it mapped (saves go to a temp dir + rename).
-        let files = unsafe { MmapedSafetensors::multi(&paths) }
+        let files = unsafe { MmapedSafetensors::multi(paths) }
             .map_err(|e| Error::bad_file(dir, format!("cannot read safetensors weights: {e}")))?;
         let mut location = HashMap::new();
-        for p in &paths {
+        for p in paths {
             let one = unsafe { MmapedSafetensors::new(p) }
                 .map_err(|e| Error::bad_file(p, format!("corrupt safetensors file: {e}")))?;
             for (name, _) in one.tensors() {
@@ -118,13 +135,16 @@ fn view_dtype(d: safetensors::Dtype) -> Option<DType> {
     })
 }
 
-/// One trainable tensor: the f32 master copy and the dtype it was stored in,
-/// which is the dtype it is saved back in.
+/// One tensor of a model: the f32 master copy and the dtype it was stored
+/// in, which is the dtype it is saved back in.
 #[derive(Clone)]
 pub struct Param {
     pub name: String,
     pub var: Var,
     pub stored_dtype: DType,
+    /// A base weight under LoRA adapters: it gets no gradient and no
+    /// optimizer state, and an adapter save leaves it out.
+    pub frozen: bool,
 }
 
 /// The parameters of a model, in the order the architecture asked for them.
@@ -158,9 +178,21 @@ impl ParamStore {
     pub fn from_vars(vars: Vec<(String, Var)>) -> Self {
         let mut store = Self::default();
         for (name, var) in vars {
-            store.push(Param { name, var, stored_dtype: DType::F32 });
+            store.push(Param { name, var, stored_dtype: DType::F32, frozen: false });
         }
         store
+    }
+
+    /// Freezes every parameter but those `trains` accepts.
+    pub fn freeze_all_but(&mut self, trains: impl Fn(&str) -> bool) {
+        for p in &mut self.params {
+            p.frozen = !trains(&p.name);
+        }
+    }
+
+    /// The parameters that train.
+    pub fn trainable(&self) -> impl Iterator<Item = &Param> {
+        self.params.iter().filter(|p| !p.frozen)
     }
 
     fn push(&mut self, param: Param) {
@@ -180,7 +212,7 @@ pub enum Source<'a> {
     },
     Store {
         store: &'a ParamStore,
-        detach: bool,
+        detach: Detach,
         used: RefCell<BTreeSet<String>>,
     },
     /// Fresh weights, as transformers' `_init_weights` makes them: normal(0,
@@ -193,12 +225,24 @@ pub enum Source<'a> {
     },
 }
 
+/// Which of a store's parameters a network sees detached (no autograd graph).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Detach {
+    /// All: a network for sampling and scoring.
+    All,
+    /// The frozen ones: a training network whose gradients reach only
+    /// what trains.
+    Frozen,
+}
+
 /// A view on a [`Source`] under a name prefix, like walking the HF module
 /// tree (`w.pp("layers").pp(0).get("attention.dense.weight", ..)`).
 #[derive(Clone)]
 pub struct Weights<'a> {
     source: &'a Source<'a>,
     prefix: String,
+    /// LoRA adapters to attach to the dense layers it names.
+    plan: Option<&'a AdapterPlan>,
 }
 
 impl<'a> Source<'a> {
@@ -206,7 +250,7 @@ impl<'a> Source<'a> {
         Source::Files { files, device: device.clone(), store: RefCell::new(ParamStore::default()) }
     }
 
-    pub fn store(store: &'a ParamStore, detach: bool) -> Self {
+    pub fn store(store: &'a ParamStore, detach: Detach) -> Self {
         Source::Store { store, detach, used: RefCell::new(BTreeSet::new()) }
     }
 
@@ -220,7 +264,12 @@ impl<'a> Source<'a> {
     }
 
     pub fn root(&'a self) -> Weights<'a> {
-        Weights { source: self, prefix: String::new() }
+        Weights { source: self, prefix: String::new(), plan: None }
+    }
+
+    /// The root, attaching the adapters of `plan` (none: the base network).
+    pub fn root_with(&'a self, plan: Option<&'a AdapterPlan>) -> Weights<'a> {
+        Weights { source: self, prefix: String::new(), plan }
     }
 
     /// Adds a parameter the checkpoint lacks (a new head), trained and saved as f32.
@@ -228,10 +277,37 @@ impl<'a> Source<'a> {
         match self {
             Source::Files { store, .. } => {
                 let var = Var::from_tensor(&init.to_dtype(DType::F32)?)?;
-                store.borrow_mut().push(Param { name: name.to_string(), var, stored_dtype: DType::F32 });
+                store.borrow_mut().push(Param { name: name.to_string(), var, stored_dtype: DType::F32, frozen: false });
                 Ok(())
             }
             _ => Err(Error::Invalid(format!("`{name}` can only be added to a model read from files"))),
+        }
+    }
+
+    /// The tensor `name`, or, when the source has none and makes
+    /// parameters, a new f32 one `init` gives on the source's device.
+    fn get_or_add(
+        &self,
+        name: &str,
+        shape: (usize, usize),
+        init: impl FnOnce(&Device) -> Result<Tensor>,
+    ) -> Result<Tensor> {
+        match self {
+            Source::Files { device, store, .. } | Source::Random { device, store, .. } if !self.has_stored(name) => {
+                let var = Var::from_tensor(&init(device)?)?;
+                let tensor = var.as_tensor().clone();
+                store.borrow_mut().push(Param { name: name.to_string(), var, stored_dtype: DType::F32, frozen: false });
+                Ok(tensor)
+            }
+            _ => self.get(name, &Shape::from(shape)),
+        }
+    }
+
+    /// Whether the source holds `name` already (random sources make any name).
+    fn has_stored(&self, name: &str) -> bool {
+        match self {
+            Source::Random { store, .. } => store.borrow().get(name).is_some(),
+            _ => self.has(name),
         }
     }
 
@@ -270,7 +346,7 @@ impl<'a> Source<'a> {
                 };
                 let var = Var::from_vec(values, shape.clone(), device)?;
                 let tensor = var.as_tensor().clone();
-                store.borrow_mut().push(Param { name: name.to_string(), var, stored_dtype: DType::F32 });
+                store.borrow_mut().push(Param { name: name.to_string(), var, stored_dtype: DType::F32, frozen: false });
                 Ok(tensor)
             }
             Source::Files { files, device, store } => {
@@ -303,7 +379,7 @@ impl<'a> Source<'a> {
                 }
                 let var = Var::from_tensor(&loaded)?;
                 let tensor = var.as_tensor().clone();
-                store.borrow_mut().push(Param { name: name.to_string(), var, stored_dtype });
+                store.borrow_mut().push(Param { name: name.to_string(), var, stored_dtype, frozen: false });
                 Ok(tensor)
             }
             Source::Store { store, detach, used } => {
@@ -316,7 +392,8 @@ impl<'a> Source<'a> {
                     });
                 }
                 used.borrow_mut().insert(name.to_string());
-                Ok(if *detach { p.var.as_tensor().detach() } else { p.var.as_tensor().clone() })
+                let detached = *detach == Detach::All || p.frozen;
+                Ok(if detached { p.var.as_tensor().detach() } else { p.var.as_tensor().clone() })
             }
         }
     }
@@ -343,7 +420,22 @@ impl<'a> Source<'a> {
 impl<'a> Weights<'a> {
     /// A view one level down the module tree.
     pub fn pp(&self, sub: impl std::fmt::Display) -> Weights<'a> {
-        Weights { source: self.source, prefix: self.name(&sub.to_string()) }
+        Weights { source: self.source, prefix: self.name(&sub.to_string()), plan: self.plan }
+    }
+
+    /// The LoRA adapter of the dense layer `module` (out, in) under this
+    /// view, when the plan targets it: read from the source, or new.
+    pub fn adapter(&self, module: &str, out_dim: usize, in_dim: usize) -> Result<Option<Adapter>> {
+        let Some(plan) = self.plan else { return Ok(None) };
+        let full = self.name(module);
+        if !plan.config.targets(&full) {
+            return Ok(None);
+        }
+        let r = plan.config.r;
+        let (a, b) = adapter_names(&full);
+        let a = self.source.get_or_add(&a, (r, in_dim), |device| plan.initial(&a, (r, in_dim), device))?;
+        let b = self.source.get_or_add(&b, (out_dim, r), |device| plan.initial(&b, (out_dim, r), device))?;
+        Ok(Some(Adapter { a, b, scale: plan.config.scale() }))
     }
 
     pub fn name(&self, leaf: &str) -> String {

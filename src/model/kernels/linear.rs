@@ -85,7 +85,7 @@ impl CustomOp2 for Linear {
 
     fn bwd(&self, x: &Tensor, w: &Tensor, _y: &Tensor, grad: &Tensor) -> Result<(Option<Tensor>, Option<Tensor>)> {
         let (dx, dw, _) = grads(x, w, grad, false)?;
-        Ok((Some(dx), Some(dw)))
+        Ok((Some(dx), dw))
     }
 }
 
@@ -116,23 +116,34 @@ impl CustomOp3 for Linear {
         grad: &Tensor,
     ) -> Result<(Option<Tensor>, Option<Tensor>, Option<Tensor>)> {
         let (dx, dw, db) = grads(x, w, grad, true)?;
-        Ok((Some(dx), Some(dw), db))
+        Ok((Some(dx), dw, db))
     }
 }
 
-/// d x, d w and (when `bias`) d b, computed in one buffer and returned as views of it.
-fn grads(x: &Tensor, w: &Tensor, grad: &Tensor, bias: bool) -> Result<(Tensor, Tensor, Option<Tensor>)> {
+/// d x, d w and (when `bias`) d b, computed in one buffer and returned as
+/// views of it. A frozen weight (one that records no graph, such as a base
+/// weight under LoRA) gets no d w, which saves a product as large as the
+/// forward's.
+fn grads(x: &Tensor, w: &Tensor, grad: &Tensor, bias: bool) -> Result<(Tensor, Option<Tensor>, Option<Tensor>)> {
     let (n, k) = w.dims2()?;
     let m = x.elem_count() / k.max(1);
-    let all = grad.contiguous()?.apply_op3_no_bwd(x, w, &LinearGrad { bias })?;
+    let weight = w.track_op();
+    let all = grad.contiguous()?.apply_op3_no_bwd(x, w, &LinearGrad { weight, bias })?;
     let dx = all.narrow(0, 0, m * k)?.reshape(x.shape())?;
-    let dw = all.narrow(0, m * k, n * k)?.reshape((n, k))?;
-    let db = if bias { Some(all.narrow(0, (m + n) * k, n)?) } else { None };
+    let mut at = m * k;
+    let dw = if weight {
+        at += n * k;
+        Some(all.narrow(0, m * k, n * k)?.reshape((n, k))?)
+    } else {
+        None
+    };
+    let db = if bias { Some(all.narrow(0, at, n)?) } else { None };
     Ok((dx, dw, db))
 }
 
-/// (d y, x, w) -> [d x (m k); d w (n k); d b (n) when `bias`], flat.
+/// (d y, x, w) -> [d x (m k); d w (n k) when `weight`; d b (n) when `bias`], flat.
 struct LinearGrad {
+    weight: bool,
     bias: bool,
 }
 
@@ -153,11 +164,15 @@ impl CustomOp3 for LinearGrad {
         let (g, x) = (contiguous_f32(g, g_l)?, contiguous_f32(x, x_l)?);
         let w = Operand::weight(w, w_l)?;
         let (m, k, n) = sizes("linear-grad", x_l, w_l)?;
-        let mut out = Vec::with_capacity((m + n) * k + if self.bias { n } else { 0 });
+        let len = m * k + if self.weight { n * k } else { 0 } + if self.bias { n } else { 0 };
+        let mut out = Vec::with_capacity(len);
         // d x (m, k) = g (m, n) @ w (n, k).
         matmul(&mut out, false, m, k, n, Operand { data: g, row: n, col: 1 }, w);
-        // d w (n, k) = g^T (n, m) @ x (m, k).
-        matmul(&mut out, false, n, k, m, Operand { data: g, row: 1, col: n }, Operand { data: x, row: k, col: 1 });
+        if self.weight {
+            // d w (n, k) = g^T (n, m) @ x (m, k).
+            let g_t = Operand { data: g, row: 1, col: n };
+            matmul(&mut out, false, n, k, m, g_t, Operand { data: x, row: k, col: 1 });
+        }
         if self.bias {
             out.extend(column_sums(g, n));
         }

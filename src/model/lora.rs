@@ -1,0 +1,248 @@
+//! LoRA adapters as PEFT makes them: a dense layer `y = W x + b` gains
+//! `scale * B (A x)` with `A` (r, in), `B` (out, r) and `scale = alpha / r`;
+//! `W` stays frozen and only `A` and `B` (and the modules PEFT calls
+//! `modules_to_save`, such as a reward model's score head) train. `B`
+//! starts at zero, so an adapted model starts as its base.
+//!
+//! Adapter tensors are named as in PEFT's `adapter_model.safetensors`,
+//! less its `base_model.model.` prefix: `<module>.lora_A.weight`.
+
+use std::cell::RefCell;
+use std::collections::HashMap;
+use std::path::Path;
+
+use candle_core::{Device, Result as TResult, Tensor};
+
+use crate::error::{read_json, Error, Result};
+use crate::generate::Rng;
+
+/// The prefix PEFT puts before every tensor name of an adapter file.
+pub const PEFT_PREFIX: &str = "base_model.model.";
+
+/// PEFT's `LoraConfig` fields that rloo reads and writes.
+#[derive(Debug, Clone, PartialEq)]
+pub struct LoraConfig {
+    pub r: usize,
+    pub alpha: f64,
+    pub dropout: f64,
+    /// Which dense layers get adapters: a layer matches when its full name
+    /// is one of these or ends with `.<name>` (PEFT's rule for a list);
+    /// `all-linear` matches every dense layer but the output head.
+    pub targets: Vec<String>,
+    /// Modules trained in full beside the adapters (e.g. `score`).
+    pub modules_to_save: Vec<String>,
+}
+
+impl LoraConfig {
+    pub fn scale(&self) -> f64 {
+        self.alpha / self.r as f64
+    }
+
+    /// PEFT's default target modules for an architecture
+    /// (`TRANSFORMERS_MODELS_TO_LORA_TARGET_MODULES_MAPPING`).
+    pub fn default_targets(model_type: &str) -> Option<Vec<String>> {
+        let names: &[&str] = match model_type {
+            "gpt_neox" => &["query_key_value"],
+            "llama" | "qwen2" | "qwen3" => &["q_proj", "v_proj"],
+            "gpt2" => &["c_attn"],
+            _ => return None,
+        };
+        Some(names.iter().map(|s| s.to_string()).collect())
+    }
+
+    /// Whether the dense layer with full name `module` gets an adapter.
+    pub fn targets(&self, module: &str) -> bool {
+        self.targets.iter().any(|t| t == "all-linear" || module == t || module.ends_with(&format!(".{t}")))
+    }
+
+    /// Whether a full (not adapted) tensor trains: one of `modules_to_save`.
+    pub fn saves(&self, tensor: &str) -> bool {
+        self.modules_to_save.iter().any(|m| tensor.starts_with(&format!("{m}.")) || tensor.contains(&format!(".{m}.")))
+    }
+
+    pub fn validate(&self) -> Result<()> {
+        if self.r == 0 || !self.alpha.is_finite() || self.alpha <= 0.0 || self.targets.is_empty() {
+            return Err(Error::Invalid(format!(
+                "LoRA needs r >= 1, alpha > 0 and target modules (got r = {}, alpha = {}, {} targets)",
+                self.r,
+                self.alpha,
+                self.targets.len()
+            )));
+        }
+        if !(0.0..1.0).contains(&self.dropout) {
+            return Err(Error::Invalid(format!("lora_dropout must be in [0, 1), got {}", self.dropout)));
+        }
+        Ok(())
+    }
+}
+
+/// The names of a module's two adapter tensors.
+pub fn adapter_names(module: &str) -> (String, String) {
+    (format!("{module}.lora_A.weight"), format!("{module}.lora_B.weight"))
+}
+
+/// Whether a tensor name is an adapter's.
+pub fn is_adapter(name: &str) -> bool {
+    name.ends_with(".lora_A.weight") || name.ends_with(".lora_B.weight")
+}
+
+/// What building a network needs to attach adapters: the config, and
+/// either the random stream new `A` matrices are drawn from or the saved
+/// adapter tensors (by name, less PEFT's prefix) not attached yet.
+pub struct AdapterPlan {
+    pub config: LoraConfig,
+    rng: RefCell<Rng>,
+    saved: Option<RefCell<HashMap<String, Tensor>>>,
+}
+
+impl AdapterPlan {
+    /// New adapters: `A` drawn from `seed`, `B` = 0.
+    pub fn new(config: LoraConfig, seed: u64) -> Self {
+        let rng = Rng::stream(seed, &[crate::generate::rng::streams::LORA_INIT]);
+        Self { config, rng: RefCell::new(rng), saved: None }
+    }
+
+    /// Saved adapters.
+    pub fn saved(config: LoraConfig, tensors: HashMap<String, Tensor>) -> Self {
+        Self { saved: Some(RefCell::new(tensors)), ..Self::new(config, 0) }
+    }
+
+    /// The initial value of adapter tensor `name` (r, in) or (out, r): the
+    /// saved one, or new as PEFT initialises them: `A` kaiming-uniform with
+    /// `a = sqrt(5)` (uniform in ±1/sqrt(in)), `B` zeros.
+    pub fn initial(&self, name: &str, shape: (usize, usize), device: &Device) -> Result<Tensor> {
+        if let Some(saved) = &self.saved {
+            return saved.borrow_mut().remove(name).ok_or_else(|| Error::Weights {
+                msg: format!("the adapter has no `{PEFT_PREFIX}{name}`, which its target modules ask for"),
+            });
+        }
+        let values = if name.ends_with(".lora_A.weight") {
+            let bound = 1.0 / (shape.1 as f64).sqrt();
+            let mut rng = self.rng.borrow_mut();
+            (0..shape.0 * shape.1).map(|_| ((2.0 * rng.uniform() - 1.0) * bound) as f32).collect()
+        } else {
+            vec![0.0; shape.0 * shape.1]
+        };
+        Ok(Tensor::from_vec(values, shape, device)?)
+    }
+
+    /// Saved adapter tensors no module took: the adapter does not fit the base.
+    pub fn unused(&self) -> Vec<String> {
+        let mut names: Vec<String> =
+            self.saved.iter().flat_map(|s| s.borrow().keys().cloned().collect::<Vec<_>>()).collect();
+        names.sort();
+        names
+    }
+}
+
+/// One dense layer's adapter.
+pub struct Adapter {
+    /// (r, in)
+    pub a: Tensor,
+    /// (out, r)
+    pub b: Tensor,
+    pub scale: f64,
+}
+
+impl Adapter {
+    /// `scale * B (A x)` for `x` (..., in).
+    pub fn delta(&self, x: &Tensor) -> TResult<Tensor> {
+        let down = super::kernels::linear(x, &self.a, None)?;
+        super::kernels::linear(&down, &self.b, None)? * self.scale
+    }
+
+    /// `W + scale * B A`, the dense weight (out, in) with the adapter merged in.
+    pub fn merged(&self, weight: &Tensor) -> TResult<Tensor> {
+        weight.detach() + (self.b.detach().matmul(&self.a.detach())? * self.scale)?
+    }
+}
+
+/// The files of a PEFT adapter directory.
+pub const ADAPTER_CONFIG: &str = "adapter_config.json";
+pub const ADAPTER_WEIGHTS: &str = "adapter_model.safetensors";
+
+/// An adapter directory's `adapter_config.json`: the config and the base
+/// model it was trained on.
+pub fn read_adapter_config(dir: &Path) -> Result<(LoraConfig, String)> {
+    let path = dir.join(ADAPTER_CONFIG);
+    let raw: serde_json::Value = read_json(&path)?;
+    let bad = |msg: String| Error::bad_config(&path, msg);
+    let get = |key: &str| raw.get(key).filter(|v| !v.is_null());
+    if get("peft_type").and_then(|v| v.as_str()) != Some("LORA") {
+        return Err(bad(format!("only LoRA adapters are read, not peft_type {:?}", get("peft_type"))));
+    }
+    for (key, plain) in [
+        ("use_dora", serde_json::json!(false)),
+        ("use_rslora", serde_json::json!(false)),
+        ("bias", serde_json::json!("none")),
+        ("lora_bias", serde_json::json!(false)),
+        ("rank_pattern", serde_json::json!({})),
+        ("alpha_pattern", serde_json::json!({})),
+    ] {
+        if get(key).is_some_and(|v| *v != plain) {
+            return Err(bad(format!("`{key}` = {} is not supported (only {plain})", get(key).expect("checked"))));
+        }
+    }
+    if get("layers_to_transform").is_some() {
+        return Err(bad("`layers_to_transform` is not supported".into()));
+    }
+    let number = |key: &str| get(key).and_then(|v| v.as_f64()).ok_or_else(|| bad(format!("no number `{key}`")));
+    let targets = match get("target_modules") {
+        Some(serde_json::Value::Array(names)) => {
+            names.iter().map(|n| n.as_str().map(str::to_string)).collect::<Option<Vec<_>>>()
+        }
+        Some(serde_json::Value::String(s)) if s == "all-linear" => Some(vec![s.clone()]),
+        Some(serde_json::Value::String(s)) => {
+            return Err(bad(format!("target_modules as a regular expression ({s:?}) is not supported; list the names")))
+        }
+        _ => None,
+    }
+    .ok_or_else(|| bad("target_modules must be a list of module names".into()))?;
+    let modules_to_save = match get("modules_to_save") {
+        Some(v) => serde_json::from_value(v.clone()).map_err(|e| bad(format!("modules_to_save: {e}")))?,
+        None => vec![],
+    };
+    let config = LoraConfig {
+        r: number("r")? as usize,
+        alpha: number("lora_alpha")?,
+        dropout: get("lora_dropout").and_then(|v| v.as_f64()).unwrap_or(0.0),
+        targets,
+        modules_to_save,
+    };
+    config.validate().map_err(|e| bad(e.to_string()))?;
+    let base = get("base_model_name_or_path")
+        .and_then(|v| v.as_str())
+        .ok_or_else(|| bad("no `base_model_name_or_path`: give the base model".into()))?;
+    Ok((config, base.to_string()))
+}
+
+/// `adapter_config.json` as PEFT writes it, for `task_type` (`CAUSAL_LM` or
+/// `SEQ_CLS`) on `base`; `fan_in_fan_out` for GPT-2's transposed `Conv1D`.
+pub fn adapter_config_json(
+    config: &LoraConfig,
+    base: &str,
+    task_type: &str,
+    fan_in_fan_out: bool,
+) -> serde_json::Value {
+    let modules_to_save = (!config.modules_to_save.is_empty()).then_some(&config.modules_to_save);
+    let targets: serde_json::Value = match config.targets.as_slice() {
+        [all] if all == "all-linear" => all.clone().into(),
+        names => names.into(),
+    };
+    serde_json::json!({
+        "peft_type": "LORA",
+        "task_type": task_type,
+        "base_model_name_or_path": base,
+        "r": config.r,
+        "lora_alpha": config.alpha,
+        "lora_dropout": config.dropout,
+        "target_modules": targets,
+        "modules_to_save": modules_to_save,
+        "fan_in_fan_out": fan_in_fan_out,
+        "bias": "none",
+        "use_rslora": false,
+        "use_dora": false,
+        "init_lora_weights": true,
+        "inference_mode": true,
+    })
+}
