@@ -60,8 +60,6 @@ fn learning_run(out: &Path, algo: &[&str]) -> Vec<serde_json::Map<String, Value>
         "16",
         "--num_ppo_epochs",
         "1",
-        "--learning_rate",
-        "2e-3",
         "--kl_coef",
         "0.1",
         "--num_sample_generations",
@@ -92,7 +90,8 @@ fn learning_run(out: &Path, algo: &[&str]) -> Vec<serde_json::Map<String, Value>
     println!("reward {first:.2} -> {last:.2}, max KL {kl:.2}");
     assert!(last > first + 1.0, "reward did not rise: {first} -> {last}");
     assert!(kl < 16.0, "KL per sequence of 16 tokens should stay below one nat per token, got {kl}");
-    assert!(out.join("model.safetensors").is_file() && out.join("rloo_config.toml").is_file());
+    let weights = ["model.safetensors", "adapter_model.safetensors"];
+    assert!(weights.iter().any(|w| out.join(w).is_file()) && out.join("rloo_config.toml").is_file());
     assert!(std::fs::read_dir(out.join("tensorboard")).unwrap().count() > 0);
     rows
 }
@@ -100,7 +99,7 @@ fn learning_run(out: &Path, algo: &[&str]) -> Vec<serde_json::Map<String, Value>
 #[test]
 fn a_rule_reward_rises_within_a_short_run() {
     let tmp = tempfile::tempdir().unwrap();
-    let rows = learning_run(&tmp.path().join("run"), &["--rloo_k", "4"]);
+    let rows = learning_run(&tmp.path().join("run"), &["--rloo_k", "4", "--learning_rate", "2e-3"]);
     // Every SPEC-RLOO.md section 5 metric is logged.
     for key in [
         "objective/scores",
@@ -139,7 +138,7 @@ fn a_rule_reward_rises_within_a_short_run() {
 fn ppo_learns_a_rule_reward_and_saves_its_critic() {
     let tmp = tempfile::tempdir().unwrap();
     let out = tmp.path().join("run");
-    let rows = learning_run(&out, &["--algo", "ppo", "--rloo_k", "1", "--vf_coef", "0.5"]);
+    let rows = learning_run(&out, &["--algo", "ppo", "--rloo_k", "1", "--vf_coef", "0.5", "--learning_rate", "2e-3"]);
     for key in
         ["loss/value_avg", "val/clipfrac_avg", "val/vpred", "val/error", "loss/policy_avg", "objective/rlhf_reward"]
     {
@@ -156,6 +155,31 @@ fn ppo_learns_a_rule_reward_and_saves_its_critic() {
     assert!(out.join("critic/model.safetensors").is_file());
 }
 
+/// RLOO with LoRA adapters (TRL's PEFT flags): the reward rises with only
+/// the adapters training against the policy without them as the KL
+/// reference, and the output is a PEFT adapter directory on the policy.
+#[test]
+fn lora_learns_a_rule_reward_and_saves_a_peft_adapter() {
+    let tmp = tempfile::tempdir().unwrap();
+    let out = tmp.path().join("run");
+    let lora = ["--use_peft", "--lora_r", "8", "--lora_alpha", "16", "--lora_target_modules", "all-linear"];
+    let rows = learning_run(&out, &[&["--rloo_k", "4", "--learning_rate", "4e-3"][..], &lora].concat());
+    // The reference is the base: the KL starts at zero (up to the sampler's
+    // rounding), as the adapters do.
+    let first_kl = rows[0]["objective/kl"].as_f64().unwrap();
+    assert!(first_kl.abs() < 1e-5, "{first_kl}");
+    assert!(!out.join("model.safetensors").exists(), "only the adapter is saved");
+    let config: Value =
+        serde_json::from_str(&std::fs::read_to_string(out.join("adapter_config.json")).unwrap()).unwrap();
+    assert_eq!((config["r"].as_u64(), config["target_modules"].as_str()), (Some(8), Some("all-linear")));
+    assert_eq!(config["base_model_name_or_path"].as_str(), Some(policy().as_str()));
+    // The adapter directory is a model wherever one is accepted.
+    let (prompts, completions) = (write_prompts(tmp.path()), tmp.path().join("completions.jsonl"));
+    let model = out.to_str().unwrap();
+    ok(rloo(&["generate", "--model", model, "--prompts", &prompts, "--output", completions.to_str().unwrap()]));
+    assert!(std::fs::read_to_string(&completions).unwrap().lines().count() > 0);
+}
+
 /// With a given thread count a run is bit-identical: two runs of the same
 /// command, and two steps, a stop and two more against four steps straight,
 /// give the same weight bytes, metrics and samples (no reduction whose split
@@ -163,6 +187,12 @@ fn ppo_learns_a_rule_reward_and_saves_its_critic() {
 #[test]
 fn the_same_seed_gives_a_bit_identical_run_and_resume() {
     bit_identical_runs_and_resume(&[], &["model.safetensors"]);
+}
+
+/// The same for LoRA adapters and their optimizer state.
+#[test]
+fn lora_runs_and_resumes_bit_identically() {
+    bit_identical_runs_and_resume(&["--use_peft", "--lora_r", "4"], &["adapter_model.safetensors"]);
 }
 
 /// The same for PPO, whose critic and its optimizer state resume too.

@@ -18,6 +18,8 @@ enum Kind {
     Int,
     Float,
     Bool,
+    /// One or more words, as a TOML array of strings.
+    Words,
 }
 
 /// (flag, config key, kind, help). The help's default is read from
@@ -57,6 +59,12 @@ const FLAGS: &[(&str, &str, Kind, &str)] = &[
     ("whiten_rewards", "ppo.whiten_rewards", Kind::Bool, "PPO: whiten per-token rewards before GAE"),
     ("critic_learning_rate", "ppo.critic_learning_rate", Kind::Float, "PPO: the critic's learning rate [none: learning_rate]"),
     ("init_kl_coeff", "rloo.kl_coef", Kind::Float, "The same as --kl_coef"),
+    // TRL's model flags for PEFT.
+    ("use_peft", "model.use_peft", Kind::Bool, "Train LoRA adapters (PEFT format) instead of the whole policy; the KL reference is the policy without them"),
+    ("lora_r", "model.lora_r", Kind::Int, "LoRA rank"),
+    ("lora_alpha", "model.lora_alpha", Kind::Float, "LoRA alpha (adapters scaled by alpha / r)"),
+    ("lora_dropout", "model.lora_dropout", Kind::Float, "LoRA dropout, saved in the adapter (off in online training, as in TRL)"),
+    ("lora_target_modules", "model.lora_target_modules", Kind::Words, "Modules that get adapters, e.g. q_proj v_proj, or all-linear [none: PEFT's default for the architecture]"),
     // Every other key.
     ("reference_model_path", "model.reference", Kind::Str, "KL reference model [none: the initial policy]"),
     ("device", "model.device", Kind::Str, "cpu, cuda, cuda:N or auto"),
@@ -157,11 +165,16 @@ impl clap::Args for TrainArgs {
                     Kind::Int => "N",
                     Kind::Float => "X",
                     Kind::Bool => "BOOL",
+                    Kind::Words => "NAME",
                 })
                 .help(format!("{help} [default: {default}]"))
                 .help_heading(if key.starts_with("model") || key.is_empty() { "Model" } else { section_heading(key) });
-            if let Kind::Bool = kind {
-                arg = arg.num_args(0..=1).default_missing_value("true").value_parser(clap::value_parser!(bool));
+            match kind {
+                Kind::Bool => {
+                    arg = arg.num_args(0..=1).default_missing_value("true").value_parser(clap::value_parser!(bool))
+                }
+                Kind::Words => arg = arg.num_args(1..),
+                _ => {}
             }
             cmd = cmd.arg(arg);
         }
@@ -199,6 +212,9 @@ impl clap::FromArgMatches for TrainArgs {
             }
             let value = match kind {
                 Kind::Bool => toml::Value::Boolean(*m.get_one::<bool>(flag).unwrap_or(&true)),
+                Kind::Words => toml::Value::Array(
+                    m.get_many::<String>(flag).into_iter().flatten().map(|w| toml::Value::String(w.clone())).collect(),
+                ),
                 _ => {
                     let text = m.get_one::<String>(flag).cloned().unwrap_or_default();
                     typed(flag, &text, *kind)?
@@ -229,7 +245,7 @@ fn typed(flag: &str, text: &str, kind: Kind) -> Result<toml::Value, clap::Error>
     Ok(match kind {
         Kind::Int => toml::Value::Integer(text.parse().map_err(|_| bad("an integer"))?),
         Kind::Float => toml::Value::Float(text.parse().map_err(|_| bad("a number"))?),
-        Kind::Str | Kind::Bool => toml::Value::String(text.to_string()),
+        Kind::Str | Kind::Bool | Kind::Words => toml::Value::String(text.to_string()),
     })
 }
 

@@ -51,7 +51,7 @@ pub fn save(dir: &Path, parts: &[Part], state: &TrainerState, config_toml: &str)
     let mut files = Vec::new();
     for part in parts {
         let mut tensors: Vec<(String, Tensor)> = part.optimizer.state_tensors();
-        for p in part.model.params().iter() {
+        for p in part.model.params().trainable() {
             if p.stored_dtype != DType::F32 {
                 tensors.push((format!("master.{}", p.name), p.var.as_tensor().clone()));
             }

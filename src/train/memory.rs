@@ -36,11 +36,12 @@ pub fn rloo_estimate(
     sizes: &BatchSizes,
     model: &ModelConfig,
     params: usize,
+    trainable: usize,
     longest_prompt: usize,
     reference: bool,
     critic_params: usize,
 ) -> Estimate {
-    let params = params as u64;
+    let (params, trainable) = (params as u64, trainable as u64);
     let critic = critic_params as u64;
     let (h, layers, vocab) = (model.hidden_size() as u64, model.num_layers() as u64, model.vocab_size() as u64);
     let tokens = (longest_prompt + cfg.generation.response_length) as u64;
@@ -49,8 +50,9 @@ pub fn rloo_estimate(
     Estimate {
         parts: vec![
             ("weights", params * F32),
-            ("gradients", params * F32),
-            ("optimizer state", 2 * params * F32),
+            // LoRA: only the adapters have gradients and optimizer state.
+            ("gradients", trainable * F32),
+            ("optimizer state", 2 * trainable * F32),
             ("reference", if reference { params * F32 } else { 0 }),
             // PPO's critic: weights, gradients and optimizer state, and its activations.
             (

@@ -55,7 +55,7 @@ struct Run {
     device: Device,
     tokenizer: Tokenizer,
     policy: Model,
-    reference: Option<Model>,
+    reference: Option<Reference>,
     /// PPO's value model.
     critic: Option<Critic>,
     rewards: RewardSet,
@@ -63,6 +63,22 @@ struct Run {
     dataset: PromptDataset,
     generation: GenerateOptions,
     warmup: usize,
+}
+
+/// The frozen model the KL is measured against.
+enum Reference {
+    Model(Model),
+    /// The policy without its LoRA adapters: no second copy of the weights.
+    PolicyBase,
+}
+
+impl Reference {
+    fn network<'a>(&'a self, policy: &'a Model) -> &'a Network {
+        match self {
+            Reference::Model(m) => m.frozen(),
+            Reference::PolicyBase => policy.base().expect("a LoRA policy has a base network"),
+        }
+    }
 }
 
 /// The optimizers of the trained models.
@@ -275,7 +291,7 @@ impl Run {
             sampler_logprobs(rollout.completions.flat(), seqs, &self.device)?
         };
         let reference = match &self.reference {
-            Some(r) => Some(self.logprobs_in_chunks(r.frozen(), seqs, temperature)?.logprobs),
+            Some(r) => Some(self.logprobs_in_chunks(r.network(&self.policy), seqs, temperature)?.logprobs),
             None => None,
         };
         let chunk = self.cfg.generation.local_rollout_forward_batch_size;

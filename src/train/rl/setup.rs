@@ -5,12 +5,13 @@
 use std::path::{Path, PathBuf};
 
 use super::ppo::{Critic, CRITIC_DIR};
-use super::{Optimizers, Run};
+use super::{Optimizers, Reference, Run};
 use crate::data::prompts::{length_filter, ContextRoom, PromptDataset, PromptSpec};
 use crate::data::{DatasetSpec, Tokenizer};
 use crate::error::{Error, Result};
 use crate::generate::{GenerateOptions, Sampling, StopCriteria};
 use crate::model::hub::resolve_model;
+use crate::model::lora::ADAPTER_CONFIG;
 use crate::model::{parse_device, HeadKind, Model, ModelConfig};
 use crate::reward::{self, Shaping};
 use crate::train::checkpoint::{self, TrainerState};
@@ -33,6 +34,27 @@ pub fn prompt_spec(cfg: &TrainConfig, config: &ModelConfig) -> PromptSpec {
     }
 }
 
+/// The policy: with `use_peft`, with new LoRA adapters (a PEFT adapter
+/// directory keeps training its own).
+fn load_policy(cfg: &TrainConfig, dir: &Path, device: &candle_core::Device) -> Result<Model> {
+    if dir.join(ADAPTER_CONFIG).is_file() {
+        return Model::load(dir, device);
+    }
+    match cfg.model.lora(&ModelConfig::from_dir(dir)?.model_type)? {
+        Some(lora) => {
+            let model = Model::load_with_new_adapters(dir, device, HeadKind::CausalLm, lora, cfg.train.seed)?;
+            let trainable: usize = model.params().trainable().map(|p| p.var.elem_count()).sum();
+            tracing::info!(
+                "LoRA: {trainable} trainable parameters of {} ({:.2}%)",
+                model.params().numel(),
+                100.0 * trainable as f64 / model.params().numel().max(1) as f64
+            );
+            Ok(model)
+        }
+        None => Model::load(dir, device),
+    }
+}
+
 impl Run {
     pub(super) fn start(cfg: &TrainConfig) -> Result<Self> {
         let device = parse_device(&cfg.model.device)?;
@@ -42,7 +64,7 @@ impl Run {
             None => policy_dir.clone(),
         };
         let tokenizer = Tokenizer::from_dir(&tokenizer_dir)?;
-        let policy = Model::load(&policy_dir, &device)?;
+        let policy = load_policy(cfg, &policy_dir, &device)?;
         if policy.head() != HeadKind::CausalLm {
             return Err(Error::bad_file(
                 &policy_dir,
@@ -50,7 +72,10 @@ impl Run {
             ));
         }
         tokenizer.check_model(policy.config())?;
-        let reference = if cfg.rloo.kl_coef > 0.0 {
+        let reference = if cfg.rloo.kl_coef > 0.0 && cfg.model.reference.is_none() && policy.base().is_some() {
+            tracing::info!("KL reference: the policy without its LoRA adapters");
+            Some(Reference::PolicyBase)
+        } else if cfg.rloo.kl_coef > 0.0 {
             let dir = match &cfg.model.reference {
                 Some(r) => resolve_model(r)?,
                 None => policy_dir.clone(),
@@ -65,7 +90,7 @@ impl Run {
                     policy_dir.display()
                 )));
             }
-            Some(reference)
+            Some(Reference::Model(reference))
         } else {
             None
         };
@@ -98,14 +123,16 @@ impl Run {
         if device.is_cpu() {
             let longest = dataset.rows.iter().map(|r| r.ids.len()).max().unwrap_or(0);
             let params = policy.params().numel();
+            let trainable = policy.params().trainable().map(|p| p.var.elem_count()).sum();
             let critic_params = critic.as_ref().map_or(0, |c| c.model.params().numel());
             let estimate = memory::rloo_estimate(
                 cfg,
                 &sizes,
                 policy.config(),
                 params,
+                trainable,
                 longest,
-                reference.is_some(),
+                matches!(reference, Some(Reference::Model(_))),
                 critic_params,
             );
             memory::warn_if_short(&estimate);
