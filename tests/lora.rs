@@ -157,3 +157,30 @@ fn an_adapter_on_the_wrong_base_or_with_unsupported_options_is_refused() {
     let err = Model::load(&dir, &Device::Cpu).err().unwrap().to_string();
     assert!(err.contains("`use_dora` = true is not supported"), "{err}");
 }
+
+/// `rloo merge` writes the full model an adapter makes: it loads without
+/// the adapter and gives PEFT's logits.
+#[test]
+fn a_merged_adapter_is_a_full_model_with_peft_logits() {
+    let tmp = tempfile::tempdir().unwrap();
+    for name in ["gpt2-causal", "qwen2-seqcls"] {
+        let adapter = fixtures().join("adapters").join(name);
+        let out = tmp.path().join(name);
+        let base = model_dir(name);
+        let args = ["merge", "--adapter", adapter.to_str().unwrap(), "--base", base.to_str().unwrap()];
+        ok(rloo(&[&args[..], &["--output", out.to_str().unwrap(), "--device", "cpu"]].concat()));
+        assert!(out.join("model.safetensors").is_file() && !out.join("adapter_config.json").exists());
+        assert!(out.join("tokenizer.json").is_file(), "the base's tokenizer comes along");
+        let merged = Model::load(&out, &Device::Cpu).unwrap();
+        let names = |m: &Model| m.params().iter().map(|p| p.name.clone()).collect::<std::collections::BTreeSet<_>>();
+        assert!(merged.lora().is_none());
+        assert_eq!(names(&merged), names(&Model::load(&base, &Device::Cpu).unwrap()), "the base's tensors, no adapter");
+        let expected = candle_core::safetensors::load(adapter.with_extension("safetensors"), &Device::Cpu).unwrap();
+        let (inputs, mask) = right_inputs(name);
+        let got = outputs(&merged, name, &inputs, false);
+        let want = &expected["right.logits"];
+        let diff = if is_causal(name) { max_diff_masked(&got, want, &mask) } else { max_diff(&got, want) };
+        println!("{name} merged: max |Δ| = {diff:.2e}");
+        assert!(diff < 1e-4, "{name}: {diff}");
+    }
+}

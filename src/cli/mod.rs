@@ -7,6 +7,7 @@ mod data;
 mod dataset_flags;
 mod eval;
 mod generate;
+mod merge;
 mod pipeline;
 mod reward;
 mod score;
@@ -36,6 +37,7 @@ enum Command {
     Data(data::DataCommand),
     Eval(eval::EvalArgs),
     Generate(generate::GenerateArgs),
+    Merge(merge::MergeArgs),
     Pipeline(pipeline::PipelineArgs),
     /// Reward models: `rloo reward train`.
     #[command(subcommand)]
@@ -53,6 +55,7 @@ pub fn main() -> ExitCode {
         Command::Data(cmd) => data::run(cmd),
         Command::Eval(args) => eval::run(args),
         Command::Generate(args) => generate::run(args),
+        Command::Merge(args) => merge::run(args),
         Command::Pipeline(args) => pipeline::run(args),
         Command::Reward(cmd) => reward::run(cmd),
         Command::Score(args) => score::run(args),

@@ -6,9 +6,11 @@
 use std::collections::HashMap;
 use std::path::Path;
 
+use candle_core::Tensor;
+
 use super::config::HeadKind;
 use super::generation_config::GENERATION_CONFIG_FILE;
-use super::lora::{adapter_config_json, ADAPTER_CONFIG, ADAPTER_WEIGHTS, PEFT_PREFIX};
+use super::lora::{adapter_config_json, adapter_names, is_adapter, ADAPTER_CONFIG, ADAPTER_WEIGHTS, PEFT_PREFIX};
 use super::network::Model;
 use super::weights::SINGLE_FILE;
 use crate::data::copy_tokenizer_files;
@@ -45,16 +47,55 @@ impl Model {
                 (ADAPTER_CONFIG, config, ADAPTER_WEIGHTS, tensors.collect())
             }
         };
-        let config = serde_json::to_string_pretty(&config)
-            .map_err(|e| Error::Invalid(format!("cannot serialise {config_file}: {e}")))?;
         let mut stored = Vec::with_capacity(tensors.len());
         for (name, p) in tensors {
             stored.push((name, p.var.as_tensor().to_dtype(p.stored_dtype)?.contiguous()?));
         }
+        self.write_files(dir, (config_file, &config), weights_file, &stored, self.dir())
+    }
+
+    /// Writes a model with LoRA adapters as the full model they make: each
+    /// adapted weight becomes `W + scale * B A` (PEFT's `merge_and_unload`),
+    /// `modules_to_save` replace the base's, and the adapters are gone.
+    pub fn save_merged(&self, dir: &Path) -> Result<()> {
+        let Some((lora, base)) = self.lora() else {
+            return Err(Error::Invalid(format!("{} has no LoRA adapters to merge", self.dir().display())));
+        };
+        // GPT-2's Conv1D weights are stored (in, out): their update is (B A)^T.
+        let transposed = self.config().model_type == "gpt2";
+        let mut stored = Vec::new();
+        for p in self.params().iter().filter(|p| !is_adapter(&p.name)) {
+            let mut w = p.var.as_tensor().clone();
+            if let Some(module) = p.name.strip_suffix(".weight") {
+                let (a, b) = adapter_names(module);
+                if let (Some(a), Some(b)) = (self.params().get(&a), self.params().get(&b)) {
+                    let update = (b.var.as_tensor().matmul(a.var.as_tensor())? * lora.scale())?;
+                    w = (w + if transposed { update.t()? } else { update })?;
+                }
+            }
+            stored.push((p.name.clone(), w.to_dtype(p.stored_dtype)?.contiguous()?));
+        }
+        // The tokenizer: the adapter's (trainers save it beside the adapter), else the base's.
+        let files_from = if self.dir().join("tokenizer.json").is_file() { self.dir() } else { base };
+        let config = self.config().to_json();
+        write_dir_atomic(dir, |tmp| self.write_files(tmp, ("config.json", &config), SINGLE_FILE, &stored, files_from))
+    }
+
+    /// Writes a config and weights file, and carries over the tokenizer files
+    /// and generation config of `source`.
+    fn write_files(
+        &self,
+        dir: &Path,
+        (config_file, config): (&str, &serde_json::Value),
+        weights_file: &str,
+        stored: &[(String, Tensor)],
+        source: &Path,
+    ) -> Result<()> {
+        let config = serde_json::to_string_pretty(config)
+            .map_err(|e| Error::Invalid(format!("cannot serialise {config_file}: {e}")))?;
         let metadata = HashMap::from([("format".to_string(), "pt".to_string())]);
         let weights = safetensors::tensor::serialize(stored.iter().map(|(n, t)| (n.as_str(), t)), Some(metadata))
             .map_err(|e| Error::Invalid(format!("cannot serialise weights: {e}")))?;
-        let source = self.dir();
         std::fs::create_dir_all(dir).map_err(|e| Error::io(dir, e))?;
         write_atomic(&dir.join(config_file), config.as_bytes())?;
         write_atomic(&dir.join(weights_file), &weights)?;
