@@ -197,6 +197,7 @@ pub fn run(opts: &PipelineOptions) -> Result<PathBuf> {
             seed: opts.seed,
             overwrite_output_dir: true,
             max_skipped_steps: 10,
+            peft: Default::default(),
         })?;
         mark_done(&rm)?;
     }

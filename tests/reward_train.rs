@@ -11,9 +11,9 @@ use common::*;
 use rloo::model::{HeadKind, Model};
 use serde_json::json;
 
-#[test]
-fn preferences_are_learned_and_saved_as_a_reward_model() {
-    let tmp = tempfile::tempdir().unwrap();
+/// Trains on 40 pairs preferring praise, with `extra` flags; gives the
+/// output directory and the held-out metrics of the last epoch.
+fn train_on_praise(tmp: &std::path::Path, extra: &[&str]) -> (std::path::PathBuf, serde_json::Value) {
     let good = ["wonderful", "great", "lovely", "brilliant"];
     let bad = ["boring", "awful", "dull", "terrible"];
     let rows: Vec<String> = (0..40)
@@ -22,13 +22,14 @@ fn preferences_are_learned_and_saved_as_a_reward_model() {
                 .to_string()
         })
         .collect();
-    let data = tmp.path().join("pairs.jsonl");
+    let data = tmp.join("pairs.jsonl");
     std::fs::write(&data, rows.join("\n")).unwrap();
-    let out = tmp.path().join("rm");
+    let out = tmp.join("rm");
     let run = Command::new(env!("CARGO_BIN_EXE_rloo"))
         .args(["reward", "train", "--model", model_dir("gpt_neox-causal").to_str().unwrap()])
         .args(["--dataset", data.to_str().unwrap(), "--output-dir", out.to_str().unwrap()])
-        .args(["--learning-rate", "1e-3", "--num-train-epochs", "4", "--eval-fraction", "0.25", "--device", "cpu"])
+        .args(["--num-train-epochs", "4", "--eval-fraction", "0.25", "--device", "cpu"])
+        .args(extra)
         .output()
         .unwrap();
     assert!(run.status.success(), "{}", String::from_utf8_lossy(&run.stderr));
@@ -36,6 +37,13 @@ fn preferences_are_learned_and_saved_as_a_reward_model() {
     let last: serde_json::Value = serde_json::from_str(&last).unwrap();
     println!("held-out: {last}");
     assert!(last["eval/accuracy"].as_f64().unwrap() >= 0.9);
+    (out, last)
+}
+
+#[test]
+fn preferences_are_learned_and_saved_as_a_reward_model() {
+    let tmp = tempfile::tempdir().unwrap();
+    let (out, last) = train_on_praise(tmp.path(), &["--learning-rate", "1e-3"]);
     assert!(last["eval/margin"].as_f64().unwrap() > 0.5);
 
     let rm = Model::load(&out, &Device::Cpu).unwrap();
@@ -44,6 +52,23 @@ fn preferences_are_learned_and_saved_as_a_reward_model() {
         serde_json::from_str(&std::fs::read_to_string(out.join("config.json")).unwrap()).unwrap();
     assert_eq!(config["architectures"][0], "GPTNeoXForSequenceClassification");
     assert!(config["pad_token_id"].is_u64(), "transformers needs pad_token_id to score batches");
+}
+
+/// With --use_peft the reward model is LoRA adapters plus its score head
+/// (PEFT's modules_to_save), saved as a SEQ_CLS adapter that loads as a
+/// reward model.
+#[test]
+fn lora_reward_training_saves_the_head_beside_the_adapters() {
+    let tmp = tempfile::tempdir().unwrap();
+    let lora = ["--use_peft", "--lora_r", "8", "--lora_target_modules", "all-linear"];
+    let (out, _) = train_on_praise(tmp.path(), &[&["--learning-rate", "1e-2"][..], &lora].concat());
+    let config: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(out.join("adapter_config.json")).unwrap()).unwrap();
+    assert_eq!((config["task_type"].as_str(), config["modules_to_save"][0].as_str()), (Some("SEQ_CLS"), Some("score")));
+    let saved = candle_core::safetensors::load(out.join("adapter_model.safetensors"), &Device::Cpu).unwrap();
+    assert!(saved.contains_key("base_model.model.score.weight"), "{:?}", saved.keys());
+    let rm = Model::load(&out, &Device::Cpu).unwrap();
+    assert_eq!(rm.head(), HeadKind::SequenceClassification { num_labels: 1 });
 }
 
 #[test]

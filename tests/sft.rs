@@ -51,16 +51,22 @@ fn logprob_of(model: &Model, ex: &Example) -> f32 {
         .unwrap()
 }
 
-#[test]
-fn a_short_run_learns_its_completions() {
-    let tmp = tempfile::tempdir().unwrap();
-    let data = tmp.path().join("sft.jsonl");
+/// Twelve demonstrations of one completion, in `dir/sft.jsonl`.
+fn write_demonstrations(dir: &std::path::Path) -> std::path::PathBuf {
+    let data = dir.join("sft.jsonl");
     let rows: Vec<String> = (0..12)
         .map(|i| {
             json!({"prompt": format!("Review {i}:"), "completion": " wonderful acting and lovely music."}).to_string()
         })
         .collect();
     std::fs::write(&data, rows.join("\n")).unwrap();
+    data
+}
+
+#[test]
+fn a_short_run_learns_its_completions() {
+    let tmp = tempfile::tempdir().unwrap();
+    let data = write_demonstrations(tmp.path());
     let out = tmp.path().join("sft");
     let run = Command::new(env!("CARGO_BIN_EXE_rloo"))
         .args(["sft", "--model", model_dir("gpt_neox-causal").to_str().unwrap(), "--dataset", data.to_str().unwrap()])
@@ -83,4 +89,43 @@ fn a_short_run_learns_its_completions() {
     assert!(after > before + 10.0, "{before} -> {after}");
     let metrics = std::fs::read_to_string(out.join("metrics.jsonl")).unwrap();
     assert!(metrics.contains("eval/loss") && metrics.contains("train/loss"));
+}
+
+/// With --use_peft only LoRA adapters train (with dropout, reproducibly),
+/// and the output is a PEFT adapter directory on the unchanged base.
+#[test]
+fn lora_sft_learns_its_completions_into_an_adapter() {
+    let tmp = tempfile::tempdir().unwrap();
+    let data = write_demonstrations(tmp.path());
+    let run = |out: &std::path::Path| {
+        let run = Command::new(env!("CARGO_BIN_EXE_rloo"))
+            .args([
+                "sft",
+                "--model",
+                model_dir("gpt_neox-causal").to_str().unwrap(),
+                "--dataset",
+                data.to_str().unwrap(),
+            ])
+            .args(["--output-dir", out.to_str().unwrap(), "--learning-rate", "1e-2", "--num-train-epochs", "5"])
+            .args(["--per-device-train-batch-size", "2", "--device", "cpu"])
+            .args(["--use_peft", "--lora_r", "8", "--lora_alpha", "16", "--lora_dropout", "0.1"])
+            .args(["--lora_target_modules", "all-linear"])
+            .env("RAYON_NUM_THREADS", "2")
+            .output()
+            .unwrap();
+        assert!(run.status.success(), "{}", String::from_utf8_lossy(&run.stderr));
+    };
+    let (out, again) = (tmp.path().join("sft"), tmp.path().join("again"));
+    run(&out);
+    run(&again);
+    assert!(out.join("adapter_config.json").is_file() && !out.join("model.safetensors").exists());
+    let weights = |dir: &std::path::Path| std::fs::read(dir.join("adapter_model.safetensors")).unwrap();
+    assert!(weights(&out) == weights(&again), "dropout masks come from the seed");
+    let tok = Tokenizer::from_dir(&model_dir("gpt_neox-causal")).unwrap();
+    let row = row(json!({"prompt": "Review 99:", "completion": " wonderful acting and lovely music."}));
+    let ex = example_from_row(&row, &tok, false).unwrap();
+    let before = logprob_of(&Model::load(&model_dir("gpt_neox-causal"), &Device::Cpu).unwrap(), &ex);
+    let after = logprob_of(&Model::load(&out, &Device::Cpu).unwrap(), &ex);
+    println!("log p(completion | unseen prompt): {before:.2} -> {after:.2}");
+    assert!(after > before + 10.0, "{before} -> {after}");
 }

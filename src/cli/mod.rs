@@ -8,6 +8,7 @@ mod dataset_flags;
 mod eval;
 mod generate;
 mod merge;
+mod peft_flags;
 mod pipeline;
 mod reward;
 mod score;

@@ -107,6 +107,8 @@ pub struct RewardTrainArgs {
     /// Stop (saving the model so far) after N optimizer steps in a row with a non-finite loss or gradient.
     #[arg(long, alias = "max_skipped_steps", default_value_t = 10)]
     max_skipped_steps: usize,
+    #[command(flatten)]
+    peft: super::peft_flags::PeftFlags,
 }
 
 pub fn run(cmd: RewardCommand) -> Result<()> {
@@ -161,6 +163,7 @@ fn train(a: RewardTrainArgs) -> Result<()> {
         seed: a.seed,
         overwrite_output_dir: a.overwrite_output_dir,
         max_skipped_steps: a.max_skipped_steps,
+        peft: a.peft.options(),
     };
     let s = train_reward_model(&cfg).context("reward-model training failed")?;
     match s.eval {

@@ -71,6 +71,8 @@ pub struct SftArgs {
     /// Stop (saving the model so far) after N optimizer steps in a row with a non-finite loss or gradient.
     #[arg(long, alias = "max_skipped_steps", default_value_t = d().max_skipped_steps)]
     max_skipped_steps: usize,
+    #[command(flatten)]
+    peft: super::peft_flags::PeftFlags,
 }
 
 pub(crate) fn parse_schedule(s: &str) -> Result<Schedule, String> {
@@ -105,6 +107,7 @@ pub fn run(a: SftArgs) -> Result<()> {
         logging_steps: a.logging_steps,
         overwrite_output_dir: a.overwrite_output_dir,
         max_skipped_steps: a.max_skipped_steps,
+        peft: a.peft.options(),
     };
     let s = train_sft(&cfg).context("fine-tuning failed")?;
     eprintln!(

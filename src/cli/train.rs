@@ -60,11 +60,11 @@ const FLAGS: &[(&str, &str, Kind, &str)] = &[
     ("critic_learning_rate", "ppo.critic_learning_rate", Kind::Float, "PPO: the critic's learning rate [none: learning_rate]"),
     ("init_kl_coeff", "rloo.kl_coef", Kind::Float, "The same as --kl_coef"),
     // TRL's model flags for PEFT.
-    ("use_peft", "model.use_peft", Kind::Bool, "Train LoRA adapters (PEFT format) instead of the whole policy; the KL reference is the policy without them"),
-    ("lora_r", "model.lora_r", Kind::Int, "LoRA rank"),
-    ("lora_alpha", "model.lora_alpha", Kind::Float, "LoRA alpha (adapters scaled by alpha / r)"),
-    ("lora_dropout", "model.lora_dropout", Kind::Float, "LoRA dropout, saved in the adapter (off in online training, as in TRL)"),
-    ("lora_target_modules", "model.lora_target_modules", Kind::Words, "Modules that get adapters, e.g. q_proj v_proj, or all-linear [none: PEFT's default for the architecture]"),
+    ("use_peft", "peft.use_peft", Kind::Bool, "Train LoRA adapters (PEFT format) instead of the whole policy; the KL reference is the policy without them"),
+    ("lora_r", "peft.lora_r", Kind::Int, "LoRA rank"),
+    ("lora_alpha", "peft.lora_alpha", Kind::Float, "LoRA alpha (adapters scaled by alpha / r)"),
+    ("lora_dropout", "peft.lora_dropout", Kind::Float, "LoRA dropout, saved in the adapter (off in online training, as in TRL)"),
+    ("lora_target_modules", "peft.lora_target_modules", Kind::Words, "Modules that get adapters, e.g. q_proj v_proj, or all-linear [none: PEFT's default for the architecture]"),
     // Every other key.
     ("reference_model_path", "model.reference", Kind::Str, "KL reference model [none: the initial policy]"),
     ("device", "model.device", Kind::Str, "cpu, cuda, cuda:N or auto"),
@@ -192,6 +192,7 @@ fn section_heading(key: &str) -> &'static str {
         Some("generation") => "Generation",
         Some("rloo") => "RLOO",
         Some("ppo") => "PPO",
+        Some("peft") => "PEFT",
         _ => "Training",
     }
 }

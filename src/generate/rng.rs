@@ -85,8 +85,9 @@ pub mod streams {
     pub const SCORE_HEAD_INIT: u64 = 0x5c0e;
     /// Randomly initialised weights (the built-in task's policy).
     pub const WEIGHT_INIT: u64 = 0x1a17;
-    /// New LoRA `A` matrices.
+    /// New LoRA `A` matrices, and the adapters' dropout masks.
     pub const LORA_INIT: u64 = 0x10ba;
+    pub const LORA_DROPOUT: u64 = 0x10bd;
     /// The built-in task's rows, and its held-out titles.
     pub const TASK_DATA: u64 = 0x1bdb;
     pub const TASK_EVAL: u64 = 0xe7a1;

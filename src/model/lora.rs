@@ -10,8 +10,10 @@
 use std::cell::RefCell;
 use std::collections::HashMap;
 use std::path::Path;
+use std::sync::{Arc, Mutex, PoisonError};
 
 use candle_core::{Device, Result as TResult, Tensor};
+use serde::{Deserialize, Serialize};
 
 use crate::error::{read_json, Error, Result};
 use crate::generate::Rng;
@@ -76,6 +78,79 @@ impl LoraConfig {
     }
 }
 
+/// TRL's PEFT options (`use_peft` and `lora_*` of its `ModelConfig`), the
+/// same for every trainer.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct PeftOptions {
+    /// Train LoRA adapters instead of the whole model.
+    pub use_peft: bool,
+    /// LoRA rank.
+    pub lora_r: usize,
+    /// LoRA alpha: the adapters are scaled by alpha / r.
+    pub lora_alpha: f64,
+    /// Dropout on the adapters' input while training (not in online RL, as in TRL).
+    pub lora_dropout: f64,
+    /// Module names that get adapters, or ["all-linear"] [none: PEFT's default for the architecture].
+    pub lora_target_modules: Option<Vec<String>>,
+}
+
+impl Default for PeftOptions {
+    fn default() -> Self {
+        Self { use_peft: false, lora_r: 16, lora_alpha: 32.0, lora_dropout: 0.05, lora_target_modules: None }
+    }
+}
+
+impl PeftOptions {
+    /// The adapters to add to a model of `model_type` with `use_peft`;
+    /// `modules_to_save` train in full beside them (a reward model's `score`).
+    pub fn lora(&self, model_type: &str, modules_to_save: &[&str]) -> Result<Option<LoraConfig>> {
+        if !self.use_peft {
+            return Ok(None);
+        }
+        let targets = match &self.lora_target_modules {
+            Some(t) => t.clone(),
+            None => LoraConfig::default_targets(model_type).ok_or_else(|| {
+                Error::Invalid(format!("no default LoRA target modules for `{model_type}`: set lora_target_modules"))
+            })?,
+        };
+        let lora = LoraConfig {
+            r: self.lora_r,
+            alpha: self.lora_alpha,
+            dropout: self.lora_dropout,
+            targets,
+            modules_to_save: modules_to_save.iter().map(|m| m.to_string()).collect(),
+        };
+        lora.validate()?;
+        Ok(Some(lora))
+    }
+}
+
+/// Dropout on an adapter's input: each value is kept with probability
+/// `1 - p` and scaled by `1 / (1 - p)`. The masks come from one stream
+/// drawn in the order the layers run, so a run is reproducible.
+#[derive(Clone)]
+pub struct Dropout {
+    p: f64,
+    rng: Arc<Mutex<Rng>>,
+}
+
+impl Dropout {
+    pub fn new(p: f64, seed: u64) -> Self {
+        let rng = Rng::stream(seed, &[crate::generate::rng::streams::LORA_DROPOUT]);
+        Self { p, rng: Arc::new(Mutex::new(rng)) }
+    }
+
+    fn apply(&self, x: &Tensor) -> TResult<Tensor> {
+        let keep = 1.0 - self.p;
+        let mask: Vec<f32> = {
+            let mut rng = self.rng.lock().unwrap_or_else(PoisonError::into_inner);
+            (0..x.elem_count()).map(|_| if rng.uniform() < keep { (1.0 / keep) as f32 } else { 0.0 }).collect()
+        };
+        x * Tensor::from_vec(mask, x.shape(), x.device())?
+    }
+}
+
 /// The names of a module's two adapter tensors.
 pub fn adapter_names(module: &str) -> (String, String) {
     (format!("{module}.lora_A.weight"), format!("{module}.lora_B.weight"))
@@ -93,13 +168,15 @@ pub struct AdapterPlan {
     pub config: LoraConfig,
     rng: RefCell<Rng>,
     saved: Option<RefCell<HashMap<String, Tensor>>>,
+    /// Dropout for the adapters of a training network.
+    pub dropout: Option<Dropout>,
 }
 
 impl AdapterPlan {
     /// New adapters: `A` drawn from `seed`, `B` = 0.
     pub fn new(config: LoraConfig, seed: u64) -> Self {
         let rng = Rng::stream(seed, &[crate::generate::rng::streams::LORA_INIT]);
-        Self { config, rng: RefCell::new(rng), saved: None }
+        Self { config, rng: RefCell::new(rng), saved: None, dropout: None }
     }
 
     /// Saved adapters.
@@ -142,11 +219,20 @@ pub struct Adapter {
     /// (out, r)
     pub b: Tensor,
     pub scale: f64,
+    pub dropout: Option<Dropout>,
 }
 
 impl Adapter {
-    /// `scale * B (A x)` for `x` (..., in).
+    /// `scale * B (A dropout(x))` for `x` (..., in).
     pub fn delta(&self, x: &Tensor) -> TResult<Tensor> {
+        let dropped;
+        let x = match &self.dropout {
+            Some(d) => {
+                dropped = d.apply(x)?;
+                &dropped
+            }
+            None => x,
+        };
         let down = super::kernels::linear(x, &self.a, None)?;
         super::kernels::linear(&down, &self.b, None)? * self.scale
     }
@@ -245,4 +331,37 @@ pub fn adapter_config_json(
         "init_lora_weights": true,
         "inference_mode": true,
     })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn dropout_zeroes_a_share_p_and_scales_the_rest_reproducibly() {
+        let x = Tensor::ones(10_000, candle_core::DType::F32, &Device::Cpu).unwrap();
+        let draw = || Dropout::new(0.25, 7).apply(&x).unwrap().to_vec1::<f32>().unwrap();
+        let y = draw();
+        let zeros = y.iter().filter(|&&v| v == 0.0).count() as f64 / y.len() as f64;
+        assert!((zeros - 0.25).abs() < 0.02, "{zeros}");
+        assert!(y.iter().all(|&v| v == 0.0 || (v - 1.0 / 0.75).abs() < 1e-6));
+        assert_eq!(y, draw(), "the same seed draws the same masks");
+    }
+
+    #[test]
+    fn peft_options_give_pefts_defaults_and_check_their_values() {
+        let on = PeftOptions { use_peft: true, ..PeftOptions::default() };
+        let lora = on.lora("llama", &["score"]).unwrap().unwrap();
+        assert_eq!(
+            (lora.r, lora.scale(), lora.targets.as_slice()),
+            (16, 2.0, &["q_proj".to_string(), "v_proj".into()][..])
+        );
+        assert!(lora.targets("model.layers.0.self_attn.q_proj") && !lora.targets("model.layers.0.self_attn.k_proj"));
+        assert!(lora.saves("score.weight") && !lora.saves("model.norm.weight"));
+        assert!(PeftOptions::default().lora("llama", &[]).unwrap().is_none());
+        let err = PeftOptions { lora_r: 0, ..on.clone() }.lora("gpt2", &[]).unwrap_err().to_string();
+        assert!(err.contains("r >= 1"), "{err}");
+        let err = on.lora("mamba", &[]).unwrap_err().to_string();
+        assert!(err.contains("set lora_target_modules"), "{err}");
+    }
 }

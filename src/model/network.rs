@@ -11,7 +11,7 @@ use super::batch::Inputs;
 use super::cache::KvCache;
 use super::config::{ArchConfig, HeadKind, ModelConfig};
 use super::layers::Linear;
-use super::lora::{self, AdapterPlan, LoraConfig, ADAPTER_CONFIG, PEFT_PREFIX};
+use super::lora::{self, AdapterPlan, Dropout, LoraConfig, ADAPTER_CONFIG, PEFT_PREFIX};
 use super::weights::{Detach, ParamStore, Source, WeightFiles, Weights};
 use super::{gpt2, gpt_neox, kernels, llama, ops};
 use crate::error::{read_json, Error, Result};
@@ -369,6 +369,40 @@ impl Model {
     /// The same network on detached weights: no autograd graph is recorded.
     pub fn frozen(&self) -> &Network {
         &self.frozen
+    }
+
+    /// Loads a model to train with `head`: a PEFT adapter directory keeps
+    /// training its adapters; otherwise `lora` adds new ones, or the whole
+    /// model trains. With `dropout`, the training network applies the
+    /// adapters' `lora_dropout` (SFT and reward training; online RL trains
+    /// without it, as TRL's trainers do).
+    pub fn load_trainable(
+        dir: &Path,
+        device: &Device,
+        head: HeadKind,
+        lora: Option<LoraConfig>,
+        seed: u64,
+        dropout: bool,
+    ) -> Result<Self> {
+        let mut model = match lora {
+            _ if dir.join(ADAPTER_CONFIG).is_file() => Self::load_adapter(dir, None, device)?,
+            Some(lora) => Self::load_with_new_adapters(dir, device, head, lora, seed)?,
+            None if head == HeadKind::CausalLm => Self::load(dir, device)?,
+            None => Self::load_with_head(dir, device, head, seed)?,
+        };
+        if let Some(l) = model.lora.as_ref().filter(|l| dropout && l.config.dropout > 0.0) {
+            let mut plan = AdapterPlan::new(l.config.clone(), seed);
+            plan.dropout = Some(Dropout::new(l.config.dropout, seed));
+            let source = Source::store(&model.params, Detach::Frozen);
+            model.train = Network::build(&model.config, &source.root_with(Some(&plan)))?;
+        }
+        if model.lora.is_some() {
+            let trainable: usize = model.params.trainable().map(|p| p.var.elem_count()).sum();
+            let all = model.params.numel();
+            let share = 100.0 * trainable as f64 / all.max(1) as f64;
+            tracing::info!("LoRA: {trainable} trainable parameters of {all} ({share:.2}%)");
+        }
+        Ok(model)
     }
 
     /// With LoRA adapters: the network without them (the base model, on

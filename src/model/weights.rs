@@ -435,7 +435,7 @@ impl<'a> Weights<'a> {
         let (a, b) = adapter_names(&full);
         let a = self.source.get_or_add(&a, (r, in_dim), |device| plan.initial(&a, (r, in_dim), device))?;
         let b = self.source.get_or_add(&b, (out_dim, r), |device| plan.initial(&b, (out_dim, r), device))?;
-        Ok(Some(Adapter { a, b, scale: plan.config.scale() }))
+        Ok(Some(Adapter { a, b, scale: plan.config.scale(), dropout: plan.dropout.clone() }))
     }
 
     pub fn name(&self, leaf: &str) -> String {

@@ -11,7 +11,7 @@ use serde::{Deserialize, Serialize};
 
 use crate::algo::{Aggregation, Baseline, KlEstimator, KlPlacement, RatioLevel};
 use crate::error::{Error, Result};
-use crate::model::lora::LoraConfig;
+use crate::model::lora::PeftOptions;
 use crate::reward::RewardSpec;
 
 #[derive(Debug, Clone, Default, Serialize, Deserialize)]
@@ -25,6 +25,9 @@ pub struct TrainConfig {
     /// kl_estimator, cliprange, the epochs, mini-batches and score shaping
     /// with `[rloo]`.
     pub ppo: PpoSection,
+    /// LoRA adapters instead of full training (TRL's `use_peft` and `lora_*`);
+    /// the KL reference is the policy without them.
+    pub peft: PeftOptions,
     pub train: TrainSection,
     /// Reward sources, summed with their weights (`[[reward]]` tables).
     pub reward: Vec<RewardSpec>,
@@ -41,56 +44,11 @@ pub struct ModelSection {
     pub tokenizer: Option<String>,
     /// cpu, cuda, cuda:N, or auto (the first GPU when built with CUDA).
     pub device: String,
-    /// Train LoRA adapters instead of the whole policy; the KL reference is
-    /// the policy without them, and the output is a PEFT adapter directory.
-    pub use_peft: bool,
-    /// LoRA rank.
-    pub lora_r: usize,
-    /// LoRA alpha: the adapters are scaled by alpha / r.
-    pub lora_alpha: f64,
-    /// LoRA dropout (off in online training, as TRL's trainers disable dropout).
-    pub lora_dropout: f64,
-    /// Module names that get adapters, or ["all-linear"] [none: PEFT's default for the architecture].
-    pub lora_target_modules: Option<Vec<String>>,
 }
 
 impl Default for ModelSection {
     fn default() -> Self {
-        Self {
-            policy: String::new(),
-            reference: None,
-            tokenizer: None,
-            device: "auto".into(),
-            use_peft: false,
-            lora_r: 16,
-            lora_alpha: 32.0,
-            lora_dropout: 0.05,
-            lora_target_modules: None,
-        }
-    }
-}
-
-impl ModelSection {
-    /// The LoRA adapters to add to a model of `model_type`, with `use_peft`.
-    pub fn lora(&self, model_type: &str) -> Result<Option<LoraConfig>> {
-        if !self.use_peft {
-            return Ok(None);
-        }
-        let targets = match &self.lora_target_modules {
-            Some(t) => t.clone(),
-            None => LoraConfig::default_targets(model_type).ok_or_else(|| {
-                Error::Invalid(format!("no default LoRA target modules for `{model_type}`: set lora_target_modules"))
-            })?,
-        };
-        let lora = LoraConfig {
-            r: self.lora_r,
-            alpha: self.lora_alpha,
-            dropout: self.lora_dropout,
-            targets,
-            modules_to_save: vec![],
-        };
-        lora.validate()?;
-        Ok(Some(lora))
+        Self { policy: String::new(), reference: None, tokenizer: None, device: "auto".into() }
     }
 }
 

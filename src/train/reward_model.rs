@@ -20,6 +20,7 @@ use crate::error::Result;
 use crate::generate::rng::streams;
 use crate::generate::Rng;
 use crate::model::hub::resolve_model;
+use crate::model::lora::{PeftOptions, ADAPTER_CONFIG};
 use crate::model::ops::log_softmax_last;
 use crate::model::{parse_device, HeadKind, Inputs, Model, Network, PadSide};
 use crate::report::Metrics;
@@ -49,6 +50,8 @@ pub struct RewardTrainConfig {
     pub overwrite_output_dir: bool,
     /// Stop after this many optimizer steps in a row with a non-finite loss or gradient.
     pub max_skipped_steps: usize,
+    /// LoRA adapters instead of full training.
+    pub peft: PeftOptions,
 }
 
 /// The reward model's objective: the Bradley-Terry loss averaged over each
@@ -228,7 +231,13 @@ pub fn train_reward_model(cfg: &RewardTrainConfig) -> Result<RewardTrainSummary>
     let run_dir = Harness::lock(&output_dir, if cfg.overwrite_output_dir { Reuse::Overwrite } else { Reuse::Fresh })?;
     let device = parse_device(&cfg.device)?;
     let dir = resolve_model(&cfg.model)?;
-    let mut model = Model::load_with_head(&dir, &device, HeadKind::SequenceClassification { num_labels: 1 }, cfg.seed)?;
+    let head = HeadKind::SequenceClassification { num_labels: 1 };
+    // The score head trains in full beside the adapters (PEFT's modules_to_save).
+    let lora = match dir.join(ADAPTER_CONFIG).is_file() {
+        true => None,
+        false => cfg.peft.lora(&crate::model::ModelConfig::from_dir(&dir)?.model_type, &["score"])?,
+    };
+    let mut model = Model::load_trainable(&dir, &device, head, lora, cfg.seed, true)?;
     let tok = Tokenizer::from_dir(&dir)?;
     tok.check_model(model.config())?;
     let context = model.config().context_length();

@@ -35,24 +35,13 @@ pub fn prompt_spec(cfg: &TrainConfig, config: &ModelConfig) -> PromptSpec {
 }
 
 /// The policy: with `use_peft`, with new LoRA adapters (a PEFT adapter
-/// directory keeps training its own).
+/// directory keeps training its own); no dropout in online training.
 fn load_policy(cfg: &TrainConfig, dir: &Path, device: &candle_core::Device) -> Result<Model> {
-    if dir.join(ADAPTER_CONFIG).is_file() {
-        return Model::load(dir, device);
-    }
-    match cfg.model.lora(&ModelConfig::from_dir(dir)?.model_type)? {
-        Some(lora) => {
-            let model = Model::load_with_new_adapters(dir, device, HeadKind::CausalLm, lora, cfg.train.seed)?;
-            let trainable: usize = model.params().trainable().map(|p| p.var.elem_count()).sum();
-            tracing::info!(
-                "LoRA: {trainable} trainable parameters of {} ({:.2}%)",
-                model.params().numel(),
-                100.0 * trainable as f64 / model.params().numel().max(1) as f64
-            );
-            Ok(model)
-        }
-        None => Model::load(dir, device),
-    }
+    let lora = match dir.join(ADAPTER_CONFIG).is_file() {
+        true => None,
+        false => cfg.peft.lora(&ModelConfig::from_dir(dir)?.model_type, &[])?,
+    };
+    Model::load_trainable(dir, device, HeadKind::CausalLm, lora, cfg.train.seed, false)
 }
 
 impl Run {
