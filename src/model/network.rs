@@ -11,7 +11,7 @@ use super::batch::Inputs;
 use super::cache::KvCache;
 use super::config::{ArchConfig, HeadKind, ModelConfig};
 use super::layers::Linear;
-use super::lora::{self, AdapterPlan, Dropout, LoraConfig, ADAPTER_CONFIG, PEFT_PREFIX};
+use super::lora::{self, AdapterPlan, Dropout, LoraConfig, PeftOptions, ADAPTER_CONFIG, PEFT_PREFIX};
 use super::weights::{Detach, ParamStore, Source, WeightFiles, Weights};
 use super::{gpt2, gpt_neox, kernels, llama, ops};
 use crate::error::{read_json, Error, Result};
@@ -372,23 +372,27 @@ impl Model {
     }
 
     /// Loads a model to train with `head`: a PEFT adapter directory keeps
-    /// training its adapters; otherwise `lora` adds new ones, or the whole
-    /// model trains. With `dropout`, the training network applies the
-    /// adapters' `lora_dropout` (SFT and reward training; online RL trains
-    /// without it, as TRL's trainers do).
+    /// training its adapters; otherwise `peft` may add new ones (with
+    /// `modules_to_save` training in full beside them), or the whole model
+    /// trains. With `dropout`, the training network applies the adapters'
+    /// `lora_dropout` (SFT and reward training; online RL trains without
+    /// it, as TRL's trainers do).
     pub fn load_trainable(
         dir: &Path,
         device: &Device,
         head: HeadKind,
-        lora: Option<LoraConfig>,
+        (peft, modules_to_save): (&PeftOptions, &[&str]),
         seed: u64,
         dropout: bool,
     ) -> Result<Self> {
-        let mut model = match lora {
-            _ if dir.join(ADAPTER_CONFIG).is_file() => Self::load_adapter(dir, None, device)?,
-            Some(lora) => Self::load_with_new_adapters(dir, device, head, lora, seed)?,
-            None if head == HeadKind::CausalLm => Self::load(dir, device)?,
-            None => Self::load_with_head(dir, device, head, seed)?,
+        let mut model = if dir.join(ADAPTER_CONFIG).is_file() {
+            Self::load_adapter(dir, None, device)?
+        } else {
+            match peft.lora(&ModelConfig::from_dir(dir)?.model_type, modules_to_save)? {
+                Some(lora) => Self::load_with_new_adapters(dir, device, head, lora, seed)?,
+                None if head == HeadKind::CausalLm => Self::load(dir, device)?,
+                None => Self::load_with_head(dir, device, head, seed)?,
+            }
         };
         if let Some(l) = model.lora.as_ref().filter(|l| dropout && l.config.dropout > 0.0) {
             let mut plan = AdapterPlan::new(l.config.clone(), seed);

@@ -20,7 +20,7 @@ use crate::error::Result;
 use crate::generate::rng::streams;
 use crate::generate::Rng;
 use crate::model::hub::resolve_model;
-use crate::model::lora::{PeftOptions, ADAPTER_CONFIG};
+use crate::model::lora::PeftOptions;
 use crate::model::ops::log_softmax_last;
 use crate::model::{parse_device, HeadKind, Inputs, Model, Network, PadSide};
 use crate::report::Metrics;
@@ -233,11 +233,7 @@ pub fn train_reward_model(cfg: &RewardTrainConfig) -> Result<RewardTrainSummary>
     let dir = resolve_model(&cfg.model)?;
     let head = HeadKind::SequenceClassification { num_labels: 1 };
     // The score head trains in full beside the adapters (PEFT's modules_to_save).
-    let lora = match dir.join(ADAPTER_CONFIG).is_file() {
-        true => None,
-        false => cfg.peft.lora(&crate::model::ModelConfig::from_dir(&dir)?.model_type, &["score"])?,
-    };
-    let mut model = Model::load_trainable(&dir, &device, head, lora, cfg.seed, true)?;
+    let mut model = Model::load_trainable(&dir, &device, head, (&cfg.peft, &["score"]), cfg.seed, true)?;
     let tok = Tokenizer::from_dir(&dir)?;
     tok.check_model(model.config())?;
     let context = model.config().context_length();

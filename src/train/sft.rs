@@ -25,7 +25,7 @@ use crate::error::{Error, Result};
 use crate::generate::rng::streams;
 use crate::generate::Rng;
 use crate::model::hub::resolve_model;
-use crate::model::lora::{PeftOptions, ADAPTER_CONFIG};
+use crate::model::lora::PeftOptions;
 use crate::model::scoring::{completion_logprobs, Sequences};
 use crate::model::{parse_device, HeadKind, Model, Network};
 use crate::report::Metrics;
@@ -285,11 +285,7 @@ pub fn train_sft(cfg: &SftConfig) -> Result<SftSummary> {
     let run_dir = Harness::lock(&output_dir, if cfg.overwrite_output_dir { Reuse::Overwrite } else { Reuse::Fresh })?;
     let device = parse_device(&cfg.device)?;
     let dir = resolve_model(&cfg.model)?;
-    let lora = match dir.join(ADAPTER_CONFIG).is_file() {
-        true => None,
-        false => cfg.peft.lora(&crate::model::ModelConfig::from_dir(&dir)?.model_type, &[])?,
-    };
-    let model = Model::load_trainable(&dir, &device, HeadKind::CausalLm, lora, cfg.seed, true)?;
+    let model = Model::load_trainable(&dir, &device, HeadKind::CausalLm, (&cfg.peft, &[]), cfg.seed, true)?;
     if model.head() != HeadKind::CausalLm {
         return Err(Error::bad_file(&dir, "SFT needs a causal LM"));
     }

@@ -11,7 +11,6 @@ use crate::data::{DatasetSpec, Tokenizer};
 use crate::error::{Error, Result};
 use crate::generate::{GenerateOptions, Sampling, StopCriteria};
 use crate::model::hub::resolve_model;
-use crate::model::lora::ADAPTER_CONFIG;
 use crate::model::{parse_device, HeadKind, Model, ModelConfig};
 use crate::reward::{self, Shaping};
 use crate::train::checkpoint::{self, TrainerState};
@@ -34,16 +33,6 @@ pub fn prompt_spec(cfg: &TrainConfig, config: &ModelConfig) -> PromptSpec {
     }
 }
 
-/// The policy: with `use_peft`, with new LoRA adapters (a PEFT adapter
-/// directory keeps training its own); no dropout in online training.
-fn load_policy(cfg: &TrainConfig, dir: &Path, device: &candle_core::Device) -> Result<Model> {
-    let lora = match dir.join(ADAPTER_CONFIG).is_file() {
-        true => None,
-        false => cfg.peft.lora(&ModelConfig::from_dir(dir)?.model_type, &[])?,
-    };
-    Model::load_trainable(dir, device, HeadKind::CausalLm, lora, cfg.train.seed, false)
-}
-
 impl Run {
     pub(super) fn start(cfg: &TrainConfig) -> Result<Self> {
         let device = parse_device(&cfg.model.device)?;
@@ -53,7 +42,9 @@ impl Run {
             None => policy_dir.clone(),
         };
         let tokenizer = Tokenizer::from_dir(&tokenizer_dir)?;
-        let policy = load_policy(cfg, &policy_dir, &device)?;
+        // No LoRA dropout in online training, as in TRL.
+        let peft = (&cfg.peft, &[][..]);
+        let policy = Model::load_trainable(&policy_dir, &device, HeadKind::CausalLm, peft, cfg.train.seed, false)?;
         if policy.head() != HeadKind::CausalLm {
             return Err(Error::bad_file(
                 &policy_dir,
