@@ -10,6 +10,7 @@ use clap::{Arg, ArgAction, ArgMatches, Command};
 use rloo::reward::config::ModelSpec;
 use rloo::reward::RewardSpec;
 use rloo::train::config::{parse_set, TrainConfig};
+use rloo::train::memory;
 
 /// How a flag's text becomes a TOML value.
 #[derive(Clone, Copy)]
@@ -265,5 +266,9 @@ pub fn run(args: TrainArgs) -> Result<()> {
     let t = &summary.timing;
     let which = if t.after_first { ", after the first" } else { "" };
     eprintln!("time {} (mean of {} steps{which})", t.describe(), t.steps);
+    if let (plan, Some(peak)) = summary.memory {
+        let plan = plan.map_or(String::new(), |p| format!(" (planned at start-up: {})", memory::describe_bytes(p)));
+        eprintln!("peak memory {}{plan}", memory::describe_bytes(peak));
+    }
     Ok(())
 }

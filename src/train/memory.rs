@@ -67,7 +67,23 @@ pub fn rloo_estimate(
     }
 }
 
-/// Logs the estimate, as a warning when it exceeds the memory available.
+/// The process's peak resident memory so far, in bytes.
+pub fn peak_rss_bytes() -> Option<u64> {
+    // Safety: a zeroed rusage is a valid value for getrusage to fill.
+    let mut usage: libc::rusage = unsafe { std::mem::zeroed() };
+    // Safety: fills the local with this process's usage.
+    let ok = unsafe { libc::getrusage(libc::RUSAGE_SELF, &mut usage) } == 0;
+    // ru_maxrss is in kilobytes on Linux.
+    ok.then(|| usage.ru_maxrss as u64 * 1024)
+}
+
+/// Bytes as GiB, for the run's summary.
+pub fn describe_bytes(bytes: u64) -> String {
+    gib(bytes)
+}
+
+/// Logs the estimate (the memory plan), as a warning when it exceeds the
+/// memory available.
 pub fn warn_if_short(estimate: &Estimate) {
     match available_bytes() {
         Some(available) if estimate.total() > available => tracing::warn!(
@@ -76,7 +92,7 @@ pub fn warn_if_short(estimate: &Estimate) {
             estimate.describe(),
             gib(available)
         ),
-        _ => tracing::debug!("memory estimate: {}", estimate.describe()),
+        _ => tracing::info!("memory plan: {}", estimate.describe()),
     }
 }
 

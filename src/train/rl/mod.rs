@@ -46,6 +46,8 @@ pub struct RunSummary {
     pub last: Metrics,
     /// Where the time of this invocation's steps went.
     pub timing: StepTiming,
+    /// The start-up memory estimate and the measured peak of the process, in bytes.
+    pub memory: (Option<u64>, Option<u64>),
 }
 
 /// Everything a step needs that does not change between steps.
@@ -63,6 +65,8 @@ struct Run {
     dataset: PromptDataset,
     generation: GenerateOptions,
     warmup: usize,
+    /// The start-up estimate of the peak memory, in bytes (CPU runs).
+    memory_plan: Option<u64>,
 }
 
 /// The frozen model the KL is measured against.
@@ -181,7 +185,8 @@ pub fn train(cfg: &TrainConfig) -> Result<RunSummary> {
         run_started.elapsed().as_secs_f64(),
         output_dir.display()
     );
-    Ok(RunSummary { steps: state.step, episodes: state.episode, output_dir, last, timing })
+    let memory = (run.memory_plan, super::memory::peak_rss_bytes());
+    Ok(RunSummary { steps: state.step, episodes: state.episode, output_dir, last, timing, memory })
 }
 
 impl Run {

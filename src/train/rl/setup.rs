@@ -100,7 +100,7 @@ impl Run {
         let sizes = BatchSizes::new(cfg, Some(dataset.len()))?;
         tracing::info!("{} prompts from {}; {}", dataset.len(), dataset.label, sizes.describe(cfg.rloo.num_ppo_epochs));
 
-        if device.is_cpu() {
+        let memory_plan = if device.is_cpu() {
             let longest = dataset.rows.iter().map(|r| r.ids.len()).max().unwrap_or(0);
             let params = policy.params().numel();
             let trainable = policy.params().trainable().map(|p| p.var.elem_count()).sum();
@@ -116,7 +116,10 @@ impl Run {
                 critic_params,
             );
             memory::warn_if_short(&estimate);
-        }
+            Some(estimate.total())
+        } else {
+            None
+        };
         let generation = generation_options(cfg, &policy_dir, &tokenizer, &policy)?;
         let warmup = if cfg.train.warmup_steps > 0 {
             cfg.train.warmup_steps
@@ -136,6 +139,7 @@ impl Run {
             dataset,
             generation,
             warmup,
+            memory_plan,
         })
     }
 
