@@ -155,11 +155,15 @@ impl Share {
     pub fn of(&self, scores: &[(String, Vec<Option<f32>>)]) -> Result<f64> {
         let names: Vec<&str> = scores.iter().map(|(n, _)| n.as_str()).collect();
         self.validate(&names)?;
-        let of_source = |name: &str| &scores.iter().find(|(n, _)| n == name).expect("validated").1;
+        let source = |name: &str| &scores.iter().find(|(n, _)| n == name).expect("validated").1;
+        // (scores, threshold, whether a score must be above it), resolved once.
+        let conditions: Vec<(&Vec<Option<f32>>, f64, bool)> = (self.above.iter().map(|(n, t)| (source(n), *t, true)))
+            .chain(self.below.iter().map(|(n, t)| (source(n), *t, false)))
+            .collect();
         let passes = |i: usize| {
-            let score = |name: &str| of_source(name)[i].map(f64::from);
-            self.above.iter().all(|(n, t)| score(n).is_some_and(|s| s > *t))
-                && self.below.iter().all(|(n, t)| score(n).is_some_and(|s| s < *t))
+            conditions
+                .iter()
+                .all(|(s, t, above)| s[i].map(f64::from).is_some_and(|s| if *above { s > *t } else { s < *t }))
         };
         let n = scores.first().map_or(0, |(_, s)| s.len());
         Ok((0..n).filter(|&i| passes(i)).count() as f64 / n.max(1) as f64)
@@ -167,13 +171,19 @@ impl Share {
 }
 
 /// Win rate of A over B: the share of (prompt, sample) pairs where the
-/// judge scores A's completion higher; ties count one half.
-pub fn win_rate(judge: &RewardSet, prompts: &PromptDataset, a: &ModelReport, b: &ModelReport) -> Result<f64> {
+/// reward source named `judge` (one of the rewards both reports were
+/// scored with) scores A's completion higher; ties count one half.
+pub fn win_rate(judge: &str, a: &ModelReport, b: &ModelReport) -> Result<f64> {
     if a.rollout.len() != b.rollout.len() {
         return Err(Error::Invalid("the two models have different numbers of samples".into()));
     }
-    let score = |r: &ModelReport| -> Result<Vec<Option<f32>>> { Ok(judge.score(&r.rollout.samples(prompts))?.total) };
-    let (sa, sb) = (score(a)?, score(b)?);
+    let scores = |r: &ModelReport| -> Result<Vec<Option<f32>>> {
+        let found = r.scores.iter().find(|(n, _)| n == judge);
+        found
+            .map(|(_, s)| s.clone())
+            .ok_or_else(|| Error::Invalid(format!("no reward named {judge:?} scored {}", r.model)))
+    };
+    let (sa, sb) = (scores(a)?, scores(b)?);
     let outcomes: Vec<f64> = sa
         .iter()
         .zip(&sb)

@@ -204,7 +204,7 @@ pub fn run(opts: &PipelineOptions) -> Result<PathBuf> {
 
     // 5. RLOO against the reward model, KL-anchored to the SFT model; a
     // run cut short continues from its last checkpoint.
-    let rl_base = rl_base(opts, &sizes, &data, &sft, &rm)?;
+    let rl_base = rl_base(opts, &sizes, &data, &sft, reward_model(&rm))?;
     let rl = stage("rloo");
     if !done(&rl) {
         let run = Arm { name: "rloo".into(), config: rl_base.clone() };
@@ -225,7 +225,7 @@ pub fn run(opts: &PipelineOptions) -> Result<PathBuf> {
     let prompts = PromptDataset::from_prompt_column(&eval_prompts, &tok, room)?;
     let before = evaluate_model("sft", &sft_model, &tok, &prompts, &rewards, None, &opts_eval, &device)?;
     let after = evaluate_model("rloo", &rl_model, &tok, &prompts, &rewards, Some(&sft_model), &opts_eval, &device)?;
-    let win = win_rate(&build(&measures[..1], &device)?, &prompts, &after, &before)?;
+    let win = win_rate(REWARD_MODEL, &after, &before)?;
     let plots = plot_curves(&rl, out)?;
     let shares = [positive.of(&before.scores)?, positive.of(&after.scores)?];
 
@@ -241,7 +241,7 @@ pub fn run(opts: &PipelineOptions) -> Result<PathBuf> {
 
 /// The RL stage's configuration but its seed and output directory; the
 /// base of the study's arms too.
-fn rl_base(opts: &PipelineOptions, sizes: &Sizes, data: &Path, sft: &Path, rm: &Path) -> Result<toml::Table> {
+fn rl_base(opts: &PipelineOptions, sizes: &Sizes, data: &Path, sft: &Path, reward: RewardSpec) -> Result<toml::Table> {
     let text = format!(
         r#"
 [model]
@@ -261,19 +261,30 @@ learning_rate = 3e-4
 per_device_train_batch_size = 32
 total_episodes = {episodes}
 num_sample_generations = 4
-[[reward]]
-type = "model"
-name = "reward_model"
-path = {rm}
-batch_size = 32
 "#,
         policy = toml_str(sft),
         device = toml_str(Path::new(&opts.device)),
         prompts = toml_str(&data.join("prompts.jsonl")),
         episodes = sizes.rl_episodes,
-        rm = toml_str(rm),
     );
-    toml::from_str(&text).map_err(|e| Error::Invalid(format!("the RL stage's configuration: {e}")))
+    let mut table: toml::Table =
+        toml::from_str(&text).map_err(|e| Error::Invalid(format!("the RL stage's configuration: {e}")))?;
+    let reward = toml::Value::try_from(reward).map_err(|e| Error::Invalid(e.to_string()))?;
+    table.insert("reward".into(), toml::Value::Array(vec![reward]));
+    Ok(table)
+}
+
+/// The name of the reward model among the rewards, and the judge of the win rate.
+const REWARD_MODEL: &str = "reward_model";
+
+/// The reward model as the RL stage's reward and the evaluation's judge.
+fn reward_model(rm: &Path) -> RewardSpec {
+    RewardSpec::Model(ModelSpec {
+        name: Some(REWARD_MODEL.into()),
+        weight: 1.0,
+        path: rm.display().to_string(),
+        batch_size: 32,
+    })
 }
 
 /// Seed 004's study on the task: RLOO with k = 2 and 4, the leave-one-out
@@ -350,12 +361,7 @@ fn positive_reviews(rm: &Path) -> (Vec<RewardSpec>, Share) {
         })
     };
     let measures = vec![
-        RewardSpec::Model(ModelSpec {
-            name: Some("reward_model".into()),
-            weight: 1.0,
-            path: rm.display().to_string(),
-            batch_size: 32,
-        }),
+        reward_model(rm),
         lexicon("praise", words(POSITIVE), vec![]),
         lexicon("criticism", vec![], words(NEGATIVE)),
     ];

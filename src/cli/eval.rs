@@ -151,9 +151,7 @@ pub fn run(a: EvalArgs) -> Result<()> {
         datasets.push(prompts);
     }
     let win = match (&judge_spec, reports.len()) {
-        (Some(spec), 2) => {
-            Some(win_rate(&build(std::slice::from_ref(spec), &device)?, &datasets[0], &reports[0], &reports[1])?)
-        }
+        (Some(spec), 2) => Some(win_rate(spec.name(), &reports[0], &reports[1])?),
         _ => None,
     };
 

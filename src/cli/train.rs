@@ -267,8 +267,8 @@ pub fn run(args: TrainArgs) -> Result<()> {
     let which = if t.after_first { ", after the first" } else { "" };
     eprintln!("time {} (mean of {} steps{which})", t.describe(), t.steps);
     if let (plan, Some(peak)) = summary.memory {
-        let plan = plan.map_or(String::new(), |p| format!(" (planned at start-up: {})", memory::describe_bytes(p)));
-        eprintln!("peak memory {}{plan}", memory::describe_bytes(peak));
+        let plan = plan.map_or(String::new(), |p| format!(" (planned at start-up: {})", memory::gib(p)));
+        eprintln!("peak memory {}{plan}", memory::gib(peak));
     }
     Ok(())
 }

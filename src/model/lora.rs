@@ -205,8 +205,7 @@ impl AdapterPlan {
 
     /// Saved adapter tensors no module took: the adapter does not fit the base.
     pub fn unused(&self) -> Vec<String> {
-        let mut names: Vec<String> =
-            self.saved.iter().flat_map(|s| s.borrow().keys().cloned().collect::<Vec<_>>()).collect();
+        let mut names: Vec<String> = self.saved.as_ref().map_or(vec![], |s| s.borrow().keys().cloned().collect());
         names.sort();
         names
     }
@@ -225,15 +224,11 @@ pub struct Adapter {
 impl Adapter {
     /// `scale * B (A dropout(x))` for `x` (..., in).
     pub fn delta(&self, x: &Tensor) -> TResult<Tensor> {
-        let dropped;
         let x = match &self.dropout {
-            Some(d) => {
-                dropped = d.apply(x)?;
-                &dropped
-            }
-            None => x,
+            Some(d) => d.apply(x)?,
+            None => x.clone(),
         };
-        let down = super::kernels::linear(x, &self.a, None)?;
+        let down = super::kernels::linear(&x, &self.a, None)?;
         super::kernels::linear(&down, &self.b, None)? * self.scale
     }
 
@@ -247,9 +242,17 @@ impl Adapter {
 pub const ADAPTER_CONFIG: &str = "adapter_config.json";
 pub const ADAPTER_WEIGHTS: &str = "adapter_model.safetensors";
 
-/// An adapter directory's `adapter_config.json`: the config and the base
-/// model it was trained on.
-pub fn read_adapter_config(dir: &Path) -> Result<(LoraConfig, String)> {
+/// What an adapter directory's `adapter_config.json` says.
+pub struct AdapterFile {
+    pub config: LoraConfig,
+    /// `base_model_name_or_path`: the model it was trained on.
+    pub base: String,
+    /// `task_type`: `SEQ_CLS` for a reward model.
+    pub task_type: Option<String>,
+}
+
+/// Reads an adapter directory's `adapter_config.json`.
+pub fn read_adapter_config(dir: &Path) -> Result<AdapterFile> {
     let path = dir.join(ADAPTER_CONFIG);
     let raw: serde_json::Value = read_json(&path)?;
     let bad = |msg: String| Error::bad_config(&path, msg);
@@ -299,7 +302,8 @@ pub fn read_adapter_config(dir: &Path) -> Result<(LoraConfig, String)> {
     let base = get("base_model_name_or_path")
         .and_then(|v| v.as_str())
         .ok_or_else(|| bad("no `base_model_name_or_path`: give the base model".into()))?;
-    Ok((config, base.to_string()))
+    let task_type = get("task_type").and_then(|v| v.as_str()).map(str::to_string);
+    Ok(AdapterFile { config, base: base.to_string(), task_type })
 }
 
 /// `adapter_config.json` as PEFT writes it, for `task_type` (`CAUSAL_LM` or

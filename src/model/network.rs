@@ -14,7 +14,7 @@ use super::layers::Linear;
 use super::lora::{self, AdapterPlan, Dropout, LoraConfig, PeftOptions, ADAPTER_CONFIG, PEFT_PREFIX};
 use super::weights::{Detach, ParamStore, Source, WeightFiles, Weights};
 use super::{gpt2, gpt_neox, kernels, llama, ops};
-use crate::error::{read_json, Error, Result};
+use crate::error::{Error, Result};
 
 /// The transformer body: embeddings through the final norm.
 pub trait Decoder: Send + Sync {
@@ -232,16 +232,13 @@ impl Model {
     /// Loads a PEFT adapter directory onto its base model: `base`, or the
     /// one its `adapter_config.json` names.
     pub fn load_adapter(dir: &Path, base: Option<&Path>, device: &Device) -> Result<Self> {
-        let (lora, named_base) = lora::read_adapter_config(dir)?;
+        let file = lora::read_adapter_config(dir)?;
         let base_dir = match base {
             Some(b) => b.to_path_buf(),
-            None => super::hub::resolve_model(&named_base)?,
+            None => super::hub::resolve_model(&file.base)?,
         };
         let mut config = ModelConfig::from_dir(&base_dir)?;
-        let task: Option<String> = read_json::<serde_json::Value>(&dir.join(ADAPTER_CONFIG))?
-            .get("task_type")
-            .and_then(|t| t.as_str().map(str::to_string));
-        if task.as_deref() == Some("SEQ_CLS") && config.head == HeadKind::CausalLm {
+        if file.task_type.as_deref() == Some("SEQ_CLS") && config.head == HeadKind::CausalLm {
             // A reward model trained from a causal LM: its head is in the adapter.
             let score = format!("{PEFT_PREFIX}score.weight");
             let (shape, _) = WeightFiles::open_adapter(dir)?.info(&score).map_err(|_| {
@@ -249,7 +246,7 @@ impl Model {
             })?;
             config.head = HeadKind::SequenceClassification { num_labels: shape[0] };
         }
-        let mut model = Self::load_config(&base_dir, device, config, None, Some(Adapters::Saved(lora, dir)))?;
+        let mut model = Self::load_config(&base_dir, device, config, None, Some(Adapters::Saved(file.config, dir)))?;
         model.dir = dir.to_path_buf();
         Ok(model)
     }
@@ -401,8 +398,7 @@ impl Model {
             model.train = Network::build(&model.config, &source.root_with(Some(&plan)))?;
         }
         if model.lora.is_some() {
-            let trainable: usize = model.params.trainable().map(|p| p.var.elem_count()).sum();
-            let all = model.params.numel();
+            let (trainable, all) = (model.params.trainable_numel(), model.params.numel());
             let share = 100.0 * trainable as f64 / all.max(1) as f64;
             tracing::info!("LoRA: {trainable} trainable parameters of {all} ({share:.2}%)");
         }

@@ -41,8 +41,7 @@ impl Model {
                     HeadKind::CausalLm => "CAUSAL_LM",
                     HeadKind::SequenceClassification { .. } => "SEQ_CLS",
                 };
-                let gpt2 = self.config().model_type == "gpt2";
-                let config = adapter_config_json(lora, &base.display().to_string(), task, gpt2);
+                let config = adapter_config_json(lora, &base.display().to_string(), task, self.conv1d_weights());
                 let tensors = self.params().trainable().map(|p| (format!("{PEFT_PREFIX}{}", p.name), p));
                 (ADAPTER_CONFIG, config, ADAPTER_WEIGHTS, tensors.collect())
             }
@@ -61,8 +60,8 @@ impl Model {
         let Some((lora, base)) = self.lora() else {
             return Err(Error::Invalid(format!("{} has no LoRA adapters to merge", self.dir().display())));
         };
-        // GPT-2's Conv1D weights are stored (in, out): their update is (B A)^T.
-        let transposed = self.config().model_type == "gpt2";
+        // Conv1D weights are stored (in, out): their update is (B A)^T.
+        let transposed = self.conv1d_weights();
         let mut stored = Vec::new();
         for p in self.params().iter().filter(|p| !is_adapter(&p.name)) {
             let mut w = p.var.as_tensor().clone();
@@ -79,6 +78,12 @@ impl Model {
         let files_from = if self.dir().join("tokenizer.json").is_file() { self.dir() } else { base };
         let config = self.config().to_json();
         write_dir_atomic(dir, |tmp| self.write_files(tmp, ("config.json", &config), SINGLE_FILE, &stored, files_from))
+    }
+
+    /// Whether the dense weights are GPT-2's `Conv1D`, stored (in, out)
+    /// (PEFT's `fan_in_fan_out`).
+    fn conv1d_weights(&self) -> bool {
+        self.config().model_type == "gpt2"
     }
 
     /// Writes a config and weights file, and carries over the tokenizer files

@@ -147,6 +147,13 @@ pub struct Param {
     pub frozen: bool,
 }
 
+impl Param {
+    /// A parameter that trains, saved back as `stored_dtype`.
+    fn new(name: &str, var: Var, stored_dtype: DType) -> Self {
+        Self { name: name.to_string(), var, stored_dtype, frozen: false }
+    }
+}
+
 /// The parameters of a model, in the order the architecture asked for them.
 #[derive(Clone, Default)]
 pub struct ParamStore {
@@ -178,7 +185,7 @@ impl ParamStore {
     pub fn from_vars(vars: Vec<(String, Var)>) -> Self {
         let mut store = Self::default();
         for (name, var) in vars {
-            store.push(Param { name, var, stored_dtype: DType::F32, frozen: false });
+            store.push(Param::new(&name, var, DType::F32));
         }
         store
     }
@@ -193,6 +200,11 @@ impl ParamStore {
     /// The parameters that train.
     pub fn trainable(&self) -> impl Iterator<Item = &Param> {
         self.params.iter().filter(|p| !p.frozen)
+    }
+
+    /// Number of scalar parameters that train.
+    pub fn trainable_numel(&self) -> usize {
+        self.trainable().map(|p| p.var.elem_count()).sum()
     }
 
     fn push(&mut self, param: Param) {
@@ -264,7 +276,7 @@ impl<'a> Source<'a> {
     }
 
     pub fn root(&'a self) -> Weights<'a> {
-        Weights { source: self, prefix: String::new(), plan: None }
+        self.root_with(None)
     }
 
     /// The root, attaching the adapters of `plan` (none: the base network).
@@ -277,7 +289,7 @@ impl<'a> Source<'a> {
         match self {
             Source::Files { store, .. } => {
                 let var = Var::from_tensor(&init.to_dtype(DType::F32)?)?;
-                store.borrow_mut().push(Param { name: name.to_string(), var, stored_dtype: DType::F32, frozen: false });
+                store.borrow_mut().push(Param::new(name, var, DType::F32));
                 Ok(())
             }
             _ => Err(Error::Invalid(format!("`{name}` can only be added to a model read from files"))),
@@ -296,7 +308,7 @@ impl<'a> Source<'a> {
             Source::Files { device, store, .. } | Source::Random { device, store, .. } if !self.has_stored(name) => {
                 let var = Var::from_tensor(&init(device)?)?;
                 let tensor = var.as_tensor().clone();
-                store.borrow_mut().push(Param { name: name.to_string(), var, stored_dtype: DType::F32, frozen: false });
+                store.borrow_mut().push(Param::new(name, var, DType::F32));
                 Ok(tensor)
             }
             _ => self.get(name, &Shape::from(shape)),
@@ -346,7 +358,7 @@ impl<'a> Source<'a> {
                 };
                 let var = Var::from_vec(values, shape.clone(), device)?;
                 let tensor = var.as_tensor().clone();
-                store.borrow_mut().push(Param { name: name.to_string(), var, stored_dtype: DType::F32, frozen: false });
+                store.borrow_mut().push(Param::new(name, var, DType::F32));
                 Ok(tensor)
             }
             Source::Files { files, device, store } => {
@@ -379,7 +391,7 @@ impl<'a> Source<'a> {
                 }
                 let var = Var::from_tensor(&loaded)?;
                 let tensor = var.as_tensor().clone();
-                store.borrow_mut().push(Param { name: name.to_string(), var, stored_dtype, frozen: false });
+                store.borrow_mut().push(Param::new(name, var, stored_dtype));
                 Ok(tensor)
             }
             Source::Store { store, detach, used } => {

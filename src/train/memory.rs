@@ -77,11 +77,6 @@ pub fn peak_rss_bytes() -> Option<u64> {
     ok.then(|| usage.ru_maxrss as u64 * 1024)
 }
 
-/// Bytes as GiB, for the run's summary.
-pub fn describe_bytes(bytes: u64) -> String {
-    gib(bytes)
-}
-
 /// Logs the estimate (the memory plan), as a warning when it exceeds the
 /// memory available.
 pub fn warn_if_short(estimate: &Estimate) {
@@ -104,6 +99,7 @@ fn available_bytes() -> Option<u64> {
     Some(kib * 1024)
 }
 
-fn gib(bytes: u64) -> String {
+/// Bytes as GiB.
+pub fn gib(bytes: u64) -> String {
     format!("{:.2} GiB", bytes as f64 / (1u64 << 30) as f64)
 }

@@ -14,10 +14,10 @@ use candle_core::{Device, Tensor};
 use serde::{Deserialize, Serialize};
 use serde_json::Value;
 
-use super::config::{in_range, Bound, Schedule};
+use super::config::Schedule;
 use super::harness::{Harness, HarnessOptions};
 use super::run_dir::Reuse;
-use super::supervised::{train_supervised, LoopOptions, Objective};
+use super::supervised::{train_supervised, validate_data, LoopOptions, Objective};
 use crate::data::split_eval;
 use crate::data::{DatasetSpec, Row};
 use crate::data::{Message, Prompt, Tokenizer};
@@ -232,8 +232,7 @@ impl SftConfig {
     /// Checks values that no type can express; messages name the option.
     pub fn validate(&self) -> Result<()> {
         self.loop_options().validate()?;
-        in_range("max_length", self.max_length as f64, Bound::Closed(1.0), Bound::Open(f64::INFINITY))?;
-        in_range("eval_fraction", self.eval_fraction, Bound::Closed(0.0), Bound::Open(1.0))
+        validate_data(self.max_length, self.eval_fraction)
     }
 }
 

@@ -62,6 +62,13 @@ impl LoopOptions {
     }
 }
 
+/// Checks the data options both supervised trainers share: the longest
+/// sequence and the held-out fraction.
+pub fn validate_data(max_length: usize, eval_fraction: f64) -> Result<()> {
+    in_range("max_length", max_length as f64, Bound::Closed(1.0), Bound::Open(f64::INFINITY))?;
+    in_range("eval_fraction", eval_fraction, Bound::Closed(0.0), Bound::Open(1.0))
+}
+
 /// What a trainer puts into the loop.
 pub trait Objective {
     type Example;

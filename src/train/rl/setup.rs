@@ -103,7 +103,7 @@ impl Run {
         let memory_plan = if device.is_cpu() {
             let longest = dataset.rows.iter().map(|r| r.ids.len()).max().unwrap_or(0);
             let params = policy.params().numel();
-            let trainable = policy.params().trainable().map(|p| p.var.elem_count()).sum();
+            let trainable = policy.params().trainable_numel();
             let critic_params = critic.as_ref().map_or(0, |c| c.model.params().numel());
             let estimate = memory::rloo_estimate(
                 cfg,
