@@ -6,6 +6,7 @@
 //! completions, `service` talks HTTP to what lives outside. The `rloo` binary is a thin command line over it.
 
 pub mod algo;
+pub mod check;
 pub mod data;
 pub mod error;
 pub mod eval;

@@ -186,6 +186,7 @@ pub fn run(opts: &PipelineOptions) -> Result<PathBuf> {
             eval_fraction: 0.1,
             output_dir: rm.display().to_string(),
             device: opts.device.clone(),
+            dtype: Default::default(),
             learning_rate: 1e-3,
             per_device_train_batch_size: 16,
             gradient_accumulation_steps: 1,

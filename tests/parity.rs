@@ -6,10 +6,9 @@ mod common;
 
 use candle_core::{DType, Device, Tensor};
 use common::*;
+use rloo::check::{self, Fixture, GRADIENT_TOLERANCE, LOGIT_TOLERANCE};
 use rloo::model::scoring::{completion_logprobs, completion_values, sequence_scores, Pair, Sequences};
 use rloo::model::{next_token_logprobs, Inputs, Model, PadSide};
-
-const LOGIT_TOL: f32 = 1e-4;
 
 fn inputs(reference: &std::collections::HashMap<String, Tensor>, side: &str) -> Inputs {
     let ids = &reference[&format!("{side}.input_ids")];
@@ -24,25 +23,32 @@ fn inputs(reference: &std::collections::HashMap<String, Tensor>, side: &str) -> 
 #[test]
 fn logits_match_transformers_on_padded_batches() {
     for name in MODELS {
-        let model = Model::load(&model_dir(name), &Device::Cpu).unwrap();
-        let reference = reference(name);
+        let fixture = Fixture::load(&fixtures(), name, &Device::Cpu, DType::F32).unwrap();
         for side in ["left", "right"] {
-            let inputs = inputs(&reference, side);
-            let expected = &reference[&format!("{side}.logits")];
-            for (which, net) in [("train", model.network()), ("frozen", model.frozen())] {
-                let logits = net.logits(&inputs, None).unwrap();
-                let diff = max_diff_masked(&logits, expected, &inputs.mask);
+            inputs(&fixture.reference, side);
+            for (which, net) in [("train", fixture.model.network()), ("frozen", fixture.model.frozen())] {
+                let diff = fixture.logits_error(net, side).unwrap();
                 println!("{name} {side} {which}: max |Δ logit| = {diff:.2e}");
-                assert!(diff <= LOGIT_TOL, "{name} {side} {which}: max |Δ logit| = {diff}");
+                assert!(diff <= LOGIT_TOLERANCE, "{name} {side} {which}: max |Δ logit| = {diff}");
             }
             if !is_causal(name) {
-                let scores = model.frozen().scores(&inputs).unwrap();
-                let diff = max_diff(&scores, &reference[&format!("{side}.scores")]);
+                let diff = fixture.scores_error(side).unwrap();
                 println!("{name} {side}: max |Δ score| = {diff:.2e}");
-                assert!(diff <= LOGIT_TOL, "{name} {side}: max |Δ score| = {diff}");
+                assert!(diff <= LOGIT_TOLERANCE, "{name} {side}: max |Δ score| = {diff}");
             }
         }
     }
+}
+
+/// bf16 mixed precision on the same fixtures: logits, scores, KV-cache
+/// decoding and gradients within bf16's tolerance of transformers' f32
+/// outputs, as `rloo check` measures them on any device.
+#[test]
+fn bf16_outputs_and_gradients_are_within_bf16_tolerance() {
+    let checks = check::check_fixtures(&fixtures(), &Device::Cpu, &[DType::BF16]);
+    print!("{}", check::table(&Device::Cpu, &checks));
+    assert_eq!(checks.len(), 3 * MODELS.len());
+    assert!(checks.iter().all(|c| c.passed()), "{}", check::table(&Device::Cpu, &checks));
 }
 
 #[test]
@@ -91,7 +97,7 @@ fn rows_sharing_a_prompt_score_as_they_do_alone() {
                 let want = next_token_logprobs(&logits, &inputs.ids).unwrap().to_vec2::<f32>().unwrap();
                 for (j, got) in together[i].iter().enumerate() {
                     let want = if j < c.len() { want[0][p.len() + j - 1] } else { 0.0 };
-                    assert!((got - want).abs() < LOGIT_TOL, "{name} row {i} token {j}: {got} vs {want} alone");
+                    assert!((got - want).abs() < LOGIT_TOLERANCE, "{name} row {i} token {j}: {got} vs {want} alone");
                 }
             }
         } else {
@@ -107,11 +113,11 @@ fn rows_sharing_a_prompt_score_as_they_do_alone() {
             for (i, (p, c)) in rows.iter().enumerate() {
                 let want = net.scores(&alone(p, c)).unwrap();
                 let got = Tensor::new(together[i].as_slice(), &dev).unwrap().unsqueeze(0).unwrap();
-                assert!(max_diff(&got, &want) < LOGIT_TOL, "{name} row {i}: score differs from the row alone");
+                assert!(max_diff(&got, &want) < LOGIT_TOLERANCE, "{name} row {i}: score differs from the row alone");
                 let per_position = net.logits(&alone(p, c), None).unwrap().to_vec3::<f32>().unwrap();
                 for (j, got) in values[i].iter().enumerate() {
                     let want = if j < c.len() { per_position[0][p.len() + j - 1][0] } else { 0.0 };
-                    assert!((got - want).abs() < LOGIT_TOL, "{name} row {i} value {j}: {got} vs {want} alone");
+                    assert!((got - want).abs() < LOGIT_TOLERANCE, "{name} row {i} value {j}: {got} vs {want} alone");
                 }
             }
         }
@@ -123,45 +129,10 @@ fn rows_sharing_a_prompt_score_as_they_do_alone() {
 #[test]
 fn kv_cache_decoding_matches_the_full_forward() {
     for name in MODELS {
-        let model = Model::load(&model_dir(name), &Device::Cpu).unwrap();
-        let reference = reference(name);
-        let full = inputs(&reference, "left");
-        let expected = &reference["left.logits"];
-        let net = model.frozen();
-        let t = full.seq_len();
-        let prefill = t - 4;
-        let mut cache = net.new_cache();
-        let first = Inputs {
-            ids: full.ids.narrow(1, 0, prefill).unwrap(),
-            mask: full.mask.narrow(1, 0, prefill).unwrap(),
-            positions: full.positions.narrow(1, 0, prefill).unwrap(),
-            segments: None,
-        };
-        let mut outputs = vec![net.logits(&first, Some(&mut cache)).unwrap()];
-        for step in prefill..t {
-            // One column per step; its mask marks rows still inside their left padding.
-            let column = |x: &Tensor| x.narrow(1, step, 1).unwrap();
-            let inputs = Inputs {
-                ids: column(&full.ids),
-                mask: column(&full.mask),
-                positions: column(&full.positions),
-                segments: None,
-            };
-            outputs.push(net.logits(&inputs, Some(&mut cache)).unwrap());
-        }
-        assert_eq!(cache.len(), t);
-        for (i, o) in outputs.iter().enumerate() {
-            let s = if i == 0 { 0 } else { prefill + i - 1 };
-            let n = o.dim(1).unwrap();
-            println!(
-                "chunk {i}: {:.2e}",
-                max_diff_masked(o, &expected.narrow(1, s, n).unwrap(), &full.mask.narrow(1, s, n).unwrap())
-            );
-        }
-        let decoded = Tensor::cat(&outputs, 1).unwrap();
-        let diff = max_diff_masked(&decoded, expected, &full.mask);
+        let fixture = Fixture::load(&fixtures(), name, &Device::Cpu, DType::F32).unwrap();
+        let diff = fixture.kv_cache_error().unwrap();
         println!("{name} kv-cache: max |Δ logit| = {diff:.2e}");
-        assert!(diff <= LOGIT_TOL, "{name} kv-cache: max |Δ logit| = {diff}");
+        assert!(diff <= LOGIT_TOLERANCE, "{name} kv-cache: max |Δ logit| = {diff}");
     }
 }
 
@@ -210,46 +181,17 @@ fn rows_sharing_cached_slots_decode_as_the_full_forward() {
         }
         assert_eq!(cache.len(), t);
         println!("{name} shared cache: max |Δ logit| = {worst:.2e}");
-        assert!(worst <= LOGIT_TOL, "{name} shared cache: max |Δ logit| = {worst}");
-    }
-}
-
-/// The loss of the reference script: mean next-token NLL over pairs whose
-/// both tokens are real (causal), or the sum of the pooled scores (seqcls).
-fn reference_loss(model: &Model, name: &str, inputs: &Inputs) -> Tensor {
-    if is_causal(name) {
-        let logits = model.network().logits(inputs, None).unwrap();
-        let logp = next_token_logprobs(&logits, &inputs.ids).unwrap();
-        let t = inputs.seq_len();
-        let pair_mask = (inputs.mask.narrow(1, 0, t - 1).unwrap() * inputs.mask.narrow(1, 1, t - 1).unwrap()).unwrap();
-        let total = (logp * &pair_mask).unwrap().sum_all().unwrap();
-        (total.neg().unwrap() / pair_mask.sum_all().unwrap().to_scalar::<f32>().unwrap() as f64).unwrap()
-    } else {
-        model.network().scores(inputs).unwrap().sum_all().unwrap()
+        assert!(worst <= LOGIT_TOLERANCE, "{name} shared cache: max |Δ logit| = {worst}");
     }
 }
 
 #[test]
 fn every_gradient_matches_transformers() {
     for name in MODELS {
-        let model = Model::load(&model_dir(name), &Device::Cpu).unwrap();
-        let reference = reference(name);
-        let inputs = inputs(&reference, "right");
-        let grads = reference_loss(&model, name, &inputs).backward().unwrap();
-        let expected: Vec<&String> = reference.keys().filter(|k| k.starts_with("grad.")).collect();
-        assert_eq!(expected.len(), model.params().len(), "{name}: parameter count differs from transformers");
-        let mut worst = 0f32;
-        for p in model.params().iter() {
-            let want = reference
-                .get(&format!("grad.{}", p.name))
-                .unwrap_or_else(|| panic!("{name}: transformers has no parameter `{}`", p.name));
-            let got = grads.get(&p.var).unwrap_or_else(|| panic!("{name}: no gradient for `{}`", p.name));
-            let scale = want.abs().unwrap().flatten_all().unwrap().max(0).unwrap().to_scalar::<f32>().unwrap().max(1.0);
-            let diff = max_diff(got, want) / scale;
-            assert!(diff <= 1e-4, "{name}: gradient of `{}` differs by {diff} (relative)", p.name);
-            worst = worst.max(diff);
-        }
-        println!("{name}: {} gradients, max relative |Δ| = {worst:.2e}", model.params().len());
+        let fixture = Fixture::load(&fixtures(), name, &Device::Cpu, DType::F32).unwrap();
+        let (n, worst) = fixture.gradient_error().unwrap();
+        println!("{name}: {n} gradients, max relative |Δ| = {worst:.2e}");
+        assert!(worst <= GRADIENT_TOLERANCE, "{name}: a gradient differs by {worst} (relative)");
     }
 }
 
@@ -258,10 +200,9 @@ fn every_gradient_matches_transformers() {
 #[test]
 fn every_parameter_gets_a_finite_nonzero_gradient() {
     for name in MODELS {
-        let model = Model::load(&model_dir(name), &Device::Cpu).unwrap();
-        let reference = reference(name);
-        let grads = reference_loss(&model, name, &inputs(&reference, "left")).backward().unwrap();
-        for p in model.params().iter() {
+        let fixture = Fixture::load(&fixtures(), name, &Device::Cpu, DType::F32).unwrap();
+        let grads = fixture.reference_loss("left").unwrap().backward().unwrap();
+        for p in fixture.model.params().iter() {
             let g = grads.get(&p.var).unwrap_or_else(|| panic!("{name}: `{}` got no gradient", p.name));
             let g: Vec<f32> = g.flatten_all().unwrap().to_vec1().unwrap();
             assert!(g.iter().all(|x| x.is_finite()), "{name}: `{}` has a non-finite gradient", p.name);

@@ -180,6 +180,18 @@ fn lora_learns_a_rule_reward_and_saves_a_peft_adapter() {
     assert!(std::fs::read_to_string(&completions).unwrap().lines().count() > 0);
 }
 
+/// bf16 mixed precision learns as f32 does (the same assertions), and the
+/// model is saved in its checkpoint's dtype from the f32 masters.
+#[test]
+fn bf16_mixed_precision_learns_a_rule_reward() {
+    let tmp = tempfile::tempdir().unwrap();
+    let out = tmp.path().join("run");
+    learning_run(&out, &["--rloo_k", "4", "--learning_rate", "1.5e-3", "--bf16"]);
+    let saved = candle_core::safetensors::load(out.join("model.safetensors"), &candle_core::Device::Cpu).unwrap();
+    assert!(saved.values().all(|t| t.dtype() == candle_core::DType::F32));
+    assert!(std::fs::read_to_string(out.join("rloo_config.toml")).unwrap().contains("dtype = \"bf16\""));
+}
+
 /// With a given thread count a run is bit-identical: two runs of the same
 /// command, and two steps, a stop and two more against four steps straight,
 /// give the same weight bytes, metrics and samples (no reduction whose split
@@ -193,6 +205,12 @@ fn the_same_seed_gives_a_bit_identical_run_and_resume() {
 #[test]
 fn lora_runs_and_resumes_bit_identically() {
     bit_identical_runs_and_resume(&["--use_peft", "--lora_r", "4"], &["adapter_model.safetensors"]);
+}
+
+/// The same in bf16: a resume rebuilds the bf16 copies from the f32 masters.
+#[test]
+fn bf16_runs_and_resumes_bit_identically() {
+    bit_identical_runs_and_resume(&["--bf16"], &["model.safetensors"]);
 }
 
 /// The same for PPO, whose critic and its optimizer state resume too.

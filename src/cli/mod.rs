@@ -3,6 +3,7 @@
 //! 1 for a failed run, 2 for a usage error and 130 for a run stopped by
 //! Ctrl-C or SIGTERM after saving its work.
 
+mod check;
 mod data;
 mod dataset_flags;
 mod eval;
@@ -33,6 +34,7 @@ pub struct Cli {
 
 #[derive(Debug, Subcommand)]
 enum Command {
+    Check(check::CheckArgs),
     /// Datasets: `rloo data inspect`, `rloo data prepare`.
     #[command(subcommand)]
     Data(data::DataCommand),
@@ -53,6 +55,7 @@ pub fn main() -> ExitCode {
     let cli = Cli::parse();
     init_logging(cli.verbose);
     let result = match cli.command {
+        Command::Check(args) => check::run(args),
         Command::Data(cmd) => data::run(cmd),
         Command::Eval(args) => eval::run(args),
         Command::Generate(args) => generate::run(args),

@@ -4,7 +4,7 @@
 use anyhow::{Context, Result};
 use clap::{Args, Subcommand};
 
-use rloo::model::parse_device;
+use rloo::model::{parse_device, Precision};
 use rloo::reward::serve::{serve, ServeOptions};
 use rloo::reward::RewardModel;
 use rloo::train::config::Schedule;
@@ -78,6 +78,9 @@ pub struct RewardTrainArgs {
     /// cpu, cuda, cuda:N or auto.
     #[arg(long, default_value = "auto")]
     device: String,
+    /// bf16 mixed precision: bf16 weights and activations, f32 master weights and optimizer state.
+    #[arg(long)]
+    bf16: bool,
     #[arg(long, default_value_t = 1e-5)]
     learning_rate: f64,
     /// Pairs per forward/backward.
@@ -152,6 +155,7 @@ fn train(a: RewardTrainArgs) -> Result<()> {
         eval_fraction: a.eval_fraction,
         output_dir: a.output_dir,
         device: a.device,
+        dtype: if a.bf16 { Precision::Bf16 } else { Precision::F32 },
         learning_rate: a.learning_rate,
         per_device_train_batch_size: a.per_device_train_batch_size,
         gradient_accumulation_steps: a.gradient_accumulation_steps,

@@ -3,6 +3,7 @@
 use anyhow::{Context, Result};
 use clap::Args;
 
+use rloo::model::Precision;
 use rloo::train::config::Schedule;
 
 use super::dataset_flags::TrainingDataFlags;
@@ -33,6 +34,9 @@ pub struct SftArgs {
     /// cpu, cuda, cuda:N or auto.
     #[arg(long, default_value_t = d().device)]
     device: String,
+    /// bf16 mixed precision: bf16 weights and activations, f32 master weights and optimizer state.
+    #[arg(long)]
+    bf16: bool,
     #[arg(long, default_value_t = d().learning_rate)]
     learning_rate: f64,
     /// Rows per forward/backward.
@@ -93,6 +97,7 @@ pub fn run(a: SftArgs) -> Result<()> {
         eval_fraction: a.eval_fraction,
         output_dir: a.output_dir,
         device: a.device,
+        dtype: if a.bf16 { Precision::Bf16 } else { Precision::F32 },
         learning_rate: a.learning_rate,
         per_device_train_batch_size: a.per_device_train_batch_size,
         gradient_accumulation_steps: a.gradient_accumulation_steps,

@@ -21,6 +21,9 @@ enum Kind {
     Bool,
     /// One or more words, as a TOML array of strings.
     Words,
+    /// A switch (`--bf16`, `--bf16 false`) that sets the key to its first
+    /// string when on and its second when off.
+    Switch(&'static str, &'static str),
 }
 
 /// (flag, config key, kind, help). The help's default is read from
@@ -69,6 +72,7 @@ const FLAGS: &[(&str, &str, Kind, &str)] = &[
     // Every other key.
     ("reference_model_path", "model.reference", Kind::Str, "KL reference model [none: the initial policy]"),
     ("device", "model.device", Kind::Str, "cpu, cuda, cuda:N or auto"),
+    ("bf16", "train.dtype", Kind::Switch("bf16", "f32"), "bf16 mixed precision: bf16 weights and activations, f32 master weights, optimizer state, log-softmax and losses"),
     ("prompt_column", "data.prompt_column", Kind::Str, "Column holding the prompt (string or chat messages)"),
     ("prompt_template", "data.template", Kind::Str, "Build prompts from columns instead, e.g. \"Summarize: {post}\""),
     ("chat", "data.chat", Kind::Bool, "Send text prompts as a user chat message (with the chat template)"),
@@ -165,13 +169,13 @@ impl clap::Args for TrainArgs {
                     Kind::Str => "TEXT",
                     Kind::Int => "N",
                     Kind::Float => "X",
-                    Kind::Bool => "BOOL",
+                    Kind::Bool | Kind::Switch(..) => "BOOL",
                     Kind::Words => "NAME",
                 })
                 .help(format!("{help} [default: {default}]"))
                 .help_heading(if key.starts_with("model") || key.is_empty() { "Model" } else { section_heading(key) });
             match kind {
-                Kind::Bool => {
+                Kind::Bool | Kind::Switch(..) => {
                     arg = arg.num_args(0..=1).default_missing_value("true").value_parser(clap::value_parser!(bool))
                 }
                 Kind::Words => arg = arg.num_args(1..),
@@ -214,6 +218,9 @@ impl clap::FromArgMatches for TrainArgs {
             }
             let value = match kind {
                 Kind::Bool => toml::Value::Boolean(*m.get_one::<bool>(flag).unwrap_or(&true)),
+                Kind::Switch(on, off) => {
+                    toml::Value::String(if *m.get_one::<bool>(flag).unwrap_or(&true) { on } else { off }.to_string())
+                }
                 Kind::Words => toml::Value::Array(
                     m.get_many::<String>(flag).into_iter().flatten().map(|w| toml::Value::String(w.clone())).collect(),
                 ),
@@ -247,7 +254,7 @@ fn typed(flag: &str, text: &str, kind: Kind) -> Result<toml::Value, clap::Error>
     Ok(match kind {
         Kind::Int => toml::Value::Integer(text.parse().map_err(|_| bad("an integer"))?),
         Kind::Float => toml::Value::Float(text.parse().map_err(|_| bad("a number"))?),
-        Kind::Str | Kind::Bool | Kind::Words => toml::Value::String(text.to_string()),
+        Kind::Str | Kind::Bool | Kind::Words | Kind::Switch(..) => toml::Value::String(text.to_string()),
     })
 }
 
@@ -269,6 +276,9 @@ pub fn run(args: TrainArgs) -> Result<()> {
     if let (plan, Some(peak)) = summary.memory {
         let plan = plan.map_or(String::new(), |p| format!(" (planned at start-up: {})", memory::gib(p)));
         eprintln!("peak memory {}{plan}", memory::gib(peak));
+    }
+    if let Some(device) = summary.device_memory {
+        eprintln!("{}", device.describe());
     }
     Ok(())
 }

@@ -1,7 +1,8 @@
 //! Choosing where tensors live: `cpu`, `cuda[:N]`, or `auto` (the first GPU
 //! when rloo was built with the `cuda` feature and one is present).
 
-use candle_core::Device;
+use candle_core::{DType, Device};
+use serde::{Deserialize, Serialize};
 
 use crate::error::{Error, Result};
 
@@ -15,6 +16,28 @@ pub fn parse_device(name: &str) -> Result<Device> {
             Some(Ok(ordinal)) => cuda(ordinal),
             _ => Err(Error::Invalid(format!("--device `{name}` is not a device (expected cpu, auto, cuda or cuda:N)"))),
         },
+    }
+}
+
+/// The dtype a model computes in: `f32`, or `bf16` mixed precision (bf16
+/// weights and activations; f32 master weights, optimizer state,
+/// log-softmax and losses).
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum Precision {
+    #[default]
+    #[serde(alias = "float32", alias = "fp32")]
+    F32,
+    #[serde(alias = "bfloat16")]
+    Bf16,
+}
+
+impl Precision {
+    pub fn dtype(self) -> DType {
+        match self {
+            Self::F32 => DType::F32,
+            Self::Bf16 => DType::BF16,
+        }
     }
 }
 

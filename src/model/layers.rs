@@ -10,7 +10,6 @@ use super::batch::{attention_bias, Inputs};
 use super::cache::KvCache;
 use super::kernels::{self, decode_attention};
 use super::lora::Adapter;
-use super::ops;
 use super::rope::Rope;
 use super::weights::Weights;
 use crate::error::Result as LoadResult;
@@ -84,7 +83,6 @@ pub fn self_attention(
     scale: f64,
 ) -> Result<Tensor> {
     let (b, t, n_heads, d) = qkv.q.dims4()?;
-    let n_kv = qkv.k.dim(2)?;
     if let (Some(whole), None, true) = (&ctx.whole, &cache, kernels::fused(&qkv.q)) {
         return match &qkv.packed {
             Some((fused, packing)) => kernels::attention_packed(fused, *packing, n_heads, d, whole, scale),
@@ -99,13 +97,13 @@ pub fn self_attention(
         q = kernels::rotary(&q, tables)?;
         k = kernels::rotary(&k, tables)?;
     } else if let Some((cos, sin)) = &ctx.rotary {
-        q = ops::apply_rotary(&q, cos, sin)?;
-        k = ops::apply_rotary(&k, cos, sin)?;
+        q = kernels::rotate(&q, cos, sin)?;
+        k = kernels::rotate(&k, cos, sin)?;
     }
     let (k, v) = match cache {
         Some(cache) => {
             let kv = cache.append(layer, &k, &v)?;
-            if let Some(mask) = &ctx.decode_mask {
+            if let (Some(mask), true) = (&ctx.decode_mask, kernels::fused(&q)) {
                 let out = decode_attention(&q, &kv, mask, scale)?;
                 return out.transpose(1, 2)?.reshape((b, t, n_heads * d));
             }
@@ -113,9 +111,7 @@ pub fn self_attention(
         }
         None => (k, v),
     };
-    let k = ops::repeat_kv(&k, n_heads / n_kv)?;
-    let v = ops::repeat_kv(&v, n_heads / n_kv)?;
-    let out = ops::attention(&q, &k, &v, &ctx.bias, scale)?;
+    let out = kernels::sdpa(&q, &k, &v, &ctx.bias, scale)?;
     // (B, H, T, D) -> (B, T, H * D)
     out.transpose(1, 2)?.reshape((b, t, n_heads * d))
 }

@@ -147,7 +147,7 @@ impl Dropout {
             let mut rng = self.rng.lock().unwrap_or_else(PoisonError::into_inner);
             (0..x.elem_count()).map(|_| if rng.uniform() < keep { (1.0 / keep) as f32 } else { 0.0 }).collect()
         };
-        x * Tensor::from_vec(mask, x.shape(), x.device())?
+        x * Tensor::from_vec(mask, x.shape(), x.device())?.to_dtype(x.dtype())?
     }
 }
 

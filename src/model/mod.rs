@@ -26,7 +26,7 @@ pub mod weights;
 pub use batch::{Inputs, PadSide};
 pub use cache::KvCache;
 pub use config::{HeadKind, ModelConfig, SUPPORTED_MODEL_TYPES};
-pub use device::parse_device;
+pub use device::{parse_device, Precision};
 pub use generation_config::GenerationConfig;
 pub use network::{next_token_logprobs, Decoder, Model, Network};
 pub use weights::ParamStore;

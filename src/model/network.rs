@@ -5,7 +5,7 @@
 use std::collections::HashMap;
 use std::path::{Path, PathBuf};
 
-use candle_core::{Device, Result as TResult, Tensor, D};
+use candle_core::{DType, Device, Result as TResult, Tensor, D};
 
 use super::batch::Inputs;
 use super::cache::KvCache;
@@ -92,9 +92,11 @@ impl Network {
 
     /// Applies the head to hidden states (..., H), e.g. to a gathered subset
     /// of positions so the full (B, T, V) logits are never materialised.
+    /// Logits and scores are f32 whatever the compute dtype: log-softmax,
+    /// sampling and losses read them.
     pub fn project(&self, hidden: &Tensor) -> TResult<Tensor> {
         match &self.head {
-            Head::Lm(head) | Head::Score(head) => head.forward(hidden),
+            Head::Lm(head) | Head::Score(head) => head.forward(hidden)?.to_dtype(DType::F32),
         }
     }
 
@@ -182,6 +184,8 @@ struct Lora {
     config: LoraConfig,
     base_dir: PathBuf,
     base: Network,
+    /// The dropout the training network applies to the adapters' inputs.
+    dropout: Option<Dropout>,
 }
 
 /// Where a model's adapters come from.
@@ -318,7 +322,7 @@ impl Model {
         let train = Network::build(&config, &Source::store(&params, Detach::Frozen).root_with(Some(&plan)))?;
         let frozen = Network::build(&config, &Source::store(&params, Detach::All).root_with(Some(&plan)))?;
         let base = Network::build(&config, &Source::store(&params, Detach::All).root())?;
-        let lora = Some(Lora { config: lora, base_dir: dir.to_path_buf(), base });
+        let lora = Some(Lora { config: lora, base_dir: dir.to_path_buf(), base, dropout: None });
         Ok(Self { config, params, train, frozen, dir: dir.to_path_buf(), lora })
     }
 
@@ -358,6 +362,11 @@ impl Model {
         &self.params
     }
 
+    /// Where the weights live.
+    pub fn device(&self) -> Device {
+        self.params.iter().next().map_or(Device::Cpu, |p| p.var.device().clone())
+    }
+
     /// The network whose outputs carry gradients to [`Model::params`].
     pub fn network(&self) -> &Network {
         &self.train
@@ -391,11 +400,9 @@ impl Model {
                 None => Self::load_with_head(dir, device, head, seed)?,
             }
         };
-        if let Some(l) = model.lora.as_ref().filter(|l| dropout && l.config.dropout > 0.0) {
-            let mut plan = AdapterPlan::new(l.config.clone(), seed);
-            plan.dropout = Some(Dropout::new(l.config.dropout, seed));
-            let source = Source::store(&model.params, Detach::Frozen);
-            model.train = Network::build(&model.config, &source.root_with(Some(&plan)))?;
+        if let Some(l) = model.lora.as_mut().filter(|l| dropout && l.config.dropout > 0.0) {
+            l.dropout = Some(Dropout::new(l.config.dropout, seed));
+            model.build_networks()?;
         }
         if model.lora.is_some() {
             let (trainable, all) = (model.params.trainable_numel(), model.params.numel());
@@ -403,6 +410,47 @@ impl Model {
             tracing::info!("LoRA: {trainable} trainable parameters of {all} ({share:.2}%)");
         }
         Ok(model)
+    }
+
+    /// The model computing in `dtype` (bf16 mixed precision: the networks
+    /// compute in bf16 while the parameters that train keep f32 masters;
+    /// see [`ParamStore::set_compute_dtype`]). `trains`: whether an
+    /// optimizer will update it; a model that only samples or scores keeps
+    /// no f32 copy.
+    pub fn with_dtype(mut self, dtype: DType, trains: bool) -> Result<Self> {
+        if dtype == self.dtype() && (trains || self.params.iter().all(|p| p.var.dtype() == dtype)) {
+            return Ok(self);
+        }
+        self.params.set_compute_dtype(dtype, trains)?;
+        self.build_networks()?;
+        Ok(self)
+    }
+
+    /// The dtype the networks compute in.
+    pub fn dtype(&self) -> DType {
+        self.params.compute_dtype()
+    }
+
+    /// Builds the networks on the parameters: the training one (with the
+    /// adapters' dropout), the detached one, and the base without adapters.
+    fn build_networks(&mut self) -> Result<()> {
+        let plan = |dropout: Option<Dropout>| {
+            self.lora.as_ref().map(|l| {
+                let mut plan = AdapterPlan::new(l.config.clone(), 0);
+                plan.dropout = dropout;
+                plan
+            })
+        };
+        let train_plan = plan(self.lora.as_ref().and_then(|l| l.dropout.clone()));
+        self.train =
+            Network::build(&self.config, &Source::store(&self.params, Detach::Frozen).root_with(train_plan.as_ref()))?;
+        let frozen_plan = plan(None);
+        self.frozen =
+            Network::build(&self.config, &Source::store(&self.params, Detach::All).root_with(frozen_plan.as_ref()))?;
+        if let Some(l) = &mut self.lora {
+            l.base = Network::build(&self.config, &Source::store(&self.params, Detach::All).root())?;
+        }
+        Ok(())
     }
 
     /// With LoRA adapters: the network without them (the base model, on

@@ -9,6 +9,9 @@ use candle_core::{DType, Result, Tensor, D};
 
 /// `x @ w^T + b` for `x` of shape (..., in) and a PyTorch-layout weight (out, in).
 pub fn linear(x: &Tensor, weight: &Tensor, bias: Option<&Tensor>) -> Result<Tensor> {
+    // cuBLAS reads rows of a strided view (a gathered position) only when
+    // they are packed; the CPU's gemm takes any strides.
+    let x = if x.device().is_cpu() { x.clone() } else { x.contiguous()? };
     let y = match x.dims() {
         // (B, T, in) -> (B*T, in) so one matmul covers the batch.
         [b, t, _] => {
@@ -23,18 +26,32 @@ pub fn linear(x: &Tensor, weight: &Tensor, bias: Option<&Tensor>) -> Result<Tens
     }
 }
 
-/// LayerNorm over the last dimension: `(x - mean) / sqrt(var + eps) * w + b`.
-pub fn layernorm(x: &Tensor, weight: &Tensor, bias: &Tensor, eps: f64) -> Result<Tensor> {
-    let centered = x.broadcast_sub(&x.mean_keepdim(D::Minus1)?)?;
-    let var = centered.sqr()?.mean_keepdim(D::Minus1)?;
-    let normed = centered.broadcast_div(&(var + eps)?.sqrt()?)?;
-    normed.broadcast_mul(weight)?.broadcast_add(bias)
+/// `x` in f32 if it is a half-precision type: norms' statistics need it.
+fn widened(x: &Tensor) -> Result<Tensor> {
+    match x.dtype() {
+        DType::BF16 | DType::F16 => x.to_dtype(DType::F32),
+        _ => Ok(x.clone()),
+    }
 }
 
-/// RMSNorm over the last dimension: `x / sqrt(mean(x^2) + eps) * w` (Llama, Qwen).
+/// LayerNorm over the last dimension: `(x - mean) / sqrt(var + eps) * w + b`,
+/// computed in f32 (at least) whatever the input's dtype.
+pub fn layernorm(x: &Tensor, weight: &Tensor, bias: &Tensor, eps: f64) -> Result<Tensor> {
+    let wide = widened(x)?;
+    let centered = wide.broadcast_sub(&wide.mean_keepdim(D::Minus1)?)?;
+    let var = centered.sqr()?.mean_keepdim(D::Minus1)?;
+    let normed = centered.broadcast_div(&(var + eps)?.sqrt()?)?;
+    let (weight, bias) = (weight.to_dtype(wide.dtype())?, bias.to_dtype(wide.dtype())?);
+    normed.broadcast_mul(&weight)?.broadcast_add(&bias)?.to_dtype(x.dtype())
+}
+
+/// RMSNorm over the last dimension: `x / sqrt(mean(x^2) + eps) * w` (Llama,
+/// Qwen), normalised in f32 (at least) and scaled in the input's dtype as
+/// transformers does.
 pub fn rmsnorm(x: &Tensor, weight: &Tensor, eps: f64) -> Result<Tensor> {
-    let ms = x.sqr()?.mean_keepdim(D::Minus1)?;
-    x.broadcast_div(&(ms + eps)?.sqrt()?)?.broadcast_mul(weight)
+    let wide = widened(x)?;
+    let ms = wide.sqr()?.mean_keepdim(D::Minus1)?;
+    wide.broadcast_div(&(ms + eps)?.sqrt()?)?.to_dtype(x.dtype())?.broadcast_mul(weight)
 }
 
 /// Softmax over the last dimension. The max is subtracted for stability and
@@ -53,7 +70,8 @@ pub fn log_softmax_last(x: &Tensor) -> Result<Tensor> {
     shifted.broadcast_sub(&lse)
 }
 
-/// The activation functions named by `hidden_act` / `activation_function`.
+/// The activation functions named by `hidden_act` / `activation_function`
+/// (the CUDA kernels number them in this order).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum Activation {
     /// Exact GELU with erf (`gelu`).
@@ -94,6 +112,7 @@ impl Activation {
 ///
 /// x: (B, H, T, D); cos, sin: (B, 1, T, R) with R <= D, R even.
 pub fn apply_rotary(x: &Tensor, cos: &Tensor, sin: &Tensor) -> Result<Tensor> {
+    let (cos, sin) = (&cos.to_dtype(x.dtype())?, &sin.to_dtype(x.dtype())?);
     let head_dim = x.dim(D::Minus1)?;
     let rot = cos.dim(D::Minus1)?;
     let x_rot = x.narrow(D::Minus1, 0, rot)?;

@@ -140,17 +140,28 @@ fn view_dtype(d: safetensors::Dtype) -> Option<DType> {
 #[derive(Clone)]
 pub struct Param {
     pub name: String,
+    /// The master copy: f32, or the compute dtype for a weight that never
+    /// trains in a model computing in a narrower dtype.
     pub var: Var,
     pub stored_dtype: DType,
     /// A base weight under LoRA adapters: it gets no gradient and no
     /// optimizer state, and an adapter save leaves it out.
     pub frozen: bool,
+    /// The copy the networks compute with when it differs from the master
+    /// (bf16 compute): derived from the master, so gradients reach the
+    /// master in f32; refreshed in place after every optimizer step.
+    compute: Option<Tensor>,
 }
 
 impl Param {
     /// A parameter that trains, saved back as `stored_dtype`.
     fn new(name: &str, var: Var, stored_dtype: DType) -> Self {
-        Self { name: name.to_string(), var, stored_dtype, frozen: false }
+        Self { name: name.to_string(), var, stored_dtype, frozen: false, compute: None }
+    }
+
+    /// The tensor the networks compute with.
+    pub fn compute(&self) -> &Tensor {
+        self.compute.as_ref().unwrap_or_else(|| self.var.as_tensor())
     }
 }
 
@@ -205,6 +216,48 @@ impl ParamStore {
     /// Number of scalar parameters that train.
     pub fn trainable_numel(&self) -> usize {
         self.trainable().map(|p| p.var.elem_count()).sum()
+    }
+
+    /// Makes the networks built on this store compute in `dtype`. A
+    /// parameter that trains keeps its f32 master and gains a compute copy
+    /// derived from it; the others (frozen, or every one when `trains` is
+    /// false) are converted in place: nothing updates them, so a master
+    /// would only take memory.
+    pub fn set_compute_dtype(&mut self, dtype: DType, trains: bool) -> Result<()> {
+        for p in &mut self.params {
+            if p.var.dtype() == dtype && p.compute.is_none() {
+                continue;
+            }
+            if trains && !p.frozen {
+                let master = if p.var.dtype() == DType::F32 {
+                    p.var.clone()
+                } else {
+                    Var::from_tensor(&p.var.to_dtype(DType::F32)?)?
+                };
+                p.compute = (dtype != DType::F32).then(|| master.to_dtype(dtype)).transpose()?;
+                p.var = master;
+            } else {
+                p.var = Var::from_tensor(&p.compute().to_dtype(dtype)?.detach())?;
+                p.compute = None;
+            }
+        }
+        Ok(())
+    }
+
+    /// The dtype the networks compute in.
+    pub fn compute_dtype(&self) -> DType {
+        self.params.iter().find(|p| !p.frozen).or(self.params.first()).map_or(DType::F32, |p| p.compute().dtype())
+    }
+
+    /// Copies the masters into the compute copies, in place, so the
+    /// networks built on them see the optimizer's update.
+    pub fn sync_compute(&self) -> Result<()> {
+        for p in &self.params {
+            if let Some(copy) = &p.compute {
+                copy.slice_set(&p.var.to_dtype(copy.dtype())?, 0, 0)?;
+            }
+        }
+        Ok(())
     }
 
     fn push(&mut self, param: Param) {
@@ -405,7 +458,7 @@ impl<'a> Source<'a> {
                 }
                 used.borrow_mut().insert(name.to_string());
                 let detached = *detach == Detach::All || p.frozen;
-                Ok(if detached { p.var.as_tensor().detach() } else { p.var.as_tensor().clone() })
+                Ok(if detached { p.compute().detach() } else { p.compute().clone() })
             }
         }
     }

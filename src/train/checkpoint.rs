@@ -96,13 +96,14 @@ pub fn load_state(dir: &Path) -> Result<TrainerState> {
 }
 
 /// Loads the model saved as `subdir` of a checkpoint and restores its
-/// optimizer, which has made `optimizer_step` steps.
+/// optimizer, which has made `optimizer_step` steps, to compute in `dtype`.
 pub fn load_part(
     dir: &Path,
     subdir: &str,
     device: &Device,
     optimizer: &mut AdamW,
     optimizer_step: usize,
+    dtype: DType,
 ) -> Result<Model> {
     let at = dir.join(subdir);
     let model = Model::load(&at, device)?;
@@ -115,7 +116,7 @@ pub fn load_part(
         }
     }
     optimizer.load_state(tensors, optimizer_step, model.params())?;
-    Ok(model)
+    model.with_dtype(dtype, true)
 }
 
 /// Deletes the oldest checkpoints beyond `limit` (0: keep all).

@@ -12,6 +12,7 @@ use serde::{Deserialize, Serialize};
 use crate::algo::{Aggregation, Baseline, KlEstimator, KlPlacement, RatioLevel};
 use crate::error::{Error, Result};
 use crate::model::lora::PeftOptions;
+use crate::model::Precision;
 use crate::reward::RewardSpec;
 
 #[derive(Debug, Clone, Default, Serialize, Deserialize)]
@@ -302,6 +303,8 @@ pub struct TrainSection {
     pub adam_epsilon: f64,
     /// Clip gradients to this global norm (0: off).
     pub max_grad_norm: f64,
+    /// f32, or bf16 mixed precision (f32 master weights and optimizer state).
+    pub dtype: Precision,
     pub seed: u64,
     /// Log metrics every N rollout steps.
     pub logging_steps: usize,
@@ -343,6 +346,7 @@ impl Default for TrainSection {
             adam_beta2: 0.999,
             adam_epsilon: 1e-8,
             max_grad_norm: 1.0,
+            dtype: Precision::F32,
             seed: 42,
             logging_steps: 1,
             save_steps: 100,

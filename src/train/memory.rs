@@ -77,6 +77,45 @@ pub fn peak_rss_bytes() -> Option<u64> {
     ok.then(|| usage.ru_maxrss as u64 * 1024)
 }
 
+/// GPU memory in use on `device` (by every process, the CUDA context
+/// included), in bytes; None on the CPU.
+pub fn device_used_bytes(device: &candle_core::Device) -> Option<u64> {
+    #[cfg(feature = "cuda")]
+    if let candle_core::Device::Cuda(dev) = device {
+        let (free, total) = dev.cuda_stream().context().mem_get_info().ok()?;
+        return Some(total.saturating_sub(free) as u64);
+    }
+    let _ = device;
+    None
+}
+
+/// GPU memory in use at the end of each step: the first, the last and the
+/// largest reading, to show whether a run grows.
+#[derive(Debug, Clone, Copy)]
+pub struct DeviceMemory {
+    pub first: u64,
+    pub last: u64,
+    pub max: u64,
+}
+
+impl DeviceMemory {
+    pub fn add(seen: Option<Self>, used: u64) -> Self {
+        match seen {
+            None => Self { first: used, last: used, max: used },
+            Some(m) => Self { last: used, max: m.max.max(used), ..m },
+        }
+    }
+
+    pub fn describe(&self) -> String {
+        format!(
+            "GPU memory in use {} after the first step, {} after the last (at most {})",
+            gib(self.first),
+            gib(self.last),
+            gib(self.max)
+        )
+    }
+}
+
 /// Logs the estimate (the memory plan), as a warning when it exceeds the
 /// memory available.
 pub fn warn_if_short(estimate: &Estimate) {

@@ -151,12 +151,12 @@ impl AdamW {
         for p in params.iter() {
             let Some(g) = grads.get(&p.var) else { continue };
             let w = p.var.as_tensor();
-            let (m, v) = match self.moments.remove(&p.name) {
+            let (mut m, mut v) = match self.moments.remove(&p.name) {
                 Some(mv) => mv,
                 None => (w.zeros_like()?, w.zeros_like()?),
             };
             let decay = if self.weight_decay > 0.0 && decays(&p.name) { 1.0 - lr * self.weight_decay } else { 1.0 };
-            let fused = AdamWStep {
+            let update = AdamWStep {
                 beta1: self.beta1 as f32,
                 beta2: self.beta2 as f32,
                 eps: self.eps as f32,
@@ -165,21 +165,11 @@ impl AdamW {
                 bias2: bias2 as f32,
                 decay: decay as f32,
             };
-            if kernels::adamw(w, g, &m, &v, fused)? {
-                self.moments.insert(p.name.clone(), (m, v));
-                continue;
-            }
-            let m = ((m * self.beta1)? + (g * (1.0 - self.beta1))?)?;
-            let v = ((v * self.beta2)? + (g.sqr()? * (1.0 - self.beta2))?)?;
-            let mut new_w = w.detach();
-            if decay != 1.0 {
-                new_w = (new_w * decay)?;
-            }
-            let denom = ((v.sqrt()? / bias2.sqrt())? + self.eps)?;
-            new_w = (new_w - ((&m / denom)? * (lr / bias1))?)?;
-            p.var.set(&new_w)?;
+            kernels::adamw(&p.var, g, &mut m, &mut v, update)?;
             self.moments.insert(p.name.clone(), (m, v));
         }
+        // The networks compute with copies of the masters (bf16).
+        params.sync_compute()?;
         Ok(())
     }
 

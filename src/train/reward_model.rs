@@ -22,7 +22,7 @@ use crate::generate::Rng;
 use crate::model::hub::resolve_model;
 use crate::model::lora::PeftOptions;
 use crate::model::ops::log_softmax_last;
-use crate::model::{parse_device, HeadKind, Inputs, Model, Network, PadSide};
+use crate::model::{parse_device, HeadKind, Inputs, Model, Network, PadSide, Precision};
 use crate::report::Metrics;
 use crate::reward::model::encode_pair;
 
@@ -35,6 +35,8 @@ pub struct RewardTrainConfig {
     pub eval_fraction: f64,
     pub output_dir: String,
     pub device: String,
+    /// f32, or bf16 mixed precision (f32 master weights and optimizer state).
+    pub dtype: Precision,
     pub learning_rate: f64,
     /// Pairs per forward/backward.
     pub per_device_train_batch_size: usize,
@@ -232,7 +234,8 @@ pub fn train_reward_model(cfg: &RewardTrainConfig) -> Result<RewardTrainSummary>
     let dir = resolve_model(&cfg.model)?;
     let head = HeadKind::SequenceClassification { num_labels: 1 };
     // The score head trains in full beside the adapters (PEFT's modules_to_save).
-    let mut model = Model::load_trainable(&dir, &device, head, (&cfg.peft, &["score"]), cfg.seed, true)?;
+    let mut model = Model::load_trainable(&dir, &device, head, (&cfg.peft, &["score"]), cfg.seed, true)?
+        .with_dtype(cfg.dtype.dtype(), true)?;
     let tok = Tokenizer::from_dir(&dir)?;
     tok.check_model(model.config())?;
     let context = model.config().context_length();

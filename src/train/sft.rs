@@ -27,7 +27,7 @@ use crate::generate::Rng;
 use crate::model::hub::resolve_model;
 use crate::model::lora::PeftOptions;
 use crate::model::scoring::{completion_logprobs, Sequences};
-use crate::model::{parse_device, HeadKind, Model, Network};
+use crate::model::{parse_device, HeadKind, Model, Network, Precision};
 use crate::report::Metrics;
 
 #[derive(Debug, Clone, Serialize, Deserialize)]
@@ -40,6 +40,8 @@ pub struct SftConfig {
     pub eval_fraction: f64,
     pub output_dir: String,
     pub device: String,
+    /// f32, or bf16 mixed precision (f32 master weights and optimizer state).
+    pub dtype: Precision,
     pub learning_rate: f64,
     pub per_device_train_batch_size: usize,
     pub gradient_accumulation_steps: usize,
@@ -71,6 +73,7 @@ impl Default for SftConfig {
             eval_fraction: 0.0,
             output_dir: "runs/sft".into(),
             device: "auto".into(),
+            dtype: Precision::F32,
             learning_rate: 2e-5,
             per_device_train_batch_size: 8,
             gradient_accumulation_steps: 1,
@@ -284,7 +287,8 @@ pub fn train_sft(cfg: &SftConfig) -> Result<SftSummary> {
     let run_dir = Harness::lock(&output_dir, if cfg.overwrite_output_dir { Reuse::Overwrite } else { Reuse::Fresh })?;
     let device = parse_device(&cfg.device)?;
     let dir = resolve_model(&cfg.model)?;
-    let model = Model::load_trainable(&dir, &device, HeadKind::CausalLm, (&cfg.peft, &[]), cfg.seed, true)?;
+    let model = Model::load_trainable(&dir, &device, HeadKind::CausalLm, (&cfg.peft, &[]), cfg.seed, true)?
+        .with_dtype(cfg.dtype.dtype(), true)?;
     if model.head() != HeadKind::CausalLm {
         return Err(Error::bad_file(&dir, "SFT needs a causal LM"));
     }

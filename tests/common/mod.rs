@@ -61,16 +61,9 @@ pub fn is_causal(name: &str) -> bool {
 
 /// Max |a - b| over entries where `mask` (broadcast from the leading dims) is 1.
 pub fn max_diff_masked(a: &Tensor, b: &Tensor, mask: &Tensor) -> f32 {
-    assert_eq!(a.dims(), b.dims(), "shapes differ");
-    let diff = (a - b).unwrap().abs().unwrap();
-    let mut mask = mask.to_dtype(candle_core::DType::F32).unwrap();
-    while mask.rank() < diff.rank() {
-        mask = mask.unsqueeze(mask.rank()).unwrap();
-    }
-    diff.broadcast_mul(&mask).unwrap().flatten_all().unwrap().max(0).unwrap().to_scalar::<f32>().unwrap()
+    rloo::check::max_diff_masked(a, b, mask).unwrap()
 }
 
 pub fn max_diff(a: &Tensor, b: &Tensor) -> f32 {
-    assert_eq!(a.dims(), b.dims(), "shapes differ");
-    (a - b).unwrap().abs().unwrap().flatten_all().unwrap().max(0).unwrap().to_scalar::<f32>().unwrap()
+    rloo::check::max_diff(a, b).unwrap()
 }

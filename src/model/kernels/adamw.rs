@@ -2,7 +2,7 @@
 //! a dozen whole-tensor ops per parameter, each allocating its result, and
 //! a copy back into the parameter.
 
-use candle_core::{CpuStorage, InplaceOp2, InplaceOp3, Layout, Result, Tensor};
+use candle_core::{CpuStorage, InplaceOp2, InplaceOp3, Layout, Result, Tensor, Var};
 use rayon::prelude::*;
 
 use super::math::with_avx2;
@@ -21,18 +21,28 @@ pub struct AdamWStep {
     pub decay: f32,
 }
 
-/// Updates the moments `m`, `v` and the weight `w` in place from the
-/// gradient `g`, as PyTorch's AdamW does. Returns false, touching nothing,
-/// where the kernel does not apply (not f32 on the CPU, or not contiguous).
-pub fn adamw(w: &Tensor, g: &Tensor, m: &Tensor, v: &Tensor, step: AdamWStep) -> Result<bool> {
-    let all = [w, g, m, v];
-    if !all.iter().all(|t| super::fused(t) && t.is_contiguous() && t.shape() == w.shape()) {
-        return Ok(false);
+/// One AdamW step of `w` from the gradient `g`, as PyTorch's AdamW does:
+/// the moments `m`, `v` and the weight are updated in place by the fused
+/// kernel (f32, contiguous, on the CPU or a GPU), or replaced by the
+/// composition's results otherwise.
+pub fn adamw(w: &Var, g: &Tensor, m: &mut Tensor, v: &mut Tensor, step: AdamWStep) -> Result<()> {
+    let all = [w.as_tensor(), g, m, v];
+    let f32_kernel = all.iter().all(|t| t.dtype() == candle_core::DType::F32) && super::runs(&all);
+    if f32_kernel && all.iter().all(|t| t.is_contiguous() && t.shape() == w.shape()) {
+        m.inplace_op2(g, &Moment { beta: step.beta1, squared: false })?;
+        v.inplace_op2(g, &Moment { beta: step.beta2, squared: true })?;
+        return w.inplace_op3(m, v, &Update(step));
     }
-    m.inplace_op2(g, &Moment { beta: step.beta1, squared: false })?;
-    v.inplace_op2(g, &Moment { beta: step.beta2, squared: true })?;
-    w.inplace_op3(m, v, &Update(step))?;
-    Ok(true)
+    let (beta1, beta2) = (step.beta1 as f64, step.beta2 as f64);
+    *m = ((&*m * beta1)? + (g * (1.0 - beta1))?)?;
+    *v = ((&*v * beta2)? + (g.sqr()? * (1.0 - beta2))?)?;
+    let mut new_w = w.as_tensor().detach();
+    if step.decay != 1.0 {
+        new_w = (new_w * step.decay as f64)?;
+    }
+    let denom = ((v.sqrt()? / (step.bias2 as f64).sqrt())? + step.eps as f64)?;
+    new_w = (new_w - ((&*m / denom)? * (step.lr / step.bias1) as f64)?)?;
+    w.set(&new_w)
 }
 
 /// Elements per parallel task.
@@ -72,6 +82,17 @@ impl InplaceOp2 for Moment {
         });
         Ok(())
     }
+
+    #[cfg(feature = "cuda")]
+    fn cuda_fwd(
+        &self,
+        dst: &mut candle_core::CudaStorage,
+        dst_l: &Layout,
+        g: &candle_core::CudaStorage,
+        g_l: &Layout,
+    ) -> Result<()> {
+        super::cuda::adamw_moment(dst, dst_l, g, g_l, self.beta, self.squared)
+    }
 }
 
 /// `w = decay w - lr / bias1 * m / (sqrt(v) / sqrt(bias2) + eps)`.
@@ -106,5 +127,18 @@ impl InplaceOp3 for Update {
             )
         });
         Ok(())
+    }
+
+    #[cfg(feature = "cuda")]
+    fn cuda_fwd(
+        &self,
+        dst: &mut candle_core::CudaStorage,
+        dst_l: &Layout,
+        m: &candle_core::CudaStorage,
+        m_l: &Layout,
+        v: &candle_core::CudaStorage,
+        v_l: &Layout,
+    ) -> Result<()> {
+        super::cuda::adamw_update(dst, dst_l, (m, m_l), (v, v_l), self.0)
     }
 }

@@ -10,7 +10,7 @@ use crate::model::ops::Activation;
 
 /// The activation applied elementwise.
 pub fn activation(x: &Tensor, act: Activation) -> Result<Tensor> {
-    if !super::fused(x) {
+    if !super::runs(&[x]) {
         return act.apply(x);
     }
     x.contiguous()?.apply_op1(Act(act))
@@ -69,6 +69,11 @@ impl CustomOp1 for Act {
         Ok((CpuStorage::F32(out), l.shape().clone()))
     }
 
+    #[cfg(feature = "cuda")]
+    fn cuda_fwd(&self, s: &candle_core::CudaStorage, l: &Layout) -> Result<(candle_core::CudaStorage, Shape)> {
+        Ok((super::cuda::activation((s, l), None, self.0 as i32)?, l.shape().clone()))
+    }
+
     fn bwd(&self, x: &Tensor, _y: &Tensor, grad: &Tensor) -> Result<Option<Tensor>> {
         Ok(Some(x.apply_op2_no_bwd(&grad.contiguous()?, &ActGrad(self.0))?))
     }
@@ -99,6 +104,17 @@ impl CustomOp2 for ActGrad {
             Activation::Relu => map2(x, g, |x, g| if x > 0.0 { g } else { 0.0 }),
         };
         Ok((CpuStorage::F32(out), x_l.shape().clone()))
+    }
+
+    #[cfg(feature = "cuda")]
+    fn cuda_fwd(
+        &self,
+        x: &candle_core::CudaStorage,
+        x_l: &Layout,
+        g: &candle_core::CudaStorage,
+        g_l: &Layout,
+    ) -> Result<(candle_core::CudaStorage, Shape)> {
+        Ok((super::cuda::activation((x, x_l), Some((g, g_l)), self.0 as i32)?, x_l.shape().clone()))
     }
 }
 

@@ -9,12 +9,15 @@
 
 mod adamw;
 mod attention;
+#[cfg(feature = "cuda")]
+mod cuda;
 mod decode_attention;
 mod elementwise;
 mod linear;
 pub(crate) mod math;
 mod norm;
 mod rotary;
+mod sdpa;
 mod token_logprobs;
 
 pub use adamw::{adamw, AdamWStep};
@@ -23,7 +26,8 @@ pub use decode_attention::decode_attention;
 pub use elementwise::activation;
 pub use linear::linear;
 pub use norm::{layer_norm, rms_norm};
-pub use rotary::{rotary, RotaryTables};
+pub use rotary::{rotary, rotate, RotaryTables};
+pub use sdpa::sdpa;
 pub use token_logprobs::token_logprobs;
 
 use candle_core::{CpuStorage, DType, Layout, Result, Tensor};
@@ -31,6 +35,21 @@ use candle_core::{CpuStorage, DType, Layout, Result, Tensor};
 /// Whether the fused CPU kernels can run on `t`.
 pub fn fused(t: &Tensor) -> bool {
     t.device().is_cpu() && t.dtype() == DType::F32
+}
+
+/// Whether the CUDA kernels can run on all of `ts`: tensors of one dtype,
+/// f32 or bf16, on a GPU (and rloo built with CUDA).
+pub fn on_cuda(ts: &[&Tensor]) -> bool {
+    let dtype = ts.first().map(|t| t.dtype());
+    cfg!(feature = "cuda")
+        && matches!(dtype, Some(DType::F32 | DType::BF16))
+        && ts.iter().all(|t| t.device().is_cuda() && Some(t.dtype()) == dtype)
+}
+
+/// Whether a kernel with both implementations runs on `ts` (else its
+/// composition does).
+fn runs(ts: &[&Tensor]) -> bool {
+    ts.iter().all(|t| fused(t)) || on_cuda(ts)
 }
 
 /// The f32 elements of a contiguous input.

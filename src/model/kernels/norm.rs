@@ -4,9 +4,13 @@
 //!
 //! The backward kernel returns d input, d weight (and d bias) stacked in
 //! one (N + 2, H) tensor, split by views: candle's custom ops have one
-//! output. The statistics of each row are recomputed rather than stored.
+//! output. The CUDA kernels (f32 and bf16, arithmetic in f32) return d input
+//! and each row's part of d weight, (2N, H), summed over rows afterwards.
+//! The statistics of each row are recomputed rather than stored.
 
-use candle_core::{CpuStorage, CustomOp2, CustomOp3, Layout, Result, Shape, Tensor};
+#[cfg(feature = "cuda")]
+use candle_core::CudaStorage;
+use candle_core::{CpuStorage, CustomOp2, CustomOp3, DType, Layout, Result, Shape, Tensor};
 use rayon::prelude::*;
 
 use super::math::{sum_of, with_avx2};
@@ -15,7 +19,7 @@ use crate::model::ops;
 
 /// `(x - mean) / sqrt(var + eps) * weight + bias` over the last dimension.
 pub fn layer_norm(x: &Tensor, weight: &Tensor, bias: &Tensor, eps: f64) -> Result<Tensor> {
-    if !(super::fused(x) && super::fused(weight) && super::fused(bias)) {
+    if !super::runs(&[x, weight, bias]) {
         return ops::layernorm(x, weight, bias, eps);
     }
     let (rows, shape) = as_rows(x)?;
@@ -24,7 +28,7 @@ pub fn layer_norm(x: &Tensor, weight: &Tensor, bias: &Tensor, eps: f64) -> Resul
 
 /// `x / sqrt(mean(x^2) + eps) * weight` over the last dimension.
 pub fn rms_norm(x: &Tensor, weight: &Tensor, eps: f64) -> Result<Tensor> {
-    if !(super::fused(x) && super::fused(weight)) {
+    if !super::runs(&[x, weight]) {
         return ops::rmsnorm(x, weight, eps);
     }
     let (rows, shape) = as_rows(x)?;
@@ -124,10 +128,30 @@ impl CustomOp3 for LayerNorm {
         Ok((CpuStorage::F32(y), x_l.shape().clone()))
     }
 
+    #[cfg(feature = "cuda")]
+    fn cuda_fwd(
+        &self,
+        x: &CudaStorage,
+        x_l: &Layout,
+        w: &CudaStorage,
+        w_l: &Layout,
+        b: &CudaStorage,
+        b_l: &Layout,
+    ) -> Result<(CudaStorage, Shape)> {
+        Ok((super::cuda::norm_fwd("layer_norm_fwd", x, x_l, &[(w, w_l), (b, b_l)], self.eps)?, x_l.shape().clone()))
+    }
+
     fn bwd(&self, x: &Tensor, w: &Tensor, _b: &Tensor, _y: &Tensor, grad: &Tensor) -> Result<BwdOut3> {
         let n = x.dim(0)?;
         let all = x.apply_op3_no_bwd(w, &grad.contiguous()?, &LayerNormGrad { eps: self.eps })?;
-        Ok((Some(all.narrow(0, 0, n)?), Some(all.get(n)?), Some(all.get(n + 1)?)))
+        if x.device().is_cpu() {
+            return Ok((Some(all.narrow(0, 0, n)?), Some(all.get(n)?), Some(all.get(n + 1)?)));
+        }
+        // The CUDA kernel's rows: d x, then each row's part of d weight.
+        let dx = all.narrow(0, 0, n)?.to_dtype(x.dtype())?;
+        let dw = all.narrow(0, n, n)?.sum(0)?.to_dtype(w.dtype())?;
+        let db = grad.to_dtype(DType::F32)?.sum(0)?.to_dtype(w.dtype())?;
+        Ok((Some(dx), Some(dw), Some(db)))
     }
 }
 
@@ -177,6 +201,20 @@ impl CustomOp3 for LayerNormGrad {
         });
         Ok((CpuStorage::F32(out), Shape::from((n + 2, h))))
     }
+
+    #[cfg(feature = "cuda")]
+    fn cuda_fwd(
+        &self,
+        x: &CudaStorage,
+        x_l: &Layout,
+        w: &CudaStorage,
+        w_l: &Layout,
+        g: &CudaStorage,
+        g_l: &Layout,
+    ) -> Result<(CudaStorage, Shape)> {
+        let out = super::cuda::norm_bwd("layer_norm_bwd", (x, x_l), (w, w_l), (g, g_l), self.eps)?;
+        Ok((out, Shape::from((2 * x_l.dims()[0], w_l.shape().elem_count()))))
+    }
 }
 
 struct RmsNorm {
@@ -199,10 +237,17 @@ impl CustomOp2 for RmsNorm {
         Ok((CpuStorage::F32(y), x_l.shape().clone()))
     }
 
+    #[cfg(feature = "cuda")]
+    fn cuda_fwd(&self, x: &CudaStorage, x_l: &Layout, w: &CudaStorage, w_l: &Layout) -> Result<(CudaStorage, Shape)> {
+        Ok((super::cuda::norm_fwd("rms_norm_fwd", x, x_l, &[(w, w_l)], self.eps)?, x_l.shape().clone()))
+    }
+
     fn bwd(&self, x: &Tensor, w: &Tensor, _y: &Tensor, grad: &Tensor) -> Result<(Option<Tensor>, Option<Tensor>)> {
         let n = x.dim(0)?;
         let all = x.apply_op3_no_bwd(w, &grad.contiguous()?, &RmsNormGrad { eps: self.eps })?;
-        Ok((Some(all.narrow(0, 0, n)?), Some(all.get(n)?)))
+        // d x, then d weight (CPU) or each row's part of it (CUDA).
+        let dw = all.narrow(0, n, all.dim(0)? - n)?.sum(0)?.to_dtype(w.dtype())?;
+        Ok((Some(all.narrow(0, 0, n)?.to_dtype(x.dtype())?), Some(dw)))
     }
 }
 
@@ -243,5 +288,19 @@ impl CustomOp3 for RmsNormGrad {
             }
         });
         Ok((CpuStorage::F32(out), Shape::from((n + 1, h))))
+    }
+
+    #[cfg(feature = "cuda")]
+    fn cuda_fwd(
+        &self,
+        x: &CudaStorage,
+        x_l: &Layout,
+        w: &CudaStorage,
+        w_l: &Layout,
+        g: &CudaStorage,
+        g_l: &Layout,
+    ) -> Result<(CudaStorage, Shape)> {
+        let out = super::cuda::norm_bwd("rms_norm_bwd", (x, x_l), (w, w_l), (g, g_l), self.eps)?;
+        Ok((out, Shape::from((2 * x_l.dims()[0], w_l.shape().elem_count()))))
     }
 }

@@ -50,6 +50,66 @@ pub fn rotary(x: &Tensor, tables: &RotaryTables) -> Result<Tensor> {
     x.contiguous()?.apply_op1(Rotary { tables: tables.clone(), inverse: false })
 }
 
+/// x (B, H, T, D) rotated by the (B, 1, T, R) tables where they lie: the
+/// CUDA kernel on a GPU, the composition elsewhere (the CPU kernel reads
+/// host tables: [`rotary`]).
+pub fn rotate(x: &Tensor, cos: &Tensor, sin: &Tensor) -> Result<Tensor> {
+    if !super::on_cuda(&[x]) {
+        return crate::model::ops::apply_rotary(x, cos, sin);
+    }
+    let table = |t: &Tensor| t.to_dtype(candle_core::DType::F32)?.contiguous();
+    x.contiguous()?.apply_op3(&table(cos)?, &table(sin)?, RotaryOnDevice { sign: 1.0 })
+}
+
+/// The CUDA kernel's op: x, cos, sin -> x rotated; `sign` -1 rotates back.
+struct RotaryOnDevice {
+    #[cfg_attr(not(feature = "cuda"), allow(dead_code))]
+    sign: f32,
+}
+
+impl candle_core::CustomOp3 for RotaryOnDevice {
+    fn name(&self) -> &'static str {
+        "rotary-on-device"
+    }
+
+    fn cpu_fwd(
+        &self,
+        _: &CpuStorage,
+        _: &Layout,
+        _: &CpuStorage,
+        _: &Layout,
+        _: &CpuStorage,
+        _: &Layout,
+    ) -> Result<(CpuStorage, Shape)> {
+        candle_core::bail!("rotary-on-device runs on CUDA only (the CPU kernel reads host tables)")
+    }
+
+    #[cfg(feature = "cuda")]
+    fn cuda_fwd(
+        &self,
+        x: &candle_core::CudaStorage,
+        x_l: &Layout,
+        cos: &candle_core::CudaStorage,
+        cos_l: &Layout,
+        sin: &candle_core::CudaStorage,
+        sin_l: &Layout,
+    ) -> Result<(candle_core::CudaStorage, Shape)> {
+        Ok((super::cuda::rotary((x, x_l), (cos, cos_l), (sin, sin_l), self.sign)?, x_l.shape().clone()))
+    }
+
+    fn bwd(
+        &self,
+        _x: &Tensor,
+        cos: &Tensor,
+        sin: &Tensor,
+        _y: &Tensor,
+        grad: &Tensor,
+    ) -> Result<(Option<Tensor>, Option<Tensor>, Option<Tensor>)> {
+        let back = RotaryOnDevice { sign: -self.sign };
+        Ok((Some(grad.contiguous()?.apply_op3_no_bwd(cos, sin, &back)?), None, None))
+    }
+}
+
 struct Rotary {
     tables: RotaryTables,
     inverse: bool,

@@ -27,6 +27,12 @@ pub fn token_logprobs(hidden: &Tensor, head: &Tensor, targets: &[u32], temperatu
     if targets.len() != n {
         candle_core::bail!("token-logprobs: {} targets for {n} rows", targets.len());
     }
+    if super::on_cuda(&[hidden, head]) {
+        let logits = ops::linear(hidden, head, None)?.to_dtype(candle_core::DType::F32)?;
+        let ids = Tensor::from_slice(targets, n, hidden.device())?;
+        let out = logits.apply_op2(&ids, LogitsLogprobs { inv_temperature: (1.0 / temperature) as f32 })?;
+        return Ok((out.narrow(1, 0, 1)?.squeeze(1)?, out.narrow(1, 1, 1)?.squeeze(1)?.detach()));
+    }
     if !(super::fused(hidden) && super::fused(head)) {
         return composed(&ops::linear(hidden, head, None)?, targets, temperature);
     }
@@ -43,12 +49,95 @@ pub fn token_logprobs(hidden: &Tensor, head: &Tensor, targets: &[u32], temperatu
 
 /// The same values from differentiable candle ops on the logits: any device and dtype.
 fn composed(logits: &Tensor, targets: &[u32], temperature: f64) -> Result<(Tensor, Tensor)> {
-    let logp = ops::log_softmax_last(&(logits / temperature)?)?;
+    let logp = ops::log_softmax_last(&(logits.to_dtype(candle_core::DType::F32)? / temperature)?)?;
     let ids = Tensor::from_slice(targets, (targets.len(), 1), logits.device())?;
     let logprobs = logp.gather(&ids, D::Minus1)?.squeeze(1)?;
     let logp = logp.detach();
     let entropy = (logp.exp()? * &logp)?.sum(D::Minus1)?.neg()?;
     Ok((logprobs, entropy))
+}
+
+/// On the GPU, from f32 logits (N, V) and target ids (N,): (N, 2) [log-prob,
+/// entropy] in one pass per row, and d logits in one more; the (N, V)
+/// log-softmax of the composition is never stored.
+struct LogitsLogprobs {
+    inv_temperature: f32,
+}
+
+impl CustomOp2 for LogitsLogprobs {
+    fn name(&self) -> &'static str {
+        "logits-logprobs"
+    }
+
+    fn cpu_fwd(&self, _: &CpuStorage, _: &Layout, _: &CpuStorage, _: &Layout) -> Result<(CpuStorage, Shape)> {
+        candle_core::bail!("logits-logprobs runs on CUDA only (the CPU kernel starts from hidden states)")
+    }
+
+    #[cfg(feature = "cuda")]
+    fn cuda_fwd(
+        &self,
+        logits: &candle_core::CudaStorage,
+        logits_l: &Layout,
+        targets: &candle_core::CudaStorage,
+        targets_l: &Layout,
+    ) -> Result<(candle_core::CudaStorage, Shape)> {
+        let out = super::cuda::token_logprobs((logits, logits_l), (targets, targets_l), self.inv_temperature)?;
+        Ok((out, Shape::from((targets_l.shape().elem_count(), 2))))
+    }
+
+    fn bwd(
+        &self,
+        logits: &Tensor,
+        targets: &Tensor,
+        _out: &Tensor,
+        grad: &Tensor,
+    ) -> Result<(Option<Tensor>, Option<Tensor>)> {
+        let op = LogitsLogprobsGrad { inv_temperature: self.inv_temperature };
+        Ok((Some(logits.apply_op3_no_bwd(targets, &grad.contiguous()?, &op)?), None))
+    }
+}
+
+/// (logits, targets, d out) -> d logits.
+struct LogitsLogprobsGrad {
+    #[cfg_attr(not(feature = "cuda"), allow(dead_code))]
+    inv_temperature: f32,
+}
+
+impl candle_core::CustomOp3 for LogitsLogprobsGrad {
+    fn name(&self) -> &'static str {
+        "logits-logprobs-grad"
+    }
+
+    fn cpu_fwd(
+        &self,
+        _: &CpuStorage,
+        _: &Layout,
+        _: &CpuStorage,
+        _: &Layout,
+        _: &CpuStorage,
+        _: &Layout,
+    ) -> Result<(CpuStorage, Shape)> {
+        candle_core::bail!("logits-logprobs-grad runs on CUDA only")
+    }
+
+    #[cfg(feature = "cuda")]
+    fn cuda_fwd(
+        &self,
+        logits: &candle_core::CudaStorage,
+        logits_l: &Layout,
+        targets: &candle_core::CudaStorage,
+        targets_l: &Layout,
+        grad: &candle_core::CudaStorage,
+        grad_l: &Layout,
+    ) -> Result<(candle_core::CudaStorage, Shape)> {
+        let out = super::cuda::token_logprobs_grad(
+            (logits, logits_l),
+            (targets, targets_l),
+            (grad, grad_l),
+            self.inv_temperature,
+        )?;
+        Ok((out, logits_l.shape().clone()))
+    }
 }
 
 struct TokenLogprobs {

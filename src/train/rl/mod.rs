@@ -48,6 +48,8 @@ pub struct RunSummary {
     pub timing: StepTiming,
     /// The start-up memory estimate and the measured peak of the process, in bytes.
     pub memory: (Option<u64>, Option<u64>),
+    /// On a GPU, its memory in use over the steps.
+    pub device_memory: Option<super::memory::DeviceMemory>,
 }
 
 /// Everything a step needs that does not change between steps.
@@ -122,6 +124,7 @@ pub fn train(cfg: &TrainConfig) -> Result<RunSummary> {
     let mut state = start;
     let mut guard = StepGuard::new(t.max_skipped_steps);
     let mut last = Metrics::new();
+    let mut device_memory = None;
     let run_started = std::time::Instant::now();
     while state.step < stop_at {
         let step = state.step;
@@ -153,6 +156,10 @@ pub fn train(cfg: &TrainConfig) -> Result<RunSummary> {
         metrics.set("episode", state.episode as f64);
         metrics.set("eps", sizes.batch as f64 / phases.elapsed());
         harness.record_phases(state.step, sizes.batch, &phases, &mut metrics);
+        if let Some(used) = super::memory::device_used_bytes(&run.device) {
+            metrics.set("memory/device_gib", used as f64 / (1u64 << 30) as f64);
+            device_memory = Some(super::memory::DeviceMemory::add(device_memory, used));
+        }
         harness.log(state.step, &metrics, state.step == stop_at)?;
         let table = report::sample_table(&run.dataset, &rollout, &shaped);
         harness.samples(state.step, &table, state.step % table_every == 0 || state.step == 1)?;
@@ -186,7 +193,7 @@ pub fn train(cfg: &TrainConfig) -> Result<RunSummary> {
         output_dir.display()
     );
     let memory = (run.memory_plan, super::memory::peak_rss_bytes());
-    Ok(RunSummary { steps: state.step, episodes: state.episode, output_dir, last, timing, memory })
+    Ok(RunSummary { steps: state.step, episodes: state.episode, output_dir, last, timing, memory, device_memory })
 }
 
 impl Run {

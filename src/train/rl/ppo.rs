@@ -46,7 +46,8 @@ impl Critic {
             Source::Dir(name) => resolve_model(&name)?,
         };
         let model =
-            Model::load_with_head(&dir, device, HeadKind::SequenceClassification { num_labels: 1 }, cfg.train.seed)?;
+            Model::load_with_head(&dir, device, HeadKind::SequenceClassification { num_labels: 1 }, cfg.train.seed)?
+                .with_dtype(cfg.train.dtype.dtype(), true)?;
         if model.config().vocab_size() != policy.vocab_size() || !same_vocabulary(&dir, policy_dir) {
             return Err(Error::Invalid(format!(
                 "the critic {} reads the policy's tokens, but its vocabulary differs from the policy's {}; \

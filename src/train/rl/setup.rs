@@ -44,7 +44,9 @@ impl Run {
         let tokenizer = Tokenizer::from_dir(&tokenizer_dir)?;
         // No LoRA dropout in online training, as in TRL.
         let peft = (&cfg.peft, &[][..]);
-        let policy = Model::load_trainable(&policy_dir, &device, HeadKind::CausalLm, peft, cfg.train.seed, false)?;
+        let dtype = cfg.train.dtype.dtype();
+        let policy = Model::load_trainable(&policy_dir, &device, HeadKind::CausalLm, peft, cfg.train.seed, false)?
+            .with_dtype(dtype, true)?;
         if policy.head() != HeadKind::CausalLm {
             return Err(Error::bad_file(
                 &policy_dir,
@@ -60,7 +62,7 @@ impl Run {
                 Some(r) => resolve_model(r)?,
                 None => policy_dir.clone(),
             };
-            let reference = Model::load(&dir, &device)?;
+            let reference = Model::load(&dir, &device)?.with_dtype(dtype, false)?;
             let (p, r) = (policy.config().vocab_size(), reference.config().vocab_size());
             if reference.head() != HeadKind::CausalLm || p != r {
                 return Err(Error::Invalid(format!(
@@ -186,9 +188,11 @@ impl Run {
         }
         tracing::info!("resuming from {} at step {}", dir.display(), state.step);
         let at = state.optimizer_step;
-        self.policy = checkpoint::load_part(&dir, "", &self.device, &mut optimizers.policy, at)?;
+        self.policy =
+            checkpoint::load_part(&dir, "", &self.device, &mut optimizers.policy, at, self.cfg.train.dtype.dtype())?;
         if let (Some(critic), Some(optimizer)) = (&mut self.critic, &mut optimizers.critic) {
-            critic.model = checkpoint::load_part(&dir, CRITIC_DIR, &self.device, optimizer, at)?;
+            critic.model =
+                checkpoint::load_part(&dir, CRITIC_DIR, &self.device, optimizer, at, self.cfg.train.dtype.dtype())?;
         }
         Ok(state)
     }

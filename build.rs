@@ -1,0 +1,26 @@
+//! With the `cuda` feature: compiles the CUDA kernels to PTX with nvcc
+//! (`NVCC`, or `nvcc` on PATH) for `CUDA_COMPUTE_CAP` (default 90). The
+//! default build runs nothing here.
+
+use std::path::PathBuf;
+use std::process::Command;
+
+const SOURCE: &str = "src/model/kernels/cuda/kernels.cu";
+
+fn main() {
+    println!("cargo:rerun-if-changed={SOURCE}");
+    println!("cargo:rerun-if-env-changed=CUDA_COMPUTE_CAP");
+    if std::env::var_os("CARGO_FEATURE_CUDA").is_none() {
+        return;
+    }
+    let out = PathBuf::from(std::env::var("OUT_DIR").expect("OUT_DIR")).join("kernels.ptx");
+    let nvcc = std::env::var("NVCC").unwrap_or_else(|_| "nvcc".into());
+    let cap = std::env::var("CUDA_COMPUTE_CAP").unwrap_or_else(|_| "90".into());
+    let status = Command::new(&nvcc)
+        .args(["--ptx", "-O3", "-std=c++17", &format!("-arch=sm_{cap}"), "-o"])
+        .arg(&out)
+        .arg(SOURCE)
+        .status()
+        .unwrap_or_else(|e| panic!("cannot run {nvcc} to compile {SOURCE}: {e} (scripts/cuda/build.sh sets it up)"));
+    assert!(status.success(), "{nvcc} failed on {SOURCE}");
+}

@@ -1,0 +1,244 @@
+//! Each kernel of the training and sampling paths on the checked device
+//! against the fused CPU kernel, on the same random inputs: the forward
+//! value and the gradient of every input, as relative errors.
+
+use candle_core::{DType, Device, Result, Tensor, Var};
+
+use super::{relative_error, Check};
+use crate::generate::rng::Rng;
+use crate::model::batch::{attention_bias, Inputs, PadSide};
+use crate::model::kernels::{self, AdamWStep, AttentionInputs, RotaryTables};
+use crate::model::ops::Activation;
+
+/// The kernels with a CUDA implementation; on a GPU the others run as
+/// compositions of candle ops, and the table says so.
+const CUDA_KERNELS: &[&str] =
+    &["layer_norm", "rms_norm", "activation", "rotary", "attention", "token_logprobs", "adamw"];
+
+/// Which implementation of `kernel` runs on `device` in `dtype`.
+fn path(kernel: &str, device: &Device, dtype: DType) -> &'static str {
+    match device {
+        Device::Cpu if dtype == DType::F32 => "cpu kernel",
+        Device::Cuda(_) if CUDA_KERNELS.contains(&kernel) => "cuda kernel",
+        _ => "composition",
+    }
+}
+
+/// Tolerances on errors relative to the reference's largest magnitude.
+fn tolerance(dtype: DType) -> f32 {
+    match dtype {
+        DType::F32 => 1e-4,
+        _ => 4e-2,
+    }
+}
+
+/// Random normal host values, reproducible.
+fn randn(rng: &mut Rng, shape: &[usize], mean: f32, std: f32) -> Tensor {
+    let n = shape.iter().product();
+    let values: Vec<f32> = (0..n).map(|_| mean + std * rng.normal() as f32).collect();
+    Tensor::from_vec(values, shape, &Device::Cpu).expect("as many values as the shape holds")
+}
+
+type Path<'a> = &'a dyn Fn(&[Tensor]) -> Result<Tensor>;
+
+/// Runs `cpu` in f32 on the CPU and `device_path` on `device` in `dtype`,
+/// backpropagates the same random weighting of the output through both, and
+/// reports the worst relative error of the value and of the input gradients
+/// (or the error that stopped the comparison).
+fn compare(
+    name: &str,
+    inputs: &[Tensor],
+    cpu: Path,
+    device_path: Path,
+    device: &Device,
+    dtype: DType,
+    rng: &mut Rng,
+) -> Check {
+    try_compare(name, inputs, cpu, device_path, device, dtype, rng)
+        .unwrap_or_else(|e| Check::failed("kernel", name, dtype, e))
+}
+
+fn try_compare(
+    name: &str,
+    inputs: &[Tensor],
+    cpu: Path,
+    device_path: Path,
+    device: &Device,
+    dtype: DType,
+    rng: &mut Rng,
+) -> Result<Check> {
+    let run = |f: Path, device: &Device, dtype: DType, weights: Option<&Tensor>| -> Result<(Tensor, Vec<Tensor>)> {
+        let vars: Vec<Var> =
+            inputs.iter().map(|t| Var::from_tensor(&t.to_device(device)?.to_dtype(dtype)?)).collect::<Result<_>>()?;
+        let ts: Vec<Tensor> = vars.iter().map(|v| v.as_tensor().clone()).collect();
+        let out = f(&ts)?;
+        let w = match weights {
+            Some(w) => w.to_device(device)?.to_dtype(out.dtype())?,
+            None => out.ones_like()?,
+        };
+        let grads = out.mul(&w)?.sum_all()?.backward()?;
+        let mut input_grads = Vec::with_capacity(vars.len());
+        for (i, v) in vars.iter().enumerate() {
+            match grads.get(v) {
+                Some(g) => input_grads.push(g.to_dtype(DType::F32)?.to_device(&Device::Cpu)?),
+                None => candle_core::bail!("{name}: input {i} got no gradient on {device:?}"),
+            }
+        }
+        Ok((out.to_dtype(DType::F32)?.to_device(&Device::Cpu)?, input_grads))
+    };
+    let (want, _) = run(cpu, &Device::Cpu, DType::F32, None)?;
+    let weights = randn(rng, want.dims(), 0.0, 1.0);
+    let (want, want_grads) = run(cpu, &Device::Cpu, DType::F32, Some(&weights))?;
+    let (got, got_grads) = run(device_path, device, dtype, Some(&weights))?;
+    let mut gradient = 0f32;
+    for (g, w) in got_grads.iter().zip(&want_grads) {
+        gradient = gradient.max(relative_error(g, w)?);
+    }
+    let kernel = name.split(' ').next().unwrap_or(name);
+    let label = format!("{name} ({})", path(kernel, device, dtype));
+    Ok(Check::new("kernel", &label, dtype, relative_error(&got, &want)?, Some(gradient), tolerance(dtype)))
+}
+
+/// Every kernel, in f32 and bf16, on `device`.
+pub fn check_kernels(device: &Device, dtypes: &[DType]) -> Vec<Check> {
+    let mut out = Vec::new();
+    for &dtype in dtypes {
+        let mut rng = Rng::new(7);
+        let rng = &mut rng;
+        let (x, w, b) =
+            (randn(rng, &[3, 40, 96], 0.3, 1.0), randn(rng, &[80, 96], 0.0, 0.1), randn(rng, &[80], 0.0, 1.0));
+        out.push(compare(
+            "linear",
+            &[x.clone(), w, b],
+            &|t| kernels::linear(&t[0], &t[1], Some(&t[2])),
+            &|t| kernels::linear(&t[0], &t[1], Some(&t[2])),
+            device,
+            dtype,
+            rng,
+        ));
+        let (g, beta) = (randn(rng, &[96], 1.0, 0.2), randn(rng, &[96], 0.0, 0.2));
+        out.push(compare(
+            "layer_norm",
+            &[x.clone(), g.clone(), beta],
+            &|t| kernels::layer_norm(&t[0], &t[1], &t[2], 1e-5),
+            &|t| kernels::layer_norm(&t[0], &t[1], &t[2], 1e-5),
+            device,
+            dtype,
+            rng,
+        ));
+        out.push(compare(
+            "rms_norm",
+            &[x.clone(), g],
+            &|t| kernels::rms_norm(&t[0], &t[1], 1e-6),
+            &|t| kernels::rms_norm(&t[0], &t[1], 1e-6),
+            device,
+            dtype,
+            rng,
+        ));
+        for act in [Activation::Gelu, Activation::GeluTanh, Activation::Silu, Activation::Relu] {
+            out.push(compare(
+                &format!("activation {act:?}"),
+                &[x.clone()],
+                &|t| kernels::activation(&t[0], act),
+                &|t| kernels::activation(&t[0], act),
+                device,
+                dtype,
+                rng,
+            ));
+        }
+        match attention_checks(device, dtype, rng) {
+            Ok(checks) => out.extend(checks),
+            Err(e) => out.push(Check::failed("kernel", "attention", dtype, e)),
+        }
+        let (hidden, head) = (randn(rng, &[24, 64], 0.0, 1.0), randn(rng, &[500, 64], 0.0, 0.2));
+        let targets: Vec<u32> = (0..24).map(|i| (i * 37 % 500) as u32).collect();
+        out.push(compare(
+            "token_logprobs",
+            &[hidden, head],
+            &|t| Ok(kernels::token_logprobs(&t[0], &t[1], &targets, 0.7)?.0),
+            &|t| Ok(kernels::token_logprobs(&t[0], &t[1], &targets, 0.7)?.0),
+            device,
+            dtype,
+            rng,
+        ));
+    }
+    // AdamW keeps f32 state whatever the compute dtype.
+    out.push(adamw_check(device).unwrap_or_else(|e| Check::failed("kernel", "adamw", DType::F32, e)));
+    out
+}
+
+/// Rotary and self-attention (grouped-query heads, partial rotary, a
+/// right-padded row): the CPU kernels against the device's path.
+fn attention_checks(device: &Device, dtype: DType, rng: &mut Rng) -> Result<Vec<Check>> {
+    let (b, t, h, h_kv, d, r) = (2, 9, 4, 2, 16, 8);
+    let rows = [(1..=9).collect::<Vec<u32>>(), (1..=6).collect()];
+    let bias_on = |dev: &Device| -> Result<Tensor> {
+        let inputs = Inputs::from_rows(&rows, 0, PadSide::Right, dev)?;
+        Ok(attention_bias(&inputs, None)?.0)
+    };
+    let angles = randn(rng, &[b, 1, t, r / 2], 0.0, 1.0);
+    let angles = Tensor::cat(&[&angles, &angles], 3)?;
+    let (cos, sin) = (angles.cos()?, angles.sin()?);
+    let tables = RotaryTables::new(&cos, &sin)?;
+    let host = AttentionInputs::new(&bias_on(&Device::Cpu)?, Some(&(cos.clone(), sin.clone())))?;
+    let (dcos, dsin) = (cos.to_device(device)?, sin.to_device(device)?);
+    let dbias = bias_on(device)?;
+    let composed = |x: &[Tensor]| -> Result<Tensor> {
+        let heads = |x: &Tensor| x.transpose(1, 2)?.contiguous();
+        let q = kernels::rotate(&heads(&x[0])?, &dcos, &dsin)?;
+        let k = kernels::rotate(&heads(&x[1])?, &dcos, &dsin)?;
+        kernels::sdpa(&q, &k, &heads(&x[2])?, &dbias, 0.25)?.transpose(1, 2)?.reshape((b, t, h * d))
+    };
+    let (q, k, v) = (
+        randn(rng, &[b, t, h, d], 0.0, 1.0),
+        randn(rng, &[b, t, h_kv, d], 0.0, 1.0),
+        randn(rng, &[b, t, h_kv, d], 0.0, 1.0),
+    );
+    let attention = compare(
+        "attention",
+        &[q.clone(), k, v],
+        &|x| kernels::attention(&x[0], &x[1], &x[2], &host, 0.25),
+        &composed,
+        device,
+        dtype,
+        rng,
+    );
+    let rotary = compare(
+        "rotary",
+        &[q.transpose(1, 2)?.contiguous()?],
+        &|x| kernels::rotary(&x[0], &tables),
+        &|x| kernels::rotate(&x[0], &dcos, &dsin),
+        device,
+        dtype,
+        rng,
+    );
+    Ok(vec![rotary, attention])
+}
+
+/// Three AdamW steps on the device against the CPU kernel.
+fn adamw_check(device: &Device) -> Result<Check> {
+    let mut rng = Rng::new(11);
+    let w0 = randn(&mut rng, &[37, 1000], 0.0, 1.0);
+    let grads: Vec<Tensor> = (0..3).map(|_| randn(&mut rng, &[37, 1000], 0.1, 1.0)).collect();
+    let run = |device: &Device| -> Result<Tensor> {
+        let w = Var::from_tensor(&w0.to_device(device)?)?;
+        let (mut m, mut v) = (w.zeros_like()?, w.zeros_like()?);
+        for (t, g) in grads.iter().enumerate() {
+            let t = t as i32 + 1;
+            let step = AdamWStep {
+                beta1: 0.9,
+                beta2: 0.999,
+                eps: 1e-8,
+                lr: 1e-2,
+                bias1: 1.0 - 0.9f32.powi(t),
+                bias2: 1.0 - 0.999f32.powi(t),
+                decay: 1.0 - 1e-3,
+            };
+            kernels::adamw(&w, &g.to_device(device)?, &mut m, &mut v, step)?;
+        }
+        w.as_tensor().to_device(&Device::Cpu)
+    };
+    let (want, got) = (run(&Device::Cpu)?, run(device)?);
+    let label = format!("adamw, 3 steps ({})", path("adamw", device, DType::F32));
+    Ok(Check::new("kernel", &label, DType::F32, relative_error(&got, &want)?, None, 1e-5))
+}

@@ -1,0 +1,183 @@
+//! The committed fixtures on a device: the logits, scores, KV-cache
+//! decoding and every parameter's gradient of each architecture against
+//! the reference outputs `transformers` produced, and greedy generation
+//! against transformers' tokens.
+
+use std::collections::HashMap;
+use std::path::Path;
+
+use candle_core::{DType, Device, Result, Tensor};
+
+use crate::generate::{generate, GenerateOptions, Sampling, StopCriteria};
+use crate::model::{next_token_logprobs, GenerationConfig, Inputs, Model, Network};
+
+/// A fixture model and the tensors transformers produced for it (on the CPU).
+pub struct Fixture {
+    pub name: String,
+    pub model: Model,
+    pub reference: HashMap<String, Tensor>,
+}
+
+impl Fixture {
+    /// `fixtures/models/<name>` loaded on `device` to compute in `dtype`
+    /// (f32 masters beside bf16 copies), with its reference outputs.
+    pub fn load(fixtures: &Path, name: &str, device: &Device, dtype: DType) -> crate::Result<Self> {
+        let model = Model::load(&fixtures.join("models").join(name), device)?.with_dtype(dtype, true)?;
+        let path = fixtures.join("reference").join(format!("{name}.safetensors"));
+        let reference = candle_core::safetensors::load(&path, &Device::Cpu)
+            .map_err(|e| crate::Error::Invalid(format!("{}: {e}", path.display())))?;
+        Ok(Self { name: name.into(), model, reference })
+    }
+
+    pub fn is_causal(&self) -> bool {
+        self.name.ends_with("-causal")
+    }
+
+    fn tensor(&self, key: &str) -> Result<&Tensor> {
+        self.reference.get(key).ok_or_else(|| candle_core::Error::Msg(format!("{}: no reference `{key}`", self.name)))
+    }
+
+    /// The reference batch padded on `side` ("left" or "right"), on the model's device.
+    pub fn inputs(&self, side: &str) -> Result<Inputs> {
+        let device = self.model.device();
+        let ids = self.tensor(&format!("{side}.input_ids"))?.to_device(&device)?;
+        let mask = self.tensor(&format!("{side}.attention_mask"))?.to_device(&device)?;
+        Inputs::new(&ids, &mask)
+    }
+
+    /// Max |Δ logit| over real tokens of the batch padded on `side`.
+    pub fn logits_error(&self, net: &Network, side: &str) -> Result<f32> {
+        let inputs = self.inputs(side)?;
+        let logits = net.logits(&inputs, None)?;
+        max_diff_masked(&logits, self.tensor(&format!("{side}.logits"))?, &inputs.mask)
+    }
+
+    /// Max |Δ score| of a sequence-classification model.
+    pub fn scores_error(&self, side: &str) -> Result<f32> {
+        let scores = self.model.frozen().scores(&self.inputs(side)?)?;
+        max_diff(&scores, self.tensor(&format!("{side}.scores"))?)
+    }
+
+    /// Prefills all but the last four columns of the left-padded batch, then
+    /// feeds one token per step: max |Δ logit| against the full forward's reference.
+    pub fn kv_cache_error(&self) -> Result<f32> {
+        let full = self.inputs("left")?;
+        let net = self.model.frozen();
+        let t = full.seq_len();
+        let prefill = t - 4;
+        let mut cache = net.new_cache();
+        let columns = |start: usize, n: usize| -> Result<Inputs> {
+            Ok(Inputs {
+                ids: full.ids.narrow(1, start, n)?,
+                mask: full.mask.narrow(1, start, n)?,
+                positions: full.positions.narrow(1, start, n)?,
+                segments: None,
+            })
+        };
+        let mut outputs = vec![net.logits(&columns(0, prefill)?, Some(&mut cache))?];
+        for step in prefill..t {
+            outputs.push(net.logits(&columns(step, 1)?, Some(&mut cache))?);
+        }
+        max_diff_masked(&Tensor::cat(&outputs, 1)?, self.tensor("left.logits")?, &full.mask)
+    }
+
+    /// The loss the reference script differentiated: the mean next-token
+    /// NLL over pairs of real tokens (causal), or the sum of the scores.
+    pub fn reference_loss(&self, side: &str) -> Result<Tensor> {
+        let inputs = self.inputs(side)?;
+        let net = self.model.network();
+        if !self.is_causal() {
+            return net.scores(&inputs)?.sum_all();
+        }
+        let logits = net.logits(&inputs, None)?;
+        let logp = next_token_logprobs(&logits, &inputs.ids)?;
+        let t = inputs.seq_len();
+        let pairs = (inputs.mask.narrow(1, 0, t - 1)? * inputs.mask.narrow(1, 1, t - 1)?)?;
+        let total = (logp * &pairs)?.sum_all()?;
+        total.neg()? / pairs.sum_all()?.to_scalar::<f32>()? as f64
+    }
+
+    /// Every parameter's gradient of the reference loss against transformers':
+    /// the number of parameters and the worst error relative to each
+    /// gradient's largest magnitude (at least 1).
+    pub fn gradient_error(&self) -> Result<(usize, f32)> {
+        let grads = self.reference_loss("right")?.backward()?;
+        let params = self.model.params();
+        let expected = self.reference.keys().filter(|k| k.starts_with("grad.")).count();
+        if expected != params.len() {
+            candle_core::bail!("{}: {} parameters, transformers has {expected}", self.name, params.len());
+        }
+        let mut worst = 0f32;
+        for p in params.iter() {
+            let want = self.tensor(&format!("grad.{}", p.name))?;
+            let Some(got) = grads.get(&p.var) else {
+                candle_core::bail!("{}: no gradient for `{}`", self.name, p.name)
+            };
+            worst = worst.max(relative_error(got, want)?);
+        }
+        Ok((params.len(), worst))
+    }
+
+    /// Greedy completions of the reference prompts; the number of rows whose
+    /// tokens differ from transformers' (which pads after EOS), out of all rows.
+    pub fn greedy_mismatches(&self, fixture_dir: &Path) -> crate::Result<(usize, usize)> {
+        let u32s = |key: &str| -> Result<Vec<Vec<u32>>> { self.tensor(key)?.to_dtype(DType::U32)?.to_vec2() };
+        let (ids, mask, out) = (u32s("greedy.input_ids")?, u32s("greedy.attention_mask")?, u32s("greedy.output_ids")?);
+        let eos = GenerationConfig::from_dir(fixture_dir)?.unwrap_or_default().eos_token_ids().to_vec();
+        let prompts: Vec<Vec<u32>> = ids
+            .iter()
+            .zip(&mask)
+            .map(|(r, m)| r.iter().zip(m).filter(|(_, &m)| m == 1).map(|(&i, _)| i).collect())
+            .collect();
+        let t = ids[0].len();
+        let opts = GenerateOptions {
+            max_new_tokens: out[0].len() - t,
+            num_return_sequences: 1,
+            sampling: Sampling::greedy(),
+            stop: StopCriteria { token_ids: eos.clone(), strings: vec![] },
+            batch_size: 8,
+            seed: 11,
+            max_positions: None,
+        };
+        let mut got = vec![Vec::new(); prompts.len()];
+        generate(self.model.frozen(), &prompts, &opts, None, &self.model.device(), &mut |_| {}, &mut |c| {
+            got[c.prompt_index] = c.tokens;
+            Ok(())
+        })?;
+        let mismatches = out
+            .iter()
+            .zip(&got)
+            .filter(|(row, got)| {
+                let end = row[t..].iter().position(|tok| eos.contains(tok)).map_or(row.len(), |i| t + i + 1);
+                row[t..end] != got[..]
+            })
+            .count();
+        Ok((mismatches, prompts.len()))
+    }
+}
+
+/// Max |a - b| over entries where `mask` (broadcast from the leading dims)
+/// is 1; `b` may live on another device.
+pub fn max_diff_masked(a: &Tensor, b: &Tensor, mask: &Tensor) -> Result<f32> {
+    let b = b.to_device(a.device())?.to_dtype(a.dtype())?;
+    if a.dims() != b.dims() {
+        candle_core::bail!("shapes differ: {:?} and {:?}", a.dims(), b.dims());
+    }
+    let diff = (a - b)?.abs()?.to_dtype(DType::F32)?;
+    let mut mask = mask.to_dtype(DType::F32)?;
+    while mask.rank() < diff.rank() {
+        mask = mask.unsqueeze(mask.rank())?;
+    }
+    diff.broadcast_mul(&mask)?.flatten_all()?.max(0)?.to_scalar::<f32>()
+}
+
+/// Max |a - b|; `b` may live on another device.
+pub fn max_diff(a: &Tensor, b: &Tensor) -> Result<f32> {
+    max_diff_masked(a, b, &Tensor::ones(1, DType::F32, a.device())?.reshape(())?)
+}
+
+/// Max |a - b| over the largest magnitude of `b` (at least 1).
+pub fn relative_error(a: &Tensor, b: &Tensor) -> Result<f32> {
+    let scale = b.to_dtype(DType::F32)?.abs()?.flatten_all()?.max(0)?.to_scalar::<f32>()?.max(1.0);
+    Ok(max_diff(a, b)? / scale)
+}

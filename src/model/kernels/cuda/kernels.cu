@@ -1,0 +1,437 @@
+// CUDA counterparts of the fused CPU kernels (see the op files beside this
+// directory). Rows are reduced by one block each, in a fixed order, so the
+// results do not depend on scheduling. Arithmetic is f32 whatever the
+// storage dtype (f32 or bf16).
+
+#include <cuda_bf16.h>
+#include <stdint.h>
+
+typedef __nv_bfloat16 bf16;
+
+__device__ __forceinline__ float to_f32(float x) { return x; }
+__device__ __forceinline__ float to_f32(bf16 x) { return __bfloat162float(x); }
+template <typename T> __device__ __forceinline__ T from_f32(float x);
+template <> __device__ __forceinline__ float from_f32<float>(float x) { return x; }
+template <> __device__ __forceinline__ bf16 from_f32<bf16>(float x) { return __float2bfloat16(x); }
+
+// Sum and max over a block of a multiple of 32 threads (at most 1024); every
+// thread gets the result. `scratch` holds 32 floats.
+__device__ float block_sum(float v, float* scratch) {
+    for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffff, v, o);
+    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+    __syncthreads();
+    if (lane == 0) scratch[warp] = v;
+    __syncthreads();
+    v = lane < (int)(blockDim.x >> 5) ? scratch[lane] : 0.f;
+    for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffff, v, o);
+    return v;
+}
+
+__device__ float block_max(float v, float* scratch) {
+    for (int o = 16; o > 0; o >>= 1) v = fmaxf(v, __shfl_xor_sync(0xffffffff, v, o));
+    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+    __syncthreads();
+    if (lane == 0) scratch[warp] = v;
+    __syncthreads();
+    v = lane < (int)(blockDim.x >> 5) ? scratch[lane] : -INFINITY;
+    for (int o = 16; o > 0; o >>= 1) v = fmaxf(v, __shfl_xor_sync(0xffffffff, v, o));
+    return v;
+}
+
+// ---- RMSNorm: y = x / sqrt(mean(x^2) + eps) * w, one block per row.
+
+template <typename T>
+__device__ void rms_norm_fwd(const T* x, const T* w, T* y, int h, float eps) {
+    __shared__ float scratch[32];
+    const T* xr = x + (size_t)blockIdx.x * h;
+    T* yr = y + (size_t)blockIdx.x * h;
+    float acc = 0.f;
+    for (int j = threadIdx.x; j < h; j += blockDim.x) {
+        float v = to_f32(xr[j]);
+        acc += v * v;
+    }
+    const float r = rsqrtf(block_sum(acc, scratch) / h + eps);
+    for (int j = threadIdx.x; j < h; j += blockDim.x) yr[j] = from_f32<T>(to_f32(xr[j]) * r * to_f32(w[j]));
+}
+
+// out (2N, H) f32: rows [0, N) d x; rows [N, 2N) each row's part of d w,
+// g x r (summed over rows by the caller).
+template <typename T>
+__device__ void rms_norm_bwd(const T* x, const T* w, const T* g, float* out, int n, int h, float eps) {
+    __shared__ float scratch[32];
+    const size_t row = blockIdx.x;
+    const T* xr = x + row * h;
+    const T* gr = g + row * h;
+    float* dx = out + row * h;
+    float* dw = out + ((size_t)n + row) * h;
+    float sq = 0.f;
+    for (int j = threadIdx.x; j < h; j += blockDim.x) {
+        float v = to_f32(xr[j]);
+        sq += v * v;
+    }
+    const float r = rsqrtf(block_sum(sq, scratch) / h + eps);
+    float gx = 0.f;
+    for (int j = threadIdx.x; j < h; j += blockDim.x) gx += to_f32(gr[j]) * to_f32(w[j]) * to_f32(xr[j]) * r;
+    const float mean_gx = block_sum(gx, scratch) / h;
+    for (int j = threadIdx.x; j < h; j += blockDim.x) {
+        const float xv = to_f32(xr[j]), gv = to_f32(gr[j]);
+        dx[j] = r * (gv * to_f32(w[j]) - xv * r * mean_gx);
+        dw[j] = gv * xv * r;
+    }
+}
+
+// ---- LayerNorm: y = (x - mean) / sqrt(var + eps) * w + b, one block per row.
+
+template <typename T>
+__device__ void row_moments(const T* xr, int h, float eps, float* scratch, float* mean, float* rstd) {
+    float s = 0.f;
+    for (int j = threadIdx.x; j < h; j += blockDim.x) s += to_f32(xr[j]);
+    const float m = block_sum(s, scratch) / h;
+    float v = 0.f;
+    for (int j = threadIdx.x; j < h; j += blockDim.x) {
+        const float d = to_f32(xr[j]) - m;
+        v += d * d;
+    }
+    *mean = m;
+    *rstd = rsqrtf(block_sum(v, scratch) / h + eps);
+}
+
+template <typename T>
+__device__ void layer_norm_fwd(const T* x, const T* w, const T* b, T* y, int h, float eps) {
+    __shared__ float scratch[32];
+    const T* xr = x + (size_t)blockIdx.x * h;
+    T* yr = y + (size_t)blockIdx.x * h;
+    float mean, rstd;
+    row_moments(xr, h, eps, scratch, &mean, &rstd);
+    for (int j = threadIdx.x; j < h; j += blockDim.x)
+        yr[j] = from_f32<T>((to_f32(xr[j]) - mean) * rstd * to_f32(w[j]) + to_f32(b[j]));
+}
+
+// out (2N, H) f32: d x, then each row's part of d w, g x^ (d b is the sum of g).
+template <typename T>
+__device__ void layer_norm_bwd(const T* x, const T* w, const T* g, float* out, int n, int h, float eps) {
+    __shared__ float scratch[32];
+    const size_t row = blockIdx.x;
+    const T* xr = x + row * h;
+    const T* gr = g + row * h;
+    float* dx = out + row * h;
+    float* dw = out + ((size_t)n + row) * h;
+    float mean, rstd;
+    row_moments(xr, h, eps, scratch, &mean, &rstd);
+    float sg = 0.f, sgx = 0.f;
+    for (int j = threadIdx.x; j < h; j += blockDim.x) {
+        const float xh = (to_f32(xr[j]) - mean) * rstd, gh = to_f32(gr[j]) * to_f32(w[j]);
+        sg += gh;
+        sgx += gh * xh;
+    }
+    const float mean_g = block_sum(sg, scratch) / h;
+    const float mean_gx = block_sum(sgx, scratch) / h;
+    for (int j = threadIdx.x; j < h; j += blockDim.x) {
+        const float xh = (to_f32(xr[j]) - mean) * rstd, gv = to_f32(gr[j]);
+        dx[j] = rstd * (gv * to_f32(w[j]) - mean_g - xh * mean_gx);
+        dw[j] = gv * xh;
+    }
+}
+
+#define NORMS(T, S)                                                                                        \
+    extern "C" __global__ void rms_norm_fwd_##S(const T* x, const T* w, T* y, int h, float eps) {          \
+        rms_norm_fwd<T>(x, w, y, h, eps);                                                                  \
+    }                                                                                                      \
+    extern "C" __global__ void rms_norm_bwd_##S(const T* x, const T* w, const T* g, float* out, int n,      \
+                                                int h, float eps) {                                        \
+        rms_norm_bwd<T>(x, w, g, out, n, h, eps);                                                          \
+    }                                                                                                      \
+    extern "C" __global__ void layer_norm_fwd_##S(const T* x, const T* w, const T* b, T* y, int h,         \
+                                                  float eps) {                                             \
+        layer_norm_fwd<T>(x, w, b, y, h, eps);                                                             \
+    }                                                                                                      \
+    extern "C" __global__ void layer_norm_bwd_##S(const T* x, const T* w, const T* g, float* out, int n,    \
+                                                  int h, float eps) {                                      \
+        layer_norm_bwd<T>(x, w, g, out, n, h, eps);                                                        \
+    }
+
+NORMS(float, f32)
+NORMS(bf16, bf16)
+
+// ---- The log-prob of each row's target and the entropy, from f32 logits
+// (N, V) at temperature 1 / inv_t: out (N, 2) = [log-prob, entropy].
+
+__device__ void softmax_stats(const float* z, int v, float inv_t, float* scratch, float* m, float* s, float* sz) {
+    float mx = -INFINITY;
+    for (int j = threadIdx.x; j < v; j += blockDim.x) mx = fmaxf(mx, z[j] * inv_t);
+    *m = block_max(mx, scratch);
+    float se = 0.f, sez = 0.f;
+    for (int j = threadIdx.x; j < v; j += blockDim.x) {
+        const float d = z[j] * inv_t - *m, e = expf(d);
+        se += e;
+        sez += e * d;
+    }
+    *s = block_sum(se, scratch);
+    *sz = block_sum(sez, scratch);
+}
+
+extern "C" __global__ void token_logprobs_fwd(const float* logits, const uint32_t* targets, float* out, int v,
+                                              float inv_t) {
+    __shared__ float scratch[32];
+    const size_t row = blockIdx.x;
+    const float* z = logits + row * v;
+    float m, s, sz;
+    softmax_stats(z, v, inv_t, scratch, &m, &s, &sz);
+    if (threadIdx.x == 0) {
+        const float log_s = logf(s);
+        out[2 * row] = z[targets[row]] * inv_t - m - log_s;
+        // H = -sum p (d - log s) with d = z / T - max.
+        out[2 * row + 1] = log_s - sz / s;
+    }
+}
+
+// d logits = g inv_t (1[j = target] - p_j), g the gradient of the log-prob.
+extern "C" __global__ void token_logprobs_bwd(const float* logits, const uint32_t* targets, const float* grad,
+                                              float* dlogits, int v, float inv_t) {
+    __shared__ float scratch[32];
+    const size_t row = blockIdx.x;
+    const float* z = logits + row * v;
+    float m, s, sz;
+    softmax_stats(z, v, inv_t, scratch, &m, &s, &sz);
+    const float g = grad[2 * row] * inv_t, inv_s = 1.f / s;
+    const uint32_t t = targets[row];
+    float* d = dlogits + row * v;
+    for (int j = threadIdx.x; j < v; j += blockDim.x) d[j] = g * ((j == (int)t ? 1.f : 0.f) - expf(z[j] * inv_t - m) * inv_s);
+}
+
+// ---- AdamW, in place: the moments, then the weight.
+
+extern "C" __global__ void adamw_moment(float* x, const float* g, size_t n, float beta, int squared) {
+    for (size_t i = blockIdx.x * (size_t)blockDim.x + threadIdx.x; i < n; i += (size_t)gridDim.x * blockDim.x) {
+        const float gv = squared ? g[i] * g[i] : g[i];
+        x[i] = beta * x[i] + (1.f - beta) * gv;
+    }
+}
+
+extern "C" __global__ void adamw_update(float* w, const float* m, const float* v, size_t n, float step,
+                                        float inv_sqrt_bias2, float eps, float decay) {
+    for (size_t i = blockIdx.x * (size_t)blockDim.x + threadIdx.x; i < n; i += (size_t)gridDim.x * blockDim.x)
+        w[i] = decay * w[i] - step * m[i] / (sqrtf(v[i]) * inv_sqrt_bias2 + eps);
+}
+
+// ---- Activations and their derivatives; `act`: 0 GELU (erf), 1 GELU
+// (tanh), 2 SiLU, 3 ReLU, as `Activation`'s order in the op file.
+
+__device__ __forceinline__ float activate(float x, int act) {
+    switch (act) {
+        case 0: return 0.5f * x * (1.f + erff(x * 0.70710678f));
+        case 1: return 0.5f * x * (1.f + tanhf(0.7978846f * x * (1.f + 0.044715f * x * x)));
+        case 2: return x / (1.f + expf(-x));
+        default: return fmaxf(x, 0.f);
+    }
+}
+
+__device__ __forceinline__ float activation_slope(float x, int act) {
+    switch (act) {
+        case 0: return 0.5f * (1.f + erff(x * 0.70710678f)) + x * expf(-0.5f * x * x) * 0.3989423f;
+        case 1: {
+            const float t = tanhf(0.7978846f * x * (1.f + 0.044715f * x * x));
+            return 0.5f * (1.f + t) + 0.5f * x * (1.f - t * t) * 0.7978846f * (1.f + 3.f * 0.044715f * x * x);
+        }
+        case 2: {
+            const float s = 1.f / (1.f + expf(-x));
+            return s * (1.f + x * (1.f - s));
+        }
+        default: return x > 0.f ? 1.f : 0.f;
+    }
+}
+
+#define ACTIVATIONS(T, S)                                                                                   \
+    extern "C" __global__ void activation_fwd_##S(const T* x, T* y, size_t n, int act) {                    \
+        for (size_t i = blockIdx.x * (size_t)blockDim.x + threadIdx.x; i < n; i += (size_t)gridDim.x * blockDim.x) \
+            y[i] = from_f32<T>(activate(to_f32(x[i]), act));                                                 \
+    }                                                                                                       \
+    extern "C" __global__ void activation_bwd_##S(const T* x, const T* g, T* dx, size_t n, int act) {       \
+        for (size_t i = blockIdx.x * (size_t)blockDim.x + threadIdx.x; i < n; i += (size_t)gridDim.x * blockDim.x) \
+            dx[i] = from_f32<T>(to_f32(g[i]) * activation_slope(to_f32(x[i]), act));                        \
+    }
+
+ACTIVATIONS(float, f32)
+ACTIVATIONS(bf16, bf16)
+
+// ---- Rotary embeddings (rotate-half) on x (B, H, T, D) with f32 tables
+// (B, 1, T, R), R <= D: features past R pass through. The inverse rotation
+// (sign -1) is the backward pass: rotations are orthogonal.
+
+#define ROTARY(T, S)                                                                                        \
+    extern "C" __global__ void rotary_##S(const T* x, const float* cos, const float* sin, T* y, int h, int t, \
+                                          int d, int r, float sign, size_t n) {                             \
+        for (size_t i = blockIdx.x * (size_t)blockDim.x + threadIdx.x; i < n; i += (size_t)gridDim.x * blockDim.x) { \
+            const int j = (int)(i % d);                                                                     \
+            if (j >= r) {                                                                                   \
+                y[i] = x[i];                                                                                \
+                continue;                                                                                   \
+            }                                                                                               \
+            const size_t token = i / d, bi = token / ((size_t)h * t), ti = token % t;                      \
+            const size_t at = (bi * t + ti) * r + j;                                                        \
+            const int half = r / 2;                                                                         \
+            const float c = cos[at], s = sign * sin[at];                                                    \
+            const float other = j < half ? -to_f32(x[i + half]) : to_f32(x[i - half]);                     \
+            y[i] = from_f32<T>(to_f32(x[i]) * c + other * s);                                               \
+        }                                                                                                   \
+    }
+
+ROTARY(float, f32)
+ROTARY(bf16, bf16)
+
+// ---- Scaled dot-product attention with an additive bias, whole rows in
+// shared memory (no (T, S) tensor in global memory). q, o: (B, H, T, D)
+// contiguous; k, v: (B, Hkv, *, D) whose heads lie `kv_stride` elements
+// apart (a cache's capacity x D), S keys used; bias: (B, T, S) f32, a key
+// with bias below -1e29 is masked (probability exactly 0; a row that sees
+// no key gives 0); lse: (B, H, T) f32 log-sum-exp of each row's scores, for
+// the backward pass. One block per query row; dynamic shared memory holds
+// the row's S scores and 32 floats of scratch.
+
+struct AttnDims {
+    int h, h_kv, t, s, d;
+    long long kv_stride;
+    float scale;
+};
+
+template <typename T>
+__device__ __forceinline__ float dot(const T* a, const T* b, int d) {
+    float acc = 0.f;
+    for (int e = 0; e < d; ++e) acc += to_f32(a[e]) * to_f32(b[e]);
+    return acc;
+}
+
+// Fills p[0..S) with the row's probabilities; returns the log-sum-exp (0 for
+// a row that sees no key), or uses the given one (`lse_in` not NaN).
+template <typename T>
+__device__ float row_probs(const T* qr, const T* kb, const float* br, const AttnDims& a, float* p, float* scratch,
+                           float lse_in) {
+    float mx = -INFINITY;
+    for (int j = threadIdx.x; j < a.s; j += blockDim.x) {
+        const float sc = br[j] < -1e29f ? -INFINITY : dot(qr, kb + (size_t)j * a.d, a.d) * a.scale + br[j];
+        p[j] = sc;
+        mx = fmaxf(mx, sc);
+    }
+    float lse = lse_in;
+    if (isnan(lse_in)) {
+        mx = block_max(mx, scratch);
+        float sum = 0.f;
+        for (int j = threadIdx.x; j < a.s; j += blockDim.x) sum += p[j] == -INFINITY ? 0.f : expf(p[j] - mx);
+        sum = block_sum(sum, scratch);
+        lse = sum > 0.f ? mx + logf(sum) : 0.f;
+    }
+    for (int j = threadIdx.x; j < a.s; j += blockDim.x) p[j] = p[j] == -INFINITY ? 0.f : expf(p[j] - lse);
+    __syncthreads();
+    return lse;
+}
+
+template <typename T>
+__device__ void attention_fwd(const T* q, const T* k, const T* v, const float* bias, T* o, float* lse, AttnDims a) {
+    extern __shared__ float smem[];
+    float* p = smem;
+    float* scratch = smem + a.s;
+    const size_t row = blockIdx.x;
+    const int ti = row % a.t, bh = row / a.t, hi = bh % a.h, b = bh / a.h, hk = hi / (a.h / a.h_kv);
+    const T* kb = k + ((size_t)b * a.h_kv + hk) * a.kv_stride;
+    const T* vb = v + ((size_t)b * a.h_kv + hk) * a.kv_stride;
+    const float l = row_probs(q + row * a.d, kb, bias + ((size_t)b * a.t + ti) * a.s, a, p, scratch, NAN);
+    for (int e = threadIdx.x; e < a.d; e += blockDim.x) {
+        float acc = 0.f;
+        for (int j = 0; j < a.s; ++j) acc += p[j] * to_f32(vb[(size_t)j * a.d + e]);
+        o[row * a.d + e] = from_f32<T>(acc);
+    }
+    if (threadIdx.x == 0) lse[row] = l;
+}
+
+// d q of each query row, from d o and di = rowsum(d o * o) (B, H, T) f32:
+// ds_j = p_j (d o . v_j - di), d q = scale sum_j ds_j k_j.
+template <typename T>
+__device__ void attention_bwd_q(const T* q, const T* k, const T* v, const float* bias, const float* lse,
+                                const T* dout, const float* di, T* dq, AttnDims a) {
+    extern __shared__ float smem[];
+    float* p = smem;
+    float* scratch = smem + a.s;
+    const size_t row = blockIdx.x;
+    const int ti = row % a.t, bh = row / a.t, hi = bh % a.h, b = bh / a.h, hk = hi / (a.h / a.h_kv);
+    const T* kb = k + ((size_t)b * a.h_kv + hk) * a.kv_stride;
+    const T* vb = v + ((size_t)b * a.h_kv + hk) * a.kv_stride;
+    row_probs(q + row * a.d, kb, bias + ((size_t)b * a.t + ti) * a.s, a, p, scratch, lse[row]);
+    const T* gr = dout + row * a.d;
+    for (int j = threadIdx.x; j < a.s; j += blockDim.x)
+        if (p[j] != 0.f) p[j] *= dot(gr, vb + (size_t)j * a.d, a.d) - di[row];
+    __syncthreads();
+    for (int e = threadIdx.x; e < a.d; e += blockDim.x) {
+        float acc = 0.f;
+        for (int j = 0; j < a.s; ++j) acc += p[j] * to_f32(kb[(size_t)j * a.d + e]);
+        dq[row * a.d + e] = from_f32<T>(acc * a.scale);
+    }
+}
+
+// d k and d v of each key (block per (b, kv head, key j)), over the query
+// heads of its group and every query: out holds d k (B, Hkv, S, D), then
+// d v. Dynamic shared memory: 2 T + 2 D floats.
+template <typename T>
+__device__ void attention_bwd_kv(const T* q, const T* k, const T* v, const float* bias, const float* lse,
+                                 const T* dout, const float* di, T* out, AttnDims a) {
+    extern __shared__ float smem[];
+    float* ds = smem;
+    float* pr = smem + a.t;
+    float* acc_k = smem + 2 * a.t;
+    float* acc_v = acc_k + a.d;
+    const int j = blockIdx.x % a.s, bk = blockIdx.x / a.s, hk = bk % a.h_kv, b = bk / a.h_kv;
+    const int n_rep = a.h / a.h_kv;
+    const T* kj = k + ((size_t)b * a.h_kv + hk) * a.kv_stride + (size_t)j * a.d;
+    const T* vj = v + ((size_t)b * a.h_kv + hk) * a.kv_stride + (size_t)j * a.d;
+    for (int e = threadIdx.x; e < a.d; e += blockDim.x) acc_k[e] = acc_v[e] = 0.f;
+    for (int rep = 0; rep < n_rep; ++rep) {
+        const size_t head = (size_t)b * a.h + hk * n_rep + rep;
+        for (int ti = threadIdx.x; ti < a.t; ti += blockDim.x) {
+            const size_t row = head * a.t + ti;
+            const float bias_tj = bias[((size_t)b * a.t + ti) * a.s + j];
+            float p = 0.f, d = 0.f;
+            if (bias_tj >= -1e29f) {
+                p = expf(dot(q + row * a.d, kj, a.d) * a.scale + bias_tj - lse[row]);
+                d = p * (dot(dout + row * a.d, vj, a.d) - di[row]);
+            }
+            pr[ti] = p;
+            ds[ti] = d;
+        }
+        __syncthreads();
+        for (int e = threadIdx.x; e < a.d; e += blockDim.x) {
+            float gk = 0.f, gv = 0.f;
+            for (int ti = 0; ti < a.t; ++ti) {
+                const size_t row = head * a.t + ti;
+                gk += ds[ti] * to_f32(q[row * a.d + e]);
+                gv += pr[ti] * to_f32(dout[row * a.d + e]);
+            }
+            acc_k[e] += gk * a.scale;
+            acc_v[e] += gv;
+        }
+        __syncthreads();
+    }
+    const size_t at = (((size_t)b * a.h_kv + hk) * a.s + j) * a.d;
+    const size_t half = (size_t)gridDim.x * a.d;
+    for (int e = threadIdx.x; e < a.d; e += blockDim.x) {
+        out[at + e] = from_f32<T>(acc_k[e]);
+        out[half + at + e] = from_f32<T>(acc_v[e]);
+    }
+}
+
+#define ATTENTION(T, S)                                                                                      \
+    extern "C" __global__ void attention_fwd_##S(const T* q, const T* k, const T* v, const float* bias, T* o,  \
+                                                 float* lse, AttnDims a) {                                   \
+        attention_fwd<T>(q, k, v, bias, o, lse, a);                                                          \
+    }                                                                                                        \
+    extern "C" __global__ void attention_bwd_q_##S(const T* q, const T* k, const T* v, const float* bias,     \
+                                                   const float* lse, const T* dout, const float* di, T* dq,  \
+                                                   AttnDims a) {                                             \
+        attention_bwd_q<T>(q, k, v, bias, lse, dout, di, dq, a);                                             \
+    }                                                                                                        \
+    extern "C" __global__ void attention_bwd_kv_##S(const T* q, const T* k, const T* v, const float* bias,    \
+                                                    const float* lse, const T* dout, const float* di, T* out, \
+                                                    AttnDims a) {                                            \
+        attention_bwd_kv<T>(q, k, v, bias, lse, dout, di, out, a);                                           \
+    }
+
+ATTENTION(float, f32)
+ATTENTION(bf16, bf16)

@@ -1,0 +1,404 @@
+//! Launches the CUDA kernels of `kernels.cu` (compiled to PTX by the build
+//! script) for the ops beside this module: their `cuda_fwd` hooks call
+//! these. Inputs are read where they lie (contiguous views), outputs are new
+//! buffers on the inputs' stream.
+
+use candle_core::backend::BackendStorage;
+use candle_core::cuda_backend::cudarc::driver::{CudaView, DeviceRepr, LaunchConfig, PushKernelArg};
+use candle_core::cuda_backend::{CudaDType, WrapErr};
+use candle_core::{CudaStorage, DType, Layout, Result};
+use half::bf16;
+
+const PTX: &str = include_str!(concat!(env!("OUT_DIR"), "/kernels.ptx"));
+
+/// The contiguous elements of an input.
+fn view<'a, T: CudaDType>(s: &'a CudaStorage, l: &Layout) -> Result<CudaView<'a, T>> {
+    match l.contiguous_offsets() {
+        Some((start, end)) => Ok(s.as_cuda_slice::<T>()?.slice(start..end)),
+        None => candle_core::bail!("CUDA kernel: input of shape {:?} is not contiguous", l.dims()),
+    }
+}
+
+/// One block per row of `width` elements: a multiple of 32 threads, at most 1024.
+fn per_row(rows: usize, width: usize) -> LaunchConfig {
+    let threads = (width.div_ceil(32) * 32).clamp(32, 1024) as u32;
+    LaunchConfig { grid_dim: (rows as u32, 1, 1), block_dim: (threads, 1, 1), shared_mem_bytes: 0 }
+}
+
+/// Enough blocks of 256 threads for `n` elements, striding beyond 65536 blocks.
+fn elementwise(n: usize) -> LaunchConfig {
+    let blocks = n.div_ceil(256).clamp(1, 1 << 16) as u32;
+    LaunchConfig { grid_dim: (blocks, 1, 1), block_dim: (256, 1, 1), shared_mem_bytes: 0 }
+}
+
+fn suffix(dtype: DType) -> Result<&'static str> {
+    match dtype {
+        DType::F32 => Ok("f32"),
+        DType::BF16 => Ok("bf16"),
+        other => candle_core::bail!("CUDA kernels take f32 or bf16, not {other:?}"),
+    }
+}
+
+/// A norm's forward: `x` (N, H) with its per-feature `params` (weight, and
+/// bias for LayerNorm), in x's dtype.
+pub fn norm_fwd(
+    kernel: &str,
+    x: &CudaStorage,
+    x_l: &Layout,
+    params: &[(&CudaStorage, &Layout)],
+    eps: f32,
+) -> Result<CudaStorage> {
+    match x.dtype() {
+        DType::F32 => norm_fwd_as::<f32>(kernel, x, x_l, params, eps),
+        DType::BF16 => norm_fwd_as::<bf16>(kernel, x, x_l, params, eps),
+        other => candle_core::bail!("{kernel}: {other:?} is not f32 or bf16"),
+    }
+}
+
+fn norm_fwd_as<T: CudaDType + DeviceRepr>(
+    kernel: &str,
+    x: &CudaStorage,
+    x_l: &Layout,
+    params: &[(&CudaStorage, &Layout)],
+    eps: f32,
+) -> Result<CudaStorage> {
+    let dev = x.device.clone();
+    let xs = view::<T>(x, x_l)?;
+    let ps = params.iter().map(|(s, l)| view::<T>(s, l)).collect::<Result<Vec<_>>>()?;
+    let h = ps[0].len();
+    let n = xs.len() / h;
+    // Safety: every element is written by the kernel.
+    let mut y = unsafe { dev.alloc::<T>(xs.len()) }?;
+    let func = dev.get_or_load_custom_func(&format!("{kernel}_{}", suffix(x.dtype())?), "rloo", PTX)?;
+    let mut args = func.builder();
+    args.arg(&xs);
+    for p in &ps {
+        args.arg(p);
+    }
+    let h32 = h as i32;
+    args.arg(&mut y).arg(&h32).arg(&eps);
+    // Safety: the argument list matches the kernel's signature.
+    unsafe { args.launch(per_row(n, h)) }.w()?;
+    Ok(CudaStorage::wrap_cuda_slice(y, dev))
+}
+
+/// A norm's backward from x, weight and d y (N, H): f32 (2N, H), d x then
+/// each row's part of d weight.
+pub fn norm_bwd(
+    kernel: &str,
+    (x, x_l): (&CudaStorage, &Layout),
+    (w, w_l): (&CudaStorage, &Layout),
+    (g, g_l): (&CudaStorage, &Layout),
+    eps: f32,
+) -> Result<CudaStorage> {
+    fn run<T: CudaDType + DeviceRepr>(
+        name: &str,
+        (x, x_l): (&CudaStorage, &Layout),
+        (w, w_l): (&CudaStorage, &Layout),
+        (g, g_l): (&CudaStorage, &Layout),
+        eps: f32,
+    ) -> Result<CudaStorage> {
+        let dev = x.device.clone();
+        let (xs, ws, gs) = (view::<T>(x, x_l)?, view::<T>(w, w_l)?, view::<T>(g, g_l)?);
+        let (h, n) = (ws.len(), xs.len() / ws.len());
+        // Safety: every element is written by the kernel.
+        let mut out = unsafe { dev.alloc::<f32>(2 * n * h) }?;
+        let func = dev.get_or_load_custom_func(name, "rloo", PTX)?;
+        let (n32, h32) = (n as i32, h as i32);
+        let mut args = func.builder();
+        args.arg(&xs).arg(&ws).arg(&gs).arg(&mut out).arg(&n32).arg(&h32).arg(&eps);
+        // Safety: the argument list matches the kernel's signature.
+        unsafe { args.launch(per_row(n, h)) }.w()?;
+        Ok(CudaStorage::wrap_cuda_slice(out, dev))
+    }
+    let name = format!("{kernel}_{}", suffix(x.dtype())?);
+    match x.dtype() {
+        DType::F32 => run::<f32>(&name, (x, x_l), (w, w_l), (g, g_l), eps),
+        _ => run::<bf16>(&name, (x, x_l), (w, w_l), (g, g_l), eps),
+    }
+}
+
+/// (N, 2) [log-prob of the target, entropy] per row of f32 logits (N, V)
+/// at temperature 1 / inv_t.
+pub fn token_logprobs(
+    (logits, l_l): (&CudaStorage, &Layout),
+    (targets, t_l): (&CudaStorage, &Layout),
+    inv_t: f32,
+) -> Result<CudaStorage> {
+    let dev = logits.device.clone();
+    let (z, t) = (view::<f32>(logits, l_l)?, view::<u32>(targets, t_l)?);
+    let (n, v) = (t.len(), z.len() / t.len().max(1));
+    // Safety: every element is written by the kernel.
+    let mut out = unsafe { dev.alloc::<f32>(2 * n) }?;
+    let func = dev.get_or_load_custom_func("token_logprobs_fwd", "rloo", PTX)?;
+    let v32 = v as i32;
+    let mut args = func.builder();
+    args.arg(&z).arg(&t).arg(&mut out).arg(&v32).arg(&inv_t);
+    // Safety: the argument list matches the kernel's signature.
+    unsafe { args.launch(per_row(n, v)) }.w()?;
+    Ok(CudaStorage::wrap_cuda_slice(out, dev))
+}
+
+/// d logits (N, V) from the gradient (N, 2) of [`token_logprobs`]'s output.
+pub fn token_logprobs_grad(
+    (logits, l_l): (&CudaStorage, &Layout),
+    (targets, t_l): (&CudaStorage, &Layout),
+    (grad, g_l): (&CudaStorage, &Layout),
+    inv_t: f32,
+) -> Result<CudaStorage> {
+    let dev = logits.device.clone();
+    let (z, t, g) = (view::<f32>(logits, l_l)?, view::<u32>(targets, t_l)?, view::<f32>(grad, g_l)?);
+    let (n, v) = (t.len(), z.len() / t.len().max(1));
+    // Safety: every element is written by the kernel.
+    let mut out = unsafe { dev.alloc::<f32>(n * v) }?;
+    let func = dev.get_or_load_custom_func("token_logprobs_bwd", "rloo", PTX)?;
+    let v32 = v as i32;
+    let mut args = func.builder();
+    args.arg(&z).arg(&t).arg(&g).arg(&mut out).arg(&v32).arg(&inv_t);
+    // Safety: the argument list matches the kernel's signature.
+    unsafe { args.launch(per_row(n, v)) }.w()?;
+    Ok(CudaStorage::wrap_cuda_slice(out, dev))
+}
+
+/// The contiguous f32 elements of an in-place operand.
+fn view_mut<'a>(
+    s: &'a mut CudaStorage,
+    l: &Layout,
+) -> Result<candle_core::cuda_backend::cudarc::driver::CudaViewMut<'a, f32>> {
+    match l.contiguous_offsets() {
+        Some((start, end)) => Ok(s.as_cuda_slice_mut::<f32>()?.slice_mut(start..end)),
+        None => candle_core::bail!("adamw: operand {:?} is not contiguous", l.dims()),
+    }
+}
+
+/// AdamW's moment update in place: `x = beta x + (1 - beta) g` (or g^2).
+pub fn adamw_moment(
+    x: &mut CudaStorage,
+    x_l: &Layout,
+    g: &CudaStorage,
+    g_l: &Layout,
+    beta: f32,
+    squared: bool,
+) -> Result<()> {
+    let dev = x.device.clone();
+    let gs = view::<f32>(g, g_l)?;
+    let n = gs.len();
+    let mut xs = view_mut(x, x_l)?;
+    let func = dev.get_or_load_custom_func("adamw_moment", "rloo", PTX)?;
+    let sq = squared as i32;
+    let mut args = func.builder();
+    args.arg(&mut xs).arg(&gs).arg(&n).arg(&beta).arg(&sq);
+    // Safety: the argument list matches the kernel's signature.
+    unsafe { args.launch(elementwise(n)) }.w()?;
+    Ok(())
+}
+
+/// AdamW's weight update in place from the moments.
+pub fn adamw_update(
+    w: &mut CudaStorage,
+    w_l: &Layout,
+    (m, m_l): (&CudaStorage, &Layout),
+    (v, v_l): (&CudaStorage, &Layout),
+    step: super::AdamWStep,
+) -> Result<()> {
+    let dev = w.device.clone();
+    let (ms, vs) = (view::<f32>(m, m_l)?, view::<f32>(v, v_l)?);
+    let n = ms.len();
+    let mut ws = view_mut(w, w_l)?;
+    let func = dev.get_or_load_custom_func("adamw_update", "rloo", PTX)?;
+    let (lr_step, inv_sqrt_bias2) = (step.lr / step.bias1, 1.0 / step.bias2.sqrt());
+    let mut args = func.builder();
+    args.arg(&mut ws).arg(&ms).arg(&vs).arg(&n).arg(&lr_step).arg(&inv_sqrt_bias2).arg(&step.eps).arg(&step.decay);
+    // Safety: the argument list matches the kernel's signature.
+    unsafe { args.launch(elementwise(n)) }.w()?;
+    Ok(())
+}
+
+/// `act` (0 GELU, 1 GELU tanh, 2 SiLU, 3 ReLU) elementwise over `x`, or its
+/// backward `g * act'(x)` when `grad` is given; in x's dtype.
+pub fn activation(
+    (x, x_l): (&CudaStorage, &Layout),
+    grad: Option<(&CudaStorage, &Layout)>,
+    act: i32,
+) -> Result<CudaStorage> {
+    fn run<T: CudaDType + DeviceRepr>(
+        name: &str,
+        (x, x_l): (&CudaStorage, &Layout),
+        grad: Option<(&CudaStorage, &Layout)>,
+        act: i32,
+    ) -> Result<CudaStorage> {
+        let dev = x.device.clone();
+        let xs = view::<T>(x, x_l)?;
+        let n = xs.len();
+        let gs = grad.map(|(g, g_l)| view::<T>(g, g_l)).transpose()?;
+        // Safety: every element is written by the kernel.
+        let mut out = unsafe { dev.alloc::<T>(n) }?;
+        let func = dev.get_or_load_custom_func(name, "rloo", PTX)?;
+        let mut args = func.builder();
+        args.arg(&xs);
+        if let Some(gs) = &gs {
+            args.arg(gs);
+        }
+        args.arg(&mut out).arg(&n).arg(&act);
+        // Safety: the argument list matches the kernel's signature.
+        unsafe { args.launch(elementwise(n)) }.w()?;
+        Ok(CudaStorage::wrap_cuda_slice(out, dev))
+    }
+    let name = format!("activation_{}_{}", if grad.is_some() { "bwd" } else { "fwd" }, suffix(x.dtype())?);
+    match x.dtype() {
+        DType::F32 => run::<f32>(&name, (x, x_l), grad, act),
+        _ => run::<bf16>(&name, (x, x_l), grad, act),
+    }
+}
+
+/// Rotates x (B, H, T, D) by f32 tables (B, 1, T, R); `sign` -1 rotates back.
+pub fn rotary(
+    (x, x_l): (&CudaStorage, &Layout),
+    (cos, c_l): (&CudaStorage, &Layout),
+    (sin, s_l): (&CudaStorage, &Layout),
+    sign: f32,
+) -> Result<CudaStorage> {
+    fn run<T: CudaDType + DeviceRepr>(
+        name: &str,
+        (x, x_l): (&CudaStorage, &Layout),
+        (cos, c_l): (&CudaStorage, &Layout),
+        (sin, s_l): (&CudaStorage, &Layout),
+        sign: f32,
+    ) -> Result<CudaStorage> {
+        let dev = x.device.clone();
+        let &[_, h, t, d] = x_l.dims() else {
+            candle_core::bail!("rotary: expected (B, H, T, D), got {:?}", x_l.dims())
+        };
+        let r = *c_l.dims().last().unwrap_or(&0);
+        let (xs, cs, ss) = (view::<T>(x, x_l)?, view::<f32>(cos, c_l)?, view::<f32>(sin, s_l)?);
+        let n = xs.len();
+        // Safety: every element is written by the kernel.
+        let mut out = unsafe { dev.alloc::<T>(n) }?;
+        let func = dev.get_or_load_custom_func(name, "rloo", PTX)?;
+        let (h, t, d, r) = (h as i32, t as i32, d as i32, r as i32);
+        let mut args = func.builder();
+        args.arg(&xs).arg(&cs).arg(&ss).arg(&mut out).arg(&h).arg(&t).arg(&d).arg(&r).arg(&sign).arg(&n);
+        // Safety: the argument list matches the kernel's signature.
+        unsafe { args.launch(elementwise(n)) }.w()?;
+        Ok(CudaStorage::wrap_cuda_slice(out, dev))
+    }
+    let name = format!("rotary_{}", suffix(x.dtype())?);
+    match x.dtype() {
+        DType::F32 => run::<f32>(&name, (x, x_l), (cos, c_l), (sin, s_l), sign),
+        _ => run::<bf16>(&name, (x, x_l), (cos, c_l), (sin, s_l), sign),
+    }
+}
+
+/// The attention kernels' sizes, as `AttnDims` in `kernels.cu`.
+#[repr(C)]
+#[derive(Debug, Clone, Copy)]
+pub struct AttnDims {
+    pub h: i32,
+    pub h_kv: i32,
+    pub t: i32,
+    pub s: i32,
+    pub d: i32,
+    /// Elements between consecutive key/value heads.
+    pub kv_stride: i64,
+    pub scale: f32,
+}
+
+// Safety: a plain C struct of numbers, passed by value.
+unsafe impl DeviceRepr for AttnDims {}
+
+/// Threads per attention block and the dynamic shared memory of `floats`.
+fn attention_launch(blocks: usize, floats: usize) -> LaunchConfig {
+    LaunchConfig { grid_dim: (blocks as u32, 1, 1), block_dim: (128, 1, 1), shared_mem_bytes: (floats * 4) as u32 }
+}
+
+type In<'a> = (&'a CudaStorage, &'a Layout);
+
+/// (output (B, H, T, D) in q's dtype, log-sum-exp (B, H, T) f32).
+pub fn attention_fwd(q: In, k: In, v: In, bias: In, a: AttnDims) -> Result<(CudaStorage, CudaStorage)> {
+    fn run<T: CudaDType + DeviceRepr>(
+        name: &str,
+        q: In,
+        k: In,
+        v: In,
+        bias: In,
+        a: AttnDims,
+    ) -> Result<(CudaStorage, CudaStorage)> {
+        let dev = q.0.device.clone();
+        let qs = view::<T>(q.0, q.1)?;
+        let (ks, vs) = (kv_view::<T>(k)?, kv_view::<T>(v)?);
+        let bs = view::<f32>(bias.0, bias.1)?;
+        let rows = qs.len() / a.d as usize;
+        // Safety: every element is written by the kernel.
+        let (mut out, mut lse) = unsafe { (dev.alloc::<T>(qs.len())?, dev.alloc::<f32>(rows)?) };
+        let func = dev.get_or_load_custom_func(name, "rloo", PTX)?;
+        let mut args = func.builder();
+        args.arg(&qs).arg(&ks).arg(&vs).arg(&bs).arg(&mut out).arg(&mut lse).arg(&a);
+        // Safety: the argument list matches the kernel's signature.
+        unsafe { args.launch(attention_launch(rows, a.s as usize + 32)) }.w()?;
+        Ok((CudaStorage::wrap_cuda_slice(out, dev.clone()), CudaStorage::wrap_cuda_slice(lse, dev)))
+    }
+    let name = format!("attention_fwd_{}", suffix(q.0.dtype())?);
+    match q.0.dtype() {
+        DType::F32 => run::<f32>(&name, q, k, v, bias, a),
+        _ => run::<bf16>(&name, q, k, v, bias, a),
+    }
+}
+
+/// Everything the attention backward kernels read.
+pub struct AttnInputs<'a> {
+    pub q: In<'a>,
+    pub k: In<'a>,
+    pub v: In<'a>,
+    pub bias: In<'a>,
+    pub lse: In<'a>,
+    pub grad: In<'a>,
+    pub di: In<'a>,
+}
+
+/// Keys or values from their first element on: the kernel walks heads by
+/// `kv_stride`, which may leave gaps (a cache's spare slots).
+fn kv_view<'a, T: CudaDType>((s, l): In<'a>) -> Result<CudaView<'a, T>> {
+    Ok(s.as_cuda_slice::<T>()?.slice(l.start_offset()..))
+}
+
+/// d q (B, H, T, D), or d k and d v stacked (2, B, Hkv, S, D) (`keys`).
+fn attention_bwd(x: &AttnInputs, a: AttnDims, keys: bool) -> Result<CudaStorage> {
+    fn run<T: CudaDType + DeviceRepr>(name: &str, x: &AttnInputs, a: AttnDims, keys: bool) -> Result<CudaStorage> {
+        let dev = x.q.0.device.clone();
+        let qs = view::<T>(x.q.0, x.q.1)?;
+        let (ks, vs) = (kv_view::<T>(x.k)?, kv_view::<T>(x.v)?);
+        let (bs, ls, gs, ds) = (
+            view::<f32>(x.bias.0, x.bias.1)?,
+            view::<f32>(x.lse.0, x.lse.1)?,
+            view::<T>(x.grad.0, x.grad.1)?,
+            view::<f32>(x.di.0, x.di.1)?,
+        );
+        let (b, d) = (qs.len() / (a.h * a.t * a.d) as usize, a.d as usize);
+        let (len, blocks, floats) = match keys {
+            true => (2 * b * (a.h_kv * a.s) as usize * d, b * (a.h_kv * a.s) as usize, 2 * (a.t as usize + d)),
+            false => (qs.len(), qs.len() / d, a.s as usize + 32),
+        };
+        // Safety: every element is written by the kernel.
+        let mut out = unsafe { dev.alloc::<T>(len) }?;
+        let func = dev.get_or_load_custom_func(name, "rloo", PTX)?;
+        let mut args = func.builder();
+        args.arg(&qs).arg(&ks).arg(&vs).arg(&bs).arg(&ls).arg(&gs).arg(&ds).arg(&mut out).arg(&a);
+        // Safety: the argument list matches the kernel's signature.
+        unsafe { args.launch(attention_launch(blocks, floats)) }.w()?;
+        Ok(CudaStorage::wrap_cuda_slice(out, dev))
+    }
+    let dtype = x.q.0.dtype();
+    let name = format!("attention_bwd_{}_{}", if keys { "kv" } else { "q" }, suffix(dtype)?);
+    match dtype {
+        DType::F32 => run::<f32>(&name, x, a, keys),
+        _ => run::<bf16>(&name, x, a, keys),
+    }
+}
+
+pub fn attention_bwd_q(x: &AttnInputs, a: AttnDims) -> Result<CudaStorage> {
+    attention_bwd(x, a, false)
+}
+
+pub fn attention_bwd_kv(x: &AttnInputs, a: AttnDims) -> Result<CudaStorage> {
+    attention_bwd(x, a, true)
+}

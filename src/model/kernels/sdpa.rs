@@ -1,0 +1,212 @@
+//! Scaled dot-product attention over heads already rotated, q (B, H, T, D)
+//! against k, v (B, Hkv, S, D) with an additive bias (B, 1, T, S): the CUDA
+//! kernel on a GPU (no (T, S) scores or probabilities in global memory, the
+//! backward recomputes them from each row's log-sum-exp), the composition of
+//! candle ops elsewhere. Keys may be a view into a KV cache's buffers.
+
+use std::sync::Mutex;
+
+use candle_core::{CpuStorage, CustomOp3, DType, Layout, Result, Shape, Tensor, D};
+
+use crate::model::ops;
+
+/// Rows whose scores fit the kernel's shared memory (48 KiB of floats,
+/// less the scratch); longer ones take the composition.
+const MAX_KEYS: usize = 11_000;
+
+/// Returns (B, H, T, D).
+pub fn sdpa(q: &Tensor, k: &Tensor, v: &Tensor, bias: &Tensor, scale: f64) -> Result<Tensor> {
+    let (_, h, t, _) = q.dims4()?;
+    let (_, h_kv, s, _) = k.dims4()?;
+    if !(super::on_cuda(&[q, k, v]) && s <= MAX_KEYS && t <= MAX_KEYS / 2) {
+        let n_rep = h / h_kv;
+        return ops::attention(q, &ops::repeat_kv(k, n_rep)?, &ops::repeat_kv(v, n_rep)?, bias, scale);
+    }
+    let (k, v) = (cache_layout(k)?, cache_layout(v)?);
+    let bias = bias.to_dtype(DType::F32)?.contiguous()?;
+    let op = Sdpa { bias, scale: scale as f32, lse: Mutex::new(None) };
+    q.contiguous()?.apply_op3(&k, &v, op)
+}
+
+/// `x` itself when its heads are evenly spaced rows of D features (a
+/// contiguous tensor, or the filled slots of a cache buffer), else a copy.
+fn cache_layout(x: &Tensor) -> Result<Tensor> {
+    if head_stride(x.layout()).is_some() {
+        Ok(x.clone())
+    } else {
+        x.contiguous()
+    }
+}
+
+/// The elements between consecutive heads of a (B, Hkv, S, D) layout whose
+/// rows are packed, if it is one.
+fn head_stride(l: &Layout) -> Option<usize> {
+    match (l.dims(), l.stride()) {
+        ([_, h, _, d], [sb, sh, sr, 1]) if *sr == *d && *sb == h * sh => Some(*sh),
+        _ => None,
+    }
+}
+
+struct Sdpa {
+    bias: Tensor,
+    scale: f32,
+    /// Each row's log-sum-exp (B, H, T), kept by the forward for the backward.
+    lse: Mutex<Option<Tensor>>,
+}
+
+impl CustomOp3 for Sdpa {
+    fn name(&self) -> &'static str {
+        "sdpa"
+    }
+
+    fn cpu_fwd(
+        &self,
+        _: &CpuStorage,
+        _: &Layout,
+        _: &CpuStorage,
+        _: &Layout,
+        _: &CpuStorage,
+        _: &Layout,
+    ) -> Result<(CpuStorage, Shape)> {
+        candle_core::bail!("sdpa runs on CUDA only (the CPU has its own attention kernels)")
+    }
+
+    #[cfg(feature = "cuda")]
+    fn cuda_fwd(
+        &self,
+        q: &candle_core::CudaStorage,
+        q_l: &Layout,
+        k: &candle_core::CudaStorage,
+        k_l: &Layout,
+        v: &candle_core::CudaStorage,
+        v_l: &Layout,
+    ) -> Result<(candle_core::CudaStorage, Shape)> {
+        let dims = attn_dims(q_l, k_l, v_l, self.scale)?;
+        let (bias, bias_l) = self.bias.storage_and_layout();
+        let candle_core::Storage::Cuda(bias) = &*bias else { candle_core::bail!("sdpa: the bias is not on the GPU") };
+        let (out, lse) = super::cuda::attention_fwd((q, q_l), (k, k_l), (v, v_l), (bias, bias_l), dims)?;
+        let (b, h, t) = (q_l.dims()[0], q_l.dims()[1], q_l.dims()[2]);
+        let lse = Tensor::from_storage(
+            candle_core::Storage::Cuda(lse),
+            (b, h, t),
+            candle_core::op::BackpropOp::none(),
+            false,
+        );
+        *self.lse.lock().unwrap_or_else(std::sync::PoisonError::into_inner) = Some(lse);
+        Ok((out, q_l.shape().clone()))
+    }
+
+    fn bwd(
+        &self,
+        q: &Tensor,
+        k: &Tensor,
+        v: &Tensor,
+        out: &Tensor,
+        grad: &Tensor,
+    ) -> Result<(Option<Tensor>, Option<Tensor>, Option<Tensor>)> {
+        let Some(lse) = self.lse.lock().unwrap_or_else(std::sync::PoisonError::into_inner).take() else {
+            candle_core::bail!("sdpa: backward without a forward")
+        };
+        let grad = grad.contiguous()?;
+        // di = rowsum(d out * out), the softmax backward's correction.
+        let di = (grad.to_dtype(DType::F32)? * out.to_dtype(DType::F32)?)?.sum(D::Minus1)?.contiguous()?;
+        let state = GradState { bias: self.bias.clone(), lse, grad, di, scale: self.scale };
+        let dq = q.apply_op3_no_bwd(k, v, &SdpaGrad { state: &state, keys: false })?;
+        let dkv = q.apply_op3_no_bwd(k, v, &SdpaGrad { state: &state, keys: true })?;
+        let n = k.elem_count();
+        let dk = dkv.flatten_all()?.narrow(0, 0, n)?.reshape(k.shape())?;
+        let dv = dkv.flatten_all()?.narrow(0, n, n)?.reshape(k.shape())?;
+        Ok((Some(dq), Some(dk), Some(dv)))
+    }
+}
+
+/// What the backward kernels read beside q, k and v.
+#[cfg_attr(not(feature = "cuda"), allow(dead_code))]
+struct GradState {
+    bias: Tensor,
+    lse: Tensor,
+    grad: Tensor,
+    di: Tensor,
+    scale: f32,
+}
+
+/// d q (`keys` false), or d k then d v stacked (2, B, Hkv, S, D).
+struct SdpaGrad<'a> {
+    #[cfg_attr(not(feature = "cuda"), allow(dead_code))]
+    state: &'a GradState,
+    #[cfg_attr(not(feature = "cuda"), allow(dead_code))]
+    keys: bool,
+}
+
+impl CustomOp3 for SdpaGrad<'_> {
+    fn name(&self) -> &'static str {
+        "sdpa-grad"
+    }
+
+    fn cpu_fwd(
+        &self,
+        _: &CpuStorage,
+        _: &Layout,
+        _: &CpuStorage,
+        _: &Layout,
+        _: &CpuStorage,
+        _: &Layout,
+    ) -> Result<(CpuStorage, Shape)> {
+        candle_core::bail!("sdpa-grad runs on CUDA only")
+    }
+
+    #[cfg(feature = "cuda")]
+    fn cuda_fwd(
+        &self,
+        q: &candle_core::CudaStorage,
+        q_l: &Layout,
+        k: &candle_core::CudaStorage,
+        k_l: &Layout,
+        v: &candle_core::CudaStorage,
+        v_l: &Layout,
+    ) -> Result<(candle_core::CudaStorage, Shape)> {
+        let s = self.state;
+        let dims = attn_dims(q_l, k_l, v_l, s.scale)?;
+        let guards = [&s.bias, &s.lse, &s.grad, &s.di].map(|t| t.storage_and_layout());
+        let mut on_gpu = guards.iter().map(|(storage, layout)| match &**storage {
+            candle_core::Storage::Cuda(c) => Ok((c, *layout)),
+            _ => candle_core::bail!("sdpa-grad: an input is not on the GPU"),
+        });
+        let mut next = || on_gpu.next().unwrap_or_else(|| candle_core::bail!("sdpa-grad: missing input"));
+        let inputs = super::cuda::AttnInputs {
+            q: (q, q_l),
+            k: (k, k_l),
+            v: (v, v_l),
+            bias: next()?,
+            lse: next()?,
+            grad: next()?,
+            di: next()?,
+        };
+        if self.keys {
+            let (b, h_kv, len, d) = (k_l.dims()[0], k_l.dims()[1], k_l.dims()[2], k_l.dims()[3]);
+            Ok((super::cuda::attention_bwd_kv(&inputs, dims)?, Shape::from((2, b, h_kv, len, d))))
+        } else {
+            Ok((super::cuda::attention_bwd_q(&inputs, dims)?, q_l.shape().clone()))
+        }
+    }
+}
+
+#[cfg(feature = "cuda")]
+fn attn_dims(q_l: &Layout, k_l: &Layout, v_l: &Layout, scale: f32) -> Result<super::cuda::AttnDims> {
+    let (&[_, h, t, d], &[_, h_kv, s, _]) = (q_l.dims(), k_l.dims()) else {
+        candle_core::bail!("sdpa: q and k must be 4-d")
+    };
+    let kv_stride = match (head_stride(k_l), head_stride(v_l)) {
+        (Some(k), Some(v)) if k == v && k_l.dims() == v_l.dims() => k,
+        _ => candle_core::bail!("sdpa: keys {k_l:?} and values {v_l:?} are not packed rows of one layout"),
+    };
+    Ok(super::cuda::AttnDims {
+        h: h as i32,
+        h_kv: h_kv as i32,
+        t: t as i32,
+        s: s as i32,
+        d: d as i32,
+        kv_stride: kv_stride as i64,
+        scale,
+    })
+}
