@@ -54,19 +54,6 @@ fn compare(
     dtype: DType,
     rng: &mut Rng,
 ) -> Check {
-    try_compare(name, inputs, cpu, device_path, device, dtype, rng)
-        .unwrap_or_else(|e| Check::failed("kernel", name, dtype, e))
-}
-
-fn try_compare(
-    name: &str,
-    inputs: &[Tensor],
-    cpu: Path,
-    device_path: Path,
-    device: &Device,
-    dtype: DType,
-    rng: &mut Rng,
-) -> Result<Check> {
     let run = |f: Path, device: &Device, dtype: DType, weights: Option<&Tensor>| -> Result<(Tensor, Vec<Tensor>)> {
         let vars: Vec<Var> =
             inputs.iter().map(|t| Var::from_tensor(&t.to_device(device)?.to_dtype(dtype)?)).collect::<Result<_>>()?;
@@ -86,17 +73,23 @@ fn try_compare(
         }
         Ok((out.to_dtype(DType::F32)?.to_device(&Device::Cpu)?, input_grads))
     };
-    let (want, _) = run(cpu, &Device::Cpu, DType::F32, None)?;
-    let weights = randn(rng, want.dims(), 0.0, 1.0);
-    let (want, want_grads) = run(cpu, &Device::Cpu, DType::F32, Some(&weights))?;
-    let (got, got_grads) = run(device_path, device, dtype, Some(&weights))?;
-    let mut gradient = 0f32;
-    for (g, w) in got_grads.iter().zip(&want_grads) {
-        gradient = gradient.max(relative_error(g, w)?);
-    }
+    let mut measure = || -> Result<(f32, f32)> {
+        let (want, _) = run(cpu, &Device::Cpu, DType::F32, None)?;
+        let weights = randn(rng, want.dims(), 0.0, 1.0);
+        let (want, want_grads) = run(cpu, &Device::Cpu, DType::F32, Some(&weights))?;
+        let (got, got_grads) = run(device_path, device, dtype, Some(&weights))?;
+        let mut gradient = 0f32;
+        for (g, w) in got_grads.iter().zip(&want_grads) {
+            gradient = gradient.max(relative_error(g, w)?);
+        }
+        Ok((relative_error(&got, &want)?, gradient))
+    };
     let kernel = name.split(' ').next().unwrap_or(name);
     let label = format!("{name} ({})", path(kernel, device, dtype));
-    Ok(Check::new("kernel", &label, dtype, relative_error(&got, &want)?, Some(gradient), tolerance(dtype)))
+    match measure() {
+        Ok((value, gradient)) => Check::new("kernel", &label, dtype, value, Some(gradient), tolerance(dtype)),
+        Err(e) => Check::failed("kernel", &label, dtype, e),
+    }
 }
 
 /// Every kernel, in f32 and bf16, on `device`.
@@ -138,7 +131,7 @@ pub fn check_kernels(device: &Device, dtypes: &[DType]) -> Vec<Check> {
         for act in [Activation::Gelu, Activation::GeluTanh, Activation::Silu, Activation::Relu] {
             out.push(compare(
                 &format!("activation {act:?}"),
-                &[x.clone()],
+                std::slice::from_ref(&x),
                 &|t| kernels::activation(&t[0], act),
                 &|t| kernels::activation(&t[0], act),
                 device,

@@ -74,9 +74,10 @@ impl Check {
 
 /// Tolerances of the fixture checks in `dtype`: (logits and scores,
 /// gradients). In bf16, an error relative to the reference's largest
-/// magnitude (at least 1) is measured instead of an absolute one;
-/// transformers' own bf16 forward is off the f32 reference by up to 4.2e-2
-/// on these fixtures (qwen3-causal).
+/// magnitude (at least 1) is measured instead of an absolute one.
+/// transformers' own bf16 run is off its f32 reference by up to 4.2e-2 in
+/// the logits (qwen3-causal) and 5.6e-2 in the gradients (gpt_neox-seqcls)
+/// on these fixtures.
 fn fixture_tolerances(dtype: DType) -> (f32, f32) {
     match dtype {
         DType::F32 => (LOGIT_TOLERANCE, GRADIENT_TOLERANCE),

@@ -82,6 +82,8 @@ pub fn peak_rss_bytes() -> Option<u64> {
 pub fn device_used_bytes(device: &candle_core::Device) -> Option<u64> {
     #[cfg(feature = "cuda")]
     if let candle_core::Device::Cuda(dev) = device {
+        // After the queued work, freed buffers are back with the driver.
+        device.synchronize().ok()?;
         let (free, total) = dev.cuda_stream().context().mem_get_info().ok()?;
         return Some(total.saturating_sub(free) as u64);
     }

@@ -11,18 +11,7 @@ use std::process::{Command, Output};
 use candle_core::{Device, Tensor};
 
 /// Every fixture model: five architectures, two heads each.
-pub const MODELS: &[&str] = &[
-    "gpt_neox-causal",
-    "gpt_neox-seqcls",
-    "llama-causal",
-    "llama-seqcls",
-    "qwen2-causal",
-    "qwen2-seqcls",
-    "qwen3-causal",
-    "qwen3-seqcls",
-    "gpt2-causal",
-    "gpt2-seqcls",
-];
+pub const MODELS: &[&str] = rloo::check::FIXTURE_MODELS;
 
 /// Runs the built `rloo` binary.
 pub fn rloo(args: &[&str]) -> Output {

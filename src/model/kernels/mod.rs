@@ -32,6 +32,24 @@ pub use token_logprobs::token_logprobs;
 
 use candle_core::{CpuStorage, DType, Layout, Result, Tensor};
 
+/// The `cpu_fwd` of a three-input op that runs on CUDA only.
+macro_rules! cuda_only_cpu_fwd3 {
+    () => {
+        fn cpu_fwd(
+            &self,
+            _: &candle_core::CpuStorage,
+            _: &candle_core::Layout,
+            _: &candle_core::CpuStorage,
+            _: &candle_core::Layout,
+            _: &candle_core::CpuStorage,
+            _: &candle_core::Layout,
+        ) -> candle_core::Result<(candle_core::CpuStorage, candle_core::Shape)> {
+            candle_core::bail!("{} runs on CUDA only", self.name())
+        }
+    };
+}
+use cuda_only_cpu_fwd3;
+
 /// Whether the fused CPU kernels can run on `t`.
 pub fn fused(t: &Tensor) -> bool {
     t.device().is_cpu() && t.dtype() == DType::F32

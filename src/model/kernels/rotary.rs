@@ -72,17 +72,7 @@ impl candle_core::CustomOp3 for RotaryOnDevice {
         "rotary-on-device"
     }
 
-    fn cpu_fwd(
-        &self,
-        _: &CpuStorage,
-        _: &Layout,
-        _: &CpuStorage,
-        _: &Layout,
-        _: &CpuStorage,
-        _: &Layout,
-    ) -> Result<(CpuStorage, Shape)> {
-        candle_core::bail!("rotary-on-device runs on CUDA only (the CPU kernel reads host tables)")
-    }
+    super::cuda_only_cpu_fwd3!();
 
     #[cfg(feature = "cuda")]
     fn cuda_fwd(

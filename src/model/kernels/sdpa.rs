@@ -6,7 +6,7 @@
 
 use std::sync::Mutex;
 
-use candle_core::{CpuStorage, CustomOp3, DType, Layout, Result, Shape, Tensor, D};
+use candle_core::{CustomOp3, DType, Layout, Result, Tensor, D};
 
 use crate::model::ops;
 
@@ -59,17 +59,7 @@ impl CustomOp3 for Sdpa {
         "sdpa"
     }
 
-    fn cpu_fwd(
-        &self,
-        _: &CpuStorage,
-        _: &Layout,
-        _: &CpuStorage,
-        _: &Layout,
-        _: &CpuStorage,
-        _: &Layout,
-    ) -> Result<(CpuStorage, Shape)> {
-        candle_core::bail!("sdpa runs on CUDA only (the CPU has its own attention kernels)")
-    }
+    super::cuda_only_cpu_fwd3!();
 
     #[cfg(feature = "cuda")]
     fn cuda_fwd(
@@ -80,7 +70,7 @@ impl CustomOp3 for Sdpa {
         k_l: &Layout,
         v: &candle_core::CudaStorage,
         v_l: &Layout,
-    ) -> Result<(candle_core::CudaStorage, Shape)> {
+    ) -> Result<(candle_core::CudaStorage, candle_core::Shape)> {
         let dims = attn_dims(q_l, k_l, v_l, self.scale)?;
         let (bias, bias_l) = self.bias.storage_and_layout();
         let candle_core::Storage::Cuda(bias) = &*bias else { candle_core::bail!("sdpa: the bias is not on the GPU") };
@@ -143,17 +133,7 @@ impl CustomOp3 for SdpaGrad<'_> {
         "sdpa-grad"
     }
 
-    fn cpu_fwd(
-        &self,
-        _: &CpuStorage,
-        _: &Layout,
-        _: &CpuStorage,
-        _: &Layout,
-        _: &CpuStorage,
-        _: &Layout,
-    ) -> Result<(CpuStorage, Shape)> {
-        candle_core::bail!("sdpa-grad runs on CUDA only")
-    }
+    super::cuda_only_cpu_fwd3!();
 
     #[cfg(feature = "cuda")]
     fn cuda_fwd(
@@ -164,7 +144,7 @@ impl CustomOp3 for SdpaGrad<'_> {
         k_l: &Layout,
         v: &candle_core::CudaStorage,
         v_l: &Layout,
-    ) -> Result<(candle_core::CudaStorage, Shape)> {
+    ) -> Result<(candle_core::CudaStorage, candle_core::Shape)> {
         let s = self.state;
         let dims = attn_dims(q_l, k_l, v_l, s.scale)?;
         let guards = [&s.bias, &s.lse, &s.grad, &s.di].map(|t| t.storage_and_layout());
@@ -184,7 +164,7 @@ impl CustomOp3 for SdpaGrad<'_> {
         };
         if self.keys {
             let (b, h_kv, len, d) = (k_l.dims()[0], k_l.dims()[1], k_l.dims()[2], k_l.dims()[3]);
-            Ok((super::cuda::attention_bwd_kv(&inputs, dims)?, Shape::from((2, b, h_kv, len, d))))
+            Ok((super::cuda::attention_bwd_kv(&inputs, dims)?, candle_core::Shape::from((2, b, h_kv, len, d))))
         } else {
             Ok((super::cuda::attention_bwd_q(&inputs, dims)?, q_l.shape().clone()))
         }

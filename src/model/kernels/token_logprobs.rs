@@ -108,17 +108,7 @@ impl candle_core::CustomOp3 for LogitsLogprobsGrad {
         "logits-logprobs-grad"
     }
 
-    fn cpu_fwd(
-        &self,
-        _: &CpuStorage,
-        _: &Layout,
-        _: &CpuStorage,
-        _: &Layout,
-        _: &CpuStorage,
-        _: &Layout,
-    ) -> Result<(CpuStorage, Shape)> {
-        candle_core::bail!("logits-logprobs-grad runs on CUDA only")
-    }
+    super::cuda_only_cpu_fwd3!();
 
     #[cfg(feature = "cuda")]
     fn cuda_fwd(

@@ -31,6 +31,17 @@ fn elementwise(n: usize) -> LaunchConfig {
     LaunchConfig { grid_dim: (blocks, 1, 1), block_dim: (256, 1, 1), shared_mem_bytes: 0 }
 }
 
+/// `$run::<f32>(..)` or `$run::<bf16>(..)` by `$dtype` (after [`suffix`]
+/// has refused any other dtype).
+macro_rules! by_dtype {
+    ($dtype:expr, $run:ident($($arg:expr),* $(,)?)) => {
+        match $dtype {
+            DType::F32 => $run::<f32>($($arg),*),
+            _ => $run::<bf16>($($arg),*),
+        }
+    };
+}
+
 fn suffix(dtype: DType) -> Result<&'static str> {
     match dtype {
         DType::F32 => Ok("f32"),
@@ -48,15 +59,12 @@ pub fn norm_fwd(
     params: &[(&CudaStorage, &Layout)],
     eps: f32,
 ) -> Result<CudaStorage> {
-    match x.dtype() {
-        DType::F32 => norm_fwd_as::<f32>(kernel, x, x_l, params, eps),
-        DType::BF16 => norm_fwd_as::<bf16>(kernel, x, x_l, params, eps),
-        other => candle_core::bail!("{kernel}: {other:?} is not f32 or bf16"),
-    }
+    let name = format!("{kernel}_{}", suffix(x.dtype())?);
+    by_dtype!(x.dtype(), norm_fwd_as(&name, x, x_l, params, eps))
 }
 
 fn norm_fwd_as<T: CudaDType + DeviceRepr>(
-    kernel: &str,
+    name: &str,
     x: &CudaStorage,
     x_l: &Layout,
     params: &[(&CudaStorage, &Layout)],
@@ -69,7 +77,7 @@ fn norm_fwd_as<T: CudaDType + DeviceRepr>(
     let n = xs.len() / h;
     // Safety: every element is written by the kernel.
     let mut y = unsafe { dev.alloc::<T>(xs.len()) }?;
-    let func = dev.get_or_load_custom_func(&format!("{kernel}_{}", suffix(x.dtype())?), "rloo", PTX)?;
+    let func = dev.get_or_load_custom_func(name, "rloo", PTX)?;
     let mut args = func.builder();
     args.arg(&xs);
     for p in &ps {
@@ -112,10 +120,7 @@ pub fn norm_bwd(
         Ok(CudaStorage::wrap_cuda_slice(out, dev))
     }
     let name = format!("{kernel}_{}", suffix(x.dtype())?);
-    match x.dtype() {
-        DType::F32 => run::<f32>(&name, (x, x_l), (w, w_l), (g, g_l), eps),
-        _ => run::<bf16>(&name, (x, x_l), (w, w_l), (g, g_l), eps),
-    }
+    by_dtype!(x.dtype(), run(&name, (x, x_l), (w, w_l), (g, g_l), eps))
 }
 
 /// (N, 2) [log-prob of the target, entropy] per row of f32 logits (N, V)
@@ -245,10 +250,7 @@ pub fn activation(
         Ok(CudaStorage::wrap_cuda_slice(out, dev))
     }
     let name = format!("activation_{}_{}", if grad.is_some() { "bwd" } else { "fwd" }, suffix(x.dtype())?);
-    match x.dtype() {
-        DType::F32 => run::<f32>(&name, (x, x_l), grad, act),
-        _ => run::<bf16>(&name, (x, x_l), grad, act),
-    }
+    by_dtype!(x.dtype(), run(&name, (x, x_l), grad, act))
 }
 
 /// Rotates x (B, H, T, D) by f32 tables (B, 1, T, R); `sign` -1 rotates back.
@@ -283,10 +285,7 @@ pub fn rotary(
         Ok(CudaStorage::wrap_cuda_slice(out, dev))
     }
     let name = format!("rotary_{}", suffix(x.dtype())?);
-    match x.dtype() {
-        DType::F32 => run::<f32>(&name, (x, x_l), (cos, c_l), (sin, s_l), sign),
-        _ => run::<bf16>(&name, (x, x_l), (cos, c_l), (sin, s_l), sign),
-    }
+    by_dtype!(x.dtype(), run(&name, (x, x_l), (cos, c_l), (sin, s_l), sign))
 }
 
 /// The attention kernels' sizes, as `AttnDims` in `kernels.cu`.
@@ -338,10 +337,7 @@ pub fn attention_fwd(q: In, k: In, v: In, bias: In, a: AttnDims) -> Result<(Cuda
         Ok((CudaStorage::wrap_cuda_slice(out, dev.clone()), CudaStorage::wrap_cuda_slice(lse, dev)))
     }
     let name = format!("attention_fwd_{}", suffix(q.0.dtype())?);
-    match q.0.dtype() {
-        DType::F32 => run::<f32>(&name, q, k, v, bias, a),
-        _ => run::<bf16>(&name, q, k, v, bias, a),
-    }
+    by_dtype!(q.0.dtype(), run(&name, q, k, v, bias, a))
 }
 
 /// Everything the attention backward kernels read.
@@ -389,10 +385,7 @@ fn attention_bwd(x: &AttnInputs, a: AttnDims, keys: bool) -> Result<CudaStorage>
     }
     let dtype = x.q.0.dtype();
     let name = format!("attention_bwd_{}_{}", if keys { "kv" } else { "q" }, suffix(dtype)?);
-    match dtype {
-        DType::F32 => run::<f32>(&name, x, a, keys),
-        _ => run::<bf16>(&name, x, a, keys),
-    }
+    by_dtype!(dtype, run(&name, x, a, keys))
 }
 
 pub fn attention_bwd_q(x: &AttnInputs, a: AttnDims) -> Result<CudaStorage> {
