@@ -64,7 +64,8 @@ impl Model {
         let transposed = self.conv1d_weights();
         let mut stored = Vec::new();
         for p in self.params().iter().filter(|p| !is_adapter(&p.name)) {
-            let mut w = p.var.as_tensor().clone();
+            // In f32 whatever the model computes in (a frozen base may be bf16).
+            let mut w = p.var.as_tensor().to_dtype(candle_core::DType::F32)?;
             if let Some(module) = p.name.strip_suffix(".weight") {
                 let (a, b) = adapter_names(module);
                 if let (Some(a), Some(b)) = (self.params().get(&a), self.params().get(&b)) {
