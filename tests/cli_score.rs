@@ -178,3 +178,28 @@ fn unknown_options_and_missing_models_are_explained() {
     assert!(!run.status.success());
     assert!(err.contains("no/such/model-dir"), "{err}");
 }
+
+/// `--bf16` scores the same rows within bf16's tolerance of the f32 scores.
+#[test]
+fn bf16_scores_are_close_to_f32() {
+    let tmp = tempfile::tempdir().unwrap();
+    let model = model_dir("qwen2-seqcls");
+    let input = fixtures().join("score/rows_plain.jsonl");
+    let scores = |extra: &[&str], out: &str| -> Vec<f64> {
+        let output = tmp.path().join(out);
+        let args = [&["score", "--model", model.to_str().unwrap(), "--input", input.to_str().unwrap()][..], extra];
+        ok(rloo(&[&args.concat()[..], &["--output", output.to_str().unwrap()]].concat()));
+        std::fs::read_to_string(&output)
+            .unwrap()
+            .lines()
+            .map(|l| serde_json::from_str::<Value>(l).unwrap()["score"].as_f64().unwrap())
+            .collect()
+    };
+    let (f32s, bf16s) = (scores(&[], "f32.jsonl"), scores(&["--bf16"], "bf16.jsonl"));
+    assert_eq!(f32s.len(), bf16s.len());
+    let scale = f32s.iter().fold(1.0f64, |m, s| m.max(s.abs()));
+    for (a, b) in f32s.iter().zip(&bf16s) {
+        assert!((a - b).abs() <= 6e-2 * scale, "f32 {a} vs bf16 {b}");
+    }
+    assert_ne!(f32s, bf16s, "bf16 computes differently");
+}

@@ -8,7 +8,7 @@ untimed warm-up call on a small batch, and prints one JSON line:
 timed (not model loading or tokenization).
 
 Usage: hf_generate.py MODEL_DIR [--seed N] [--threads 2]
-       [--num-return-sequences 4] [--max-new-tokens 64]
+       [--num-return-sequences 4] [--max-new-tokens 64] [--device cuda --bf16]
 """
 
 import argparse
@@ -27,6 +27,8 @@ def main():
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--num-return-sequences", type=int, default=4)
     ap.add_argument("--max-new-tokens", type=int, default=64)
+    ap.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
+    ap.add_argument("--bf16", action="store_true")
     args = ap.parse_args()
 
     torch.set_num_threads(args.threads)
@@ -34,7 +36,8 @@ def main():
 
     tokenizer = PreTrainedTokenizerFast.from_pretrained(args.model_dir)
     tokenizer.padding_side = "left"
-    model = GPTNeoXForCausalLM.from_pretrained(args.model_dir, dtype=torch.float32).eval()
+    dtype = torch.bfloat16 if args.bf16 else torch.float32
+    model = GPTNeoXForCausalLM.from_pretrained(args.model_dir, dtype=dtype).eval().to(args.device)
 
     with open(args.model_dir / "prompts.jsonl") as f:
         prompts = [json.loads(line)["prompt"] for line in f if line.strip()]
@@ -50,10 +53,10 @@ def main():
 
     with torch.inference_mode():
         # Untimed warm-up on a small batch.
-        warm = tokenizer(prompts[:4], return_tensors="pt", padding=True)
+        warm = tokenizer(prompts[:4], return_tensors="pt", padding=True).to(args.device)
         model.generate(**warm, max_new_tokens=8, min_new_tokens=8, **gen_kwargs)
 
-        batch = tokenizer(prompts, return_tensors="pt", padding=True)
+        batch = tokenizer(prompts, return_tensors="pt", padding=True).to(args.device)
         start = time.perf_counter()
         out = model.generate(
             **batch,
@@ -61,6 +64,8 @@ def main():
             min_new_tokens=args.max_new_tokens,
             **gen_kwargs,
         )
+        if args.device == "cuda":
+            torch.cuda.synchronize()
         seconds = time.perf_counter() - start
 
     rows = out.shape[0]

@@ -4,6 +4,9 @@ wall time of every optimizer step and the mean completion length.
 
 Usage: trl_rloo.py --model DIR --prompts FILE (--words DIR | --reward-model DIR)
                    [--steps 6] [--threads 2] [--seed 1] [--output DIR]
+                   [--device cuda --bf16 --micro-batch N]
+
+On a GPU the line also holds the peak GPU memory PyTorch allocated.
 """
 
 import argparse
@@ -44,6 +47,9 @@ def main():
     ap.add_argument("--beta", type=float, default=0.05)
     ap.add_argument("--learning-rate", type=float, default=1e-5)
     ap.add_argument("--output")
+    ap.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
+    ap.add_argument("--bf16", action="store_true")
+    ap.add_argument("--micro-batch", type=int, help="completions per forward/backward [all of a step's]")
     args = ap.parse_args()
     if (args.words is None) == (args.reward_model is None):
         ap.error("give exactly one of --words and --reward-model")
@@ -61,10 +67,14 @@ def main():
     else:
         reward = args.reward_model
 
+    per_step = args.prompts_per_step * args.k
+    micro = args.micro_batch or per_step
+    if per_step % micro:
+        ap.error(f"--micro-batch {micro} does not divide the {per_step} completions of a step")
     config = RLOOConfig(
         output_dir=args.output or tempfile.mkdtemp(prefix="trl-rloo-"),
-        per_device_train_batch_size=args.prompts_per_step * args.k,
-        gradient_accumulation_steps=1,
+        per_device_train_batch_size=micro,
+        gradient_accumulation_steps=per_step // micro,
         num_generations=args.k,
         max_completion_length=args.max_new_tokens,
         temperature=1.0,
@@ -73,9 +83,9 @@ def main():
         max_steps=args.steps,
         learning_rate=args.learning_rate,
         gradient_checkpointing=False,
-        bf16=False,
+        bf16=args.bf16,
         fp16=False,
-        use_cpu=True,
+        use_cpu=args.device == "cpu",
         seed=args.seed,
         logging_steps=1,
         save_strategy="no",
@@ -108,11 +118,14 @@ def main():
         callbacks=[timer],
     )
     trainer.train()
-    print(json.dumps({
+    result = {
         "step_seconds": timer.seconds,
-        "completions_per_step": args.prompts_per_step * args.k,
+        "completions_per_step": per_step,
         "mean_completion_length": sum(timer.lengths) / max(len(timer.lengths), 1),
-    }))
+    }
+    if args.device == "cuda":
+        result["peak_gpu_bytes"] = torch.cuda.max_memory_allocated()
+    print(json.dumps(result))
 
 
 if __name__ == "__main__":

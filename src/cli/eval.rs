@@ -10,7 +10,7 @@ use rloo::data::prompts::{ContextRoom, PromptDataset};
 use rloo::data::Tokenizer;
 use rloo::eval::{evaluate_model, judged_win_rate, win_rate, EvalOptions, ModelReport, Opponent, Spread};
 use rloo::model::hub::resolve_model;
-use rloo::model::{parse_device, Model};
+use rloo::model::{parse_device, Model, Precision};
 use rloo::report::render_table;
 use rloo::reward::config::ModelSpec;
 use rloo::reward::judge::{Judge, JudgeMode};
@@ -76,9 +76,12 @@ pub struct EvalArgs {
     /// Write the report as JSON here.
     #[arg(long)]
     output: Option<PathBuf>,
-    /// cpu, cuda, cuda:N or auto.
+    /// cpu, cuda, cuda:N or auto (the first GPU if there is one).
     #[arg(long, default_value = "auto")]
     device: String,
+    /// Compute in bf16 (weights and activations; logits and scores in f32).
+    #[arg(long)]
+    bf16: bool,
 }
 
 #[derive(Deserialize)]
@@ -111,6 +114,7 @@ fn read_judge(path: &Path) -> Result<Judge> {
 
 pub fn run(a: EvalArgs) -> Result<()> {
     let device = parse_device(&a.device)?;
+    let dtype = Precision::from_bf16(a.bf16).dtype();
     let mut specs = Vec::new();
     if let Some(path) = &a.rewards {
         specs.extend(read_rewards(path)?);
@@ -136,14 +140,16 @@ pub fn run(a: EvalArgs) -> Result<()> {
         batch_size: a.batch_size as usize,
     };
     let reference = match &a.reference {
-        Some(r) => Some(Model::load(&resolve_model(r)?, &device)?),
+        Some(r) => Some(Model::load(&resolve_model(r)?, &device)?.with_dtype(dtype, false)?),
         None => None,
     };
     let mut reports: Vec<ModelReport> = Vec::new();
     let mut datasets = Vec::new();
     for name in std::iter::once(&a.model).chain(a.model_b.iter()) {
         let dir = resolve_model(name)?;
-        let model = Model::load(&dir, &device).with_context(|| format!("loading {}", dir.display()))?;
+        let model = Model::load(&dir, &device)
+            .and_then(|m| m.with_dtype(dtype, false))
+            .with_context(|| format!("loading {}", dir.display()))?;
         let tokenizer = Tokenizer::from_dir(&dir)?;
         let room = ContextRoom::of(model.config(), a.max_new_tokens);
         let prompts = PromptDataset::from_prompt_column(&a.data.spec(&a.prompts, "test", a.take), &tokenizer, room)?;

@@ -13,7 +13,7 @@ use rloo::data::prompts::{ContextRoom, PromptDataset};
 use rloo::data::Tokenizer;
 use rloo::generate::{generate, GenerateOptions, Sampling, StopCriteria};
 use rloo::model::hub::resolve_model;
-use rloo::model::{parse_device, GenerationConfig, HeadKind, Model};
+use rloo::model::{parse_device, GenerationConfig, HeadKind, Model, Precision};
 
 use super::dataset_flags::DatasetFlags;
 
@@ -75,9 +75,12 @@ pub struct GenerateArgs {
     /// Do not stop at EOS: always generate max_new_tokens (for benchmarks).
     #[arg(long)]
     ignore_eos: bool,
-    /// Device: cpu, cuda, cuda:N, or auto.
-    #[arg(long, default_value = "cpu")]
+    /// cpu, cuda, cuda:N or auto (the first GPU if there is one).
+    #[arg(long, default_value = "auto")]
     device: String,
+    /// Compute in bf16 (weights and activations; logits and scores in f32).
+    #[arg(long)]
+    bf16: bool,
 }
 
 /// Sampling from the flags, each falling back to the generation config.
@@ -99,7 +102,9 @@ fn sampling(args: &GenerateArgs, gen: &GenerationConfig) -> Sampling {
 pub fn run(args: GenerateArgs) -> Result<()> {
     let device = parse_device(&args.device)?;
     let dir = resolve_model(&args.model)?;
-    let model = Model::load(&dir, &device).with_context(|| format!("loading model {}", dir.display()))?;
+    let model = Model::load(&dir, &device)
+        .and_then(|m| m.with_dtype(Precision::from_bf16(args.bf16).dtype(), false))
+        .with_context(|| format!("loading model {}", dir.display()))?;
     if model.head() != HeadKind::CausalLm {
         bail!("{}: a sequence-classification model cannot generate text", dir.display());
     }

@@ -155,7 +155,7 @@ fn train(a: RewardTrainArgs) -> Result<()> {
         eval_fraction: a.eval_fraction,
         output_dir: a.output_dir,
         device: a.device,
-        dtype: if a.bf16 { Precision::Bf16 } else { Precision::F32 },
+        dtype: Precision::from_bf16(a.bf16),
         learning_rate: a.learning_rate,
         per_device_train_batch_size: a.per_device_train_batch_size,
         gradient_accumulation_steps: a.gradient_accumulation_steps,

@@ -11,7 +11,7 @@ use rloo::data::jsonl::JsonlWriter;
 use rloo::data::{Prompt, Tokenizer};
 use rloo::model::hub::resolve_model;
 use rloo::model::scoring::{completion_logprobs, sequence_scores, Pair, Sequences};
-use rloo::model::{parse_device, HeadKind, Model};
+use rloo::model::{parse_device, HeadKind, Model, Precision};
 
 use super::dataset_flags::DatasetFlags;
 
@@ -40,9 +40,12 @@ pub struct ScoreArgs {
     /// Rows per forward pass.
     #[arg(long, default_value_t = 8, value_parser = clap::value_parser!(u64).range(1..))]
     batch_size: u64,
-    /// Device: cpu, cuda, cuda:N, or auto.
-    #[arg(long, default_value = "cpu")]
+    /// cpu, cuda, cuda:N or auto (the first GPU if there is one).
+    #[arg(long, default_value = "auto")]
     device: String,
+    /// Compute in bf16 (weights and activations; logits and scores in f32).
+    #[arg(long)]
+    bf16: bool,
 }
 
 struct ScoreRow {
@@ -53,7 +56,9 @@ struct ScoreRow {
 pub fn run(args: ScoreArgs) -> Result<()> {
     let device = parse_device(&args.device)?;
     let dir = resolve_model(&args.model)?;
-    let model = Model::load(&dir, &device).with_context(|| format!("loading model {}", dir.display()))?;
+    let model = Model::load(&dir, &device)
+        .and_then(|m| m.with_dtype(Precision::from_bf16(args.bf16).dtype(), false))
+        .with_context(|| format!("loading model {}", dir.display()))?;
     let tokenizer = Tokenizer::from_dir(&dir)?;
     tokenizer.check_model(model.config())?;
     let rows = args.data.spec(&args.input, "train", None).read_all()?;

@@ -33,6 +33,15 @@ pub enum Precision {
 }
 
 impl Precision {
+    /// From a `--bf16` switch.
+    pub fn from_bf16(bf16: bool) -> Self {
+        if bf16 {
+            Self::Bf16
+        } else {
+            Self::F32
+        }
+    }
+
     pub fn dtype(self) -> DType {
         match self {
             Self::F32 => DType::F32,
