@@ -91,26 +91,55 @@ pub fn device_used_bytes(device: &candle_core::Device) -> Option<u64> {
     None
 }
 
-/// GPU memory in use at the end of each step: the first, the last and the
-/// largest reading, to show whether a run grows.
+/// The most GPU memory allocations have held at once since the process
+/// started (the high-water mark of the device's allocation pool, which
+/// every tensor comes from): what PyTorch's `max_memory_allocated` counts.
+pub fn device_peak_bytes(device: &candle_core::Device) -> Option<u64> {
+    #[cfg(feature = "cuda")]
+    if let candle_core::Device::Cuda(dev) = device {
+        use candle_core::cuda_backend::cudarc::driver::sys;
+        let ctx = dev.cuda_stream().context().clone();
+        ctx.bind_to_thread().ok()?;
+        let mut pool: sys::CUmemoryPool = std::ptr::null_mut();
+        let mut high: u64 = 0;
+        // Safety: the out-pointers are locals of the types the driver writes;
+        // the device is the bound context's.
+        let ok = unsafe {
+            sys::cuDeviceGetDefaultMemPool(&mut pool, ctx.cu_device()) == sys::CUresult::CUDA_SUCCESS
+                && sys::cuMemPoolGetAttribute(
+                    pool,
+                    sys::CUmemPool_attribute::CU_MEMPOOL_ATTR_USED_MEM_HIGH,
+                    (&mut high as *mut u64).cast(),
+                ) == sys::CUresult::CUDA_SUCCESS
+        };
+        return ok.then_some(high);
+    }
+    let _ = device;
+    None
+}
+
+/// GPU memory in use at the end of each step (the first, the last and the
+/// largest reading, to show whether a run grows), and the peak allocated.
 #[derive(Debug, Clone, Copy)]
 pub struct DeviceMemory {
     pub first: u64,
     pub last: u64,
     pub max: u64,
+    pub peak_allocated: Option<u64>,
 }
 
 impl DeviceMemory {
     pub fn add(seen: Option<Self>, used: u64) -> Self {
         match seen {
-            None => Self { first: used, last: used, max: used },
+            None => Self { first: used, last: used, max: used, peak_allocated: None },
             Some(m) => Self { last: used, max: m.max.max(used), ..m },
         }
     }
 
     pub fn describe(&self) -> String {
+        let peak = self.peak_allocated.map_or(String::new(), |p| format!("; peak allocated {}", gib(p)));
         format!(
-            "GPU memory in use {} after the first step, {} after the last (at most {})",
+            "GPU memory in use {} after the first step, {} after the last (at most {}){peak}",
             gib(self.first),
             gib(self.last),
             gib(self.max)

@@ -193,6 +193,8 @@ pub fn train(cfg: &TrainConfig) -> Result<RunSummary> {
         output_dir.display()
     );
     let memory = (run.memory_plan, super::memory::peak_rss_bytes());
+    let device_memory = device_memory
+        .map(|m| super::memory::DeviceMemory { peak_allocated: super::memory::device_peak_bytes(&run.device), ..m });
     Ok(RunSummary { steps: state.step, episodes: state.episode, output_dir, last, timing, memory, device_memory })
 }
 
