@@ -54,30 +54,30 @@ fn compare(
     dtype: DType,
     rng: &mut Rng,
 ) -> Check {
-    let run = |f: Path, device: &Device, dtype: DType, weights: Option<&Tensor>| -> Result<(Tensor, Vec<Tensor>)> {
+    // The output and the input gradients of `path` run on `device` in
+    // `dtype`, as f32 on the CPU; `weights` weight the output in the loss.
+    let forward = |f: Path, device: &Device, dtype: DType| -> Result<(Vec<Var>, Tensor)> {
         let vars: Vec<Var> =
             inputs.iter().map(|t| Var::from_tensor(&t.to_device(device)?.to_dtype(dtype)?)).collect::<Result<_>>()?;
         let ts: Vec<Tensor> = vars.iter().map(|v| v.as_tensor().clone()).collect();
-        let out = f(&ts)?;
-        let w = match weights {
-            Some(w) => w.to_device(device)?.to_dtype(out.dtype())?,
-            None => out.ones_like()?,
-        };
-        let grads = out.mul(&w)?.sum_all()?.backward()?;
+        Ok((vars, f(&ts)?))
+    };
+    let backward = |(vars, out): (Vec<Var>, Tensor), weights: &Tensor| -> Result<(Tensor, Vec<Tensor>)> {
+        let grads = out.mul(&weights.to_device(out.device())?.to_dtype(out.dtype())?)?.sum_all()?.backward()?;
         let mut input_grads = Vec::with_capacity(vars.len());
         for (i, v) in vars.iter().enumerate() {
             match grads.get(v) {
                 Some(g) => input_grads.push(g.to_dtype(DType::F32)?.to_device(&Device::Cpu)?),
-                None => candle_core::bail!("{name}: input {i} got no gradient on {device:?}"),
+                None => candle_core::bail!("{name}: input {i} got no gradient on {:?}", out.device()),
             }
         }
         Ok((out.to_dtype(DType::F32)?.to_device(&Device::Cpu)?, input_grads))
     };
     let mut measure = || -> Result<(f32, f32)> {
-        let (want, _) = run(cpu, &Device::Cpu, DType::F32, None)?;
-        let weights = randn(rng, want.dims(), 0.0, 1.0);
-        let (want, want_grads) = run(cpu, &Device::Cpu, DType::F32, Some(&weights))?;
-        let (got, got_grads) = run(device_path, device, dtype, Some(&weights))?;
+        let on_cpu = forward(cpu, &Device::Cpu, DType::F32)?;
+        let weights = randn(rng, on_cpu.1.dims(), 0.0, 1.0);
+        let (want, want_grads) = backward(on_cpu, &weights)?;
+        let (got, got_grads) = backward(forward(device_path, device, dtype)?, &weights)?;
         let mut gradient = 0f32;
         for (g, w) in got_grads.iter().zip(&want_grads) {
             gradient = gradient.max(relative_error(g, w)?);

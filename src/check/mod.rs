@@ -132,7 +132,7 @@ fn fixture_checks(
     let (n, gradient) = fixture.gradient_error()?;
     out.push(check(&format!("gradients ({n} tensors)"), 0.0, Some(gradient), grad_tol));
     if fixture.is_causal() && dtype == DType::F32 {
-        let (wrong, rows) = fixture.greedy_mismatches(&fixtures.join("models").join(name))?;
+        let (wrong, rows) = fixture.greedy_mismatches()?;
         // Token identity: the error is the share of rows that differ.
         out.push(check(&format!("greedy tokens ({rows} prompts)"), wrong as f32 / rows as f32, None, 0.0));
     }

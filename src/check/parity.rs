@@ -120,10 +120,10 @@ impl Fixture {
 
     /// Greedy completions of the reference prompts; the number of rows whose
     /// tokens differ from transformers' (which pads after EOS), out of all rows.
-    pub fn greedy_mismatches(&self, fixture_dir: &Path) -> crate::Result<(usize, usize)> {
+    pub fn greedy_mismatches(&self) -> crate::Result<(usize, usize)> {
         let u32s = |key: &str| -> Result<Vec<Vec<u32>>> { self.tensor(key)?.to_dtype(DType::U32)?.to_vec2() };
         let (ids, mask, out) = (u32s("greedy.input_ids")?, u32s("greedy.attention_mask")?, u32s("greedy.output_ids")?);
-        let eos = GenerationConfig::from_dir(fixture_dir)?.unwrap_or_default().eos_token_ids().to_vec();
+        let eos = GenerationConfig::from_dir(self.model.dir())?.unwrap_or_default().eos_token_ids().to_vec();
         let prompts: Vec<Vec<u32>> = ids
             .iter()
             .zip(&mask)

@@ -103,10 +103,7 @@ impl CustomOp3 for Sdpa {
         let state = GradState { bias: self.bias.clone(), lse, grad, di, scale: self.scale };
         let dq = q.apply_op3_no_bwd(k, v, &SdpaGrad { state: &state, keys: false })?;
         let dkv = q.apply_op3_no_bwd(k, v, &SdpaGrad { state: &state, keys: true })?;
-        let n = k.elem_count();
-        let dk = dkv.flatten_all()?.narrow(0, 0, n)?.reshape(k.shape())?;
-        let dv = dkv.flatten_all()?.narrow(0, n, n)?.reshape(k.shape())?;
-        Ok((Some(dq), Some(dk), Some(dv)))
+        Ok((Some(dq), Some(dkv.get(0)?), Some(dkv.get(1)?)))
     }
 }
 
@@ -148,26 +145,28 @@ impl CustomOp3 for SdpaGrad<'_> {
         let s = self.state;
         let dims = attn_dims(q_l, k_l, v_l, s.scale)?;
         let guards = [&s.bias, &s.lse, &s.grad, &s.di].map(|t| t.storage_and_layout());
-        let mut on_gpu = guards.iter().map(|(storage, layout)| match &**storage {
-            candle_core::Storage::Cuda(c) => Ok((c, *layout)),
-            _ => candle_core::bail!("sdpa-grad: an input is not on the GPU"),
-        });
-        let mut next = || on_gpu.next().unwrap_or_else(|| candle_core::bail!("sdpa-grad: missing input"));
+        let on_gpu = guards
+            .iter()
+            .map(|(storage, layout)| match &**storage {
+                candle_core::Storage::Cuda(c) => Ok((c, *layout)),
+                _ => candle_core::bail!("sdpa-grad: an input is not on the GPU"),
+            })
+            .collect::<Result<Vec<_>>>()?;
         let inputs = super::cuda::AttnInputs {
             q: (q, q_l),
             k: (k, k_l),
             v: (v, v_l),
-            bias: next()?,
-            lse: next()?,
-            grad: next()?,
-            di: next()?,
+            bias: on_gpu[0],
+            lse: on_gpu[1],
+            grad: on_gpu[2],
+            di: on_gpu[3],
         };
-        if self.keys {
-            let (b, h_kv, len, d) = (k_l.dims()[0], k_l.dims()[1], k_l.dims()[2], k_l.dims()[3]);
-            Ok((super::cuda::attention_bwd_kv(&inputs, dims)?, candle_core::Shape::from((2, b, h_kv, len, d))))
-        } else {
-            Ok((super::cuda::attention_bwd_q(&inputs, dims)?, q_l.shape().clone()))
-        }
+        let out = super::cuda::attention_bwd(&inputs, dims, self.keys)?;
+        let shape = match self.keys {
+            true => candle_core::Shape::from([&[2][..], k_l.dims()].concat()),
+            false => q_l.shape().clone(),
+        };
+        Ok((out, shape))
     }
 }
 

@@ -6,10 +6,13 @@
 use candle_core::backend::BackendStorage;
 use candle_core::cuda_backend::cudarc::driver::{CudaView, DeviceRepr, LaunchConfig, PushKernelArg};
 use candle_core::cuda_backend::{CudaDType, WrapErr};
-use candle_core::{CudaStorage, DType, Layout, Result};
+use candle_core::{CudaStorage, DType, Layout, Result, Shape};
 use half::bf16;
 
 const PTX: &str = include_str!(concat!(env!("OUT_DIR"), "/kernels.ptx"));
+
+/// An input: its storage and where its elements lie.
+type In<'a> = (&'a CudaStorage, &'a Layout);
 
 /// The contiguous elements of an input.
 fn view<'a, T: CudaDType>(s: &'a CudaStorage, l: &Layout) -> Result<CudaView<'a, T>> {
@@ -31,7 +34,7 @@ fn elementwise(n: usize) -> LaunchConfig {
     LaunchConfig { grid_dim: (blocks, 1, 1), block_dim: (256, 1, 1), shared_mem_bytes: 0 }
 }
 
-/// `$run::<f32>(..)` or `$run::<bf16>(..)` by `$dtype` (after [`suffix`]
+/// `$run::<f32>(..)` or `$run::<bf16>(..)` by `$dtype` (after [`typed`]
 /// has refused any other dtype).
 macro_rules! by_dtype {
     ($dtype:expr, $run:ident($($arg:expr),* $(,)?)) => {
@@ -42,32 +45,26 @@ macro_rules! by_dtype {
     };
 }
 
-fn suffix(dtype: DType) -> Result<&'static str> {
+/// The name of `kernel`'s instance for `dtype`: `<kernel>_f32` or `<kernel>_bf16`.
+fn typed(kernel: &str, dtype: DType) -> Result<String> {
     match dtype {
-        DType::F32 => Ok("f32"),
-        DType::BF16 => Ok("bf16"),
+        DType::F32 => Ok(format!("{kernel}_f32")),
+        DType::BF16 => Ok(format!("{kernel}_bf16")),
         other => candle_core::bail!("CUDA kernels take f32 or bf16, not {other:?}"),
     }
 }
 
 /// A norm's forward: `x` (N, H) with its per-feature `params` (weight, and
 /// bias for LayerNorm), in x's dtype.
-pub fn norm_fwd(
-    kernel: &str,
-    x: &CudaStorage,
-    x_l: &Layout,
-    params: &[(&CudaStorage, &Layout)],
-    eps: f32,
-) -> Result<CudaStorage> {
-    let name = format!("{kernel}_{}", suffix(x.dtype())?);
-    by_dtype!(x.dtype(), norm_fwd_as(&name, x, x_l, params, eps))
+pub fn norm_fwd(kernel: &str, x: &CudaStorage, x_l: &Layout, params: &[In], eps: f32) -> Result<CudaStorage> {
+    by_dtype!(x.dtype(), norm_fwd_as(&typed(kernel, x.dtype())?, x, x_l, params, eps))
 }
 
 fn norm_fwd_as<T: CudaDType + DeviceRepr>(
     name: &str,
     x: &CudaStorage,
     x_l: &Layout,
-    params: &[(&CudaStorage, &Layout)],
+    params: &[In],
     eps: f32,
 ) -> Result<CudaStorage> {
     let dev = x.device.clone();
@@ -92,18 +89,12 @@ fn norm_fwd_as<T: CudaDType + DeviceRepr>(
 
 /// A norm's backward from x, weight and d y (N, H): f32 (2N, H), d x then
 /// each row's part of d weight.
-pub fn norm_bwd(
-    kernel: &str,
-    (x, x_l): (&CudaStorage, &Layout),
-    (w, w_l): (&CudaStorage, &Layout),
-    (g, g_l): (&CudaStorage, &Layout),
-    eps: f32,
-) -> Result<CudaStorage> {
+pub fn norm_bwd(kernel: &str, (x, x_l): In, (w, w_l): In, (g, g_l): In, eps: f32) -> Result<(CudaStorage, Shape)> {
     fn run<T: CudaDType + DeviceRepr>(
         name: &str,
-        (x, x_l): (&CudaStorage, &Layout),
-        (w, w_l): (&CudaStorage, &Layout),
-        (g, g_l): (&CudaStorage, &Layout),
+        (x, x_l): In,
+        (w, w_l): In,
+        (g, g_l): In,
         eps: f32,
     ) -> Result<CudaStorage> {
         let dev = x.device.clone();
@@ -119,17 +110,13 @@ pub fn norm_bwd(
         unsafe { args.launch(per_row(n, h)) }.w()?;
         Ok(CudaStorage::wrap_cuda_slice(out, dev))
     }
-    let name = format!("{kernel}_{}", suffix(x.dtype())?);
-    by_dtype!(x.dtype(), run(&name, (x, x_l), (w, w_l), (g, g_l), eps))
+    let out = by_dtype!(x.dtype(), run(&typed(kernel, x.dtype())?, (x, x_l), (w, w_l), (g, g_l), eps))?;
+    Ok((out, Shape::from((2 * x_l.dims()[0], w_l.shape().elem_count()))))
 }
 
 /// (N, 2) [log-prob of the target, entropy] per row of f32 logits (N, V)
 /// at temperature 1 / inv_t.
-pub fn token_logprobs(
-    (logits, l_l): (&CudaStorage, &Layout),
-    (targets, t_l): (&CudaStorage, &Layout),
-    inv_t: f32,
-) -> Result<CudaStorage> {
+pub fn token_logprobs((logits, l_l): In, (targets, t_l): In, inv_t: f32) -> Result<CudaStorage> {
     let dev = logits.device.clone();
     let (z, t) = (view::<f32>(logits, l_l)?, view::<u32>(targets, t_l)?);
     let (n, v) = (t.len(), z.len() / t.len().max(1));
@@ -145,12 +132,7 @@ pub fn token_logprobs(
 }
 
 /// d logits (N, V) from the gradient (N, 2) of [`token_logprobs`]'s output.
-pub fn token_logprobs_grad(
-    (logits, l_l): (&CudaStorage, &Layout),
-    (targets, t_l): (&CudaStorage, &Layout),
-    (grad, g_l): (&CudaStorage, &Layout),
-    inv_t: f32,
-) -> Result<CudaStorage> {
+pub fn token_logprobs_grad((logits, l_l): In, (targets, t_l): In, (grad, g_l): In, inv_t: f32) -> Result<CudaStorage> {
     let dev = logits.device.clone();
     let (z, t, g) = (view::<f32>(logits, l_l)?, view::<u32>(targets, t_l)?, view::<f32>(grad, g_l)?);
     let (n, v) = (t.len(), z.len() / t.len().max(1));
@@ -202,8 +184,8 @@ pub fn adamw_moment(
 pub fn adamw_update(
     w: &mut CudaStorage,
     w_l: &Layout,
-    (m, m_l): (&CudaStorage, &Layout),
-    (v, v_l): (&CudaStorage, &Layout),
+    (m, m_l): In,
+    (v, v_l): In,
     step: super::AdamWStep,
 ) -> Result<()> {
     let dev = w.device.clone();
@@ -221,17 +203,8 @@ pub fn adamw_update(
 
 /// `act` (0 GELU, 1 GELU tanh, 2 SiLU, 3 ReLU) elementwise over `x`, or its
 /// backward `g * act'(x)` when `grad` is given; in x's dtype.
-pub fn activation(
-    (x, x_l): (&CudaStorage, &Layout),
-    grad: Option<(&CudaStorage, &Layout)>,
-    act: i32,
-) -> Result<CudaStorage> {
-    fn run<T: CudaDType + DeviceRepr>(
-        name: &str,
-        (x, x_l): (&CudaStorage, &Layout),
-        grad: Option<(&CudaStorage, &Layout)>,
-        act: i32,
-    ) -> Result<CudaStorage> {
+pub fn activation((x, x_l): In, grad: Option<In>, act: i32) -> Result<CudaStorage> {
+    fn run<T: CudaDType + DeviceRepr>(name: &str, (x, x_l): In, grad: Option<In>, act: i32) -> Result<CudaStorage> {
         let dev = x.device.clone();
         let xs = view::<T>(x, x_l)?;
         let n = xs.len();
@@ -249,22 +222,17 @@ pub fn activation(
         unsafe { args.launch(elementwise(n)) }.w()?;
         Ok(CudaStorage::wrap_cuda_slice(out, dev))
     }
-    let name = format!("activation_{}_{}", if grad.is_some() { "bwd" } else { "fwd" }, suffix(x.dtype())?);
+    let name = typed(if grad.is_some() { "activation_bwd" } else { "activation_fwd" }, x.dtype())?;
     by_dtype!(x.dtype(), run(&name, (x, x_l), grad, act))
 }
 
 /// Rotates x (B, H, T, D) by f32 tables (B, 1, T, R); `sign` -1 rotates back.
-pub fn rotary(
-    (x, x_l): (&CudaStorage, &Layout),
-    (cos, c_l): (&CudaStorage, &Layout),
-    (sin, s_l): (&CudaStorage, &Layout),
-    sign: f32,
-) -> Result<CudaStorage> {
+pub fn rotary((x, x_l): In, (cos, c_l): In, (sin, s_l): In, sign: f32) -> Result<CudaStorage> {
     fn run<T: CudaDType + DeviceRepr>(
         name: &str,
-        (x, x_l): (&CudaStorage, &Layout),
-        (cos, c_l): (&CudaStorage, &Layout),
-        (sin, s_l): (&CudaStorage, &Layout),
+        (x, x_l): In,
+        (cos, c_l): In,
+        (sin, s_l): In,
         sign: f32,
     ) -> Result<CudaStorage> {
         let dev = x.device.clone();
@@ -284,8 +252,7 @@ pub fn rotary(
         unsafe { args.launch(elementwise(n)) }.w()?;
         Ok(CudaStorage::wrap_cuda_slice(out, dev))
     }
-    let name = format!("rotary_{}", suffix(x.dtype())?);
-    by_dtype!(x.dtype(), run(&name, (x, x_l), (cos, c_l), (sin, s_l), sign))
+    by_dtype!(x.dtype(), run(&typed("rotary", x.dtype())?, (x, x_l), (cos, c_l), (sin, s_l), sign))
 }
 
 /// The attention kernels' sizes, as `AttnDims` in `kernels.cu`.
@@ -309,8 +276,6 @@ unsafe impl DeviceRepr for AttnDims {}
 fn attention_launch(blocks: usize, floats: usize) -> LaunchConfig {
     LaunchConfig { grid_dim: (blocks as u32, 1, 1), block_dim: (128, 1, 1), shared_mem_bytes: (floats * 4) as u32 }
 }
-
-type In<'a> = (&'a CudaStorage, &'a Layout);
 
 /// (output (B, H, T, D) in q's dtype, log-sum-exp (B, H, T) f32).
 pub fn attention_fwd(q: In, k: In, v: In, bias: In, a: AttnDims) -> Result<(CudaStorage, CudaStorage)> {
@@ -336,8 +301,7 @@ pub fn attention_fwd(q: In, k: In, v: In, bias: In, a: AttnDims) -> Result<(Cuda
         unsafe { args.launch(attention_launch(rows, a.s as usize + 32)) }.w()?;
         Ok((CudaStorage::wrap_cuda_slice(out, dev.clone()), CudaStorage::wrap_cuda_slice(lse, dev)))
     }
-    let name = format!("attention_fwd_{}", suffix(q.0.dtype())?);
-    by_dtype!(q.0.dtype(), run(&name, q, k, v, bias, a))
+    by_dtype!(q.0.dtype(), run(&typed("attention_fwd", q.0.dtype())?, q, k, v, bias, a))
 }
 
 /// Everything the attention backward kernels read.
@@ -358,7 +322,7 @@ fn kv_view<'a, T: CudaDType>((s, l): In<'a>) -> Result<CudaView<'a, T>> {
 }
 
 /// d q (B, H, T, D), or d k and d v stacked (2, B, Hkv, S, D) (`keys`).
-fn attention_bwd(x: &AttnInputs, a: AttnDims, keys: bool) -> Result<CudaStorage> {
+pub fn attention_bwd(x: &AttnInputs, a: AttnDims, keys: bool) -> Result<CudaStorage> {
     fn run<T: CudaDType + DeviceRepr>(name: &str, x: &AttnInputs, a: AttnDims, keys: bool) -> Result<CudaStorage> {
         let dev = x.q.0.device.clone();
         let qs = view::<T>(x.q.0, x.q.1)?;
@@ -384,14 +348,6 @@ fn attention_bwd(x: &AttnInputs, a: AttnDims, keys: bool) -> Result<CudaStorage>
         Ok(CudaStorage::wrap_cuda_slice(out, dev))
     }
     let dtype = x.q.0.dtype();
-    let name = format!("attention_bwd_{}_{}", if keys { "kv" } else { "q" }, suffix(dtype)?);
+    let name = typed(if keys { "attention_bwd_kv" } else { "attention_bwd_q" }, dtype)?;
     by_dtype!(dtype, run(&name, x, a, keys))
-}
-
-pub fn attention_bwd_q(x: &AttnInputs, a: AttnDims) -> Result<CudaStorage> {
-    attention_bwd(x, a, false)
-}
-
-pub fn attention_bwd_kv(x: &AttnInputs, a: AttnDims) -> Result<CudaStorage> {
-    attention_bwd(x, a, true)
 }
