@@ -9,12 +9,15 @@ use crate::error::{Error, Result};
 
 /// Writes `bytes` to `path` atomically (temp file in the same directory, fsync, rename).
 pub fn write_atomic(path: &Path, bytes: &[u8]) -> Result<()> {
+    write_atomic_with(path, |tmp| fs::File::create(tmp)?.write_all(bytes))
+}
+
+/// Has `write` create the file at the path it is given, then syncs it and
+/// renames it to `path`: for writers that stream a large file instead of
+/// holding all of it in memory.
+pub fn write_atomic_with(path: &Path, write: impl FnOnce(&Path) -> std::io::Result<()>) -> Result<()> {
     let tmp = temp_sibling(path);
-    let result = (|| {
-        let mut file = fs::File::create(&tmp)?;
-        file.write_all(bytes)?;
-        file.sync_all()
-    })();
+    let result = write(&tmp).and_then(|()| fs::File::open(&tmp)?.sync_all());
     if let Err(e) = result {
         let _ = fs::remove_file(&tmp);
         return Err(Error::io(path, e));

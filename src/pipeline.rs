@@ -187,6 +187,7 @@ pub fn run(opts: &PipelineOptions) -> Result<PathBuf> {
             output_dir: rm.display().to_string(),
             device: opts.device.clone(),
             dtype: Default::default(),
+            gradient_checkpointing: false,
             learning_rate: 1e-3,
             per_device_train_batch_size: 16,
             gradient_accumulation_steps: 1,

@@ -42,12 +42,6 @@ fn adapters_peft_made_give_peft_logits() {
                 println!("{name} (train network: {train}): max |Δ| = {diff:.2e}");
                 assert!(diff < 1e-4, "{name}: {diff}");
             }
-            // Sampling merges each adapter into its layer's decoding copy.
-            let _decoding = model.frozen().decoding_weights().unwrap();
-            let merged = outputs(&model, name, &inputs, false);
-            let diff =
-                if is_causal(name) { max_diff_masked(&merged, expected, &mask) } else { max_diff(&merged, expected) };
-            assert!(diff < 1e-4, "{name} merged: {diff}");
         }
     }
 }

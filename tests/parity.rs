@@ -51,22 +51,6 @@ fn bf16_outputs_and_gradients_are_within_bf16_tolerance() {
     assert!(checks.iter().all(|c| c.passed()), "{}", check::table(&Device::Cpu, &checks));
 }
 
-#[test]
-fn decoding_weight_copies_give_the_same_logits() {
-    for name in MODELS {
-        let model = Model::load(&model_dir(name), &Device::Cpu).unwrap();
-        let inputs = inputs(&reference(name), "right");
-        let net = model.frozen();
-        let plain = net.logits(&inputs, None).unwrap();
-        let with_copies = {
-            let _decoding = net.decoding_weights().unwrap();
-            net.logits(&inputs, None).unwrap()
-        };
-        let diff = max_diff_masked(&with_copies, &plain, &inputs.mask);
-        assert!(diff <= 1e-5, "{name}: decoding copies change the logits by {diff}");
-    }
-}
-
 /// Completions of shared prompts, in mixed order and of mixed lengths (one
 /// empty): scored together, each prompt is packed once for its rows.
 fn shared_prompt_rows() -> Vec<(Vec<u32>, Vec<u32>)> {

@@ -1,12 +1,16 @@
 #!/usr/bin/env python3
 """Build the benchmark model directory, deterministically.
 
-A tiny Pythia-shaped GPT-NeoX causal LM with random weights, a WordLevel
+A Pythia-shaped GPT-NeoX causal LM with random weights, a WordLevel
 tokenizer of exactly 8192 tokens over synthetic words, a generation config
 without EOS (so both generators always produce the full length) and a file
 of 32 prompts of varied lengths.
 
-Usage: make_model.py [OUT_DIR]   (default: bench/.cache/pythia-bench)
+Usage: make_model.py [OUT_DIR] [SHAPE]   (default: bench/.cache/pythia-bench, tiny)
+
+SHAPE: tiny (hidden 128, 6 layers), or the layer shapes of EleutherAI's
+pythia-160m (hidden 768, 12 layers) or pythia-410m (hidden 1024, 24 layers),
+all with the 8192-token vocabulary.
 """
 
 import json
@@ -24,6 +28,12 @@ VOCAB_SIZE = 8192
 NUM_PROMPTS = 32
 PROMPT_TOKENS = (8, 40)
 SPECIAL = ["<|endoftext|>", "<|padding|>", "<unk>"]  # ids 0, 1, 2 (as in Pythia: EOS 0, pad 1)
+
+SHAPES = {
+    "tiny": dict(hidden_size=128, num_hidden_layers=6, num_attention_heads=4, intermediate_size=512),
+    "160m": dict(hidden_size=768, num_hidden_layers=12, num_attention_heads=12, intermediate_size=3072),
+    "410m": dict(hidden_size=1024, num_hidden_layers=24, num_attention_heads=16, intermediate_size=4096),
+}
 
 BENCH_DIR = Path(__file__).resolve().parent.parent
 DEFAULT_OUT = BENCH_DIR / ".cache" / "pythia-bench"
@@ -46,6 +56,7 @@ def synthetic_words(n, rng):
 
 def main():
     out = Path(sys.argv[1]) if len(sys.argv) > 1 else DEFAULT_OUT
+    shape = SHAPES[sys.argv[2] if len(sys.argv) > 2 else "tiny"]
     out.mkdir(parents=True, exist_ok=True)
     rng = random.Random(SEED)
 
@@ -68,13 +79,10 @@ def main():
     assert len(tokenizer) == VOCAB_SIZE, len(tokenizer)
     tokenizer.save_pretrained(out)
 
-    # Model: Pythia layout at a tiny size, untied head, f32, random weights.
+    # Model: Pythia layout, untied head, f32, random weights.
     config = GPTNeoXConfig(
         vocab_size=VOCAB_SIZE,
-        hidden_size=128,
-        num_hidden_layers=6,
-        num_attention_heads=4,
-        intermediate_size=512,
+        **shape,
         rotary_pct=0.25,
         rotary_emb_base=10000,
         max_position_embeddings=2048,

@@ -5,6 +5,10 @@ wall time of every optimizer step and the mean completion length.
 Usage: trl_rloo.py --model DIR --prompts FILE (--words DIR | --reward-model DIR)
                    [--steps 6] [--threads 2] [--seed 1] [--output DIR]
                    [--device cuda --bf16 --micro-batch N]
+                   [--lora-r R] [--gradient-checkpointing]
+
+With --lora-r, TRL trains PEFT LoRA adapters of rank R (alpha 2R) on every
+linear layer, and its KL reference is the policy with the adapters off.
 
 On a GPU the line also holds the peak GPU memory PyTorch allocated.
 """
@@ -50,6 +54,8 @@ def main():
     ap.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
     ap.add_argument("--bf16", action="store_true")
     ap.add_argument("--micro-batch", type=int, help="completions per forward/backward [all of a step's]")
+    ap.add_argument("--lora-r", type=int, help="train LoRA adapters of this rank on every linear layer")
+    ap.add_argument("--gradient-checkpointing", action="store_true")
     args = ap.parse_args()
     if (args.words is None) == (args.reward_model is None):
         ap.error("give exactly one of --words and --reward-model")
@@ -82,7 +88,7 @@ def main():
         num_iterations=1,
         max_steps=args.steps,
         learning_rate=args.learning_rate,
-        gradient_checkpointing=False,
+        gradient_checkpointing=args.gradient_checkpointing,
         bf16=args.bf16,
         fp16=False,
         use_cpu=args.device == "cpu",
@@ -109,6 +115,12 @@ def main():
             if logs and "completions/mean_length" in logs:
                 self.lengths.append(logs["completions/mean_length"])
 
+    peft_config = None
+    if args.lora_r:
+        from peft import LoraConfig
+
+        peft_config = LoraConfig(r=args.lora_r, lora_alpha=2 * args.lora_r, lora_dropout=0.05,
+                                 target_modules="all-linear", task_type="CAUSAL_LM")
     timer = StepTimer()
     trainer = RLOOTrainer(
         model=args.model,
@@ -116,6 +128,7 @@ def main():
         args=config,
         train_dataset=dataset,
         callbacks=[timer],
+        peft_config=peft_config,
     )
     trainer.train()
     result = {

@@ -37,6 +37,9 @@ pub struct SftArgs {
     /// bf16 mixed precision: bf16 weights and activations, f32 master weights and optimizer state.
     #[arg(long)]
     bf16: bool,
+    /// Keep only each layer's input in the forward pass and recompute the layer in the backward.
+    #[arg(long = "gradient_checkpointing", alias = "gradient-checkpointing")]
+    gradient_checkpointing: bool,
     #[arg(long, default_value_t = d().learning_rate)]
     learning_rate: f64,
     /// Rows per forward/backward.
@@ -98,6 +101,7 @@ pub fn run(a: SftArgs) -> Result<()> {
         output_dir: a.output_dir,
         device: a.device,
         dtype: Precision::from_bf16(a.bf16),
+        gradient_checkpointing: a.gradient_checkpointing,
         learning_rate: a.learning_rate,
         per_device_train_batch_size: a.per_device_train_batch_size,
         gradient_accumulation_steps: a.gradient_accumulation_steps,

@@ -72,6 +72,7 @@ const FLAGS: &[(&str, &str, Kind, &str)] = &[
     // Every other key.
     ("reference_model_path", "model.reference", Kind::Str, "KL reference model [none: the initial policy]"),
     ("device", "model.device", Kind::Str, "cpu, cuda, cuda:N or auto"),
+    ("gradient_checkpointing", "train.gradient_checkpointing", Kind::Bool, "Keep only each layer's input in the forward pass and recompute the layer in the backward: less activation memory for one more forward"),
     ("bf16", "train.dtype", Kind::Switch("bf16", "f32"), "bf16 mixed precision: bf16 weights and activations, f32 master weights, optimizer state, log-softmax and losses"),
     ("prompt_column", "data.prompt_column", Kind::Str, "Column holding the prompt (string or chat messages)"),
     ("prompt_template", "data.template", Kind::Str, "Build prompts from columns instead, e.g. \"Summarize: {post}\""),

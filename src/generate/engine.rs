@@ -117,7 +117,6 @@ pub fn generate(
             }
         }
     }
-    let _decoding = net.decoding_weights()?;
     let k = opts.num_return_sequences;
     let rows: Vec<(usize, usize)> = (0..prompts.len()).flat_map(|p| (0..k).map(move |s| (p, s))).collect();
     for batch in rows.chunks(opts.batch_size) {

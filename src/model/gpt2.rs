@@ -195,26 +195,28 @@ impl Decoder {
 }
 
 impl super::Decoder for Decoder {
-    fn forward(&self, inputs: &Inputs, mut cache: Option<&mut KvCache>) -> TResult<Tensor> {
-        let ctx = Context::new(inputs, cache.as_deref(), None)?;
-        let mut x = (embed(&self.wte, &inputs.ids)? + embed(&self.wpe, &inputs.positions)?)?;
-        for (i, blk) in self.layers.iter().enumerate() {
-            x = (&x + self.attention(blk, &blk.ln_1.forward(&x)?, &ctx, cache.as_deref_mut(), i)?)?;
-            let mlp = blk
-                .mlp_proj
-                .forward(&kernels::activation(&blk.c_fc.forward(&blk.ln_2.forward(&x)?)?, self.cfg.act)?)?;
-            x = (x + mlp)?;
-        }
-        ctx.finish(cache);
-        self.ln_f.forward(&x)
+    fn context(&self, inputs: &Inputs, cache: Option<&KvCache>) -> TResult<Context> {
+        Context::new(inputs, cache, None)
+    }
+
+    fn embed(&self, inputs: &Inputs) -> TResult<Tensor> {
+        embed(&self.wte, &inputs.ids)? + embed(&self.wpe, &inputs.positions)?
+    }
+
+    fn block(&self, layer: usize, x: &Tensor, ctx: &Context, cache: Option<&mut KvCache>) -> TResult<Tensor> {
+        let blk = &self.layers[layer];
+        let x = (x + self.attention(blk, &blk.ln_1.forward(x)?, ctx, cache, layer)?)?;
+        let mlp =
+            blk.mlp_proj.forward(&kernels::activation(&blk.c_fc.forward(&blk.ln_2.forward(&x)?)?, self.cfg.act)?)?;
+        x + mlp
+    }
+
+    fn final_norm(&self, x: &Tensor) -> TResult<Tensor> {
+        self.ln_f.forward(x)
     }
 
     fn embedding(&self) -> &Tensor {
         &self.wte
-    }
-
-    fn linears(&self) -> Vec<&Linear> {
-        self.layers.iter().flat_map(|l| [&l.c_attn, &l.attn_proj, &l.c_fc, &l.mlp_proj]).collect()
     }
 
     fn num_layers(&self) -> usize {

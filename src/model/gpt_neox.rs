@@ -167,30 +167,33 @@ impl Decoder {
 }
 
 impl super::Decoder for Decoder {
-    fn forward(&self, inputs: &Inputs, mut cache: Option<&mut KvCache>) -> TResult<Tensor> {
-        let ctx = Context::new(inputs, cache.as_deref(), Some((&self.cfg.rope, &self.inv_freq)))?;
-        let mut x = embed(&self.embed_in, &inputs.ids)?;
-        for (i, blk) in self.layers.iter().enumerate() {
-            let attn = self.attention(blk, &blk.input_layernorm.forward(&x)?, &ctx, cache.as_deref_mut(), i)?;
-            x = if self.cfg.use_parallel_residual {
-                let mlp = self.mlp(blk, &blk.post_attention_layernorm.forward(&x)?)?;
-                ((x + attn)? + mlp)?
-            } else {
-                let x = (x + attn)?;
-                let mlp = self.mlp(blk, &blk.post_attention_layernorm.forward(&x)?)?;
-                (x + mlp)?
-            };
+    fn context(&self, inputs: &Inputs, cache: Option<&KvCache>) -> TResult<Context> {
+        Context::new(inputs, cache, Some((&self.cfg.rope, &self.inv_freq)))
+    }
+
+    fn embed(&self, inputs: &Inputs) -> TResult<Tensor> {
+        embed(&self.embed_in, &inputs.ids)
+    }
+
+    fn block(&self, layer: usize, x: &Tensor, ctx: &Context, cache: Option<&mut KvCache>) -> TResult<Tensor> {
+        let blk = &self.layers[layer];
+        let attn = self.attention(blk, &blk.input_layernorm.forward(x)?, ctx, cache, layer)?;
+        if self.cfg.use_parallel_residual {
+            let mlp = self.mlp(blk, &blk.post_attention_layernorm.forward(x)?)?;
+            (x + attn)? + mlp
+        } else {
+            let x = (x + attn)?;
+            let mlp = self.mlp(blk, &blk.post_attention_layernorm.forward(&x)?)?;
+            x + mlp
         }
-        ctx.finish(cache);
-        self.final_layer_norm.forward(&x)
+    }
+
+    fn final_norm(&self, x: &Tensor) -> TResult<Tensor> {
+        self.final_layer_norm.forward(x)
     }
 
     fn embedding(&self) -> &Tensor {
         &self.embed_in
-    }
-
-    fn linears(&self) -> Vec<&Linear> {
-        self.layers.iter().flat_map(|l| [&l.query_key_value, &l.dense, &l.dense_h_to_4h, &l.dense_4h_to_h]).collect()
     }
 
     fn num_layers(&self) -> usize {

@@ -2,8 +2,6 @@
 //! (mask bias, rotary tables), multi-head self-attention over a cache, and
 //! the embedding lookup.
 
-use std::sync::{PoisonError, RwLock};
-
 use candle_core::{Result, Tensor};
 
 use super::batch::{attention_bias, Inputs};
@@ -56,9 +54,9 @@ impl Context {
     }
 
     /// Hands the key mask to the cache once every layer has appended.
-    pub fn finish(self, cache: Option<&mut KvCache>) {
+    pub fn finish(&self, cache: Option<&mut KvCache>) {
         if let Some(cache) = cache {
-            cache.set_key_mask(self.key_mask);
+            cache.set_key_mask(self.key_mask.clone());
         }
     }
 }
@@ -129,14 +127,11 @@ pub struct Linear {
     pub weight: Tensor,
     pub bias: Option<Tensor>,
     pub adapter: Option<Adapter>,
-    /// While decoding, the weight (with the adapter merged in) stored (in,
-    /// out), as its (out, in) view.
-    decoding: RwLock<Option<Tensor>>,
 }
 
 impl Linear {
     pub fn new(weight: Tensor, bias: Option<Tensor>) -> Self {
-        Self { weight, bias, adapter: None, decoding: RwLock::new(None) }
+        Self { weight, bias, adapter: None }
     }
 
     pub fn with_adapter(mut self, adapter: Option<Adapter>) -> Self {
@@ -154,35 +149,11 @@ impl Linear {
     }
 
     pub fn forward(&self, x: &Tensor) -> Result<Tensor> {
-        let decoding = self.decoding.read().unwrap_or_else(PoisonError::into_inner);
-        if let Some(merged) = decoding.as_ref() {
-            return kernels::linear(x, merged, self.bias.as_ref());
-        }
         let y = kernels::linear(x, &self.weight, self.bias.as_ref())?;
         match &self.adapter {
             Some(adapter) => y + adapter.delta(x)?,
             None => Ok(y),
         }
-    }
-
-    /// Keeps (`true`) or drops a constant copy of the weight, with the
-    /// adapter merged in, stored (in, out). A decoding step multiplies a few
-    /// rows by each weight, and gemm gathers an (out, in) weight into its
-    /// packed layout anew every time, while it copies an (in, out) one
-    /// straight; merged, the adapter costs nothing per token. The copy does
-    /// not follow later updates of the weights, and carries no gradient.
-    pub fn store_for_decoding(&self, on: bool) -> Result<()> {
-        let weight = match &self.adapter {
-            Some(adapter) if on => adapter.merged(&self.weight)?,
-            _ => self.weight.clone(),
-        };
-        let copy = match on && kernels::fused(&weight) {
-            true if !weight.t()?.is_contiguous() => Some(weight.detach().t()?.contiguous()?.t()?),
-            true if self.adapter.is_some() => Some(weight.detach()),
-            _ => None,
-        };
-        *self.decoding.write().unwrap_or_else(PoisonError::into_inner) = copy;
-        Ok(())
     }
 }
 

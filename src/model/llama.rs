@@ -228,32 +228,28 @@ impl Decoder {
 }
 
 impl super::Decoder for Decoder {
-    fn forward(&self, inputs: &Inputs, mut cache: Option<&mut KvCache>) -> TResult<Tensor> {
-        let eps = self.cfg.rms_norm_eps;
-        let ctx = Context::new(inputs, cache.as_deref(), Some((&self.cfg.rope, &self.inv_freq)))?;
-        let mut x = embed(&self.embed_tokens, &inputs.ids)?;
-        for (i, block) in self.layers.iter().enumerate() {
-            let h = kernels::rms_norm(&x, &block.input_layernorm, eps)?;
-            x = (x + self.attention(&block.self_attn, &h, &ctx, cache.as_deref_mut(), i)?)?;
-            let h = kernels::rms_norm(&x, &block.post_attention_layernorm, eps)?;
-            x = (x + self.mlp(&block.mlp, &h)?)?;
-        }
-        ctx.finish(cache);
-        kernels::rms_norm(&x, &self.norm, eps)
+    fn context(&self, inputs: &Inputs, cache: Option<&KvCache>) -> TResult<Context> {
+        Context::new(inputs, cache, Some((&self.cfg.rope, &self.inv_freq)))
+    }
+
+    fn embed(&self, inputs: &Inputs) -> TResult<Tensor> {
+        embed(&self.embed_tokens, &inputs.ids)
+    }
+
+    fn block(&self, layer: usize, x: &Tensor, ctx: &Context, cache: Option<&mut KvCache>) -> TResult<Tensor> {
+        let (block, eps) = (&self.layers[layer], self.cfg.rms_norm_eps);
+        let h = kernels::rms_norm(x, &block.input_layernorm, eps)?;
+        let x = (x + self.attention(&block.self_attn, &h, ctx, cache, layer)?)?;
+        let h = kernels::rms_norm(&x, &block.post_attention_layernorm, eps)?;
+        x + self.mlp(&block.mlp, &h)?
+    }
+
+    fn final_norm(&self, x: &Tensor) -> TResult<Tensor> {
+        kernels::rms_norm(x, &self.norm, self.cfg.rms_norm_eps)
     }
 
     fn embedding(&self) -> &Tensor {
         &self.embed_tokens
-    }
-
-    fn linears(&self) -> Vec<&Linear> {
-        self.layers
-            .iter()
-            .flat_map(|l| {
-                let (a, m) = (&l.self_attn, &l.mlp);
-                [&a.q_proj, &a.k_proj, &a.v_proj, &a.o_proj, &m.gate_proj, &m.up_proj, &m.down_proj]
-            })
-            .collect()
     }
 
     fn num_layers(&self) -> usize {

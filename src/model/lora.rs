@@ -141,6 +141,16 @@ impl Dropout {
         Self { p, rng: Arc::new(Mutex::new(rng)) }
     }
 
+    /// Where the mask stream stands.
+    pub fn state(&self) -> Rng {
+        self.rng.lock().unwrap_or_else(PoisonError::into_inner).clone()
+    }
+
+    /// Moves the mask stream to `state`, returning where it stood.
+    pub fn replace_state(&self, state: Rng) -> Rng {
+        std::mem::replace(&mut *self.rng.lock().unwrap_or_else(PoisonError::into_inner), state)
+    }
+
     fn apply(&self, x: &Tensor) -> TResult<Tensor> {
         let keep = 1.0 - self.p;
         let mask: Vec<f32> = {
@@ -230,11 +240,6 @@ impl Adapter {
         };
         let down = super::kernels::linear(&x, &self.a, None)?;
         super::kernels::linear(&down, &self.b, None)? * self.scale
-    }
-
-    /// `W + scale * B A`, the dense weight (out, in) with the adapter merged in.
-    pub fn merged(&self, weight: &Tensor) -> TResult<Tensor> {
-        weight.detach() + (self.b.detach().matmul(&self.a.detach())? * self.scale)?
     }
 }
 

@@ -4,13 +4,16 @@
 
 use std::collections::HashMap;
 use std::path::{Path, PathBuf};
+use std::sync::Arc;
 
+use candle_core::backprop::GradStore;
 use candle_core::{DType, Device, Result as TResult, Tensor, D};
 
 use super::batch::Inputs;
 use super::cache::KvCache;
 use super::config::{ArchConfig, HeadKind, ModelConfig};
-use super::layers::Linear;
+use super::layer_graphs::{LayerCuts, LayerGraphs};
+use super::layers::{Context, Linear};
 use super::lora::{self, AdapterPlan, Dropout, LoraConfig, PeftOptions, ADAPTER_CONFIG, PEFT_PREFIX};
 use super::weights::{Detach, ParamStore, Source, WeightFiles, Weights};
 use super::{gpt2, gpt_neox, kernels, llama, ops};
@@ -18,14 +21,19 @@ use crate::error::{Error, Result};
 
 /// The transformer body: embeddings through the final norm.
 pub trait Decoder: Send + Sync {
-    /// Final hidden states (B, T, H). With a cache, `inputs` continue the
-    /// cached tokens and their keys/values are appended.
-    fn forward(&self, inputs: &Inputs, cache: Option<&mut KvCache>) -> TResult<Tensor>;
+    /// What every layer of one forward pass reads: the attention mask's
+    /// bias and the rotary tables.
+    fn context(&self, inputs: &Inputs, cache: Option<&KvCache>) -> TResult<Context>;
+    /// The embedded inputs (B, T, H).
+    fn embed(&self, inputs: &Inputs) -> TResult<Tensor>;
+    /// Layer `layer` on hidden states (B, T, H). With a cache, `x` continues
+    /// the cached tokens and the layer appends their keys/values.
+    fn block(&self, layer: usize, x: &Tensor, ctx: &Context, cache: Option<&mut KvCache>) -> TResult<Tensor>;
+    /// The norm after the last layer.
+    fn final_norm(&self, x: &Tensor) -> TResult<Tensor>;
     /// The token-embedding table (V, H), which tied LM heads reuse.
     fn embedding(&self) -> &Tensor;
     fn num_layers(&self) -> usize;
-    /// Every dense layer, for [`Network::decoding_weights`].
-    fn linears(&self) -> Vec<&Linear>;
 }
 
 enum Head {
@@ -37,8 +45,10 @@ enum Head {
 
 /// A decoder and its head built on one set of weight tensors.
 pub struct Network {
-    decoder: Box<dyn Decoder>,
+    decoder: Arc<dyn Decoder>,
     head: Head,
+    /// Where the training network's graph is cut between layers, if anywhere.
+    cuts: Option<LayerCuts>,
 }
 
 impl Network {
@@ -52,10 +62,10 @@ impl Network {
         } else {
             root.pp(prefix)
         };
-        let decoder: Box<dyn Decoder> = match &cfg.arch {
-            ArchConfig::GptNeox(c) => Box::new(gpt_neox::Decoder::load(c, &base)?),
-            ArchConfig::Llama(c) => Box::new(llama::Decoder::load(c, &base)?),
-            ArchConfig::Gpt2(c) => Box::new(gpt2::Decoder::load(c, &base)?),
+        let decoder: Arc<dyn Decoder> = match &cfg.arch {
+            ArchConfig::GptNeox(c) => Arc::new(gpt_neox::Decoder::load(c, &base)?),
+            ArchConfig::Llama(c) => Arc::new(llama::Decoder::load(c, &base)?),
+            ArchConfig::Gpt2(c) => Arc::new(gpt2::Decoder::load(c, &base)?),
         };
         let (v, h) = (cfg.vocab_size(), cfg.hidden_size());
         let head = match cfg.head {
@@ -73,15 +83,29 @@ impl Network {
                 Head::Score(Linear::new(root.get("score.weight", (num_labels, h))?, None))
             }
         };
-        Ok(Self { decoder, head })
+        Ok(Self { decoder, head, cuts: None })
     }
 
     pub fn new_cache(&self) -> KvCache {
         KvCache::new(self.decoder.num_layers())
     }
 
-    pub fn hidden_states(&self, inputs: &Inputs, cache: Option<&mut KvCache>) -> TResult<Tensor> {
-        self.decoder.forward(inputs, cache)
+    /// Final hidden states (B, T, H). With a cache, `inputs` continue the
+    /// cached tokens and their keys/values are appended.
+    pub fn hidden_states(&self, inputs: &Inputs, mut cache: Option<&mut KvCache>) -> TResult<Tensor> {
+        let ctx = Arc::new(self.decoder.context(inputs, cache.as_deref())?);
+        let mut x = self.decoder.embed(inputs)?;
+        for layer in 0..self.decoder.num_layers() {
+            x = match (&self.cuts, &cache) {
+                (Some(cuts), None) => {
+                    let (decoder, ctx) = (self.decoder.clone(), ctx.clone());
+                    cuts.apply(&x, Arc::new(move |x: &Tensor| decoder.block(layer, x, &ctx, None)))?
+                }
+                _ => self.decoder.block(layer, &x, &ctx, cache.as_deref_mut())?,
+            };
+        }
+        ctx.finish(cache);
+        self.decoder.final_norm(&x)
     }
 
     /// Head outputs at every position: (B, T, V) next-token logits, or
@@ -110,17 +134,6 @@ impl Network {
         }
     }
 
-    /// Keeps weight copies laid out for decoding ([`Linear::store_for_decoding`])
-    /// until the returned guard drops. For sampling: the copies are
-    /// constants, so the weights must not change while it lives.
-    pub fn decoding_weights(&self) -> TResult<DecodingWeights<'_>> {
-        let guard = DecodingWeights { net: self };
-        for linear in guard.linears() {
-            linear.store_for_decoding(true)?;
-        }
-        Ok(guard)
-    }
-
     /// Sequence scores (B, num_labels), read at each row's last real token.
     /// For an LM head this is the last token's logits.
     pub fn scores(&self, inputs: &Inputs) -> TResult<Tensor> {
@@ -134,27 +147,17 @@ impl Network {
     }
 }
 
-/// Holds a network's decoding copies of its weights; drops them when dropped.
-pub struct DecodingWeights<'a> {
-    net: &'a Network,
-}
-
-impl DecodingWeights<'_> {
-    fn linears(&self) -> impl Iterator<Item = &Linear> {
-        let head = match &self.net.head {
-            Head::Lm(head) | Head::Score(head) => head,
-        };
-        self.net.decoder.linears().into_iter().chain(std::iter::once(head))
-    }
-}
-
-impl Drop for DecodingWeights<'_> {
-    fn drop(&mut self) {
-        for linear in self.linears() {
-            // Dropping a copy cannot fail.
-            let _ = linear.store_for_decoding(false);
+/// The gradients of `loss` for the parameters of `models`, whose
+/// training networks computed it: with the networks cut between layers,
+/// the layers' parameter gradients arrive beside the backward pass's own.
+pub fn backward(loss: &Tensor, models: &[&Model]) -> TResult<GradStore> {
+    let mut grads = loss.backward()?;
+    for model in models {
+        if let Some(cuts) = &model.train.cuts {
+            cuts.collect(&mut grads)?;
         }
     }
+    Ok(grads)
 }
 
 /// Log-probability of each next token: for logits (B, T, V) and ids (B, T),
@@ -176,6 +179,7 @@ pub struct Model {
     frozen: Network,
     dir: PathBuf,
     lora: Option<Lora>,
+    layer_graphs: LayerGraphs,
 }
 
 /// A model's LoRA adapters: their config, the base model's directory, and
@@ -306,7 +310,15 @@ impl Model {
         let mut params = source.into_store();
         let Some(plan) = plan else {
             let frozen = Network::build(&config, &Source::store(&params, Detach::All).root())?;
-            return Ok(Self { config, params, train, frozen, dir: dir.to_path_buf(), lora: None });
+            return Ok(Self {
+                config,
+                params,
+                train,
+                frozen,
+                dir: dir.to_path_buf(),
+                lora: None,
+                layer_graphs: LayerGraphs::Whole,
+            });
         };
         if let Some(stray) = plan.unused().first() {
             return Err(Error::Weights {
@@ -323,7 +335,7 @@ impl Model {
         let frozen = Network::build(&config, &Source::store(&params, Detach::All).root_with(Some(&plan)))?;
         let base = Network::build(&config, &Source::store(&params, Detach::All).root())?;
         let lora = Some(Lora { config: lora, base_dir: dir.to_path_buf(), base, dropout: None });
-        Ok(Self { config, params, train, frozen, dir: dir.to_path_buf(), lora })
+        Ok(Self { config, params, train, frozen, dir: dir.to_path_buf(), lora, layer_graphs: LayerGraphs::Whole })
     }
 
     /// A new model with random weights (transformers' initialisation,
@@ -335,7 +347,15 @@ impl Model {
         let train = Network::build(&config, &source.root())?;
         let params = source.into_store();
         let frozen = Network::build(&config, &Source::store(&params, Detach::All).root())?;
-        Ok(Self { config, params, train, frozen, dir: files_from.to_path_buf(), lora: None })
+        Ok(Self {
+            config,
+            params,
+            train,
+            frozen,
+            dir: files_from.to_path_buf(),
+            lora: None,
+            layer_graphs: LayerGraphs::Whole,
+        })
     }
 
     /// Sets a `config.json` key written when saving (e.g. `pad_token_id`).
@@ -442,6 +462,7 @@ impl Model {
             })
         };
         let train_plan = plan(self.lora.as_ref().and_then(|l| l.dropout.clone()));
+        let graphs = self.layer_graphs;
         self.train =
             Network::build(&self.config, &Source::store(&self.params, Detach::Frozen).root_with(train_plan.as_ref()))?;
         let frozen_plan = plan(None);
@@ -450,7 +471,22 @@ impl Model {
         if let Some(l) = &mut self.lora {
             l.base = Network::build(&self.config, &Source::store(&self.params, Detach::All).root())?;
         }
+        self.set_layer_graphs(graphs);
         Ok(())
+    }
+
+    /// What the training network keeps of each layer's graph (see
+    /// [`LayerGraphs`]). Cut between layers, its gradients are complete
+    /// only through [`backward`].
+    pub fn with_layer_graphs(mut self, graphs: LayerGraphs) -> Self {
+        self.set_layer_graphs(graphs);
+        self
+    }
+
+    fn set_layer_graphs(&mut self, graphs: LayerGraphs) {
+        let dropout = self.lora.as_ref().and_then(|l| l.dropout.clone());
+        self.layer_graphs = graphs;
+        self.train.cuts = LayerCuts::new(graphs, dropout);
     }
 
     /// With LoRA adapters: the network without them (the base model, on

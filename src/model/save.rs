@@ -15,7 +15,7 @@ use super::network::Model;
 use super::weights::SINGLE_FILE;
 use crate::data::copy_tokenizer_files;
 use crate::error::{Error, Result};
-use crate::io::{write_atomic, write_dir_atomic};
+use crate::io::{write_atomic, write_atomic_with, write_dir_atomic};
 
 impl Model {
     /// Writes the model to `dir` atomically: a crash leaves either the old
@@ -100,11 +100,9 @@ impl Model {
         let config = serde_json::to_string_pretty(config)
             .map_err(|e| Error::Invalid(format!("cannot serialise {config_file}: {e}")))?;
         let metadata = HashMap::from([("format".to_string(), "pt".to_string())]);
-        let weights = safetensors::tensor::serialize(stored.iter().map(|(n, t)| (n.as_str(), t)), Some(metadata))
-            .map_err(|e| Error::Invalid(format!("cannot serialise weights: {e}")))?;
         std::fs::create_dir_all(dir).map_err(|e| Error::io(dir, e))?;
         write_atomic(&dir.join(config_file), config.as_bytes())?;
-        write_atomic(&dir.join(weights_file), &weights)?;
+        write_tensors(&dir.join(weights_file), stored, Some(metadata))?;
         // Saving into the directory the files come from: they are already there
         // (and copying a file onto itself would empty it).
         let same = |a: &Path, b: &Path| a.canonicalize().ok().is_some_and(|a| Some(a) == b.canonicalize().ok());
@@ -118,4 +116,17 @@ impl Model {
         }
         Ok(())
     }
+}
+
+/// Writes a safetensors file atomically, one tensor at a time: a model's
+/// worth of bytes is never held in memory beside the model.
+pub fn write_tensors(
+    path: &Path,
+    tensors: &[(String, Tensor)],
+    metadata: Option<HashMap<String, String>>,
+) -> Result<()> {
+    write_atomic_with(path, |tmp| {
+        safetensors::tensor::serialize_to_file(tensors.iter().map(|(n, t)| (n.as_str(), t)), metadata, tmp)
+            .map_err(std::io::Error::other)
+    })
 }

@@ -14,6 +14,7 @@ use serde::{Deserialize, Serialize};
 use super::optim::AdamW;
 use crate::error::{read_json, Error, Result};
 use crate::io::{write_atomic, write_dir_atomic};
+use crate::model::save::write_tensors;
 use crate::model::Model;
 
 pub const STATE_FILE: &str = "trainer_state.json";
@@ -48,24 +49,18 @@ pub struct Part<'a> {
 
 /// Saves every part and the state, all or nothing.
 pub fn save(dir: &Path, parts: &[Part], state: &TrainerState, config_toml: &str) -> Result<()> {
-    let mut files = Vec::new();
-    for part in parts {
-        let mut tensors: Vec<(String, Tensor)> = part.optimizer.state_tensors();
-        for p in part.model.params().trainable() {
-            if p.stored_dtype != DType::F32 {
-                tensors.push((format!("master.{}", p.name), p.var.as_tensor().clone()));
-            }
-        }
-        let bytes = safetensors::tensor::serialize(tensors.iter().map(|(n, t)| (n.as_str(), t)), None)
-            .map_err(|e| Error::Invalid(format!("cannot serialise optimizer state: {e}")))?;
-        files.push((part, bytes));
-    }
     let state_json = serde_json::to_vec_pretty(state).map_err(|e| Error::Invalid(e.to_string()))?;
     write_dir_atomic(dir, |tmp| {
-        for (part, bytes) in &files {
+        for part in parts {
+            let mut tensors: Vec<(String, Tensor)> = part.optimizer.state_tensors();
+            for p in part.model.params().trainable() {
+                if p.stored_dtype != DType::F32 {
+                    tensors.push((format!("master.{}", p.name), p.var.as_tensor().clone()));
+                }
+            }
             let at = tmp.join(part.subdir);
             part.model.save_files(&at)?;
-            write_atomic(&at.join(OPTIMIZER_FILE), bytes)?;
+            write_tensors(&at.join(OPTIMIZER_FILE), &tensors, None)?;
         }
         write_atomic(&tmp.join(CONFIG_FILE), config_toml.as_bytes())?;
         // Written last: a directory with this file is complete.

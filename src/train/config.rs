@@ -305,6 +305,9 @@ pub struct TrainSection {
     pub max_grad_norm: f64,
     /// f32, or bf16 mixed precision (f32 master weights and optimizer state).
     pub dtype: Precision,
+    /// Keep only each layer's input in the forward pass and recompute the
+    /// layer in the backward.
+    pub gradient_checkpointing: bool,
     pub seed: u64,
     /// Log metrics every N rollout steps.
     pub logging_steps: usize,
@@ -347,6 +350,7 @@ impl Default for TrainSection {
             adam_epsilon: 1e-8,
             max_grad_norm: 1.0,
             dtype: Precision::F32,
+            gradient_checkpointing: false,
             seed: 42,
             logging_steps: 1,
             save_steps: 100,

@@ -47,6 +47,12 @@ pub fn rloo_estimate(
     let tokens = (longest_prompt + cfg.generation.response_length) as u64;
     let chunk = cfg.generation.local_rollout_forward_batch_size.min(sizes.batch) as u64;
     let micro = sizes.micro as u64;
+    // With gradient checkpointing a forward keeps one hidden state per layer,
+    // and the backward one layer's activations at a time.
+    let saved = match cfg.train.gradient_checkpointing {
+        true => micro * tokens * (layers + SAVED_PER_LAYER) * h * F32,
+        false => micro * tokens * layers * SAVED_PER_LAYER * h * F32,
+    };
     Estimate {
         parts: vec![
             ("weights", params * F32),
@@ -55,12 +61,9 @@ pub fn rloo_estimate(
             ("optimizer state", 2 * trainable * F32),
             ("reference", if reference { params * F32 } else { 0 }),
             // PPO's critic: weights, gradients and optimizer state, and its activations.
-            (
-                "critic",
-                4 * critic * F32 + if critic > 0 { micro * tokens * layers * SAVED_PER_LAYER * h * F32 } else { 0 },
-            ),
+            ("critic", 4 * critic * F32 + if critic > 0 { saved } else { 0 }),
             ("KV cache", chunk * tokens * layers * 2 * h * F32),
-            ("activations", micro * tokens * layers * SAVED_PER_LAYER * h * F32),
+            ("activations", saved),
             // The logits of a training micro-batch and their gradient, and a scoring chunk's.
             ("logits", (2 * micro + chunk) * tokens * vocab * F32),
         ],

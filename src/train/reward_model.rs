@@ -20,6 +20,7 @@ use crate::error::Result;
 use crate::generate::rng::streams;
 use crate::generate::Rng;
 use crate::model::hub::resolve_model;
+use crate::model::layer_graphs::LayerGraphs;
 use crate::model::lora::PeftOptions;
 use crate::model::ops::log_softmax_last;
 use crate::model::{parse_device, HeadKind, Inputs, Model, Network, PadSide, Precision};
@@ -37,6 +38,9 @@ pub struct RewardTrainConfig {
     pub device: String,
     /// f32, or bf16 mixed precision (f32 master weights and optimizer state).
     pub dtype: Precision,
+    /// Keep only each layer's input in the forward pass and recompute the
+    /// layer in the backward.
+    pub gradient_checkpointing: bool,
     pub learning_rate: f64,
     /// Pairs per forward/backward.
     pub per_device_train_batch_size: usize,
@@ -235,7 +239,8 @@ pub fn train_reward_model(cfg: &RewardTrainConfig) -> Result<RewardTrainSummary>
     let head = HeadKind::SequenceClassification { num_labels: 1 };
     // The score head trains in full beside the adapters (PEFT's modules_to_save).
     let mut model = Model::load_trainable(&dir, &device, head, (&cfg.peft, &["score"]), cfg.seed, true)?
-        .with_dtype(cfg.dtype.dtype(), true)?;
+        .with_dtype(cfg.dtype.dtype(), true)?
+        .with_layer_graphs(LayerGraphs::for_training(cfg.gradient_checkpointing));
     let tok = Tokenizer::from_dir(&dir)?;
     tok.check_model(model.config())?;
     let context = model.config().context_length();

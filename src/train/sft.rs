@@ -25,6 +25,7 @@ use crate::error::{Error, Result};
 use crate::generate::rng::streams;
 use crate::generate::Rng;
 use crate::model::hub::resolve_model;
+use crate::model::layer_graphs::LayerGraphs;
 use crate::model::lora::PeftOptions;
 use crate::model::scoring::{completion_logprobs, Sequences};
 use crate::model::{parse_device, HeadKind, Model, Network, Precision};
@@ -42,6 +43,9 @@ pub struct SftConfig {
     pub device: String,
     /// f32, or bf16 mixed precision (f32 master weights and optimizer state).
     pub dtype: Precision,
+    /// Keep only each layer's input in the forward pass and recompute the
+    /// layer in the backward.
+    pub gradient_checkpointing: bool,
     pub learning_rate: f64,
     pub per_device_train_batch_size: usize,
     pub gradient_accumulation_steps: usize,
@@ -74,6 +78,7 @@ impl Default for SftConfig {
             output_dir: "runs/sft".into(),
             device: "auto".into(),
             dtype: Precision::F32,
+            gradient_checkpointing: false,
             learning_rate: 2e-5,
             per_device_train_batch_size: 8,
             gradient_accumulation_steps: 1,
@@ -288,7 +293,8 @@ pub fn train_sft(cfg: &SftConfig) -> Result<SftSummary> {
     let device = parse_device(&cfg.device)?;
     let dir = resolve_model(&cfg.model)?;
     let model = Model::load_trainable(&dir, &device, HeadKind::CausalLm, (&cfg.peft, &[]), cfg.seed, true)?
-        .with_dtype(cfg.dtype.dtype(), true)?;
+        .with_dtype(cfg.dtype.dtype(), true)?
+        .with_layer_graphs(LayerGraphs::for_training(cfg.gradient_checkpointing));
     if model.head() != HeadKind::CausalLm {
         return Err(Error::bad_file(&dir, "SFT needs a causal LM"));
     }

@@ -126,7 +126,7 @@ pub fn train_supervised<O: Objective>(
                 let (loss, n) = objective.micro_loss(model.network(), micro, &examples)?;
                 loss_sum += loss.to_scalar::<f32>()? as f64;
                 count += n;
-                grads.add(model.params(), &loss.backward()?)?;
+                grads.add(model.params(), &crate::model::backward(&loss, &[model])?)?;
             }
             let grad_norm = grads.clip(opts.max_grad_norm)?;
             let lr = learning_rate(opts.learning_rate, opts.lr_scheduler_type, step, total_steps, warmup);

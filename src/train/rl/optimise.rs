@@ -128,7 +128,9 @@ impl Run {
                     stats.loss.add(&out.stats);
                     stats.entropy_sum += (&now.entropy * &mask)?.sum_all()?.to_scalar::<f32>()? as f64;
                     stats.tokens += mask.sum_all()?.to_scalar::<f32>()? as f64;
-                    let backward = loss.backward()?;
+                    let mut models = vec![&self.policy];
+                    models.extend(critic.map(|(critic, _)| &critic.model));
+                    let backward = crate::model::backward(&loss, &models)?;
                     grads.add(self.policy.params(), &backward)?;
                     if let Some((critic, _)) = critic {
                         grads.add(critic.model.params(), &backward)?;

@@ -12,6 +12,7 @@ use candle_core::{Device, Tensor};
 use crate::algo::ppo::{gae, padded, token_rewards, whiten_tokens};
 use crate::error::{Error, Result};
 use crate::model::hub::resolve_model;
+use crate::model::layer_graphs::LayerGraphs;
 use crate::model::scoring::{completion_values, completion_values_chunked, Sequences};
 use crate::model::{HeadKind, Model, ModelConfig};
 use crate::reward::RewardSpec;
@@ -47,7 +48,8 @@ impl Critic {
         };
         let model =
             Model::load_with_head(&dir, device, HeadKind::SequenceClassification { num_labels: 1 }, cfg.train.seed)?
-                .with_dtype(cfg.train.dtype.dtype(), true)?;
+                .with_dtype(cfg.train.dtype.dtype(), true)?
+                .with_layer_graphs(LayerGraphs::for_training(cfg.train.gradient_checkpointing));
         if model.config().vocab_size() != policy.vocab_size() || !same_vocabulary(&dir, policy_dir) {
             return Err(Error::Invalid(format!(
                 "the critic {} reads the policy's tokens, but its vocabulary differs from the policy's {}; \

@@ -11,6 +11,7 @@ use crate::data::{DatasetSpec, Tokenizer};
 use crate::error::{Error, Result};
 use crate::generate::{GenerateOptions, Sampling, StopCriteria};
 use crate::model::hub::resolve_model;
+use crate::model::layer_graphs::LayerGraphs;
 use crate::model::{parse_device, HeadKind, Model, ModelConfig};
 use crate::reward::{self, Shaping};
 use crate::train::checkpoint::{self, TrainerState};
@@ -46,7 +47,8 @@ impl Run {
         let peft = (&cfg.peft, &[][..]);
         let dtype = cfg.train.dtype.dtype();
         let policy = Model::load_trainable(&policy_dir, &device, HeadKind::CausalLm, peft, cfg.train.seed, false)?
-            .with_dtype(dtype, true)?;
+            .with_dtype(dtype, true)?
+            .with_layer_graphs(LayerGraphs::for_training(cfg.train.gradient_checkpointing));
         if policy.head() != HeadKind::CausalLm {
             return Err(Error::bad_file(
                 &policy_dir,

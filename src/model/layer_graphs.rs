@@ -1,0 +1,195 @@
+//! How a training forward keeps each layer's autograd graph, the largest
+//! part of training memory.
+//!
+//! candle keeps a backward's whole graph alive until the backward ends, so
+//! every layer's activations coexist with every parameter's gradient. Cut
+//! at the layers, a network's backward frees each layer's activations once
+//! it has gone through that layer ([`LayerGraphs::PerLayer`]), or keeps only
+//! each layer's input and runs the layer again in the backward (gradient
+//! checkpointing, [`LayerGraphs::Recomputed`]).
+//!
+//! A cut layer is one op over its input. Its backward backpropagates the
+//! incoming gradient through the layer's own graph, returns the input's
+//! gradient and gathers the parameters' gradients on the side (an op's
+//! backward only returns gradients for its arguments);
+//! [`LayerCuts::collect`] adds them to the outer backward's.
+
+use std::sync::{Arc, Mutex, PoisonError};
+
+use candle_core::backprop::GradStore;
+use candle_core::{CpuStorage, CustomOp1, Layout, Result, Shape, Tensor, TensorId, Var};
+
+use super::lora::Dropout;
+use crate::generate::Rng;
+
+/// What a training forward keeps of each layer's graph.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum LayerGraphs {
+    /// One graph through every layer, freed when the backward ends.
+    Whole,
+    /// Each layer's graph, freed once the backward has gone through it.
+    PerLayer,
+    /// Only each layer's input; the backward runs the layer again
+    /// (gradient checkpointing: one more forward for a fraction of the
+    /// activations).
+    Recomputed,
+}
+
+impl LayerGraphs {
+    /// What trainers use: per layer, or recomputed with TRL's `gradient_checkpointing`.
+    pub fn for_training(gradient_checkpointing: bool) -> Self {
+        if gradient_checkpointing {
+            Self::Recomputed
+        } else {
+            Self::PerLayer
+        }
+    }
+}
+
+/// A layer's forward on its input (B, T, H).
+pub type Layer = Arc<dyn Fn(&Tensor) -> Result<Tensor> + Send + Sync>;
+
+/// The layer cuts of one network: the parameter gradients gathered by the
+/// layers' backward passes, and the adapters' dropout, whose masks a
+/// recomputation must draw again the same (as PyTorch's `preserve_rng_state`).
+#[derive(Clone)]
+pub struct LayerCuts {
+    recompute: bool,
+    grads: Arc<Mutex<Option<GradStore>>>,
+    dropout: Option<Dropout>,
+}
+
+impl LayerCuts {
+    /// None for [`LayerGraphs::Whole`], which cuts nothing.
+    pub fn new(graphs: LayerGraphs, dropout: Option<Dropout>) -> Option<Self> {
+        let recompute = match graphs {
+            LayerGraphs::Whole => return None,
+            LayerGraphs::PerLayer => false,
+            LayerGraphs::Recomputed => true,
+        };
+        Some(Self { recompute, grads: Arc::default(), dropout })
+    }
+
+    /// `layer(x)` as one op whose backward goes through the layer.
+    pub fn apply(&self, x: &Tensor, layer: Layer) -> Result<Tensor> {
+        let cut = if self.recompute {
+            let dropout = self.dropout.as_ref().map(Dropout::state);
+            // Detached: the layer's graph, and every intermediate it holds,
+            // is dropped here.
+            let y = layer(&x.detach())?.contiguous()?.detach();
+            Cut {
+                output: Mutex::new(Some(y)),
+                kept: Mutex::new(None),
+                layer: Some((layer, dropout)),
+                cuts: self.clone(),
+            }
+        } else {
+            let input = Var::from_tensor(&x.detach())?;
+            let y = layer(input.as_tensor())?.contiguous()?;
+            Cut {
+                output: Mutex::new(Some(y.detach())),
+                kept: Mutex::new(Some((input, y))),
+                layer: None,
+                cuts: self.clone(),
+            }
+        };
+        // The op is recorded only on an input that tracks gradients; the
+        // first layer's input does not when the embedding is frozen (LoRA),
+        // while the layer's own parameters still train.
+        let x = if x.track_op() { x.clone() } else { Var::from_tensor(x)?.into_inner() };
+        x.apply_op1(cut)
+    }
+
+    /// Adds the parameter gradients gathered since the last call to `grads`.
+    pub fn collect(&self, grads: &mut GradStore) -> Result<()> {
+        match self.grads.lock().unwrap_or_else(PoisonError::into_inner).take() {
+            Some(side) => grads.extend(side),
+            None => Ok(()),
+        }
+    }
+}
+
+/// One cut layer: the op's forward hands over the output computed
+/// beforehand; its backward goes through the kept graph, or a recomputed one.
+struct Cut {
+    /// The layer's output without its graph, until the op's forward takes it.
+    output: Mutex<Option<Tensor>>,
+    /// Per layer: the input leaf and the output with its graph, until the backward.
+    kept: Mutex<Option<(Var, Tensor)>>,
+    /// Recomputed: the layer, and the dropout stream where its forward started.
+    layer: Option<(Layer, Option<Rng>)>,
+    cuts: LayerCuts,
+}
+
+impl Cut {
+    /// The stored output's storage, taken so that it lives only in the op's result.
+    fn take_output(&self) -> Result<(candle_core::Storage, Shape)> {
+        let y = self.output.lock().unwrap_or_else(PoisonError::into_inner).take();
+        let Some(y) = y else { candle_core::bail!("layer cut: the layer's output was already taken") };
+        let (storage, layout) = y.storage_and_layout();
+        if !layout.is_contiguous() || layout.start_offset() != 0 {
+            candle_core::bail!("layer cut: the layer's output is not a compact tensor");
+        }
+        Ok((storage.try_clone(layout)?, layout.shape().clone()))
+    }
+
+    /// The layer's input leaf and output with its graph: kept, or recomputed
+    /// on `x` with the dropout masks its forward drew.
+    fn graph(&self, x: &Tensor) -> Result<(Var, Tensor)> {
+        let Some((layer, start)) = &self.layer else {
+            let kept = self.kept.lock().unwrap_or_else(PoisonError::into_inner).take();
+            return kept
+                .ok_or_else(|| candle_core::Error::Msg("layer cut: a second backward through one graph".into()));
+        };
+        let input = Var::from_tensor(&x.detach())?;
+        // The stream moves on from where the whole forward left it, not
+        // from this replay.
+        let resume = self.cuts.dropout.as_ref().zip(start.clone()).map(|(d, start)| (d, d.replace_state(start)));
+        let y = layer(input.as_tensor());
+        if let Some((d, state)) = resume {
+            d.replace_state(state);
+        }
+        Ok((input, y?))
+    }
+}
+
+impl CustomOp1 for Cut {
+    fn name(&self) -> &'static str {
+        "layer-cut"
+    }
+
+    fn cpu_fwd(&self, _: &CpuStorage, _: &Layout) -> Result<(CpuStorage, Shape)> {
+        match self.take_output()? {
+            (candle_core::Storage::Cpu(s), shape) => Ok((s, shape)),
+            _ => candle_core::bail!("layer cut: the layer's output is not on the CPU"),
+        }
+    }
+
+    #[cfg(feature = "cuda")]
+    fn cuda_fwd(&self, _: &candle_core::CudaStorage, _: &Layout) -> Result<(candle_core::CudaStorage, Shape)> {
+        match self.take_output()? {
+            (candle_core::Storage::Cuda(s), shape) => Ok((s, shape)),
+            _ => candle_core::bail!("layer cut: the layer's output is not on the GPU"),
+        }
+    }
+
+    fn bwd(&self, x: &Tensor, _y: &Tensor, grad: &Tensor) -> Result<Option<Tensor>> {
+        let (input, y) = self.graph(x)?;
+        let mut grads = (y * grad)?.sum_all()?.backward()?;
+        // Gradients that still record ops would keep this layer's graph, and
+        // so its activations, alive through the rest of the backward.
+        let ids: Vec<TensorId> = grads.get_ids().copied().collect();
+        for id in ids {
+            if let Some(g) = grads.get_id(id).map(Tensor::detach) {
+                grads.insert_id(id, g);
+            }
+        }
+        let dx = grads.remove(input.as_tensor());
+        let mut side = self.cuts.grads.lock().unwrap_or_else(PoisonError::into_inner);
+        match side.as_mut() {
+            Some(side) => side.extend(grads)?,
+            None => *side = Some(grads),
+        }
+        Ok(dx)
+    }
+}
