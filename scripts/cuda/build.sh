@@ -34,7 +34,8 @@ done
 stubs=$root/stubs
 if [ ! -e "$stubs/libcuda.so" ]; then
     mkdir -p "$stubs"
-    sys=$(ls -d "$HOME"/.cargo/registry/src/*/cudarc-0.19.10/src/driver/sys/mod.rs 2>/dev/null | head -1)
+    # A fresh machine has not unpacked cudarc yet (ls fails: not an error here).
+    sys=$(ls -d "$HOME"/.cargo/registry/src/*/cudarc-0.19.10/src/driver/sys/mod.rs 2>/dev/null | head -1 || true)
     if [ -z "$sys" ]; then
         cargo fetch --locked >/dev/null
         sys=$(ls -d "$HOME"/.cargo/registry/src/*/cudarc-0.19.10/src/driver/sys/mod.rs | head -1)

@@ -206,8 +206,7 @@ impl super::Decoder for Decoder {
     fn block(&self, layer: usize, x: &Tensor, ctx: &Context, cache: Option<&mut KvCache>) -> TResult<Tensor> {
         let blk = &self.layers[layer];
         let x = (x + self.attention(blk, &blk.ln_1.forward(x)?, ctx, cache, layer)?)?;
-        let mlp =
-            blk.mlp_proj.forward(&kernels::activation(&blk.c_fc.forward(&blk.ln_2.forward(&x)?)?, self.cfg.act)?)?;
+        let mlp = blk.mlp_proj.forward_activated(&blk.c_fc.forward(&blk.ln_2.forward(&x)?)?, self.cfg.act)?;
         x + mlp
     }
 

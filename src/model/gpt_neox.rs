@@ -162,7 +162,7 @@ impl Decoder {
     }
 
     fn mlp(&self, blk: &Block, x: &Tensor) -> TResult<Tensor> {
-        blk.dense_4h_to_h.forward(&kernels::activation(&blk.dense_h_to_4h.forward(x)?, self.cfg.act)?)
+        blk.dense_4h_to_h.forward_activated(&blk.dense_h_to_4h.forward(x)?, self.cfg.act)
     }
 }
 

@@ -8,6 +8,7 @@ use super::batch::{attention_bias, Inputs};
 use super::cache::KvCache;
 use super::kernels::{self, decode_attention};
 use super::lora::Adapter;
+use super::ops::Activation;
 use super::rope::Rope;
 use super::weights::Weights;
 use crate::error::Result as LoadResult;
@@ -149,10 +150,17 @@ impl Linear {
     }
 
     pub fn forward(&self, x: &Tensor) -> Result<Tensor> {
-        let y = kernels::linear(x, &self.weight, self.bias.as_ref())?;
         match &self.adapter {
-            Some(adapter) => y + adapter.delta(x)?,
-            None => Ok(y),
+            Some(adapter) => adapter.forward(x, None, &self.weight, self.bias.as_ref()),
+            None => kernels::linear(x, &self.weight, self.bias.as_ref()),
+        }
+    }
+
+    /// `forward(act(u))`, where the training graph keeps `u` alone.
+    pub fn forward_activated(&self, u: &Tensor, act: Activation) -> Result<Tensor> {
+        match &self.adapter {
+            Some(adapter) => adapter.forward(u, Some(act), &self.weight, self.bias.as_ref()),
+            None => kernels::activation_linear(u, act, &self.weight, self.bias.as_ref()),
         }
     }
 }

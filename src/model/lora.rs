@@ -15,6 +15,8 @@ use std::sync::{Arc, Mutex, PoisonError};
 use candle_core::{Device, Result as TResult, Tensor};
 use serde::{Deserialize, Serialize};
 
+use super::kernels::{self, LoraLayer, Mask};
+use super::ops::Activation;
 use crate::error::{read_json, Error, Result};
 use crate::generate::Rng;
 
@@ -151,13 +153,11 @@ impl Dropout {
         std::mem::replace(&mut *self.rng.lock().unwrap_or_else(PoisonError::into_inner), state)
     }
 
-    fn apply(&self, x: &Tensor) -> TResult<Tensor> {
+    /// The next mask for `len` elements.
+    fn mask(&self, len: usize) -> Mask {
         let keep = 1.0 - self.p;
-        let mask: Vec<f32> = {
-            let mut rng = self.rng.lock().unwrap_or_else(PoisonError::into_inner);
-            (0..x.elem_count()).map(|_| if rng.uniform() < keep { (1.0 / keep) as f32 } else { 0.0 }).collect()
-        };
-        x * Tensor::from_vec(mask, x.shape(), x.device())?.to_dtype(x.dtype())?
+        let mut rng = self.rng.lock().unwrap_or_else(PoisonError::into_inner);
+        Mask { keep: (0..len).map(|_| rng.uniform() < keep).collect(), scale: (1.0 / keep) as f32 }
     }
 }
 
@@ -232,14 +232,30 @@ pub struct Adapter {
 }
 
 impl Adapter {
-    /// `scale * B (A dropout(x))` for `x` (..., in).
-    pub fn delta(&self, x: &Tensor) -> TResult<Tensor> {
-        let x = match &self.dropout {
-            Some(d) => d.apply(x)?,
+    /// `h W^T + b + scale * B (A dropout(h))` for the frozen base `weight`
+    /// and `bias`, where `h` is `act(x)` or `x` (..., in).
+    pub fn forward(
+        &self,
+        x: &Tensor,
+        act: Option<Activation>,
+        weight: &Tensor,
+        bias: Option<&Tensor>,
+    ) -> TResult<Tensor> {
+        let mask = self.dropout.as_ref().map(|d| d.mask(x.elem_count()));
+        let layer = LoraLayer { weight, bias, a: &self.a, b: &self.b, scale: self.scale };
+        if kernels::lora_runs(x, &layer) {
+            return kernels::lora_linear(x, act, &layer, mask);
+        }
+        let h = match act {
+            Some(act) => kernels::activation(x, act)?,
             None => x.clone(),
         };
-        let down = super::kernels::linear(&x, &self.a, None)?;
-        super::kernels::linear(&down, &self.b, None)? * self.scale
+        let dropped = match &mask {
+            Some(mask) => (&h * mask.to_tensor(&h)?)?,
+            None => h.clone(),
+        };
+        let delta = (kernels::linear(&kernels::linear(&dropped, &self.a, None)?, &self.b, None)? * self.scale)?;
+        kernels::linear(&h, weight, bias)? + delta
     }
 }
 
@@ -349,7 +365,10 @@ mod tests {
     #[test]
     fn dropout_zeroes_a_share_p_and_scales_the_rest_reproducibly() {
         let x = Tensor::ones(10_000, candle_core::DType::F32, &Device::Cpu).unwrap();
-        let draw = || Dropout::new(0.25, 7).apply(&x).unwrap().to_vec1::<f32>().unwrap();
+        let draw = || {
+            let mask = Dropout::new(0.25, 7).mask(x.elem_count());
+            (&x * mask.to_tensor(&x).unwrap()).unwrap().to_vec1::<f32>().unwrap()
+        };
         let y = draw();
         let zeros = y.iter().filter(|&&v| v == 0.0).count() as f64 / y.len() as f64;
         assert!((zeros - 0.25).abs() < 0.02, "{zeros}");

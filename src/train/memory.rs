@@ -9,8 +9,9 @@ use crate::model::ModelConfig;
 const F32: u64 = 4;
 /// Per layer and token, the hidden-size activations a training forward
 /// keeps for its backward (norm inputs and outputs, q/k/v, attention
-/// output, the MLP's 4x-wide input and activation, residuals).
-const SAVED_PER_LAYER: u64 = 16;
+/// output, the MLP's 4x-wide input, whose activation the backward makes
+/// again, residuals).
+const SAVED_PER_LAYER: u64 = 14;
 
 #[derive(Debug)]
 pub struct Estimate {

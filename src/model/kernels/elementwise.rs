@@ -16,6 +16,44 @@ pub fn activation(x: &Tensor, act: Activation) -> Result<Tensor> {
     x.contiguous()?.apply_op1(Act(act))
 }
 
+/// `act` applied to each of `x`.
+pub(super) fn apply(act: Activation, x: &[f32]) -> Vec<f32> {
+    match act {
+        Activation::Gelu => map(x, gelu_erf),
+        Activation::GeluTanh => map(x, |x| gelu_tanh(x).0),
+        Activation::Silu => map(x, |x| x / (1.0 + exp(-x))),
+        Activation::Relu => map(x, |x| x.max(0.0)),
+    }
+}
+
+/// `act(x)`, recording no backward: for a backward that makes it again.
+pub(super) fn without_graph(x: &Tensor, act: Activation) -> Result<Tensor> {
+    x.apply_op1_no_bwd(&Act(act))
+}
+
+/// `d y * act'(x)`, recording no backward.
+pub(super) fn grad_without_graph(x: &Tensor, grad: &Tensor, act: Activation) -> Result<Tensor> {
+    x.apply_op2_no_bwd(&grad.contiguous()?, &ActGrad(act))
+}
+
+/// `g * act'(x)` elementwise.
+pub(super) fn apply_grad(act: Activation, x: &[f32], g: &[f32]) -> Vec<f32> {
+    match act {
+        // d/dx x Phi(x) = Phi(x) + x phi(x)
+        Activation::Gelu => map2(x, g, |x, g| {
+            let cdf = 0.5 * (1.0 + erf(x * std::f32::consts::FRAC_1_SQRT_2));
+            g * (cdf + x * exp(-0.5 * x * x) * INV_SQRT_2PI)
+        }),
+        Activation::GeluTanh => map2(x, g, |x, g| g * gelu_tanh(x).1),
+        // d/dx x s(x) = s(x) (1 + x (1 - s(x)))
+        Activation::Silu => map2(x, g, |x, g| {
+            let s = sigmoid(x);
+            g * s * (1.0 + x * (1.0 - s))
+        }),
+        Activation::Relu => map2(x, g, |x, g| if x > 0.0 { g } else { 0.0 }),
+    }
+}
+
 /// Elementwise over `x` in parallel chunks.
 fn map(x: &[f32], f: impl Fn(f32) -> f32 + Sync) -> Vec<f32> {
     let mut out = vec![0f32; x.len()];
@@ -59,14 +97,7 @@ impl CustomOp1 for Act {
     }
 
     fn cpu_fwd(&self, s: &CpuStorage, l: &Layout) -> Result<(CpuStorage, Shape)> {
-        let x = contiguous_f32(s, l)?;
-        let out = match self.0 {
-            Activation::Gelu => map(x, gelu_erf),
-            Activation::GeluTanh => map(x, |x| gelu_tanh(x).0),
-            Activation::Silu => map(x, |x| x / (1.0 + exp(-x))),
-            Activation::Relu => map(x, |x| x.max(0.0)),
-        };
-        Ok((CpuStorage::F32(out), l.shape().clone()))
+        Ok((CpuStorage::F32(apply(self.0, contiguous_f32(s, l)?)), l.shape().clone()))
     }
 
     #[cfg(feature = "cuda")]
@@ -75,7 +106,7 @@ impl CustomOp1 for Act {
     }
 
     fn bwd(&self, x: &Tensor, _y: &Tensor, grad: &Tensor) -> Result<Option<Tensor>> {
-        Ok(Some(x.apply_op2_no_bwd(&grad.contiguous()?, &ActGrad(self.0))?))
+        Ok(Some(grad_without_graph(x, grad, self.0)?))
     }
 }
 
@@ -89,20 +120,7 @@ impl CustomOp2 for ActGrad {
 
     fn cpu_fwd(&self, x: &CpuStorage, x_l: &Layout, g: &CpuStorage, g_l: &Layout) -> Result<(CpuStorage, Shape)> {
         let (x, g) = (contiguous_f32(x, x_l)?, contiguous_f32(g, g_l)?);
-        let out = match self.0 {
-            // d/dx x Phi(x) = Phi(x) + x phi(x)
-            Activation::Gelu => map2(x, g, |x, g| {
-                let cdf = 0.5 * (1.0 + erf(x * std::f32::consts::FRAC_1_SQRT_2));
-                g * (cdf + x * exp(-0.5 * x * x) * INV_SQRT_2PI)
-            }),
-            Activation::GeluTanh => map2(x, g, |x, g| g * gelu_tanh(x).1),
-            // d/dx x s(x) = s(x) (1 + x (1 - s(x)))
-            Activation::Silu => map2(x, g, |x, g| {
-                let s = sigmoid(x);
-                g * s * (1.0 + x * (1.0 - s))
-            }),
-            Activation::Relu => map2(x, g, |x, g| if x > 0.0 { g } else { 0.0 }),
-        };
+        let out = apply_grad(self.0, x, g);
         Ok((CpuStorage::F32(out), x_l.shape().clone()))
     }
 

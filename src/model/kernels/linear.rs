@@ -10,8 +10,8 @@ use candle_core::{CpuStorage, CustomOp2, CustomOp3, Layout, Result, Shape, Tenso
 use gemm::Parallelism;
 use rayon::prelude::*;
 
-use super::{contiguous_f32, rows_per_task};
-use crate::model::ops;
+use super::{contiguous_f32, elementwise, rows_per_task};
+use crate::model::ops::{self, Activation};
 
 /// `x @ w^T (+ b)` for `x` (..., in), a PyTorch-layout `w` (out, in) and
 /// `b` (out,). `w` may also be the transposed view of an (in, out) tensor,
@@ -20,11 +20,33 @@ pub fn linear(x: &Tensor, w: &Tensor, b: Option<&Tensor>) -> Result<Tensor> {
     if !(super::fused(x) && super::fused(w) && b.is_none_or(super::fused)) {
         return ops::linear(x, w, b);
     }
-    let x = x.contiguous()?;
-    let w = if w.is_contiguous() || w.t()?.is_contiguous() { w.clone() } else { w.contiguous()? };
+    let (x, w) = (x.contiguous()?, weight_layout(w)?);
     match b {
         Some(b) => x.apply_op3(&w, &b.contiguous()?, Linear),
         None => x.apply_op2(&w, Linear),
+    }
+}
+
+/// `act(u) @ w^T (+ b)`, keeping only `u` for the backward, which
+/// recomputes `act(u)`: an MLP's widest activation is never stored.
+pub fn activation_linear(u: &Tensor, act: Activation, w: &Tensor, b: Option<&Tensor>) -> Result<Tensor> {
+    if !(super::fused(u) && super::fused(w) && b.is_none_or(super::fused)) {
+        return linear(&super::activation(u, act)?, w, b);
+    }
+    let (u, w) = (u.contiguous()?, weight_layout(w)?);
+    match b {
+        Some(b) => u.apply_op3(&w, &b.contiguous()?, ActivationLinear(act)),
+        None => u.apply_op2(&w, ActivationLinear(act)),
+    }
+}
+
+/// `w` row-major or the transposed view of a row-major tensor, which the
+/// products read in place.
+fn weight_layout(w: &Tensor) -> Result<Tensor> {
+    if w.is_contiguous() || w.t()?.is_contiguous() {
+        Ok(w.clone())
+    } else {
+        w.contiguous()
     }
 }
 
@@ -120,6 +142,76 @@ impl CustomOp3 for Linear {
     }
 }
 
+struct ActivationLinear(Activation);
+
+impl ActivationLinear {
+    fn forward(&self, u: &CpuStorage, u_l: &Layout, w: &CpuStorage, w_l: &Layout, b: Option<&[f32]>) -> FwdResult {
+        let h = elementwise::apply(self.0, contiguous_f32(u, u_l)?);
+        Linear.forward(&h, u_l, Operand::weight(w, w_l)?, w_l, b)
+    }
+
+    /// d u, d w and d b, from `act(u)` made again.
+    fn grads(
+        &self,
+        u: &Tensor,
+        w: &Tensor,
+        grad: &Tensor,
+        bias: bool,
+    ) -> Result<(Tensor, Option<Tensor>, Option<Tensor>)> {
+        let h = elementwise::without_graph(u, self.0)?;
+        let (dh, dw, db) = grads(&h, w, grad, bias)?;
+        drop(h);
+        Ok((elementwise::grad_without_graph(u, &dh, self.0)?, dw, db))
+    }
+}
+
+impl CustomOp2 for ActivationLinear {
+    fn name(&self) -> &'static str {
+        "activation-linear"
+    }
+
+    fn cpu_fwd(&self, u: &CpuStorage, u_l: &Layout, w: &CpuStorage, w_l: &Layout) -> FwdResult {
+        self.forward(u, u_l, w, w_l, None)
+    }
+
+    fn bwd(&self, u: &Tensor, w: &Tensor, _y: &Tensor, grad: &Tensor) -> Result<(Option<Tensor>, Option<Tensor>)> {
+        let (du, dw, _) = self.grads(u, w, grad, false)?;
+        Ok((Some(du), dw))
+    }
+}
+
+impl CustomOp3 for ActivationLinear {
+    fn name(&self) -> &'static str {
+        "activation-linear"
+    }
+
+    fn cpu_fwd(
+        &self,
+        u: &CpuStorage,
+        u_l: &Layout,
+        w: &CpuStorage,
+        w_l: &Layout,
+        b: &CpuStorage,
+        b_l: &Layout,
+    ) -> FwdResult {
+        self.forward(u, u_l, w, w_l, Some(contiguous_f32(b, b_l)?))
+    }
+
+    fn bwd(
+        &self,
+        u: &Tensor,
+        w: &Tensor,
+        _b: &Tensor,
+        _y: &Tensor,
+        grad: &Tensor,
+    ) -> Result<(Option<Tensor>, Option<Tensor>, Option<Tensor>)> {
+        let (du, dw, db) = self.grads(u, w, grad, true)?;
+        Ok((Some(du), dw, db))
+    }
+}
+
+type FwdResult = Result<(CpuStorage, Shape)>;
+
 /// d x, d w and (when `bias`) d b, computed in one buffer and returned as
 /// views of it. A frozen weight (one that records no graph, such as a base
 /// weight under LoRA) gets no d w, which saves a product as large as the
@@ -203,6 +295,7 @@ fn column_sums(g: &[f32], n: usize) -> Vec<f32> {
 }
 
 /// A matrix operand: element (i, j) is `data[i * row + j * col]`.
+#[derive(Clone, Copy)]
 pub(super) struct Operand<'a> {
     pub data: &'a [f32],
     pub row: usize,
@@ -210,9 +303,14 @@ pub(super) struct Operand<'a> {
 }
 
 impl<'a> Operand<'a> {
+    /// A row-major matrix `width` wide.
+    pub fn rows(data: &'a [f32], width: usize) -> Self {
+        Self { data, row: width, col: 1 }
+    }
+
     /// A 2-d weight stored row-major or as the transposed view of a
     /// row-major tensor; other layouts are an error.
-    fn weight(storage: &'a CpuStorage, layout: &Layout) -> Result<Self> {
+    pub fn weight(storage: &'a CpuStorage, layout: &Layout) -> Result<Self> {
         let data = &storage.as_slice::<f32>()?[layout.start_offset()..];
         let w = match (layout.dims(), layout.stride()) {
             ([_, k], [row, 1]) if row == k => Self { data, row: *row, col: 1 },
@@ -223,7 +321,7 @@ impl<'a> Operand<'a> {
     }
 
     /// The same matrix read transposed.
-    fn transposed(self) -> Self {
+    pub fn transposed(self) -> Self {
         Self { data: self.data, row: self.col, col: self.row }
     }
 

@@ -100,6 +100,59 @@ fn activations_match_the_composition() {
 }
 
 #[test]
+fn activation_linear_matches_the_composition() {
+    let (u, w, b) = (randn(&[3, 50, 64], 0.0), randn(&[24, 64], 0.0), randn(&[24], 0.0));
+    for act in [Activation::Gelu, Activation::GeluTanh, Activation::Relu] {
+        check(
+            &format!("activation_linear {act:?}"),
+            &[u.clone(), w.clone(), b.clone()],
+            |t| activation_linear(&t[0], act, &t[1], Some(&t[2])),
+            |t| ops::linear(&act.apply(&t[0])?, &t[1], Some(&t[2])),
+            1e-5,
+        );
+    }
+    check(
+        "activation_linear, no bias, (in, out) storage",
+        &[u, w.t().unwrap().contiguous().unwrap()],
+        |t| activation_linear(&t[0], Activation::Silu, &t[1].t()?, None),
+        |t| ops::linear(&Activation::Silu.apply(&t[0])?, &t[1].t()?, None),
+        1e-5,
+    );
+}
+
+#[test]
+fn lora_linear_matches_the_composition() {
+    let (x, a, b) = (randn(&[2, 30, 40], 0.0), randn(&[4, 40], 0.0), randn(&[24, 4], 0.0));
+    let (w, bias) = (randn(&[24, 40], 0.0), randn(&[24], 0.0));
+    let mask = || Mask { keep: (0..x.elem_count()).map(|i| i % 3 != 1).collect(), scale: 1.5 };
+    for act in [None, Some(Activation::Gelu)] {
+        for dropout in [false, true] {
+            for bias in [None, Some(&bias)] {
+                let composed = |t: &[Tensor]| {
+                    let h = match act {
+                        Some(act) => act.apply(&t[0])?,
+                        None => t[0].clone(),
+                    };
+                    let dropped = if dropout { (&h * mask().to_tensor(&h)?)? } else { h.clone() };
+                    let delta = ops::linear(&ops::linear(&dropped, &t[1], None)?, &t[2], None)?;
+                    ops::linear(&h, &w, bias)? + (delta * 2.0)?
+                };
+                check(
+                    &format!("lora_linear {act:?}, dropout {dropout}, bias {}", bias.is_some()),
+                    &[x.clone(), a.clone(), b.clone()],
+                    |t| {
+                        let layer = LoraLayer { weight: &w, bias, a: &t[1], b: &t[2], scale: 2.0 };
+                        lora_linear(&t[0], act, &layer, dropout.then(mask))
+                    },
+                    composed,
+                    1e-5,
+                );
+            }
+        }
+    }
+}
+
+#[test]
 fn attention_matches_the_composition_with_gqa_partial_rotary_and_padding() {
     use crate::model::batch::{attention_bias, Inputs, PadSide};
     let dev = Device::Cpu;

@@ -207,11 +207,12 @@ impl CustomOp2 for TokenLogprobs {
             grad_out: grad_out.flatten_all()?.to_vec1()?,
             // A second backward pass over the same graph recomputes them.
             logits: Mutex::new(self.logits.lock().unwrap_or_else(|e| e.into_inner()).take()),
+            head_grad: head.track_op(),
         };
         let all = hidden.apply_op2_no_bwd(head, &grad)?;
         let d_hidden = all.narrow(0, 0, n * h)?.reshape((n, h))?;
-        let d_head = all.narrow(0, n * h, v * h)?.reshape((v, h))?;
-        Ok((Some(d_hidden), Some(d_head)))
+        let d_head = if grad.head_grad { Some(all.narrow(0, n * h, v * h)?.reshape((v, h))?) } else { None };
+        Ok((Some(d_hidden), d_head))
     }
 }
 
@@ -251,6 +252,8 @@ struct TokenLogprobsGrad {
     out: Vec<f32>,
     grad_out: Vec<f32>,
     logits: Mutex<Option<Vec<f32>>>,
+    /// Whether the head trains (a frozen one, as under LoRA, gets no d head).
+    head_grad: bool,
 }
 
 impl CustomOp2 for TokenLogprobsGrad {
@@ -287,7 +290,7 @@ impl CustomOp2 for TokenLogprobsGrad {
                 row[target] += gs;
             }
         });
-        let mut out = Vec::with_capacity((n + v) * h);
+        let mut out = Vec::with_capacity(if self.head_grad { (n + v) * h } else { n * h });
         // d hidden (N, H) = d logits (N, V) @ head (V, H).
         matmul(
             &mut out,
@@ -298,16 +301,18 @@ impl CustomOp2 for TokenLogprobsGrad {
             Operand { data: &d_logits, row: v, col: 1 },
             Operand { data: head, row: h, col: 1 },
         );
-        // d head (V, H) = d logits^T (V, N) @ hidden (N, H).
-        matmul(
-            &mut out,
-            false,
-            v,
-            h,
-            n,
-            Operand { data: &d_logits, row: 1, col: v },
-            Operand { data: hidden, row: h, col: 1 },
-        );
+        if self.head_grad {
+            // d head (V, H) = d logits^T (V, N) @ hidden (N, H).
+            matmul(
+                &mut out,
+                false,
+                v,
+                h,
+                n,
+                Operand { data: &d_logits, row: 1, col: v },
+                Operand { data: hidden, row: h, col: 1 },
+            );
+        }
         let len = out.len();
         Ok((CpuStorage::F32(out), Shape::from(len)))
     }
@@ -361,6 +366,24 @@ mod tests {
         let first = loss.backward().unwrap().get(&hidden).unwrap().clone();
         let second = loss.backward().unwrap().get(&hidden).unwrap().clone();
         assert_eq!(max_abs_diff(&first, &second), 0.0);
+    }
+
+    #[test]
+    fn a_frozen_head_gets_no_gradient_and_the_hidden_states_theirs() {
+        let dev = Device::Cpu;
+        let hidden = Tensor::randn(0f32, 1.0, (5, 4), &dev).unwrap();
+        let head = Tensor::randn(0f32, 1.0, (10, 4), &dev).unwrap();
+        let d_hidden = |head: &Tensor| {
+            let var = Var::from_tensor(&hidden).unwrap();
+            let (lp, _) = token_logprobs(var.as_tensor(), head, &[1, 2, 3, 4, 5], 0.8).unwrap();
+            let grads = lp.sum_all().unwrap().backward().unwrap();
+            (grads.get(&var).unwrap().clone(), grads.get(head).is_some())
+        };
+        let (frozen, frozen_has_grad) = d_hidden(&head);
+        let trained = Var::from_tensor(&head).unwrap();
+        let (with_head, trained_has_grad) = d_hidden(trained.as_tensor());
+        assert!(!frozen_has_grad && trained_has_grad);
+        assert_eq!(max_abs_diff(&frozen, &with_head), 0.0);
     }
 
     #[test]
