@@ -100,7 +100,7 @@ fn learning_run(out: &Path, algo: &[&str]) -> Vec<serde_json::Map<String, Value>
 fn a_rule_reward_rises_within_a_short_run() {
     let tmp = tempfile::tempdir().unwrap();
     let rows = learning_run(&tmp.path().join("run"), &["--rloo_k", "4", "--learning_rate", "2e-3"]);
-    // Every SPEC-RLOO.md section 5 metric is logged.
+    // Every docs/algorithm.md section 6 metric is logged.
     for key in [
         "objective/scores",
         "objective/kl",

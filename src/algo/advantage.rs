@@ -1,4 +1,4 @@
-//! Baselines and advantages (SPEC-RLOO.md section 3).
+//! Baselines and advantages (docs/algorithm.md section 3).
 
 use serde::{Deserialize, Serialize};
 
@@ -119,7 +119,7 @@ pub fn returns_and_advantages(
 mod tests {
     use super::*;
 
-    /// SPEC-RLOO.md's worked example, given as TRL lays it out: row = sample
+    /// docs/algorithm.md's worked example, given as TRL lays it out: row = sample
     /// index, column = prompt.
     fn worked_example() -> Grouped<Option<f32>> {
         let by_sample = [[1.0, 2.0, 3.0], [2.0, 3.0, 4.0], [5.0, 6.0, 7.0], [8.0, 9.0, 10.0]];

@@ -1,4 +1,4 @@
-//! KL to the reference model (SPEC-RLOO.md section 2).
+//! KL to the reference model (docs/algorithm.md section 2).
 
 use candle_core::{Result, Tensor};
 use serde::{Deserialize, Serialize};

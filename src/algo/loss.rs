@@ -1,4 +1,4 @@
-//! The clipped policy-gradient loss (SPEC-RLOO.md section 4) and its
+//! The clipped policy-gradient loss (docs/algorithm.md section 4) and its
 //! diagnostics.
 
 use candle_core::{DType, Result, Tensor};

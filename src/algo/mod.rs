@@ -1,4 +1,4 @@
-//! The numbers of RLOO (../SPEC-RLOO.md) and PPO: advantages, KL, the
+//! The numbers of RLOO (docs/algorithm.md) and PPO: advantages, KL, the
 //! clipped policy and value losses, GAE, as pure functions with worked
 //! examples.
 

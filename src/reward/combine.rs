@@ -1,5 +1,5 @@
 //! Several reward sources into one score per sample, and the shaping of
-//! that score (SPEC-RLOO section 1):
+//! that score (docs/algorithm.md section 1):
 //!
 //! `s_i = sum_j w_j * r_j(i)`, then `s_i -= penalty` when completion `i`
 //! has no EOS, then optionally `s = (s - mean(s)) / (std(s) + 1e-8)` over the

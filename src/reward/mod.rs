@@ -1,4 +1,4 @@
-//! Rewards: what turns a completion into a score (SPEC-RLOO section 1).
+//! Rewards: what turns a completion into a score (docs/algorithm.md section 1).
 //!
 //! A [`RewardSource`] scores a batch of [`Sample`]s: a reward model
 //! ([`model::RewardModel`]), a rule ([`rules`]: length, count, lexicon,

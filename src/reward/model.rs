@@ -1,6 +1,6 @@
 //! A reward model: a `*ForSequenceClassification` checkpoint with one label,
 //! whose score head read at the last token of prompt + completion is the
-//! reward (SPEC-RLOO section 1; TRL's `get_reward`).
+//! reward (docs/algorithm.md section 1; TRL's `get_reward`).
 //!
 //! The reward model may have been trained with another tokenizer and chat
 //! template than the policy's, so each sample is re-tokenized with the

@@ -4,7 +4,7 @@
 //!
 //! A failure (no answer, an error status after the retries, an answer that
 //! cannot be read) leaves the samples it covers without a score from the
-//! source: unscorable, unless another source scores them (SPEC-RLOO
+//! source: unscorable, unless another source scores them (docs/algorithm.md
 //! section 1). When more than `max_failure_rate` of a step's items fail, the
 //! source stops the run with an error that names it, where it lives and the
 //! last failure.

@@ -2,7 +2,7 @@
 //! patched by `--set section.key=value` and by the TRL-style flags, then
 //! validated into the batch arithmetic the loop uses.
 //!
-//! Defaults follow TRL's RLOOConfig (SPEC-RLOO.md section 6) except where
+//! Defaults follow TRL's RLOOConfig (docs/algorithm.md section 7) except where
 //! a field's doc says otherwise.
 
 use std::path::{Path, PathBuf};

@@ -3,7 +3,7 @@
 //! values) side by side -> KL -> advantages (RLOO's leave-one-out over
 //! sequences, or PPO's GAE over tokens) -> epochs x mini-batches x
 //! micro-batches of the clipped policy loss (plus PPO's value loss) ->
-//! metrics, samples, checkpoint. See ../SPEC-RLOO.md.
+//! metrics, samples, checkpoint. See docs/algorithm.md.
 
 mod optimise;
 mod ppo;
