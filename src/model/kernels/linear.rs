@@ -63,7 +63,7 @@ fn sizes(op: &str, x_l: &Layout, w_l: &Layout) -> Result<(usize, usize, usize)> 
 }
 
 /// The output shape: `x`'s with the last dimension `n`.
-fn out_shape(x_l: &Layout, n: usize) -> Shape {
+pub(super) fn out_shape(x_l: &Layout, n: usize) -> Shape {
     let mut dims = x_l.dims().to_vec();
     if let Some(last) = dims.last_mut() {
         *last = n;

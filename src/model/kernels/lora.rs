@@ -12,7 +12,7 @@ use candle_core::{CpuStorage, CustomOp3, Layout, Result, Shape, Storage, Tensor}
 
 use super::contiguous_f32;
 use super::elementwise;
-use super::linear::{matmul, Operand};
+use super::linear::{matmul, out_shape, Operand};
 use crate::model::ops::Activation;
 
 /// A dropout mask: which elements are kept, and the factor they are
@@ -162,11 +162,7 @@ impl CustomOp3 for LoraLinear {
         matmul(&mut y, f.bias.is_some(), m, n, k, Operand::rows(&h, k), w.transposed());
         let down = f.down(&f.dropped(&h), (m, k, r), Operand::weight(a, a_l)?);
         matmul(&mut y, true, m, n, r, Operand::rows(&down, r), Operand::weight(b, b_l)?.transposed());
-        let mut dims = x_l.dims().to_vec();
-        if let Some(last) = dims.last_mut() {
-            *last = n;
-        }
-        Ok((CpuStorage::F32(y), Shape::from(dims)))
+        Ok((CpuStorage::F32(y), out_shape(x_l, n)))
     }
 
     fn bwd(
