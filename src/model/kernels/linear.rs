@@ -80,20 +80,27 @@ impl Linear {
         w_l: &Layout,
         b: Option<&[f32]>,
     ) -> Result<(CpuStorage, Shape)> {
-        let (m, k, n) = sizes("linear", x_l, w_l)?;
-        let mut y = Vec::with_capacity(m * n);
-        if let Some(b) = b {
-            if b.len() != n {
-                candle_core::bail!("linear: bias of {} for {n} outputs", b.len());
-            }
-            for _ in 0..m {
-                y.extend_from_slice(b);
-            }
-        }
-        // y (m, n) = x (m, k) @ w^T (k, n).
-        matmul(&mut y, b.is_some(), m, n, k, Operand { data: x, row: k, col: 1 }, w.transposed());
-        Ok((CpuStorage::F32(y), out_shape(x_l, n)))
+        let y = dense(x, x_l, w, w_l, b)?;
+        Ok((CpuStorage::F32(y), out_shape(x_l, w_l.dims()[0])))
     }
+}
+
+/// The row-major (m, n) values of `x @ w^T (+ b)` for `x` (..., in) and
+/// `w` (out, in).
+pub(super) fn dense(x: &[f32], x_l: &Layout, w: Operand, w_l: &Layout, b: Option<&[f32]>) -> Result<Vec<f32>> {
+    let (m, k, n) = sizes("linear", x_l, w_l)?;
+    let mut y = Vec::with_capacity(m * n);
+    if let Some(b) = b {
+        if b.len() != n {
+            candle_core::bail!("linear: bias of {} for {n} outputs", b.len());
+        }
+        for _ in 0..m {
+            y.extend_from_slice(b);
+        }
+    }
+    // y (m, n) = x (m, k) @ w^T (k, n).
+    matmul(&mut y, b.is_some(), m, n, k, Operand { data: x, row: k, col: 1 }, w.transposed());
+    Ok(y)
 }
 
 impl CustomOp2 for Linear {

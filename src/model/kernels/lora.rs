@@ -12,7 +12,7 @@ use candle_core::{CpuStorage, CustomOp3, Layout, Result, Shape, Storage, Tensor}
 
 use super::contiguous_f32;
 use super::elementwise;
-use super::linear::{matmul, out_shape, Operand};
+use super::linear::{dense, matmul, out_shape, Operand};
 use crate::model::ops::Activation;
 
 /// A dropout mask: which elements are kept, and the factor they are
@@ -149,17 +149,10 @@ impl CustomOp3 for LoraLinear {
         let f = &self.0;
         let (m, k, n, r) = sizes(x_l, a_l, b_l)?;
         let (w, w_l) = cpu(&f.weight)?;
-        let w = Operand::weight(cpu_storage(&w), w_l)?;
+        let bias = f.bias.as_ref().map(cpu).transpose()?;
+        let bias = bias.as_ref().map(|(b, b_l)| contiguous_f32(cpu_storage(b), b_l)).transpose()?;
         let h = f.activated(contiguous_f32(x, x_l)?);
-        let mut y = Vec::with_capacity(m * n);
-        if let Some(bias) = &f.bias {
-            let (bias, bias_l) = cpu(bias)?;
-            let bias = contiguous_f32(cpu_storage(&bias), bias_l)?;
-            for _ in 0..m {
-                y.extend_from_slice(bias);
-            }
-        }
-        matmul(&mut y, f.bias.is_some(), m, n, k, Operand::rows(&h, k), w.transposed());
+        let mut y = dense(&h, x_l, Operand::weight(cpu_storage(&w), w_l)?, w_l, bias)?;
         let down = f.down(&f.dropped(&h), (m, k, r), Operand::weight(a, a_l)?);
         matmul(&mut y, true, m, n, r, Operand::rows(&down, r), Operand::weight(b, b_l)?.transposed());
         Ok((CpuStorage::F32(y), out_shape(x_l, n)))
