@@ -17,6 +17,7 @@ pub mod pipeline;
 pub mod report;
 pub mod reward;
 pub mod rollout;
+pub mod serve;
 pub mod service;
 pub mod stats;
 pub mod study;

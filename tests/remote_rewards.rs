@@ -5,7 +5,7 @@
 mod common;
 
 use std::path::Path;
-use std::process::{Command, Stdio};
+use std::process::Command;
 use std::time::Duration;
 
 use candle_core::Device;
@@ -472,20 +472,13 @@ fn a_failing_service_stops_the_run_with_a_checkpoint() {
 #[test]
 fn a_served_reward_model_scores_as_it_does_in_process() {
     let model = model_dir("gpt_neox-seqcls");
-    let mut server = KillOnDrop(
+    let server = Server::start(
         Command::new(env!("CARGO_BIN_EXE_rloo"))
             .args(["reward", "serve", "--model", model.to_str().unwrap(), "--port", "0", "--device", "cpu"])
             .args(["--batch-size", "4", "--max-request-samples", "8", "--api-key-env", "RLOO_TEST_SERVE_TOKEN"])
-            .env("RLOO_TEST_SERVE_TOKEN", "tok")
-            .stderr(Stdio::piped())
-            .spawn()
-            .unwrap(),
+            .env("RLOO_TEST_SERVE_TOKEN", "tok"),
     );
-    let mut stderr = std::io::BufReader::new(server.0.stderr.take().unwrap());
-    let mut line = String::new();
-    std::io::BufRead::read_line(&mut stderr, &mut line).unwrap();
-    let addr = line.split("http://").nth(1).unwrap().split_whitespace().next().unwrap().to_string();
-    let url = format!("http://{addr}");
+    let url = server.url.clone();
 
     std::env::set_var("RLOO_TEST_CLIENT_TOKEN", "tok");
     let served = set(
@@ -541,16 +534,6 @@ fn a_served_reward_model_scores_as_it_does_in_process() {
     ] {
         let (got, answer) = post(body, token);
         assert_eq!((got, answer["error"]["message"].as_str().unwrap()), (code, message), "{body}");
-    }
-}
-
-/// A server process that a failing test must not leave behind.
-struct KillOnDrop(std::process::Child);
-
-impl Drop for KillOnDrop {
-    fn drop(&mut self) {
-        let _ = self.0.kill();
-        let _ = self.0.wait();
     }
 }
 

@@ -13,6 +13,7 @@ mod peft_flags;
 mod pipeline;
 mod reward;
 mod score;
+mod serve;
 mod sft;
 mod study;
 mod train;
@@ -46,6 +47,7 @@ enum Command {
     #[command(subcommand)]
     Reward(reward::RewardCommand),
     Score(score::ScoreArgs),
+    Serve(serve::ServeArgs),
     Sft(sft::SftArgs),
     Study(study::StudyArgs),
     Train(train::TrainArgs),
@@ -63,6 +65,7 @@ pub fn main() -> ExitCode {
         Command::Pipeline(args) => pipeline::run(args),
         Command::Reward(cmd) => reward::run(cmd),
         Command::Score(args) => score::run(args),
+        Command::Serve(args) => serve::run(args),
         Command::Sft(args) => sft::run(args),
         Command::Study(args) => study::run(args),
         Command::Train(args) => train::run(args),

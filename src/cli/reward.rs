@@ -48,9 +48,12 @@ pub struct RewardServeArgs {
     /// Largest request body in MiB.
     #[arg(long, alias = "max_body_mib", default_value_t = 64, value_parser = clap::value_parser!(u64).range(1..4096))]
     max_body_mib: u64,
-    /// Threads reading requests.
+    /// Requests handled at the same time.
     #[arg(long, default_value_t = 8, value_parser = clap::value_parser!(u64).range(1..))]
     threads: u64,
+    /// Requests waiting beyond those; more are answered 503 (which the `http` reward source retries).
+    #[arg(long, alias = "max_queue", default_value_t = 256)]
+    max_queue: usize,
     /// cpu, cuda, cuda:N or auto.
     #[arg(long, default_value = "auto")]
     device: String,
@@ -140,6 +143,7 @@ fn serve_model(a: RewardServeArgs) -> Result<()> {
         max_request_samples: a.max_request_samples as usize,
         max_body_bytes: (a.max_body_mib as usize) << 20,
         threads: a.threads as usize,
+        max_queue: a.max_queue,
     };
     rloo::train::stop::install();
     serve(&model, &opts, rloo::train::stop::requested, |addr| {

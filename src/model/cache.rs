@@ -134,6 +134,81 @@ impl KvCache {
         Ok(())
     }
 
+    /// Appends the rows of `other` after this cache's rows, so that rows
+    /// prefilled apart decode in one batch from then on (a server's
+    /// requests joining a running batch). The shorter side is padded on the
+    /// left with masked slots: rows keep their own positions, so where a
+    /// row's slots sit does not change what it computes. Buffers get room
+    /// for `reserve` more slots per row. Neither cache may share slots.
+    pub fn join(&mut self, other: KvCache, reserve: usize) -> Result<()> {
+        if self.shared.is_some() || other.shared.is_some() {
+            candle_core::bail!("caches with shared slots cannot be joined");
+        }
+        let Some(theirs) = other.key_mask.clone() else { return Ok(()) };
+        let Some(ours) = self.key_mask.take() else {
+            *self = other;
+            return self.regrow(reserve);
+        };
+        let s = ours.dim(1)?.max(theirs.dim(1)?);
+        let left_pad = |t: &Tensor, dim: usize| -> Result<Tensor> {
+            let missing = s - t.dim(dim)?;
+            if missing == 0 {
+                return Ok(t.clone());
+            }
+            t.pad_with_zeros(dim, missing, 0)
+        };
+        self.key_mask = Some(Tensor::cat(&[&left_pad(&ours, 1)?, &left_pad(&theirs, 1)?], 0)?);
+        let (a_len, b_len) = (ours.dim(1)?, theirs.dim(1)?);
+        for (mine, theirs) in self.layers.iter_mut().zip(other.layers) {
+            let (Some((ka, va)), Some((kb, vb))) = (mine.take(), theirs) else {
+                candle_core::bail!("a layer has no cached keys to join");
+            };
+            let (ka, va) = (left_pad(&ka.narrow(2, 0, a_len)?, 2)?, left_pad(&va.narrow(2, 0, a_len)?, 2)?);
+            let (kb, vb) = (left_pad(&kb.narrow(2, 0, b_len)?, 2)?, left_pad(&vb.narrow(2, 0, b_len)?, 2)?);
+            *mine = Some((Tensor::cat(&[&ka, &kb], 0)?, Tensor::cat(&[&va, &vb], 0)?));
+        }
+        self.regrow(reserve)
+    }
+
+    /// Drops the leading slots that no row uses any more (their rows have
+    /// left the batch), when they are at least `min_slots`; returns how many
+    /// were dropped. Keeps a long-running batch from growing without bound.
+    pub fn trim_front(&mut self, min_slots: usize) -> Result<usize> {
+        let Some(mask) = &self.key_mask else { return Ok(0) };
+        if self.shared.is_some() {
+            return Ok(0);
+        }
+        let s = mask.dim(1)?;
+        let rows: Vec<Vec<f32>> = mask.to_vec2()?;
+        let unused = (0..s).take_while(|&j| rows.iter().all(|r| r[j] == 0.0)).count();
+        if unused < min_slots.max(1) {
+            return Ok(0);
+        }
+        self.key_mask = Some(mask.narrow(1, unused, s - unused)?);
+        for (k, v) in self.layers.iter_mut().flatten() {
+            *k = k.narrow(2, unused, s - unused)?;
+            *v = v.narrow(2, unused, s - unused)?;
+        }
+        self.regrow(self.planned.saturating_sub(s))?;
+        Ok(unused)
+    }
+
+    /// Copies each layer's filled slots into new contiguous buffers with
+    /// room for `reserve` more slots.
+    fn regrow(&mut self, reserve: usize) -> Result<()> {
+        let len = self.len();
+        self.planned = len + reserve;
+        for (k, v) in self.layers.iter_mut().flatten() {
+            let (b, h, _, d) = k.dims4()?;
+            let kb = Tensor::zeros((b, h, len + reserve, d), k.dtype(), k.device())?;
+            let vb = Tensor::zeros((b, h, len + reserve, d), v.dtype(), v.device())?;
+            kb.slice_set(&k.narrow(2, 0, len)?.contiguous()?, 2, 0)?;
+            vb.slice_set(&v.narrow(2, 0, len)?.contiguous()?, 2, 0)?;
+            (*k, *v) = (kb, vb);
+        }
+        Ok(())
+    }
+
     /// Writes one layer's new keys and values (B, Hkv, T, D) after each
     /// row's filled slots and returns that layer's cache.
     pub fn append(&mut self, layer: usize, k: &Tensor, v: &Tensor) -> Result<LayerKv<'_>> {

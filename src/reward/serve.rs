@@ -18,7 +18,7 @@ use super::{RewardModel, RewardSource, Sample};
 use crate::data::prompt::describe_json;
 use crate::data::Prompt;
 use crate::error::{Error, Result};
-use crate::service::server::{HttpError, JsonRequest, JsonServer};
+use crate::service::server::{HttpError, JsonRequest, JsonServer, Limits, Reply};
 
 /// Where and how to serve.
 #[derive(Debug, Clone)]
@@ -33,8 +33,10 @@ pub struct ServeOptions {
     /// Samples one request may hold.
     pub max_request_samples: usize,
     pub max_body_bytes: usize,
-    /// Threads reading and checking requests.
+    /// Requests handled at the same time.
     pub threads: usize,
+    /// Requests waiting beyond those; more are answered 503.
+    pub max_queue: usize,
 }
 
 /// One request's samples, read and checked.
@@ -66,39 +68,75 @@ pub fn serve(
     if opts.batch_size == 0 || opts.max_request_samples == 0 {
         return Err(Error::Invalid("--batch-size and --max-request-samples must be at least 1".into()));
     }
-    let server = JsonServer::bind(&opts.host, opts.port, opts.token.clone(), opts.max_body_bytes)?;
+    let limits = Limits { max_body_bytes: opts.max_body_bytes, workers: opts.threads, max_queue: opts.max_queue };
+    let server = JsonServer::bind(&opts.host, opts.port, opts.token.clone(), limits)?;
     on_listen(server.addr());
-    let (jobs, queue) = mpsc::channel::<Job>();
-    let jobs = Mutex::new(jobs);
+    let (route, scorer) = score_route(model, opts.batch_size, opts.max_request_samples);
     let model_name = model.dir().display().to_string();
     std::thread::scope(|s| {
         let stop = &stop;
-        let scorer = s.spawn(move || score_jobs(model, queue, opts.batch_size, stop));
-        let served = server.serve(opts.threads, stop, |request: &JsonRequest| {
-            match (request.method.as_str(), request.path.as_str()) {
-                ("GET", "/health") => Ok(json!({"status": "ok", "model": model_name})),
-                ("POST", "/score") => {
-                    let request = read_request(model, &request.body, opts.max_request_samples)?;
-                    let (reply, answer) = mpsc::channel();
-                    jobs.lock()
-                        .unwrap_or_else(|e| e.into_inner())
-                        .send(Job { request, reply })
-                        .map_err(|_| HttpError::new(503, "the server is stopping"))?;
-                    match answer.recv() {
-                        Ok(Ok(scores)) => Ok(json!({ "scores": scores })),
-                        Ok(Err(e)) => Err(HttpError::new(500, format!("scoring failed: {e}"))),
-                        Err(_) => Err(HttpError::new(503, "the server is stopping")),
-                    }
-                }
+        let scorer = s.spawn(move || scorer.run(stop));
+        let served =
+            server.serve(stop, |request: &JsonRequest| match (request.method.as_str(), request.path.as_str()) {
+                ("GET", "/health") => Ok(Reply::Json(json!({"status": "ok", "model": model_name}))),
+                ("POST", "/score") => route.answer(&request.body).map(Reply::Json),
                 (_, "/health" | "/score") => {
                     Err(HttpError::new(405, format!("{} {} is not allowed", request.method, request.path)))
                 }
                 (_, path) => Err(HttpError::new(404, format!("no route {path}; use POST /score or GET /health"))),
-            }
-        });
+            });
         let scored = scorer.join().expect("the scoring thread panicked");
         served.and(scored)
     })
+}
+
+/// A reward model's `POST /score` route, for any server: requests from
+/// the server's workers are queued for one [`ScoreLoop`].
+pub struct ScoreRoute<'m> {
+    model: &'m RewardModel,
+    jobs: Mutex<Sender<Job>>,
+    max_request_samples: usize,
+}
+
+/// The thread that scores what a [`ScoreRoute`] queues.
+pub struct ScoreLoop<'m> {
+    model: &'m RewardModel,
+    queue: Receiver<Job>,
+    batch_size: usize,
+}
+
+/// A route and the scoring loop behind it; run the loop on its own thread.
+pub fn score_route(
+    model: &RewardModel,
+    batch_size: usize,
+    max_request_samples: usize,
+) -> (ScoreRoute<'_>, ScoreLoop<'_>) {
+    let (jobs, queue) = mpsc::channel::<Job>();
+    (ScoreRoute { model, jobs: Mutex::new(jobs), max_request_samples }, ScoreLoop { model, queue, batch_size })
+}
+
+impl ScoreRoute<'_> {
+    /// Reads a `/score` body, waits for its scores and answers `{"scores": [...]}`.
+    pub fn answer(&self, body: &Value) -> std::result::Result<Value, HttpError> {
+        let request = read_request(self.model, body, self.max_request_samples)?;
+        let (reply, answer) = mpsc::channel();
+        self.jobs
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .send(Job { request, reply })
+            .map_err(|_| HttpError::new(503, "the server is stopping"))?;
+        match answer.recv() {
+            Ok(Ok(scores)) => Ok(json!({ "scores": scores })),
+            Ok(Err(e)) => Err(HttpError::new(500, format!("scoring failed: {e}"))),
+            Err(_) => Err(HttpError::new(503, "the server is stopping")),
+        }
+    }
+}
+
+impl ScoreLoop<'_> {
+    pub fn run(self, stop: &(impl Fn() -> bool + Sync)) -> Result<()> {
+        score_jobs(self.model, self.queue, self.batch_size, stop)
+    }
 }
 
 /// The scoring thread: takes the first waiting job, adds whatever else is

@@ -6,7 +6,7 @@ pub mod stub;
 
 use std::collections::HashMap;
 use std::path::{Path, PathBuf};
-use std::process::{Command, Output};
+use std::process::{Child, Command, Output, Stdio};
 
 use candle_core::{Device, Tensor};
 
@@ -55,4 +55,39 @@ pub fn max_diff_masked(a: &Tensor, b: &Tensor, mask: &Tensor) -> f32 {
 
 pub fn max_diff(a: &Tensor, b: &Tensor) -> f32 {
     rloo::check::max_diff(a, b).unwrap()
+}
+
+/// A server process started by a test, killed when the test ends (also
+/// when it fails).
+pub struct Server {
+    pub child: Child,
+    /// `http://host:port`, as the server printed it.
+    pub url: String,
+}
+
+impl Server {
+    /// Starts `command` (which must print `... http://ADDR ...` on its
+    /// first stderr line once it listens) and waits for that line.
+    pub fn start(command: &mut Command) -> Server {
+        let mut child = command.stderr(Stdio::piped()).spawn().unwrap();
+        let mut stderr = std::io::BufReader::new(child.stderr.take().unwrap());
+        let mut line = String::new();
+        std::io::BufRead::read_line(&mut stderr, &mut line).unwrap();
+        let Some(addr) = line.split("http://").nth(1).and_then(|s| s.split_whitespace().next()) else {
+            let mut rest = String::new();
+            std::io::Read::read_to_string(&mut stderr, &mut rest).unwrap();
+            panic!("the server did not start:\n{line}{rest}");
+        };
+        let url = format!("http://{addr}");
+        // Keep draining stderr so the server never blocks on a full pipe.
+        std::thread::spawn(move || std::io::copy(&mut stderr, &mut std::io::sink()));
+        Server { child, url }
+    }
+}
+
+impl Drop for Server {
+    fn drop(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
 }

@@ -1,0 +1,88 @@
+//! `rloo serve`: models behind an OpenAI-compatible API and a chat page.
+
+use anyhow::{Context, Result};
+use clap::Args;
+
+use rloo::model::hub::resolve_model;
+use rloo::model::{parse_device, Precision};
+use rloo::serve::{model_arg, serve, Loaded, ServeOptions};
+
+/// Serve models over an OpenAI-compatible API, with a chat page at `/`.
+///
+/// Text models answer `POST /v1/chat/completions` (messages rendered with
+/// the model's chat template) and `POST /v1/completions`, whole or streamed
+/// (`"stream": true`); reward models (a sequence-classification head)
+/// answer `POST /score` as `rloo reward serve` does. `GET /v1/models` lists
+/// them, `GET /health` says what each is doing. Concurrent requests are
+/// decoded together. Listens on loopback unless --host says otherwise;
+/// stops on Ctrl-C.
+#[derive(Debug, Args)]
+pub struct ServeArgs {
+    /// A model to serve: a directory (or cached hub id), served under that name, or NAME=DIR
+    /// (repeatable). Reward models are recognised by their head.
+    #[arg(long = "model", required = true)]
+    models: Vec<String>,
+    /// Address to listen on (0.0.0.0: every interface).
+    #[arg(long, default_value = "127.0.0.1")]
+    host: String,
+    /// Port to listen on (0: any free port; the address is printed).
+    #[arg(long, default_value_t = 8000)]
+    port: u16,
+    /// Environment variable holding a token that clients must send as `Authorization: Bearer <token>`.
+    #[arg(long, alias = "api_key_env")]
+    api_key_env: Option<String>,
+    /// Completions each text model decodes together at most; requests beyond wait their turn.
+    #[arg(long, alias = "max_batch_rows", default_value_t = 64, value_parser = clap::value_parser!(u64).range(1..))]
+    max_batch_rows: u64,
+    /// Requests handled at the same time (each stream holds one until it ends).
+    #[arg(long, alias = "max_concurrent", default_value_t = 128, value_parser = clap::value_parser!(u64).range(1..))]
+    max_concurrent: u64,
+    /// Requests waiting beyond those; more are answered 503.
+    #[arg(long, alias = "max_queue", default_value_t = 256)]
+    max_queue: usize,
+    /// Largest request body in MiB.
+    #[arg(long, alias = "max_body_mib", default_value_t = 8, value_parser = clap::value_parser!(u64).range(1..4096))]
+    max_body_mib: u64,
+    /// Samples a reward model scores together.
+    #[arg(long, alias = "score_batch_size", default_value_t = 32, value_parser = clap::value_parser!(u64).range(1..))]
+    score_batch_size: u64,
+    /// cpu, cuda, cuda:N or auto (the first GPU if there is one).
+    #[arg(long, default_value = "auto")]
+    device: String,
+    /// Compute text models in bf16 (logits in f32).
+    #[arg(long)]
+    bf16: bool,
+}
+
+pub fn run(a: ServeArgs) -> Result<()> {
+    let token = match &a.api_key_env {
+        Some(var) => Some(std::env::var(var).with_context(|| format!("--api-key-env: `{var}` is not set"))?),
+        None => None,
+    };
+    let device = parse_device(&a.device)?;
+    let mut models = Vec::with_capacity(a.models.len());
+    for arg in &a.models {
+        let (name, path) = model_arg(arg);
+        let dir = resolve_model(&path)?;
+        let dtype = Precision::from_bf16(a.bf16).dtype();
+        models.push(Loaded::load(&name, &dir, &device, dtype, a.score_batch_size as usize)?);
+    }
+    let opts = ServeOptions {
+        host: a.host,
+        port: a.port,
+        token,
+        max_batch_rows: a.max_batch_rows as usize,
+        max_concurrent: a.max_concurrent as usize,
+        max_queue: a.max_queue,
+        max_body_bytes: (a.max_body_mib as usize) << 20,
+        score_batch_size: a.score_batch_size as usize,
+        max_score_samples: 1024,
+    };
+    rloo::train::stop::install();
+    let names: Vec<&str> = models.iter().map(Loaded::name).collect();
+    serve(&models, &opts, rloo::train::stop::requested, |addr| {
+        eprintln!("serving {} on http://{addr} (chat page at /, OpenAI API under /v1)", names.join(", "));
+    })?;
+    eprintln!("stopped");
+    Ok(())
+}
