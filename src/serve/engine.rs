@@ -308,7 +308,7 @@ impl EngineLoop<'_> {
         };
         let mut text = piece.text;
         if finish.is_some() {
-            text.push_str(&row.text.finish());
+            text.push_str(&row.text.finish(self.tokenizer)?);
         }
         let logprob = match request.logprobs {
             Some(top) => Some(self.token_logprob(pick, &logits.get(i)?, &request.sampling, top)?),

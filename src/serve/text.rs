@@ -19,6 +19,8 @@ pub struct TextStream {
     stops: Vec<String>,
     /// Bytes held back: one less than the longest stop string.
     hold: usize,
+    /// A stop string ended the text.
+    stopped: bool,
 }
 
 /// What one token adds.
@@ -34,36 +36,51 @@ impl TextStream {
     pub fn new(stops: &[String]) -> TextStream {
         let stops: Vec<String> = stops.iter().filter(|s| !s.is_empty()).cloned().collect();
         let hold = stops.iter().map(String::len).max().unwrap_or(0).saturating_sub(1);
-        TextStream { ids: Vec::new(), prefix: 0, read: 0, text: String::new(), sent: 0, stops, hold }
+        TextStream { ids: Vec::new(), prefix: 0, read: 0, text: String::new(), sent: 0, stops, hold, stopped: false }
     }
 
     /// Adds a generated token.
     pub fn push(&mut self, tokenizer: &Tokenizer, id: u32) -> Result<Piece> {
         self.ids.push(id);
-        let before = tokenizer.decode(&self.ids[self.prefix..self.read], true)?;
-        let after = tokenizer.decode(&self.ids[self.prefix..], true)?;
         // An incomplete UTF-8 sequence decodes to U+FFFD: wait for the
         // token that completes it.
-        if after.len() > before.len() && !after.ends_with('\u{FFFD}') && after.is_char_boundary(before.len()) {
-            self.text.push_str(&after[before.len()..]);
-            self.prefix = self.read;
-            self.read = self.ids.len();
-        }
+        self.decode_pending(tokenizer, false)?;
         // A stop string that ends here starts after what was sent, since
         // `hold` bytes were held back.
         let found = self.stops.iter().filter_map(|s| self.text[self.sent..].find(s.as_str())).min();
         if let Some(at) = found {
             let end = self.sent + at;
             self.text.truncate(end);
+            self.stopped = true;
             return Ok(Piece { text: self.take(end), stopped: true });
         }
         let safe = floor_char_boundary(&self.text, self.text.len().saturating_sub(self.hold)).max(self.sent);
         Ok(Piece { text: self.take(safe), stopped: false })
     }
 
-    /// The text held back, once the completion has ended another way.
-    pub fn finish(&mut self) -> String {
-        self.take(self.text.len())
+    /// What is left to send once the completion has ended: the text held
+    /// back and that of tokens still waiting to complete a character
+    /// (nothing after a stop string).
+    pub fn finish(&mut self, tokenizer: &Tokenizer) -> Result<String> {
+        if self.stopped {
+            return Ok(String::new());
+        }
+        self.decode_pending(tokenizer, true)?;
+        Ok(self.take(self.text.len()))
+    }
+
+    /// Appends the text of the tokens not yet decoded, unless it ends in
+    /// the middle of a character and `whole` is false.
+    fn decode_pending(&mut self, tokenizer: &Tokenizer, whole: bool) -> Result<()> {
+        let before = tokenizer.decode(&self.ids[self.prefix..self.read], true)?;
+        let after = tokenizer.decode(&self.ids[self.prefix..], true)?;
+        let complete = whole || !after.ends_with('\u{FFFD}');
+        if after.len() > before.len() && complete && after.is_char_boundary(before.len()) {
+            self.text.push_str(&after[before.len()..]);
+            self.prefix = self.read;
+            self.read = self.ids.len();
+        }
+        Ok(())
     }
 
     fn take(&mut self, end: usize) -> String {
@@ -104,7 +121,7 @@ mod tests {
                 return (pieces, true);
             }
         }
-        pieces.push(stream.finish());
+        pieces.push(stream.finish(&tok).unwrap());
         (pieces, false)
     }
 
