@@ -73,8 +73,20 @@ fn text_completions_match_rloo_generate_whole_and_streamed() {
         let out = tmp.path().join(format!("{name}.jsonl"));
         let dir = model_dir(fixture);
         ok(rloo(&[
-            "generate", "--model", dir.to_str().unwrap(), "--prompts", file.to_str().unwrap(), "--output",
-            out.to_str().unwrap(), "--temperature", "0", "--max-new-tokens", "12", "--ignore-eos", "--device", "cpu",
+            "generate",
+            "--model",
+            dir.to_str().unwrap(),
+            "--prompts",
+            file.to_str().unwrap(),
+            "--output",
+            out.to_str().unwrap(),
+            "--temperature",
+            "0",
+            "--max-new-tokens",
+            "12",
+            "--ignore-eos",
+            "--device",
+            "cpu",
         ]));
         let generated: Vec<Value> =
             std::fs::read_to_string(&out).unwrap().lines().map(|l| serde_json::from_str(l).unwrap()).collect();

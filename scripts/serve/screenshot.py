@@ -33,6 +33,9 @@ try:
     driver.find_element(By.ID, "send").click()
 
     def answered(d):
+        errors = [e.text for e in d.find_elements(By.CSS_SELECTOR, ".msg.error")]
+        if errors:
+            raise SystemExit(f"the page shows an error: {errors}")
         metas = [m.text for m in d.find_elements(By.CSS_SELECTOR, ".msg.assistant .meta")]
         done = len(metas) == 2 and all("tokens" in m for m in metas)
         return done and (not rewards or all("score" in m for m in metas))

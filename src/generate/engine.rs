@@ -216,7 +216,20 @@ fn decode_batch(
 /// Picks each row's next token from its row of the (B, V) logits. Rows
 /// sample independently (each has its own generator), so in parallel.
 fn pick_tokens(logits: &Tensor, rows: &mut [Row], sampling: &Sampling) -> Result<Vec<Pick>> {
+    pick_rows(logits, rows, |row, row_logits, scratch| sampling.pick(row_logits, &mut row.rng, scratch))
+}
+
+/// Runs `pick` on each row with its row of the (B, V) logits, in parallel,
+/// reading the logits in place when they are on the CPU.
+pub(crate) fn pick_rows<R: Send>(
+    logits: &Tensor,
+    rows: &mut [R],
+    pick: impl Fn(&mut R, &[f32], &mut Scratch) -> Pick + Sync,
+) -> Result<Vec<Pick>> {
     let vocab = logits.dim(1)?;
+    if logits.dim(0)? != rows.len() {
+        return Err(Error::Invalid(format!("{} logit rows for {} rows", logits.dim(0)?, rows.len())));
+    }
     let (storage, layout) = logits.storage_and_layout();
     let copied: Vec<f32>;
     // Read in place on the CPU: copying the logits costs about as much as sampling from them.
@@ -230,7 +243,7 @@ fn pick_tokens(logits: &Tensor, rows: &mut [Row], sampling: &Sampling) -> Result
     Ok(rows
         .par_iter_mut()
         .zip(host.par_chunks(vocab))
-        .map_init(Scratch::default, |scratch, (row, row_logits)| sampling.pick(row_logits, &mut row.rng, scratch))
+        .map_init(Scratch::default, |scratch, (row, row_logits)| pick(row, row_logits, scratch))
         .collect())
 }
 

@@ -12,13 +12,13 @@ use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 use candle_core::{Device, Tensor};
-use rayon::prelude::*;
 use serde_json::{json, Value};
 
 use super::text::TextStream;
 use crate::data::Tokenizer;
-use crate::error::{Error, Result};
-use crate::generate::sampling::{Pick, Scratch};
+use crate::error::Result;
+use crate::generate::engine::pick_rows;
+use crate::generate::sampling::Pick;
 use crate::generate::{FinishReason, Rng, Sampling};
 use crate::model::{Inputs, KvCache, Network, PadSide};
 
@@ -151,6 +151,8 @@ struct Shared {
 struct Row {
     request: Arc<Shared>,
     choice: usize,
+    /// Its prompt among those prefilled with it.
+    prompt: usize,
     prompt_len: usize,
     tokens: Vec<u32>,
     rng: Rng,
@@ -249,23 +251,11 @@ impl EngineLoop<'_> {
 
     /// Runs the new prompts once each (left-padded together), copies each
     /// one's cache for its `n` rows, and appends rows, cache and last-position
-    /// logits to the batch.
+    /// logits to the batch. If that fails, only the new requests fail.
     fn prefill(&self, batch: &mut Batch, admitted: Vec<GenRequest>) -> Result<()> {
         let prompts: Vec<Vec<u32>> = admitted.iter().map(|r| r.prompt.clone()).collect();
-        let inputs = Inputs::from_rows(&prompts, 0, PadSide::Left, &self.device)?;
-        let mut cache = self.net.new_cache();
-        let hidden = self.net.hidden_states(&inputs, Some(&mut cache))?;
-        let t = hidden.dim(1)?;
-        let last = self.net.project(&hidden.narrow(1, t - 1, 1)?.squeeze(1)?)?; // (U, V)
-        let owner: Vec<u32> =
-            admitted.iter().enumerate().flat_map(|(i, r)| std::iter::repeat_n(i as u32, r.n)).collect();
-        let owner_idx = Tensor::from_slice(&owner, owner.len(), &self.device)?;
-        if owner.len() > admitted.len() {
-            cache.select_rows(&owner)?;
-        }
-        let logits = last.index_select(&owner_idx, 0)?;
-        for request in admitted {
-            let prompt_len = request.prompt.len();
+        let mut rows = Vec::new();
+        for (i, request) in admitted.into_iter().enumerate() {
             let shared = Arc::new(Shared {
                 max_tokens: request.max_tokens,
                 sampling: request.sampling,
@@ -273,17 +263,27 @@ impl EngineLoop<'_> {
                 logprobs: request.logprobs,
                 events: request.events,
             });
-            for choice in 0..request.n {
-                batch.rows.push(Row {
-                    request: shared.clone(),
-                    choice: request.first_choice + choice,
-                    prompt_len,
-                    tokens: Vec::with_capacity(request.max_tokens),
-                    rng: Rng::stream(request.seed, &[choice as u64]),
-                    text: TextStream::new(&request.stop_strings),
-                });
-            }
+            rows.extend((0..request.n).map(|c| Row {
+                request: shared.clone(),
+                choice: request.first_choice + c,
+                prompt: i,
+                prompt_len: request.prompt.len(),
+                tokens: Vec::with_capacity(request.max_tokens),
+                rng: Rng::stream(request.seed, &[c as u64]),
+                text: TextStream::new(&request.stop_strings),
+            }));
         }
+        let (cache, logits) = match self.run_prompts(&prompts, &rows) {
+            Ok(out) => out,
+            Err(e) => {
+                tracing::error!("prefill failed: {e}");
+                for row in rows {
+                    let _ = row.request.events.send(Event::Failed(e.to_string()));
+                }
+                return Ok(());
+            }
+        };
+        batch.rows.extend(rows);
         let reserve = batch.rows.iter().map(|r| r.request.max_tokens - r.tokens.len()).max().unwrap_or(0);
         batch.cache.join(cache, reserve)?;
         batch.logits = Some(match batch.logits.take() {
@@ -291,6 +291,22 @@ impl EngineLoop<'_> {
             None => logits,
         });
         Ok(())
+    }
+
+    /// The cache and last-position logits (rows, V) of new rows: each
+    /// distinct prompt runs once and its rows share copies of its result.
+    fn run_prompts(&self, prompts: &[Vec<u32>], rows: &[Row]) -> Result<(KvCache, Tensor)> {
+        let inputs = Inputs::from_rows(prompts, 0, PadSide::Left, &self.device)?;
+        let mut cache = self.net.new_cache();
+        let hidden = self.net.hidden_states(&inputs, Some(&mut cache))?;
+        let t = hidden.dim(1)?;
+        let last = self.net.project(&hidden.narrow(1, t - 1, 1)?.squeeze(1)?)?; // (U, V)
+        if rows.len() == prompts.len() {
+            return Ok((cache, last));
+        }
+        let owner: Vec<u32> = rows.iter().map(|r| r.prompt as u32).collect();
+        cache.select_rows(&owner)?;
+        Ok((cache, last.index_select(&Tensor::from_slice(&owner, owner.len(), &self.device)?, 0)?))
     }
 
     /// Adds a picked token to its row and tells the request.
@@ -361,14 +377,5 @@ struct Batch {
 
 /// Each row's next token, drawn with its own settings and generator.
 fn pick_tokens(logits: &Tensor, rows: &mut [Row]) -> Result<Vec<Pick>> {
-    let vocab = logits.dim(1)?;
-    let host: Vec<f32> = logits.flatten_all()?.to_vec1()?;
-    if host.len() != rows.len() * vocab {
-        return Err(Error::Invalid(format!("{} logit rows for {} completions", host.len() / vocab, rows.len())));
-    }
-    Ok(rows
-        .par_iter_mut()
-        .zip(host.par_chunks(vocab))
-        .map_init(Scratch::default, |scratch, (row, l)| row.request.sampling.pick(l, &mut row.rng, scratch))
-        .collect())
+    pick_rows(logits, rows, |row, l, scratch| row.request.sampling.pick(l, &mut row.rng, scratch))
 }
