@@ -8,6 +8,7 @@ mod data;
 mod dataset_flags;
 mod eval;
 mod generate;
+mod listen_flags;
 mod merge;
 mod peft_flags;
 mod pipeline;

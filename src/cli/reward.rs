@@ -11,6 +11,7 @@ use rloo::train::config::Schedule;
 use rloo::train::reward_model::{train_reward_model, RewardTrainConfig};
 
 use super::dataset_flags::TrainingDataFlags;
+use super::listen_flags::ListenFlags;
 
 #[derive(Debug, Subcommand)]
 pub enum RewardCommand {
@@ -30,15 +31,8 @@ pub struct RewardServeArgs {
     /// A *ForSequenceClassification model directory (num_labels = 1) or cached hub id.
     #[arg(long)]
     model: String,
-    /// Address to listen on (0.0.0.0: every interface).
-    #[arg(long, default_value = "127.0.0.1")]
-    host: String,
-    /// Port to listen on (0: any free port; the address is printed).
-    #[arg(long, default_value_t = 8000)]
-    port: u16,
-    /// Environment variable holding a token that clients must send as `Authorization: Bearer <token>`.
-    #[arg(long, alias = "api_key_env")]
-    api_key_env: Option<String>,
+    #[command(flatten)]
+    listen: ListenFlags,
     /// Samples scored together at most (also the forward-pass batch).
     #[arg(long, alias = "batch_size", default_value_t = 32, value_parser = clap::value_parser!(u64).range(1..))]
     batch_size: u64,
@@ -128,16 +122,13 @@ pub fn run(cmd: RewardCommand) -> Result<()> {
 }
 
 fn serve_model(a: RewardServeArgs) -> Result<()> {
-    let token = match &a.api_key_env {
-        Some(var) => Some(std::env::var(var).with_context(|| format!("--api-key-env: `{var}` is not set"))?),
-        None => None,
-    };
+    let token = a.listen.token()?;
     let device = parse_device(&a.device)?;
     let batch_size = a.batch_size as usize;
     let model = RewardModel::load("reward_model", &a.model, &device, batch_size)?;
     let opts = ServeOptions {
-        host: a.host,
-        port: a.port,
+        host: a.listen.host,
+        port: a.listen.port,
         token,
         batch_size,
         max_request_samples: a.max_request_samples as usize,

@@ -1,11 +1,13 @@
 //! `rloo serve`: models behind an OpenAI-compatible API and a chat page.
 
-use anyhow::{Context, Result};
+use anyhow::Result;
 use clap::Args;
 
 use rloo::model::hub::resolve_model;
 use rloo::model::{parse_device, Precision};
 use rloo::serve::{model_arg, serve, Loaded, ServeOptions};
+
+use super::listen_flags::ListenFlags;
 
 /// Serve models over an OpenAI-compatible API, with a chat page at `/`.
 ///
@@ -20,17 +22,10 @@ use rloo::serve::{model_arg, serve, Loaded, ServeOptions};
 pub struct ServeArgs {
     /// A model to serve: a directory (or cached hub id), served under that name, or NAME=DIR
     /// (repeatable). Reward models are recognised by their head.
-    #[arg(long = "model", required = true)]
+    #[arg(long = "model", value_name = "[NAME=]DIR", required = true)]
     models: Vec<String>,
-    /// Address to listen on (0.0.0.0: every interface).
-    #[arg(long, default_value = "127.0.0.1")]
-    host: String,
-    /// Port to listen on (0: any free port; the address is printed).
-    #[arg(long, default_value_t = 8000)]
-    port: u16,
-    /// Environment variable holding a token that clients must send as `Authorization: Bearer <token>`.
-    #[arg(long, alias = "api_key_env")]
-    api_key_env: Option<String>,
+    #[command(flatten)]
+    listen: ListenFlags,
     /// Completions each text model decodes together at most; requests beyond wait their turn.
     #[arg(long, alias = "max_batch_rows", default_value_t = 64, value_parser = clap::value_parser!(u64).range(1..))]
     max_batch_rows: u64,
@@ -55,10 +50,7 @@ pub struct ServeArgs {
 }
 
 pub fn run(a: ServeArgs) -> Result<()> {
-    let token = match &a.api_key_env {
-        Some(var) => Some(std::env::var(var).with_context(|| format!("--api-key-env: `{var}` is not set"))?),
-        None => None,
-    };
+    let token = a.listen.token()?;
     let device = parse_device(&a.device)?;
     let mut models = Vec::with_capacity(a.models.len());
     for arg in &a.models {
@@ -68,8 +60,8 @@ pub fn run(a: ServeArgs) -> Result<()> {
         models.push(Loaded::load(&name, &dir, &device, dtype, a.score_batch_size as usize)?);
     }
     let opts = ServeOptions {
-        host: a.host,
-        port: a.port,
+        host: a.listen.host,
+        port: a.listen.port,
         token,
         max_batch_rows: a.max_batch_rows as usize,
         max_concurrent: a.max_concurrent as usize,
