@@ -455,3 +455,94 @@ fn bad_configurations_are_explained() {
     let e = err(base(&[]));
     assert!(e.contains("no reward"), "{e}");
 }
+
+/// TRL 1.x's RLOOConfig names set the same keys as the 0.x names, as flags
+/// and as TOML keys; one setting given under two names is refused.
+#[test]
+fn trl_1x_names_map_onto_the_same_settings() {
+    let tmp = tempfile::tempdir().unwrap();
+    let prompts = write_prompts(tmp.path());
+    let (out, policy) = (tmp.path().join("o"), policy());
+    let printed = |extra: &[&str]| -> std::process::Output {
+        let mut args = vec!["train", "--model_name_or_path", &policy, "--dataset_name", &prompts];
+        args.extend(["--output_dir", out.to_str().unwrap(), "--set", "reward=[{type=\"length\"}]", "--print_config"]);
+        args.extend(extra);
+        rloo(&args)
+    };
+    let config = String::from_utf8(
+        ok(printed(&[
+            "--num_generations",
+            "4",
+            "--beta",
+            "0.1",
+            "--max_completion_length",
+            "16",
+            "--num_iterations",
+            "2",
+            "--epsilon",
+            "0.1",
+            "--epsilon_high",
+            "0.3",
+            "--normalize_advantages",
+            "--mask_truncated_completions",
+        ]))
+        .stdout,
+    )
+    .unwrap();
+    for line in [
+        "k = 4",
+        "kl_coef = 0.1",
+        "response_length = 16",
+        "num_ppo_epochs = 2",
+        "cliprange = 0.1",
+        "cliprange_high = 0.3",
+        "normalize_advantage = true",
+        "mask_truncated_completions = true",
+    ] {
+        assert!(config.lines().any(|l| l == line), "{line} in\n{config}");
+    }
+    let file = tmp.path().join("trl1.toml");
+    std::fs::write(
+        &file,
+        "[rloo]\nnum_generations = 4\nbeta = 0.2\nepsilon_high = 0.25\n[generation]\nmax_completion_length = 9\n",
+    )
+    .unwrap();
+    let config = String::from_utf8(ok(printed(&[file.to_str().unwrap()])).stdout).unwrap();
+    for line in ["k = 4", "kl_coef = 0.2", "cliprange_high = 0.25", "response_length = 9"] {
+        assert!(config.lines().any(|l| l == line), "{line} in\n{config}");
+    }
+    let e = err(printed(&["--beta", "0.1", "--kl_coef", "0.2"]));
+    assert!(e.contains("--kl_coef and --beta are two names of one setting (rloo.kl_coef): give one"), "{e}");
+    let e = err(printed(&["--rloo_k", "2", "--num_generations", "4"]));
+    assert!(e.contains("--rloo_k and --num_generations"), "{e}");
+}
+
+/// With mask_truncated_completions, completions cut at the length limit
+/// teach nothing: when every completion is cut, the weights stay as they were.
+#[test]
+fn masked_truncated_completions_leave_the_policy_unchanged() {
+    let tmp = tempfile::tempdir().unwrap();
+    let prompts = write_prompts(tmp.path());
+    let (out, policy) = (tmp.path().join("o"), policy());
+    let run = |out: &Path, extra: &[&str]| {
+        let mut args = vec!["train", "--model_name_or_path", &policy, "--dataset_name", &prompts];
+        args.extend(["--output_dir", out.to_str().unwrap(), "--set", "reward=[{type=\"length\"}]", "--device", "cpu"]);
+        args.extend(["--response_length", "4", "--stop_token", "none", "--total_episodes", "16"]);
+        args.extend(["--learning_rate", "0.01", "--weight_decay", "0.1", "--kl_coef", "0.1"]);
+        args.extend(extra);
+        ok(rloo(&args));
+    };
+    run(&out, &["--mask_truncated_completions"]);
+    let load =
+        |dir: &Path| candle_core::safetensors::load(dir.join("model.safetensors"), &candle_core::Device::Cpu).unwrap();
+    let (trained, start) = (load(&out), load(Path::new(&policy)));
+    for (name, t) in &trained {
+        assert_eq!(max_diff(t, &start[name]), 0.0, "{name} moved");
+    }
+    assert!(metrics(&out).iter().all(|m| m["objective/kl"] == 0.0), "masked completions carry no KL");
+    // Without the option the same run moves the weights.
+    let other = tmp.path().join("unmasked");
+    run(&other, &[]);
+    let moved = load(&other);
+    assert!(moved.iter().any(|(name, t)| max_diff(t, &start[name]) > 0.0));
+}

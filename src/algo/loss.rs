@@ -26,6 +26,21 @@ pub enum Aggregation {
     TokenMean,
 }
 
+/// The ratio is clipped to `[1 - low, 1 + high]`; `high > low` lets
+/// unlikely tokens that earn a positive advantage grow further before the
+/// clip stops them (DAPO's clip-higher, TRL's `epsilon_high`).
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct ClipRange {
+    pub low: f64,
+    pub high: f64,
+}
+
+impl ClipRange {
+    pub fn symmetric(eps: f64) -> ClipRange {
+        ClipRange { low: eps, high: eps }
+    }
+}
+
 /// The loss of one (micro-)batch and the diagnostics TRL logs.
 pub struct PolicyLoss {
     /// Scalar, differentiable in the current log-probs.
@@ -80,7 +95,7 @@ impl LossStats {
     }
 }
 
-/// Clipped surrogate `L = -min(rho * A, clip(rho, 1 - eps, 1 + eps) * A)`.
+/// Clipped surrogate `L = -min(rho * A, clip(rho, 1 - eps_low, 1 + eps_high) * A)`.
 ///
 /// `lp`: (N, T) current log-probs (differentiable); `lp_old`: (N, T) of the
 /// sampling policy; `mask`: (N, T) in {0, 1}; `adv`: (N,), or (N, T) per
@@ -93,7 +108,7 @@ pub fn policy_loss(
     lp_old: &Tensor,
     mask: &Tensor,
     adv: &Tensor,
-    eps: f64,
+    clip: ClipRange,
     ratio: RatioLevel,
     aggregation: Aggregation,
     denominator: f64,
@@ -125,7 +140,7 @@ pub fn policy_loss(
     };
     let rho = log_ratio.exp()?;
     let unclipped = (rho.neg()? * &adv_b)?;
-    let clipped = (rho.clamp(1.0 - eps, 1.0 + eps)?.neg()? * &adv_b)?;
+    let clipped = (rho.clamp(1.0 - clip.low, 1.0 + clip.high)?.neg()? * &adv_b)?;
     let per_term = unclipped.maximum(&clipped)?; // -min(a, b) = max(-a, -b)
     let loss = ((&per_term * &weight)?.sum_all()? / denominator.max(1.0))?;
 
@@ -214,7 +229,7 @@ mod tests {
             &lp_old,
             &mask,
             &adv,
-            0.2,
+            ClipRange::symmetric(0.2),
             RatioLevel::Sequence,
             Aggregation::SequenceMean,
             denom,
@@ -253,7 +268,7 @@ mod tests {
             &lp_old,
             &mask,
             &adv,
-            0.2,
+            ClipRange::symmetric(0.2),
             RatioLevel::Sequence,
             Aggregation::SequenceMean,
             1.0,
@@ -265,19 +280,80 @@ mod tests {
         assert_eq!(g, 0.0, "a clipped term has no gradient");
     }
 
+    /// With eps_high = 0.28 > eps_low = 0.2 (DAPO's values), a ratio of
+    /// 1.25 with a positive advantage is inside the range and keeps its
+    /// gradient; with a negative advantage the lower bound 0.8 still clips
+    /// a ratio of 0.75.
+    #[test]
+    fn asymmetric_clipping_lets_the_ratio_rise_further_than_it_falls() {
+        let dev = Device::Cpu;
+        let clip = ClipRange { low: 0.2, high: 0.28 };
+        let lp = Var::new(&[[1.25f32.ln()], [0.75f32.ln()]], &dev).unwrap();
+        let lp_old = Tensor::zeros((2, 1), DType::F32, &dev).unwrap();
+        let mask = Tensor::ones((2, 1), DType::F32, &dev).unwrap();
+        let adv = Tensor::new(&[1.0f32, -1.0], &dev).unwrap();
+        let out = policy_loss(
+            lp.as_tensor(),
+            &lp_old,
+            &mask,
+            &adv,
+            clip,
+            RatioLevel::Sequence,
+            Aggregation::SequenceMean,
+            2.0,
+        )
+        .unwrap();
+        // Terms: -min(1.25, 1.25) = -1.25; -min(-0.75, -0.8) = 0.8.
+        assert!((out.loss.to_scalar::<f32>().unwrap() - (-1.25 + 0.8) / 2.0).abs() < 1e-6);
+        assert_eq!(out.stats.clipped, 1.0);
+        let g = out.loss.backward().unwrap().get(&lp).unwrap().to_vec2::<f32>().unwrap();
+        // d/d lp of -rho * A / 2 = -1.25 / 2 for the first; the clipped second has none.
+        assert!((g[0][0] + 0.625).abs() < 1e-6 && g[1][0] == 0.0, "{g:?}");
+        // Symmetric 0.2 clips the first too.
+        let sym = policy_loss(
+            lp.as_tensor(),
+            &lp_old,
+            &mask,
+            &adv,
+            ClipRange::symmetric(0.2),
+            RatioLevel::Sequence,
+            Aggregation::SequenceMean,
+            2.0,
+        )
+        .unwrap();
+        assert!((sym.loss.to_scalar::<f32>().unwrap() - (-1.2 + 0.8) / 2.0).abs() < 1e-6);
+    }
+
     #[test]
     fn token_ratio_aggregations() {
         let (lp, lp_old, mask, adv) = toy();
         let tm = loss_denominator(&mask, RatioLevel::Token, Aggregation::TokenMean).unwrap();
         assert_eq!(tm, 6.0);
-        let out = policy_loss(lp.as_tensor(), &lp_old, &mask, &adv, 0.2, RatioLevel::Token, Aggregation::TokenMean, tm)
-            .unwrap();
+        let out = policy_loss(
+            lp.as_tensor(),
+            &lp_old,
+            &mask,
+            &adv,
+            ClipRange::symmetric(0.2),
+            RatioLevel::Token,
+            Aggregation::TokenMean,
+            tm,
+        )
+        .unwrap();
         let r = |d: f64| d.exp();
         let want = (-2.0 * (r(0.1) + 1.0 + 1.0) + (1.0 + r(-0.2)) - 0.5) / 6.0;
         assert!((out.loss.to_scalar::<f32>().unwrap() as f64 - want).abs() < 1e-6);
-        let out =
-            policy_loss(lp.as_tensor(), &lp_old, &mask, &adv, 0.2, RatioLevel::Token, Aggregation::SequenceMean, 3.0)
-                .unwrap();
+        let out = policy_loss(
+            lp.as_tensor(),
+            &lp_old,
+            &mask,
+            &adv,
+            ClipRange::symmetric(0.2),
+            RatioLevel::Token,
+            Aggregation::SequenceMean,
+            3.0,
+        )
+        .unwrap();
         let want = (-2.0 * (r(0.1) + 2.0) / 3.0 + (1.0 + r(-0.2)) / 2.0 - 0.5) / 3.0;
         assert!((out.loss.to_scalar::<f32>().unwrap() as f64 - want).abs() < 1e-6);
     }
@@ -291,7 +367,7 @@ mod tests {
             &lp_old,
             &mask,
             &adv,
-            0.2,
+            ClipRange::symmetric(0.2),
             RatioLevel::Sequence,
             Aggregation::SequenceMean,
             0.0,

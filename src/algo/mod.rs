@@ -11,4 +11,6 @@ pub mod ppo;
 pub use advantage::{advantages, returns_and_advantages, whiten, Advantages, Baseline, ReturnOptions};
 pub use groups::Grouped;
 pub use kl::{kl_per_token, sequence_kl, KlEstimator, KlPlacement};
-pub use loss::{loss_denominator, masked_mean_loss, policy_loss, Aggregation, LossStats, PolicyLoss, RatioLevel};
+pub use loss::{
+    loss_denominator, masked_mean_loss, policy_loss, Aggregation, ClipRange, LossStats, PolicyLoss, RatioLevel,
+};

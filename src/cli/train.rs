@@ -63,6 +63,15 @@ const FLAGS: &[(&str, &str, Kind, &str)] = &[
     ("whiten_rewards", "ppo.whiten_rewards", Kind::Bool, "PPO: whiten per-token rewards before GAE"),
     ("critic_learning_rate", "ppo.critic_learning_rate", Kind::Float, "PPO: the critic's learning rate [none: learning_rate]"),
     ("init_kl_coeff", "rloo.kl_coef", Kind::Float, "The same as --kl_coef"),
+    // TRL 1.x's RLOOConfig names.
+    ("num_generations", "rloo.k", Kind::Int, "TRL 1.x's name of --rloo_k"),
+    ("beta", "rloo.kl_coef", Kind::Float, "TRL 1.x's name of --kl_coef"),
+    ("max_completion_length", "generation.response_length", Kind::Int, "TRL 1.x's name of --response_length"),
+    ("num_iterations", "rloo.num_ppo_epochs", Kind::Int, "TRL 1.x's name of --num_ppo_epochs"),
+    ("epsilon", "rloo.cliprange", Kind::Float, "TRL 1.x's name of --cliprange (the lower clip range)"),
+    ("epsilon_high", "rloo.cliprange_high", Kind::Float, "Upper clip range: the ratio is clipped to [1 - epsilon, 1 + epsilon_high]"),
+    ("normalize_advantages", "rloo.normalize_advantage", Kind::Bool, "TRL 1.x's name of --normalize_advantage"),
+    ("mask_truncated_completions", "rloo.mask_truncated_completions", Kind::Bool, "Completions that hit the length limit without EOS take no part in the loss or the KL"),
     // TRL's model flags for PEFT.
     ("use_peft", "peft.use_peft", Kind::Bool, "Train LoRA adapters (PEFT format) instead of the whole policy; the KL reference is the policy without them"),
     ("lora_r", "peft.lora_r", Kind::Int, "LoRA rank"),
@@ -213,6 +222,8 @@ impl clap::FromArgMatches for TrainArgs {
         }
         let given =
             |flag: &str| m.contains_id(flag) && m.value_source(flag) == Some(clap::parser::ValueSource::CommandLine);
+        // Which flag set each key: two names of one setting are an error.
+        let mut set_by: Vec<(&str, &str)> = Vec::new();
         for (flag, key, kind, _) in FLAGS {
             if !given(flag) || key.is_empty() {
                 continue;
@@ -232,6 +243,13 @@ impl clap::FromArgMatches for TrainArgs {
             };
             // With --sft_model_path, --model_name_or_path names only the tokenizer (as in TRL).
             let key = if *flag == "model_name_or_path" && given("sft_model_path") { "model.tokenizer" } else { key };
+            if let Some((other, _)) = set_by.iter().find(|(_, k)| *k == key) {
+                return Err(clap::Error::raw(
+                    clap::error::ErrorKind::ArgumentConflict,
+                    format!("--{other} and --{flag} are two names of one setting ({key}): give one\n"),
+                ));
+            }
+            set_by.push((flag, key));
             overrides.push((key.to_string(), value));
         }
         Ok(Self {

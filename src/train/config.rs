@@ -120,6 +120,7 @@ impl Default for DataSection {
 #[serde(deny_unknown_fields, default)]
 pub struct GenerationSection {
     /// Most new tokens per completion.
+    #[serde(alias = "max_completion_length")]
     pub response_length: usize,
     /// Sampling temperature; log-probs are taken at the same temperature.
     pub temperature: f64,
@@ -157,21 +158,29 @@ impl Default for GenerationSection {
 #[serde(deny_unknown_fields, default)]
 pub struct RlooSection {
     /// Completions per prompt (k >= 2; PPO: k >= 1).
+    #[serde(alias = "num_generations")]
     pub k: usize,
     /// KL coefficient beta; 0 loads no reference model.
+    #[serde(alias = "beta")]
     pub kl_coef: f64,
     pub kl_estimator: KlEstimator,
     pub kl_placement: KlPlacement,
     pub baseline: Baseline,
     pub ratio: RatioLevel,
     pub aggregation: Aggregation,
-    /// PPO clip range epsilon.
+    /// Clip range epsilon: the ratio is clipped to [1 - eps, 1 + eps_high].
+    #[serde(alias = "epsilon")]
     pub cliprange: f64,
+    /// The upper clip range (DAPO's clip-higher); none: `cliprange`.
+    #[serde(alias = "epsilon_high")]
+    pub cliprange_high: Option<f64>,
     /// Optimisation passes over each rollout batch.
+    #[serde(alias = "num_iterations")]
     pub num_ppo_epochs: usize,
     /// Mini-batches per pass (one optimizer step each).
     pub num_mini_batches: usize,
     /// Whiten advantages over the rollout batch.
+    #[serde(alias = "normalize_advantages")]
     pub normalize_advantage: bool,
     /// Subtracted from the score of completions without an EOS token.
     pub missing_eos_penalty: Option<f64>,
@@ -183,9 +192,17 @@ pub struct RlooSection {
     /// of keeping the sampler's. Both are the same policy's log-probs and
     /// agree to float rounding; the sampler's save a forward pass per step.
     pub recompute_old_logprobs: bool,
+    /// Completions that reach the length limit without EOS take no part in
+    /// the loss (nor in the KL), as TRL 1.x's `mask_truncated_completions`.
+    pub mask_truncated_completions: bool,
 }
 
 impl RlooSection {
+    /// The ratio's clip range.
+    pub fn clip_range(&self) -> crate::algo::ClipRange {
+        crate::algo::ClipRange { low: self.cliprange, high: self.cliprange_high.unwrap_or(self.cliprange) }
+    }
+
     /// The options of [`algo::returns_and_advantages`](crate::algo::returns_and_advantages).
     pub fn return_options(&self) -> crate::algo::ReturnOptions {
         crate::algo::ReturnOptions {
@@ -208,6 +225,7 @@ impl Default for RlooSection {
             ratio: RatioLevel::Sequence,
             aggregation: Aggregation::SequenceMean,
             cliprange: 0.2,
+            cliprange_high: None,
             num_ppo_epochs: 4,
             num_mini_batches: 1,
             normalize_advantage: false,
@@ -215,6 +233,7 @@ impl Default for RlooSection {
             normalize_reward: false,
             reward_clip_range: None,
             recompute_old_logprobs: false,
+            mask_truncated_completions: false,
         }
     }
 }
@@ -428,6 +447,9 @@ impl TrainConfig {
         in_range("generation.top_p", g.top_p, Open(0.0), Closed(1.0))?;
         in_range("generation.min_p", g.min_p, Closed(0.0), Open(1.0))?;
         positive("rloo.cliprange", r.cliprange)?;
+        if let Some(high) = r.cliprange_high {
+            positive("rloo.cliprange_high", high)?;
+        }
         non_negative("rloo.kl_coef", r.kl_coef)?;
         if let Some(p) = r.missing_eos_penalty {
             finite("rloo.missing_eos_penalty", p)?;

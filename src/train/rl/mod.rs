@@ -230,7 +230,13 @@ impl Run {
             (scoring.join().expect("the scoring thread panicked"), self.rollout_forward(&rollout, &seqs))
         });
         let both = started.elapsed().as_secs_f64();
-        let ((scores, t_score), forward) = (scored?, forward?);
+        let ((scores, t_score), mut forward) = (scored?, forward?);
+        if cfg.rloo.mask_truncated_completions {
+            // A completion cut at the length limit takes no part in the loss or the KL.
+            let keep: Vec<f32> = ended.iter().map(|&e| if e { 1.0 } else { 0.0 }).collect();
+            let keep = Tensor::from_vec(keep, (ended.len(), 1), &self.device)?;
+            forward.old.mask = forward.old.mask.broadcast_mul(&keep)?;
+        }
         phases.record("scoring", t_score);
         // "reference": every forward pass beside the scoring (old log-probs, reference, PPO's values).
         phases.record("reference", forward.secs);

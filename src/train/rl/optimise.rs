@@ -105,7 +105,7 @@ impl Run {
                         &lp_old,
                         &mask,
                         &adv,
-                        cfg.rloo.cliprange,
+                        cfg.rloo.clip_range(),
                         ratio,
                         aggregation,
                         denominator,
