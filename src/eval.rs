@@ -82,6 +82,7 @@ pub fn evaluate_model(
         max_new_tokens: opts.max_new_tokens,
         num_return_sequences: opts.samples_per_prompt,
         sampling,
+        repetition_penalty: 1.0,
         stop: StopCriteria { token_ids: stop, strings: vec![] },
         batch_size: opts.batch_size,
         seed: opts.seed,

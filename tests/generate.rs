@@ -14,6 +14,7 @@ fn options(sampling: Sampling, max_new_tokens: usize, k: usize, batch_size: usiz
         max_new_tokens,
         num_return_sequences: k,
         sampling,
+        repetition_penalty: 1.0,
         stop: StopCriteria { token_ids: stop, strings: vec![] },
         batch_size,
         seed: 11,
@@ -34,6 +35,33 @@ fn run(model: &Model, prompts: &[Vec<u32>], opts: &GenerateOptions) -> Vec<Compl
 
 fn causal_models() -> impl Iterator<Item = &'static str> {
     MODELS.iter().copied().filter(|m| is_causal(m))
+}
+
+/// Greedy decoding under a repetition penalty gives transformers' tokens
+/// (`reference/repetition_penalty.json`, made by `make_fixtures.py penalty`;
+/// the penalty changes most of those outputs).
+#[test]
+fn repetition_penalty_matches_transformers() {
+    let path = fixtures().join("reference/repetition_penalty.json");
+    let reference: serde_json::Value = serde_json::from_str(&std::fs::read_to_string(path).unwrap()).unwrap();
+    for name in causal_models() {
+        let model = Model::load(&model_dir(name), &Device::Cpu).unwrap();
+        let r = &reference[name];
+        let ids = |v: &serde_json::Value| -> Vec<Vec<u32>> { serde_json::from_value(v.clone()).unwrap() };
+        let (prompts, want) = (ids(&r["prompts"]), ids(&r["outputs"]));
+        let eos = GenerationConfig::from_dir(&model_dir(name)).unwrap().unwrap().eos_token_ids().to_vec();
+        let mut opts = options(Sampling::greedy(), 12, 1, 8, eos);
+        opts.repetition_penalty = r["penalty"].as_f64().unwrap() as f32;
+        let got: Vec<Vec<u32>> = run(&model, &prompts, &opts).into_iter().map(|c| c.tokens).collect();
+        assert_eq!(got, want, "{name}");
+        opts.repetition_penalty = 1.0;
+        let plain: Vec<Vec<u32>> = run(&model, &prompts, &opts).into_iter().map(|c| c.tokens).collect();
+        println!(
+            "{name}: {} of {} completions changed by the penalty, all as transformers",
+            plain.iter().zip(&want).filter(|(a, b)| a != b).count(),
+            want.len()
+        );
+    }
 }
 
 #[test]

@@ -134,6 +134,7 @@ impl Fixture {
             max_new_tokens: out[0].len() - t,
             num_return_sequences: 1,
             sampling: Sampling::greedy(),
+            repetition_penalty: 1.0,
             stop: StopCriteria { token_ids: eos.clone(), strings: vec![] },
             batch_size: 8,
             seed: 11,

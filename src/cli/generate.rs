@@ -57,6 +57,10 @@ pub struct GenerateArgs {
     /// Drop tokens less likely than min_p times the most likely one (0: off).
     #[arg(long)]
     min_p: Option<f32>,
+    /// Divide (multiply, when negative) the logits of tokens already in the prompt or the completion
+    /// by this, as transformers does (1: off) [default: generation config, else 1].
+    #[arg(long, alias = "repetition_penalty")]
+    repetition_penalty: Option<f32>,
     /// Seed of the sampler; the same seed gives the same completions on the same machine.
     #[arg(long, default_value_t = 0)]
     seed: u64,
@@ -129,6 +133,7 @@ pub fn run(args: GenerateArgs) -> Result<()> {
         max_new_tokens,
         num_return_sequences: args.num_return_sequences as usize,
         sampling: sampling(&args, &gen),
+        repetition_penalty: args.repetition_penalty.or(gen.repetition_penalty.map(|p| p as f32)).unwrap_or(1.0),
         stop: StopCriteria { token_ids: stop_ids, strings: args.stop.clone() },
         batch_size: args.batch_size as usize,
         seed: args.seed,

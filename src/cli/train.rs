@@ -95,6 +95,7 @@ const FLAGS: &[(&str, &str, Kind, &str)] = &[
     ("top_k", "generation.top_k", Kind::Int, "Top-k sampling (0: off)"),
     ("top_p", "generation.top_p", Kind::Float, "Nucleus sampling (1: off)"),
     ("min_p", "generation.min_p", Kind::Float, "Min-p sampling (0: off)"),
+    ("repetition_penalty", "generation.repetition_penalty", Kind::Float, "transformers' repetition penalty when sampling (1: off; the old log-probs are then recomputed)"),
     ("stop_token_id", "generation.stop_token_id", Kind::Int, "An extra token id that ends completions"),
     ("kl_estimator", "rloo.kl_estimator", Kind::Str, "k1 (d), k2 (d^2/2) or k3 (exp(-d) - 1 + d)"),
     ("kl_placement", "rloo.kl_placement", Kind::Str, "reward (R = s - beta KL) or loss (beta KL added to the loss)"),

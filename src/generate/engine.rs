@@ -50,6 +50,9 @@ pub struct GenerateOptions {
     /// Completions per prompt (k).
     pub num_return_sequences: usize,
     pub sampling: Sampling,
+    /// transformers' repetition penalty over the prompt and the completion
+    /// so far (1: none); see [`penalize_repeats`](super::sampling::penalize_repeats).
+    pub repetition_penalty: f32,
     pub stop: StopCriteria,
     /// Rows (prompt x sample) decoded together.
     pub batch_size: usize,
@@ -97,6 +100,9 @@ pub fn generate(
     on_done: &mut dyn FnMut(Completion) -> Result<()>,
 ) -> Result<()> {
     opts.sampling.validate().map_err(Error::Invalid)?;
+    if !(opts.repetition_penalty.is_finite() && opts.repetition_penalty > 0.0) {
+        return Err(Error::Invalid(format!("repetition_penalty must be > 0, got {}", opts.repetition_penalty)));
+    }
     if opts.num_return_sequences == 0 || opts.batch_size == 0 {
         return Err(Error::Invalid("num_return_sequences and batch_size must be at least 1".into()));
     }
@@ -178,7 +184,7 @@ fn decode_batch(
 
     let longest_stop = opts.stop.strings.iter().map(String::len).max().unwrap_or(0);
     loop {
-        let picks = pick_tokens(&logits, &mut rows, &opts.sampling)?;
+        let picks = pick_tokens(&logits, &mut rows, prompts, opts)?;
         let produced = rows.len();
         let mut keep: Vec<u32> = Vec::with_capacity(rows.len());
         let mut still = Vec::with_capacity(rows.len());
@@ -215,8 +221,11 @@ fn decode_batch(
 
 /// Picks each row's next token from its row of the (B, V) logits. Rows
 /// sample independently (each has its own generator), so in parallel.
-fn pick_tokens(logits: &Tensor, rows: &mut [Row], sampling: &Sampling) -> Result<Vec<Pick>> {
-    pick_rows(logits, rows, |row, row_logits, scratch| sampling.pick(row_logits, &mut row.rng, scratch))
+fn pick_tokens(logits: &Tensor, rows: &mut [Row], prompts: &[Vec<u32>], opts: &GenerateOptions) -> Result<Vec<Pick>> {
+    pick_rows(logits, rows, |row, row_logits, scratch| {
+        let seen = prompts[row.prompt_index].iter().chain(&row.tokens).copied();
+        opts.sampling.pick_penalized(row_logits, seen, opts.repetition_penalty, &mut row.rng, scratch)
+    })
 }
 
 /// Runs `pick` on each row with its row of the (B, V) logits, in parallel,

@@ -76,6 +76,26 @@ impl Sampling {
         Ok(())
     }
 
+    /// [`pick`](Self::pick) after a repetition penalty over `seen` (1: none).
+    /// The log-prob and entropy are then those of the penalised distribution.
+    pub fn pick_penalized(
+        &self,
+        logits: &[f32],
+        seen: impl IntoIterator<Item = u32>,
+        penalty: f32,
+        rng: &mut Rng,
+        scratch: &mut Scratch,
+    ) -> Pick {
+        if penalty == 1.0 {
+            return self.pick(logits, rng, scratch);
+        }
+        let mut penalized = std::mem::take(&mut scratch.penalized);
+        penalize_repeats(logits, seen, penalty, &mut penalized);
+        let pick = self.pick(&penalized, rng, scratch);
+        scratch.penalized = penalized;
+        pick
+    }
+
     /// Picks a token from `logits`. Its log-probability and the entropy are
     /// those of the temperature-scaled distribution before truncation (the
     /// distribution the policy-gradient math refers to). `scratch` is reused
@@ -128,6 +148,21 @@ pub struct Pick {
 pub struct Scratch {
     weights: Vec<f32>,
     candidates: Vec<(f32, u32)>,
+    penalized: Vec<f32>,
+}
+
+/// transformers' `RepetitionPenaltyLogitsProcessor`: the logit of every
+/// token in `seen` (the prompt and the completion so far) is divided by
+/// `penalty` when positive and multiplied by it when negative, once however
+/// often the token appeared. `out` gets the penalised copy of `logits`.
+pub fn penalize_repeats(logits: &[f32], seen: impl IntoIterator<Item = u32>, penalty: f32, out: &mut Vec<f32>) {
+    out.clear();
+    out.extend_from_slice(logits);
+    for id in seen {
+        if let Some(&l) = logits.get(id as usize) {
+            out[id as usize] = if l < 0.0 { l * penalty } else { l / penalty };
+        }
+    }
 }
 
 /// Fills `out` with the unnormalised probabilities `e^u`, u = (l - max) / T,
@@ -284,6 +319,20 @@ mod tests {
         assert!(c[2] > 0 && c[3] == 0, "{c:?}");
         // A tiny top_p still keeps the most likely token.
         assert_eq!(draw(&s.with_top_p(1e-6), &logits, 100)[0], 100);
+    }
+
+    #[test]
+    fn repetition_penalty_divides_positive_and_multiplies_negative_logits_once() {
+        let logits = [2.0f32, -1.0, 0.5, 3.0];
+        let mut out = Vec::new();
+        // Token 1 seen twice is penalised once.
+        penalize_repeats(&logits, [0, 1, 1], 2.0, &mut out);
+        assert_eq!(out, [1.0, -2.0, 0.5, 3.0]);
+        let greedy = Sampling::greedy();
+        let (mut rng, mut scratch) = (Rng::new(0), Scratch::default());
+        assert_eq!(greedy.pick_penalized(&logits, [], 2.0, &mut rng, &mut scratch).token, 3);
+        // 3.0 / 2 = 1.5 falls below 2.0.
+        assert_eq!(greedy.pick_penalized(&logits, [3], 2.0, &mut rng, &mut scratch).token, 0);
     }
 
     #[test]

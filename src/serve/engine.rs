@@ -37,6 +37,8 @@ pub struct GenRequest {
     pub first_choice: usize,
     pub max_tokens: usize,
     pub sampling: Sampling,
+    /// transformers' repetition penalty (1: none).
+    pub repetition_penalty: f32,
     /// Token ids that end a completion (EOS and stop tokens); the stopping
     /// token counts as generated but adds no text.
     pub stop_ids: Vec<u32>,
@@ -140,8 +142,10 @@ impl Engine {
 
 /// A request's settings, shared by its rows.
 struct Shared {
+    prompt: Vec<u32>,
     max_tokens: usize,
     sampling: Sampling,
+    repetition_penalty: f32,
     stop_ids: Vec<u32>,
     logprobs: Option<usize>,
     events: Sender<Event>,
@@ -257,8 +261,10 @@ impl EngineLoop<'_> {
         let mut rows = Vec::new();
         for (i, request) in admitted.into_iter().enumerate() {
             let shared = Arc::new(Shared {
+                prompt: request.prompt,
                 max_tokens: request.max_tokens,
                 sampling: request.sampling,
+                repetition_penalty: request.repetition_penalty,
                 stop_ids: request.stop_ids,
                 logprobs: request.logprobs,
                 events: request.events,
@@ -267,7 +273,7 @@ impl EngineLoop<'_> {
                 request: shared.clone(),
                 choice: request.first_choice + c,
                 prompt: i,
-                prompt_len: request.prompt.len(),
+                prompt_len: prompts[i].len(),
                 tokens: Vec::with_capacity(request.max_tokens),
                 rng: Rng::stream(request.seed, &[c as u64]),
                 text: TextStream::new(&request.stop_strings),
@@ -377,5 +383,9 @@ struct Batch {
 
 /// Each row's next token, drawn with its own settings and generator.
 fn pick_tokens(logits: &Tensor, rows: &mut [Row]) -> Result<Vec<Pick>> {
-    pick_rows(logits, rows, |row, l, scratch| row.request.sampling.pick(l, &mut row.rng, scratch))
+    pick_rows(logits, rows, |row, l, scratch| {
+        let r = &row.request;
+        let seen = r.prompt.iter().chain(&row.tokens).copied();
+        r.sampling.pick_penalized(l, seen, r.repetition_penalty, &mut row.rng, scratch)
+    })
 }

@@ -51,6 +51,7 @@ struct Parsed {
     n: usize,
     max_tokens: usize,
     sampling: Sampling,
+    repetition_penalty: f32,
     stop_ids: Vec<u32>,
     stop_strings: Vec<String>,
     seed: u64,
@@ -71,6 +72,7 @@ pub fn complete(model: &Generator, name: &str, endpoint: Endpoint, body: &Value)
             first_choice: p * n,
             max_tokens: parsed.max_tokens,
             sampling: parsed.sampling.clone(),
+            repetition_penalty: parsed.repetition_penalty,
             stop_ids: parsed.stop_ids.clone(),
             stop_strings: parsed.stop_strings.clone(),
             seed: parsed.seed.wrapping_add(p as u64),
@@ -157,6 +159,12 @@ fn parse(model: &Generator, endpoint: Endpoint, body: &Value) -> Result<Parsed, 
         n,
         max_tokens,
         sampling: sampling(model, &field)?,
+        repetition_penalty: match field.float("repetition_penalty")?.or(model.generation.repetition_penalty) {
+            Some(p) if !(p.is_finite() && p > 0.0) => {
+                return Err(HttpError::bad_request(format!("repetition_penalty must be > 0, got {p}")))
+            }
+            p => p.unwrap_or(1.0) as f32,
+        },
         stop_ids,
         stop_strings: field.stop()?,
         seed: match field.get("seed") {
@@ -346,9 +354,6 @@ impl Fields<'_> {
             if self.float(penalty)?.is_some_and(|p| p != 0.0) {
                 return unsupported(penalty);
             }
-        }
-        if self.float("repetition_penalty")?.is_some_and(|p| p != 1.0) {
-            return unsupported("repetition_penalty");
         }
         if self.bool("echo")? == Some(true) {
             return unsupported("echo");

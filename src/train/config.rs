@@ -130,6 +130,10 @@ pub struct GenerationSection {
     pub top_p: f64,
     /// Min-p sampling threshold (0: off).
     pub min_p: f64,
+    /// transformers' repetition penalty when sampling (1: off). The sampler
+    /// then draws from another distribution than the policy's, so the old
+    /// log-probs are recomputed with a forward pass.
+    pub repetition_penalty: f64,
     /// "eos" stops completions at the EOS ids; "none" always generates
     /// response_length tokens (TRL's default, which trains on text past the end).
     pub stop_token: String,
@@ -147,6 +151,7 @@ impl Default for GenerationSection {
             top_k: 0,
             top_p: 1.0,
             min_p: 0.0,
+            repetition_penalty: 1.0,
             stop_token: "eos".into(),
             stop_token_id: None,
             local_rollout_forward_batch_size: 64,
@@ -446,6 +451,7 @@ impl TrainConfig {
         positive("generation.temperature", g.temperature)?;
         in_range("generation.top_p", g.top_p, Open(0.0), Closed(1.0))?;
         in_range("generation.min_p", g.min_p, Closed(0.0), Open(1.0))?;
+        positive("generation.repetition_penalty", g.repetition_penalty)?;
         positive("rloo.cliprange", r.cliprange)?;
         if let Some(high) = r.cliprange_high {
             positive("rloo.cliprange_high", high)?;

@@ -305,7 +305,9 @@ impl Run {
     fn rollout_forward(&self, rollout: &Rollout, seqs: &Sequences) -> Result<RolloutForward> {
         let started = std::time::Instant::now();
         let temperature = self.cfg.generation.temperature;
-        let old = if self.cfg.rloo.recompute_old_logprobs {
+        // The sampler's log-probs are the policy's unless a repetition penalty changed them.
+        let recompute = self.cfg.rloo.recompute_old_logprobs || self.cfg.generation.repetition_penalty != 1.0;
+        let old = if recompute {
             self.logprobs_in_chunks(self.policy.frozen(), seqs, temperature)?
         } else {
             sampler_logprobs(rollout.completions.flat(), seqs, &self.device)?

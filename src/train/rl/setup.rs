@@ -276,6 +276,7 @@ fn generation_options(
             .with_top_k(g.top_k)
             .with_top_p(g.top_p as f32)
             .with_min_p(g.min_p as f32),
+        repetition_penalty: g.repetition_penalty as f32,
         stop: StopCriteria { token_ids: stop_ids, strings: vec![] },
         batch_size: g.local_rollout_forward_batch_size,
         seed: cfg.train.seed,
