@@ -513,6 +513,8 @@ fn trl_1x_names_map_onto_the_same_settings() {
     }
     let e = err(printed(&["--beta", "0.1", "--kl_coef", "0.2"]));
     assert!(e.contains("--kl_coef and --beta are two names of one setting (rloo.kl_coef): give one"), "{e}");
+    let e = err(printed(&["--report_to", "wandb"]));
+    assert!(e.contains("train.report_to: `wandb` is not available here; use tensorboard or none"), "{e}");
     let e = err(printed(&["--rloo_k", "2", "--num_generations", "4"]));
     assert!(e.contains("--rloo_k and --num_generations"), "{e}");
 }
@@ -532,7 +534,8 @@ fn masked_truncated_completions_leave_the_policy_unchanged() {
         args.extend(extra);
         ok(rloo(&args));
     };
-    run(&out, &["--mask_truncated_completions"]);
+    run(&out, &["--mask_truncated_completions", "--report_to", "none"]);
+    assert!(!out.join("tensorboard").exists(), "--report_to none writes no TensorBoard events");
     let load =
         |dir: &Path| candle_core::safetensors::load(dir.join("model.safetensors"), &candle_core::Device::Cpu).unwrap();
     let (trained, start) = (load(&out), load(Path::new(&policy)));
@@ -545,5 +548,6 @@ fn masked_truncated_completions_leave_the_policy_unchanged() {
     let other = tmp.path().join("unmasked");
     run(&other, &["--repetition_penalty", "1.3"]);
     let moved = load(&other);
+    assert!(other.join("tensorboard").is_dir());
     assert!(moved.iter().any(|(name, t)| max_diff(t, &start[name]) > 0.0));
 }

@@ -116,6 +116,7 @@ const FLAGS: &[(&str, &str, Kind, &str)] = &[
     ("adam_epsilon", "train.adam_epsilon", Kind::Float, "AdamW epsilon"),
     ("max_grad_norm", "train.max_grad_norm", Kind::Float, "Clip gradients to this global norm (0: off)"),
     ("logging_steps", "train.logging_steps", Kind::Int, "Log metrics every N steps"),
+    ("report_to", "train.report_to", Kind::Words, "Where metrics go besides metrics.jsonl: tensorboard or none"),
     ("save_steps", "train.save_steps", Kind::Int, "Checkpoint every N steps (0: only at the end)"),
     ("save_total_limit", "train.save_total_limit", Kind::Int, "Keep at most N checkpoints (0: all)"),
     ("num_sample_generations", "train.num_sample_generations", Kind::Int, "Sample tables printed over the run"),

@@ -16,7 +16,12 @@ pub use samples::{Sample, SampleWriter};
 pub use table::{render_table, terminal_width, SampleTable};
 pub use tensorboard::TensorBoardWriter;
 
-/// New metrics files in `dir`: `metrics.jsonl` and TensorBoard events.
-pub fn metric_sinks(dir: &std::path::Path) -> crate::error::Result<Vec<Box<dyn MetricsSink>>> {
-    Ok(vec![Box::new(JsonlMetrics::create(dir)?), Box::new(TensorBoardWriter::create(dir)?)])
+/// New metrics files in `dir`: `metrics.jsonl`, and TensorBoard events
+/// when asked for.
+pub fn metric_sinks(dir: &std::path::Path, tensorboard: bool) -> crate::error::Result<Vec<Box<dyn MetricsSink>>> {
+    let mut sinks: Vec<Box<dyn MetricsSink>> = vec![Box::new(JsonlMetrics::create(dir)?)];
+    if tensorboard {
+        sinks.push(Box::new(TensorBoardWriter::create(dir)?));
+    }
+    Ok(sinks)
 }

@@ -202,6 +202,13 @@ pub struct RlooSection {
     pub mask_truncated_completions: bool,
 }
 
+impl TrainSection {
+    /// Whether TensorBoard event files are written.
+    pub fn tensorboard(&self) -> bool {
+        self.report_to.iter().any(|s| s == "tensorboard" || s == "all")
+    }
+}
+
 impl RlooSection {
     /// The ratio's clip range.
     pub fn clip_range(&self) -> crate::algo::ClipRange {
@@ -341,6 +348,9 @@ pub struct TrainSection {
     pub save_total_limit: usize,
     /// Times over the run a table of sample completions is printed.
     pub num_sample_generations: usize,
+    /// Where metrics go besides `metrics.jsonl`: "tensorboard" (also
+    /// "all"), or "none".
+    pub report_to: Vec<String>,
     /// A checkpoint directory to continue from, or "latest" for the newest in output_dir.
     pub resume_from_checkpoint: Option<String>,
     /// Stop after this many rollout steps of this invocation, with a
@@ -380,6 +390,7 @@ impl Default for TrainSection {
             save_steps: 100,
             save_total_limit: 3,
             num_sample_generations: 10,
+            report_to: vec!["tensorboard".into()],
             resume_from_checkpoint: None,
             stop_after: None,
             overwrite_output_dir: false,
@@ -469,6 +480,14 @@ impl TrainConfig {
         in_range("train.warmup_ratio", t.warmup_ratio, Closed(0.0), Closed(1.0))?;
         if g.response_length == 0 {
             return bad("generation.response_length must be at least 1".into());
+        }
+        for sink in &self.train.report_to {
+            if !matches!(sink.as_str(), "tensorboard" | "all" | "none") {
+                return bad(format!(
+                    "train.report_to: `{sink}` is not available here; use tensorboard or none \
+                     (metrics.jsonl is always written)"
+                ));
+            }
         }
         if !matches!(g.stop_token.as_str(), "eos" | "none") {
             return bad(format!("generation.stop_token must be \"eos\" or \"none\", got {:?}", g.stop_token));

@@ -22,6 +22,8 @@ pub struct HarnessOptions {
     pub progress_total: Option<u64>,
     /// Keep `samples.jsonl`.
     pub samples: bool,
+    /// Write TensorBoard event files beside `metrics.jsonl`.
+    pub tensorboard: bool,
 }
 
 /// An open run: its directory, sinks, sample log and progress bar.
@@ -51,12 +53,14 @@ impl Harness {
         let output_dir = run_dir.path();
         let first_step = done + 1;
         let sinks: Vec<Box<dyn MetricsSink>> = if done == 0 {
-            metric_sinks(output_dir)?
+            metric_sinks(output_dir, opts.tensorboard)?
         } else {
-            vec![
-                Box::new(JsonlMetrics::resume(output_dir, first_step as u64)?),
-                Box::new(TensorBoardWriter::resume(output_dir, first_step as u64)?),
-            ]
+            let mut sinks: Vec<Box<dyn MetricsSink>> =
+                vec![Box::new(JsonlMetrics::resume(output_dir, first_step as u64)?)];
+            if opts.tensorboard {
+                sinks.push(Box::new(TensorBoardWriter::resume(output_dir, first_step as u64)?));
+            }
+            sinks
         };
         let samples = match (opts.samples, done) {
             (false, _) => None,

@@ -253,7 +253,7 @@ pub fn train_reward_model(cfg: &RewardTrainConfig) -> Result<RewardTrainSummary>
     let train = load_pairs(&cfg.dataset, &tok, cfg.max_length, context)?;
     let eval = cfg.eval_dataset.as_ref().map(|data| load_pairs(data, &tok, cfg.max_length, context)).transpose()?;
     let (train, eval) = split_eval(train, eval, cfg.eval_fraction, &mut Rng::stream(cfg.seed, &[streams::REWARD_DATA]));
-    let options = HarnessOptions { logging_steps: 1, progress_total: None, samples: false };
+    let options = HarnessOptions { logging_steps: 1, progress_total: None, samples: false, tensorboard: true };
     let mut harness = Harness::open(run_dir, 0, options)?;
     let mini = cfg.per_device_train_batch_size * cfg.gradient_accumulation_steps;
     let total = train.len().div_ceil(mini) * cfg.num_train_epochs;

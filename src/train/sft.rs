@@ -304,7 +304,8 @@ pub fn train_sft(cfg: &SftConfig) -> Result<SftSummary> {
     let train = load_examples(&cfg.dataset, &tok, cfg, context)?;
     let eval = cfg.eval_dataset.as_ref().map(|data| load_examples(data, &tok, cfg, context)).transpose()?;
     let (train, eval) = split_eval(train, eval, cfg.eval_fraction, &mut Rng::stream(cfg.seed, &[streams::SFT_DATA]));
-    let options = HarnessOptions { logging_steps: cfg.logging_steps, progress_total: None, samples: false };
+    let options =
+        HarnessOptions { logging_steps: cfg.logging_steps, progress_total: None, samples: false, tensorboard: true };
     let mut harness = Harness::open(run_dir, 0, options)?;
 
     let mini = cfg.per_device_train_batch_size * cfg.gradient_accumulation_steps;

@@ -114,6 +114,7 @@ pub fn train(cfg: &TrainConfig) -> Result<RunSummary> {
         logging_steps: t.logging_steps,
         progress_total: Some(sizes.total_episodes as u64),
         samples: true,
+        tensorboard: t.tensorboard(),
     };
     let mut harness = Harness::open(run_dir, start.step, options)?;
     let config_toml = cfg.to_toml();
