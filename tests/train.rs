@@ -513,6 +513,12 @@ fn trl_1x_names_map_onto_the_same_settings() {
     }
     let e = err(printed(&["--beta", "0.1", "--kl_coef", "0.2"]));
     assert!(e.contains("--kl_coef and --beta are two names of one setting (rloo.kl_coef): give one"), "{e}");
+    // A --set under the other name overrides the file's value.
+    let config = String::from_utf8(ok(printed(&[file.to_str().unwrap(), "--set", "rloo.kl_coef=0.4"])).stdout).unwrap();
+    assert!(config.lines().any(|l| l == "kl_coef = 0.4"), "{config}");
+    std::fs::write(&file, "[rloo]\nk = 4\nnum_generations = 4\n").unwrap();
+    let e = err(printed(&[file.to_str().unwrap()]));
+    assert!(e.contains("[rloo] sets both `k` and `num_generations`, two names of one setting: give one"), "{e}");
     let e = err(printed(&["--report_to", "wandb"]));
     assert!(e.contains("train.report_to: `wandb` is not available here; use tensorboard or none"), "{e}");
     let e = err(printed(&["--rloo_k", "2", "--num_generations", "4"]));

@@ -120,7 +120,6 @@ impl Default for DataSection {
 #[serde(deny_unknown_fields, default)]
 pub struct GenerationSection {
     /// Most new tokens per completion.
-    #[serde(alias = "max_completion_length")]
     pub response_length: usize,
     /// Sampling temperature; log-probs are taken at the same temperature.
     pub temperature: f64,
@@ -163,10 +162,8 @@ impl Default for GenerationSection {
 #[serde(deny_unknown_fields, default)]
 pub struct RlooSection {
     /// Completions per prompt (k >= 2; PPO: k >= 1).
-    #[serde(alias = "num_generations")]
     pub k: usize,
     /// KL coefficient beta; 0 loads no reference model.
-    #[serde(alias = "beta")]
     pub kl_coef: f64,
     pub kl_estimator: KlEstimator,
     pub kl_placement: KlPlacement,
@@ -174,18 +171,14 @@ pub struct RlooSection {
     pub ratio: RatioLevel,
     pub aggregation: Aggregation,
     /// Clip range epsilon: the ratio is clipped to [1 - eps, 1 + eps_high].
-    #[serde(alias = "epsilon")]
     pub cliprange: f64,
     /// The upper clip range (DAPO's clip-higher); none: `cliprange`.
-    #[serde(alias = "epsilon_high")]
     pub cliprange_high: Option<f64>,
     /// Optimisation passes over each rollout batch.
-    #[serde(alias = "num_iterations")]
     pub num_ppo_epochs: usize,
     /// Mini-batches per pass (one optimizer step each).
     pub num_mini_batches: usize,
     /// Whiten advantages over the rollout batch.
-    #[serde(alias = "normalize_advantages")]
     pub normalize_advantage: bool,
     /// Subtracted from the score of completions without an EOS token.
     pub missing_eos_penalty: Option<f64>,
@@ -410,8 +403,11 @@ impl TrainConfig {
             }
             None => toml::Table::new(),
         };
+        if let Some(path) = file {
+            rename_trl_names(&mut table, path)?;
+        }
         for (key, value) in overrides {
-            set_path(&mut table, key, value.clone())?;
+            set_path(&mut table, &canonical_key(key), value.clone())?;
         }
         let source = file.map(Path::to_path_buf).unwrap_or_else(|| PathBuf::from("command line"));
         Self::from_table(table, &source)
@@ -692,6 +688,43 @@ pub fn parse_set(arg: &str) -> Result<(String, toml::Value)> {
         .and_then(|mut t| t.remove("v"))
         .unwrap_or_else(|| toml::Value::String(raw.to_string()));
     Ok((key.trim().to_string(), value))
+}
+
+/// TRL 1.x's names of settings that rloo keeps under TRL 0.x's: (section,
+/// TRL 1.x name, key). Both are accepted in files and in `--set`.
+const TRL_NAMES: &[(&str, &str, &str)] = &[
+    ("rloo", "num_generations", "k"),
+    ("rloo", "beta", "kl_coef"),
+    ("rloo", "num_iterations", "num_ppo_epochs"),
+    ("rloo", "epsilon", "cliprange"),
+    ("rloo", "epsilon_high", "cliprange_high"),
+    ("rloo", "normalize_advantages", "normalize_advantage"),
+    ("generation", "max_completion_length", "response_length"),
+];
+
+/// `section.key` with a TRL 1.x key replaced by rloo's.
+fn canonical_key(path: &str) -> String {
+    TRL_NAMES
+        .iter()
+        .find(|(section, name, _)| path.strip_prefix(section).and_then(|r| r.strip_prefix('.')) == Some(name))
+        .map_or_else(|| path.to_string(), |(section, _, key)| format!("{section}.{key}"))
+}
+
+/// Renames a file's TRL 1.x keys to rloo's; one setting under both names is
+/// an error naming both.
+fn rename_trl_names(table: &mut toml::Table, path: &Path) -> Result<()> {
+    for (section, name, key) in TRL_NAMES {
+        let Some(toml::Value::Table(t)) = table.get_mut(*section) else { continue };
+        let Some(value) = t.remove(*name) else { continue };
+        if t.contains_key(*key) {
+            return Err(Error::bad_config(
+                path,
+                format!("[{section}] sets both `{key}` and `{name}`, two names of one setting: give one"),
+            ));
+        }
+        t.insert(key.to_string(), value);
+    }
+    Ok(())
 }
 
 /// TRL's batch arithmetic, resolved once:
