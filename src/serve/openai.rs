@@ -168,11 +168,11 @@ fn parse(model: &Generator, endpoint: Endpoint, body: &Value) -> Result<Parsed, 
         stop_ids,
         stop_strings: field.stop()?,
         seed: match field.get("seed") {
-            None | Some(Value::Null) => fresh_seed(),
-            Some(Value::Number(x)) if x.as_i64().is_some() => x.as_i64().unwrap_or(0) as u64,
-            Some(other) => {
-                return Err(HttpError::bad_request(format!("seed must be an integer, got {}", describe_json(other))))
-            }
+            None => fresh_seed(),
+            // Negative seeds (some clients send them) wrap around.
+            Some(v) => v.as_u64().or(v.as_i64().map(|x| x as u64)).ok_or_else(|| {
+                HttpError::bad_request(format!("`seed` must be an integer, got {}", describe_json(v)))
+            })?,
         },
         logprobs,
         stream: field.bool("stream")?.unwrap_or(false),

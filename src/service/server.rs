@@ -1,8 +1,9 @@
 //! A small JSON-over-HTTP server: one thread accepting requests into a
 //! bounded queue (503 when it is full), a pool of workers answering them
 //! (JSON, an embedded page, or a stream of server-sent events), an optional
-//! bearer token, a body size limit, and errors answered as JSON (`{"error": {"message", "type", "code"}}`, the
-//! OpenAI shape that clients of such servers already parse).
+//! bearer token, a body size limit, and errors answered as JSON
+//! (`{"error": {"message", "type", "code"}}`, the OpenAI shape that clients
+//! of such servers already parse).
 
 use std::io::{Read, Write};
 use std::net::SocketAddr;
