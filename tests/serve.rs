@@ -147,6 +147,17 @@ fn chat_completions_stream_sample_and_report_logprobs() {
         assert!(top[0]["logprob"].as_f64().unwrap() >= top[1]["logprob"].as_f64().unwrap());
     }
 
+    // Under a repetition penalty the alternatives come from the same
+    // penalised distribution as the chosen token.
+    let mut penalized = body.clone();
+    penalized["repetition_penalty"] = json!(1.5);
+    let (_, answer_p) = post(&server.url, "/v1/chat/completions", &penalized);
+    for token in answer_p["choices"][0]["logprobs"]["content"].as_array().unwrap() {
+        let top = &token["top_logprobs"][0];
+        assert_eq!(top["token"], token["token"]);
+        assert!((top["logprob"].as_f64().unwrap() - token["logprob"].as_f64().unwrap()).abs() < 1e-5, "{token}");
+    }
+
     let mut streamed = body.clone();
     streamed["stream"] = json!(true);
     streamed["logprobs"] = json!(false);

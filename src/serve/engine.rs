@@ -18,7 +18,7 @@ use super::text::TextStream;
 use crate::data::Tokenizer;
 use crate::error::Result;
 use crate::generate::engine::pick_rows;
-use crate::generate::sampling::Pick;
+use crate::generate::sampling::{penalize_repeats, Pick};
 use crate::generate::{FinishReason, Rng, Sampling};
 use crate::model::{Inputs, KvCache, Network, PadSide};
 
@@ -157,7 +157,6 @@ struct Row {
     choice: usize,
     /// Its prompt among those prefilled with it.
     prompt: usize,
-    prompt_len: usize,
     tokens: Vec<u32>,
     rng: Rng,
     text: TextStream,
@@ -247,7 +246,8 @@ impl EngineLoop<'_> {
             batch.cache.trim_front(TRIM_SLOTS)?;
         }
         let tokens: Vec<u32> = batch.rows.iter().map(|r| *r.tokens.last().unwrap_or(&0)).collect();
-        let positions: Vec<u32> = batch.rows.iter().map(|r| (r.prompt_len + r.tokens.len() - 1) as u32).collect();
+        let positions: Vec<u32> =
+            batch.rows.iter().map(|r| (r.request.prompt.len() + r.tokens.len() - 1) as u32).collect();
         let step = Inputs::step(&tokens, &positions, &self.device)?;
         batch.logits = Some(self.net.logits(&step, Some(&mut batch.cache))?.squeeze(1)?);
         Ok(())
@@ -273,7 +273,6 @@ impl EngineLoop<'_> {
                 request: shared.clone(),
                 choice: request.first_choice + c,
                 prompt: i,
-                prompt_len: prompts[i].len(),
                 tokens: Vec::with_capacity(request.max_tokens),
                 rng: Rng::stream(request.seed, &[c as u64]),
                 text: TextStream::new(&request.stop_strings),
@@ -333,7 +332,7 @@ impl EngineLoop<'_> {
             text.push_str(&row.text.finish(self.tokenizer)?);
         }
         let logprob = match request.logprobs {
-            Some(top) => Some(self.token_logprob(pick, &logits.get(i)?, &request.sampling, top)?),
+            Some(top) => Some(self.token_logprob(pick, &logits.get(i)?, row, top)?),
             None => None,
         };
         let sent = request.events.send(Event::Token { choice: row.choice, text, logprob }).is_ok();
@@ -349,10 +348,20 @@ impl EngineLoop<'_> {
     }
 
     /// The picked token's log-prob and the `top` most likely tokens' under
-    /// the same distribution.
-    fn token_logprob(&self, pick: &Pick, logits: &Tensor, sampling: &Sampling, top: usize) -> Result<TokenLogprob> {
-        let row: Vec<f32> = logits.to_vec1()?;
-        let inv_t = 1.0 / sampling.logprob_temperature();
+    /// the distribution it was drawn from (the repetition penalty included),
+    /// once `row` holds it.
+    fn token_logprob(&self, pick: &Pick, logits: &Tensor, row: &Row, top: usize) -> Result<TokenLogprob> {
+        let r = &row.request;
+        let raw: Vec<f32> = logits.to_vec1()?;
+        let mut penalized = Vec::new();
+        let row: &[f32] = if r.repetition_penalty == 1.0 {
+            &raw
+        } else {
+            let seen = r.prompt.iter().chain(&row.tokens[..row.tokens.len() - 1]).copied();
+            penalize_repeats(&raw, seen, r.repetition_penalty, &mut penalized);
+            &penalized
+        };
+        let inv_t = 1.0 / r.sampling.logprob_temperature();
         // log p_j = l_j / T - log Z, and log Z follows from the picked token.
         let log_z = row[pick.token as usize] * inv_t - pick.logprob;
         let mut ids: Vec<u32> = (0..row.len() as u32).collect();

@@ -105,7 +105,7 @@ pub struct Generator<'m> {
     pub model: &'m Model,
     pub tokenizer: &'m Tokenizer,
     pub generation: &'m GenerationConfig,
-    pub eos_ids: Vec<u32>,
+    pub eos_ids: &'m [u32],
     /// Prompt + completion tokens the model allows, when its config says.
     pub context: Option<usize>,
     pub engine: Engine,
@@ -159,8 +159,7 @@ pub fn serve(
                     let (engine, decoding) = engine::engine(model.frozen(), tokenizer, &device, opts.max_batch_rows);
                     loops.push(s.spawn(move || decoding.run(stop)));
                     let context = model.config().context_length();
-                    let generator =
-                        Generator { model, tokenizer, generation, eos_ids: eos_ids.clone(), context, engine };
+                    let generator = Generator { model, tokenizer, generation, eos_ids, context, engine };
                     served.push((name.as_str(), Served::Text(generator)));
                 }
                 Loaded::Reward { name, model } => {

@@ -148,7 +148,7 @@ fn parse(model: &Generator, endpoint: Endpoint, body: &Value) -> Result<Parsed, 
     if logprobs.is_some_and(|k| k > MAX_TOP_LOGPROBS) {
         return Err(HttpError::bad_request(format!("at most {MAX_TOP_LOGPROBS} top log-probs per token")));
     }
-    let mut stop_ids = if field.bool("ignore_eos")?.unwrap_or(false) { Vec::new() } else { model.eos_ids.clone() };
+    let mut stop_ids = if field.bool("ignore_eos")?.unwrap_or(false) { Vec::new() } else { model.eos_ids.to_vec() };
     stop_ids.extend(field.uint_list("stop_token_ids")?.into_iter().map(|id| id as u32));
     let include_usage = match field.get("stream_options") {
         Some(Value::Object(o)) => o.get("include_usage").and_then(Value::as_bool).unwrap_or(false),
