@@ -89,6 +89,8 @@ fn cut_networks_give_the_whole_graphs_gradients() {
         "qwen3-causal",
         "gpt_neox-seqcls",
         "llama-seqcls",
+        "opt-postnorm-causal",
+        "opt-seqcls",
     ] {
         compare(name, &full, DType::F32, 1e-5);
     }
@@ -103,7 +105,7 @@ fn cut_lora_networks_give_the_whole_graphs_gradients_with_dropout() {
         lora_target_modules: Some(vec!["all-linear".into()]),
         ..PeftOptions::default()
     };
-    for name in ["gpt_neox-causal", "llama-causal", "gpt2-causal", "qwen2-seqcls"] {
+    for name in ["gpt_neox-causal", "llama-causal", "gpt2-causal", "qwen2-seqcls", "opt-causal"] {
         compare(name, &lora, DType::F32, 1e-5);
     }
 }

@@ -68,7 +68,8 @@ fn long_context_copy(name: &str, root: &Path) -> PathBuf {
     }
     let config = dir.join("config.json");
     let mut c: Value = serde_json::from_str(&std::fs::read_to_string(&config).unwrap()).unwrap();
-    if c.get("max_position_embeddings").is_some() {
+    let rotary = rloo::model::ModelConfig::from_dir(&model_dir(name)).unwrap().max_positions().is_none();
+    if rotary {
         c["max_position_embeddings"] = 512.into();
     }
     std::fs::write(&config, c.to_string()).unwrap();

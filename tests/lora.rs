@@ -26,7 +26,8 @@ fn outputs(model: &Model, name: &str, inputs: &Inputs, train: bool) -> Tensor {
 
 #[test]
 fn adapters_peft_made_give_peft_logits() {
-    for name in ["gpt_neox-causal", "llama-causal", "gpt2-causal", "qwen2-seqcls"] {
+    for name in ["gpt_neox-causal", "llama-causal", "gpt2-causal", "qwen2-seqcls", "opt-postnorm-causal", "opt-seqcls"]
+    {
         let dir = fixtures().join("adapters").join(name);
         let expected = candle_core::safetensors::load(dir.with_extension("safetensors"), &Device::Cpu).unwrap();
         let expected = &expected["right.logits"];
@@ -157,7 +158,7 @@ fn an_adapter_on_the_wrong_base_or_with_unsupported_options_is_refused() {
 #[test]
 fn a_merged_adapter_is_a_full_model_with_peft_logits() {
     let tmp = tempfile::tempdir().unwrap();
-    for name in ["gpt2-causal", "qwen2-seqcls"] {
+    for name in ["gpt2-causal", "qwen2-seqcls", "opt-postnorm-causal"] {
         let adapter = fixtures().join("adapters").join(name);
         let out = tmp.path().join(name);
         let base = model_dir(name);

@@ -65,6 +65,26 @@ fn saved_directories_load_back_with_identical_outputs() {
     }
 }
 
+/// Base-model checkpoints keep the decoder under a shorter prefix than the
+/// LM class's (`decoder.` for OPT's `model.decoder.`, the root for GPT-2's
+/// `transformer.`): they load with the same outputs.
+#[test]
+fn base_model_checkpoints_load_under_their_shorter_prefix() {
+    for (name, prefix) in [("opt-causal", "model."), ("opt-postnorm-causal", "model."), ("gpt2-causal", "transformer.")]
+    {
+        let tmp = tempfile::tempdir().unwrap();
+        copy_dir(&model_dir(name), tmp.path());
+        edit_weights(tmp.path(), |tensors| {
+            let renamed: Vec<(String, Tensor)> =
+                tensors.drain().map(|(k, v)| (k.strip_prefix(prefix).map(str::to_string).unwrap_or(k), v)).collect();
+            tensors.extend(renamed);
+        });
+        let base = Model::load(tmp.path(), &Device::Cpu).unwrap();
+        let whole = Model::load(&model_dir(name), &Device::Cpu).unwrap();
+        assert_eq!(max_diff(&left_logits(&base, name), &left_logits(&whole, name)), 0.0, "{name}");
+    }
+}
+
 #[test]
 fn a_missing_tensor_is_named() {
     let tmp = tempfile::tempdir().unwrap();
@@ -122,7 +142,7 @@ fn unsupported_model_types_list_what_is_supported() {
     fs::write(&path, text).unwrap();
     let err = load_err(tmp.path());
     assert!(err.contains("config.json") && err.contains("`falcon`"), "{err}");
-    assert!(err.contains("gpt_neox, llama, qwen2, qwen3, gpt2"), "{err}");
+    assert!(err.contains("gpt_neox, llama, qwen2, qwen3, gpt2, opt"), "{err}");
 }
 
 #[test]

@@ -15,7 +15,8 @@ use candle_core::{DType, Device};
 pub use kernels::check_kernels;
 pub use parity::{max_diff, max_diff_masked, relative_error, Fixture};
 
-/// The fixture models the parity checks load: five architectures, two heads each.
+/// The fixture models the parity checks load: six architectures, both heads
+/// each, and OPT's post-norm layout with projected embeddings.
 pub const FIXTURE_MODELS: &[&str] = &[
     "gpt_neox-causal",
     "gpt_neox-seqcls",
@@ -27,6 +28,9 @@ pub const FIXTURE_MODELS: &[&str] = &[
     "qwen3-seqcls",
     "gpt2-causal",
     "gpt2-seqcls",
+    "opt-causal",
+    "opt-postnorm-causal",
+    "opt-seqcls",
 ];
 
 /// Logits and scores agree with transformers' f32 outputs to this much.
@@ -77,10 +81,14 @@ impl Check {
 /// magnitude (at least 1) is measured instead of an absolute one.
 /// transformers' own bf16 run is off its f32 reference by up to 4.2e-2 in
 /// the logits (qwen3-causal) and 5.6e-2 in the gradients (gpt_neox-seqcls)
-/// on these fixtures.
-fn fixture_tolerances(dtype: DType) -> (f32, f32) {
+/// on these fixtures. ReLU MLPs (OPT) get a wider gradient tolerance: a
+/// pre-activation within bf16's rounding of 0 switches its unit's whole
+/// gradient row, and transformers' own bf16 autocast is off by 0.19 to 0.56
+/// in `fc1`'s gradient on the OPT fixtures.
+fn fixture_tolerances(dtype: DType, relu: bool) -> (f32, f32) {
     match dtype {
         DType::F32 => (LOGIT_TOLERANCE, GRADIENT_TOLERANCE),
+        _ if relu => (6e-2, 3e-1),
         _ => (6e-2, 1e-1),
     }
 }
@@ -108,8 +116,11 @@ fn fixture_checks(
     dtype: DType,
     out: &mut Vec<Check>,
 ) -> crate::Result<()> {
-    let (logit_tol, grad_tol) = fixture_tolerances(dtype);
     let fixture = Fixture::load(fixtures, name, device, dtype)?;
+    let raw = &fixture.model.config().raw;
+    let relu =
+        ["activation_function", "hidden_act"].iter().any(|k| raw.get(k).and_then(|v| v.as_str()) == Some("relu"));
+    let (logit_tol, grad_tol) = fixture_tolerances(dtype, relu);
     let scale = |key: &str| -> crate::Result<f32> {
         Ok(match dtype {
             DType::F32 => 1.0,

@@ -1,14 +1,13 @@
-//! `config.json`: dispatch on `model_type` to an architecture's raw config,
-//! and on `architectures[0]` to a head.
+//! `config.json`: dispatch on `model_type` to an architecture of the
+//! registry, and on `architectures[0]` to a head.
 
 use std::path::{Path, PathBuf};
+use std::sync::Arc;
 
 use serde_json::Value;
 
-use super::{gpt2, gpt_neox, llama, qwen2, qwen3};
+use super::arch::{self, ArchConfig, Architecture, Dims};
 use crate::error::{read_json, Error, Result};
-
-pub const SUPPORTED_MODEL_TYPES: &[&str] = &["gpt_neox", "llama", "qwen2", "qwen3", "gpt2"];
 
 /// What sits on top of the decoder.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -21,18 +20,13 @@ pub enum HeadKind {
 }
 
 #[derive(Debug, Clone)]
-pub enum ArchConfig {
-    GptNeox(gpt_neox::Config),
-    /// Llama, Qwen2 and Qwen3.
-    Llama(llama::Config),
-    Gpt2(gpt2::Config),
-}
-
-#[derive(Debug, Clone)]
 pub struct ModelConfig {
     pub model_type: String,
     pub head: HeadKind,
-    pub arch: ArchConfig,
+    pub arch: &'static dyn Architecture,
+    /// The architecture's resolved config, which builds its decoder.
+    pub resolved: Arc<dyn ArchConfig>,
+    pub dims: Dims,
     /// `config.json` as read, written back when saving.
     pub raw: Value,
     pub path: PathBuf,
@@ -51,117 +45,53 @@ impl ModelConfig {
         let bad = |msg: String| Error::bad_config(path, msg);
         let model_type =
             raw.get("model_type").and_then(Value::as_str).ok_or_else(|| bad("no `model_type` key".into()))?.to_string();
-        let arch = match model_type.as_str() {
-            "gpt_neox" => ArchConfig::GptNeox(raw_config::<gpt_neox::RawConfig>(&raw, path)?.resolve().map_err(bad)?),
-            "llama" => ArchConfig::Llama(
-                raw_config::<llama::RawConfig>(&raw, path)?
-                    .resolve(llama::Variant { qkv_bias: false, qk_norm: false })
-                    .map_err(bad)?,
-            ),
-            "qwen2" => ArchConfig::Llama(qwen2::resolve(&raw_config(&raw, path)?).map_err(bad)?),
-            "qwen3" => ArchConfig::Llama(qwen3::resolve(&raw_config(&raw, path)?).map_err(bad)?),
-            "gpt2" => ArchConfig::Gpt2(raw_config::<gpt2::RawConfig>(&raw, path)?.resolve().map_err(bad)?),
-            other => {
-                return Err(bad(format!(
-                    "model_type `{other}` is not supported (supported: {})",
-                    SUPPORTED_MODEL_TYPES.join(", ")
-                )))
-            }
-        };
+        let arch = arch::find(&model_type).ok_or_else(|| {
+            bad(format!("model_type `{model_type}` is not supported (supported: {})", arch::supported()))
+        })?;
+        let resolved = arch.resolve(&raw).map_err(bad)?;
         let head = head_kind(&raw).map_err(bad)?;
-        Ok(Self { model_type, head, arch, raw, path: path.to_path_buf() })
+        Ok(Self { model_type, head, arch, dims: resolved.dims(), resolved, raw, path: path.to_path_buf() })
     }
 
     pub fn vocab_size(&self) -> usize {
-        match &self.arch {
-            ArchConfig::GptNeox(c) => c.vocab_size,
-            ArchConfig::Llama(c) => c.vocab_size,
-            ArchConfig::Gpt2(c) => c.vocab_size,
-        }
+        self.dims.vocab_size
     }
 
     pub fn hidden_size(&self) -> usize {
-        match &self.arch {
-            ArchConfig::GptNeox(c) => c.hidden_size,
-            ArchConfig::Llama(c) => c.hidden_size,
-            ArchConfig::Gpt2(c) => c.hidden_size,
-        }
+        self.dims.hidden_size
+    }
+
+    /// The width the LM and score heads read.
+    pub fn head_width(&self) -> usize {
+        self.dims.head_width
     }
 
     pub fn num_layers(&self) -> usize {
-        match &self.arch {
-            ArchConfig::GptNeox(c) => c.num_layers,
-            ArchConfig::Llama(c) => c.num_layers,
-            ArchConfig::Gpt2(c) => c.num_layers,
-        }
+        self.dims.num_layers
     }
 
     pub fn tie_word_embeddings(&self) -> bool {
-        match &self.arch {
-            ArchConfig::GptNeox(c) => c.tie_word_embeddings,
-            ArchConfig::Llama(c) => c.tie_word_embeddings,
-            ArchConfig::Gpt2(c) => c.tie_word_embeddings,
-        }
+        self.dims.tie_word_embeddings
     }
 
     /// Longest sequence the position embeddings allow (`None`: rotary, unbounded).
     pub fn max_positions(&self) -> Option<usize> {
-        match &self.arch {
-            ArchConfig::Gpt2(c) => Some(c.max_positions),
-            _ => None,
-        }
+        self.dims.max_positions
     }
 
-    /// The positions the model was trained for: GPT-2's learned positions,
-    /// or `max_position_embeddings` of a rotary model, which runs past it
+    /// The positions the model was trained for: learned positions, or
+    /// `max_position_embeddings` of a rotary model, which runs past it
     /// without error but not as trained.
     pub fn context_length(&self) -> Option<usize> {
         self.max_positions()
             .or_else(|| self.raw.get("max_position_embeddings").and_then(Value::as_u64).map(|n| n as usize))
     }
 
-    /// The module holding the decoder in HF checkpoints.
-    pub fn base_prefix(&self) -> &'static str {
-        match &self.arch {
-            ArchConfig::GptNeox(_) => "gpt_neox",
-            ArchConfig::Llama(_) => "model",
-            ArchConfig::Gpt2(_) => "transformer",
-        }
-    }
-
-    /// The token-embedding tensor under the base prefix.
-    pub fn embedding_name(&self) -> &'static str {
-        match &self.arch {
-            ArchConfig::GptNeox(_) => "embed_in.weight",
-            ArchConfig::Llama(_) => "embed_tokens.weight",
-            ArchConfig::Gpt2(_) => "wte.weight",
-        }
-    }
-
-    /// The untied LM-head weight at the root.
-    pub fn lm_head_name(&self) -> &'static str {
-        match &self.arch {
-            ArchConfig::GptNeox(_) => "embed_out.weight",
-            _ => "lm_head.weight",
-        }
-    }
-
     /// The transformers class for `architectures` when saving.
     pub fn class_name(&self) -> String {
-        let stem = match self.model_type.as_str() {
-            "gpt_neox" => "GPTNeoX",
-            "llama" => "Llama",
-            "qwen2" => "Qwen2",
-            "qwen3" => "Qwen3",
-            "gpt2" => "GPT2",
-            other => other,
-        };
-        match (self.head, stem) {
-            (HeadKind::CausalLm, "GPT2") => "GPT2LMHeadModel".into(),
-            (HeadKind::CausalLm, _) => format!("{stem}ForCausalLM"),
-            (HeadKind::SequenceClassification { .. }, _) => {
-                format!("{stem}ForSequenceClassification")
-            }
+        match self.head {
+            HeadKind::CausalLm => self.arch.causal_lm_class(),
+            HeadKind::SequenceClassification { .. } => format!("{}ForSequenceClassification", self.arch.class_stem()),
         }
     }
 
@@ -182,10 +112,6 @@ impl ModelConfig {
         }
         raw
     }
-}
-
-fn raw_config<T: serde::de::DeserializeOwned>(raw: &Value, path: &Path) -> Result<T> {
-    serde_json::from_value(raw.clone()).map_err(|e| Error::bad_config(path, e.to_string()))
 }
 
 /// The head named by `architectures[0]` (a causal LM when absent);
@@ -224,7 +150,12 @@ mod tests {
     #[test]
     fn unknown_model_types_list_the_supported_ones() {
         let err = load(json!({"model_type": "mamba"})).unwrap_err().to_string();
-        assert!(err.contains("config.json") && err.contains("`mamba`") && err.contains("gpt_neox, llama"), "{err}");
+        assert!(
+            err.contains("config.json")
+                && err.contains("`mamba`")
+                && err.contains("gpt_neox, llama, qwen2, qwen3, gpt2, opt"),
+            "{err}"
+        );
     }
 
     #[test]

@@ -8,9 +8,13 @@
 //! the base model without the `transformer.` prefix; both layouts load.
 //! Not supported: cross-attention (`add_cross_attention`).
 
+use std::sync::Arc;
+
 use candle_core::{Result as TResult, Tensor, D};
 use serde::Deserialize;
+use serde_json::Value;
 
+use super::arch::{raw_config, ArchConfig, Architecture, Dims};
 use super::batch::Inputs;
 use super::cache::KvCache;
 use super::kernels;
@@ -85,6 +89,52 @@ fn default_act() -> String {
 }
 fn yes() -> bool {
     true
+}
+
+#[derive(Debug)]
+pub struct Gpt2;
+
+impl Architecture for Gpt2 {
+    fn model_type(&self) -> &'static str {
+        "gpt2"
+    }
+    fn resolve(&self, raw: &Value) -> std::result::Result<Arc<dyn ArchConfig>, String> {
+        Ok(Arc::new(raw_config::<RawConfig>(raw)?.resolve()?))
+    }
+    fn class_stem(&self) -> &'static str {
+        "GPT2"
+    }
+    fn causal_lm_class(&self) -> String {
+        "GPT2LMHeadModel".into()
+    }
+    fn base_prefix(&self) -> &'static str {
+        "transformer"
+    }
+    fn embedding_name(&self) -> &'static str {
+        "wte.weight"
+    }
+    fn lora_targets(&self) -> &'static [&'static str] {
+        &["c_attn"]
+    }
+    fn conv1d_weights(&self) -> bool {
+        true
+    }
+}
+
+impl ArchConfig for Config {
+    fn dims(&self) -> Dims {
+        Dims {
+            vocab_size: self.vocab_size,
+            hidden_size: self.hidden_size,
+            head_width: self.hidden_size,
+            num_layers: self.num_layers,
+            tie_word_embeddings: self.tie_word_embeddings,
+            max_positions: Some(self.max_positions),
+        }
+    }
+    fn load_decoder(&self, base: &Weights) -> Result<Arc<dyn super::Decoder>> {
+        Ok(Arc::new(Decoder::load(self, base)?))
+    }
 }
 
 impl RawConfig {

@@ -5,9 +5,13 @@
 //! embeddings (`rotary_pct` / `partial_rotary_factor`) and either parallel
 //! (`x + attn(ln1(x)) + mlp(ln2(x))`) or sequential residuals.
 
+use std::sync::Arc;
+
 use candle_core::{Result as TResult, Tensor, D};
 use serde::Deserialize;
+use serde_json::Value;
 
+use super::arch::{raw_config, ArchConfig, Architecture, Dims};
 use super::batch::Inputs;
 use super::cache::KvCache;
 use super::kernels;
@@ -63,6 +67,49 @@ fn default_act() -> String {
 }
 fn yes() -> bool {
     true
+}
+
+#[derive(Debug)]
+pub struct GptNeox;
+
+impl Architecture for GptNeox {
+    fn model_type(&self) -> &'static str {
+        "gpt_neox"
+    }
+    fn resolve(&self, raw: &Value) -> std::result::Result<Arc<dyn ArchConfig>, String> {
+        Ok(Arc::new(raw_config::<RawConfig>(raw)?.resolve()?))
+    }
+    fn class_stem(&self) -> &'static str {
+        "GPTNeoX"
+    }
+    fn base_prefix(&self) -> &'static str {
+        "gpt_neox"
+    }
+    fn embedding_name(&self) -> &'static str {
+        "embed_in.weight"
+    }
+    fn lm_head_name(&self) -> &'static str {
+        "embed_out.weight"
+    }
+    fn lora_targets(&self) -> &'static [&'static str] {
+        &["query_key_value"]
+    }
+}
+
+impl ArchConfig for Config {
+    fn dims(&self) -> Dims {
+        Dims {
+            vocab_size: self.vocab_size,
+            hidden_size: self.hidden_size,
+            head_width: self.hidden_size,
+            num_layers: self.num_layers,
+            tie_word_embeddings: self.tie_word_embeddings,
+            max_positions: None,
+        }
+    }
+    fn load_decoder(&self, base: &Weights) -> Result<Arc<dyn super::Decoder>> {
+        Ok(Arc::new(Decoder::load(self, base)?))
+    }
 }
 
 impl RawConfig {

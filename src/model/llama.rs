@@ -8,9 +8,13 @@
 //! [`Config`] in its own file. Not supported: sliding-window attention,
 //! `pretraining_tp > 1`, rope types other than default, linear and llama3.
 
+use std::sync::Arc;
+
 use candle_core::{Result as TResult, Tensor};
 use serde::Deserialize;
+use serde_json::Value;
 
+use super::arch::{raw_config, ArchConfig, Architecture, Dims};
 use super::batch::Inputs;
 use super::cache::KvCache;
 use super::kernels;
@@ -79,6 +83,46 @@ fn default_act() -> String {
 pub struct Variant {
     pub qkv_bias: bool,
     pub qk_norm: bool,
+}
+
+#[derive(Debug)]
+pub struct Llama;
+
+impl Architecture for Llama {
+    fn model_type(&self) -> &'static str {
+        "llama"
+    }
+    fn resolve(&self, raw: &Value) -> std::result::Result<Arc<dyn ArchConfig>, String> {
+        Ok(Arc::new(raw_config::<RawConfig>(raw)?.resolve(Variant { qkv_bias: false, qk_norm: false })?))
+    }
+    fn class_stem(&self) -> &'static str {
+        "Llama"
+    }
+    fn base_prefix(&self) -> &'static str {
+        "model"
+    }
+    fn embedding_name(&self) -> &'static str {
+        "embed_tokens.weight"
+    }
+    fn lora_targets(&self) -> &'static [&'static str] {
+        &["q_proj", "v_proj"]
+    }
+}
+
+impl ArchConfig for Config {
+    fn dims(&self) -> Dims {
+        Dims {
+            vocab_size: self.vocab_size,
+            hidden_size: self.hidden_size,
+            head_width: self.hidden_size,
+            num_layers: self.num_layers,
+            tie_word_embeddings: self.tie_word_embeddings,
+            max_positions: None,
+        }
+    }
+    fn load_decoder(&self, base: &Weights) -> Result<Arc<dyn super::Decoder>> {
+        Ok(Arc::new(Decoder::load(self, base)?))
+    }
 }
 
 impl RawConfig {

@@ -15,6 +15,7 @@ use std::sync::{Arc, Mutex, PoisonError};
 use candle_core::{Device, Result as TResult, Tensor};
 use serde::{Deserialize, Serialize};
 
+use super::arch::Architecture;
 use super::kernels::{self, LoraLayer, Mask};
 use super::ops::Activation;
 use crate::error::{read_json, Error, Result};
@@ -40,18 +41,6 @@ pub struct LoraConfig {
 impl LoraConfig {
     pub fn scale(&self) -> f64 {
         self.alpha / self.r as f64
-    }
-
-    /// PEFT's default target modules for an architecture
-    /// (`TRANSFORMERS_MODELS_TO_LORA_TARGET_MODULES_MAPPING`).
-    pub fn default_targets(model_type: &str) -> Option<Vec<String>> {
-        let names: &[&str] = match model_type {
-            "gpt_neox" => &["query_key_value"],
-            "llama" | "qwen2" | "qwen3" => &["q_proj", "v_proj"],
-            "gpt2" => &["c_attn"],
-            _ => return None,
-        };
-        Some(names.iter().map(|s| s.to_string()).collect())
     }
 
     /// Whether the dense layer with full name `module` gets an adapter.
@@ -104,17 +93,16 @@ impl Default for PeftOptions {
 }
 
 impl PeftOptions {
-    /// The adapters to add to a model of `model_type` with `use_peft`;
-    /// `modules_to_save` train in full beside them (a reward model's `score`).
-    pub fn lora(&self, model_type: &str, modules_to_save: &[&str]) -> Result<Option<LoraConfig>> {
+    /// The adapters to add to a model of architecture `arch` with
+    /// `use_peft` (by default on PEFT's targets for it); `modules_to_save`
+    /// train in full beside them (a reward model's `score`).
+    pub fn lora(&self, arch: &dyn Architecture, modules_to_save: &[&str]) -> Result<Option<LoraConfig>> {
         if !self.use_peft {
             return Ok(None);
         }
         let targets = match &self.lora_target_modules {
             Some(t) => t.clone(),
-            None => LoraConfig::default_targets(model_type).ok_or_else(|| {
-                Error::Invalid(format!("no default LoRA target modules for `{model_type}`: set lora_target_modules"))
-            })?,
+            None => arch.lora_targets().iter().map(|t| t.to_string()).collect(),
         };
         let lora = LoraConfig {
             r: self.lora_r,
@@ -379,17 +367,16 @@ mod tests {
     #[test]
     fn peft_options_give_pefts_defaults_and_check_their_values() {
         let on = PeftOptions { use_peft: true, ..PeftOptions::default() };
-        let lora = on.lora("llama", &["score"]).unwrap().unwrap();
+        let llama = crate::model::arch::find("llama").unwrap();
+        let lora = on.lora(llama, &["score"]).unwrap().unwrap();
         assert_eq!(
             (lora.r, lora.scale(), lora.targets.as_slice()),
             (16, 2.0, &["q_proj".to_string(), "v_proj".into()][..])
         );
         assert!(lora.targets("model.layers.0.self_attn.q_proj") && !lora.targets("model.layers.0.self_attn.k_proj"));
         assert!(lora.saves("score.weight") && !lora.saves("model.norm.weight"));
-        assert!(PeftOptions::default().lora("llama", &[]).unwrap().is_none());
-        let err = PeftOptions { lora_r: 0, ..on.clone() }.lora("gpt2", &[]).unwrap_err().to_string();
+        assert!(PeftOptions::default().lora(llama, &[]).unwrap().is_none());
+        let err = PeftOptions { lora_r: 0, ..on.clone() }.lora(llama, &[]).unwrap_err().to_string();
         assert!(err.contains("r >= 1"), "{err}");
-        let err = on.lora("mamba", &[]).unwrap_err().to_string();
-        assert!(err.contains("set lora_target_modules"), "{err}");
     }
 }

@@ -2,6 +2,7 @@
 //! (differentiable, for the training path), loading and saving Hugging Face
 //! directories.
 
+pub mod arch;
 pub mod batch;
 pub mod cache;
 pub mod config;
@@ -17,6 +18,7 @@ pub mod llama;
 pub mod lora;
 pub mod network;
 pub mod ops;
+pub mod opt;
 pub mod qwen2;
 pub mod qwen3;
 pub mod rope;
@@ -26,7 +28,7 @@ pub mod weights;
 
 pub use batch::{Inputs, PadSide};
 pub use cache::KvCache;
-pub use config::{HeadKind, ModelConfig, SUPPORTED_MODEL_TYPES};
+pub use config::{HeadKind, ModelConfig};
 pub use device::{parse_device, Precision};
 pub use generation_config::GenerationConfig;
 pub use network::{backward, next_token_logprobs, Decoder, Model, Network};

@@ -11,12 +11,12 @@ use candle_core::{DType, Device, Result as TResult, Tensor, D};
 
 use super::batch::Inputs;
 use super::cache::KvCache;
-use super::config::{ArchConfig, HeadKind, ModelConfig};
+use super::config::{HeadKind, ModelConfig};
 use super::layer_graphs::{LayerCuts, LayerGraphs};
 use super::layers::{Context, Linear};
 use super::lora::{self, AdapterPlan, Dropout, LoraConfig, PeftOptions, ADAPTER_CONFIG, PEFT_PREFIX};
 use super::weights::{Detach, ParamStore, Source, WeightFiles, Weights};
-use super::{gpt2, gpt_neox, kernels, llama, ops};
+use super::{kernels, ops};
 use crate::error::{Error, Result};
 
 /// The transformer body: embeddings through the final norm.
@@ -54,23 +54,20 @@ pub struct Network {
 impl Network {
     pub fn build(cfg: &ModelConfig, root: &Weights) -> Result<Self> {
         // Base-model checkpoints (and the original GPT-2 files) store the
-        // decoder at the root instead of under `gpt_neox.` / `model.` / `transformer.`.
-        let prefix = cfg.base_prefix();
-        let embedding = cfg.embedding_name();
-        let base = if !root.contains(&format!("{prefix}.{embedding}")) && root.contains(embedding) {
-            root.clone()
-        } else {
-            root.pp(prefix)
+        // decoder under a shorter prefix: `decoder.` for `model.decoder.`,
+        // the root for `model.`. The first prefix holding the embedding wins.
+        let (prefix, embedding) = (cfg.arch.base_prefix(), cfg.arch.embedding_name());
+        let shorter = prefix.match_indices('.').map(|(i, _)| &prefix[i + 1..]);
+        let base = match std::iter::once(prefix).chain(shorter).find(|p| root.contains(&format!("{p}.{embedding}"))) {
+            Some(p) => root.pp(p),
+            None if root.contains(embedding) => root.clone(),
+            None => root.pp(prefix),
         };
-        let decoder: Arc<dyn Decoder> = match &cfg.arch {
-            ArchConfig::GptNeox(c) => Arc::new(gpt_neox::Decoder::load(c, &base)?),
-            ArchConfig::Llama(c) => Arc::new(llama::Decoder::load(c, &base)?),
-            ArchConfig::Gpt2(c) => Arc::new(gpt2::Decoder::load(c, &base)?),
-        };
-        let (v, h) = (cfg.vocab_size(), cfg.hidden_size());
+        let decoder = cfg.resolved.load_decoder(&base)?;
+        let (v, h) = (cfg.vocab_size(), cfg.head_width());
         let head = match cfg.head {
             HeadKind::CausalLm if cfg.tie_word_embeddings() => Head::Lm(Linear::new(decoder.embedding().clone(), None)),
-            HeadKind::CausalLm => Head::Lm(Linear::new(root.get(cfg.lm_head_name(), (v, h))?, None)),
+            HeadKind::CausalLm => Head::Lm(Linear::new(root.get(cfg.arch.lm_head_name(), (v, h))?, None)),
             HeadKind::SequenceClassification { num_labels } => {
                 if !root.contains("score.weight") {
                     return Err(Error::Weights {
@@ -289,13 +286,10 @@ impl Model {
             if !files.contains("score.weight") {
                 let std = config.raw.get("initializer_range").and_then(serde_json::Value::as_f64).unwrap_or(0.02);
                 let mut rng = crate::generate::Rng::stream(seed, &[crate::generate::rng::streams::SCORE_HEAD_INIT]);
-                let n = num_labels * config.hidden_size();
-                let values: Vec<f32> = (0..n).map(|_| (rng.normal() * std) as f32).collect();
-                source.add_fresh(
-                    "score.weight",
-                    &Tensor::from_vec(values, (num_labels, config.hidden_size()), device)?,
-                )?;
-                tracing::info!("{}: new score head ({num_labels} x {})", dir.display(), config.hidden_size());
+                let width = config.head_width();
+                let values: Vec<f32> = (0..num_labels * width).map(|_| (rng.normal() * std) as f32).collect();
+                source.add_fresh("score.weight", &Tensor::from_vec(values, (num_labels, width), device)?)?;
+                tracing::info!("{}: new score head ({num_labels} x {width})", dir.display());
             }
         }
         let plan = adapters.map(|a| match a {
@@ -414,7 +408,7 @@ impl Model {
         let mut model = if dir.join(ADAPTER_CONFIG).is_file() {
             Self::load_adapter(dir, None, device)?
         } else {
-            match peft.lora(&ModelConfig::from_dir(dir)?.model_type, modules_to_save)? {
+            match peft.lora(ModelConfig::from_dir(dir)?.arch, modules_to_save)? {
                 Some(lora) => Self::load_with_new_adapters(dir, device, head, lora, seed)?,
                 None if head == HeadKind::CausalLm => Self::load(dir, device)?,
                 None => Self::load_with_head(dir, device, head, seed)?,

@@ -84,7 +84,7 @@ impl Model {
     /// Whether the dense weights are GPT-2's `Conv1D`, stored (in, out)
     /// (PEFT's `fan_in_fan_out`).
     fn conv1d_weights(&self) -> bool {
-        self.config().model_type == "gpt2"
+        self.config().arch.conv1d_weights()
     }
 
     /// Writes a config and weights file, and carries over the tokenizer files

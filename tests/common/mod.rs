@@ -10,7 +10,7 @@ use std::process::{Child, Command, Output, Stdio};
 
 use candle_core::{Device, Tensor};
 
-/// Every fixture model: five architectures, two heads each.
+/// Every fixture model: six architectures, both heads each (OPT in two layouts).
 pub const MODELS: &[&str] = rloo::check::FIXTURE_MODELS;
 
 /// Runs the built `rloo` binary.
