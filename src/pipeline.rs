@@ -182,24 +182,15 @@ pub fn run(opts: &PipelineOptions) -> Result<PathBuf> {
         train_reward_model(&RewardTrainConfig {
             model: sft.display().to_string(),
             dataset: DatasetSpec::named(data.join("preferences.jsonl").display().to_string()),
-            eval_dataset: None,
-            eval_fraction: 0.1,
             output_dir: rm.display().to_string(),
             device: opts.device.clone(),
-            dtype: Default::default(),
-            gradient_checkpointing: false,
             learning_rate: 1e-3,
             per_device_train_batch_size: 16,
-            gradient_accumulation_steps: 1,
             num_train_epochs: sizes.rm_epochs,
-            lr_scheduler_type: crate::train::config::Schedule::Linear,
-            weight_decay: 0.0,
-            max_grad_norm: 1.0,
             max_length: 128,
             seed: opts.seed,
             overwrite_output_dir: true,
-            max_skipped_steps: 10,
-            peft: Default::default(),
+            ..RewardTrainConfig::default()
         })?;
         mark_done(&rm)?;
     }

@@ -129,3 +129,41 @@ fn lora_sft_learns_its_completions_into_an_adapter() {
     println!("log p(completion | unseen prompt): {before:.2} -> {after:.2}");
     assert!(after > before + 10.0, "{before} -> {after}");
 }
+
+/// `rloo sft` and `rloo reward train` take options as `rloo train` does: a
+/// TOML file, then `--set`, then flags (either spelling), later ones
+/// winning; a run saves the resolved config beside its outputs.
+#[test]
+fn sft_and_reward_train_take_a_file_set_and_flags_and_save_the_resolved_config() {
+    let tmp = tempfile::tempdir().unwrap();
+    let data = write_demonstrations(tmp.path());
+    let file = tmp.path().join("sft.toml");
+    let policy = model_dir("gpt_neox-causal");
+    let toml = format!(
+        "model = {:?}\nlearning_rate = 1e-4\nwarmup_steps = 2\nadam_beta2 = 0.95\nnum_train_epochs = 3\n[dataset]\nname = {:?}\n[peft]\nlora_r = 8\n",
+        policy.to_str().unwrap(),
+        data.to_str().unwrap()
+    );
+    std::fs::write(&file, toml).unwrap();
+    let printed = |command: &[&str], extra: &[&str]| {
+        let args = [command, &[file.to_str().unwrap(), "--print_config"], extra].concat();
+        String::from_utf8(ok(rloo(&args)).stdout).unwrap()
+    };
+    for command in [&["sft"][..], &["reward", "train"]] {
+        let config = printed(command, &["--set", "learning_rate=2e-4", "--num-train-epochs", "2", "--lora_r", "4"]);
+        for line in
+            ["learning_rate = 0.0002", "num_train_epochs = 2", "warmup_steps = 2", "adam_beta2 = 0.95", "lora_r = 4"]
+        {
+            assert!(config.lines().any(|l| l == line), "{command:?}: {line} in\n{config}");
+        }
+        // The flag wins over --set, which wins over the file.
+        let config = printed(command, &["--set", "learning_rate=2e-4", "--learning_rate", "3e-4"]);
+        assert!(config.lines().any(|l| l == "learning_rate = 0.0003"), "{config}");
+    }
+    let out = tmp.path().join("sft");
+    let args =
+        [file.to_str().unwrap(), "--output_dir", out.to_str().unwrap(), "--device", "cpu", "--num_train_epochs", "1"];
+    ok(rloo(&[&["sft"][..], &args].concat()));
+    let saved = std::fs::read_to_string(out.join("sft_config.toml")).unwrap();
+    assert!(saved.contains("adam_beta2 = 0.95") && saved.contains("num_train_epochs = 1"), "{saved}");
+}

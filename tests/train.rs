@@ -392,6 +392,30 @@ fn the_trl_example_command_runs_with_local_paths() {
     assert!(config.contains("missing_eos_penalty = 1.0") && config.contains("split = \"descriptiveness\""), "{config}");
 }
 
+/// Seed 002's command (the HelpSteer3 script's flags, with its model,
+/// prompts and reward model given as local paths): bf16 and gradient
+/// checkpointing included.
+#[test]
+fn the_helpsteer3_command_runs_with_local_paths() {
+    let tmp = tempfile::tempdir().unwrap();
+    let prompts = write_prompts(tmp.path());
+    let out = tmp.path().join("models/rloo_helpsteer3");
+    let (policy, reward_model) = (policy(), model_dir("gpt_neox-seqcls"));
+    let mut args = vec!["train", "--model_name_or_path", &policy, "--dataset_name", &prompts];
+    args.extend(["--reward_model_path", reward_model.to_str().unwrap(), "--response_length", "8", "--device", "cpu"]);
+    args.extend(["--output_dir", out.to_str().unwrap(), "--per_device_train_batch_size", "2"]);
+    args.extend(["--gradient_accumulation_steps", "8", "--learning_rate", "1e-6", "--total_episodes", "32"]);
+    args.extend(["--num_ppo_epochs", "1", "--num_mini_batches", "1", "--rloo_k", "4"]);
+    args.extend(["--local_rollout_forward_batch_size", "2", "--missing_eos_penalty", "1.0", "--bf16"]);
+    args.extend(["--gradient_checkpointing"]);
+    let run = ok(rloo(&args));
+    let log = String::from_utf8_lossy(&run.stderr);
+    assert!(log.contains("2 steps of 16 completions (4 prompts x k=4)"), "{log}");
+    assert_eq!(metrics(&out).len(), 2);
+    let config = std::fs::read_to_string(out.join("rloo_config.toml")).unwrap();
+    assert!(config.contains("dtype = \"bf16\"") && config.contains("gradient_checkpointing = true"), "{config}");
+}
+
 #[test]
 fn help_lists_every_flag_with_its_default() {
     let help = String::from_utf8(ok(rloo(&["train", "--help"])).stdout).unwrap();
@@ -523,6 +547,46 @@ fn trl_1x_names_map_onto_the_same_settings() {
     assert!(e.contains("train.report_to: `wandb` is not available here; use tensorboard or none"), "{e}");
     let e = err(printed(&["--rloo_k", "2", "--num_generations", "4"]));
     assert!(e.contains("--rloo_k and --num_generations"), "{e}");
+}
+
+/// A command in TRL 1.x's terms runs as it reads: reward functions (a
+/// reward model and a built-in rule) with weights, the rollout sized by
+/// steps_per_generation, the run's length by max_steps (optimizer steps),
+/// bf16 and gradient checkpointing; the resolved sizes are printed in both
+/// TRL generations' terms. --fp16 is refused with the reason.
+#[test]
+fn a_trl_1x_command_runs_with_its_own_batch_arithmetic() {
+    let tmp = tempfile::tempdir().unwrap();
+    let prompts = write_prompts(tmp.path());
+    let (out, policy) = (tmp.path().join("o"), policy());
+    let reward_model = model_dir("gpt_neox-seqcls").to_str().unwrap().to_string();
+    let mut args = vec!["train", "--model_name_or_path", &policy, "--dataset_name", &prompts];
+    args.extend(["--output_dir", out.to_str().unwrap(), "--device", "cpu", "--reward_funcs", &reward_model, "length"]);
+    args.extend(["--reward_weights", "1.0", "0.01", "--num_generations", "2", "--per_device_train_batch_size", "4"]);
+    args.extend(["--gradient_accumulation_steps", "2", "--steps_per_generation", "4", "--max_steps", "3"]);
+    args.extend(["--max_completion_length", "6", "--beta", "0.05", "--num_iterations", "1", "--logging_steps", "1"]);
+    args.extend(["--num_completions_to_print", "2", "--bf16", "--gradient_checkpointing", "--learning_rate", "1e-6"]);
+    let run = ok(rloo(&args));
+    let log = String::from_utf8_lossy(&run.stderr);
+    // 4 x 4 = 16 completions a rollout, 2 optimizer steps of 4 x 2 each: 3 optimizer steps take 2 rollouts.
+    assert!(log.contains("2 steps of 16 completions (8 prompts x k=2)"), "{log}");
+    assert!(
+        log.contains(
+            "in TRL 1.x's terms: generation_batch_size 16 = per_device_train_batch_size 4 x steps_per_generation 4"
+        ),
+        "{log}"
+    );
+    assert!(log.contains("4 optimizer steps"), "{log}");
+    let rows = metrics(&out);
+    assert_eq!(rows.len(), 2, "one metrics row per rollout");
+    for key in ["rewards/gpt_neox-seqcls/mean", "rewards/length/mean"] {
+        assert!(rows[0].contains_key(key), "{key} in {:?}", rows[0].keys());
+    }
+    let config = std::fs::read_to_string(out.join("rloo_config.toml")).unwrap();
+    assert!(config.contains("steps_per_generation = 4") && config.contains("dtype = \"bf16\""), "{config}");
+    args.extend(["--fp16"]);
+    let e = err(rloo(&args));
+    assert!(e.contains("--fp16") && e.contains("use --bf16"), "{e}");
 }
 
 /// With mask_truncated_completions, completions cut at the length limit

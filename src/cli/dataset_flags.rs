@@ -1,8 +1,10 @@
 //! The dataset flags the commands share, under TRL's names.
 
-use clap::Args;
+use clap::{ArgMatches, Args};
 
 use rloo::data::DatasetSpec;
+
+use super::config_flags::{text, Flag, Kind};
 
 /// Which part of a dataset a command reads (`generate`, `score`, `eval`).
 #[derive(Debug, Args)]
@@ -31,47 +33,43 @@ impl DatasetFlags {
     }
 }
 
-/// The training and held-out rows of `sft` and `reward train`.
-#[derive(Debug, Args)]
-pub struct TrainingDataFlags {
-    /// Training rows: a dataset file (JSONL, JSON, CSV, TSV, Parquet, Arrow; .gz/.zst), a dataset directory,
-    /// a datasets save or a hub dataset id.
-    #[arg(long, alias = "dataset_name")]
-    dataset: String,
-    /// The dataset configuration (a sub-directory), e.g. helpful-base.
-    #[arg(long = "dataset_config", alias = "dataset-config")]
-    dataset_config: Option<String>,
-    /// The training split.
-    #[arg(long = "dataset_train_split", alias = "dataset-train-split", default_value = "train")]
-    dataset_train_split: String,
-    /// Hold out this split (of --eval-dataset when given, else of --dataset) instead of a fraction of the training rows.
-    #[arg(long = "dataset_test_split", alias = "dataset-test-split")]
-    dataset_test_split: Option<String>,
-    /// Held-out rows from another dataset [split: --dataset_test_split, else test].
-    #[arg(long, alias = "eval_dataset")]
+/// The training and held-out rows of `sft` and `reward train`, as config
+/// keys (`dataset`, `eval_fraction`, `max_length`); the held-out dataset is
+/// built from the training one by [`HeldOut`].
+pub const TRAINING_DATA: &[Flag] = &[
+    ("dataset", "dataset.name", Kind::Str, "Training rows: a dataset file (JSONL, JSON, CSV, TSV, Parquet, Arrow; .gz/.zst), a dataset directory, a datasets save or a hub dataset id"),
+    ("dataset_name", "dataset.name", Kind::Str, "TRL's name of --dataset"),
+    ("dataset_config", "dataset.config", Kind::Str, "The dataset configuration (a sub-directory), e.g. helpful-base"),
+    ("dataset_train_split", "dataset.split", Kind::Str, "The training split"),
+    ("dataset_filter", "dataset.filter", Kind::Str, "Keep only rows (training and held-out) this expression accepts"),
+    ("dataset_test_split", "", Kind::Str, "Hold out this split (of --eval_dataset when given, else of --dataset) instead of a fraction of the training rows [default: none]"),
+    ("eval_dataset", "", Kind::Str, "Held-out rows from another dataset [split: --dataset_test_split, else test] [default: none]"),
+    ("eval_fraction", "eval_fraction", Kind::Float, "Fraction of the training rows held out when no --eval_dataset or --dataset_test_split is given"),
+    ("max_length", "max_length", Kind::Int, "Longest prompt + completion in tokens (longer ones are cut at the end)"),
+];
+
+/// `--eval_dataset` and `--dataset_test_split`: held-out rows named on the
+/// command line, from the training dataset's configuration and filter.
+#[derive(Debug, Default)]
+pub struct HeldOut {
     eval_dataset: Option<String>,
-    /// Keep only rows (training and held-out) this expression accepts.
-    #[arg(long = "dataset_filter", alias = "dataset-filter")]
-    dataset_filter: Option<String>,
+    test_split: Option<String>,
 }
 
-impl TrainingDataFlags {
-    /// The training rows, and the held-out rows when a split or dataset was named for them.
-    pub fn specs(self) -> (DatasetSpec, Option<DatasetSpec>) {
-        let train = DatasetSpec {
-            name: self.dataset,
-            config: self.dataset_config,
-            split: self.dataset_train_split,
-            filter: self.dataset_filter,
-            take: None,
-        };
-        let eval = match (self.eval_dataset, self.dataset_test_split) {
+impl HeldOut {
+    pub fn from_matches(m: &ArgMatches) -> Self {
+        Self { eval_dataset: text(m, "eval_dataset"), test_split: text(m, "dataset_test_split") }
+    }
+
+    /// Sets `eval` when the flags name held-out rows (replacing a file's).
+    pub fn apply(&self, train: &DatasetSpec, eval: &mut Option<DatasetSpec>) {
+        match (&self.eval_dataset, &self.test_split) {
             (Some(name), split) => {
-                Some(DatasetSpec { name, split: split.unwrap_or_else(|| "test".into()), ..train.clone() })
+                let split = split.clone().unwrap_or_else(|| "test".into());
+                *eval = Some(DatasetSpec { name: name.clone(), split, ..train.clone() });
             }
-            (None, Some(split)) => Some(train.with_split(&split)),
-            (None, None) => None,
-        };
-        (train, eval)
+            (None, Some(split)) => *eval = Some(train.with_split(split)),
+            (None, None) => {}
+        }
     }
 }

@@ -4,13 +4,13 @@
 //! Ctrl-C or SIGTERM after saving its work.
 
 mod check;
+mod config_flags;
 mod data;
 mod dataset_flags;
 mod eval;
 mod generate;
 mod listen_flags;
 mod merge;
-mod peft_flags;
 mod pipeline;
 mod reward;
 mod score;
@@ -21,7 +21,7 @@ mod train;
 
 use std::process::ExitCode;
 
-use clap::{Parser, Subcommand};
+use clap::{CommandFactory, FromArgMatches, Parser, Subcommand};
 
 /// Fast RLHF for Hugging Face causal language models.
 #[derive(Debug, Parser)]
@@ -44,18 +44,35 @@ enum Command {
     Generate(generate::GenerateArgs),
     Merge(merge::MergeArgs),
     Pipeline(pipeline::PipelineArgs),
-    /// Reward models: `rloo reward train`.
+    /// Reward models: `rloo reward train`, `rloo reward serve`.
     #[command(subcommand)]
     Reward(reward::RewardCommand),
     Score(score::ScoreArgs),
     Serve(serve::ServeArgs),
+    /// Fine-tune a causal LM on demonstrations (cross-entropy on completion tokens).
+    ///
+    /// Rows are `{"prompt", "completion"}` (strings or chat messages),
+    /// `{"messages": [...]}` (the last assistant message is the completion), or
+    /// `{"text"}`. An EOS token ends text completions. Options come from a TOML
+    /// file, then `--set key=value`, then flags.
     Sft(sft::SftArgs),
     Study(study::StudyArgs),
+    /// Train a policy with REINFORCE Leave-One-Out (or PPO): a TOML file, `--set` overrides and TRL's flags.
     Train(train::TrainArgs),
 }
 
 pub fn main() -> ExitCode {
-    let cli = Cli::parse();
+    let mut cmd = both_spellings(Cli::command());
+    let matches = cmd.get_matches_mut();
+    let cli = Cli::from_arg_matches(&matches).unwrap_or_else(|e| {
+        // Errors found while reading the flags show the usage of the command given.
+        let (mut given, mut m) = (cmd.clone(), &matches);
+        while let Some((name, sub)) = m.subcommand() {
+            let Some(c) = given.find_subcommand(name) else { break };
+            (given, m) = (c.clone(), sub);
+        }
+        e.format(&mut given).exit()
+    });
     init_logging(cli.verbose);
     let result = match cli.command {
         Command::Check(args) => check::run(args),
@@ -88,6 +105,23 @@ pub fn main() -> ExitCode {
     }
 }
 
+/// Every long flag of every command under both spellings, `--max_length`
+/// and `--max-length`, as TRL's scripts and the seeds' commands use both.
+fn both_spellings(cmd: clap::Command) -> clap::Command {
+    let cmd = cmd.mut_args(|arg| {
+        let Some(long) = arg.get_long() else { return arg };
+        let other = if long.contains('_') { long.replace('_', "-") } else { long.replace('-', "_") };
+        let known = arg.get_all_aliases().is_some_and(|aliases| aliases.contains(&other.as_str()));
+        if other == long || known {
+            arg
+        } else {
+            arg.alias(other)
+        }
+    });
+    let names: Vec<String> = cmd.get_subcommands().map(|s| s.get_name().to_string()).collect();
+    names.iter().fold(cmd, |cmd, name| cmd.mut_subcommand(name, both_spellings))
+}
+
 fn init_logging(verbose: u8) {
     let default = match verbose {
         0 => "info",
@@ -114,4 +148,24 @@ pub(crate) fn progress_bar(len: u64, unit: &str) -> indicatif::ProgressBar {
         bar.set_style(style);
     }
     bar
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn every_flag_takes_both_spellings_without_clashes() {
+        let cmd = both_spellings(Cli::command());
+        cmd.clone().debug_assert();
+        for args in [
+            &["rloo", "generate", "--model", "m", "--prompts", "p", "--output", "o", "--ignore_eos"][..],
+            &["rloo", "generate", "--model", "m", "--prompts", "p", "--output", "o", "--ignore-eos"],
+            &["rloo", "serve", "--model", "m", "--api_key_env", "KEY", "--max-body-mib", "8"],
+        ] {
+            if let Err(e) = cmd.clone().try_get_matches_from(args) {
+                panic!("{args:?}: {e}");
+            }
+        }
+    }
 }

@@ -1,20 +1,31 @@
 //! `rloo reward train`: a reward model from preference pairs;
 //! `rloo reward serve`: a reward model over HTTP.
 
-use anyhow::{Context, Result};
-use clap::{Args, Subcommand};
+use std::path::PathBuf;
 
-use rloo::model::{parse_device, Precision};
+use anyhow::{Context, Result};
+use clap::{ArgMatches, Args, Command, Subcommand};
+
+use rloo::model::parse_device;
 use rloo::reward::serve::{serve, ServeOptions};
 use rloo::reward::RewardModel;
-use rloo::train::config::Schedule;
+use rloo::train::config::load_toml;
 use rloo::train::reward_model::{train_reward_model, RewardTrainConfig};
 
-use super::dataset_flags::TrainingDataFlags;
+use super::config_flags::{self, config_file, Flag, Flags, Kind};
+use super::dataset_flags::{self, HeldOut};
 use super::listen_flags::ListenFlags;
 
 #[derive(Debug, Subcommand)]
 pub enum RewardCommand {
+    /// Train a reward model (Bradley-Terry) on preference pairs.
+    ///
+    /// Rows are `{"prompt", "chosen", "rejected"}`: a text or chat prompt with
+    /// text answers, or chosen/rejected as whole conversations. Starting from a
+    /// causal LM adds a new score head; the result is a
+    /// `*ForSequenceClassification` directory (num_labels = 1) that
+    /// transformers and `rloo train --reward_model_path` load. Options come
+    /// from a TOML file, then `--set key=value`, then flags.
     Train(RewardTrainArgs),
     Serve(RewardServeArgs),
 }
@@ -53,65 +64,54 @@ pub struct RewardServeArgs {
     device: String,
 }
 
-/// Train a reward model (Bradley-Terry) on preference pairs.
-///
-/// Rows are `{"prompt", "chosen", "rejected"}`: a text or chat prompt with
-/// text answers, or chosen/rejected as whole conversations. Starting from a
-/// causal LM adds a new score head; the result is a
-/// `*ForSequenceClassification` directory (num_labels = 1) that
-/// transformers and `rloo train --reward_model_path` load.
-#[derive(Debug, Args)]
+const TRAIN_FLAGS: &[Flag] = &[
+    ("model", "model", Kind::Str, "Model directory or cached hub id to start from (causal LM or reward model)"),
+    ("model_name_or_path", "model", Kind::Str, "TRL's name of --model"),
+];
+
+fn train_flags() -> Flags {
+    Flags::new()
+        .with("Model", "", TRAIN_FLAGS)
+        .with("Model", "", config_flags::DEVICE)
+        .with("Data", "", dataset_flags::TRAINING_DATA)
+        .with("Training", "", config_flags::PRECISION)
+        .with("Training", "", config_flags::BATCH)
+        .with("Training", "", config_flags::OPTIMIZER)
+        .with("Training", "", config_flags::RUN)
+        .with("PEFT", "", config_flags::PEFT)
+}
+
+/// `rloo reward train`'s options: a TOML file, `--set` and flags, as `rloo train`.
+#[derive(Debug)]
 pub struct RewardTrainArgs {
-    /// Model directory or cached hub id to start from (causal LM or reward model).
-    #[arg(long)]
-    model: String,
-    #[command(flatten)]
-    data: TrainingDataFlags,
-    /// Fraction of the training rows held out when no --eval-dataset or --dataset_test_split is given.
-    #[arg(long, default_value_t = 0.1)]
-    eval_fraction: f64,
-    #[arg(long, default_value = "runs/reward_model")]
-    output_dir: String,
-    /// cpu, cuda, cuda:N or auto.
-    #[arg(long, default_value = "auto")]
-    device: String,
-    /// bf16 mixed precision: bf16 weights and activations, f32 master weights and optimizer state.
-    #[arg(long)]
-    bf16: bool,
-    /// Keep only each layer's input in the forward pass and recompute the layer in the backward.
-    #[arg(long = "gradient_checkpointing", alias = "gradient-checkpointing")]
-    gradient_checkpointing: bool,
-    #[arg(long, default_value_t = 1e-5)]
-    learning_rate: f64,
-    /// Pairs per forward/backward.
-    #[arg(long, default_value_t = 8)]
-    per_device_train_batch_size: usize,
-    #[arg(long, default_value_t = 1)]
-    gradient_accumulation_steps: usize,
-    #[arg(long, default_value_t = 1)]
-    num_train_epochs: usize,
-    /// constant, linear or cosine.
-    #[arg(long, default_value = "linear", value_parser = super::sft::parse_schedule)]
-    lr_scheduler_type: Schedule,
-    #[arg(long, default_value_t = 0.0)]
-    weight_decay: f64,
-    /// Clip gradients to this global norm (0: off).
-    #[arg(long, default_value_t = 1.0)]
-    max_grad_norm: f64,
-    /// Longest sequence in tokens (longer ones are cut).
-    #[arg(long, default_value_t = 1024)]
-    max_length: usize,
-    /// Seed of the new score head, the held-out split and the batch order.
-    #[arg(long, default_value_t = 42)]
-    seed: u64,
-    /// Replace the logs of a previous run in --output-dir (refused without it).
-    #[arg(long, alias = "overwrite_output_dir")]
-    overwrite_output_dir: bool,
-    /// Stop (saving the model so far) after N optimizer steps in a row with a non-finite loss or gradient.
-    #[arg(long, alias = "max_skipped_steps", default_value_t = 10)]
-    max_skipped_steps: usize,
-    #[command(flatten)]
-    peft: super::peft_flags::PeftFlags,
+    config: Option<PathBuf>,
+    overrides: Vec<(String, toml::Value)>,
+    held_out: HeldOut,
+    print_config: bool,
+}
+
+impl clap::Args for RewardTrainArgs {
+    fn augment_args(cmd: Command) -> Command {
+        let defaults = toml::Value::try_from(RewardTrainConfig::default()).expect("the default config serialises");
+        train_flags().augment(cmd, &defaults)
+    }
+
+    fn augment_args_for_update(cmd: Command) -> Command {
+        Self::augment_args(cmd)
+    }
+}
+
+impl clap::FromArgMatches for RewardTrainArgs {
+    fn from_arg_matches(m: &ArgMatches) -> Result<Self, clap::Error> {
+        let (config, print_config) = config_file(m);
+        let overrides = train_flags().overrides(m, |_, key| key.to_string())?;
+        Ok(Self { config, overrides, held_out: HeldOut::from_matches(m), print_config })
+    }
+
+    fn update_from_arg_matches(&mut self, m: &ArgMatches) -> Result<(), clap::Error> {
+        *self = Self::from_arg_matches(m)?;
+        Ok(())
+    }
 }
 
 pub fn run(cmd: RewardCommand) -> Result<()> {
@@ -145,29 +145,13 @@ fn serve_model(a: RewardServeArgs) -> Result<()> {
 }
 
 fn train(a: RewardTrainArgs) -> Result<()> {
-    let (dataset, eval_dataset) = a.data.specs();
-    let cfg = RewardTrainConfig {
-        model: a.model,
-        dataset,
-        eval_dataset,
-        eval_fraction: a.eval_fraction,
-        output_dir: a.output_dir,
-        device: a.device,
-        dtype: Precision::from_bf16(a.bf16),
-        gradient_checkpointing: a.gradient_checkpointing,
-        learning_rate: a.learning_rate,
-        per_device_train_batch_size: a.per_device_train_batch_size,
-        gradient_accumulation_steps: a.gradient_accumulation_steps,
-        num_train_epochs: a.num_train_epochs,
-        lr_scheduler_type: a.lr_scheduler_type,
-        weight_decay: a.weight_decay,
-        max_grad_norm: a.max_grad_norm,
-        max_length: a.max_length,
-        seed: a.seed,
-        overwrite_output_dir: a.overwrite_output_dir,
-        max_skipped_steps: a.max_skipped_steps,
-        peft: a.peft.options(),
-    };
+    let mut cfg: RewardTrainConfig = load_toml(a.config.as_deref(), &a.overrides, |_, _| Ok(()))?;
+    a.held_out.apply(&cfg.dataset, &mut cfg.eval_dataset);
+    if a.print_config {
+        cfg.validate()?;
+        print!("{}", cfg.to_toml());
+        return Ok(());
+    }
     let s = train_reward_model(&cfg).context("reward-model training failed")?;
     match s.eval {
         Some(e) => eprintln!(

@@ -1,34 +1,21 @@
 //! `rloo train`: the RLOO (or PPO) trainer. Options come from a TOML file, then
-//! `--set section.key=value`, then the flags below (TRL's RLOO script flags
-//! plus one per remaining config key); later ones win.
+//! `--set section.key=value`, then the flags below (TRL's RLOO script flags,
+//! TRL 1.x's names, and one per remaining config key); later ones win.
 
 use std::path::PathBuf;
 
 use anyhow::{Context, Result};
-use clap::{Arg, ArgAction, ArgMatches, Command};
+use clap::{ArgMatches, Command};
 
-use rloo::reward::config::ModelSpec;
+use rloo::reward::config::{reward_funcs, ModelSpec};
 use rloo::reward::RewardSpec;
-use rloo::train::config::{parse_set, TrainConfig};
+use rloo::train::config::TrainConfig;
 use rloo::train::memory;
 
-/// How a flag's text becomes a TOML value.
-#[derive(Clone, Copy)]
-enum Kind {
-    Str,
-    Int,
-    Float,
-    Bool,
-    /// One or more words, as a TOML array of strings.
-    Words,
-    /// A switch (`--bf16`, `--bf16 false`) that sets the key to its first
-    /// string when on and its second when off.
-    Switch(&'static str, &'static str),
-}
+use super::config_flags::{self, config_file, given, switch, text, usage, words, Flag, Flags, Kind};
 
-/// (flag, config key, kind, help). The help's default is read from
-/// `TrainConfig::default()`, so `--help` cannot drift from the code.
-const FLAGS: &[(&str, &str, Kind, &str)] = &[
+/// The flags of `rloo train` beside the shared groups of [`config_flags`].
+const FLAGS: &[Flag] = &[
     // TRL's RLOO script.
     ("model_name_or_path", "model.policy", Kind::Str, "Policy and tokenizer: a model directory or a cached hub id (the tokenizer only, when --sft_model_path is given)"),
     ("sft_model_path", "model.policy", Kind::Str, "The policy (and KL reference) to start from"),
@@ -37,11 +24,8 @@ const FLAGS: &[(&str, &str, Kind, &str)] = &[
     ("dataset_config", "data.config", Kind::Str, "The dataset configuration (sub-directory), e.g. preference"),
     ("dataset_train_split", "data.split", Kind::Str, "The split read from a dataset directory or hub dataset"),
     ("dataset_filter", "data.filter", Kind::Str, "Keep rows this expression accepts, e.g. 'language == \"english\" and len(context) <= 4'"),
-    ("output_dir", "train.output_dir", Kind::Str, "Where checkpoints, the final model, metrics and samples go"),
-    ("learning_rate", "train.learning_rate", Kind::Float, "AdamW learning rate"),
-    ("per_device_train_batch_size", "train.per_device_train_batch_size", Kind::Int, "Completions per micro-batch (one forward/backward)"),
-    ("gradient_accumulation_steps", "train.gradient_accumulation_steps", Kind::Int, "Micro-batches per optimizer step"),
     ("total_episodes", "train.total_episodes", Kind::Int, "Completions to train on [none: num_train_epochs x prompts x k]"),
+    ("max_steps", "train.max_steps", Kind::Int, "Optimizer steps to train for, rounded up to whole rollout batches (instead of --total_episodes)"),
     ("num_ppo_epochs", "rloo.num_ppo_epochs", Kind::Int, "Optimisation passes over each rollout batch"),
     ("num_mini_batches", "rloo.num_mini_batches", Kind::Int, "Mini-batches (optimizer steps) per pass; rollout batch = per_device_train_batch_size x gradient_accumulation_steps x num_mini_batches"),
     ("rloo_k", "rloo.k", Kind::Int, "Completions sampled per prompt (k >= 2; PPO: k >= 1)"),
@@ -52,7 +36,6 @@ const FLAGS: &[(&str, &str, Kind, &str)] = &[
     ("missing_eos_penalty", "rloo.missing_eos_penalty", Kind::Float, "Subtracted from the score of completions with no EOS"),
     ("stop_token", "generation.stop_token", Kind::Str, "\"eos\": completions end at EOS; \"none\": always response_length tokens"),
     ("local_rollout_forward_batch_size", "generation.local_rollout_forward_batch_size", Kind::Int, "Rows per forward pass when sampling and computing log-probs"),
-    ("seed", "train.seed", Kind::Int, "Seed of sampling, shuffling and mini-batch order"),
     // TRL's PPO script.
     ("algo", "train.algo", Kind::Str, "rloo, or ppo (a critic, GAE and a clipped value loss)"),
     ("value_model_path", "ppo.value_model", Kind::Str, "PPO's critic: a sequence-classification model, \"reward\" or \"policy\" [none: the reward model if there is one, else the policy]"),
@@ -71,18 +54,14 @@ const FLAGS: &[(&str, &str, Kind, &str)] = &[
     ("epsilon", "rloo.cliprange", Kind::Float, "TRL 1.x's name of --cliprange (the lower clip range)"),
     ("epsilon_high", "rloo.cliprange_high", Kind::Float, "Upper clip range: the ratio is clipped to [1 - epsilon, 1 + epsilon_high]"),
     ("normalize_advantages", "rloo.normalize_advantage", Kind::Bool, "TRL 1.x's name of --normalize_advantage"),
+    ("steps_per_generation", "rloo.steps_per_generation", Kind::Int, "TRL 1.x: micro-batches per rollout batch, which is per_device_train_batch_size x steps_per_generation completions (instead of --num_mini_batches) [none: gradient_accumulation_steps]"),
+    ("generation_batch_size", "rloo.generation_batch_size", Kind::Int, "TRL 1.x: completions per rollout batch (instead of --num_mini_batches or --steps_per_generation)"),
     ("mask_truncated_completions", "rloo.mask_truncated_completions", Kind::Bool, "Completions that hit the length limit without EOS take no part in the loss or the KL"),
-    // TRL's model flags for PEFT.
-    ("use_peft", "peft.use_peft", Kind::Bool, "Train LoRA adapters (PEFT format) instead of the whole policy; the KL reference is the policy without them"),
-    ("lora_r", "peft.lora_r", Kind::Int, "LoRA rank"),
-    ("lora_alpha", "peft.lora_alpha", Kind::Float, "LoRA alpha (adapters scaled by alpha / r)"),
-    ("lora_dropout", "peft.lora_dropout", Kind::Float, "LoRA dropout, saved in the adapter (off in online training, as in TRL)"),
-    ("lora_target_modules", "peft.lora_target_modules", Kind::Words, "Modules that get adapters, e.g. q_proj v_proj, or all-linear [none: PEFT's default for the architecture]"),
+    ("reward_funcs", "", Kind::Words, "TRL 1.x: rewards added as [[reward]] tables, each a reward model (directory or cached hub id) or a built-in rule: length, exact_match (last number against the `answer` column)"),
+    ("reward_weights", "", Kind::Words, "TRL 1.x: one weight per --reward_funcs entry [default: 1 each]"),
+    ("fp16", "", Kind::Bool, "Refused: fp16 training needs loss scaling, which rloo does not do; use --bf16"),
     // Every other key.
     ("reference_model_path", "model.reference", Kind::Str, "KL reference model [none: the initial policy]"),
-    ("device", "model.device", Kind::Str, "cpu, cuda, cuda:N or auto"),
-    ("gradient_checkpointing", "train.gradient_checkpointing", Kind::Bool, "Keep only each layer's input in the forward pass and recompute the layer in the backward: less activation memory for one more forward"),
-    ("bf16", "train.dtype", Kind::Switch("bf16", "f32"), "bf16 mixed precision: bf16 weights and activations, f32 master weights, optimizer state, log-softmax and losses"),
     ("prompt_column", "data.prompt_column", Kind::Str, "Column holding the prompt (string or chat messages)"),
     ("prompt_template", "data.template", Kind::Str, "Build prompts from columns instead, e.g. \"Summarize: {post}\""),
     ("chat", "data.chat", Kind::Bool, "Send text prompts as a user chat message (with the chat template)"),
@@ -106,24 +85,13 @@ const FLAGS: &[(&str, &str, Kind, &str)] = &[
     ("normalize_reward", "rloo.normalize_reward", Kind::Bool, "Z-score scores over the rollout batch"),
     ("reward_clip_range", "rloo.reward_clip_range", Kind::Float, "Clip scores to [-r, r]"),
     ("recompute_old_logprobs", "rloo.recompute_old_logprobs", Kind::Bool, "Recompute the sampling policy's log-probs with a forward pass instead of keeping the sampler's"),
-    ("num_train_epochs", "train.num_train_epochs", Kind::Float, "Passes over the prompts when total_episodes is not set"),
-    ("lr_scheduler_type", "train.lr_scheduler_type", Kind::Str, "constant, linear or cosine"),
-    ("warmup_steps", "train.warmup_steps", Kind::Int, "Warm-up optimizer steps"),
-    ("warmup_ratio", "train.warmup_ratio", Kind::Float, "Warm-up as a fraction of optimizer steps"),
-    ("weight_decay", "train.weight_decay", Kind::Float, "AdamW weight decay (not on biases and norms)"),
-    ("adam_beta1", "train.adam_beta1", Kind::Float, "AdamW beta1"),
-    ("adam_beta2", "train.adam_beta2", Kind::Float, "AdamW beta2"),
-    ("adam_epsilon", "train.adam_epsilon", Kind::Float, "AdamW epsilon"),
-    ("max_grad_norm", "train.max_grad_norm", Kind::Float, "Clip gradients to this global norm (0: off)"),
-    ("logging_steps", "train.logging_steps", Kind::Int, "Log metrics every N steps"),
     ("report_to", "train.report_to", Kind::Words, "Where metrics go besides metrics.jsonl: tensorboard or none"),
     ("save_steps", "train.save_steps", Kind::Int, "Checkpoint every N steps (0: only at the end)"),
     ("save_total_limit", "train.save_total_limit", Kind::Int, "Keep at most N checkpoints (0: all)"),
     ("num_sample_generations", "train.num_sample_generations", Kind::Int, "Sample tables printed over the run"),
+    ("num_completions_to_print", "train.num_completions_to_print", Kind::Int, "Rows of each printed sample table (one completion per prompt; samples.jsonl keeps them all)"),
     ("resume_from_checkpoint", "train.resume_from_checkpoint", Kind::Str, "Checkpoint directory, or \"latest\" in output_dir"),
     ("stop_after", "train.stop_after", Kind::Int, "Stop (with a checkpoint) after N rollout steps of this invocation, to continue later with --resume_from_checkpoint"),
-    ("overwrite_output_dir", "train.overwrite_output_dir", Kind::Bool, "Replace the checkpoints and logs of a previous run in output_dir (refused without it, unless resuming)"),
-    ("max_skipped_steps", "train.max_skipped_steps", Kind::Int, "Stop (with a checkpoint of the last good weights) after N optimizer steps in a row skipped for a non-finite loss or gradient or a rollout with no scorable sample"),
 ];
 
 /// Train a policy with REINFORCE Leave-One-Out (or PPO).
@@ -133,69 +101,28 @@ pub struct TrainArgs {
     overrides: Vec<(String, toml::Value)>,
     /// Added to the config's rewards, not replacing them.
     reward_model_path: Option<String>,
+    /// TRL 1.x's `reward_funcs` and `reward_weights`, added the same way.
+    reward_funcs: Vec<String>,
+    reward_weights: Option<Vec<f32>>,
     print_config: bool,
 }
 
-fn default_of(key: &str) -> String {
-    let defaults = toml::Value::try_from(TrainConfig::default()).ok();
-    let mut here = defaults.as_ref();
-    for part in key.split('.') {
-        here = here.and_then(|v| v.get(part));
-    }
-    match here {
-        Some(toml::Value::String(s)) => format!("{s:?}"),
-        Some(v) => v.to_string(),
-        None => "none".into(),
-    }
+/// Every flag of `rloo train`: its own, then the groups all trainers share.
+fn flags() -> Flags {
+    Flags::new()
+        .with_headings(section_heading, "", FLAGS)
+        .with("Model", "model.", config_flags::DEVICE)
+        .with("Training", "train.", config_flags::PRECISION)
+        .with("Training", "train.", config_flags::BATCH)
+        .with("Training", "train.", config_flags::OPTIMIZER)
+        .with("Training", "train.", config_flags::RUN)
+        .with("PEFT", "", config_flags::PEFT)
 }
 
 impl clap::Args for TrainArgs {
     fn augment_args(cmd: Command) -> Command {
-        let mut cmd = cmd
-            .arg(
-                Arg::new("config")
-                    .value_name("CONFIG.toml")
-                    .value_parser(clap::value_parser!(PathBuf))
-                    .help("TOML configuration file"),
-            )
-            .arg(
-                Arg::new("set")
-                    .long("set")
-                    .value_name("SECTION.KEY=VALUE")
-                    .action(ArgAction::Append)
-                    .help("Override a config key (TOML value), e.g. --set rloo.k=4"),
-            )
-            .arg(
-                Arg::new("print_config")
-                    .long("print_config")
-                    .alias("print-config")
-                    .action(ArgAction::SetTrue)
-                    .help("Print the resolved configuration and exit"),
-            );
-        for (flag, key, kind, help) in FLAGS {
-            let default = if key.is_empty() { "none".to_string() } else { default_of(key) };
-            let mut arg = Arg::new(*flag)
-                .long(*flag)
-                .alias(flag.replace('_', "-"))
-                .value_name(match kind {
-                    Kind::Str => "TEXT",
-                    Kind::Int => "N",
-                    Kind::Float => "X",
-                    Kind::Bool | Kind::Switch(..) => "BOOL",
-                    Kind::Words => "NAME",
-                })
-                .help(format!("{help} [default: {default}]"))
-                .help_heading(if key.starts_with("model") || key.is_empty() { "Model" } else { section_heading(key) });
-            match kind {
-                Kind::Bool | Kind::Switch(..) => {
-                    arg = arg.num_args(0..=1).default_missing_value("true").value_parser(clap::value_parser!(bool))
-                }
-                Kind::Words => arg = arg.num_args(1..),
-                _ => {}
-            }
-            cmd = cmd.arg(arg);
-        }
-        cmd
+        let defaults = toml::Value::try_from(TrainConfig::default()).expect("the default config serialises");
+        flags().augment(cmd, &defaults)
     }
 
     fn augment_args_for_update(cmd: Command) -> Command {
@@ -205,6 +132,7 @@ impl clap::Args for TrainArgs {
 
 fn section_heading(key: &str) -> &'static str {
     match key.split('.').next() {
+        Some("model") | Some("") => "Model",
         Some("data") => "Data",
         Some("generation") => "Generation",
         Some("rloo") => "RLOO",
@@ -216,49 +144,33 @@ fn section_heading(key: &str) -> &'static str {
 
 impl clap::FromArgMatches for TrainArgs {
     fn from_arg_matches(m: &ArgMatches) -> Result<Self, clap::Error> {
-        let mut overrides = Vec::new();
-        for set in m.get_many::<String>("set").into_iter().flatten() {
-            overrides.push(
-                parse_set(set).map_err(|e| clap::Error::raw(clap::error::ErrorKind::InvalidValue, format!("{e}\n")))?,
-            );
+        // With --sft_model_path, --model_name_or_path names only the tokenizer (as in TRL).
+        let sft_model = given(m, "sft_model_path");
+        let overrides = flags().overrides(m, |flag, key| match flag {
+            "model_name_or_path" if sft_model => "model.tokenizer".into(),
+            _ => key.to_string(),
+        })?;
+        if given(m, "fp16") && switch(m, "fp16") {
+            return Err(usage(
+                "--fp16: rloo computes in f32 or in bf16 mixed precision; fp16 training needs loss scaling, \
+                 which rloo does not do: use --bf16"
+                    .into(),
+            ));
         }
-        let given =
-            |flag: &str| m.contains_id(flag) && m.value_source(flag) == Some(clap::parser::ValueSource::CommandLine);
-        // Which flag set each key: two names of one setting are an error.
-        let mut set_by: Vec<(&str, &str)> = Vec::new();
-        for (flag, key, kind, _) in FLAGS {
-            if !given(flag) || key.is_empty() {
-                continue;
-            }
-            let value = match kind {
-                Kind::Bool => toml::Value::Boolean(*m.get_one::<bool>(flag).unwrap_or(&true)),
-                Kind::Switch(on, off) => {
-                    toml::Value::String(if *m.get_one::<bool>(flag).unwrap_or(&true) { on } else { off }.to_string())
-                }
-                Kind::Words => toml::Value::Array(
-                    m.get_many::<String>(flag).into_iter().flatten().map(|w| toml::Value::String(w.clone())).collect(),
-                ),
-                _ => {
-                    let text = m.get_one::<String>(flag).cloned().unwrap_or_default();
-                    typed(flag, &text, *kind)?
-                }
-            };
-            // With --sft_model_path, --model_name_or_path names only the tokenizer (as in TRL).
-            let key = if *flag == "model_name_or_path" && given("sft_model_path") { "model.tokenizer" } else { key };
-            if let Some((other, _)) = set_by.iter().find(|(_, k)| *k == key) {
-                return Err(clap::Error::raw(
-                    clap::error::ErrorKind::ArgumentConflict,
-                    format!("--{other} and --{flag} are two names of one setting ({key}): give one\n"),
-                ));
-            }
-            set_by.push((flag, key));
-            overrides.push((key.to_string(), value));
-        }
+        let number =
+            |x: &String| x.parse::<f32>().map_err(|_| usage(format!("--reward_weights: expected numbers, got `{x}`")));
+        let reward_weights = match words(m, "reward_weights") {
+            w if w.is_empty() => None,
+            w => Some(w.iter().map(number).collect::<Result<Vec<f32>, _>>()?),
+        };
+        let (config, print_config) = config_file(m);
         Ok(Self {
-            config: m.get_one::<PathBuf>("config").cloned(),
+            config,
             overrides,
-            reward_model_path: m.get_one::<String>("reward_model_path").cloned(),
-            print_config: m.get_flag("print_config"),
+            reward_model_path: text(m, "reward_model_path"),
+            reward_funcs: words(m, "reward_funcs"),
+            reward_weights,
+            print_config,
         })
     }
 
@@ -268,21 +180,13 @@ impl clap::FromArgMatches for TrainArgs {
     }
 }
 
-fn typed(flag: &str, text: &str, kind: Kind) -> Result<toml::Value, clap::Error> {
-    let bad = |what: &str| {
-        clap::Error::raw(clap::error::ErrorKind::InvalidValue, format!("--{flag}: expected {what}, got `{text}`\n"))
-    };
-    Ok(match kind {
-        Kind::Int => toml::Value::Integer(text.parse().map_err(|_| bad("an integer"))?),
-        Kind::Float => toml::Value::Float(text.parse().map_err(|_| bad("a number"))?),
-        Kind::Str | Kind::Bool | Kind::Words | Kind::Switch(..) => toml::Value::String(text.to_string()),
-    })
-}
-
 pub fn run(args: TrainArgs) -> Result<()> {
     let mut cfg = TrainConfig::load(args.config.as_deref(), &args.overrides)?;
     if let Some(path) = &args.reward_model_path {
         cfg.reward.push(RewardSpec::Model(ModelSpec { name: None, weight: 1.0, path: path.clone(), batch_size: 8 }));
+    }
+    if !args.reward_funcs.is_empty() || args.reward_weights.is_some() {
+        cfg.reward.extend(reward_funcs(&args.reward_funcs, args.reward_weights.as_deref())?);
     }
     if args.print_config {
         cfg.validate()?;

@@ -24,7 +24,7 @@ use crate::error::{Error, Result};
 use crate::model::hub::{find_snapshot, HubEnv, HubId};
 
 /// Which rows a command reads.
-#[derive(Debug, Clone, Default, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
+#[derive(Debug, Clone, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
 #[serde(default, deny_unknown_fields)]
 pub struct DatasetSpec {
     /// A file, a directory or a hub id.
@@ -38,10 +38,17 @@ pub struct DatasetSpec {
     pub take: Option<usize>,
 }
 
+/// The `train` split, as a config that names only the dataset means.
+impl Default for DatasetSpec {
+    fn default() -> Self {
+        DatasetSpec { name: String::new(), config: None, split: "train".into(), filter: None, take: None }
+    }
+}
+
 impl DatasetSpec {
     /// The `train` split of `name`, unfiltered.
     pub fn named(name: impl Into<String>) -> DatasetSpec {
-        DatasetSpec { name: name.into(), split: "train".into(), ..Default::default() }
+        DatasetSpec { name: name.into(), ..Default::default() }
     }
 
     /// The same dataset, another split.

@@ -205,9 +205,11 @@ impl SampleTable {
         self.samples.clear();
     }
 
-    /// The box-drawn table for the console.
-    pub fn render(&self, width: usize, max_lines: usize) -> String {
-        let (headers, rows) = self.cells();
+    /// The box-drawn table of the first `max_rows` samples for the console,
+    /// each cell cut to `max_lines` lines.
+    pub fn render(&self, width: usize, max_rows: usize, max_lines: usize) -> String {
+        let (headers, mut rows) = self.cells();
+        rows.truncate(max_rows);
         let headers: Vec<&str> = headers.iter().map(String::as_str).collect();
         render_table(&headers, &rows, width, max_lines)
     }

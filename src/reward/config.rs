@@ -616,6 +616,64 @@ fn check_name(name: &str) -> Result<()> {
     }
 }
 
+/// The built-in rule rewards `--reward_funcs` names, each with its default
+/// options: `length` (the completion's length in tokens) and `exact_match`
+/// (the last number of the completion against the last number of the row's
+/// `answer` column, as in GSM8K).
+pub const BUILTIN_REWARD_FUNCS: &[&str] = &["length", "exact_match"];
+
+/// TRL 1.x's `reward_funcs` and `reward_weights` as `[[reward]]` tables:
+/// each function is a built-in rule's name or a reward model (a directory
+/// or a cached hub id), named by its last path component as TRL logs it;
+/// weights default to 1.
+pub fn reward_funcs(funcs: &[String], weights: Option<&[f32]>) -> Result<Vec<RewardSpec>> {
+    if let Some(w) = weights.filter(|w| w.len() != funcs.len()) {
+        return Err(Error::Invalid(format!(
+            "--reward_weights gives {} weights for {} --reward_funcs: give one per function",
+            w.len(),
+            funcs.len()
+        )));
+    }
+    let mut specs = Vec::with_capacity(funcs.len());
+    for (i, func) in funcs.iter().enumerate() {
+        let weight = weights.map_or(1.0, |w| w[i]);
+        let spec = match func.as_str() {
+            "length" => RewardSpec::Length(LengthSpec {
+                name: None,
+                weight,
+                unit: LengthUnit::default(),
+                target: None,
+                scale: 1.0,
+            }),
+            "exact_match" => RewardSpec::ExactMatch(ExactMatchSpec {
+                name: None,
+                weight,
+                column: "answer".into(),
+                case_insensitive: false,
+                marker: None,
+                last_number: true,
+            }),
+            path if Path::new(path).exists() || path.contains('/') => {
+                let name = path.trim_end_matches('/').rsplit('/').next().unwrap_or(path);
+                RewardSpec::Model(ModelSpec {
+                    name: Some(name.to_string()),
+                    weight,
+                    path: path.to_string(),
+                    batch_size: default_batch_size(),
+                })
+            }
+            other => {
+                return Err(Error::Invalid(format!(
+                    "--reward_funcs: `{other}` is neither a built-in rule ({}) nor a reward model directory",
+                    BUILTIN_REWARD_FUNCS.join(", ")
+                )))
+            }
+        };
+        specs.push(spec);
+    }
+    Ok(specs)
+}
+
 /// Validates the `[[reward]]` tables and builds the weighted sources, loading
 /// reward models onto `device`. Errors name the table (`reward #2`, counted
 /// from 1 in file order) and the option at fault.
@@ -655,6 +713,20 @@ mod tests {
     use super::*;
     use crate::reward::test_support::*;
     use serde_json::{json, Value};
+
+    #[test]
+    fn reward_funcs_are_rules_by_name_and_models_by_path() {
+        let funcs = ["length".to_string(), "exact_match".into(), "models/rm-a/".into(), "org/rm-b".into()];
+        let specs = reward_funcs(&funcs, Some(&[0.1, 1.0, 2.0, -1.0])).unwrap();
+        let names: Vec<&str> = specs.iter().map(RewardSpec::name).collect();
+        assert_eq!(names, ["length", "exact_match", "rm-a", "rm-b"]);
+        assert!(matches!(&specs[2], RewardSpec::Model(m) if m.path == "models/rm-a/" && m.weight == 2.0));
+        assert!(matches!(&specs[0], RewardSpec::Length(l) if l.weight == 0.1));
+        let err = reward_funcs(&funcs, Some(&[1.0])).unwrap_err().to_string();
+        assert!(err.contains("1 weights for 4 --reward_funcs"), "{err}");
+        let err = reward_funcs(&["lenght".into()], None).unwrap_err().to_string();
+        assert!(err.contains("`lenght` is neither a built-in rule (length, exact_match)"), "{err}");
+    }
 
     fn parse(v: Value) -> std::result::Result<Vec<RewardSpec>, String> {
         serde_json::from_value(v).map_err(|e| e.to_string())

@@ -178,6 +178,13 @@ pub struct RlooSection {
     pub num_ppo_epochs: usize,
     /// Mini-batches per pass (one optimizer step each).
     pub num_mini_batches: usize,
+    /// TRL 1.x's rollout size, in micro-batches: the rollout batch is
+    /// per_device_train_batch_size x steps_per_generation completions
+    /// (instead of num_mini_batches).
+    pub steps_per_generation: Option<usize>,
+    /// TRL 1.x's rollout size in completions (instead of num_mini_batches
+    /// or steps_per_generation).
+    pub generation_batch_size: Option<usize>,
     /// Whiten advantages over the rollout batch.
     pub normalize_advantage: bool,
     /// Subtracted from the score of completions without an EOS token.
@@ -233,6 +240,8 @@ impl Default for RlooSection {
             cliprange_high: None,
             num_ppo_epochs: 4,
             num_mini_batches: 1,
+            steps_per_generation: None,
+            generation_batch_size: None,
             normalize_advantage: false,
             missing_eos_penalty: None,
             normalize_reward: false,
@@ -313,6 +322,9 @@ pub struct TrainSection {
     pub gradient_accumulation_steps: usize,
     /// Completions to train on [default: num_train_epochs x prompts x k].
     pub total_episodes: Option<usize>,
+    /// Optimizer steps to train for (TRL's `max_steps`), instead of
+    /// total_episodes: rounded up to whole rollout batches.
+    pub max_steps: Option<usize>,
     /// Passes over the prompts when total_episodes is not set.
     pub num_train_epochs: f64,
     pub lr_scheduler_type: Schedule,
@@ -341,6 +353,8 @@ pub struct TrainSection {
     pub save_total_limit: usize,
     /// Times over the run a table of sample completions is printed.
     pub num_sample_generations: usize,
+    /// Rows of each printed table (all are kept in `samples.jsonl`).
+    pub num_completions_to_print: usize,
     /// Where metrics go besides `metrics.jsonl`: "tensorboard" (also
     /// "all"), or "none".
     pub report_to: Vec<String>,
@@ -367,6 +381,7 @@ impl Default for TrainSection {
             per_device_train_batch_size: 8,
             gradient_accumulation_steps: 1,
             total_episodes: None,
+            max_steps: None,
             num_train_epochs: 1.0,
             lr_scheduler_type: Schedule::Linear,
             warmup_steps: 0,
@@ -383,6 +398,7 @@ impl Default for TrainSection {
             save_steps: 100,
             save_total_limit: 3,
             num_sample_generations: 10,
+            num_completions_to_print: 8,
             report_to: vec!["tensorboard".into()],
             resume_from_checkpoint: None,
             stop_after: None,
@@ -396,27 +412,14 @@ impl TrainConfig {
     /// Reads a TOML file, applies `overrides` (dotted path, value) in order,
     /// and deserialises; unknown keys are errors naming their path.
     pub fn load(file: Option<&Path>, overrides: &[(String, toml::Value)]) -> Result<Self> {
-        let mut table = match file {
-            Some(path) => {
-                let text = crate::error::read_to_string(path)?;
-                text.parse::<toml::Table>().map_err(|e| Error::bad_config(path, e.to_string()))?
-            }
-            None => toml::Table::new(),
-        };
-        if let Some(path) = file {
-            rename_trl_names(&mut table, path)?;
-        }
-        for (key, value) in overrides {
-            set_path(&mut table, &canonical_key(key), value.clone())?;
-        }
-        let source = file.map(Path::to_path_buf).unwrap_or_else(|| PathBuf::from("command line"));
-        Self::from_table(table, &source)
+        let overrides: Vec<(String, toml::Value)> =
+            overrides.iter().map(|(key, value)| (canonical_key(key), value.clone())).collect();
+        load_toml(file, &overrides, rename_trl_names)
     }
 
     /// Deserialises a TOML table; errors name `source` and the key's path.
     pub fn from_table(table: toml::Table, source: &Path) -> Result<Self> {
-        serde_path_to_error::deserialize(toml::Value::Table(table))
-            .map_err(|e| Error::bad_config(source, format!("{}: {}", e.path(), e.inner())))
+        from_table(table, source)
     }
 
     /// The resolved configuration as TOML, written next to the outputs.
@@ -522,6 +525,7 @@ const CHANGEABLE_ON_RESUME: &[&str] = &[
     "train.save_steps",
     "train.save_total_limit",
     "train.num_sample_generations",
+    "train.num_completions_to_print",
     "train.resume_from_checkpoint",
     "train.stop_after",
     "train.overwrite_output_dir",
@@ -664,6 +668,35 @@ pub fn finite(name: &str, value: f64) -> Result<()> {
     in_range(name, value, Open(f64::NEG_INFINITY), Open(f64::INFINITY))
 }
 
+/// A configuration from a TOML file (`prepare`d, e.g. renaming keys) with
+/// `overrides` (dotted path, value) applied in order; unknown keys are
+/// errors naming their path. Every command that trains loads its options so.
+pub fn load_toml<T: serde::de::DeserializeOwned>(
+    file: Option<&Path>,
+    overrides: &[(String, toml::Value)],
+    prepare: fn(&mut toml::Table, &Path) -> Result<()>,
+) -> Result<T> {
+    let mut table = match file {
+        Some(path) => {
+            let text = crate::error::read_to_string(path)?;
+            let mut table = text.parse::<toml::Table>().map_err(|e| Error::bad_config(path, e.to_string()))?;
+            prepare(&mut table, path)?;
+            table
+        }
+        None => toml::Table::new(),
+    };
+    for (key, value) in overrides {
+        set_path(&mut table, key, value.clone())?;
+    }
+    let source = file.map(Path::to_path_buf).unwrap_or_else(|| PathBuf::from("command line"));
+    from_table(table, &source)
+}
+
+fn from_table<T: serde::de::DeserializeOwned>(table: toml::Table, source: &Path) -> Result<T> {
+    serde_path_to_error::deserialize(toml::Value::Table(table))
+        .map_err(|e| Error::bad_config(source, format!("{}: {}", e.path(), e.inner())))
+}
+
 /// Sets `a.b.c = value` in a TOML table, creating tables on the way.
 fn set_path(table: &mut toml::Table, key: &str, value: toml::Value) -> Result<()> {
     let parts: Vec<&str> = key.split('.').collect();
@@ -727,6 +760,49 @@ fn rename_trl_names(table: &mut toml::Table, path: &Path) -> Result<()> {
     Ok(())
 }
 
+/// The rollout batch in completions, and how it was reached. TRL 0.x sizes
+/// it in optimizer steps (`num_mini_batches` mini-batches of
+/// per_device_train_batch_size x gradient_accumulation_steps); TRL 1.x in
+/// micro-batches (`steps_per_generation`, by default
+/// gradient_accumulation_steps: one optimizer step) or in completions
+/// (`generation_batch_size`). Either way it must split into whole optimizer steps.
+fn rollout_batch(cfg: &TrainConfig, micro: usize, mini: usize) -> Result<(usize, String)> {
+    let r = &cfg.rloo;
+    let ga = cfg.train.gradient_accumulation_steps;
+    let (batch, how) = match (r.steps_per_generation, r.generation_batch_size) {
+        (Some(_), Some(_)) => {
+            return Err(Error::Invalid(
+                "rloo.steps_per_generation and rloo.generation_batch_size both size the rollout batch: give one".into(),
+            ))
+        }
+        (None, None) => {
+            let how = format!(
+                "per_device_train_batch_size {micro} x gradient_accumulation_steps {ga} x num_mini_batches {}",
+                r.num_mini_batches
+            );
+            return Ok((mini * r.num_mini_batches, how));
+        }
+        (Some(steps), None) => {
+            (micro * steps, format!("per_device_train_batch_size {micro} x steps_per_generation {steps}"))
+        }
+        (None, Some(n)) => (n, format!("generation_batch_size {n}")),
+    };
+    if r.num_mini_batches != 1 {
+        return Err(Error::Invalid(format!(
+            "rloo.num_mini_batches = {} (TRL 0.x) and {} (TRL 1.x) both size the rollout batch: give one",
+            r.num_mini_batches,
+            if r.steps_per_generation.is_some() { "rloo.steps_per_generation" } else { "rloo.generation_batch_size" }
+        )));
+    }
+    if batch == 0 || batch % mini != 0 {
+        return Err(Error::Invalid(format!(
+            "the rollout batch of {batch} completions ({how}) is not a whole number of optimizer steps of \
+             per_device_train_batch_size {micro} x gradient_accumulation_steps {ga} = {mini} completions"
+        )));
+    }
+    Ok((batch, how))
+}
+
 /// TRL's batch arithmetic, resolved once:
 /// completions per rollout = per_device_train_batch_size x
 /// gradient_accumulation_steps x num_mini_batches, made of
@@ -752,18 +828,23 @@ impl BatchSizes {
         let k = cfg.rloo.k;
         let micro = t.per_device_train_batch_size;
         let mini = micro * t.gradient_accumulation_steps;
-        let batch = mini * cfg.rloo.num_mini_batches;
+        let (batch, how) = rollout_batch(cfg, micro, mini)?;
         if batch % k != 0 {
             return Err(Error::Invalid(format!(
-                "the rollout batch of {batch} completions (per_device_train_batch_size {micro} x \
-                 gradient_accumulation_steps {} x num_mini_batches {}) is not a multiple of rloo_k = {k}",
-                t.gradient_accumulation_steps, cfg.rloo.num_mini_batches
+                "the rollout batch of {batch} completions ({how}) is not a multiple of rloo_k = {k}"
             )));
         }
-        let total_episodes = match (t.total_episodes, num_prompts) {
-            (Some(n), _) => n,
-            (None, Some(p)) => (t.num_train_epochs * (p * k) as f64).round() as usize,
-            (None, None) => batch,
+        let optimizer_steps_per_batch = cfg.rloo.num_ppo_epochs * (batch / mini);
+        let total_episodes = match (t.total_episodes, t.max_steps, num_prompts) {
+            (Some(_), Some(_), _) => {
+                return Err(Error::Invalid(
+                    "train.total_episodes and train.max_steps both set the run's length: give one".into(),
+                ))
+            }
+            (Some(n), None, _) => n,
+            (None, Some(steps), _) => steps.div_ceil(optimizer_steps_per_batch.max(1)) * batch,
+            (None, None, Some(p)) => (t.num_train_epochs * (p * k) as f64).round() as usize,
+            (None, None, None) => batch,
         };
         if total_episodes < batch {
             return Err(Error::Invalid(format!(
@@ -779,8 +860,18 @@ impl BatchSizes {
             k,
             total_episodes,
             steps,
-            optimizer_steps: steps * cfg.rloo.num_ppo_epochs * cfg.rloo.num_mini_batches,
+            optimizer_steps: steps * optimizer_steps_per_batch,
         })
+    }
+
+    /// TRL 1.x's names of the same sizes.
+    pub fn describe_trl_1x(&self) -> String {
+        format!(
+            "generation_batch_size {} = per_device_train_batch_size {} x steps_per_generation {}",
+            self.batch,
+            self.micro,
+            self.batch / self.micro
+        )
     }
 
     pub fn describe(&self, epochs: usize) -> String {
@@ -858,6 +949,40 @@ mod tests {
         let c = with(&["rloo.k=3"]).unwrap();
         let err = BatchSizes::new(&c, Some(10)).unwrap_err().to_string();
         assert!(err.contains("not a multiple of rloo_k = 3"), "{err}");
+    }
+
+    /// TRL 1.x sizes the same rollout in micro-batches or completions: 4
+    /// completions a micro-batch, 2 per optimizer step, 4 micro-batches =
+    /// 16 completions = TRL 0.x's 2 mini-batches.
+    #[test]
+    fn trl_1x_batch_arithmetic_gives_the_same_rollouts() {
+        let base = ["train.per_device_train_batch_size=4", "train.gradient_accumulation_steps=2", "rloo.k=4"];
+        let sizes = |extra: &str| BatchSizes::new(&with(&[&base[..], &[extra]].concat()).unwrap(), Some(100));
+        let old = sizes("rloo.num_mini_batches=2").unwrap();
+        assert_eq!(sizes("rloo.steps_per_generation=4").unwrap(), old);
+        assert_eq!(sizes("rloo.generation_batch_size=16").unwrap(), old);
+        assert_eq!(
+            old.describe_trl_1x(),
+            "generation_batch_size 16 = per_device_train_batch_size 4 x steps_per_generation 4"
+        );
+        // TRL 1.x's default, steps_per_generation = gradient_accumulation_steps, is 0.x's one mini-batch.
+        assert_eq!(sizes("rloo.steps_per_generation=2").unwrap(), sizes("rloo.num_mini_batches=1").unwrap());
+        let err = sizes("rloo.steps_per_generation=3").unwrap_err().to_string();
+        assert!(err.contains("12 completions (per_device_train_batch_size 4 x steps_per_generation 3) is not a whole number of optimizer steps"), "{err}");
+        let both = with(&[&base[..], &["rloo.steps_per_generation=4", "rloo.num_mini_batches=2"]].concat()).unwrap();
+        let err = BatchSizes::new(&both, None).unwrap_err().to_string();
+        assert!(err.contains("rloo.num_mini_batches = 2 (TRL 0.x) and rloo.steps_per_generation (TRL 1.x)"), "{err}");
+        // max_steps counts optimizer steps: 2 per rollout, so 5 take 3 rollouts.
+        let c = with(
+            &[&base[..], &["train.max_steps=5", "rloo.generation_batch_size=16", "rloo.num_ppo_epochs=1"]].concat(),
+        );
+        let b = BatchSizes::new(&c.unwrap(), Some(100)).unwrap();
+        assert_eq!((b.steps, b.optimizer_steps, b.total_episodes), (3, 6, 48));
+        let both = with(&[&base[..], &["train.max_steps=5", "train.total_episodes=64"]].concat()).unwrap();
+        assert!(BatchSizes::new(&both, None).unwrap_err().to_string().contains("give one"));
+        let both =
+            with(&[&base[..], &["rloo.steps_per_generation=4", "rloo.generation_batch_size=16"]].concat()).unwrap();
+        assert!(BatchSizes::new(&both, None).unwrap_err().to_string().contains("give one"));
     }
 
     #[test]

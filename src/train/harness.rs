@@ -91,14 +91,15 @@ impl Harness {
         Ok(())
     }
 
-    /// Appends a step's samples to `samples.jsonl`, and prints them as a
-    /// table when `show`.
-    pub fn samples(&mut self, step: usize, table: &SampleTable, show: bool) -> Result<()> {
+    /// Appends a step's samples to `samples.jsonl`, and prints the first
+    /// `show_rows` of them as a table (none: 0).
+    pub fn samples(&mut self, step: usize, table: &SampleTable, show_rows: usize) -> Result<()> {
         if let Some(writer) = &mut self.samples {
             writer.write_all(step as u64, table.samples())?;
         }
-        if show {
-            let print = || eprintln!("step {step}\n{}", table.render(crate::report::table::terminal_width(), 8));
+        if show_rows > 0 {
+            let print =
+                || eprintln!("step {step}\n{}", table.render(crate::report::table::terminal_width(), show_rows, 8));
             match &self.progress {
                 Some(bar) => bar.suspend(print),
                 None => print(),

@@ -7,9 +7,10 @@
 use std::path::PathBuf;
 
 use candle_core::{Device, Tensor};
+use serde::{Deserialize, Serialize};
 use serde_json::Value;
 
-use super::config::Schedule;
+use super::config::{OptimizerOptions, Schedule};
 use super::harness::{Harness, HarnessOptions};
 use super::run_dir::Reuse;
 use super::supervised::{train_supervised, validate_data, LoopOptions, Objective};
@@ -27,7 +28,8 @@ use crate::model::{parse_device, HeadKind, Inputs, Model, Network, PadSide, Prec
 use crate::report::Metrics;
 use crate::reward::model::encode_pair;
 
-#[derive(Debug, Clone)]
+#[derive(Debug, Clone, Serialize, Deserialize)]
+#[serde(deny_unknown_fields, default)]
 pub struct RewardTrainConfig {
     pub model: String,
     pub dataset: DatasetSpec,
@@ -47,11 +49,20 @@ pub struct RewardTrainConfig {
     pub gradient_accumulation_steps: usize,
     pub num_train_epochs: usize,
     pub lr_scheduler_type: Schedule,
+    /// Warm-up optimizer steps; 0: `warmup_ratio` of all steps.
+    pub warmup_steps: usize,
+    pub warmup_ratio: f64,
+    /// AdamW decoupled weight decay (not applied to biases and norm weights).
     pub weight_decay: f64,
+    pub adam_beta1: f64,
+    pub adam_beta2: f64,
+    pub adam_epsilon: f64,
     pub max_grad_norm: f64,
     /// Longest sequence in tokens; longer ones are cut at the end.
     pub max_length: usize,
     pub seed: u64,
+    /// Log metrics every N optimizer steps.
+    pub logging_steps: usize,
     /// Replace the logs of a previous run in output_dir.
     pub overwrite_output_dir: bool,
     /// Stop after this many optimizer steps in a row with a non-finite loss or gradient.
@@ -94,8 +105,49 @@ impl Objective for BradleyTerry<'_> {
     }
 }
 
+impl Default for RewardTrainConfig {
+    fn default() -> Self {
+        Self {
+            model: String::new(),
+            dataset: DatasetSpec::default(),
+            eval_dataset: None,
+            eval_fraction: 0.1,
+            output_dir: "runs/reward_model".into(),
+            device: "auto".into(),
+            dtype: Precision::F32,
+            gradient_checkpointing: false,
+            learning_rate: 1e-5,
+            per_device_train_batch_size: 8,
+            gradient_accumulation_steps: 1,
+            num_train_epochs: 1,
+            lr_scheduler_type: Schedule::Linear,
+            warmup_steps: 0,
+            warmup_ratio: 0.0,
+            weight_decay: 0.0,
+            adam_beta1: 0.9,
+            adam_beta2: 0.999,
+            adam_epsilon: 1e-8,
+            max_grad_norm: 1.0,
+            max_length: 1024,
+            seed: 42,
+            logging_steps: 1,
+            overwrite_output_dir: false,
+            max_skipped_steps: 10,
+            peft: PeftOptions::default(),
+        }
+    }
+}
+
+/// The resolved configuration, saved in the output directory.
+pub const CONFIG_FILE: &str = "reward_config.toml";
+
 impl RewardTrainConfig {
-    /// The shared loop's options: no warm-up, a log line every step.
+    /// The resolved configuration as TOML.
+    pub fn to_toml(&self) -> String {
+        toml::to_string_pretty(self).unwrap_or_else(|e| format!("# cannot serialise config: {e}\n"))
+    }
+
+    /// The shared loop's options.
     fn loop_options(&self) -> LoopOptions {
         LoopOptions {
             per_device_train_batch_size: self.per_device_train_batch_size,
@@ -103,9 +155,15 @@ impl RewardTrainConfig {
             num_train_epochs: self.num_train_epochs,
             learning_rate: self.learning_rate,
             lr_scheduler_type: self.lr_scheduler_type,
-            warmup_ratio: 0.0,
-            weight_decay: self.weight_decay,
-            max_grad_norm: self.max_grad_norm,
+            warmup_steps: self.warmup_steps,
+            warmup_ratio: self.warmup_ratio,
+            optimizer: OptimizerOptions {
+                adam_beta1: self.adam_beta1,
+                adam_beta2: self.adam_beta2,
+                adam_epsilon: self.adam_epsilon,
+                weight_decay: self.weight_decay,
+                max_grad_norm: self.max_grad_norm,
+            },
             max_skipped_steps: self.max_skipped_steps,
             seed: self.seed,
             order_stream: streams::REWARD_DATA,
@@ -114,6 +172,7 @@ impl RewardTrainConfig {
 
     /// Checks values that no type can express; messages name the option.
     pub fn validate(&self) -> Result<()> {
+        super::supervised::require_model_and_data(&self.model, &self.dataset)?;
         self.loop_options().validate()?;
         validate_data(self.max_length, self.eval_fraction)
     }
@@ -253,8 +312,10 @@ pub fn train_reward_model(cfg: &RewardTrainConfig) -> Result<RewardTrainSummary>
     let train = load_pairs(&cfg.dataset, &tok, cfg.max_length, context)?;
     let eval = cfg.eval_dataset.as_ref().map(|data| load_pairs(data, &tok, cfg.max_length, context)).transpose()?;
     let (train, eval) = split_eval(train, eval, cfg.eval_fraction, &mut Rng::stream(cfg.seed, &[streams::REWARD_DATA]));
-    let options = HarnessOptions { logging_steps: 1, progress_total: None, samples: false, tensorboard: true };
+    let options =
+        HarnessOptions { logging_steps: cfg.logging_steps, progress_total: None, samples: false, tensorboard: true };
     let mut harness = Harness::open(run_dir, 0, options)?;
+    crate::io::write_atomic(&output_dir.join(CONFIG_FILE), cfg.to_toml().as_bytes())?;
     let mini = cfg.per_device_train_batch_size * cfg.gradient_accumulation_steps;
     let total = train.len().div_ceil(mini) * cfg.num_train_epochs;
     tracing::info!("reward model: {} train / {} eval pairs, {} steps of {mini} pairs", train.len(), eval.len(), total);

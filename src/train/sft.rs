@@ -14,16 +14,17 @@ use candle_core::{Device, Tensor};
 use serde::{Deserialize, Serialize};
 use serde_json::Value;
 
-use super::config::Schedule;
+use super::config::{OptimizerOptions, Schedule};
 use super::harness::{Harness, HarnessOptions};
 use super::run_dir::Reuse;
-use super::supervised::{train_supervised, validate_data, LoopOptions, Objective};
+use super::supervised::{require_model_and_data, train_supervised, validate_data, LoopOptions, Objective};
 use crate::data::split_eval;
 use crate::data::{DatasetSpec, Row};
 use crate::data::{Message, Prompt, Tokenizer};
 use crate::error::{Error, Result};
 use crate::generate::rng::streams;
 use crate::generate::Rng;
+use crate::io::write_atomic;
 use crate::model::hub::resolve_model;
 use crate::model::layer_graphs::LayerGraphs;
 use crate::model::lora::PeftOptions;
@@ -51,8 +52,14 @@ pub struct SftConfig {
     pub gradient_accumulation_steps: usize,
     pub num_train_epochs: usize,
     pub lr_scheduler_type: Schedule,
+    /// Warm-up optimizer steps; 0: `warmup_ratio` of all steps.
+    pub warmup_steps: usize,
     pub warmup_ratio: f64,
+    /// AdamW decoupled weight decay (not applied to biases and norm weights).
     pub weight_decay: f64,
+    pub adam_beta1: f64,
+    pub adam_beta2: f64,
+    pub adam_epsilon: f64,
     pub max_grad_norm: f64,
     /// Longest prompt + completion in tokens; longer rows are cut at the end.
     pub max_length: usize,
@@ -84,8 +91,12 @@ impl Default for SftConfig {
             gradient_accumulation_steps: 1,
             num_train_epochs: 1,
             lr_scheduler_type: Schedule::Linear,
+            warmup_steps: 0,
             warmup_ratio: 0.0,
             weight_decay: 0.0,
+            adam_beta1: 0.9,
+            adam_beta2: 0.999,
+            adam_epsilon: 1e-8,
             max_grad_norm: 1.0,
             max_length: 1024,
             all_tokens: false,
@@ -219,7 +230,15 @@ impl Objective for NextTokenLoss<'_> {
     }
 }
 
+/// The resolved configuration, saved in the output directory.
+pub const CONFIG_FILE: &str = "sft_config.toml";
+
 impl SftConfig {
+    /// The resolved configuration as TOML.
+    pub fn to_toml(&self) -> String {
+        toml::to_string_pretty(self).unwrap_or_else(|e| format!("# cannot serialise config: {e}\n"))
+    }
+
     /// The shared loop's options.
     fn loop_options(&self) -> LoopOptions {
         LoopOptions {
@@ -228,9 +247,15 @@ impl SftConfig {
             num_train_epochs: self.num_train_epochs,
             learning_rate: self.learning_rate,
             lr_scheduler_type: self.lr_scheduler_type,
+            warmup_steps: self.warmup_steps,
             warmup_ratio: self.warmup_ratio,
-            weight_decay: self.weight_decay,
-            max_grad_norm: self.max_grad_norm,
+            optimizer: OptimizerOptions {
+                adam_beta1: self.adam_beta1,
+                adam_beta2: self.adam_beta2,
+                adam_epsilon: self.adam_epsilon,
+                weight_decay: self.weight_decay,
+                max_grad_norm: self.max_grad_norm,
+            },
             max_skipped_steps: self.max_skipped_steps,
             seed: self.seed,
             order_stream: streams::SFT_DATA,
@@ -239,6 +264,7 @@ impl SftConfig {
 
     /// Checks values that no type can express; messages name the option.
     pub fn validate(&self) -> Result<()> {
+        require_model_and_data(&self.model, &self.dataset)?;
         self.loop_options().validate()?;
         validate_data(self.max_length, self.eval_fraction)
     }
@@ -307,6 +333,7 @@ pub fn train_sft(cfg: &SftConfig) -> Result<SftSummary> {
     let options =
         HarnessOptions { logging_steps: cfg.logging_steps, progress_total: None, samples: false, tensorboard: true };
     let mut harness = Harness::open(run_dir, 0, options)?;
+    write_atomic(&output_dir.join(CONFIG_FILE), cfg.to_toml().as_bytes())?;
 
     let mini = cfg.per_device_train_batch_size * cfg.gradient_accumulation_steps;
     let steps_per_epoch = train.len().div_ceil(mini);

@@ -24,10 +24,10 @@ pub struct LoopOptions {
     pub num_train_epochs: usize,
     pub learning_rate: f64,
     pub lr_scheduler_type: Schedule,
-    /// Warm-up as a fraction of all optimizer steps (rounded up).
+    /// Warm-up optimizer steps; 0: `warmup_ratio` of all steps (rounded up).
+    pub warmup_steps: usize,
     pub warmup_ratio: f64,
-    pub weight_decay: f64,
-    pub max_grad_norm: f64,
+    pub optimizer: OptimizerOptions,
     pub max_skipped_steps: usize,
     pub seed: u64,
     /// The random stream of each epoch's order (with the epoch + 1).
@@ -48,18 +48,19 @@ impl LoopOptions {
         }
         positive("learning_rate", self.learning_rate)?;
         in_range("warmup_ratio", self.warmup_ratio, Bound::Closed(0.0), Bound::Closed(1.0))?;
-        // AdamW's own constants are fixed in these loops.
-        check_optimizer(
-            "",
-            &OptimizerOptions {
-                adam_beta1: 0.9,
-                adam_beta2: 0.999,
-                adam_epsilon: 1e-8,
-                weight_decay: self.weight_decay,
-                max_grad_norm: self.max_grad_norm,
-            },
-        )
+        check_optimizer("", &self.optimizer)
     }
+}
+
+/// A model to start from and training rows: the keys with no default.
+pub fn require_model_and_data(model: &str, dataset: &crate::data::DatasetSpec) -> Result<()> {
+    if model.is_empty() {
+        return Err(Error::Invalid("no model to start from: set model (or --model / --model_name_or_path)".into()));
+    }
+    if dataset.name.is_empty() {
+        return Err(Error::Invalid("no training rows: set dataset.name (or --dataset / --dataset_name)".into()));
+    }
+    Ok(())
 }
 
 /// Checks the data options both supervised trainers share: the longest
@@ -111,8 +112,12 @@ pub fn train_supervised<O: Objective>(
     let mini = opts.per_device_train_batch_size * opts.gradient_accumulation_steps;
     let steps_per_epoch = train.len().div_ceil(mini);
     let total_steps = steps_per_epoch * opts.num_train_epochs;
-    let warmup = (opts.warmup_ratio * total_steps as f64).ceil() as usize;
-    let mut optimizer = AdamW::new(0.9, 0.999, 1e-8, opts.weight_decay);
+    let warmup = match opts.warmup_steps {
+        0 => (opts.warmup_ratio * total_steps as f64).ceil() as usize,
+        n => n,
+    };
+    let o = &opts.optimizer;
+    let mut optimizer = AdamW::new(o.adam_beta1, o.adam_beta2, o.adam_epsilon, o.weight_decay);
     let mut grads = GradAccumulator::default();
     let mut guard = StepGuard::new(opts.max_skipped_steps);
     let (mut step, mut skipped, mut last_loss) = (0usize, 0usize, f64::NAN);
@@ -128,7 +133,7 @@ pub fn train_supervised<O: Objective>(
                 count += n;
                 grads.add(model.params(), &crate::model::backward(&loss, &[model])?)?;
             }
-            let grad_norm = grads.clip(opts.max_grad_norm)?;
+            let grad_norm = grads.clip(o.max_grad_norm)?;
             let lr = learning_rate(opts.learning_rate, opts.lr_scheduler_type, step, total_steps, warmup);
             if guard.check(step, loss_sum, grad_norm) {
                 optimizer.step(model.params(), &grads, lr)?;

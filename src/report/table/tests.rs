@@ -128,7 +128,7 @@ fn two_samples() -> SampleTable {
 #[test]
 fn sample_table_has_a_column_per_score_and_blanks_for_missing_ones() {
     assert_eq!(
-        two_samples().render(120, 4),
+        two_samples().render(120, 8, 4),
         "\
 ┏━━━━━━━━┳━━━━━━━━━━━━┳━━━━━━━━━┳━━━━━━━━━━━━━━┓
 ┃ prompt ┃ completion ┃ score   ┃ rewards/math ┃
@@ -140,6 +140,7 @@ fn sample_table_has_a_column_per_score_and_blanks_for_missing_ones() {
 └────────┴────────────┴─────────┴──────────────┘
 "
     );
+    assert_eq!(two_samples().render(120, 1, 4).lines().count(), 5, "one row under the header");
 }
 
 #[test]

@@ -163,7 +163,8 @@ pub fn train(cfg: &TrainConfig) -> Result<RunSummary> {
         }
         harness.log(state.step, &metrics, state.step == stop_at)?;
         let table = report::sample_table(&run.dataset, &rollout, &shaped);
-        harness.samples(state.step, &table, state.step % table_every == 0 || state.step == 1)?;
+        let show = state.step % table_every == 0 || state.step == 1;
+        harness.samples(state.step, &table, if show { t.num_completions_to_print } else { 0 })?;
         harness.progress(state.episode, &metrics);
         let stopping = Stopping::now(&guard);
         let save_now = t.save_steps > 0 && state.step % t.save_steps == 0;

@@ -103,6 +103,9 @@ impl Run {
         rewards.check_rows(&rows)?;
         let sizes = BatchSizes::new(cfg, Some(dataset.len()))?;
         tracing::info!("{} prompts from {}; {}", dataset.len(), dataset.label, sizes.describe(cfg.rloo.num_ppo_epochs));
+        if cfg.rloo.steps_per_generation.is_some() || cfg.rloo.generation_batch_size.is_some() {
+            tracing::info!("in TRL 1.x's terms: {}", sizes.describe_trl_1x());
+        }
 
         let memory_plan = if device.is_cpu() {
             let longest = dataset.rows.iter().map(|r| r.ids.len()).max().unwrap_or(0);
