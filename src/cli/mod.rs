@@ -17,6 +17,7 @@ mod score;
 mod serve;
 mod sft;
 mod study;
+mod supervised;
 mod train;
 
 use std::process::ExitCode;

@@ -1,20 +1,18 @@
 //! `rloo reward train`: a reward model from preference pairs;
 //! `rloo reward serve`: a reward model over HTTP.
 
-use std::path::PathBuf;
-
 use anyhow::{Context, Result};
-use clap::{ArgMatches, Args, Command, Subcommand};
+use clap::{Args, Subcommand};
 
+use rloo::data::DatasetSpec;
 use rloo::model::parse_device;
 use rloo::reward::serve::{serve, ServeOptions};
 use rloo::reward::RewardModel;
-use rloo::train::config::load_toml;
 use rloo::train::reward_model::{train_reward_model, RewardTrainConfig};
 
-use super::config_flags::{self, config_file, Flag, Flags, Kind};
-use super::dataset_flags::{self, HeldOut};
+use super::config_flags::{Flag, Kind};
 use super::listen_flags::ListenFlags;
+use super::supervised::{SupervisedArgs, Trainer};
 
 #[derive(Debug, Subcommand)]
 pub enum RewardCommand {
@@ -64,55 +62,27 @@ pub struct RewardServeArgs {
     device: String,
 }
 
-const TRAIN_FLAGS: &[Flag] = &[
-    ("model", "model", Kind::Str, "Model directory or cached hub id to start from (causal LM or reward model)"),
-    ("model_name_or_path", "model", Kind::Str, "TRL's name of --model"),
-];
-
-fn train_flags() -> Flags {
-    Flags::new()
-        .with("Model", "", TRAIN_FLAGS)
-        .with("Model", "", config_flags::DEVICE)
-        .with("Data", "", dataset_flags::TRAINING_DATA)
-        .with("Training", "", config_flags::PRECISION)
-        .with("Training", "", config_flags::BATCH)
-        .with("Training", "", config_flags::OPTIMIZER)
-        .with("Training", "", config_flags::RUN)
-        .with("PEFT", "", config_flags::PEFT)
-}
-
-/// `rloo reward train`'s options: a TOML file, `--set` and flags, as `rloo train`.
 #[derive(Debug)]
-pub struct RewardTrainArgs {
-    config: Option<PathBuf>,
-    overrides: Vec<(String, toml::Value)>,
-    held_out: HeldOut,
-    print_config: bool,
-}
+pub struct RewardTrainer;
 
-impl clap::Args for RewardTrainArgs {
-    fn augment_args(cmd: Command) -> Command {
-        let defaults = toml::Value::try_from(RewardTrainConfig::default()).expect("the default config serialises");
-        train_flags().augment(cmd, &defaults)
+impl Trainer for RewardTrainer {
+    type Config = RewardTrainConfig;
+    const FLAGS: &'static [Flag] = &[
+        ("model", "model", Kind::Str, "Model directory or cached hub id to start from (causal LM or reward model)"),
+        ("model_name_or_path", "model", Kind::Str, "TRL's name of --model"),
+    ];
+    fn datasets(cfg: &mut RewardTrainConfig) -> (&DatasetSpec, &mut Option<DatasetSpec>) {
+        (&cfg.dataset, &mut cfg.eval_dataset)
     }
-
-    fn augment_args_for_update(cmd: Command) -> Command {
-        Self::augment_args(cmd)
+    fn validate(cfg: &RewardTrainConfig) -> rloo::Result<()> {
+        cfg.validate()
     }
-}
-
-impl clap::FromArgMatches for RewardTrainArgs {
-    fn from_arg_matches(m: &ArgMatches) -> Result<Self, clap::Error> {
-        let (config, print_config) = config_file(m);
-        let overrides = train_flags().overrides(m, |_, key| key.to_string())?;
-        Ok(Self { config, overrides, held_out: HeldOut::from_matches(m), print_config })
-    }
-
-    fn update_from_arg_matches(&mut self, m: &ArgMatches) -> Result<(), clap::Error> {
-        *self = Self::from_arg_matches(m)?;
-        Ok(())
+    fn to_toml(cfg: &RewardTrainConfig) -> String {
+        cfg.to_toml()
     }
 }
+
+pub type RewardTrainArgs = SupervisedArgs<RewardTrainer>;
 
 pub fn run(cmd: RewardCommand) -> Result<()> {
     match cmd {
@@ -145,13 +115,7 @@ fn serve_model(a: RewardServeArgs) -> Result<()> {
 }
 
 fn train(a: RewardTrainArgs) -> Result<()> {
-    let mut cfg: RewardTrainConfig = load_toml(a.config.as_deref(), &a.overrides, |_, _| Ok(()))?;
-    a.held_out.apply(&cfg.dataset, &mut cfg.eval_dataset);
-    if a.print_config {
-        cfg.validate()?;
-        print!("{}", cfg.to_toml());
-        return Ok(());
-    }
+    let Some(cfg) = a.config()? else { return Ok(()) };
     let s = train_reward_model(&cfg).context("reward-model training failed")?;
     match s.eval {
         Some(e) => eprintln!(

@@ -14,7 +14,7 @@ use crate::error::Result;
 
 /// Every supported `model_type`, in the order errors list them.
 pub static REGISTRY: &[&dyn Architecture] =
-    &[&gpt_neox::GptNeox, &llama::Llama, &qwen2::Qwen2, &qwen3::Qwen3, &gpt2::Gpt2, &opt::Opt];
+    &[&gpt_neox::GptNeox, &llama::LLAMA, &qwen2::QWEN2, &qwen3::QWEN3, &gpt2::Gpt2, &opt::Opt];
 
 /// The architecture whose `model_type` this is.
 pub fn find(model_type: &str) -> Option<&'static dyn Architecture> {

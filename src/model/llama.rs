@@ -80,23 +80,33 @@ fn default_act() -> String {
 }
 
 /// How a family member departs from plain Llama.
+#[derive(Debug, Clone, Copy)]
 pub struct Variant {
     pub qkv_bias: bool,
     pub qk_norm: bool,
 }
 
+/// A member of the Llama family: its names and its [`Variant`]; its
+/// tensors are laid out as Llama's.
 #[derive(Debug)]
-pub struct Llama;
+pub struct Member {
+    pub model_type: &'static str,
+    pub class_stem: &'static str,
+    pub variant: Variant,
+}
 
-impl Architecture for Llama {
+pub const LLAMA: Member =
+    Member { model_type: "llama", class_stem: "Llama", variant: Variant { qkv_bias: false, qk_norm: false } };
+
+impl Architecture for Member {
     fn model_type(&self) -> &'static str {
-        "llama"
+        self.model_type
     }
     fn resolve(&self, raw: &Value) -> std::result::Result<Arc<dyn ArchConfig>, String> {
-        Ok(Arc::new(raw_config::<RawConfig>(raw)?.resolve(Variant { qkv_bias: false, qk_norm: false })?))
+        Ok(Arc::new(raw_config::<RawConfig>(raw)?.resolve(self.variant)?))
     }
     fn class_stem(&self) -> &'static str {
-        "Llama"
+        self.class_stem
     }
     fn base_prefix(&self) -> &'static str {
         "model"
