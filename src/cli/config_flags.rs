@@ -1,7 +1,7 @@
 //! The one command-line idiom of the commands that train (`train`, `sft`,
 //! `reward train`): a TOML file, then `--set key=value`, then flags; later
-//! ones win. Each flag names a config key, is accepted in its underscore
-//! and dash spellings, shows the config's default in `--help`, and the
+//! ones win. Each flag names a config key (both spellings come from
+//! `cli::both_spellings`), shows the config's default in `--help`, and the
 //! options they share (device, batch, schedule, optimizer, run, PEFT) are
 //! defined once here.
 
@@ -139,7 +139,6 @@ impl Flags {
             .arg(
                 Arg::new("print_config")
                     .long("print_config")
-                    .alias("print-config")
                     .action(ArgAction::SetTrue)
                     .help("Print the resolved configuration and exit"),
             );
@@ -150,7 +149,6 @@ impl Flags {
             };
             let mut arg = Arg::new(*flag)
                 .long(*flag)
-                .alias(flag.replace('_', "-"))
                 .value_name(match kind {
                     Kind::Str => "TEXT",
                     Kind::Int => "N",

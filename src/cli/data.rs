@@ -50,30 +50,30 @@ pub struct PrepareArgs {
     #[arg(long)]
     input: String,
     /// The configuration read [default: the recipe's, e.g. preference for helpsteer3].
-    #[arg(long = "dataset_config", alias = "dataset-config")]
+    #[arg(long = "dataset_config")]
     dataset_config: Option<String>,
     /// Keep only upstream rows this expression accepts, e.g. 'language == "english"'.
-    #[arg(long = "dataset_filter", alias = "dataset-filter")]
+    #[arg(long = "dataset_filter")]
     dataset_filter: Option<String>,
-    #[arg(long, alias = "output_dir")]
+    #[arg(long)]
     output_dir: PathBuf,
     /// The tokenizer that --max-length and --max-prompt-length count with (a model directory or hub id).
     #[arg(long)]
     tokenizer: Option<String>,
     /// Drop rows whose prompt and longer answer exceed N tokens.
-    #[arg(long, alias = "max_length")]
+    #[arg(long)]
     max_length: Option<usize>,
     /// Drop rows whose prompt exceeds N tokens.
-    #[arg(long, alias = "max_prompt_length")]
+    #[arg(long)]
     max_prompt_length: Option<usize>,
     /// Percent of train held out as the validation split.
-    #[arg(long, alias = "validation_percentage", default_value_t = 0.0)]
+    #[arg(long, default_value_t = 0.0)]
     validation_percentage: f64,
     /// Keep one row per distinct prompt.
-    #[arg(long, alias = "remove_same_inputs")]
+    #[arg(long)]
     remove_same_inputs: bool,
     /// Drop pairs whose chosen and rejected answers are equal.
-    #[arg(long, alias = "remove_same_responses")]
+    #[arg(long)]
     remove_same_responses: bool,
     /// Shuffle each split (seeded) before writing.
     #[arg(long)]
@@ -81,7 +81,7 @@ pub struct PrepareArgs {
     #[arg(long, default_value_t = 42)]
     seed: u64,
     /// Words of a review that make an imdb prompt.
-    #[arg(long, alias = "prompt_words", default_value_t = 8)]
+    #[arg(long, default_value_t = 8)]
     prompt_words: usize,
 }
 

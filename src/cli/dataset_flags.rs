@@ -10,13 +10,13 @@ use super::config_flags::{text, Flag, Kind};
 #[derive(Debug, Args)]
 pub struct DatasetFlags {
     /// The dataset configuration (a sub-directory), e.g. preference.
-    #[arg(long = "dataset_config", alias = "dataset-config")]
+    #[arg(long = "dataset_config")]
     dataset_config: Option<String>,
     /// The split read from a dataset directory, datasets save or hub dataset.
-    #[arg(long = "dataset_split", alias = "dataset-split")]
+    #[arg(long = "dataset_split")]
     dataset_split: Option<String>,
     /// Keep only rows this expression accepts, e.g. 'language == "english" and len(context) <= 4'.
-    #[arg(long = "dataset_filter", alias = "dataset-filter")]
+    #[arg(long = "dataset_filter")]
     dataset_filter: Option<String>,
 }
 

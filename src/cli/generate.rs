@@ -59,7 +59,7 @@ pub struct GenerateArgs {
     min_p: Option<f32>,
     /// Divide (multiply, when negative) the logits of tokens already in the prompt or the completion
     /// by this, as transformers does (1: off) [default: generation config, else 1].
-    #[arg(long, alias = "repetition_penalty")]
+    #[arg(long)]
     repetition_penalty: Option<f32>,
     /// Seed of the sampler; the same seed gives the same completions on the same machine.
     #[arg(long, default_value_t = 0)]

@@ -13,7 +13,7 @@ pub struct ListenFlags {
     #[arg(long, default_value_t = 8000)]
     pub port: u16,
     /// Environment variable holding a token that clients must send as `Authorization: Bearer <token>`.
-    #[arg(long, alias = "api_key_env")]
+    #[arg(long)]
     pub api_key_env: Option<String>,
 }
 

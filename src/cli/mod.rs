@@ -112,8 +112,7 @@ fn both_spellings(cmd: clap::Command) -> clap::Command {
     let cmd = cmd.mut_args(|arg| {
         let Some(long) = arg.get_long() else { return arg };
         let other = if long.contains('_') { long.replace('_', "-") } else { long.replace('-', "_") };
-        let known = arg.get_all_aliases().is_some_and(|aliases| aliases.contains(&other.as_str()));
-        if other == long || known {
+        if other == long {
             arg
         } else {
             arg.alias(other)

@@ -43,19 +43,19 @@ pub struct RewardServeArgs {
     #[command(flatten)]
     listen: ListenFlags,
     /// Samples scored together at most (also the forward-pass batch).
-    #[arg(long, alias = "batch_size", default_value_t = 32, value_parser = clap::value_parser!(u64).range(1..))]
+    #[arg(long, default_value_t = 32, value_parser = clap::value_parser!(u64).range(1..))]
     batch_size: u64,
     /// Samples one request may hold.
-    #[arg(long, alias = "max_request_samples", default_value_t = 1024, value_parser = clap::value_parser!(u64).range(1..))]
+    #[arg(long, default_value_t = 1024, value_parser = clap::value_parser!(u64).range(1..))]
     max_request_samples: u64,
     /// Largest request body in MiB.
-    #[arg(long, alias = "max_body_mib", default_value_t = 64, value_parser = clap::value_parser!(u64).range(1..4096))]
+    #[arg(long, default_value_t = 64, value_parser = clap::value_parser!(u64).range(1..4096))]
     max_body_mib: u64,
     /// Requests handled at the same time.
     #[arg(long, default_value_t = 8, value_parser = clap::value_parser!(u64).range(1..))]
     threads: u64,
     /// Requests waiting beyond those; more are answered 503 (which the `http` reward source retries).
-    #[arg(long, alias = "max_queue", default_value_t = 256)]
+    #[arg(long, default_value_t = 256)]
     max_queue: usize,
     /// cpu, cuda, cuda:N or auto.
     #[arg(long, default_value = "auto")]
@@ -76,9 +76,6 @@ impl Trainer for RewardTrainer {
     }
     fn validate(cfg: &RewardTrainConfig) -> rloo::Result<()> {
         cfg.validate()
-    }
-    fn to_toml(cfg: &RewardTrainConfig) -> String {
-        cfg.to_toml()
     }
 }
 

@@ -27,19 +27,19 @@ pub struct ServeArgs {
     #[command(flatten)]
     listen: ListenFlags,
     /// Completions each text model decodes together at most; requests beyond wait their turn.
-    #[arg(long, alias = "max_batch_rows", default_value_t = 64, value_parser = clap::value_parser!(u64).range(1..))]
+    #[arg(long, default_value_t = 64, value_parser = clap::value_parser!(u64).range(1..))]
     max_batch_rows: u64,
     /// Requests handled at the same time (each stream holds one until it ends).
-    #[arg(long, alias = "max_concurrent", default_value_t = 128, value_parser = clap::value_parser!(u64).range(1..))]
+    #[arg(long, default_value_t = 128, value_parser = clap::value_parser!(u64).range(1..))]
     max_concurrent: u64,
     /// Requests waiting beyond those; more are answered 503.
-    #[arg(long, alias = "max_queue", default_value_t = 256)]
+    #[arg(long, default_value_t = 256)]
     max_queue: usize,
     /// Largest request body in MiB.
-    #[arg(long, alias = "max_body_mib", default_value_t = 8, value_parser = clap::value_parser!(u64).range(1..4096))]
+    #[arg(long, default_value_t = 8, value_parser = clap::value_parser!(u64).range(1..4096))]
     max_body_mib: u64,
     /// Samples a reward model scores together.
-    #[arg(long, alias = "score_batch_size", default_value_t = 32, value_parser = clap::value_parser!(u64).range(1..))]
+    #[arg(long, default_value_t = 32, value_parser = clap::value_parser!(u64).range(1..))]
     score_batch_size: u64,
     /// cpu, cuda, cuda:N or auto (the first GPU if there is one).
     #[arg(long, default_value = "auto")]

@@ -24,9 +24,6 @@ impl Trainer for Sft {
     fn validate(cfg: &SftConfig) -> rloo::Result<()> {
         cfg.validate()
     }
-    fn to_toml(cfg: &SftConfig) -> String {
-        cfg.to_toml()
-    }
 }
 
 pub type SftArgs = SupervisedArgs<Sft>;

@@ -11,7 +11,7 @@ use serde::de::DeserializeOwned;
 use serde::Serialize;
 
 use rloo::data::DatasetSpec;
-use rloo::train::config::load_toml;
+use rloo::train::config::{load_toml, to_toml};
 
 use super::config_flags::{self, config_file, Flag, Flags};
 use super::dataset_flags::{self, HeldOut};
@@ -24,7 +24,6 @@ pub trait Trainer: std::fmt::Debug {
     /// The training rows, and the held-out rows to set.
     fn datasets(cfg: &mut Self::Config) -> (&DatasetSpec, &mut Option<DatasetSpec>);
     fn validate(cfg: &Self::Config) -> rloo::Result<()>;
-    fn to_toml(cfg: &Self::Config) -> String;
 }
 
 #[derive(Debug)]
@@ -81,7 +80,7 @@ impl<T: Trainer> SupervisedArgs<T> {
             return Ok(Some(cfg));
         }
         T::validate(&cfg)?;
-        print!("{}", T::to_toml(&cfg));
+        print!("{}", to_toml(&cfg));
         Ok(None)
     }
 }

@@ -51,7 +51,7 @@ pub struct GenerateOptions {
     pub num_return_sequences: usize,
     pub sampling: Sampling,
     /// transformers' repetition penalty over the prompt and the completion
-    /// so far (1: none); see [`penalize_repeats`](super::sampling::penalize_repeats).
+    /// so far (1: none); see [`with_penalty`](super::sampling::with_penalty).
     pub repetition_penalty: f32,
     pub stop: StopCriteria,
     /// Rows (prompt x sample) decoded together.

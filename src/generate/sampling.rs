@@ -86,13 +86,9 @@ impl Sampling {
         rng: &mut Rng,
         scratch: &mut Scratch,
     ) -> Pick {
-        if penalty == 1.0 {
-            return self.pick(logits, rng, scratch);
-        }
-        let mut penalized = std::mem::take(&mut scratch.penalized);
-        penalize_repeats(logits, seen, penalty, &mut penalized);
-        let pick = self.pick(&penalized, rng, scratch);
-        scratch.penalized = penalized;
+        let mut buf = std::mem::take(&mut scratch.penalized);
+        let pick = self.pick(with_penalty(logits, seen, penalty, &mut buf), rng, scratch);
+        scratch.penalized = buf;
         pick
     }
 
@@ -151,11 +147,26 @@ pub struct Scratch {
     penalized: Vec<f32>,
 }
 
+/// `logits` under a repetition penalty over `seen`: themselves when the
+/// penalty is 1, else their penalised copy in `buf`.
+pub fn with_penalty<'a>(
+    logits: &'a [f32],
+    seen: impl IntoIterator<Item = u32>,
+    penalty: f32,
+    buf: &'a mut Vec<f32>,
+) -> &'a [f32] {
+    if penalty == 1.0 {
+        return logits;
+    }
+    penalize_repeats(logits, seen, penalty, buf);
+    buf
+}
+
 /// transformers' `RepetitionPenaltyLogitsProcessor`: the logit of every
 /// token in `seen` (the prompt and the completion so far) is divided by
 /// `penalty` when positive and multiplied by it when negative, once however
 /// often the token appeared. `out` gets the penalised copy of `logits`.
-pub fn penalize_repeats(logits: &[f32], seen: impl IntoIterator<Item = u32>, penalty: f32, out: &mut Vec<f32>) {
+fn penalize_repeats(logits: &[f32], seen: impl IntoIterator<Item = u32>, penalty: f32, out: &mut Vec<f32>) {
     out.clear();
     out.extend_from_slice(logits);
     for id in seen {

@@ -21,12 +21,10 @@ pub enum HeadKind {
 
 #[derive(Debug, Clone)]
 pub struct ModelConfig {
-    pub model_type: String,
     pub head: HeadKind,
     pub arch: &'static dyn Architecture,
     /// The architecture's resolved config, which builds its decoder.
     pub resolved: Arc<dyn ArchConfig>,
-    pub dims: Dims,
     /// `config.json` as read, written back when saving.
     pub raw: Value,
     pub path: PathBuf,
@@ -44,39 +42,43 @@ impl ModelConfig {
     pub fn from_value(raw: Value, path: &Path) -> Result<Self> {
         let bad = |msg: String| Error::bad_config(path, msg);
         let model_type =
-            raw.get("model_type").and_then(Value::as_str).ok_or_else(|| bad("no `model_type` key".into()))?.to_string();
-        let arch = arch::find(&model_type).ok_or_else(|| {
+            raw.get("model_type").and_then(Value::as_str).ok_or_else(|| bad("no `model_type` key".into()))?;
+        let arch = arch::find(model_type).ok_or_else(|| {
             bad(format!("model_type `{model_type}` is not supported (supported: {})", arch::supported()))
         })?;
         let resolved = arch.resolve(&raw).map_err(bad)?;
         let head = head_kind(&raw).map_err(bad)?;
-        Ok(Self { model_type, head, arch, dims: resolved.dims(), resolved, raw, path: path.to_path_buf() })
+        Ok(Self { head, arch, resolved, raw, path: path.to_path_buf() })
+    }
+
+    fn dims(&self) -> Dims {
+        self.resolved.dims()
     }
 
     pub fn vocab_size(&self) -> usize {
-        self.dims.vocab_size
+        self.dims().vocab_size
     }
 
     pub fn hidden_size(&self) -> usize {
-        self.dims.hidden_size
+        self.dims().hidden_size
     }
 
     /// The width the LM and score heads read.
     pub fn head_width(&self) -> usize {
-        self.dims.head_width
+        self.dims().head_width
     }
 
     pub fn num_layers(&self) -> usize {
-        self.dims.num_layers
+        self.dims().num_layers
     }
 
     pub fn tie_word_embeddings(&self) -> bool {
-        self.dims.tie_word_embeddings
+        self.dims().tie_word_embeddings
     }
 
     /// Longest sequence the position embeddings allow (`None`: rotary, unbounded).
     pub fn max_positions(&self) -> Option<usize> {
-        self.dims.max_positions
+        self.dims().max_positions
     }
 
     /// The positions the model was trained for: learned positions, or

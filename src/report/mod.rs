@@ -16,12 +16,23 @@ pub use samples::{Sample, SampleWriter};
 pub use table::{render_table, terminal_width, SampleTable};
 pub use tensorboard::TensorBoardWriter;
 
-/// New metrics files in `dir`: `metrics.jsonl`, and TensorBoard events
-/// when asked for.
-pub fn metric_sinks(dir: &std::path::Path, tensorboard: bool) -> crate::error::Result<Vec<Box<dyn MetricsSink>>> {
-    let mut sinks: Vec<Box<dyn MetricsSink>> = vec![Box::new(JsonlMetrics::create(dir)?)];
+/// The metrics files in `dir`: `metrics.jsonl`, and TensorBoard events
+/// when asked for; new ones, or a resumed run's from step `resume_at` on.
+pub fn metric_sinks(
+    dir: &std::path::Path,
+    tensorboard: bool,
+    resume_at: Option<u64>,
+) -> crate::error::Result<Vec<Box<dyn MetricsSink>>> {
+    let jsonl = match resume_at {
+        None => JsonlMetrics::create(dir)?,
+        Some(step) => JsonlMetrics::resume(dir, step)?,
+    };
+    let mut sinks: Vec<Box<dyn MetricsSink>> = vec![Box::new(jsonl)];
     if tensorboard {
-        sinks.push(Box::new(TensorBoardWriter::create(dir)?));
+        sinks.push(Box::new(match resume_at {
+            None => TensorBoardWriter::create(dir)?,
+            Some(step) => TensorBoardWriter::resume(dir, step)?,
+        }));
     }
     Ok(sinks)
 }

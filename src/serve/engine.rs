@@ -18,7 +18,7 @@ use super::text::TextStream;
 use crate::data::Tokenizer;
 use crate::error::Result;
 use crate::generate::engine::pick_rows;
-use crate::generate::sampling::{penalize_repeats, Pick};
+use crate::generate::sampling::{with_penalty, Pick};
 use crate::generate::{FinishReason, Rng, Sampling};
 use crate::model::{Inputs, KvCache, Network, PadSide};
 
@@ -353,14 +353,9 @@ impl EngineLoop<'_> {
     fn token_logprob(&self, pick: &Pick, logits: &Tensor, row: &Row, top: usize) -> Result<TokenLogprob> {
         let r = &row.request;
         let raw: Vec<f32> = logits.to_vec1()?;
-        let mut penalized = Vec::new();
-        let row: &[f32] = if r.repetition_penalty == 1.0 {
-            &raw
-        } else {
-            let seen = r.prompt.iter().chain(&row.tokens[..row.tokens.len() - 1]).copied();
-            penalize_repeats(&raw, seen, r.repetition_penalty, &mut penalized);
-            &penalized
-        };
+        let mut buf = Vec::new();
+        let seen = r.prompt.iter().chain(&row.tokens[..row.tokens.len() - 1]).copied();
+        let row = with_penalty(&raw, seen, r.repetition_penalty, &mut buf);
         let inv_t = 1.0 / r.sampling.logprob_temperature();
         // log p_j = l_j / T - log Z, and log Z follows from the picked token.
         let log_z = row[pick.token as usize] * inv_t - pick.logprob;

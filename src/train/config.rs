@@ -424,7 +424,7 @@ impl TrainConfig {
 
     /// The resolved configuration as TOML, written next to the outputs.
     pub fn to_toml(&self) -> String {
-        toml::to_string_pretty(self).unwrap_or_else(|e| format!("# cannot serialise config: {e}\n"))
+        to_toml(self)
     }
 
     /// Checks values that no type can express; messages name the option.
@@ -666,6 +666,11 @@ pub fn non_negative(name: &str, value: f64) -> Result<()> {
 
 pub fn finite(name: &str, value: f64) -> Result<()> {
     in_range(name, value, Open(f64::NEG_INFINITY), Open(f64::INFINITY))
+}
+
+/// A resolved configuration as TOML, as the commands print and save it.
+pub fn to_toml<T: serde::Serialize>(cfg: &T) -> String {
+    toml::to_string_pretty(cfg).unwrap_or_else(|e| format!("# cannot serialise config: {e}\n"))
 }
 
 /// A configuration from a TOML file (`prepare`d, e.g. renaming keys) with

@@ -10,9 +10,7 @@ use super::optim::StepGuard;
 use super::run_dir::{Reuse, RunDir};
 use super::stop;
 use crate::error::{Error, Result};
-use crate::report::{
-    metric_sinks, JsonlMetrics, Metrics, MetricsSink, SampleTable, SampleWriter, TensorBoardWriter, TrainProgress,
-};
+use crate::report::{metric_sinks, Metrics, MetricsSink, SampleTable, SampleWriter, TrainProgress};
 
 /// How a run reports.
 pub struct HarnessOptions {
@@ -52,16 +50,7 @@ impl Harness {
     pub fn open(run_dir: RunDir, done: usize, opts: HarnessOptions) -> Result<Self> {
         let output_dir = run_dir.path();
         let first_step = done + 1;
-        let sinks: Vec<Box<dyn MetricsSink>> = if done == 0 {
-            metric_sinks(output_dir, opts.tensorboard)?
-        } else {
-            let mut sinks: Vec<Box<dyn MetricsSink>> =
-                vec![Box::new(JsonlMetrics::resume(output_dir, first_step as u64)?)];
-            if opts.tensorboard {
-                sinks.push(Box::new(TensorBoardWriter::resume(output_dir, first_step as u64)?));
-            }
-            sinks
-        };
+        let sinks = metric_sinks(output_dir, opts.tensorboard, (done > 0).then_some(first_step as u64))?;
         let samples = match (opts.samples, done) {
             (false, _) => None,
             (true, 0) => Some(SampleWriter::create(output_dir)?),

@@ -203,6 +203,15 @@ impl AdamW {
     }
 }
 
+/// Warm-up optimizer steps: `warmup_steps`, or (when 0) `warmup_ratio` of
+/// all `total` steps, rounded up.
+pub fn warmup_steps(warmup_steps: usize, warmup_ratio: f64, total: usize) -> usize {
+    match warmup_steps {
+        0 => (warmup_ratio * total as f64).ceil() as usize,
+        n => n,
+    }
+}
+
 /// Learning rate at optimizer step `step` (0-based) of `total`: linear
 /// warm-up from 0, then constant, linear decay to 0, or cosine decay to 0
 /// (the transformers schedules of the same names).

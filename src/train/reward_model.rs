@@ -10,7 +10,7 @@ use candle_core::{Device, Tensor};
 use serde::{Deserialize, Serialize};
 use serde_json::Value;
 
-use super::config::{OptimizerOptions, Schedule};
+use super::config::{to_toml, OptimizerOptions, Schedule};
 use super::harness::{Harness, HarnessOptions};
 use super::run_dir::Reuse;
 use super::supervised::{train_supervised, validate_data, LoopOptions, Objective};
@@ -142,11 +142,6 @@ impl Default for RewardTrainConfig {
 pub const CONFIG_FILE: &str = "reward_config.toml";
 
 impl RewardTrainConfig {
-    /// The resolved configuration as TOML.
-    pub fn to_toml(&self) -> String {
-        toml::to_string_pretty(self).unwrap_or_else(|e| format!("# cannot serialise config: {e}\n"))
-    }
-
     /// The shared loop's options.
     fn loop_options(&self) -> LoopOptions {
         LoopOptions {
@@ -315,7 +310,7 @@ pub fn train_reward_model(cfg: &RewardTrainConfig) -> Result<RewardTrainSummary>
     let options =
         HarnessOptions { logging_steps: cfg.logging_steps, progress_total: None, samples: false, tensorboard: true };
     let mut harness = Harness::open(run_dir, 0, options)?;
-    crate::io::write_atomic(&output_dir.join(CONFIG_FILE), cfg.to_toml().as_bytes())?;
+    crate::io::write_atomic(&output_dir.join(CONFIG_FILE), to_toml(cfg).as_bytes())?;
     let mini = cfg.per_device_train_batch_size * cfg.gradient_accumulation_steps;
     let total = train.len().div_ceil(mini) * cfg.num_train_epochs;
     tracing::info!("reward model: {} train / {} eval pairs, {} steps of {mini} pairs", train.len(), eval.len(), total);

@@ -14,7 +14,7 @@ use candle_core::{Device, Tensor};
 use serde::{Deserialize, Serialize};
 use serde_json::Value;
 
-use super::config::{OptimizerOptions, Schedule};
+use super::config::{to_toml, OptimizerOptions, Schedule};
 use super::harness::{Harness, HarnessOptions};
 use super::run_dir::Reuse;
 use super::supervised::{require_model_and_data, train_supervised, validate_data, LoopOptions, Objective};
@@ -234,11 +234,6 @@ impl Objective for NextTokenLoss<'_> {
 pub const CONFIG_FILE: &str = "sft_config.toml";
 
 impl SftConfig {
-    /// The resolved configuration as TOML.
-    pub fn to_toml(&self) -> String {
-        toml::to_string_pretty(self).unwrap_or_else(|e| format!("# cannot serialise config: {e}\n"))
-    }
-
     /// The shared loop's options.
     fn loop_options(&self) -> LoopOptions {
         LoopOptions {
@@ -333,7 +328,7 @@ pub fn train_sft(cfg: &SftConfig) -> Result<SftSummary> {
     let options =
         HarnessOptions { logging_steps: cfg.logging_steps, progress_total: None, samples: false, tensorboard: true };
     let mut harness = Harness::open(run_dir, 0, options)?;
-    write_atomic(&output_dir.join(CONFIG_FILE), cfg.to_toml().as_bytes())?;
+    write_atomic(&output_dir.join(CONFIG_FILE), to_toml(cfg).as_bytes())?;
 
     let mini = cfg.per_device_train_batch_size * cfg.gradient_accumulation_steps;
     let steps_per_epoch = train.len().div_ceil(mini);

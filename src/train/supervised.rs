@@ -9,7 +9,7 @@ use candle_core::Tensor;
 use super::checkpoint::checkpoint_dir;
 use super::config::{check_optimizer, in_range, positive, Bound, OptimizerOptions, Schedule};
 use super::harness::{Harness, Stopping};
-use super::optim::{learning_rate, AdamW, GradAccumulator, StepGuard};
+use super::optim::{learning_rate, warmup_steps, AdamW, GradAccumulator, StepGuard};
 use crate::error::{Error, Result};
 use crate::generate::Rng;
 use crate::io::write_dir_atomic;
@@ -112,10 +112,7 @@ pub fn train_supervised<O: Objective>(
     let mini = opts.per_device_train_batch_size * opts.gradient_accumulation_steps;
     let steps_per_epoch = train.len().div_ceil(mini);
     let total_steps = steps_per_epoch * opts.num_train_epochs;
-    let warmup = match opts.warmup_steps {
-        0 => (opts.warmup_ratio * total_steps as f64).ceil() as usize,
-        n => n,
-    };
+    let warmup = warmup_steps(opts.warmup_steps, opts.warmup_ratio, total_steps);
     let o = &opts.optimizer;
     let mut optimizer = AdamW::new(o.adam_beta1, o.adam_beta2, o.adam_epsilon, o.weight_decay);
     let mut grads = GradAccumulator::default();

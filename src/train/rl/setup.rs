@@ -17,6 +17,7 @@ use crate::reward::{self, Shaping};
 use crate::train::checkpoint::{self, TrainerState};
 use crate::train::config::{Algo, BatchSizes, LongPrompts, TrainConfig};
 use crate::train::memory;
+use crate::train::optim::warmup_steps;
 
 /// How the run reads prompts from its rows (column or template, chat,
 /// length limits), for a policy of `config`; evaluations on held-out rows
@@ -128,11 +129,7 @@ impl Run {
             None
         };
         let generation = generation_options(cfg, &policy_dir, &tokenizer, &policy)?;
-        let warmup = if cfg.train.warmup_steps > 0 {
-            cfg.train.warmup_steps
-        } else {
-            (cfg.train.warmup_ratio * sizes.optimizer_steps as f64).ceil() as usize
-        };
+        let warmup = warmup_steps(cfg.train.warmup_steps, cfg.train.warmup_ratio, sizes.optimizer_steps);
         Ok(Self {
             cfg: cfg.clone(),
             sizes,
