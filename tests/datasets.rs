@@ -376,43 +376,34 @@ fn train_reads_a_cached_hub_dataset_through_a_filter() {
 /// the repo listing, and each file by byte range with the headers
 /// `hf-hub` reads. Returns its URL and the paths it was asked for.
 fn stub_hub(files: Vec<(&'static str, Vec<u8>)>) -> (String, std::sync::Arc<std::sync::Mutex<Vec<String>>>) {
-    let server = tiny_http::Server::http("127.0.0.1:0").unwrap();
-    let url = format!("http://{}", server.server_addr().to_ip().unwrap());
+    use common::stub::{Reply, Stub};
     let asked = std::sync::Arc::new(std::sync::Mutex::new(Vec::new()));
     let log = asked.clone();
-    std::thread::spawn(move || {
-        let header = |k: &str, v: &str| tiny_http::Header::from_bytes(k.as_bytes(), v.as_bytes()).unwrap();
-        for request in server.incoming_requests() {
-            let path = request.url().to_string();
-            log.lock().unwrap().push(path.clone());
-            if path == "/api/datasets/org/remote/revision/main" {
-                let siblings: Vec<Value> = files.iter().map(|(name, _)| json!({"rfilename": name})).collect();
-                let body = json!({"sha": "f".repeat(40), "siblings": siblings}).to_string();
-                request.respond(tiny_http::Response::from_string(body)).unwrap();
-                continue;
-            }
-            let file = path.strip_prefix("/datasets/org/remote/resolve/main/");
-            let Some((_, bytes)) = files.iter().find(|(name, _)| Some(*name) == file) else {
-                request.respond(tiny_http::Response::empty(404)).unwrap();
-                continue;
-            };
-            let range = request.headers().iter().find(|h| h.field.equiv("Range")).map(|h| h.value.to_string());
-            let (start, end) = match range.as_deref().and_then(|r| r.strip_prefix("bytes=")) {
-                Some(r) => {
-                    let (a, b) = r.split_once('-').unwrap();
-                    (a.parse().unwrap(), b.parse().map_or(bytes.len(), |b: usize| b + 1))
-                }
-                None => (0, bytes.len()),
-            };
-            let response = tiny_http::Response::from_data(bytes[start..end].to_vec())
-                .with_status_code(206)
-                .with_header(header("Content-Range", &format!("bytes {start}-{}/{}", end - 1, bytes.len())))
-                .with_header(header("ETag", &format!("\"etag{}\"", bytes.len())))
-                .with_header(header("X-Repo-Commit", &"f".repeat(40)));
-            request.respond(response).unwrap();
+    let stub = Stub::start(move |seen| {
+        log.lock().unwrap().push(seen.path.clone());
+        if seen.path == "/api/datasets/org/remote/revision/main" {
+            let siblings: Vec<Value> = files.iter().map(|(name, _)| json!({"rfilename": name})).collect();
+            return Reply::Json(200, json!({"sha": "f".repeat(40), "siblings": siblings}).to_string());
         }
+        let file = seen.path.strip_prefix("/datasets/org/remote/resolve/main/");
+        let Some((_, bytes)) = files.iter().find(|(name, _)| Some(*name) == file) else {
+            return Reply::Bytes(404, Vec::new(), Vec::new());
+        };
+        let (start, end) = match seen.header("Range").and_then(|r| r.strip_prefix("bytes=")) {
+            Some(r) => {
+                let (a, b) = r.split_once('-').unwrap();
+                (a.parse().unwrap(), b.parse().map_or(bytes.len(), |b: usize| b + 1))
+            }
+            None => (0, bytes.len()),
+        };
+        let headers = [
+            ("Content-Range", format!("bytes {start}-{}/{}", end - 1, bytes.len())),
+            ("ETag", format!("\"etag{}\"", bytes.len())),
+            ("X-Repo-Commit", "f".repeat(40)),
+        ];
+        Reply::Bytes(206, headers.into_iter().map(|(k, v)| (k.to_string(), v)).collect(), bytes[start..end].to_vec())
     });
-    (url, asked)
+    (stub.url, asked)
 }
 
 #[test]

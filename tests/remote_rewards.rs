@@ -493,7 +493,11 @@ fn a_served_reward_model_scores_as_it_does_in_process() {
 
     let agent = ureq::AgentBuilder::new().build();
     let post = |body: &str, token: &str| -> (u16, Value) {
-        let r = agent.post(&format!("{url}/score")).set("Authorization", &format!("Bearer {token}")).send_string(body);
+        let r = agent
+            .post(&format!("{url}/score"))
+            .set("Authorization", &format!("Bearer {token}"))
+            .set("Content-Type", "application/json")
+            .send_string(body);
         let (code, text) = match r {
             Ok(r) => (r.status(), r.into_string().unwrap()),
             Err(ureq::Error::Status(code, r)) => (code, r.into_string().unwrap()),

@@ -28,7 +28,7 @@ fn named(name: &str, fixture: &str) -> String {
 
 /// A POST's status and JSON answer.
 fn post(url: &str, path: &str, body: &Value) -> (u16, Value) {
-    send(ureq::post(&format!("{url}{path}")).send_string(&body.to_string()))
+    send(ureq::post(&format!("{url}{path}")).set("Content-Type", "application/json").send_string(&body.to_string()))
 }
 
 fn get(url: &str, path: &str) -> (u16, Value) {
@@ -46,7 +46,10 @@ fn send(r: Result<ureq::Response, ureq::Error>) -> (u16, Value) {
 
 /// The `data:` payloads of a streamed answer, `[DONE]` included.
 fn stream(url: &str, path: &str, body: &Value) -> Vec<String> {
-    let r = ureq::post(&format!("{url}{path}")).send_string(&body.to_string()).unwrap();
+    let r = ureq::post(&format!("{url}{path}"))
+        .set("Content-Type", "application/json")
+        .send_string(&body.to_string())
+        .unwrap();
     assert_eq!(r.header("Content-Type"), Some("text/event-stream"));
     BufReader::new(r.into_reader())
         .lines()
@@ -229,7 +232,9 @@ fn concurrent_requests_are_batched_without_changing_answers() {
 fn bad_requests_get_openai_errors_and_the_server_keeps_serving() {
     let server = serve(&[&named("neox", "gpt_neox-causal"), &named("rm", "gpt_neox-seqcls")], &["--max-body-mib", "1"]);
     let url = &server.url;
-    let raw = |body: &str| send(ureq::post(&format!("{url}/v1/completions")).send_string(body));
+    let raw = |body: &str| {
+        send(ureq::post(&format!("{url}/v1/completions")).set("Content-Type", "application/json").send_string(body))
+    };
     let (code, e) = raw("{\"prompt\": ");
     assert_eq!(code, 400);
     assert!(e["error"]["message"].as_str().unwrap().starts_with("the body is not JSON"), "{e}");
@@ -306,6 +311,7 @@ fn a_bearer_token_guards_the_api() {
     assert_eq!((code, e["error"]["type"].as_str()), (401, Some("authentication_error")));
     let r = ureq::post(&format!("{url}/v1/completions"))
         .set("Authorization", "Bearer sesame")
+        .set("Content-Type", "application/json")
         .send_string(&json!({"prompt": "x", "max_tokens": 2}).to_string());
     assert_eq!(send(r).0, 200);
     assert_eq!(get(url, "/health").0, 200);

@@ -89,20 +89,11 @@ pub fn run(cmd: RewardCommand) -> Result<()> {
 }
 
 fn serve_model(a: RewardServeArgs) -> Result<()> {
-    let token = a.listen.token()?;
+    let listen = a.listen.listen(a.max_body_mib, a.threads, a.max_queue)?;
     let device = parse_device(&a.device)?;
     let batch_size = a.batch_size as usize;
     let model = RewardModel::load("reward_model", &a.model, &device, batch_size)?;
-    let opts = ServeOptions {
-        host: a.listen.host,
-        port: a.listen.port,
-        token,
-        batch_size,
-        max_request_samples: a.max_request_samples as usize,
-        max_body_bytes: (a.max_body_mib as usize) << 20,
-        threads: a.threads as usize,
-        max_queue: a.max_queue,
-    };
+    let opts = ServeOptions { listen, batch_size, max_request_samples: a.max_request_samples as usize };
     rloo::train::stop::install();
     serve(&model, &opts, rloo::train::stop::requested, |addr| {
         eprintln!("serving {} on http://{addr} (POST /score, GET /health)", model.dir().display());

@@ -29,6 +29,9 @@ pub struct ServeArgs {
     /// Completions each text model decodes together at most; requests beyond wait their turn.
     #[arg(long, default_value_t = 64, value_parser = clap::value_parser!(u64).range(1..))]
     max_batch_rows: u64,
+    /// Completions (prompts x n) one request may ask for; more is answered 400.
+    #[arg(long, default_value_t = 256, value_parser = clap::value_parser!(u64).range(1..))]
+    max_request_rows: u64,
     /// Requests handled at the same time (each stream holds one until it ends).
     #[arg(long, default_value_t = 128, value_parser = clap::value_parser!(u64).range(1..))]
     max_concurrent: u64,
@@ -50,7 +53,7 @@ pub struct ServeArgs {
 }
 
 pub fn run(a: ServeArgs) -> Result<()> {
-    let token = a.listen.token()?;
+    let listen = a.listen.listen(a.max_body_mib, a.max_concurrent, a.max_queue)?;
     let device = parse_device(&a.device)?;
     let mut models = Vec::with_capacity(a.models.len());
     for arg in &a.models {
@@ -60,13 +63,9 @@ pub fn run(a: ServeArgs) -> Result<()> {
         models.push(Loaded::load(&name, &dir, &device, dtype, a.score_batch_size as usize)?);
     }
     let opts = ServeOptions {
-        host: a.listen.host,
-        port: a.listen.port,
-        token,
+        listen,
         max_batch_rows: a.max_batch_rows as usize,
-        max_concurrent: a.max_concurrent as usize,
-        max_queue: a.max_queue,
-        max_body_bytes: (a.max_body_mib as usize) << 20,
+        max_request_rows: a.max_request_rows as usize,
         score_batch_size: a.score_batch_size as usize,
         max_score_samples: 1024,
     };

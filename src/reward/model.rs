@@ -72,6 +72,14 @@ impl RewardModel {
     pub fn encode(&self, sample: &Sample) -> Result<Vec<u32>> {
         encode_pair(&self.tokenizer, sample.prompt, sample.completion)
     }
+
+    /// Errors unless the model can score `ids`: every id in its vocabulary,
+    /// and no more tokens than its context (a rotary model's
+    /// `max_position_embeddings` too, which it would run past without error
+    /// but not as trained).
+    pub fn check_fits(&self, ids: &[u32]) -> Result<()> {
+        self.model.check_tokens(ids)
+    }
 }
 
 /// The ids a reward model reads for a prompt and its completion: a text
@@ -139,7 +147,7 @@ impl RewardSource for RewardModel {
 
     fn score(&self, samples: &[Sample]) -> Result<Vec<Option<f32>>> {
         let vocab = self.model.config().vocab_size();
-        let max_len = self.model.config().max_positions();
+        let max_len = self.model.config().context_length();
         let mut out = vec![None; samples.len()];
         // Samples that can be scored, as (index, ids).
         let mut rows: Vec<(usize, Vec<u32>)> = Vec::with_capacity(samples.len());

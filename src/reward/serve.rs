@@ -6,7 +6,9 @@
 //! answers `{"status": "ok", "model": ...}`. Requests that arrive together
 //! are scored together, up to `batch_size` samples, by the prefix-sharing
 //! scorer of [`RewardModel`]. Malformed requests get a 4xx JSON error naming
-//! the field at fault.
+//! the field at fault. A sample the model cannot read (longer than its
+//! context, or empty) gets `null`, as it gets no score inside `rloo train`,
+//! and `"unscored": [{"index", "reason"}]` says why.
 
 use std::collections::HashMap;
 use std::sync::mpsc::{self, Receiver, Sender};
@@ -18,25 +20,19 @@ use super::{RewardModel, RewardSource, Sample};
 use crate::data::prompt::describe_json;
 use crate::data::Prompt;
 use crate::error::{Error, Result};
-use crate::service::server::{HttpError, JsonRequest, JsonServer, Limits, Reply};
+use crate::service::server::{ClientWatch, HttpError, JsonRequest, JsonServer, Listen, NoMessage, Reply, Shutdown};
+use crate::service::Cancel;
 
 /// Where and how to serve.
 #[derive(Debug, Clone)]
 pub struct ServeOptions {
-    pub host: String,
-    /// 0: any free port (the address is logged).
-    pub port: u16,
-    /// Required as `Authorization: Bearer <token>` on `/score`.
-    pub token: Option<String>,
+    /// Where to listen, who may call, and the HTTP limits (the token
+    /// guards `/score`).
+    pub listen: Listen,
     /// Samples scored together at most.
     pub batch_size: usize,
     /// Samples one request may hold.
     pub max_request_samples: usize,
-    pub max_body_bytes: usize,
-    /// Requests handled at the same time.
-    pub threads: usize,
-    /// Requests waiting beyond those; more are answered 503.
-    pub max_queue: usize,
 }
 
 /// One request's samples, read and checked.
@@ -44,12 +40,16 @@ struct ScoreRequest {
     prompts: Vec<Prompt>,
     completions: Vec<String>,
     rows: Vec<Map<String, Value>>,
+    /// `{"index", "reason"}` of each sample the model cannot read.
+    unscored: Vec<Value>,
 }
 
 /// A request waiting for the scoring thread, and where its scores go.
 struct Job {
     request: ScoreRequest,
     reply: Sender<Result<Vec<Option<f32>>>>,
+    /// Set when the client has left: the job is dropped unscored.
+    cancel: Cancel,
 }
 
 impl Job {
@@ -68,18 +68,18 @@ pub fn serve(
     if opts.batch_size == 0 || opts.max_request_samples == 0 {
         return Err(Error::Invalid("--batch-size and --max-request-samples must be at least 1".into()));
     }
-    let limits = Limits { max_body_bytes: opts.max_body_bytes, workers: opts.threads, max_queue: opts.max_queue };
-    let server = JsonServer::bind(&opts.host, opts.port, opts.token.clone(), limits)?;
+    let server = JsonServer::bind(&opts.listen)?;
     on_listen(server.addr());
     let (route, scorer) = score_route(model, opts.batch_size, opts.max_request_samples);
     let model_name = model.dir().display().to_string();
+    let shutdown = Shutdown::new(&stop, opts.listen.limits.shutdown_grace);
     std::thread::scope(|s| {
-        let stop = &stop;
-        let scorer = s.spawn(move || scorer.run(stop));
+        let shutdown = &shutdown;
+        let scorer = s.spawn(move || scorer.run(shutdown));
         let served =
-            server.serve(stop, |request: &JsonRequest| match (request.method.as_str(), request.path.as_str()) {
+            server.serve(&stop, |request: &JsonRequest| match (request.method.as_str(), request.path.as_str()) {
                 ("GET", "/health") => Ok(Reply::Json(json!({"status": "ok", "model": model_name}))),
-                ("POST", "/score") => route.answer(&request.body).map(Reply::Json),
+                ("POST", "/score") => route.answer(&request.body, &request.client).map(Reply::Json),
                 (_, "/health" | "/score") => {
                     Err(HttpError::new(405, format!("{} {} is not allowed", request.method, request.path)))
                 }
@@ -116,39 +116,41 @@ pub fn score_route(
 }
 
 impl ScoreRoute<'_> {
-    /// Reads a `/score` body, waits for its scores and answers `{"scores": [...]}`.
-    pub fn answer(&self, body: &Value) -> std::result::Result<Value, HttpError> {
-        let request = read_request(self.model, body, self.max_request_samples)?;
+    /// Reads a `/score` body, waits for its scores and answers `{"scores":
+    /// [...]}`; the job is dropped if `client` leaves first.
+    pub fn answer(&self, body: &Value, client: &ClientWatch) -> std::result::Result<Value, HttpError> {
+        let mut request = read_request(self.model, body, self.max_request_samples)?;
+        let unscored = std::mem::take(&mut request.unscored);
         let (reply, answer) = mpsc::channel();
+        let cancel = Cancel::default();
         self.jobs
             .lock()
             .unwrap_or_else(|e| e.into_inner())
-            .send(Job { request, reply })
-            .map_err(|_| HttpError::new(503, "the server is stopping"))?;
-        match answer.recv() {
-            Ok(Ok(scores)) => Ok(json!({ "scores": scores })),
+            .send(Job { request, reply, cancel: cancel.clone() })
+            .map_err(|_| HttpError::stopping())?;
+        match client.recv(&answer, &cancel) {
+            Ok(Ok(scores)) if unscored.is_empty() => Ok(json!({ "scores": scores })),
+            Ok(Ok(scores)) => Ok(json!({ "scores": scores, "unscored": unscored })),
             Ok(Err(e)) => Err(HttpError::new(500, format!("scoring failed: {e}"))),
-            Err(_) => Err(HttpError::new(503, "the server is stopping")),
+            Err(NoMessage::Closed) => Err(HttpError::stopping()),
+            Err(NoMessage::ClientGone) => Err(HttpError::new(400, "the client left")),
         }
     }
 }
 
 impl ScoreLoop<'_> {
-    pub fn run(self, stop: &(impl Fn() -> bool + Sync)) -> Result<()> {
-        score_jobs(self.model, self.queue, self.batch_size, stop)
+    /// Scores until the server stops (the batch in hand is finished; the
+    /// jobs still queued are answered 503) or the route is gone.
+    pub fn run(self, shutdown: &Shutdown) -> Result<()> {
+        score_jobs(self.model, self.queue, self.batch_size, shutdown)
     }
 }
 
 /// The scoring thread: takes the first waiting job, adds whatever else is
 /// queued up to `batch_size` samples, scores them in one call and answers
 /// each job with its share.
-fn score_jobs(
-    model: &RewardModel,
-    queue: Receiver<Job>,
-    batch_size: usize,
-    stop: &(impl Fn() -> bool + Sync),
-) -> Result<()> {
-    while !stop() {
+fn score_jobs(model: &RewardModel, queue: Receiver<Job>, batch_size: usize, shutdown: &Shutdown) -> Result<()> {
+    while !shutdown.stopping() {
         let first = match queue.recv_timeout(std::time::Duration::from_millis(200)) {
             Ok(job) => job,
             Err(mpsc::RecvTimeoutError::Timeout) => continue,
@@ -165,6 +167,7 @@ fn score_jobs(
                 Err(_) => break,
             }
         }
+        batch.retain(|job| !job.cancel.is_cancelled());
         // Samples with the same prompt share a group, and so their prefix.
         let mut groups: HashMap<String, usize> = HashMap::new();
         let mut samples = Vec::with_capacity(n);
@@ -246,9 +249,18 @@ fn read_request(model: &RewardModel, body: &Value, max_samples: usize) -> std::r
         .collect::<std::result::Result<Vec<_>, _>>()?;
     // Encoding errors (a chat prompt for a model without a chat template)
     // are the client's, and are found here rather than in a shared batch.
+    let mut unscored = Vec::new();
     for (i, (prompt, completion)) in prompts.iter().zip(&completions).enumerate() {
-        super::model::encode_pair(model.tokenizer(), prompt, completion)
+        let ids = super::model::encode_pair(model.tokenizer(), prompt, completion)
             .map_err(|e| HttpError::bad_request(format!("sample {i}: {e}")))?;
+        let unreadable = match model.check_fits(&ids) {
+            Err(e) => Some(e.to_string()),
+            Ok(()) if ids.is_empty() => Some("prompt and completion are both empty".to_string()),
+            Ok(()) => None,
+        };
+        if let Some(reason) = unreadable {
+            unscored.push(json!({"index": i, "reason": reason}));
+        }
     }
-    Ok(ScoreRequest { prompts, completions, rows })
+    Ok(ScoreRequest { prompts, completions, rows, unscored })
 }

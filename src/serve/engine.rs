@@ -21,6 +21,8 @@ use crate::generate::engine::pick_rows;
 use crate::generate::sampling::{with_penalty, Pick};
 use crate::generate::{FinishReason, Rng, Sampling};
 use crate::model::{Inputs, KvCache, Network, PadSide};
+use crate::service::server::Shutdown;
+use crate::service::Cancel;
 
 /// How often an idle engine looks at the stop flag.
 const POLL: Duration = Duration::from_millis(200);
@@ -47,9 +49,11 @@ pub struct GenRequest {
     pub seed: u64,
     /// Report each token's log-prob, with this many most likely alternatives.
     pub logprobs: Option<usize>,
-    /// Where the completions' events go. When the receiver is dropped (the
-    /// client left), the request's rows leave the batch.
+    /// Where the completions' events go. When the receiver is dropped or
+    /// `cancel` is set (the client left), the request's rows leave the
+    /// batch, or never join it.
     pub events: Sender<Event>,
+    pub cancel: Cancel,
 }
 
 /// What a request hears as its completions grow.
@@ -63,6 +67,8 @@ pub enum Event {
     Done { choice: usize, finish_reason: FinishReason, tokens: usize },
     /// The engine failed on this request.
     Failed(String),
+    /// The server stopped before the request was done.
+    Stopped,
 }
 
 /// A token's log-prob under the sampling distribution (temperature applied,
@@ -149,6 +155,7 @@ struct Shared {
     stop_ids: Vec<u32>,
     logprobs: Option<usize>,
     events: Sender<Event>,
+    cancel: Cancel,
 }
 
 /// One completion being decoded.
@@ -171,19 +178,36 @@ enum Outcome {
 }
 
 impl EngineLoop<'_> {
-    /// Decodes until `stop()` says so or every [`Engine`] handle is gone.
-    pub fn run(self, stop: &(impl Fn() -> bool + Sync)) -> Result<()> {
+    /// Decodes until every [`Engine`] handle is gone, or until the server
+    /// stops: from then on waiting requests are turned away, and the rows
+    /// running get the grace period to finish before they are stopped.
+    pub fn run(self, shutdown: &Shutdown) -> Result<()> {
         let mut batch = Batch { rows: Vec::new(), cache: self.net.new_cache(), logits: None };
         let mut waiting: VecDeque<GenRequest> = VecDeque::new();
-        while !stop() {
-            if batch.rows.is_empty() && waiting.is_empty() {
-                match self.queue.recv_timeout(POLL) {
-                    Ok(request) => waiting.push_back(request),
-                    Err(RecvTimeoutError::Timeout) => continue,
-                    Err(RecvTimeoutError::Disconnected) => break,
+        loop {
+            if shutdown.stopping() {
+                waiting.extend(self.queue.try_iter());
+                for request in waiting.drain(..) {
+                    let _ = request.events.send(Event::Stopped);
                 }
+                if shutdown.past_grace() {
+                    for row in batch.rows.drain(..) {
+                        let _ = row.request.events.send(Event::Stopped);
+                    }
+                }
+                if batch.rows.is_empty() {
+                    break;
+                }
+            } else {
+                if batch.rows.is_empty() && waiting.is_empty() {
+                    match self.queue.recv_timeout(POLL) {
+                        Ok(request) => waiting.push_back(request),
+                        Err(RecvTimeoutError::Timeout) => continue,
+                        Err(RecvTimeoutError::Disconnected) => break,
+                    }
+                }
+                waiting.extend(self.queue.try_iter());
             }
-            waiting.extend(self.queue.try_iter());
             let admitted = self.admit(&mut waiting, batch.rows.len());
             self.stats.waiting_requests.store(waiting.len(), Ordering::Relaxed);
             if let Err(e) = self.step(&mut batch, admitted) {
@@ -199,8 +223,16 @@ impl EngineLoop<'_> {
         Ok(())
     }
 
-    /// The waiting requests whose rows fit beside `running` rows, in order.
+    /// The waiting requests whose rows fit beside `running` rows, in order;
+    /// those whose client has gone are dropped.
     fn admit(&self, waiting: &mut VecDeque<GenRequest>, running: usize) -> Vec<GenRequest> {
+        waiting.retain(|r| {
+            let gone = r.cancel.is_cancelled();
+            if gone {
+                self.stats.cancelled.fetch_add(r.n as u64, Ordering::Relaxed);
+            }
+            !gone
+        });
         let mut room = self.max_rows.saturating_sub(running);
         let mut admitted = Vec::new();
         while waiting.front().is_some_and(|r| r.n <= room) {
@@ -268,6 +300,7 @@ impl EngineLoop<'_> {
                 stop_ids: request.stop_ids,
                 logprobs: request.logprobs,
                 events: request.events,
+                cancel: request.cancel,
             });
             rows.extend((0..request.n).map(|c| Row {
                 request: shared.clone(),
@@ -317,6 +350,9 @@ impl EngineLoop<'_> {
     /// Adds a picked token to its row and tells the request.
     fn advance(&self, row: &mut Row, pick: &Pick, logits: &Tensor, i: usize) -> Result<Outcome> {
         let request = row.request.clone();
+        if request.cancel.is_cancelled() {
+            return Ok(Outcome::Abandoned);
+        }
         row.tokens.push(pick.token);
         let stop_token = request.stop_ids.contains(&pick.token);
         let piece = if stop_token { Default::default() } else { row.text.push(self.tokenizer, pick.token)? };

@@ -10,8 +10,9 @@
 //!
 //! Each text model has its own decoding thread ([`engine`]) that batches
 //! the completions of every request in flight. The HTTP side is the one of
-//! every service here ([`crate::service::server`]): a bounded queue, a body
-//! limit, an optional bearer token, and errors in OpenAI's shape.
+//! every service here ([`crate::service::server`]): bounded connections,
+//! requests and queue, size limits and timeouts, Host and Origin checks,
+//! an optional bearer token, and errors in OpenAI's shape.
 
 pub mod engine;
 pub mod openai;
@@ -28,7 +29,7 @@ use crate::generate::StopCriteria;
 use crate::model::{GenerationConfig, HeadKind, Model, ModelConfig};
 use crate::reward::serve::{score_route, ScoreRoute};
 use crate::reward::RewardModel;
-use crate::service::server::{HttpError, JsonRequest, JsonServer, Limits, Reply};
+use crate::service::server::{HttpError, JsonRequest, JsonServer, Listen, Reply, Shutdown};
 use engine::Engine;
 use openai::Endpoint;
 
@@ -45,19 +46,13 @@ const DEFAULT_TEXT_MAX_TOKENS: usize = 16;
 /// Where and how to serve.
 #[derive(Debug, Clone)]
 pub struct ServeOptions {
-    pub host: String,
-    /// 0: any free port.
-    pub port: u16,
-    /// Required as `Authorization: Bearer <token>` on everything but `/`
-    /// and `/health`.
-    pub token: Option<String>,
+    /// Where to listen, who may call, and the HTTP limits (the token guards
+    /// everything but `/` and `/health`).
+    pub listen: Listen,
     /// Completions each model decodes together at most.
     pub max_batch_rows: usize,
-    /// Requests handled at the same time (streams included).
-    pub max_concurrent: usize,
-    /// Requests waiting beyond those; more are answered 503.
-    pub max_queue: usize,
-    pub max_body_bytes: usize,
+    /// Completions (prompts x `n`) one request may ask for.
+    pub max_request_rows: usize,
     /// Samples a reward model scores together.
     pub score_batch_size: usize,
     /// Samples one `/score` request may hold.
@@ -108,6 +103,8 @@ pub struct Generator<'m> {
     pub eos_ids: &'m [u32],
     /// Prompt + completion tokens the model allows, when its config says.
     pub context: Option<usize>,
+    /// Completions (prompts x `n`) one request may ask for.
+    pub max_request_rows: usize,
     pub engine: Engine,
 }
 
@@ -145,11 +142,13 @@ pub fn serve(
     if opts.max_batch_rows == 0 || opts.score_batch_size == 0 || opts.max_score_samples == 0 {
         return Err(Error::Invalid("batch sizes and sample limits must be at least 1".into()));
     }
-    let limits =
-        Limits { max_body_bytes: opts.max_body_bytes, workers: opts.max_concurrent, max_queue: opts.max_queue };
-    let server = JsonServer::bind(&opts.host, opts.port, opts.token.clone(), limits)?;
+    if opts.max_request_rows == 0 {
+        return Err(Error::Invalid("--max-request-rows must be at least 1".into()));
+    }
+    let server = JsonServer::bind(&opts.listen)?;
+    let shutdown = Shutdown::new(&stop, opts.listen.limits.shutdown_grace);
     std::thread::scope(|s| {
-        let stop = &stop;
+        let shutdown = &shutdown;
         let mut served = Vec::with_capacity(models.len());
         let mut loops = Vec::new();
         for m in models {
@@ -157,21 +156,23 @@ pub fn serve(
                 Loaded::Text { name, model, tokenizer, generation, eos_ids } => {
                     let device = model.device();
                     let (engine, decoding) = engine::engine(model.frozen(), tokenizer, &device, opts.max_batch_rows);
-                    loops.push(s.spawn(move || decoding.run(stop)));
+                    loops.push(s.spawn(move || decoding.run(shutdown)));
                     let context = model.config().context_length();
-                    let generator = Generator { model, tokenizer, generation, eos_ids, context, engine };
+                    let max_request_rows = opts.max_request_rows;
+                    let generator =
+                        Generator { model, tokenizer, generation, eos_ids, context, max_request_rows, engine };
                     served.push((name.as_str(), Served::Text(generator)));
                 }
                 Loaded::Reward { name, model } => {
                     let (route, scoring) = score_route(model, opts.score_batch_size, opts.max_score_samples);
-                    loops.push(s.spawn(move || scoring.run(stop)));
+                    loops.push(s.spawn(move || scoring.run(shutdown)));
                     served.push((name.as_str(), Served::Reward(route)));
                 }
             }
         }
         on_listen(server.addr());
         let routes = Routes { served };
-        let result = server.serve(stop, |request| routes.answer(request));
+        let result = server.serve(&stop, |request| routes.answer(request));
         // The engines stop with the flag, or once their handles are gone.
         drop(routes);
         loops.into_iter().map(|l| l.join().expect("a model thread panicked")).fold(result, Result::and)
@@ -191,13 +192,13 @@ impl Routes<'_> {
             ("GET", "/v1/models") => Ok(Reply::Json(self.models())),
             ("POST", "/v1/chat/completions") => {
                 let (name, g) = self.text_model(body)?;
-                openai::complete(g, name, Endpoint::Chat, body)
+                openai::complete(g, name, Endpoint::Chat, body, &request.client)
             }
             ("POST", "/v1/completions") => {
                 let (name, g) = self.text_model(body)?;
-                openai::complete(g, name, Endpoint::Text, body)
+                openai::complete(g, name, Endpoint::Text, body, &request.client)
             }
-            ("POST", "/score") => self.reward_model(body)?.answer(body).map(Reply::Json),
+            ("POST", "/score") => self.reward_model(body)?.answer(body, &request.client).map(Reply::Json),
             (method, path @ ("/" | "/health" | "/v1/models" | "/v1/chat/completions" | "/v1/completions" | "/score")) => {
                 Err(HttpError::new(405, format!("{method} {path} is not allowed")))
             }

@@ -15,7 +15,8 @@ use super::Generator;
 use crate::data::prompt::describe_json;
 use crate::data::{Message, Prompt};
 use crate::generate::{FinishReason, Sampling};
-use crate::service::server::{HttpError, Reply};
+use crate::service::server::{ClientWatch, HttpError, NoMessage, Reply};
+use crate::service::Cancel;
 
 /// The most alternatives a token's log-probs may list.
 const MAX_TOP_LOGPROBS: usize = 20;
@@ -60,10 +61,19 @@ struct Parsed {
     include_usage: bool,
 }
 
-/// Answers a `/v1/chat/completions` or `/v1/completions` body.
-pub fn complete(model: &Generator, name: &str, endpoint: Endpoint, body: &Value) -> Result<Reply, HttpError> {
+/// Answers a `/v1/chat/completions` or `/v1/completions` body; the
+/// request's completions are cancelled if `client` leaves before the
+/// answer is sent.
+pub fn complete(
+    model: &Generator,
+    name: &str,
+    endpoint: Endpoint,
+    body: &Value,
+    client: &ClientWatch,
+) -> Result<Reply, HttpError> {
     let parsed = parse(model, endpoint, body)?;
     let (events, heard) = mpsc::channel();
+    let cancel = Cancel::default();
     let n = parsed.n;
     for (p, prompt) in parsed.prompts.iter().enumerate() {
         let request = GenRequest {
@@ -78,15 +88,20 @@ pub fn complete(model: &Generator, name: &str, endpoint: Endpoint, body: &Value)
             seed: parsed.seed.wrapping_add(p as u64),
             logprobs: parsed.logprobs,
             events: events.clone(),
+            cancel: cancel.clone(),
         };
-        model.engine.submit(request).map_err(|e| HttpError::new(503, e))?;
+        if let Err(e) = model.engine.submit(request) {
+            cancel.cancel();
+            return Err(HttpError::new(503, e));
+        }
     }
     drop(events);
     let answer = Answer::new(endpoint, name, &parsed);
+    let client = client.clone();
     if parsed.stream {
-        Ok(Reply::Events(Box::new(Stream { answer, heard, opened: false, tail: None })))
+        Ok(Reply::Events(Box::new(Stream { answer, heard, client, cancel, opened: false, tail: None })))
     } else {
-        collect(answer, &heard).map(Reply::Json)
+        collect(answer, &heard, &client, &cancel).map(Reply::Json)
     }
 }
 
@@ -129,6 +144,15 @@ fn parse(model: &Generator, endpoint: Endpoint, body: &Value) -> Result<Parsed, 
     let n = field.uint("n")?.unwrap_or(1);
     if n == 0 || n > model.engine.max_rows {
         return Err(HttpError::bad_request(format!("n must be between 1 and {}, got {n}", model.engine.max_rows)));
+    }
+    let rows = prompts.len().saturating_mul(n);
+    if rows > model.max_request_rows {
+        return Err(HttpError::bad_request(format!(
+            "this request asks for {} prompts x n = {n}, {rows} completions; a request may ask for at most {} \
+             (--max-request-rows): send fewer prompts per request",
+            prompts.len(),
+            model.max_request_rows
+        )));
     }
     if let Some(best_of) = field.uint("best_of")? {
         if best_of != n {
@@ -509,9 +533,14 @@ fn text_logprobs(tokens: &[TokenLogprob]) -> Value {
 }
 
 /// Waits for every choice and answers with the whole completion.
-fn collect(mut answer: Answer, heard: &Receiver<Event>) -> Result<Value, HttpError> {
+fn collect(
+    mut answer: Answer,
+    heard: &Receiver<Event>,
+    client: &ClientWatch,
+    cancel: &Cancel,
+) -> Result<Value, HttpError> {
     while !answer.finished() {
-        match heard.recv() {
+        match client.recv(heard, cancel) {
             Ok(Event::Token { choice, text, logprob }) => {
                 let c = &mut answer.choices[choice];
                 c.text.push_str(&text);
@@ -522,7 +551,8 @@ fn collect(mut answer: Answer, heard: &Receiver<Event>) -> Result<Value, HttpErr
                 answer.choices[choice].tokens = tokens;
             }
             Ok(Event::Failed(e)) => return Err(HttpError::new(500, format!("generation failed: {e}"))),
-            Err(_) => return Err(HttpError::new(503, "the server is stopping")),
+            Ok(Event::Stopped) | Err(NoMessage::Closed) => return Err(HttpError::stopping()),
+            Err(NoMessage::ClientGone) => return Err(HttpError::new(400, "the client left")),
         }
     }
     Ok(answer.whole())
@@ -533,6 +563,9 @@ fn collect(mut answer: Answer, heard: &Receiver<Event>) -> Result<Value, HttpErr
 struct Stream {
     answer: Answer,
     heard: Receiver<Event>,
+    client: ClientWatch,
+    /// Set when the stream is dropped before its end: the client left.
+    cancel: Cancel,
     opened: bool,
     /// What is left to send once the completions have ended, last first.
     tail: Option<Vec<String>>,
@@ -555,7 +588,12 @@ impl Iterator for Stream {
             }
         }
         while !a.finished() {
-            match self.heard.recv().unwrap_or_else(|_| Event::Failed("the server is stopping".into())) {
+            let event = match self.client.recv(&self.heard, &self.cancel) {
+                Ok(event) => event,
+                Err(NoMessage::Closed) => Event::Stopped,
+                Err(NoMessage::ClientGone) => return None,
+            };
+            match event {
                 Event::Token { choice, text, logprob } => {
                     a.choices[choice].tokens += 1;
                     if text.is_empty() && logprob.is_none() {
@@ -575,6 +613,10 @@ impl Iterator for Stream {
                     self.tail = Some(vec!["[DONE]".to_string()]);
                     return Some(HttpError::new(500, format!("generation failed: {e}")).body().to_string());
                 }
+                Event::Stopped => {
+                    self.tail = Some(vec!["[DONE]".to_string()]);
+                    return Some(HttpError::stopping().body().to_string());
+                }
             }
         }
         let mut tail = vec!["[DONE]".to_string()];
@@ -586,5 +628,15 @@ impl Iterator for Stream {
         let next = tail.pop();
         self.tail = Some(tail);
         next
+    }
+}
+
+impl Drop for Stream {
+    fn drop(&mut self) {
+        // Dropped unfinished when the client left (or the answer failed):
+        // the completions still decoding stop.
+        if !self.answer.finished() {
+            self.cancel.cancel();
+        }
     }
 }

@@ -1,18 +1,37 @@
 //! Talking to other processes over HTTP: the client that reward sources use
 //! to reach scoring services and LLM judges ([`client`]), the server under
-//! `rloo reward serve` ([`server`]), and a bounded pool that keeps a fixed
-//! number of requests in flight ([`in_parallel`]).
+//! `rloo serve` and `rloo reward serve` ([`server`], on the HTTP/1.1 of
+//! [`http`] and the request checks of [`access`]), and a bounded pool that
+//! keeps a fixed number of requests in flight ([`in_parallel`]).
 //!
-//! One stack for every service: `ureq` (blocking, rustls) for requests,
-//! `tiny_http` for serving. Servers bind to loopback unless told otherwise.
+//! One stack for every service: `ureq` (blocking, rustls) for requests, our
+//! own bounded HTTP/1.1 over `httparse` for serving. Servers bind to
+//! loopback unless told otherwise.
 
+pub mod access;
 pub mod client;
+pub mod http;
 pub mod server;
 
-use std::sync::atomic::{AtomicUsize, Ordering};
-use std::sync::Mutex;
+use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
+use std::sync::{Arc, Mutex};
 
 pub use client::{CallError, Client, Retry};
+
+/// Set when the client some work is for has gone: whoever does the work
+/// drops what is left of it.
+#[derive(Debug, Clone, Default)]
+pub struct Cancel(Arc<AtomicBool>);
+
+impl Cancel {
+    pub fn cancel(&self) {
+        self.0.store(true, Ordering::Relaxed);
+    }
+
+    pub fn is_cancelled(&self) -> bool {
+        self.0.load(Ordering::Relaxed)
+    }
+}
 
 /// Runs `f` on every job with at most `workers` jobs at a time, each on its
 /// own thread, and returns the results in job order. A slow job holds only

@@ -63,25 +63,43 @@ pub struct Server {
     pub child: Child,
     /// `http://host:port`, as the server printed it.
     pub url: String,
+    /// Everything the server has written to stderr so far.
+    pub log: std::sync::Arc<std::sync::Mutex<String>>,
 }
 
 impl Server {
-    /// Starts `command` (which must print `... http://ADDR ...` on its
-    /// first stderr line once it listens) and waits for that line.
+    /// Starts `command` (which must print `... http://ADDR ...` on stderr
+    /// once it listens) and waits for that line.
     pub fn start(command: &mut Command) -> Server {
         let mut child = command.stderr(Stdio::piped()).spawn().unwrap();
         let mut stderr = std::io::BufReader::new(child.stderr.take().unwrap());
-        let mut line = String::new();
-        std::io::BufRead::read_line(&mut stderr, &mut line).unwrap();
-        let Some(addr) = line.split("http://").nth(1).and_then(|s| s.split_whitespace().next()) else {
-            let mut rest = String::new();
-            std::io::Read::read_to_string(&mut stderr, &mut rest).unwrap();
-            panic!("the server did not start:\n{line}{rest}");
+        let log = std::sync::Arc::new(std::sync::Mutex::new(String::new()));
+        let addr = loop {
+            let mut line = String::new();
+            if std::io::BufRead::read_line(&mut stderr, &mut line).unwrap() == 0 {
+                panic!("the server did not start:\n{}", log.lock().unwrap());
+            }
+            log.lock().unwrap().push_str(&line);
+            if let Some(addr) = line.split("http://").nth(1).and_then(|s| s.split_whitespace().next()) {
+                break addr.to_string();
+            }
         };
         let url = format!("http://{addr}");
         // Keep draining stderr so the server never blocks on a full pipe.
-        std::thread::spawn(move || std::io::copy(&mut stderr, &mut std::io::sink()));
-        Server { child, url }
+        let kept = log.clone();
+        std::thread::spawn(move || {
+            let mut line = String::new();
+            while std::io::BufRead::read_line(&mut stderr, &mut line).is_ok_and(|n| n > 0) {
+                kept.lock().unwrap().push_str(&line);
+                line.clear();
+            }
+        });
+        Server { child, url, log }
+    }
+
+    /// `host:port`.
+    pub fn addr(&self) -> &str {
+        self.url.trim_start_matches("http://")
     }
 }
 

@@ -17,6 +17,8 @@ pub enum Reply {
     Json(u16, String),
     /// The same, after a pause.
     Slow(Duration, u16, String),
+    /// A status, headers and a body of bytes.
+    Bytes(u16, Vec<(String, String)>, Vec<u8>),
     /// Close the connection without answering.
     Close,
 }
@@ -93,17 +95,22 @@ fn serve_connection(stream: TcpStream, answer: &dyn Fn(&Seen) -> Reply, count: &
         reader.read_exact(&mut body).unwrap();
         let body = serde_json::from_slice(&body).unwrap_or(Value::Null);
         let n = count.fetch_add(1, Ordering::SeqCst);
-        let (status, text) = match answer(&Seen { n, path, headers, body }) {
-            Reply::Json(s, t) => (s, t),
+        let json = || vec![("Content-Type".to_string(), "application/json".to_string())];
+        let (status, headers, body) = match answer(&Seen { n, path, headers, body }) {
+            Reply::Json(s, t) => (s, json(), t.into_bytes()),
             Reply::Slow(d, s, t) => {
                 std::thread::sleep(d);
-                (s, t)
+                (s, json(), t.into_bytes())
             }
+            Reply::Bytes(s, h, b) => (s, h, b),
             Reply::Close => return,
         };
-        let head =
-            format!("HTTP/1.1 {status} X\r\nContent-Type: application/json\r\nContent-Length: {}\r\n\r\n", text.len());
-        if stream.write_all(head.as_bytes()).and_then(|_| stream.write_all(text.as_bytes())).is_err() {
+        let mut head = format!("HTTP/1.1 {status} X\r\nContent-Length: {}\r\n", body.len());
+        for (k, v) in headers {
+            head.push_str(&format!("{k}: {v}\r\n"));
+        }
+        head.push_str("\r\n");
+        if stream.write_all(head.as_bytes()).and_then(|_| stream.write_all(&body)).is_err() {
             return;
         }
     }
