@@ -270,6 +270,60 @@ fn imdb_prompts_and_token_limits() {
     assert_eq!(args["splits"]["train"]["skipped"]["over --max-length or --max-prompt-length tokens"], json!(6));
 }
 
+/// Options that would quietly give a useless or self-destroying result
+/// are refused before anything is read or written: empty prompts, and an
+/// output directory that is the input, inside it, or over its file.
+#[test]
+fn prepare_refuses_empty_prompts_and_writing_into_its_input() {
+    let tmp = tempfile::tempdir().unwrap();
+    let imdb = tmp.path().join("imdb");
+    std::fs::create_dir_all(imdb.join("plain_text")).unwrap();
+    for entry in std::fs::read_dir(data("imdb/plain_text")).unwrap() {
+        let entry = entry.unwrap();
+        std::fs::copy(entry.path(), imdb.join("plain_text").join(entry.file_name())).unwrap();
+    }
+    let listing = || {
+        let mut names: Vec<_> = std::fs::read_dir(&imdb).unwrap().map(|e| e.unwrap().file_name()).collect();
+        names.sort();
+        names
+    };
+    let before = listing();
+    let input = imdb.to_str().unwrap();
+    let run = |out: &str, extra: &[&str]| {
+        let mut args = vec!["data", "prepare", "imdb", "--input", input, "--output-dir", out];
+        args.extend_from_slice(extra);
+        err(rloo(&args))
+    };
+    let prepared = tmp.path().join("prepared");
+    let e = run(prepared.to_str().unwrap(), &["--prompt-words", "0"]);
+    assert!(e.contains("--prompt-words must be at least 1: with 0 every imdb prompt is empty"), "{e}");
+    let e = run(input, &[]);
+    assert!(e.contains(&format!("--output-dir {input} is the dataset directory --input")), "{e}");
+    let inside = imdb.join("prepared");
+    let e = run(inside.to_str().unwrap(), &[]);
+    assert!(e.contains("is inside the dataset directory"), "{e}");
+    // Another spelling of the same directory.
+    let e = run(&format!("{}/../imdb/.", input), &[]);
+    assert!(e.contains("is the dataset directory"), "{e}");
+    assert_eq!(listing(), before, "nothing was written into the input");
+
+    // A single file where the output would write.
+    let out = tmp.path().join("out");
+    std::fs::create_dir_all(out.join("prompts")).unwrap();
+    let file = out.join("prompts/train.jsonl");
+    std::fs::write(&file, "{\"text\": \"A fine film, truly.\", \"label\": 1}\n").unwrap();
+    let e = err(rloo(&[
+        "data",
+        "prepare",
+        "imdb",
+        "--input",
+        file.to_str().unwrap(),
+        "--output-dir",
+        out.to_str().unwrap(),
+    ]));
+    assert!(e.contains("would overwrite or remove"), "{e}");
+}
+
 #[test]
 fn prepared_files_train_a_reward_model_and_fine_tune() {
     let tmp = tempfile::tempdir().unwrap();

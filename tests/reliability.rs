@@ -474,6 +474,66 @@ fn small_mistakes_are_explained() {
     assert!(e.contains("GPTNeoXForTokenClassification` is not supported"), "{e}");
 }
 
+/// A model directory whose weights hold tensors its config.json does not
+/// use (an edited `num_hidden_layers`, another model's file) is refused,
+/// naming them; buffers older transformers saved are not counted.
+#[test]
+fn tensors_the_config_leaves_unused_are_named() {
+    let tmp = tempfile::tempdir().unwrap();
+    let prompts = prompts(tmp.path());
+    let fewer = copy_model("gpt_neox-causal", &tmp.path().join("fewer"));
+    let config = fewer.join("config.json");
+    let text = std::fs::read_to_string(&config).unwrap();
+    assert!(text.contains("\"num_hidden_layers\": 2"));
+    std::fs::write(&config, text.replace("\"num_hidden_layers\": 2", "\"num_hidden_layers\": 1")).unwrap();
+    let e =
+        err(rloo(&["generate", "--model", fewer.to_str().unwrap(), "--prompts", &prompts, "--output", "/dev/null"]));
+    assert!(e.contains("tensors that config.json does not use (`gpt_neox.layers.1."), "{e}");
+    assert!(e.contains("was config.json edited, e.g. num_hidden_layers?"), "{e}");
+
+    let extra = copy_model("gpt_neox-causal", &tmp.path().join("extra"));
+    let file = extra.join("model.safetensors");
+    let dev = candle_core::Device::Cpu;
+    let mut tensors = candle_core::safetensors::load(&file, &dev).unwrap();
+    tensors.insert("gpt_neox.layers.0.attention.masked_bias".into(), candle_core::Tensor::new(-1e4f32, &dev).unwrap());
+    candle_core::safetensors::save(&tensors, &file).unwrap();
+    ok(rloo(&["generate", "--model", extra.to_str().unwrap(), "--prompts", &prompts, "--output", "/dev/null"]));
+    tensors
+        .insert("value_head.weight".into(), candle_core::Tensor::zeros((1, 4), candle_core::DType::F32, &dev).unwrap());
+    candle_core::safetensors::save(&tensors, &file).unwrap();
+    let e =
+        err(rloo(&["generate", "--model", extra.to_str().unwrap(), "--prompts", &prompts, "--output", "/dev/null"]));
+    assert!(e.contains("1 tensors that config.json does not use (`value_head.weight`)"), "{e}");
+}
+
+/// A checkpoint whose config.json was edited does not resume as another
+/// model: the difference is named.
+#[test]
+fn a_checkpoint_with_an_edited_config_does_not_resume() {
+    let tmp = tempfile::tempdir().unwrap();
+    let (out, prompts) = (tmp.path().join("run"), prompts(tmp.path()));
+    ok(train(&out, &prompts, 4, &["--stop_after", "2"]));
+    let config = out.join("checkpoint-2/config.json");
+    let text = std::fs::read_to_string(&config).unwrap();
+    std::fs::write(&config, text.replacen("\"layer_norm_eps\": ", "\"layer_norm_eps\": 0.5, \"was\": ", 1)).unwrap();
+    let e = err(train(&out, &prompts, 4, &["--resume_from_checkpoint", "latest"]));
+    assert!(e.contains("checkpoint-2/config.json: the checkpoint's model differs from the run's"), "{e}");
+    assert!(e.contains("layer_norm_eps: 0.5 vs "), "{e}");
+    assert!(e.contains("a checkpoint resumes only the model it was saved from"), "{e}");
+}
+
+#[test]
+fn an_empty_stop_string_is_refused() {
+    let tmp = tempfile::tempdir().unwrap();
+    let prompts = prompts(tmp.path());
+    let e =
+        err(rloo(&["generate", "--model", &policy(), "--prompts", &prompts, "--output", "/dev/null", "--stop", ""]));
+    assert!(
+        e.contains("--stop: a stop string is empty, which would end every completion before its first token"),
+        "{e}"
+    );
+}
+
 #[test]
 fn a_batch_too_large_for_memory_is_warned_about_at_start_up() {
     let tmp = tempfile::tempdir().unwrap();

@@ -277,6 +277,35 @@ fn a_command_that_hangs_or_babbles_fails_its_batch() {
     assert!(err.contains("1 of 1 samples failed") && err.contains("the answer line is not JSON"), "{err}");
 }
 
+/// A scorer that writes a line no request asked for (a second answer, a
+/// debug print) stops the run, naming the line, rather than putting every
+/// later answer against the wrong batch.
+#[test]
+fn a_command_that_writes_an_extra_line_stops_naming_it() {
+    let answer_and =
+        |extra: &str| format!("while IFS= read -r line; do out=$({}); printf '{extra}' \"$out\"; done", answer_line());
+    let twice = answer_and("%s\\n{\"scores\": [99]}\\n");
+    let set = set(command(&twice, json!({"batch_size": 1})));
+    let err = score(&set, &Batch::new(&["a", "bb", "ccc", "dddd"])).unwrap_err().to_string();
+    assert!(err.contains("reward `scorer`: command `sh -c"), "{err}");
+    assert!(
+        err.ends_with(
+            "wrote a line no request asked for, which would put its answers against the wrong samples \
+         (each request line gets exactly one answer line; write anything else to stderr): {\"scores\": [99]}"
+        ),
+        "{err}"
+    );
+    let chatty = answer_and("scoring a batch\\n%s\\n");
+    let set = self::set(command(&chatty, json!({"batch_size": 1})));
+    let err = score(&set, &Batch::new(&["a", "bb"])).unwrap_err().to_string();
+    assert!(
+        err.ends_with(
+            "(each request line gets exactly one answer line; write anything else to stderr): {\"scores\":[1]}"
+        ),
+        "{err}"
+    );
+}
+
 /// A chat-completions stub whose "judge" counts the letter `e`: in
 /// `A:<completion>` for pointwise requests and in `1:<a>|2:<b>` for pairwise
 /// ones; completions containing `<unsure>` get an answer without a score.

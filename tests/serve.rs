@@ -263,6 +263,7 @@ fn bad_requests_get_openai_errors_and_the_server_keeps_serving() {
         (json!({"prompt": 5}), 400, "`prompt` must be a string or a list, got a number (5)"),
         (json!({"prompt": [1, 2, 99999]}), 400, "99999"),
         (json!({"prompt": "x", "max_tokens": "many"}), 400, "`max_tokens` must be a non-negative integer"),
+        (json!({"prompt": "x", "stop": ["\n", ""]}), 400, "`stop`: a stop string is empty"),
     ];
     for (body, code, message) in cases {
         let (got, e) = post(url, "/v1/completions", &body);

@@ -104,6 +104,7 @@ fn sampling(args: &GenerateArgs, gen: &GenerationConfig) -> Sampling {
 }
 
 pub fn run(args: GenerateArgs) -> Result<()> {
+    StopCriteria::check_strings(&args.stop).map_err(|e| anyhow::anyhow!("--stop: {e}"))?;
     let device = parse_device(&args.device)?;
     let dir = resolve_model(&args.model)?;
     let model = Model::load(&dir, &device)

@@ -22,6 +22,11 @@ use super::prompt::describe_json;
 use super::rows::Row;
 use crate::error::{Error, Result};
 
+/// Most levels an expression may nest (brackets, `not`, `len`, and each
+/// `and`/`or` of a chain): parsing and evaluating recurse once per level,
+/// and an expression far past any real filter must not exhaust the stack.
+const MAX_DEPTH: usize = 256;
+
 /// A parsed filter.
 #[derive(Debug, Clone)]
 pub struct Filter {
@@ -71,7 +76,7 @@ impl Filter {
     /// the fault.
     pub fn parse(source: &str) -> Result<Filter> {
         let toks = lex(source).map_err(|At(pos, msg)| invalid(source, pos, &msg))?;
-        let mut parser = Parser { toks, i: 0 };
+        let mut parser = Parser { toks, i: 0, depth: 0 };
         let expr = parser.or().map_err(|At(pos, msg)| invalid(source, pos, &msg))?;
         if parser.peek() != &Tok::End {
             let pos = parser.pos();
@@ -177,6 +182,8 @@ fn lex(source: &str) -> std::result::Result<Vec<(usize, Tok)>, At> {
 struct Parser {
     toks: Vec<(usize, Tok)>,
     i: usize,
+    /// Levels entered so far; see [`MAX_DEPTH`].
+    depth: usize,
 }
 
 impl Parser {
@@ -217,21 +224,43 @@ impl Parser {
         }
     }
 
+    /// Enters one more level of nesting, or fails past [`MAX_DEPTH`];
+    /// `leave` undoes it.
+    fn enter(&mut self) -> std::result::Result<(), At> {
+        self.depth += 1;
+        if self.depth > MAX_DEPTH {
+            return Err(At(self.pos(), format!("the expression nests more than {MAX_DEPTH} levels deep")));
+        }
+        Ok(())
+    }
+
+    fn leave(&mut self, levels: usize) {
+        self.depth -= levels;
+    }
+
     fn or(&mut self) -> std::result::Result<Expr, At> {
         let mut left = self.and()?;
+        let mut links = 0;
         while self.is_word("or") {
             self.bump();
+            self.enter()?;
+            links += 1;
             left = Expr::Or(Box::new(left), Box::new(self.and()?));
         }
+        self.leave(links);
         Ok(left)
     }
 
     fn and(&mut self) -> std::result::Result<Expr, At> {
         let mut left = self.not()?;
+        let mut links = 0;
         while self.is_word("and") {
             self.bump();
+            self.enter()?;
+            links += 1;
             left = Expr::And(Box::new(left), Box::new(self.not()?));
         }
+        self.leave(links);
         Ok(left)
     }
 
@@ -239,7 +268,10 @@ impl Parser {
         if self.is_word("not") {
             let pos = self.pos();
             self.bump();
-            return Ok(Expr::Not { arg: Box::new(self.not()?), pos });
+            self.enter()?;
+            let arg = Box::new(self.not()?);
+            self.leave(1);
+            return Ok(Expr::Not { arg, pos });
         }
         self.compare()
     }
@@ -267,6 +299,13 @@ impl Parser {
     }
 
     fn term(&mut self) -> std::result::Result<Expr, At> {
+        self.enter()?;
+        let term = self.term_inside();
+        self.leave(1);
+        term
+    }
+
+    fn term_inside(&mut self) -> std::result::Result<Expr, At> {
         let pos = self.pos();
         match self.bump() {
             Tok::Str(s) => Ok(Expr::Literal(Value::String(s))),
@@ -469,6 +508,20 @@ mod tests {
         let err = Filter::parse("a == 1 b").unwrap_err().to_string();
         assert!(err.contains("unexpected `b` after a complete expression"), "{err}");
         assert!(Filter::parse("\"open").is_err());
+    }
+
+    #[test]
+    fn nesting_past_the_limit_is_an_error_not_a_stack_overflow() {
+        for deep in ["(".repeat(100_000), "not ".repeat(100_000), "[".repeat(100_000), "len(".repeat(100_000)] {
+            let err = Filter::parse(&deep).unwrap_err().to_string();
+            assert!(err.contains("the expression nests more than 256 levels deep"), "{}", &err[..200]);
+        }
+        let chain = vec!["n == 1"; 100_000].join(" or ");
+        assert!(Filter::parse(&chain).unwrap_err().to_string().contains("nests more than 256 levels"));
+        // Real filters are far from the limit.
+        let wide = vec!["n == 1"; 200].join(" or ");
+        assert!(keeps(&wide, json!({"n": 1})));
+        assert!(keeps(&format!("{}true{}", "(".repeat(60), ")".repeat(60)), json!({})));
     }
 
     #[test]

@@ -64,6 +64,10 @@ const KINDS: [&str; 3] = ["preference", "sft", "prompts"];
 
 /// Runs the recipe and writes the files; returns each split's report.
 pub fn prepare(opts: &PrepareOptions) -> Result<BTreeMap<String, SplitReport>> {
+    if opts.prompt_words == 0 {
+        return Err(Error::Invalid("--prompt-words must be at least 1: with 0 every imdb prompt is empty".into()));
+    }
+    check_paths(&opts.input, &opts.output_dir)?;
     if !(0.0..100.0).contains(&opts.validation_percentage) {
         return Err(Error::Invalid(format!(
             "--validation-percentage must be in [0, 100), got {}",
@@ -193,6 +197,46 @@ fn within_limits(ex: &Example, tok: &Tokenizer, opts: &PrepareOptions) -> Result
         }
     }
     Ok(true)
+}
+
+/// Refuses an output directory that would write into the dataset being
+/// read (the files written would join it, and stale ones are removed), or
+/// over the input file.
+fn check_paths(input: &str, output_dir: &Path) -> Result<()> {
+    let Ok(input) = Path::new(input).canonicalize() else { return Ok(()) }; // a hub id
+    let output = resolved(output_dir);
+    let refused = |why: &str| {
+        Err(Error::Invalid(format!(
+            "--output-dir {} {why} --input {}: write the prepared files elsewhere",
+            output_dir.display(),
+            input.display()
+        )))
+    };
+    if input.is_dir() && output.starts_with(&input) {
+        return refused(if output == input { "is the dataset directory" } else { "is inside the dataset directory" });
+    }
+    let written_by_prepare =
+        |rel: &Path| rel == Path::new("prepare_args.json") || KINDS.iter().any(|kind| rel.starts_with(kind));
+    match input.strip_prefix(&output) {
+        Ok(rel) if input.is_dir() || written_by_prepare(rel) => refused("would overwrite or remove"),
+        _ => Ok(()),
+    }
+}
+
+/// `path` made absolute through its nearest existing ancestor, symbolic
+/// links resolved, so that two spellings of one place compare equal.
+fn resolved(path: &Path) -> PathBuf {
+    let absolute = std::path::absolute(path).unwrap_or_else(|_| path.to_path_buf());
+    let mut existing = absolute.as_path();
+    let mut rest = Vec::new();
+    while !existing.exists() {
+        let (Some(parent), Some(name)) = (existing.parent(), existing.file_name()) else { return absolute };
+        rest.push(name);
+        existing = parent;
+    }
+    let mut out = existing.canonicalize().unwrap_or_else(|_| existing.to_path_buf());
+    out.extend(rest.iter().rev());
+    out
 }
 
 /// Writes every kind and split (each file whole or not at all), removes

@@ -35,6 +35,15 @@ pub struct StopCriteria {
 }
 
 impl StopCriteria {
+    /// Refuses an empty stop string: every text contains it, so every
+    /// completion would end before its first token.
+    pub fn check_strings(strings: &[String]) -> std::result::Result<(), String> {
+        match strings.iter().any(String::is_empty) {
+            true => Err("a stop string is empty, which would end every completion before its first token".into()),
+            false => Ok(()),
+        }
+    }
+
     /// The model's EOS ids: `generation_config.json`'s (one or several),
     /// else the tokenizer's EOS token; empty when it has neither.
     pub fn model_eos_ids(model_dir: &std::path::Path, tokenizer: &Tokenizer) -> Result<Vec<u32>> {
@@ -106,6 +115,7 @@ pub fn generate(
     if opts.num_return_sequences == 0 || opts.batch_size == 0 {
         return Err(Error::Invalid("num_return_sequences and batch_size must be at least 1".into()));
     }
+    StopCriteria::check_strings(&opts.stop.strings).map_err(Error::Invalid)?;
     if !opts.stop.strings.is_empty() && tokenizer.is_none() {
         return Err(Error::Invalid("stop strings need the tokenizer".into()));
     }

@@ -97,6 +97,23 @@ impl ModelConfig {
         }
     }
 
+    /// The `config.json` keys whose values differ from `other`'s, as
+    /// `key: ours vs theirs`; keys that say where the file came from rather
+    /// than what the model computes are left out.
+    pub fn differences(&self, other: &ModelConfig) -> Vec<String> {
+        const PROVENANCE: [&str; 4] = ["_name_or_path", "transformers_version", "torch_dtype", "dtype"];
+        let (ours, theirs) = (self.to_json(), other.to_json());
+        let empty = serde_json::Map::new();
+        let (a, b) = (ours.as_object().unwrap_or(&empty), theirs.as_object().unwrap_or(&empty));
+        let show = |v: Option<&Value>| v.map_or("absent".to_string(), Value::to_string);
+        let mut keys: Vec<&String> = a.keys().collect();
+        keys.extend(b.keys().filter(|k| !a.contains_key(*k)));
+        keys.into_iter()
+            .filter(|k| !PROVENANCE.contains(&k.as_str()) && a.get(*k) != b.get(*k))
+            .map(|k| format!("{k}: {} vs {}", show(a.get(k)), show(b.get(k))))
+            .collect()
+    }
+
     /// `config.json` for saving: the original keys with `architectures` set
     /// to this head's class.
     pub fn to_json(&self) -> Value {

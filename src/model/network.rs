@@ -157,6 +157,19 @@ pub fn backward(loss: &Tensor, models: &[&Model]) -> TResult<GradStore> {
     Ok(grads)
 }
 
+/// Tensors a checkpoint may hold that no architecture reads: the causal
+/// masks and rotary tables older transformers saved as buffers, a tied LM
+/// head's copy of the embeddings, and the head that a load replaces (a
+/// reward model or critic started from a causal LM).
+fn may_go_unused(name: &str, config: &ModelConfig) -> bool {
+    const BUFFERS: [&str; 5] =
+        [".attn.bias", ".attn.masked_bias", ".attention.bias", ".attention.masked_bias", ".rotary_emb.inv_freq"];
+    let causal = config.head == HeadKind::CausalLm;
+    BUFFERS.iter().any(|b| name.ends_with(b))
+        || (name == config.arch.lm_head_name() && (config.tie_word_embeddings() || !causal))
+        || (name.starts_with("score.") && causal)
+}
+
 /// Log-probability of each next token: for logits (B, T, V) and ids (B, T),
 /// entry (b, t) is `log p(ids[b, t+1] | ids[b, ..=t])`, shape (B, T-1).
 pub fn next_token_logprobs(logits: &Tensor, ids: &Tensor) -> TResult<Tensor> {
@@ -298,6 +311,20 @@ impl Model {
         });
         let train = Network::build(&config, &source.root_with(plan.as_ref()))?;
         let unused = source.unused();
+        let stray: Vec<&String> = unused.iter().filter(|name| !may_go_unused(name, &config)).collect();
+        if !stray.is_empty() {
+            let shown: Vec<String> = stray.iter().take(6).map(|n| format!("`{n}`")).collect();
+            return Err(Error::Weights {
+                msg: format!(
+                    "{}: {} tensors that config.json does not use ({}{}): the weights and config.json do not \
+                     belong together (was config.json edited, e.g. num_hidden_layers?)",
+                    dir.display(),
+                    stray.len(),
+                    shown.join(", "),
+                    if stray.len() > shown.len() { ", ..." } else { "" }
+                ),
+            });
+        }
         if !unused.is_empty() {
             tracing::debug!("{}: ignoring {} unused tensors: {:?}", dir.display(), unused.len(), unused);
         }

@@ -2,7 +2,9 @@
 //! JSON lines. rloo writes one request line per batch,
 //! `{"samples": [{"prompt", "completion", "row"}, ...]}`, and reads one
 //! answer line, `{"scores": [number or null, ...]}`. The process's stderr
-//! goes to the log under the source's name.
+//! goes to the log under the source's name. A line on stdout that no
+//! request asked for (a debug print, a second answer) would put every later
+//! answer against the wrong batch, so it stops the run, naming the line.
 //!
 //! The process is started when the source is built (so that a wrong command
 //! fails before training), restarted once if it dies (the batch it died on is
@@ -25,6 +27,10 @@ use crate::error::{Error, Result};
 
 /// Lines of the process's stderr kept for error messages.
 const STDERR_TAIL: usize = 5;
+
+/// How long after an answer a second line counts as written with it (a
+/// second print, a debug line before the answer flushed together).
+const SETTLE: Duration = Duration::from_millis(10);
 
 /// How the process is started.
 #[derive(Debug, Clone)]
@@ -70,6 +76,8 @@ enum NoAnswer {
     /// The process exited or closed its pipes; the text says how.
     Died(String),
     TimedOut,
+    /// A line came that no request asked for: the answers are out of step.
+    Stray(String),
 }
 
 impl CommandSource {
@@ -108,11 +116,28 @@ impl CommandSource {
             };
             match process.ask(&request, self.timeout) {
                 Ok(line) => {
-                    return Ok(serde_json::from_str::<Value>(&line)
+                    let scores = serde_json::from_str::<Value>(&line)
                         .map_err(|e| {
                             format!("the answer line is not JSON ({e}): {}", crate::service::client::quote(&line))
                         })
-                        .and_then(|v| read_scores(&v, samples.len())))
+                        .and_then(|v| read_scores(&v, samples.len()));
+                    if scores.is_err() {
+                        // Its real answer may still come: the next batch
+                        // starts a fresh process rather than read it.
+                        state.process = None;
+                    }
+                    return Ok(scores);
+                }
+                Err(NoAnswer::Stray(line)) => {
+                    state.process = None;
+                    return Err(Error::RewardService(format!(
+                        "reward `{}`: command `{}` wrote a line no request asked for, which would put its answers \
+                         against the wrong samples (each request line gets exactly one answer line; write \
+                         anything else to stderr): {}",
+                        self.name,
+                        self.launch.describe(),
+                        crate::service::client::quote(&line)
+                    )));
                 }
                 Err(NoAnswer::TimedOut) => {
                     state.process = None;
@@ -219,15 +244,24 @@ impl Process {
         Ok(Process { child, requests, lines, stderr_tail })
     }
 
-    /// Sends one request line and waits for one answer line.
+    /// Sends one request line and waits for one answer line; a line
+    /// already waiting before the request, or following the answer within
+    /// [`SETTLE`], is one no request asked for.
     fn ask(&mut self, request: &str, timeout: Duration) -> std::result::Result<String, NoAnswer> {
+        if let Ok(Ok(line)) = self.lines.try_recv() {
+            return Err(NoAnswer::Stray(line));
+        }
         if self.requests.send(request.to_string()).is_err() {
             return Err(NoAnswer::Died(self.exit_description()));
         }
-        match self.lines.recv_timeout(timeout) {
-            Ok(Ok(line)) => Ok(line),
-            Ok(Err(_)) | Err(RecvTimeoutError::Disconnected) => Err(NoAnswer::Died(self.exit_description())),
-            Err(RecvTimeoutError::Timeout) => Err(NoAnswer::TimedOut),
+        let answer = match self.lines.recv_timeout(timeout) {
+            Ok(Ok(line)) => line,
+            Ok(Err(_)) | Err(RecvTimeoutError::Disconnected) => return Err(NoAnswer::Died(self.exit_description())),
+            Err(RecvTimeoutError::Timeout) => return Err(NoAnswer::TimedOut),
+        };
+        match self.lines.recv_timeout(SETTLE) {
+            Ok(Ok(line)) => Err(NoAnswer::Stray(line)),
+            _ => Ok(answer),
         }
     }
 

@@ -336,6 +336,10 @@ mod tests {
         .unwrap();
         let template = causal["chat_template"].as_str().unwrap();
         std::fs::write(dir.path().join("chat_template.jinja"), template).unwrap();
+        // The rendered conversation is longer than the fixture's 128 positions.
+        edit_config(dir.path(), |c| {
+            c.insert("max_position_embeddings".into(), json!(512));
+        });
         let rm = RewardModel::from_dir("rm", dir.path(), &Device::Cpu, 4).unwrap();
 
         let messages = vec![
@@ -395,6 +399,17 @@ mod tests {
         let dir = fixture("models/qwen2-seqcls");
         let rm = RewardModel::from_dir("rm", &dir, &Device::Cpu, 8).unwrap();
         let owned = vec![Owned::text("", ""), Owned::text("The movie was", " fine")];
+        let got = rm.score(&samples(&owned)).unwrap();
+        assert_eq!(got[0], None);
+        assert!(got[1].is_some());
+    }
+
+    #[test]
+    fn sequences_longer_than_a_rotary_models_context_get_no_score() {
+        // GPT-NeoX: rotary, max_position_embeddings 128.
+        let dir = fixture("models/gpt_neox-seqcls");
+        let rm = RewardModel::from_dir("rm", &dir, &Device::Cpu, 8).unwrap();
+        let owned = vec![Owned::text("The movie was", &" word".repeat(200)), Owned::text("A", " b")];
         let got = rm.score(&samples(&owned)).unwrap();
         assert_eq!(got[0], None);
         assert!(got[1].is_some());

@@ -14,7 +14,7 @@ use super::engine::{Event, GenRequest, TokenLogprob};
 use super::Generator;
 use crate::data::prompt::describe_json;
 use crate::data::{Message, Prompt};
-use crate::generate::{FinishReason, Sampling};
+use crate::generate::{FinishReason, Sampling, StopCriteria};
 use crate::service::server::{ClientWatch, HttpError, NoMessage, Reply};
 use crate::service::Cancel;
 
@@ -366,7 +366,8 @@ impl Fields<'_> {
                 )))
             }
         };
-        Ok(strings.into_iter().filter(|s| !s.is_empty()).collect())
+        StopCriteria::check_strings(&strings).map_err(|e| HttpError::bad_request(format!("`stop`: {e}")))?;
+        Ok(strings)
     }
 
     /// Options that would change the answer and that this server does not

@@ -15,7 +15,7 @@ use super::optim::AdamW;
 use crate::error::{read_json, Error, Result};
 use crate::io::{write_atomic, write_dir_atomic};
 use crate::model::save::write_tensors;
-use crate::model::Model;
+use crate::model::{Model, ModelConfig};
 
 pub const STATE_FILE: &str = "trainer_state.json";
 pub const OPTIMIZER_FILE: &str = "optimizer.safetensors";
@@ -95,13 +95,20 @@ pub fn load_state(dir: &Path) -> Result<TrainerState> {
 pub fn load_part(
     dir: &Path,
     subdir: &str,
+    expected: &ModelConfig,
     device: &Device,
     optimizer: &mut AdamW,
     optimizer_step: usize,
     dtype: DType,
 ) -> Result<Model> {
     let at = dir.join(subdir);
+    // Before the weights, so that the error names the edited config rather
+    // than the tensors it leaves unused; an adapter's base is checked after.
+    if at.join("config.json").is_file() {
+        same_model(&ModelConfig::from_dir(&at)?, expected)?;
+    }
     let model = Model::load(&at, device)?;
+    same_model(model.config(), expected)?;
     let opt_path = at.join(OPTIMIZER_FILE);
     let tensors: HashMap<String, Tensor> = candle_core::safetensors::load(&opt_path, device)
         .map_err(|e| Error::bad_file(&opt_path, format!("cannot read optimizer state: {e}")))?;
@@ -112,6 +119,23 @@ pub fn load_part(
     }
     optimizer.load_state(tensors, optimizer_step, model.params())?;
     model.with_dtype(dtype, true)
+}
+
+/// Errors unless a checkpoint's model is the run's.
+fn same_model(saved: &ModelConfig, expected: &ModelConfig) -> Result<()> {
+    let differences = saved.differences(expected);
+    if differences.is_empty() {
+        return Ok(());
+    }
+    Err(Error::bad_file(
+        &saved.path,
+        format!(
+            "the checkpoint's model differs from the run's ({}): {}; a checkpoint resumes only the model it was \
+             saved from",
+            expected.path.display(),
+            differences.join("; ")
+        ),
+    ))
 }
 
 /// Deletes the oldest checkpoints beyond `limit` (0: keep all).

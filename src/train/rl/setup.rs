@@ -189,12 +189,12 @@ impl Run {
             )));
         }
         tracing::info!("resuming from {} at step {}", dir.display(), state.step);
-        let at = state.optimizer_step;
-        self.policy =
-            checkpoint::load_part(&dir, "", &self.device, &mut optimizers.policy, at, self.cfg.train.dtype.dtype())?;
+        let (at, dtype) = (state.optimizer_step, self.cfg.train.dtype.dtype());
+        let policy = self.policy.config().clone();
+        self.policy = checkpoint::load_part(&dir, "", &policy, &self.device, &mut optimizers.policy, at, dtype)?;
         if let (Some(critic), Some(optimizer)) = (&mut self.critic, &mut optimizers.critic) {
-            critic.model =
-                checkpoint::load_part(&dir, CRITIC_DIR, &self.device, optimizer, at, self.cfg.train.dtype.dtype())?;
+            let config = critic.model.config().clone();
+            critic.model = checkpoint::load_part(&dir, CRITIC_DIR, &config, &self.device, optimizer, at, dtype)?;
         }
         Ok(state)
     }
