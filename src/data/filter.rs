@@ -105,9 +105,20 @@ impl Filter {
     }
 }
 
+/// The error at character `pos`, showing the expression around it with a
+/// caret under the fault (at most [`SHOWN`] characters either side).
 fn invalid(source: &str, pos: usize, msg: &str) -> Error {
-    Error::Invalid(format!("--dataset_filter: {msg} at character {}\n  {source}\n  {}^", pos + 1, " ".repeat(pos)))
+    let chars: Vec<char> = source.chars().collect();
+    let (from, to) = (pos.saturating_sub(SHOWN), (pos + SHOWN).min(chars.len()));
+    let lead = if from > 0 { "..." } else { "" };
+    let tail = if to < chars.len() { "..." } else { "" };
+    let shown: String = chars[from..to].iter().collect();
+    let caret = " ".repeat(lead.len() + pos - from);
+    Error::Invalid(format!("--dataset_filter: {msg} at character {}\n  {lead}{shown}{tail}\n  {caret}^", pos + 1))
 }
+
+/// Characters of a long expression shown either side of a fault.
+const SHOWN: usize = 40;
 
 /// Tokens with the character position each starts at.
 fn lex(source: &str) -> std::result::Result<Vec<(usize, Tok)>, At> {
@@ -517,7 +528,9 @@ mod tests {
             assert!(err.contains("the expression nests more than 256 levels deep"), "{}", &err[..200]);
         }
         let chain = vec!["n == 1"; 100_000].join(" or ");
-        assert!(Filter::parse(&chain).unwrap_err().to_string().contains("nests more than 256 levels"));
+        let err = Filter::parse(&chain).unwrap_err().to_string();
+        assert!(err.contains("nests more than 256 levels"), "{err}");
+        assert!(err.len() < 300, "a long expression is shown around the fault only: {err}");
         // Real filters are far from the limit.
         let wide = vec!["n == 1"; 200].join(" or ");
         assert!(keeps(&wide, json!({"n": 1})));

@@ -104,7 +104,7 @@ impl Head {
     }
 }
 
-pub fn too_large(limit: usize) -> HttpError {
+fn too_large(limit: usize) -> HttpError {
     HttpError::new(413, format!("the body is larger than the limit of {limit} bytes"))
 }
 
@@ -495,4 +495,102 @@ pub fn end_chunks(conn: &mut Connection) -> std::io::Result<()> {
 /// The interim answer a client that sent `Expect: 100-continue` waits for.
 pub fn send_continue(conn: &mut Connection) -> std::io::Result<()> {
     conn.write_all(b"HTTP/1.1 100 Continue\r\n\r\n")
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use std::net::TcpListener;
+
+    /// A connection whose client has sent `bytes` (and then closes its side
+    /// when `close` says so).
+    fn connection(bytes: &[u8], close: bool) -> (Connection, TcpStream) {
+        let listener = TcpListener::bind("127.0.0.1:0").unwrap();
+        let mut client = TcpStream::connect(listener.local_addr().unwrap()).unwrap();
+        client.write_all(bytes).unwrap();
+        if close {
+            client.shutdown(Shutdown::Write).unwrap();
+        }
+        let (server, _) = listener.accept().unwrap();
+        (Connection::new(server, Duration::from_secs(1)).unwrap(), client)
+    }
+
+    const SECOND: Duration = Duration::from_secs(1);
+
+    fn head_and_body(conn: &mut Connection) -> Result<(Head, Vec<u8>), ReadError> {
+        let (head, started) = conn.read_head(4096, SECOND, SECOND, &|| false)?.expect("a request");
+        let framing = head.framing(1000)?;
+        let body = conn.read_body(framing, 1000, started + SECOND, SECOND, &|| false)?;
+        Ok((head, body))
+    }
+
+    fn status(result: Result<(Head, Vec<u8>), ReadError>) -> u16 {
+        match result {
+            Err(ReadError::Answer(e)) => e.status,
+            other => panic!("expected an answer, got {:?}", other.map(|(h, b)| (h, String::from_utf8(b)))),
+        }
+    }
+
+    #[test]
+    fn pipelined_requests_with_length_and_chunked_bodies_read_in_turn() {
+        let bytes = b"POST /a?x=1 HTTP/1.1\r\nHost: h\r\nContent-Length: 5\r\n\r\nhello\
+                      POST /b HTTP/1.1\r\nHost: h\r\nTransfer-Encoding: chunked\r\n\r\n\
+                      3;ext=1\r\nabc\r\n2\r\nde\r\n0\r\nX-Trailer: t\r\n\r\n\
+                      GET /c HTTP/1.0\r\n\r\n";
+        let (mut conn, _client) = connection(bytes, true);
+        let (head, body) = head_and_body(&mut conn).unwrap();
+        assert_eq!((head.method.as_str(), head.path(), &body[..]), ("POST", "/a", &b"hello"[..]));
+        assert!(head.keep_alive());
+        let (head, body) = head_and_body(&mut conn).unwrap();
+        assert_eq!((head.path(), &body[..]), ("/b", &b"abcde"[..]));
+        let (head, body) = head_and_body(&mut conn).unwrap();
+        assert_eq!((head.path(), body.len()), ("/c", 0));
+        assert!(!head.keep_alive(), "HTTP/1.0 closes unless asked");
+        assert!(conn.read_head(4096, SECOND, SECOND, &|| false).unwrap().is_none(), "the client closed");
+    }
+
+    #[test]
+    fn ambiguous_or_oversized_framing_is_refused_before_the_body() {
+        let cases: [(&[u8], u16); 7] = [
+            (b"POST / HTTP/1.1\r\nContent-Length: 99999999999999999999\r\n\r\n", 413),
+            (b"POST / HTTP/1.1\r\nContent-Length: 1001\r\n\r\n", 413),
+            (b"POST / HTTP/1.1\r\nContent-Length: 3\r\nContent-Length: 4\r\n\r\nabcd", 400),
+            (b"POST / HTTP/1.1\r\nContent-Length: -1\r\n\r\n", 400),
+            (b"POST / HTTP/1.1\r\nContent-Length: 3\r\nTransfer-Encoding: chunked\r\n\r\n", 400),
+            (b"POST / HTTP/1.1\r\nTransfer-Encoding: gzip, chunked\r\n\r\n", 501),
+            (b"POST / HTTP/1.1\r\nTransfer-Encoding: chunked\r\n\r\n400\r\n", 413),
+        ];
+        for (bytes, code) in cases {
+            let (mut conn, _client) = connection(bytes, false);
+            assert_eq!(status(head_and_body(&mut conn)), code, "{}", String::from_utf8_lossy(bytes));
+        }
+    }
+
+    #[test]
+    fn malformed_and_oversized_heads_are_answered() {
+        let (mut conn, _client) = connection(b"\x16\x03\x01\x02\x00 TLS hello\r\n\r\n", false);
+        assert_eq!(status(head_and_body(&mut conn)), 400);
+        let mut big = b"GET / HTTP/1.1\r\nX: ".to_vec();
+        big.resize(5000, b'a');
+        let (mut conn, _client) = connection(&big, false);
+        assert_eq!(status(head_and_body(&mut conn)), 431);
+        let (mut conn, _client) = connection(b"GET / HTTP/1.1\r\nHost: h\r\n", false);
+        let started = Instant::now();
+        assert_eq!(status(head_and_body(&mut conn)), 408);
+        assert!(started.elapsed() < Duration::from_secs(3));
+    }
+
+    #[test]
+    fn a_closed_client_is_seen_gone_but_one_that_sent_ahead_is_not() {
+        let (conn, client) = connection(b"", false);
+        let watch = conn.watch();
+        assert!(!watch.gone());
+        drop(client);
+        std::thread::sleep(Duration::from_millis(50));
+        assert!(watch.gone());
+        let (conn, _client) = connection(b"GET / HTTP/1.1\r\n\r\n", false);
+        std::thread::sleep(Duration::from_millis(50));
+        assert!(!conn.watch().gone());
+        assert!(!ClientWatch::none().gone());
+    }
 }

@@ -119,21 +119,6 @@ pub struct Limits {
     pub shutdown_grace: Duration,
 }
 
-impl Default for Limits {
-    fn default() -> Limits {
-        Limits {
-            max_body_bytes: 8 << 20,
-            max_header_bytes: 64 << 10,
-            workers: 64,
-            max_queue: 256,
-            max_connections: 512,
-            request_timeout: Duration::from_secs(30),
-            keep_alive: Duration::from_secs(15),
-            shutdown_grace: Duration::from_secs(10),
-        }
-    }
-}
-
 /// Where a server listens, who may use it, and its limits.
 #[derive(Debug, Clone)]
 pub struct Listen {
@@ -144,19 +129,6 @@ pub struct Listen {
     /// Listen beyond loopback without a token.
     pub insecure_no_api_key: bool,
     pub limits: Limits,
-}
-
-impl Listen {
-    /// Loopback, any free port, no token, default limits (for tests).
-    pub fn loopback() -> Listen {
-        Listen {
-            host: "127.0.0.1".into(),
-            port: 0,
-            access: Access::default(),
-            insecure_no_api_key: false,
-            limits: Limits::default(),
-        }
-    }
 }
 
 /// Stopping in two stages: no new work once `stop()` is true, and work in
