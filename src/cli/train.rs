@@ -37,7 +37,7 @@ const FLAGS: &[Flag] = &[
     ("stop_token", "generation.stop_token", Kind::Str, "\"eos\": completions end at EOS; \"none\": always response_length tokens"),
     ("local_rollout_forward_batch_size", "generation.local_rollout_forward_batch_size", Kind::Int, "Rows per forward pass when sampling and computing log-probs"),
     // TRL's PPO script.
-    ("algo", "train.algo", Kind::Str, "rloo, or ppo (a critic, GAE and a clipped value loss)"),
+    ("algo", "train.algo", Kind::Str, "The algorithm: rloo, ppo (a critic, GAE and a clipped value loss), or another of docs/algorithm.md"),
     ("value_model_path", "ppo.value_model", Kind::Str, "PPO's critic: a sequence-classification model, \"reward\" or \"policy\" [none: the reward model if there is one, else the policy]"),
     ("vf_coef", "ppo.vf_coef", Kind::Float, "PPO: weight of the value loss"),
     ("cliprange_value", "ppo.cliprange_value", Kind::Float, "PPO: clip range of predicted values"),

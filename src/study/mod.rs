@@ -356,7 +356,7 @@ rloo = { k = 1 }
         assert_eq!((cfg.rloo.k, cfg.rloo.kl_coef, cfg.train.seed), (4, 0.1, 2));
         assert_eq!(cfg.train.resume_from_checkpoint.as_deref(), Some("latest"));
         let ppo = TrainConfig::from_table(study.arms[1].run_table(1, Path::new("x")), &path).unwrap();
-        assert_eq!((ppo.train.algo, ppo.rloo.k), (crate::train::config::Algo::Ppo, 1));
+        assert_eq!((ppo.train.algo.as_str(), ppo.rloo.k), ("ppo", 1));
         assert_eq!(study.run_dir(arm, 2), Path::new("out/rloo-k-4/seed-2"));
 
         std::fs::write(&path, "[[arm]]\nname = \"a\"\nrloo = { k = 1 }\n[model]\npolicy = \"p\"\n").unwrap();

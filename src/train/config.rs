@@ -288,17 +288,6 @@ impl Default for PpoSection {
     }
 }
 
-/// Which policy-gradient algorithm trains the policy.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, Serialize, Deserialize)]
-#[serde(rename_all = "snake_case")]
-pub enum Algo {
-    /// REINFORCE Leave-One-Out: k completions per prompt, no critic.
-    #[default]
-    Rloo,
-    /// PPO with a critic, GAE and a clipped value loss.
-    Ppo,
-}
-
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default, Serialize, Deserialize)]
 #[serde(rename_all = "snake_case")]
 pub enum Schedule {
@@ -311,8 +300,8 @@ pub enum Schedule {
 #[derive(Debug, Clone, Serialize, Deserialize)]
 #[serde(deny_unknown_fields, default)]
 pub struct TrainSection {
-    /// rloo or ppo.
-    pub algo: Algo,
+    /// The algorithm, by its name in `train::rl::algorithm::REGISTRY`.
+    pub algo: String,
     /// Checkpoints, the final model, metrics and samples go here.
     pub output_dir: String,
     pub learning_rate: f64,
@@ -375,7 +364,7 @@ pub struct TrainSection {
 impl Default for TrainSection {
     fn default() -> Self {
         Self {
-            algo: Algo::Rloo,
+            algo: "rloo".into(),
             output_dir: "runs/rloo".into(),
             learning_rate: 3e-6,
             per_device_train_batch_size: 8,
@@ -436,19 +425,8 @@ impl TrainConfig {
         if self.data.path.is_empty() {
             return bad("no prompts: set data.path (or --dataset_name)".into());
         }
-        match self.train.algo {
-            Algo::Rloo if self.rloo.k < 2 => {
-                return bad(format!(
-                    "rloo.k (--rloo_k) must be at least 2 for a leave-one-out baseline, got {}",
-                    self.rloo.k
-                ))
-            }
-            Algo::Ppo if self.rloo.k == 0 => return bad("rloo.k (--rloo_k) must be at least 1".into()),
-            Algo::Ppo if self.rloo.kl_placement == KlPlacement::Loss => {
-                return bad("PPO puts the KL penalty into per-token rewards: rloo.kl_placement must be reward".into())
-            }
-            _ => {}
-        }
+        let algorithm = super::rl::algorithm::find(&self.train.algo).map_err(Error::Invalid)?;
+        (algorithm.check)(self).map_err(Error::Invalid)?;
         let p = &self.ppo;
         non_negative("ppo.vf_coef", p.vf_coef)?;
         positive("ppo.cliprange_value", p.cliprange_value)?;

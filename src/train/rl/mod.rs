@@ -1,12 +1,12 @@
 //! Online policy-gradient training, one rollout batch per step:
-//! rollout -> scores, and the old and reference log-probs (and PPO's
-//! values) side by side -> KL -> advantages (RLOO's leave-one-out over
-//! sequences, or PPO's GAE over tokens) -> epochs x mini-batches x
-//! micro-batches of the clipped policy loss (plus PPO's value loss) ->
-//! metrics, samples, checkpoint. See docs/algorithm.md.
+//! rollout -> scores, and the old and reference log-probs (and the
+//! algorithm's values) side by side -> KL -> the algorithm's advantages ->
+//! epochs x mini-batches x micro-batches of the clipped policy loss (plus
+//! the algorithm's own terms) -> metrics, samples, checkpoint. The
+//! algorithms (RLOO, PPO, ...) are in [`algorithm`]; see docs/algorithm.md.
 
+pub mod algorithm;
 mod optimise;
-mod ppo;
 mod report;
 mod setup;
 
@@ -33,8 +33,8 @@ use crate::model::{Model, Network};
 use crate::report::Metrics;
 use crate::reward::{RewardSet, Shaping};
 use crate::rollout::Rollout;
-use optimise::{Advantages, TrainStats};
-use ppo::{Critic, CRITIC_DIR};
+use algorithm::{Algorithm, Batch};
+use optimise::TrainStats;
 
 /// What a finished (or stopped) run reports.
 #[derive(Debug, Clone)]
@@ -60,8 +60,9 @@ struct Run {
     tokenizer: Tokenizer,
     policy: Model,
     reference: Option<Reference>,
-    /// PPO's value model.
-    critic: Option<Critic>,
+    /// What turns a scored rollout into the loss's targets, and what it
+    /// trains beside the policy.
+    algorithm: Box<dyn Algorithm>,
     rewards: RewardSet,
     shaping: Shaping,
     dataset: PromptDataset,
@@ -87,10 +88,11 @@ impl Reference {
     }
 }
 
-/// The optimizers of the trained models.
+/// The optimizers of the policy and of what the algorithm trains beside it
+/// (in the order of [`Algorithm::trained`]).
 struct Optimizers {
     policy: AdamW,
-    critic: Option<AdamW>,
+    trained: Vec<AdamW>,
 }
 
 pub fn train(cfg: &TrainConfig) -> Result<RunSummary> {
@@ -107,7 +109,8 @@ pub fn train(cfg: &TrainConfig) -> Result<RunSummary> {
     let mut run = Run::start(cfg)?;
     let t = &cfg.train;
     let adamw = || AdamW::new(t.adam_beta1, t.adam_beta2, t.adam_epsilon, t.weight_decay);
-    let mut optimizers = Optimizers { policy: adamw(), critic: run.critic.as_ref().map(|_| adamw()) };
+    let mut optimizers =
+        Optimizers { policy: adamw(), trained: run.algorithm.trained().iter().map(|_| adamw()).collect() };
     let start = run.resume_state(&mut optimizers)?;
     let sizes = run.sizes;
     let options = HarnessOptions {
@@ -183,8 +186,8 @@ pub fn train(cfg: &TrainConfig) -> Result<RunSummary> {
     let timing = harness.finish();
     if state.step == sizes.steps {
         run.policy.save_files(&output_dir)?;
-        if let Some(critic) = &run.critic {
-            critic.model.save_files(&output_dir.join(CRITIC_DIR))?;
+        for trained in run.algorithm.trained() {
+            trained.model.save_files(&output_dir.join(trained.subdir))?;
         }
     }
     tracing::info!(
@@ -245,7 +248,7 @@ impl Run {
         phases.record("scoring_and_reference", both);
         let shaped = self.shaping.apply(&scores.total, &ended);
 
-        // 4. KL and advantages.
+        // 4. KL, and the algorithm's advantages.
         let beta = cfg.rloo.kl_coef;
         let (old, reference) = (&forward.old, forward.reference.as_ref());
         let kl = match reference {
@@ -256,22 +259,15 @@ impl Run {
             Some(kl) => algo::sequence_kl(kl, &old.mask)?.to_vec1()?,
             None => vec![0.0; seqs.len()],
         };
-        let advantages = match (&self.critic, &forward.values) {
-            (Some(_), Some(values)) => {
-                let targets = Critic::targets(&cfg.ppo, beta, &shaped, kl.as_ref(), values, &old.mask)?;
-                metrics.set("objective/rlhf_reward", targets.rlhf_reward);
-                Advantages::Tokens(targets)
-            }
-            _ => {
-                let (returns, adv) =
-                    algo::returns_and_advantages(&shaped, &seq_kl, self.sizes.k, &cfg.rloo.return_options());
-                let rlhf = returns.iter().flatten().map(|&r| r as f64).collect::<Vec<_>>();
-                metrics.set("objective/rlhf_reward", crate::stats::mean(&rlhf).unwrap_or(f64::NAN));
-                metrics.set("rloo/degenerate_groups", adv.degenerate_groups as f64);
-                let values = Tensor::from_vec(adv.values.flat().to_vec(), seqs.len(), &self.device)?;
-                Advantages::Sequences(values)
-            }
+        let batch = Batch {
+            k: self.sizes.k,
+            scores: &shaped,
+            token_kl: kl.as_ref(),
+            seq_kl: &seq_kl,
+            mask: &old.mask,
+            values: forward.values.as_ref(),
         };
+        let targets = self.algorithm.targets(&batch, metrics)?;
 
         // 5. Optimise: epochs x shuffled mini-batches, accumulated over micro-batches.
         let train_stats = phases.time("training", || -> Result<TrainStats> {
@@ -280,7 +276,7 @@ impl Run {
                 guard.skip(state.optimizer_step, format!("all {} samples of the rollout are unscorable", shaped.len()));
                 return Ok(TrainStats { skipped_steps: 1, ..TrainStats::default() });
             }
-            self.optimise(step, &seqs, old, reference, &advantages, optimizers, state, guard)
+            self.optimise(step, &seqs, old, reference, &targets, optimizers, state, guard)
         })?;
 
         // 6. Metrics.
@@ -289,7 +285,8 @@ impl Run {
             metrics.set(name, value as f64);
         }
         metrics.set("rloo/unscorable", shaped.iter().filter(|s| s.is_none()).count() as f64);
-        train_stats.record(metrics, self.critic.is_some());
+        train_stats.record(metrics);
+        self.algorithm.record(&train_stats.extra, metrics);
         Ok((rollout, shaped))
     }
 
@@ -303,7 +300,7 @@ impl Run {
 
     /// The forward passes over a rollout without gradients: the sampling
     /// policy's log-probs (kept from sampling unless recomputed), the
-    /// reference's, and the critic's values.
+    /// reference's, and the algorithm's values.
     fn rollout_forward(&self, rollout: &Rollout, seqs: &Sequences) -> Result<RolloutForward> {
         let started = std::time::Instant::now();
         let temperature = self.cfg.generation.temperature;
@@ -319,7 +316,7 @@ impl Run {
             None => None,
         };
         let chunk = self.cfg.generation.local_rollout_forward_batch_size;
-        let values = self.critic.as_ref().map(|c| c.values(seqs, &self.device, chunk)).transpose()?;
+        let values = self.algorithm.rollout_values(seqs, &self.device, chunk)?;
         Ok(RolloutForward { old, reference, values, secs: started.elapsed().as_secs_f64() })
     }
 
@@ -332,8 +329,8 @@ impl Run {
     /// The models a checkpoint holds, with their optimizers.
     fn parts<'a>(&'a self, optimizers: &'a Optimizers) -> Vec<Part<'a>> {
         let mut parts = vec![Part { subdir: "", model: &self.policy, optimizer: &optimizers.policy }];
-        if let (Some(critic), Some(optimizer)) = (&self.critic, &optimizers.critic) {
-            parts.push(Part { subdir: CRITIC_DIR, model: &critic.model, optimizer });
+        for (trained, optimizer) in self.algorithm.trained().into_iter().zip(&optimizers.trained) {
+            parts.push(Part { subdir: trained.subdir, model: trained.model, optimizer });
         }
         parts
     }
@@ -366,7 +363,7 @@ impl Run {
 struct RolloutForward {
     old: TokenLogprobs,
     reference: Option<Tensor>,
-    /// PPO's values (N, Tc).
+    /// The algorithm's values (N, Tc).
     values: Option<Tensor>,
     secs: f64,
 }
@@ -414,6 +411,11 @@ mod tests {
         Run::start(&TrainConfig::load(None, &sets).unwrap()).unwrap()
     }
 
+    fn sequence_targets(advantages: &[f32], old: &TokenLogprobs) -> algorithm::Targets {
+        let advantages = Tensor::new(advantages, &Device::Cpu).unwrap();
+        algorithm::Targets { advantages, mask: old.mask.clone(), returns: None, values: None }
+    }
+
     #[test]
     fn all_masked_completions_leave_the_parameters_unchanged() {
         let tmp = tempfile::tempdir().unwrap();
@@ -424,8 +426,8 @@ mod tests {
         let prompt = [5u32, 6, 7];
         let seqs = Sequences::new(vec![&prompt; 4], vec![&[]; 4]);
         let old = run.logprobs_in_chunks(run.policy.frozen(), &seqs, 0.7).unwrap();
-        let adv = Advantages::Sequences(Tensor::new(&[1.0f32, -1.0, 2.0, -2.0], &Device::Cpu).unwrap());
-        let mut opt = Optimizers { policy: AdamW::new(0.9, 0.999, 1e-8, 0.5), critic: None };
+        let adv = sequence_targets(&[1.0, -1.0, 2.0, -2.0], &old);
+        let mut opt = Optimizers { policy: AdamW::new(0.9, 0.999, 1e-8, 0.5), trained: Vec::new() };
         let mut state = TrainerState { total_steps: 1, ..TrainerState::default() };
         let mut guard = StepGuard::new(10);
         let stats = run.optimise(0, &seqs, &old, None, &adv, &mut opt, &mut state, &mut guard).unwrap();
@@ -446,8 +448,8 @@ mod tests {
         let rollout = run.rollout(0).unwrap();
         let seqs = rollout.sequences(&run.dataset);
         let old = run.logprobs_in_chunks(run.policy.frozen(), &seqs, 0.7).unwrap();
-        let adv = Advantages::Sequences(Tensor::new(&[1.0f32, -1.0, 2.0, -2.0], &Device::Cpu).unwrap());
-        let mut opt = Optimizers { policy: AdamW::new(0.9, 0.999, 1e-8, 0.0), critic: None };
+        let adv = sequence_targets(&[1.0, -1.0, 2.0, -2.0], &old);
+        let mut opt = Optimizers { policy: AdamW::new(0.9, 0.999, 1e-8, 0.0), trained: Vec::new() };
         let mut state = TrainerState { total_steps: 1, ..TrainerState::default() };
         run.optimise(0, &seqs, &old, None, &adv, &mut opt, &mut state, &mut StepGuard::new(10)).unwrap();
         assert_eq!(state.optimizer_step, 6);

@@ -1,15 +1,15 @@
 //! The optimisation of a step: `num_ppo_epochs` passes over the rollout in
 //! seeded shuffled mini-batches, each one optimizer step accumulated over
-//! micro-batches: the clipped policy loss (with RLOO's per-sequence or
-//! PPO's per-token advantages), the KL loss where it is placed there, and
-//! PPO's value loss, whose gradients reach the critic.
+//! micro-batches: the clipped policy loss the algorithm shapes, over its
+//! per-completion or per-token advantages, the KL loss where it is placed
+//! there, and the algorithm's own terms (PPO's value loss), whose
+//! gradients reach what it trains beside the policy.
 
 use candle_core::Tensor;
 
-use super::ppo::Targets;
+use super::algorithm::{Micro, Tally, Targets};
 use super::{Optimizers, Run};
-use crate::algo::ppo::{value_loss, ValueStats};
-use crate::algo::{self, Aggregation, KlPlacement, LossStats, RatioLevel};
+use crate::algo::{self, KlPlacement, LossStats};
 use crate::error::Result;
 use crate::generate::rng::streams;
 use crate::generate::Rng;
@@ -18,19 +18,12 @@ use crate::report::Metrics;
 use crate::train::checkpoint::TrainerState;
 use crate::train::optim::{learning_rate, GradAccumulator, StepGuard};
 
-/// What the policy loss weighs each completion (or token) by.
-pub(super) enum Advantages {
-    /// RLOO: one advantage per completion, (N,).
-    Sequences(Tensor),
-    /// PPO: per-token advantages with the critic's targets.
-    Tokens(Targets),
-}
-
 /// Loss diagnostics summed over a step's optimisation.
 #[derive(Default)]
 pub(super) struct TrainStats {
     pub loss: LossStats,
-    pub value: ValueStats,
+    /// The sums of the algorithm's own loss terms.
+    pub extra: Tally,
     pub entropy_sum: f64,
     pub tokens: f64,
     pub grad_norm: f64,
@@ -38,8 +31,8 @@ pub(super) struct TrainStats {
 }
 
 impl TrainStats {
-    /// TRL's names; the value metrics when there is a critic.
-    pub fn record(&self, m: &mut Metrics, critic: bool) {
+    /// TRL's names.
+    pub fn record(&self, m: &mut Metrics) {
         m.set("policy/approxkl_avg", self.loss.approxkl());
         m.set("policy/clipfrac_avg", self.loss.clipfrac());
         m.set("loss/policy_avg", self.loss.loss_mean());
@@ -48,12 +41,6 @@ impl TrainStats {
         m.set("policy/entropy_avg", self.entropy_sum / self.tokens.max(1.0));
         m.set("grad_norm", self.grad_norm);
         m.set("train/skipped_steps", self.skipped_steps as f64);
-        if critic {
-            m.set("loss/value_avg", self.value.loss_mean());
-            m.set("val/clipfrac_avg", self.value.clipfrac());
-            m.set("val/vpred", self.value.vpred_mean());
-            m.set("val/error", self.value.error_mean());
-        }
     }
 }
 
@@ -65,22 +52,19 @@ impl Run {
         seqs: &Sequences,
         old: &TokenLogprobs,
         reference: Option<&Tensor>,
-        advantages: &Advantages,
+        targets: &Targets,
         optimizers: &mut Optimizers,
         state: &mut TrainerState,
         guard: &mut StepGuard,
     ) -> Result<TrainStats> {
         let cfg = &self.cfg;
         let sizes = self.sizes;
-        // PPO: a token ratio averaged over the mini-batch's tokens, as TRL's PPOTrainer.
-        let (ratio, aggregation, loss_mask, adv) = match advantages {
-            Advantages::Sequences(adv) => (cfg.rloo.ratio, cfg.rloo.aggregation, &old.mask, adv),
-            Advantages::Tokens(t) => (RatioLevel::Token, Aggregation::TokenMean, &t.mask, &t.advantages),
-        };
-        let critic = match (advantages, &self.critic) {
-            (Advantages::Tokens(targets), Some(critic)) => Some((critic, targets)),
-            _ => None,
-        };
+        let shape = self.algorithm.loss();
+        let (ratio, aggregation) = (shape.ratio, shape.aggregation);
+        let (loss_mask, adv) = (&targets.mask, &targets.advantages);
+        let trained = self.algorithm.trained();
+        let mut models = vec![&self.policy];
+        models.extend(trained.iter().map(|t| t.model));
         let mut stats = TrainStats::default();
         let mut grads = GradAccumulator::default();
         for epoch in 0..cfg.rloo.num_ppo_epochs {
@@ -117,23 +101,19 @@ impl Run {
                         let kl_loss = algo::masked_mean_loss(&kl, &mask, ratio, aggregation, denominator)?;
                         loss = (loss + (kl_loss * cfg.rloo.kl_coef)?)?;
                     }
-                    if let Some((critic, targets)) = critic {
-                        let vpred = critic.values_for_training(&part, &self.device)?;
-                        let (values, returns) = (narrow(&targets.values)?, narrow(&targets.returns)?);
-                        let v = value_loss(&vpred, &values, &returns, &mask, cfg.ppo.cliprange_value, denominator)?;
-                        loss = (loss + (v.loss * cfg.ppo.vf_coef)?)?;
-                        stats.value.add(&v.stats);
+                    let micro =
+                        Micro { part: &part, rows: &narrow, targets, mask: &mask, denominator, device: &self.device };
+                    if let Some((extra, tally)) = self.algorithm.extra_loss(&micro)? {
+                        loss = (loss + extra)?;
+                        stats.extra.merge(&tally);
                     }
                     loss_sum += loss.to_scalar::<f32>()? as f64;
                     stats.loss.add(&out.stats);
                     stats.entropy_sum += (&now.entropy * &mask)?.sum_all()?.to_scalar::<f32>()? as f64;
                     stats.tokens += mask.sum_all()?.to_scalar::<f32>()? as f64;
-                    let mut models = vec![&self.policy];
-                    models.extend(critic.map(|(critic, _)| &critic.model));
                     let backward = crate::model::backward(&loss, &models)?;
-                    grads.add(self.policy.params(), &backward)?;
-                    if let Some((critic, _)) = critic {
-                        grads.add(critic.model.params(), &backward)?;
+                    for model in &models {
+                        grads.add(model.params(), &backward)?;
                     }
                 }
                 if denominator == 0.0 {
@@ -142,8 +122,8 @@ impl Run {
                     stats.skipped_steps += 1;
                     continue;
                 }
-                // One norm over the policy's and the critic's gradients, as TRL clips its
-                // policy-and-value wrapper.
+                // One norm over the gradients of every trained model, as TRL clips
+                // its policy-and-value wrapper.
                 stats.grad_norm = grads.clip(cfg.train.max_grad_norm)?;
                 if !guard.check(state.optimizer_step, loss_sum, stats.grad_norm) {
                     stats.skipped_steps += 1;
@@ -157,9 +137,8 @@ impl Run {
                     learning_rate(base, t.lr_scheduler_type, state.optimizer_step, sizes.optimizer_steps, self.warmup)
                 };
                 optimizers.policy.step(self.policy.params(), &grads, lr(cfg.train.learning_rate))?;
-                if let (Some((critic, _)), Some(optimizer)) = (critic, &mut optimizers.critic) {
-                    let base = cfg.ppo.critic_learning_rate.unwrap_or(cfg.train.learning_rate);
-                    optimizer.step(critic.model.params(), &grads, lr(base))?;
+                for (t, optimizer) in trained.iter().zip(&mut optimizers.trained) {
+                    optimizer.step(t.model.params(), &grads, lr(t.learning_rate))?;
                 }
                 state.optimizer_step += 1;
             }

@@ -4,7 +4,7 @@
 
 use std::path::{Path, PathBuf};
 
-use super::ppo::{Critic, CRITIC_DIR};
+use super::algorithm::{self, Start};
 use super::{Optimizers, Reference, Run};
 use crate::data::prompts::{length_filter, ContextRoom, PromptDataset, PromptSpec};
 use crate::data::{DatasetSpec, Tokenizer};
@@ -15,7 +15,7 @@ use crate::model::layer_graphs::LayerGraphs;
 use crate::model::{parse_device, HeadKind, Model, ModelConfig};
 use crate::reward::{self, Shaping};
 use crate::train::checkpoint::{self, TrainerState};
-use crate::train::config::{Algo, BatchSizes, LongPrompts, TrainConfig};
+use crate::train::config::{BatchSizes, LongPrompts, TrainConfig};
 use crate::train::memory;
 use crate::train::optim::warmup_steps;
 
@@ -80,10 +80,8 @@ impl Run {
             None
         };
         check_lengths(cfg, policy.config())?;
-        let critic = match cfg.train.algo {
-            Algo::Rloo => None,
-            Algo::Ppo => Some(Critic::load(cfg, &policy_dir, policy.config(), &device)?),
-        };
+        let algorithm =
+            algorithm::start(&Start { cfg, policy_dir: &policy_dir, policy: policy.config(), device: &device })?;
         let rewards = reward::build(&cfg.reward, &device)?;
         let shaping = Shaping {
             missing_eos_penalty: cfg.rloo.missing_eos_penalty.map(|p| p as f32),
@@ -112,7 +110,7 @@ impl Run {
             let longest = dataset.rows.iter().map(|r| r.ids.len()).max().unwrap_or(0);
             let params = policy.params().numel();
             let trainable = policy.params().trainable_numel();
-            let critic_params = critic.as_ref().map_or(0, |c| c.model.params().numel());
+            let critic_params = algorithm.trained().iter().map(|t| t.model.params().numel()).sum();
             let estimate = memory::rloo_estimate(
                 cfg,
                 &sizes,
@@ -137,7 +135,7 @@ impl Run {
             tokenizer,
             policy,
             reference,
-            critic,
+            algorithm,
             rewards,
             shaping,
             dataset,
@@ -192,9 +190,11 @@ impl Run {
         let (at, dtype) = (state.optimizer_step, self.cfg.train.dtype.dtype());
         let policy = self.policy.config().clone();
         self.policy = checkpoint::load_part(&dir, "", &policy, &self.device, &mut optimizers.policy, at, dtype)?;
-        if let (Some(critic), Some(optimizer)) = (&mut self.critic, &mut optimizers.critic) {
-            let config = critic.model.config().clone();
-            critic.model = checkpoint::load_part(&dir, CRITIC_DIR, &config, &self.device, optimizer, at, dtype)?;
+        let subdirs: Vec<&str> = self.algorithm.trained().iter().map(|t| t.subdir).collect();
+        let trained = self.algorithm.trained_mut().into_iter().zip(subdirs).zip(&mut optimizers.trained);
+        for ((model, subdir), optimizer) in trained {
+            let config = model.config().clone();
+            *model = checkpoint::load_part(&dir, subdir, &config, &self.device, optimizer, at, dtype)?;
         }
         Ok(state)
     }
