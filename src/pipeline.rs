@@ -2,14 +2,15 @@
 //! generate the data, train a tokenizer, initialise a tiny Pythia-shaped
 //! policy, SFT it, train a reward model on preference pairs, run RLOO
 //! against that reward model, evaluate before/after, and write a report;
-//! with `--study`, also compare RLOO's k and baselines with PPO (a
-//! `rloo study` in `study/`). Each stage writes its own directory and a
+//! with `--study`, also compare RLOO's k and baselines with the other
+//! algorithms (a `rloo study` in `study/`). Each stage writes its own directory and a
 //! `.done` marker last, so a second run reuses every finished stage (and
 //! the study its finished runs).
 
 use std::path::{Path, PathBuf};
 use std::time::Instant;
 
+use candle_core::Device;
 use serde_json::json;
 
 use crate::data::jsonl::JsonlWriter;
@@ -22,7 +23,7 @@ use crate::model::{parse_device, Model, ModelConfig};
 use crate::report::chart::{Chart, Series};
 use crate::report::table::render_markdown;
 use crate::reward::config::{LexiconSpec, ModelSpec};
-use crate::reward::{build, RewardSpec};
+use crate::reward::{build, RewardSet, RewardSpec};
 use crate::study::eval::StudyEval;
 use crate::study::{summarise, write_report as write_study_report, Arm, Study, StudyReport};
 use crate::task::movie_reviews::{self, NEGATIVE, POSITIVE};
@@ -39,8 +40,8 @@ pub struct PipelineOptions {
     pub device: String,
     /// A few-seconds version for tests.
     pub fast: bool,
-    /// Also run the study of RLOO's k and baseline against PPO, training
-    /// its arms with this `rloo` binary.
+    /// Also run the study of RLOO's k and baselines against the other
+    /// algorithms, training its arms with this `rloo` binary.
     pub study: Option<PathBuf>,
 }
 
@@ -206,21 +207,13 @@ pub fn run(opts: &PipelineOptions) -> Result<PathBuf> {
     }
 
     // 6. Evaluation before (SFT) and after (RLOO) on held-out titles.
-    let (measures, positive) = positive_reviews(&rm);
-    let rewards = build(&measures, &device)?;
-    let opts_eval =
-        EvalOptions { samples_per_prompt: 4, max_new_tokens: 32, temperature: 1.0, seed: opts.seed, batch_size: 64 };
+    let held_out = HeldOut::new(out, &device, opts.seed)?;
     let sft_model = Model::load(&sft, &device)?;
-    let rl_model = Model::load(&rl, &device)?;
-    let tok = Tokenizer::from_dir(&sft)?;
-    let room = ContextRoom::of(sft_model.config(), opts_eval.max_new_tokens);
-    let eval_prompts = DatasetSpec::named(data.join("eval_prompts.jsonl").display().to_string());
-    let prompts = PromptDataset::from_prompt_column(&eval_prompts, &tok, room)?;
-    let before = evaluate_model("sft", &sft_model, &tok, &prompts, &rewards, None, &opts_eval, &device)?;
-    let after = evaluate_model("rloo", &rl_model, &tok, &prompts, &rewards, Some(&sft_model), &opts_eval, &device)?;
+    let before = held_out.evaluate("sft", &sft_model, None)?;
+    let after = held_out.evaluate("rloo", &Model::load(&rl, &device)?, Some(&sft_model))?;
     let win = win_rate(REWARD_MODEL, &after, &before)?;
     let plots = plot_curves(&rl, out)?;
-    let shares = [positive.of(&before.scores)?, positive.of(&after.scores)?];
+    let shares = [held_out.positive.of(&before.scores)?, held_out.positive.of(&after.scores)?];
 
     // 7. Seed 004's ablation on the same task, when asked.
     let study = match &opts.study {
@@ -230,6 +223,45 @@ pub fn run(opts: &PipelineOptions) -> Result<PathBuf> {
     let report = write_report(out, [&before, &after], shares, win, &plots, study, started.elapsed().as_secs_f64())?;
     tracing::info!("pipeline finished in {:.0} s -> {}", started.elapsed().as_secs_f64(), report.display());
     Ok(report)
+}
+
+/// The evaluation on the task's held-out titles, of a pipeline's models
+/// or of any other trained from its SFT model: 4 samples of each prompt,
+/// scored by the reward model and the task's word lists.
+pub struct HeldOut {
+    rewards: RewardSet,
+    /// The share of positive reviews: praise and no criticism.
+    pub positive: Share,
+    prompts: PromptDataset,
+    tokenizer: Tokenizer,
+    options: EvalOptions,
+    device: Device,
+}
+
+impl HeldOut {
+    /// The evaluation of the task in pipeline directory `out` (its data,
+    /// SFT model and reward model must be there).
+    pub fn new(out: &Path, device: &Device, seed: u64) -> Result<HeldOut> {
+        let (measures, positive) = positive_reviews(&out.join("reward_model"));
+        let options = EvalOptions { samples_per_prompt: 4, max_new_tokens: 32, temperature: 1.0, seed, batch_size: 64 };
+        let tokenizer = Tokenizer::from_dir(&out.join("sft"))?;
+        let room = ContextRoom::of(&ModelConfig::from_dir(&out.join("sft"))?, options.max_new_tokens);
+        let eval_prompts = DatasetSpec::named(out.join("data/eval_prompts.jsonl").display().to_string());
+        let prompts = PromptDataset::from_prompt_column(&eval_prompts, &tokenizer, room)?;
+        let rewards = build(&measures, device)?;
+        Ok(HeldOut { rewards, positive, prompts, tokenizer, options, device: device.clone() })
+    }
+
+    /// `model`'s samples, measures and KL to `reference`.
+    pub fn evaluate(&self, name: &str, model: &Model, reference: Option<&Model>) -> Result<ModelReport> {
+        let (tok, prompts, rewards, opts) = (&self.tokenizer, &self.prompts, &self.rewards, &self.options);
+        evaluate_model(name, model, tok, prompts, rewards, reference, opts, &self.device)
+    }
+
+    /// The share of `model`'s samples that are positive reviews.
+    pub fn positive_share(&self, model: &Model) -> Result<f64> {
+        self.positive.of(&self.evaluate("model", model, None)?.scores)
+    }
 }
 
 /// The RL stage's configuration but its seed and output directory; the
@@ -280,9 +312,10 @@ fn reward_model(rm: &Path) -> RewardSpec {
     })
 }
 
-/// Seed 004's study on the task: RLOO with k = 2 and 4, the leave-one-out
-/// baseline against the batch mean and none, and PPO, over two seeds,
-/// ranked by the share of positive reviews on held-out titles.
+/// Seed 004's study on the task, grown to every algorithm: RLOO with k = 2
+/// and 4, the leave-one-out baseline against the batch mean and none,
+/// GRPO, Dr. GRPO, REINFORCE++, REINFORCE++-baseline and PPO, over two
+/// seeds, ranked by the share of positive reviews on held-out titles.
 fn run_study(out: &Path, base: toml::Table, data: &Path, rm: &Path, seed: u64, exe: &Path) -> Result<StudyReport> {
     let dir = out.join("study");
     std::fs::create_dir_all(&dir).map_err(|e| Error::io(&dir, e))?;
@@ -300,6 +333,18 @@ rloo = { baseline = "batch_mean" }
 [[arm]]
 name = "no baseline k=4"
 rloo = { baseline = "none" }
+[[arm]]
+name = "grpo"
+train = { algo = "grpo" }
+[[arm]]
+name = "dr_grpo"
+train = { algo = "dr_grpo" }
+[[arm]]
+name = "reinforce_plus_plus"
+train = { algo = "reinforce_plus_plus" }
+[[arm]]
+name = "reinforce_plus_plus_baseline"
+train = { algo = "reinforce_plus_plus_baseline" }
 [[arm]]
 name = "ppo"
 train = { algo = "ppo" }
@@ -417,7 +462,7 @@ fn write_report(
     let charts: String = plots.iter().map(|(title, path)| format!("![{title}]({path})\n\n")).collect();
     let study = match study {
         Some(s) => format!(
-            "## Study: RLOO's k and baseline against PPO\n\nEvery arm starts from the SFT model with the same \
+            "## Study: RLOO's k and baselines against the other algorithms\n\nEvery arm starts from the SFT model with the same \
              reward model, prompts and episodes; held-out measures on the evaluation titles. Charts and runs: \
              [study/study.md](study/study.md).\n\n{}\n{}\n",
             s.table, s.verdict

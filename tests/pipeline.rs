@@ -25,8 +25,20 @@ fn the_pipeline_runs_every_stage_and_its_study_and_reuses_them() {
         assert!(png.starts_with(b"\x89PNG"), "{plot}.png is a PNG");
         assert!(report.contains(&format!("plots/{plot}.png")));
     }
-    for arm in ["rloo k=2", "rloo k=4", "batch mean k=4", "no baseline k=4", "ppo"] {
-        assert!(report.contains(&format!("| {arm} |")), "{arm} missing from the study in\n{report}");
+    let arms = [
+        "rloo k=2",
+        "rloo k=4",
+        "batch mean k=4",
+        "no baseline k=4",
+        "grpo",
+        "dr_grpo",
+        "reinforce_plus_plus",
+        "reinforce_plus_plus_baseline",
+        "ppo",
+    ];
+    for arm in arms {
+        let cell = arm.replace('_', "\\_"); // as Markdown escapes it
+        assert!(report.contains(&format!("| {cell} |")), "{arm} missing from the study in\n{report}");
     }
     assert!(report.contains("| positive reviews (held-out) |"), "{report}");
     assert!(report.contains("reached the highest positive reviews on held-out prompts"), "{report}");

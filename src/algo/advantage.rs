@@ -20,6 +20,18 @@ pub enum Baseline {
     None,
 }
 
+/// What GRPO divides a completion's centred return by (TRL's
+/// `scale_rewards`): the standard deviation of its prompt's returns, of the
+/// batch's, or nothing (Dr. GRPO's advantage).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum ScaleRewards {
+    #[default]
+    Group,
+    Batch,
+    None,
+}
+
 /// Advantages with the number of prompts whose group had fewer than two
 /// scorable members (their advantages are all 0).
 #[derive(Debug, Clone, PartialEq)]

@@ -24,6 +24,19 @@ pub enum Aggregation {
     SequenceMean,
     /// Mean over every unmasked token of the mini-batch (token ratio only).
     TokenMean,
+    /// Every unmasked token's term summed, over a constant: the
+    /// mini-batch's completions x `response_length`, so that neither a
+    /// completion's length nor the batch's token count weighs its tokens
+    /// (Dr. GRPO; TRL's `loss_type = "dr_grpo"`; token ratio only).
+    TokenSumNorm,
+}
+
+impl Aggregation {
+    /// Whether every unmasked token weighs the same (the terms are summed
+    /// over tokens, not averaged within each sequence first).
+    fn per_token(self) -> bool {
+        matches!(self, Aggregation::TokenMean | Aggregation::TokenSumNorm)
+    }
 }
 
 /// The ratio is clipped to `[1 - low, 1 + high]`; `high > low` lets
@@ -129,7 +142,7 @@ pub fn policy_loss(
             let w = match aggregation {
                 // Each token weighs 1/len, so a sequence's tokens sum to 1.
                 Aggregation::SequenceMean => mask.broadcast_div(&lengths.maximum(1.0)?.unsqueeze(1)?)?,
-                Aggregation::TokenMean => mask.clone(),
+                Aggregation::TokenMean | Aggregation::TokenSumNorm => mask.clone(),
             };
             let adv_t = match adv.rank() {
                 2 => adv.clone(),
@@ -173,8 +186,9 @@ pub fn policy_loss(
 }
 
 /// A per-token penalty (such as KL in the loss) averaged the way the policy
-/// loss is: within each sequence then over `denominator` sequences, or over
-/// `denominator` tokens for `token_mean`. `values`, `mask`: (N, T).
+/// loss is: within each sequence then over `denominator` sequences, or
+/// summed over tokens and divided by `denominator` (`token_mean`,
+/// `token_sum_norm`). `values`, `mask`: (N, T).
 pub fn masked_mean_loss(
     values: &Tensor,
     mask: &Tensor,
@@ -183,20 +197,29 @@ pub fn masked_mean_loss(
     denominator: f64,
 ) -> Result<Tensor> {
     let masked = (values * mask)?;
-    let total = match (ratio, aggregation) {
-        (RatioLevel::Token, Aggregation::TokenMean) => masked.sum_all()?,
+    let total = match ratio {
+        RatioLevel::Token if aggregation.per_token() => masked.sum_all()?,
         _ => masked.sum(1)?.div(&mask.sum(1)?.maximum(1.0)?)?.sum_all()?,
     };
     total / denominator.max(1.0)
 }
 
-/// The number of terms a mini-batch's loss is averaged over: live sequences,
-/// or unmasked tokens for `token_mean`. `mask`: (N, T).
-pub fn loss_denominator(mask: &Tensor, ratio: RatioLevel, aggregation: Aggregation) -> Result<f64> {
+/// What a mini-batch's loss is divided by: its live sequences, its
+/// unmasked tokens for `token_mean`, or its completions x
+/// `response_length` for `token_sum_norm` (0 when no token is live, which
+/// skips the step). `mask`: (N, T).
+pub fn loss_denominator(
+    mask: &Tensor,
+    ratio: RatioLevel,
+    aggregation: Aggregation,
+    response_length: usize,
+) -> Result<f64> {
     let lengths: Vec<f32> = mask.sum(1)?.to_vec1()?;
+    let live = lengths.iter().filter(|&&l| l > 0.0).count() as f64;
     Ok(match (ratio, aggregation) {
         (RatioLevel::Token, Aggregation::TokenMean) => lengths.iter().map(|&l| l as f64).sum(),
-        _ => lengths.iter().filter(|&&l| l > 0.0).count() as f64,
+        (RatioLevel::Token, Aggregation::TokenSumNorm) if live > 0.0 => (lengths.len() * response_length) as f64,
+        _ => live,
     })
 }
 
@@ -222,7 +245,7 @@ mod tests {
     #[test]
     fn sequence_ratio_loss_and_gradient_match_hand_computation() {
         let (lp, lp_old, mask, adv) = toy();
-        let denom = loss_denominator(&mask, RatioLevel::Sequence, Aggregation::SequenceMean).unwrap();
+        let denom = loss_denominator(&mask, RatioLevel::Sequence, Aggregation::SequenceMean, 3).unwrap();
         assert_eq!(denom, 3.0, "the fully masked completion is not a term");
         let out = policy_loss(
             lp.as_tensor(),
@@ -327,7 +350,7 @@ mod tests {
     #[test]
     fn token_ratio_aggregations() {
         let (lp, lp_old, mask, adv) = toy();
-        let tm = loss_denominator(&mask, RatioLevel::Token, Aggregation::TokenMean).unwrap();
+        let tm = loss_denominator(&mask, RatioLevel::Token, Aggregation::TokenMean, 3).unwrap();
         assert_eq!(tm, 6.0);
         let out = policy_loss(
             lp.as_tensor(),
@@ -356,6 +379,25 @@ mod tests {
         .unwrap();
         let want = (-2.0 * (r(0.1) + 2.0) / 3.0 + (1.0 + r(-0.2)) / 2.0 - 0.5) / 3.0;
         assert!((out.loss.to_scalar::<f32>().unwrap() as f64 - want).abs() < 1e-6);
+        // Dr. GRPO: the same token terms summed, over 4 completions x a
+        // response_length of 5, whatever their lengths.
+        let ts = loss_denominator(&mask, RatioLevel::Token, Aggregation::TokenSumNorm, 5).unwrap();
+        assert_eq!(ts, 20.0);
+        let out = policy_loss(
+            lp.as_tensor(),
+            &lp_old,
+            &mask,
+            &adv,
+            ClipRange::symmetric(0.2),
+            RatioLevel::Token,
+            Aggregation::TokenSumNorm,
+            ts,
+        )
+        .unwrap();
+        let want = (-2.0 * (r(0.1) + 1.0 + 1.0) + (1.0 + r(-0.2)) - 0.5) / 20.0;
+        assert!((out.loss.to_scalar::<f32>().unwrap() as f64 - want).abs() < 1e-6);
+        let none = Tensor::zeros((4, 3), DType::F32, &Device::Cpu).unwrap();
+        assert_eq!(loss_denominator(&none, RatioLevel::Token, Aggregation::TokenSumNorm, 5).unwrap(), 0.0);
     }
 
     #[test]

@@ -8,7 +8,7 @@ pub mod kl;
 pub mod loss;
 pub mod ppo;
 
-pub use advantage::{advantages, returns_and_advantages, whiten, Advantages, Baseline, ReturnOptions};
+pub use advantage::{advantages, returns_and_advantages, whiten, Advantages, Baseline, ReturnOptions, ScaleRewards};
 pub use groups::Grouped;
 pub use kl::{kl_per_token, sequence_kl, KlEstimator, KlPlacement};
 pub use loss::{

@@ -11,6 +11,7 @@ use rloo::reward::config::{reward_funcs, ModelSpec};
 use rloo::reward::RewardSpec;
 use rloo::train::config::TrainConfig;
 use rloo::train::memory;
+use rloo::train::rl::algorithm::REGISTRY;
 
 use super::config_flags::{self, config_file, given, switch, text, usage, words, Flag, Flags, Kind};
 
@@ -28,7 +29,7 @@ const FLAGS: &[Flag] = &[
     ("max_steps", "train.max_steps", Kind::Int, "Optimizer steps to train for, rounded up to whole rollout batches (instead of --total_episodes)"),
     ("num_ppo_epochs", "rloo.num_ppo_epochs", Kind::Int, "Optimisation passes over each rollout batch"),
     ("num_mini_batches", "rloo.num_mini_batches", Kind::Int, "Mini-batches (optimizer steps) per pass; rollout batch = per_device_train_batch_size x gradient_accumulation_steps x num_mini_batches"),
-    ("rloo_k", "rloo.k", Kind::Int, "Completions sampled per prompt (k >= 2; PPO: k >= 1)"),
+    ("rloo_k", "rloo.k", Kind::Int, "Completions sampled per prompt (k >= 2 for the group baselines; PPO and REINFORCE++: k >= 1)"),
     ("kl_coef", "rloo.kl_coef", Kind::Float, "KL coefficient beta (0: no reference model)"),
     ("cliprange", "rloo.cliprange", Kind::Float, "Clip range epsilon of the policy ratio"),
     ("response_length", "generation.response_length", Kind::Int, "Most new tokens per completion"),
@@ -37,7 +38,10 @@ const FLAGS: &[Flag] = &[
     ("stop_token", "generation.stop_token", Kind::Str, "\"eos\": completions end at EOS; \"none\": always response_length tokens"),
     ("local_rollout_forward_batch_size", "generation.local_rollout_forward_batch_size", Kind::Int, "Rows per forward pass when sampling and computing log-probs"),
     // TRL's PPO script.
-    ("algo", "train.algo", Kind::Str, "The algorithm: rloo, ppo (a critic, GAE and a clipped value loss), or another of docs/algorithm.md"),
+    ("algo", "train.algo", Kind::Str, "The algorithm (its list is the registry's: see algorithm_help)"),
+    ("advantage_estimator", "train.algo", Kind::Str, "OpenRLHF's name of --algo"),
+    ("adv_estimator", "train.algo", Kind::Str, "verl's name of --algo (gae: ppo)"),
+    ("scale_rewards", "rloo.scale_rewards", Kind::Str, "GRPO: what centred returns are divided by: the std of the prompt's (group), of the batch's (batch), or nothing (none)"),
     ("value_model_path", "ppo.value_model", Kind::Str, "PPO's critic: a sequence-classification model, \"reward\" or \"policy\" [none: the reward model if there is one, else the policy]"),
     ("vf_coef", "ppo.vf_coef", Kind::Float, "PPO: weight of the value loss"),
     ("cliprange_value", "ppo.cliprange_value", Kind::Float, "PPO: clip range of predicted values"),
@@ -119,10 +123,22 @@ fn flags() -> Flags {
         .with("PEFT", "", config_flags::PEFT)
 }
 
+/// `--algo`'s help: every algorithm of the registry, as it has them.
+fn algorithm_help() -> String {
+    let names: Vec<String> = REGISTRY
+        .iter()
+        .map(|e| match e.aliases {
+            [] => format!("{} ({})", e.name, e.about),
+            aliases => format!("{} or {} ({})", e.name, aliases.join(" or "), e.about),
+        })
+        .collect();
+    format!("The algorithm (docs/algorithm.md): {} [default: \"rloo\"]", names.join("; "))
+}
+
 impl clap::Args for TrainArgs {
     fn augment_args(cmd: Command) -> Command {
         let defaults = toml::Value::try_from(TrainConfig::default()).expect("the default config serialises");
-        flags().augment(cmd, &defaults)
+        flags().augment(cmd, &defaults).mut_arg("algo", |a| a.help(algorithm_help()))
     }
 
     fn augment_args_for_update(cmd: Command) -> Command {

@@ -9,7 +9,7 @@ use std::path::{Path, PathBuf};
 
 use serde::{Deserialize, Serialize};
 
-use crate::algo::{Aggregation, Baseline, KlEstimator, KlPlacement, RatioLevel};
+use crate::algo::{Aggregation, Baseline, KlEstimator, KlPlacement, RatioLevel, ScaleRewards};
 use crate::error::{Error, Result};
 use crate::model::lora::PeftOptions;
 use crate::model::Precision;
@@ -185,8 +185,10 @@ pub struct RlooSection {
     /// TRL 1.x's rollout size in completions (instead of num_mini_batches
     /// or steps_per_generation).
     pub generation_batch_size: Option<usize>,
-    /// Whiten advantages over the rollout batch.
+    /// Whiten advantages over the rollout batch (RLOO).
     pub normalize_advantage: bool,
+    /// What GRPO divides centred returns by: group, batch or none.
+    pub scale_rewards: ScaleRewards,
     /// Subtracted from the score of completions without an EOS token.
     pub missing_eos_penalty: Option<f64>,
     /// Z-score the scores over the rollout batch.
@@ -243,6 +245,7 @@ impl Default for RlooSection {
             steps_per_generation: None,
             generation_batch_size: None,
             normalize_advantage: false,
+            scale_rewards: ScaleRewards::Group,
             missing_eos_penalty: None,
             normalize_reward: false,
             reward_clip_range: None,
@@ -252,7 +255,7 @@ impl Default for RlooSection {
     }
 }
 
-#[derive(Debug, Clone, Serialize, Deserialize)]
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 #[serde(deny_unknown_fields, default)]
 pub struct PpoSection {
     /// Where the critic starts: a sequence-classification model directory,
@@ -469,8 +472,11 @@ impl TrainConfig {
         if !matches!(g.stop_token.as_str(), "eos" | "none") {
             return bad(format!("generation.stop_token must be \"eos\" or \"none\", got {:?}", g.stop_token));
         }
-        if r.ratio == RatioLevel::Sequence && r.aggregation == Aggregation::TokenMean {
-            return bad("rloo.aggregation = token_mean needs rloo.ratio = token".into());
+        if r.ratio == RatioLevel::Sequence && r.aggregation != Aggregation::SequenceMean {
+            return bad(format!(
+                "rloo.aggregation = {} needs rloo.ratio = token",
+                serde_json::to_value(r.aggregation).expect("a name").as_str().unwrap_or_default()
+            ));
         }
         for (name, v) in [
             ("rloo.num_ppo_epochs", self.rloo.num_ppo_epochs),
@@ -1016,5 +1022,24 @@ mod tests {
     fn k_below_two_is_rejected() {
         let c = with(&["rloo.k=1", "model.policy=x", "data.path=y"]).unwrap();
         assert!(c.validate().unwrap_err().to_string().contains("at least 2"));
+    }
+
+    #[test]
+    fn an_algorithms_own_options_are_refused_by_the_others() {
+        let err = |extra: &[&str]| {
+            let c =
+                with(&[&["model.policy=x", "data.path=y", "reward=[{type=\"length\"}]"][..], extra].concat()).unwrap();
+            c.validate().err().map(|e| e.to_string())
+        };
+        assert_eq!(err(&["train.algo=\"grpo\"", "rloo.scale_rewards=\"batch\""]), None);
+        assert_eq!(err(&["train.algo=\"ppo\"", "ppo.lam=0.9"]), None);
+        let refused = err(&["train.algo=\"grpo\"", "rloo.baseline=\"batch_mean\""]).unwrap();
+        assert!(refused.contains("rloo.baseline does not apply to train.algo = \"grpo\""), "{refused}");
+        let refused = err(&["rloo.scale_rewards=\"none\""]).unwrap();
+        assert!(refused.contains("rloo.scale_rewards"), "{refused}");
+        let refused = err(&["train.algo=\"reinforce++\"", "ppo.vf_coef=0.5"]).unwrap();
+        assert!(refused.contains("[ppo]"), "{refused}");
+        let refused = err(&["train.algo=\"nope\""]).unwrap();
+        assert!(refused.contains("nope") && refused.contains("dr_grpo"), "{refused}");
     }
 }

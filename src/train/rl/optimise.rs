@@ -72,7 +72,8 @@ impl Run {
                 .permutation(seqs.len());
             for mini in order.chunks(sizes.mini) {
                 let mini_mask = rows_of(loss_mask, mini)?;
-                let denominator = algo::loss_denominator(&mini_mask, ratio, aggregation)?;
+                let response_length = cfg.generation.response_length;
+                let denominator = algo::loss_denominator(&mini_mask, ratio, aggregation, response_length)?;
                 grads.clear();
                 let mut loss_sum = 0f64;
                 for micro in mini.chunks(sizes.micro) {

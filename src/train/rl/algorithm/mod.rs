@@ -6,7 +6,11 @@
 //! [`REGISTRY`] and never asks which it is: adding an algorithm is its file
 //! and a line there. docs/algorithm.md gives each one's formulas.
 
+mod dr_grpo;
+mod grpo;
 mod ppo;
+mod reinforce_plus_plus;
+mod reinforce_plus_plus_baseline;
 mod rloo;
 
 use candle_core::{Device, Tensor};
@@ -19,7 +23,14 @@ use crate::report::Metrics;
 use crate::train::config::TrainConfig;
 
 /// The algorithms, by the name `train.algo` takes.
-pub const REGISTRY: &[Entry] = &[rloo::ENTRY, ppo::ENTRY];
+pub const REGISTRY: &[Entry] = &[
+    rloo::ENTRY,
+    grpo::ENTRY,
+    dr_grpo::ENTRY,
+    reinforce_plus_plus::ENTRY,
+    reinforce_plus_plus_baseline::ENTRY,
+    ppo::ENTRY,
+];
 
 /// An algorithm's registry line.
 pub struct Entry {
@@ -175,4 +186,99 @@ pub fn start(start: &Start) -> Result<Box<dyn Algorithm>> {
 /// Per-completion advantages as the (N,) tensor the loss reads.
 pub fn per_sequence(values: &[f32], device: &Device) -> Result<Tensor> {
     Ok(Tensor::from_vec(values.to_vec(), values.len(), device)?)
+}
+
+/// A batch's scorable completions as ragged per-token rows (each as long
+/// as its completion), and back to (N, Tc) tensors: the per-token
+/// algorithms work on these, and unscorable completions, which teach
+/// nothing, leave their loss mask.
+pub struct LiveRows {
+    /// Unmasked tokens of every completion.
+    lengths: Vec<usize>,
+    /// The scorable completions.
+    live: Vec<usize>,
+    /// (N, Tc)
+    shape: (usize, usize),
+    device: Device,
+}
+
+impl LiveRows {
+    pub fn new(scores: &[Option<f32>], mask: &Tensor) -> Result<LiveRows> {
+        let lengths = mask.sum(1)?.to_vec1::<f32>()?.iter().map(|&l| l as usize).collect();
+        let live = (0..scores.len()).filter(|&i| scores[i].is_some()).collect();
+        Ok(LiveRows { lengths, live, shape: mask.dims2()?, device: mask.device().clone() })
+    }
+
+    pub fn live(&self) -> &[usize] {
+        &self.live
+    }
+
+    /// The live rows of an (N, Tc) tensor, each cut to its completion.
+    pub fn take(&self, t: &Tensor) -> Result<Vec<Vec<f32>>> {
+        let rows: Vec<Vec<f32>> = t.to_vec2()?;
+        Ok(self.live.iter().map(|&i| rows[i][..self.lengths[i]].to_vec()).collect())
+    }
+
+    /// Each live row filled with `value`.
+    pub fn filled(&self, value: impl Fn(usize) -> f32) -> Vec<Vec<f32>> {
+        self.live.iter().map(|&i| vec![value(i); self.lengths[i]]).collect()
+    }
+
+    /// Live rows back to (N, Tc), zero elsewhere.
+    pub fn padded(&self, rows: Vec<Vec<f32>>) -> Result<Tensor> {
+        let (n, width) = self.shape;
+        let mut out = vec![Vec::new(); n];
+        for (&i, row) in self.live.iter().zip(rows) {
+            out[i] = row;
+        }
+        Ok(crate::algo::ppo::padded(&out, width, &self.device)?)
+    }
+
+    /// The completion mask of the live rows.
+    pub fn mask(&self) -> Result<Tensor> {
+        self.padded(self.filled(|_| 1.0))
+    }
+}
+
+/// Refuses the options that shape RLOO's own advantages (`baseline`,
+/// `normalize_advantage`), GRPO's (`scale_rewards`) and PPO's (`[ppo]`) in
+/// another algorithm, which would ignore them.
+pub fn refuse_others_options(cfg: &TrainConfig, name: &str, own: &[&str]) -> std::result::Result<(), String> {
+    let r = &cfg.rloo;
+    let set = [
+        ("rloo.baseline", r.baseline != crate::algo::Baseline::default()),
+        ("rloo.normalize_advantage", r.normalize_advantage),
+        ("rloo.scale_rewards", r.scale_rewards != crate::algo::ScaleRewards::default()),
+        ("the [ppo] options", cfg.ppo != crate::train::config::PpoSection::default()),
+    ];
+    match set.iter().find(|(key, on)| *on && !own.contains(key)) {
+        Some((key, _)) => Err(format!("{key} does not apply to train.algo = \"{name}\"")),
+        None => Ok(()),
+    }
+}
+
+/// Refuses `ratio` and `aggregation` options other than the defaults in an
+/// algorithm that defines its own loss.
+pub fn refuse_loss_options(cfg: &TrainConfig, name: &str, own: LossShape) -> std::result::Result<(), String> {
+    let r = &cfg.rloo;
+    let defaults = crate::train::config::RlooSection::default();
+    if (r.ratio, r.aggregation) != (defaults.ratio, defaults.aggregation)
+        && (r.ratio, r.aggregation) != (own.ratio, own.aggregation)
+    {
+        return Err(format!(
+            "train.algo = \"{name}\" optimises its own loss ({:?} ratio, {:?} aggregation): leave rloo.ratio and \
+             rloo.aggregation unset",
+            own.ratio, own.aggregation
+        ));
+    }
+    Ok(())
+}
+
+/// Refuses fewer than two completions per prompt for an algorithm whose
+/// baseline is its prompt's group.
+pub fn needs_groups(cfg: &TrainConfig, name: &str) -> std::result::Result<(), String> {
+    match cfg.rloo.k {
+        k if k < 2 => Err(format!("rloo.k (--rloo_k) must be at least 2 for {name}'s group baseline, got {k}")),
+        _ => Ok(()),
+    }
 }

@@ -8,8 +8,8 @@ use std::path::Path;
 
 use candle_core::{Device, Tensor};
 
-use super::{Algorithm, Batch, Entry, LossShape, Micro, Start, Tally, Targets, Trained};
-use crate::algo::ppo::{gae, padded, token_rewards, value_loss, whiten_tokens};
+use super::{Algorithm, Batch, Entry, LiveRows, LossShape, Micro, Start, Tally, Targets, Trained};
+use crate::algo::ppo::{gae, token_rewards, value_loss, whiten_tokens};
 use crate::algo::{Aggregation, KlPlacement, RatioLevel};
 use crate::error::{Error, Result};
 use crate::model::hub::resolve_model;
@@ -30,8 +30,12 @@ fn check(cfg: &TrainConfig) -> std::result::Result<(), String> {
     if cfg.rloo.kl_placement == KlPlacement::Loss {
         return Err("PPO puts the KL penalty into per-token rewards: rloo.kl_placement must be reward".into());
     }
-    Ok(())
+    super::refuse_others_options(cfg, "ppo", &["the [ppo] options"])?;
+    super::refuse_loss_options(cfg, "ppo", LOSS)
 }
+
+/// A token ratio averaged over the mini-batch's tokens, as TRL's PPOTrainer.
+const LOSS: LossShape = LossShape { ratio: RatioLevel::Token, aggregation: Aggregation::TokenMean };
 
 struct Ppo {
     critic: Critic,
@@ -48,9 +52,8 @@ fn start(s: &Start) -> Result<Box<dyn Algorithm>> {
 }
 
 impl Algorithm for Ppo {
-    /// A token ratio averaged over the mini-batch's tokens, as TRL's PPOTrainer.
     fn loss(&self) -> LossShape {
-        LossShape { ratio: RatioLevel::Token, aggregation: Aggregation::TokenMean }
+        LOSS
     }
 
     fn rollout_values(&self, seqs: &Sequences, device: &Device, chunk: usize) -> Result<Option<Tensor>> {
@@ -113,14 +116,14 @@ struct Critic {
 /// A rollout's PPO targets, all (N, Tc) like the policy's log-probs.
 struct GaeTargets {
     /// Whitened GAE advantages; 0 on padding and on unscorable rows.
-    pub advantages: Tensor,
-    pub returns: Tensor,
+    advantages: Tensor,
+    returns: Tensor,
     /// The critic's values at rollout time.
-    pub values: Tensor,
+    values: Tensor,
     /// The completion mask without the unscorable rows, which teach nothing.
-    pub mask: Tensor,
+    mask: Tensor,
     /// Mean over completions of the summed per-token rewards.
-    pub rlhf_reward: f64,
+    rlhf_reward: f64,
 }
 
 impl Critic {
@@ -159,18 +162,12 @@ fn targets(
     values: &Tensor,
     mask: &Tensor,
 ) -> Result<GaeTargets> {
-    let lengths: Vec<usize> = mask.sum(1)?.to_vec1::<f32>()?.iter().map(|&l| l as usize).collect();
-    let ragged = |t: &Tensor| -> Result<Vec<Vec<f32>>> {
-        let rows: Vec<Vec<f32>> = t.to_vec2()?;
-        Ok(rows.into_iter().zip(&lengths).map(|(r, &len)| r[..len].to_vec()).collect())
-    };
-    let live: Vec<usize> = (0..scores.len()).filter(|&i| scores[i].is_some()).collect();
-    let keep = |rows: Vec<Vec<f32>>| -> Vec<Vec<f32>> { live.iter().map(|&i| rows[i].clone()).collect() };
+    let rows = LiveRows::new(scores, mask)?;
     let kl = match kl {
-        Some(kl) => keep(ragged(kl)?),
-        None => live.iter().map(|&i| vec![0.0; lengths[i]]).collect(),
+        Some(kl) => rows.take(kl)?,
+        None => rows.filled(|_| 0.0),
     };
-    let live_scores: Vec<f32> = live.iter().map(|&i| scores[i].expect("live rows are scored")).collect();
+    let live_scores: Vec<f32> = rows.live().iter().map(|&i| scores[i].expect("live rows are scored")).collect();
     let mut rewards = token_rewards(&live_scores, &kl, beta as f32);
     let rlhf_reward =
         crate::stats::mean(&rewards.iter().map(|r| r.iter().map(|&x| x as f64).sum()).collect::<Vec<f64>>())
@@ -178,25 +175,13 @@ fn targets(
     if ppo.whiten_rewards {
         whiten_tokens(&mut rewards, false);
     }
-    let (mut advantages, returns) = gae(&rewards, &keep(ragged(values)?), ppo.gamma as f32, ppo.lam as f32);
+    let (mut advantages, returns) = gae(&rewards, &rows.take(values)?, ppo.gamma as f32, ppo.lam as f32);
     whiten_tokens(&mut advantages, true);
-
-    // Back to (N, Tc), unscorable rows empty.
-    let (n, width) = mask.dims2()?;
-    let scatter = |rows: Vec<Vec<f32>>| -> Vec<Vec<f32>> {
-        let mut out = vec![Vec::new(); n];
-        for (&i, row) in live.iter().zip(rows) {
-            out[i] = row;
-        }
-        out
-    };
-    let device = mask.device();
-    let live_rows = scatter(live.iter().map(|&i| vec![1.0; lengths[i]]).collect());
     Ok(GaeTargets {
-        advantages: padded(&scatter(advantages), width, device)?,
-        returns: padded(&scatter(returns), width, device)?,
+        advantages: rows.padded(advantages)?,
+        returns: rows.padded(returns)?,
         values: values.clone(),
-        mask: padded(&live_rows, width, device)?,
+        mask: rows.mask()?,
         rlhf_reward,
     })
 }

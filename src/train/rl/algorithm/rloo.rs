@@ -19,10 +19,10 @@ pub const ENTRY: Entry = Entry {
 };
 
 fn check(cfg: &TrainConfig) -> std::result::Result<(), String> {
-    match cfg.rloo.k {
-        k if k < 2 => Err(format!("rloo.k (--rloo_k) must be at least 2 for a leave-one-out baseline, got {k}")),
-        _ => Ok(()),
+    if cfg.rloo.k < 2 {
+        return Err(format!("rloo.k (--rloo_k) must be at least 2 for a leave-one-out baseline, got {}", cfg.rloo.k));
     }
+    super::refuse_others_options(cfg, "rloo", &["rloo.baseline", "rloo.normalize_advantage"])
 }
 
 struct Rloo {
