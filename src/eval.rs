@@ -13,7 +13,7 @@ use crate::data::Tokenizer;
 use crate::error::{Error, Result};
 use crate::generate::{GenerateOptions, Sampling, StopCriteria};
 use crate::model::scoring::completion_logprobs_chunked;
-use crate::model::{HeadKind, Model};
+use crate::model::{HeadKind, Model, Network};
 use crate::reward::judge::{Ask, Judge};
 use crate::reward::RewardSet;
 use crate::rollout::Rollout;
@@ -53,6 +53,9 @@ pub struct ModelReport {
     /// Each source's score of every completion, in the rollout's order.
     #[serde(skip)]
     pub scores: Vec<(String, Vec<Option<f32>>)>,
+    /// The weighted total of every completion, in the rollout's order.
+    #[serde(skip)]
+    pub totals: Vec<Option<f32>>,
     pub length: Option<Spread>,
     /// Share of completions that ended with EOS.
     pub eos_rate: f64,
@@ -90,14 +93,29 @@ pub fn evaluate_model(
     };
     let rows = (0..prompts.len()).collect();
     let rollout = Rollout::sample(model.frozen(), prompts, rows, &gen_opts, tokenizer, device)?;
+    let reference = reference.map(|r| (model.frozen(), r.frozen(), opts.temperature.max(1e-6)));
+    measure(name, rollout, prompts, rewards, reference, device, opts.batch_size)
+}
+
+/// Scores and measures sampled completions; with `reference` (the
+/// sampling network, the reference and the temperature), their sequence
+/// KL (k1) to the reference.
+pub fn measure(
+    name: &str,
+    rollout: Rollout,
+    prompts: &PromptDataset,
+    rewards: &RewardSet,
+    reference: Option<(&Network, &Network, f64)>,
+    device: &Device,
+    batch_size: usize,
+) -> Result<ModelReport> {
     let scores = rewards.score(&rollout.samples(prompts))?;
     let ended = rollout.ended_with_eos();
     let kl = match reference {
-        Some(r) => {
+        Some((model, reference, t)) => {
             let seqs = rollout.sequences(prompts);
-            let t = opts.temperature.max(1e-6);
-            let lp = completion_logprobs_chunked(model.frozen(), &seqs, t, device, opts.batch_size)?;
-            let lp_ref = completion_logprobs_chunked(r.frozen(), &seqs, t, device, opts.batch_size)?;
+            let lp = completion_logprobs_chunked(model, &seqs, t, device, batch_size)?;
+            let lp_ref = completion_logprobs_chunked(reference, &seqs, t, device, batch_size)?;
             let kls = (lp.logprobs - lp_ref.logprobs)?.sum(1)?.to_vec1::<f32>()?.into_iter().map(f64::from);
             Spread::of(kls)
         }
@@ -112,6 +130,7 @@ pub fn evaluate_model(
             .map(|(n, s)| (n.clone(), Spread::of(s.iter().flatten().map(|&x| x as f64))))
             .collect(),
         scores: scores.per_source,
+        totals: scores.total,
         length: Spread::of(rollout.completions.flat().iter().map(|c| c.tokens.len() as f64)),
         eos_rate: ended.iter().filter(|&&e| e).count() as f64 / ended.len().max(1) as f64,
         kl,
@@ -184,10 +203,15 @@ pub fn win_rate(judge: &str, a: &ModelReport, b: &ModelReport) -> Result<f64> {
             .map(|(_, s)| s.clone())
             .ok_or_else(|| Error::Invalid(format!("no reward named {judge:?} scored {}", r.model)))
     };
-    let (sa, sb) = (scores(a)?, scores(b)?);
-    let outcomes: Vec<f64> = sa
+    win_share(&scores(a)?, &scores(b)?).ok_or_else(|| Error::Invalid("the judge scored no pair of completions".into()))
+}
+
+/// The share of pairs (`a[i]`, `b[i]`) both scored where `a`'s score is
+/// higher, ties counting one half; `None` when no pair is scored.
+pub fn win_share(a: &[Option<f32>], b: &[Option<f32>]) -> Option<f64> {
+    let outcomes: Vec<f64> = a
         .iter()
-        .zip(&sb)
+        .zip(b)
         .filter_map(|(x, y)| match (x, y) {
             (Some(x), Some(y)) if x > y => Some(1.0),
             (Some(x), Some(y)) if x < y => Some(0.0),
@@ -195,10 +219,7 @@ pub fn win_rate(judge: &str, a: &ModelReport, b: &ModelReport) -> Result<f64> {
             _ => None,
         })
         .collect();
-    if outcomes.is_empty() {
-        return Err(Error::Invalid("the judge scored no pair of completions".into()));
-    }
-    Ok(crate::stats::mean(&outcomes).expect("checked non-empty"))
+    crate::stats::mean(&outcomes)
 }
 
 /// What would otherwise fail late or measure nothing: a model that cannot

@@ -170,8 +170,8 @@ pub fn run(opts: &PipelineOptions) -> Result<PathBuf> {
             warmup_ratio: 0.05,
             max_length: 128,
             seed: opts.seed,
-            // A stage without its `.done` marker was cut short: start it over.
-            overwrite_output_dir: true,
+            // A stage without its `.done` marker was cut short: continue it.
+            resume_from_checkpoint: Some("latest".into()),
             ..SftConfig::default()
         })?;
         mark_done(&sft)?;
@@ -190,18 +190,21 @@ pub fn run(opts: &PipelineOptions) -> Result<PathBuf> {
             num_train_epochs: sizes.rm_epochs,
             max_length: 128,
             seed: opts.seed,
-            overwrite_output_dir: true,
+            resume_from_checkpoint: Some("latest".into()),
             ..RewardTrainConfig::default()
         })?;
         mark_done(&rm)?;
     }
 
-    // 5. RLOO against the reward model, KL-anchored to the SFT model; a
-    // run cut short continues from its last checkpoint.
+    // 5. RLOO against the reward model, KL-anchored to the SFT model.
     let rl_base = rl_base(opts, &sizes, &data, &sft, reward_model(&rm))?;
     let rl = stage("rloo");
     if !done(&rl) {
-        let run = Arm { name: "rloo".into(), config: rl_base.clone() };
+        // Evaluated on the held-out titles as it trains (charted below).
+        let mut config = rl_base.clone();
+        let held_out = toml::toml! { dataset = (data.join("eval_prompts.jsonl").display().to_string()) };
+        config.insert("eval".into(), toml::Value::Table(held_out));
+        let run = Arm { name: "rloo".into(), config };
         rl::train(&run.config(opts.seed, &rl)?)?;
         mark_done(&rl)?;
     }
@@ -412,7 +415,7 @@ fn positive_reviews(rm: &Path) -> (Vec<RewardSpec>, Share) {
     (measures, share)
 }
 
-/// PNG charts of the RLOO run's reward, KL and entropy by step, as
+/// PNG charts of the RLOO run's reward, KL, entropy and held-out reward by step, as
 /// (title, path relative to `out`).
 fn plot_curves(rl: &Path, out: &Path) -> Result<Vec<(String, String)>> {
     let rows = crate::data::read_rows(rl.join("metrics.jsonl"))?;
@@ -423,9 +426,13 @@ fn plot_curves(rl: &Path, out: &Path) -> Result<Vec<(String, String)>> {
         ("objective/scores", "reward.png", "reward-model score by step"),
         ("objective/kl", "kl.png", "KL to the SFT model by step"),
         ("objective/entropy", "entropy.png", "entropy per completion by step"),
+        ("eval/reward", "eval_reward.png", "reward-model score on held-out titles by step"),
     ] {
         let points: Vec<(f64, f64)> =
             rows.iter().filter_map(|r| Some((r.fields.get("step")?.as_f64()?, r.fields.get(key)?.as_f64()?))).collect();
+        if points.is_empty() {
+            continue;
+        }
         let series = vec![Series { points, ..Series::default() }];
         let chart = Chart { title: title.into(), x_label: "step".into(), y_label: String::new(), series };
         chart.write_png(&dir.join(file))?;

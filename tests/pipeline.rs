@@ -20,7 +20,7 @@ fn the_pipeline_runs_every_stage_and_its_study_and_reuses_them() {
     }
     let report = std::fs::read_to_string(out.join("report.md")).unwrap();
     assert!(report.contains("| sft |") && report.contains("| rloo |") && report.contains("Win rate"), "{report}");
-    for plot in ["reward", "kl", "entropy"] {
+    for plot in ["reward", "kl", "entropy", "eval_reward"] {
         let png = std::fs::read(out.join("plots").join(format!("{plot}.png"))).unwrap();
         assert!(png.starts_with(b"\x89PNG"), "{plot}.png is a PNG");
         assert!(report.contains(&format!("plots/{plot}.png")));

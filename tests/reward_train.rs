@@ -14,6 +14,18 @@ use serde_json::json;
 /// Trains on 40 pairs preferring praise, with `extra` flags; gives the
 /// output directory and the held-out metrics of the last epoch.
 fn train_on_praise(tmp: &std::path::Path, extra: &[&str]) -> (std::path::PathBuf, serde_json::Value) {
+    let out = tmp.join("rm");
+    let run = praise_run(tmp, &out, extra);
+    assert!(run.status.success(), "{}", String::from_utf8_lossy(&run.stderr));
+    let last = std::fs::read_to_string(out.join("metrics.jsonl")).unwrap().lines().last().unwrap().to_string();
+    let last: serde_json::Value = serde_json::from_str(&last).unwrap();
+    println!("held-out: {last}");
+    assert!(last["eval/accuracy"].as_f64().unwrap() >= 0.9);
+    (out, last)
+}
+
+/// `rloo reward train` on 40 pairs preferring praise, into `out`.
+fn praise_run(tmp: &std::path::Path, out: &std::path::Path, extra: &[&str]) -> std::process::Output {
     let good = ["wonderful", "great", "lovely", "brilliant"];
     let bad = ["boring", "awful", "dull", "terrible"];
     let rows: Vec<String> = (0..40)
@@ -24,20 +36,40 @@ fn train_on_praise(tmp: &std::path::Path, extra: &[&str]) -> (std::path::PathBuf
         .collect();
     let data = tmp.join("pairs.jsonl");
     std::fs::write(&data, rows.join("\n")).unwrap();
-    let out = tmp.join("rm");
-    let run = Command::new(env!("CARGO_BIN_EXE_rloo"))
+    Command::new(env!("CARGO_BIN_EXE_rloo"))
         .args(["reward", "train", "--model", model_dir("gpt_neox-causal").to_str().unwrap()])
         .args(["--dataset", data.to_str().unwrap(), "--output-dir", out.to_str().unwrap()])
         .args(["--num-train-epochs", "4", "--eval-fraction", "0.25", "--device", "cpu"])
         .args(extra)
+        .env("RAYON_NUM_THREADS", "2")
         .output()
-        .unwrap();
-    assert!(run.status.success(), "{}", String::from_utf8_lossy(&run.stderr));
-    let last = std::fs::read_to_string(out.join("metrics.jsonl")).unwrap().lines().last().unwrap().to_string();
-    let last: serde_json::Value = serde_json::from_str(&last).unwrap();
-    println!("held-out: {last}");
-    assert!(last["eval/accuracy"].as_f64().unwrap() >= 0.9);
-    (out, last)
+        .unwrap()
+}
+
+/// A run stopped part-way and resumed gives the uninterrupted run's
+/// weights (the new score head's included) and metrics, with and without
+/// LoRA adapters.
+#[test]
+fn a_stopped_reward_model_run_resumes_to_the_uninterrupted_runs_weights_and_metrics() {
+    let tmp = tempfile::tempdir().unwrap();
+    let lora = ["--use_peft", "--lora_r", "8", "--lora_target_modules", "all-linear", "--learning-rate", "1e-2"];
+    for (name, extra, weights) in [
+        ("full", &["--learning-rate", "1e-3"][..], "model.safetensors"),
+        ("lora", &lora[..], "adapter_model.safetensors"),
+    ] {
+        let (whole, parts) = (tmp.path().join(format!("{name}-whole")), tmp.path().join(format!("{name}-parts")));
+        let run = |out: &std::path::Path, more: &[&str]| {
+            let done = praise_run(tmp.path(), out, &[extra, more].concat());
+            assert!(done.status.success(), "{name}: {}", String::from_utf8_lossy(&done.stderr));
+        };
+        run(&whole, &[]);
+        run(&parts, &["--stop_after", "5"]);
+        assert!(parts.join("checkpoint-5/reward_config.toml").is_file() && !parts.join(weights).exists());
+        run(&parts, &["--resume_from_checkpoint", "latest"]);
+        let read = |dir: &std::path::Path, file: &str| std::fs::read(dir.join(file)).unwrap();
+        assert!(read(&whole, weights) == read(&parts, weights), "{name}: the resumed weights differ");
+        assert!(read(&whole, "metrics.jsonl") == read(&parts, "metrics.jsonl"), "{name}: the metrics differ");
+    }
 }
 
 #[test]

@@ -167,3 +167,105 @@ fn sft_and_reward_train_take_a_file_set_and_flags_and_save_the_resolved_config()
     let saved = std::fs::read_to_string(out.join("sft_config.toml")).unwrap();
     assert!(saved.contains("adam_beta2 = 0.95") && saved.contains("num_train_epochs = 1"), "{saved}");
 }
+
+/// Runs `rloo sft` on `data` into `out` with `extra` flags.
+fn sft_command(data: &std::path::Path, out: &std::path::Path, extra: &[&str]) -> Command {
+    let mut command = Command::new(env!("CARGO_BIN_EXE_rloo"));
+    command
+        .args(["sft", "--model", model_dir("gpt_neox-causal").to_str().unwrap(), "--dataset", data.to_str().unwrap()])
+        .args(["--output-dir", out.to_str().unwrap(), "--device", "cpu", "--learning-rate", "3e-3"])
+        .args(extra)
+        .env("RAYON_NUM_THREADS", "2");
+    command
+}
+
+/// A run stopped part-way (`--stop_after`, across an epoch's end) and
+/// resumed gives the uninterrupted run's weights and metrics to the bit:
+/// optimizer state, data order, skipped-step count and the adapters'
+/// dropout masks all continue where they stood.
+#[test]
+fn a_stopped_sft_run_resumes_to_the_uninterrupted_runs_weights_and_metrics() {
+    let tmp = tempfile::tempdir().unwrap();
+    let data = write_demonstrations(tmp.path());
+    let flags = [
+        "--num-train-epochs",
+        "3",
+        "--per-device-train-batch-size",
+        "2",
+        "--gradient-accumulation-steps",
+        "2",
+        "--eval-fraction",
+        "0.25",
+        "--use_peft",
+        "--lora_dropout",
+        "0.1",
+        "--lora_target_modules",
+        "all-linear",
+        "--logging_steps",
+        "1",
+    ];
+    let run = |out: &std::path::Path, extra: &[&str]| {
+        let done = sft_command(&data, out, &[&flags[..], extra].concat()).output().unwrap();
+        assert!(done.status.success(), "{}", String::from_utf8_lossy(&done.stderr));
+        String::from_utf8_lossy(&done.stderr).to_string()
+    };
+    let (whole, parts) = (tmp.path().join("whole"), tmp.path().join("parts"));
+    run(&whole, &[]);
+    let stopped = run(&parts, &["--stop_after", "4"]);
+    assert!(
+        stopped.contains("stopped after step 4") && stopped.contains("--resume_from_checkpoint latest"),
+        "{stopped}"
+    );
+    assert!(!parts.join("adapter_model.safetensors").exists(), "a stopped run saves no final model");
+    let checkpoint = parts.join("checkpoint-4");
+    for file in ["trainer_state.json", "optimizer.safetensors", "sft_config.toml", "adapter_model.safetensors"] {
+        assert!(checkpoint.join(file).is_file(), "{file} in the checkpoint");
+    }
+    run(&parts, &["--resume_from_checkpoint", "latest", "--save_steps", "2"]);
+    let read = |dir: &std::path::Path, file: &str| std::fs::read(dir.join(file)).unwrap();
+    assert!(read(&whole, "adapter_model.safetensors") == read(&parts, "adapter_model.safetensors"));
+    assert_eq!(
+        String::from_utf8(read(&whole, "metrics.jsonl")).unwrap(),
+        String::from_utf8(read(&parts, "metrics.jsonl")).unwrap()
+    );
+
+    // Options that would change the run are refused, naming them.
+    let other =
+        sft_command(&data, &parts, &[&flags[..], &["--resume_from_checkpoint", "latest", "--seed", "7"]].concat())
+            .output()
+            .unwrap();
+    let stderr = String::from_utf8_lossy(&other.stderr);
+    assert!(!other.status.success() && stderr.contains("seed: 42 -> 7"), "{stderr}");
+}
+
+/// A run killed outright (SIGKILL) continues from its last checkpoint to
+/// the weights of a run that was never interrupted.
+#[cfg(unix)]
+#[test]
+fn a_killed_sft_run_resumes_to_the_uninterrupted_runs_weights() {
+    let tmp = tempfile::tempdir().unwrap();
+    let data = tmp.path().join("many.jsonl");
+    let rows: Vec<String> = (0..150)
+        .map(|i| json!({"prompt": format!("Review {i}:"), "completion": " wonderful acting."}).to_string())
+        .collect();
+    std::fs::write(&data, rows.join("\n")).unwrap();
+    let flags = ["--num-train-epochs", "2", "--per-device-train-batch-size", "1", "--save_steps", "5"];
+    let (whole, killed) = (tmp.path().join("whole"), tmp.path().join("killed"));
+    assert!(sft_command(&data, &whole, &flags).output().unwrap().status.success());
+
+    let mut child = sft_command(&data, &killed, &flags).stderr(std::process::Stdio::null()).spawn().unwrap();
+    let started = std::time::Instant::now();
+    while !killed.join("checkpoint-10/trainer_state.json").is_file() {
+        assert!(child.try_wait().unwrap().is_none(), "the run ended before it could be killed");
+        assert!(started.elapsed().as_secs() < 120, "no checkpoint after 2 minutes");
+        std::thread::sleep(std::time::Duration::from_millis(2));
+    }
+    child.kill().unwrap();
+    child.wait().unwrap();
+    assert!(!killed.join("model.safetensors").exists(), "killed before the end");
+    let resumed =
+        sft_command(&data, &killed, &[&flags[..], &["--resume_from_checkpoint", "latest"]].concat()).output().unwrap();
+    assert!(resumed.status.success(), "{}", String::from_utf8_lossy(&resumed.stderr));
+    let weights = |dir: &std::path::Path| std::fs::read(dir.join("model.safetensors")).unwrap();
+    assert!(weights(&whole) == weights(&killed), "the resumed run's weights differ");
+}

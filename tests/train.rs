@@ -8,7 +8,7 @@ use std::path::Path;
 use std::process::Command;
 
 use common::*;
-use serde_json::Value;
+use serde_json::{json, Value};
 
 fn write_prompts(dir: &Path) -> String {
     let path = dir.join("prompts.jsonl");
@@ -424,6 +424,67 @@ fn the_trl_example_command_runs_with_local_paths() {
     assert!(rows[0].contains_key("rewards/model/mean"));
     let config = std::fs::read_to_string(out.join("rloo_config.toml")).unwrap();
     assert!(config.contains("missing_eos_penalty = 1.0") && config.contains("split = \"descriptiveness\""), "{config}");
+}
+
+/// Seed 001's TL;DR benchmark command as written, with local paths for its
+/// hub ids and `--stop_after 1` (it asks for a million episodes): the
+/// validation split is evaluated during training and logged as `eval/...`,
+/// its sample table is the one printed, and evaluating changes nothing the
+/// run trains.
+#[test]
+fn the_tldr_benchmark_command_evaluates_its_validation_split() {
+    let tmp = tempfile::tempdir().unwrap();
+    let data = tmp.path().join("tldr-preference-sft-trl-style");
+    std::fs::create_dir(&data).unwrap();
+    let words = ["cat", "river", "green", "old", "stones", "quiet", "light", "friends"];
+    let post = |i: usize| {
+        let pick = |j: usize| words[(i * 7 + j * 3) % words.len()];
+        // Short posts: the fixture reward model reads 128 positions.
+        let prompt = format!("SUBREDDIT: r/cats\nTITLE: {}\nPOST: {} {}\nTL;DR:", pick(0), pick(1), pick(2));
+        let messages = [
+            json!({"role": "user", "content": prompt}),
+            json!({"role": "assistant", "content": format!(" {} {}", pick(6), pick(7))}),
+        ];
+        json!({"prompt": prompt, "messages": messages, "id": format!("t{i}")}).to_string()
+    };
+    std::fs::write(data.join("train.jsonl"), (0..64).map(post).collect::<Vec<_>>().join("\n")).unwrap();
+    std::fs::write(data.join("validation.jsonl"), (64..70).map(post).collect::<Vec<_>>().join("\n")).unwrap();
+    let (sft, reward) = (policy(), model_dir("gpt_neox-seqcls").display().to_string());
+    let run = |out: &Path, test_split: &[&str]| {
+        let mut args = vec!["train", "--output_dir", out.to_str().unwrap(), "--dataset_name", data.to_str().unwrap()];
+        args.extend(test_split);
+        args.extend(["--num_ppo_epochs", "2", "--num_mini_batches", "2", "--learning_rate", "3e-6"]);
+        args.extend(["--per_device_train_batch_size", "16", "--gradient_accumulation_steps", "16"]);
+        args.extend(["--total_episodes", "1000000", "--model_name_or_path", &sft, "--sft_model_path", &sft]);
+        args.extend(["--reward_model_path", &reward, "--local_rollout_forward_batch_size", "16"]);
+        args.extend(["--missing_eos_penalty", "1.0", "--stop_token", "eos", "--kl_coef", "0.03"]);
+        args.extend(["--stop_after", "1", "--device", "cpu"]);
+        let out = Command::new(env!("CARGO_BIN_EXE_rloo")).args(&args).env("RAYON_NUM_THREADS", "2").output().unwrap();
+        String::from_utf8_lossy(&ok(out).stderr).to_string()
+    };
+    let (evaluated, plain) = (tmp.path().join("models/minimal/rloo_tldr"), tmp.path().join("plain"));
+    let log = run(&evaluated, &["--dataset_test_split", "validation"]);
+    assert!(log.contains("evaluating on 6 held-out prompts") && log.contains("(held-out prompts)"), "{log}");
+    let rows = metrics(&evaluated);
+    assert_eq!(rows.len(), 1);
+    for key in [
+        "eval/reward",
+        "eval/reward_std",
+        "eval/kl",
+        "eval/completions/mean_length",
+        "eval/completions/eos_rate",
+        "eval/win_rate",
+    ] {
+        let value = rows[0].get(key).and_then(Value::as_f64);
+        assert!(value.is_some_and(f64::is_finite), "{key} in {:?}", rows[0]);
+    }
+    let win = rows[0]["eval/win_rate"].as_f64().unwrap();
+    assert!((0.0..=1.0).contains(&win), "{win}");
+
+    run(&plain, &[]);
+    let weights = |dir: &Path| std::fs::read(dir.join("checkpoint-1/model.safetensors")).unwrap();
+    assert!(weights(&evaluated) == weights(&plain), "evaluating changed the training");
+    assert!(!metrics(&plain)[0].keys().any(|k| k.starts_with("eval/")));
 }
 
 /// Seed 002's command (the HelpSteer3 script's flags, with its model,

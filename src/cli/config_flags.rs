@@ -69,6 +69,24 @@ pub const RUN: &[Flag] = &[
     ("max_skipped_steps", "max_skipped_steps", Kind::Int, "Stop (with the last good weights saved) after N optimizer steps in a row skipped for a non-finite loss or gradient"),
 ];
 
+/// Checkpoints and resuming, as every trainer has them.
+pub const CHECKPOINTS: &[Flag] = &[
+    ("save_steps", "save_steps", Kind::Int, "Checkpoint every N steps (0: only where the run stops)"),
+    ("save_total_limit", "save_total_limit", Kind::Int, "Keep at most N checkpoints (0: all)"),
+    (
+        "resume_from_checkpoint",
+        "resume_from_checkpoint",
+        Kind::Str,
+        "Checkpoint directory, or \"latest\" in output_dir",
+    ),
+    (
+        "stop_after",
+        "stop_after",
+        Kind::Int,
+        "Stop (with a checkpoint) after N steps of this invocation, to continue later with --resume_from_checkpoint",
+    ),
+];
+
 /// TRL's PEFT flags; the keys are the same in every command.
 pub const PEFT: &[Flag] = &[
     (

@@ -4,11 +4,10 @@
 use anyhow::{Context, Result};
 use clap::{Args, Subcommand};
 
-use rloo::data::DatasetSpec;
 use rloo::model::parse_device;
 use rloo::reward::serve::{serve, ServeOptions};
 use rloo::reward::RewardModel;
-use rloo::train::reward_model::{train_reward_model, RewardTrainConfig};
+use rloo::train::reward_model::{train_reward_model, RewardTraining};
 
 use super::config_flags::{Flag, Kind};
 use super::listen_flags::ListenFlags;
@@ -66,17 +65,11 @@ pub struct RewardServeArgs {
 pub struct RewardTrainer;
 
 impl Trainer for RewardTrainer {
-    type Config = RewardTrainConfig;
+    type Kind = RewardTraining;
     const FLAGS: &'static [Flag] = &[
         ("model", "model", Kind::Str, "Model directory or cached hub id to start from (causal LM or reward model)"),
         ("model_name_or_path", "model", Kind::Str, "TRL's name of --model"),
     ];
-    fn datasets(cfg: &mut RewardTrainConfig) -> (&DatasetSpec, &mut Option<DatasetSpec>) {
-        (&cfg.dataset, &mut cfg.eval_dataset)
-    }
-    fn validate(cfg: &RewardTrainConfig) -> rloo::Result<()> {
-        cfg.validate()
-    }
 }
 
 pub type RewardTrainArgs = SupervisedArgs<RewardTrainer>;
@@ -105,6 +98,9 @@ fn serve_model(a: RewardServeArgs) -> Result<()> {
 fn train(a: RewardTrainArgs) -> Result<()> {
     let Some(cfg) = a.config()? else { return Ok(()) };
     let s = train_reward_model(&cfg).context("reward-model training failed")?;
+    if !s.finished {
+        return Ok(super::supervised::stopped_early(s.steps, &s.output_dir));
+    }
     match s.eval {
         Some(e) => eprintln!(
             "trained {} steps: held-out accuracy {:.3}, margin {:.3}, loss {:.4} -> {}",

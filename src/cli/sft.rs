@@ -2,35 +2,31 @@
 
 use anyhow::{Context, Result};
 
-use rloo::data::DatasetSpec;
-use rloo::train::sft::{train_sft, SftConfig};
+use rloo::train::sft::{self, train_sft};
 
 use super::config_flags::{Flag, Kind};
 use super::supervised::{SupervisedArgs, Trainer};
 
 #[derive(Debug)]
-pub struct Sft;
+pub struct SftFlags;
 
-impl Trainer for Sft {
-    type Config = SftConfig;
+impl Trainer for SftFlags {
+    type Kind = sft::Sft;
     const FLAGS: &'static [Flag] = &[
         ("model", "model", Kind::Str, "Model directory or cached hub id to start from"),
         ("model_name_or_path", "model", Kind::Str, "TRL's name of --model"),
         ("all_tokens", "all_tokens", Kind::Bool, "Train on prompt tokens too, not only on completions"),
     ];
-    fn datasets(cfg: &mut SftConfig) -> (&DatasetSpec, &mut Option<DatasetSpec>) {
-        (&cfg.dataset, &mut cfg.eval_dataset)
-    }
-    fn validate(cfg: &SftConfig) -> rloo::Result<()> {
-        cfg.validate()
-    }
 }
 
-pub type SftArgs = SupervisedArgs<Sft>;
+pub type SftArgs = SupervisedArgs<SftFlags>;
 
 pub fn run(a: SftArgs) -> Result<()> {
     let Some(cfg) = a.config()? else { return Ok(()) };
     let s = train_sft(&cfg).context("fine-tuning failed")?;
+    if !s.finished {
+        return Ok(super::supervised::stopped_early(s.steps, &s.output_dir));
+    }
     eprintln!(
         "fine-tuned {} steps, train loss {:.4}{} -> {}",
         s.steps,

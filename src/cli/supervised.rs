@@ -7,23 +7,17 @@ use std::path::PathBuf;
 
 use anyhow::Result;
 use clap::{ArgMatches, Command};
-use serde::de::DeserializeOwned;
-use serde::Serialize;
-
-use rloo::data::DatasetSpec;
 use rloo::train::config::{load_toml, to_toml};
+use rloo::train::supervised::SupervisedConfig;
 
 use super::config_flags::{self, config_file, Flag, Flags};
 use super::dataset_flags::{self, HeldOut};
 
 /// What a supervised trainer adds to the shared options.
 pub trait Trainer: std::fmt::Debug {
-    type Config: Serialize + DeserializeOwned + Default;
+    type Kind: rloo::train::supervised::Trainer + std::fmt::Debug;
     /// Its own flags (the model to start from, ...).
     const FLAGS: &'static [Flag];
-    /// The training rows, and the held-out rows to set.
-    fn datasets(cfg: &mut Self::Config) -> (&DatasetSpec, &mut Option<DatasetSpec>);
-    fn validate(cfg: &Self::Config) -> rloo::Result<()>;
 }
 
 #[derive(Debug)]
@@ -44,12 +38,14 @@ fn flags<T: Trainer>() -> Flags {
         .with("Training", "", config_flags::BATCH)
         .with("Training", "", config_flags::OPTIMIZER)
         .with("Training", "", config_flags::RUN)
+        .with("Training", "", config_flags::CHECKPOINTS)
         .with("PEFT", "", config_flags::PEFT)
 }
 
 impl<T: Trainer> clap::Args for SupervisedArgs<T> {
     fn augment_args(cmd: Command) -> Command {
-        flags::<T>().augment(cmd, &toml::Value::try_from(T::Config::default()).expect("the default config serialises"))
+        let defaults = SupervisedConfig::<T::Kind>::default();
+        flags::<T>().augment(cmd, &toml::Value::try_from(defaults).expect("the default config serialises"))
     }
 
     fn augment_args_for_update(cmd: Command) -> Command {
@@ -72,15 +68,22 @@ impl<T: Trainer> clap::FromArgMatches for SupervisedArgs<T> {
 
 impl<T: Trainer> SupervisedArgs<T> {
     /// The resolved config to train with; `None` once printed for `--print_config`.
-    pub fn config(&self) -> Result<Option<T::Config>> {
-        let mut cfg: T::Config = load_toml(self.config.as_deref(), &self.overrides, |_, _| Ok(()))?;
-        let (train, eval) = T::datasets(&mut cfg);
-        self.held_out.apply(train, eval);
+    pub fn config(&self) -> Result<Option<SupervisedConfig<T::Kind>>> {
+        let mut cfg: SupervisedConfig<T::Kind> = load_toml(self.config.as_deref(), &self.overrides, |_, _| Ok(()))?;
+        self.held_out.apply(&cfg.dataset, &mut cfg.eval_dataset);
         if !self.print_config {
             return Ok(Some(cfg));
         }
-        T::validate(&cfg)?;
+        cfg.validate()?;
         print!("{}", to_toml(&cfg));
         Ok(None)
     }
+}
+
+/// Says where a run stopped by `--stop_after` left its work.
+pub fn stopped_early(steps: usize, output_dir: &std::path::Path) {
+    eprintln!(
+        "stopped after step {steps} with a checkpoint in {}; continue with --resume_from_checkpoint latest",
+        output_dir.display()
+    );
 }

@@ -24,6 +24,11 @@ const FLAGS: &[Flag] = &[
     ("dataset_name", "data.path", Kind::Str, "Prompts: a dataset file (JSONL, JSON, CSV, Parquet, Arrow; .gz/.zst), directory, datasets save or cached hub id"),
     ("dataset_config", "data.config", Kind::Str, "The dataset configuration (sub-directory), e.g. preference"),
     ("dataset_train_split", "data.split", Kind::Str, "The split read from a dataset directory or hub dataset"),
+    ("dataset_test_split", "eval.split", Kind::Str, "Held-out prompts: this split (of --eval_dataset when given, else of --dataset_name), evaluated during training [default: none]"),
+    ("eval_dataset", "eval.dataset", Kind::Str, "Held-out prompts from another dataset [split: --dataset_test_split, else test] [default: none]"),
+    ("eval_strategy", "eval.strategy", Kind::Str, "\"steps\" (every --eval_steps) or \"no\" [default: steps with held-out prompts, else no]"),
+    ("eval_steps", "eval.steps", Kind::Int, "Evaluate every N rollout steps, and after the last [default: total steps / num_sample_generations]"),
+    ("eval_take", "eval.take", Kind::Int, "Use only the first N held-out prompts [default: all]"),
     ("dataset_filter", "data.filter", Kind::Str, "Keep rows this expression accepts, e.g. 'language == \"english\" and len(context) <= 4'"),
     ("total_episodes", "train.total_episodes", Kind::Int, "Completions to train on [none: num_train_epochs x prompts x k]"),
     ("max_steps", "train.max_steps", Kind::Int, "Optimizer steps to train for, rounded up to whole rollout batches (instead of --total_episodes)"),
@@ -90,12 +95,8 @@ const FLAGS: &[Flag] = &[
     ("reward_clip_range", "rloo.reward_clip_range", Kind::Float, "Clip scores to [-r, r]"),
     ("recompute_old_logprobs", "rloo.recompute_old_logprobs", Kind::Bool, "Recompute the sampling policy's log-probs with a forward pass instead of keeping the sampler's"),
     ("report_to", "train.report_to", Kind::Words, "Where metrics go besides metrics.jsonl: tensorboard or none"),
-    ("save_steps", "train.save_steps", Kind::Int, "Checkpoint every N steps (0: only at the end)"),
-    ("save_total_limit", "train.save_total_limit", Kind::Int, "Keep at most N checkpoints (0: all)"),
     ("num_sample_generations", "train.num_sample_generations", Kind::Int, "Sample tables printed over the run"),
     ("num_completions_to_print", "train.num_completions_to_print", Kind::Int, "Rows of each printed sample table (one completion per prompt; samples.jsonl keeps them all)"),
-    ("resume_from_checkpoint", "train.resume_from_checkpoint", Kind::Str, "Checkpoint directory, or \"latest\" in output_dir"),
-    ("stop_after", "train.stop_after", Kind::Int, "Stop (with a checkpoint) after N rollout steps of this invocation, to continue later with --resume_from_checkpoint"),
 ];
 
 /// Train a policy with REINFORCE Leave-One-Out (or PPO).
@@ -120,6 +121,7 @@ fn flags() -> Flags {
         .with("Training", "train.", config_flags::BATCH)
         .with("Training", "train.", config_flags::OPTIMIZER)
         .with("Training", "train.", config_flags::RUN)
+        .with("Training", "train.", config_flags::CHECKPOINTS)
         .with("PEFT", "", config_flags::PEFT)
 }
 
@@ -154,6 +156,7 @@ fn section_heading(key: &str) -> &'static str {
         Some("rloo") => "RLOO",
         Some("ppo") => "PPO",
         Some("peft") => "PEFT",
+        Some("eval") => "Evaluation",
         _ => "Training",
     }
 }

@@ -23,6 +23,22 @@ pub use rows::{read_rows, Row};
 pub use source::DatasetSpec;
 pub use tokenizer::{copy_tokenizer_files, Tokenizer, TOKENIZER_FILES};
 
+/// A digest of token sequences (FNV-1a over each one's length and ids),
+/// which a checkpoint keeps so that a resume on other data is refused.
+pub fn token_digest<'a>(sequences: impl IntoIterator<Item = &'a [u32]>) -> String {
+    let mut h: u64 = 0xcbf2_9ce4_8422_2325;
+    let mut eat = |x: u32| {
+        for b in x.to_le_bytes() {
+            h = (h ^ b as u64).wrapping_mul(0x0100_0000_01b3);
+        }
+    };
+    for ids in sequences {
+        eat(ids.len() as u32);
+        ids.iter().for_each(|&id| eat(id));
+    }
+    format!("{h:016x}")
+}
+
 /// The training rows and the evaluation rows: `eval` when a separate set was
 /// given, else `fraction` of `rows` held out (see [`hold_out`]).
 pub fn split_eval<T>(

@@ -169,17 +169,7 @@ impl PromptDataset {
     /// A digest (FNV-1a, 64 bits) of every prompt's token ids in order: a
     /// resumed run checks it to be training on the same prompts.
     pub fn digest(&self) -> String {
-        let mut h: u64 = 0xcbf2_9ce4_8422_2325;
-        let mut eat = |x: u32| {
-            for b in x.to_le_bytes() {
-                h = (h ^ b as u64).wrapping_mul(0x0100_0000_01b3);
-            }
-        };
-        for row in &self.rows {
-            eat(row.ids.len() as u32);
-            row.ids.iter().for_each(|&id| eat(id));
-        }
-        format!("{h:016x}")
+        super::token_digest(self.rows.iter().map(|row| row.ids.as_slice()))
     }
 
     /// The prompts of rollout step `step`: positions `step * n ..` of an

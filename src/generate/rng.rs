@@ -95,6 +95,8 @@ pub mod streams {
     /// and the validation hold-out.
     pub const PREPARE_SHUFFLE: u64 = 0x5b0f;
     pub const PREPARE_VALIDATION: u64 = 0x7a1d;
+    /// Evaluation during training: the sampler's seed of the held-out answers.
+    pub const EVAL_SAMPLING: u64 = 0xe7a5;
 }
 
 #[cfg(test)]

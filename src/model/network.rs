@@ -18,6 +18,8 @@ use super::lora::{self, AdapterPlan, Dropout, LoraConfig, PeftOptions, ADAPTER_C
 use super::weights::{Detach, ParamStore, Source, WeightFiles, Weights};
 use super::{kernels, ops};
 use crate::error::{Error, Result};
+use crate::generate::rng::streams;
+use crate::generate::Rng;
 
 /// The transformer body: embeddings through the final norm.
 pub trait Decoder: Send + Sync {
@@ -502,6 +504,15 @@ impl Model {
     pub fn with_layer_graphs(mut self, graphs: LayerGraphs) -> Self {
         self.set_layer_graphs(graphs);
         self
+    }
+
+    /// Starts the adapters' dropout masks of optimizer step `step` from a
+    /// stream of (seed, step) alone, so that a resumed run draws a step's
+    /// masks as the uninterrupted one did.
+    pub fn start_dropout_step(&self, seed: u64, step: usize) {
+        if let Some(dropout) = self.lora.as_ref().and_then(|l| l.dropout.as_ref()) {
+            dropout.replace_state(Rng::stream(seed, &[streams::LORA_DROPOUT, step as u64 + 1]));
+        }
     }
 
     fn set_layer_graphs(&mut self, graphs: LayerGraphs) {

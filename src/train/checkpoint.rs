@@ -19,7 +19,6 @@ use crate::model::{Model, ModelConfig};
 
 pub const STATE_FILE: &str = "trainer_state.json";
 pub const OPTIMIZER_FILE: &str = "optimizer.safetensors";
-pub const CONFIG_FILE: &str = "rloo_config.toml";
 
 /// Progress through the run, saved with each checkpoint.
 #[derive(Debug, Clone, Default, Serialize, Deserialize, PartialEq)]
@@ -30,9 +29,12 @@ pub struct TrainerState {
     pub episode: usize,
     pub optimizer_step: usize,
     pub total_steps: usize,
-    /// Digest of the run's tokenized prompts (`PromptDataset::digest`).
+    /// Digest of the run's tokenized training data (`crate::data::token_digest`).
     #[serde(default)]
     pub prompts_digest: String,
+    /// Optimizer steps skipped for a non-finite loss or gradient so far.
+    #[serde(default)]
+    pub skipped_steps: usize,
 }
 
 pub fn checkpoint_dir(output_dir: &Path, step: usize) -> PathBuf {
@@ -47,8 +49,15 @@ pub struct Part<'a> {
     pub optimizer: &'a AdamW,
 }
 
+/// The run's resolved configuration as a checkpoint keeps it: its file
+/// name and its TOML.
+pub struct SavedConfig<'a> {
+    pub file: &'static str,
+    pub toml: &'a str,
+}
+
 /// Saves every part and the state, all or nothing.
-pub fn save(dir: &Path, parts: &[Part], state: &TrainerState, config_toml: &str) -> Result<()> {
+pub fn save(dir: &Path, parts: &[Part], state: &TrainerState, config: &SavedConfig) -> Result<()> {
     let state_json = serde_json::to_vec_pretty(state).map_err(|e| Error::Invalid(e.to_string()))?;
     write_dir_atomic(dir, |tmp| {
         for part in parts {
@@ -62,10 +71,53 @@ pub fn save(dir: &Path, parts: &[Part], state: &TrainerState, config_toml: &str)
             part.model.save_files(&at)?;
             write_tensors(&at.join(OPTIMIZER_FILE), &tensors, None)?;
         }
-        write_atomic(&tmp.join(CONFIG_FILE), config_toml.as_bytes())?;
+        write_atomic(&tmp.join(config.file), config.toml.as_bytes())?;
         // Written last: a directory with this file is complete.
         write_atomic(&tmp.join(STATE_FILE), &state_json)
     })
+}
+
+/// The checkpoint `--resume_from_checkpoint` names: a directory, or
+/// "latest", the newest complete one in `output_dir` (none: start fresh).
+pub fn to_resume(spec: &str, output_dir: &Path) -> Option<PathBuf> {
+    if spec != "latest" {
+        return Some(PathBuf::from(spec));
+    }
+    let found = latest(output_dir);
+    if found.is_none() {
+        tracing::info!("no checkpoint in {} to resume from; starting fresh", output_dir.display());
+    }
+    found
+}
+
+/// Refuses a checkpoint saved under a configuration that computes a
+/// different run: `now` against the `config_file` saved in `dir`, which
+/// may differ only in the `changeable` keys (logged).
+pub fn check_config<T: Serialize + serde::de::DeserializeOwned>(
+    dir: &Path,
+    config_file: &str,
+    now: &T,
+    changeable: &[&str],
+) -> Result<()> {
+    let saved_path = dir.join(config_file);
+    if !saved_path.is_file() {
+        return Err(Error::bad_file(dir, format!("not a complete checkpoint: {config_file} is missing")));
+    }
+    let saved: T = crate::train::config::load_toml(Some(&saved_path), &[], |_, _| Ok(()))?;
+    match crate::train::config::changes_since(&saved, now, changeable) {
+        Ok(allowed) if allowed.is_empty() => Ok(()),
+        Ok(allowed) => {
+            tracing::info!("resuming with changed options: {}", allowed.join("; "));
+            Ok(())
+        }
+        Err(refused) => Err(Error::Invalid(format!(
+            "cannot resume from {}: these options differ from the checkpoint's and would change the run:\n  {}\n\
+             resume with the options of {} or start a new run in another output directory",
+            dir.display(),
+            refused.join("\n  "),
+            saved_path.display()
+        ))),
+    }
 }
 
 /// The newest complete checkpoint in `output_dir`, if any.
@@ -102,16 +154,10 @@ pub fn load_part(
     dtype: DType,
 ) -> Result<Model> {
     let at = dir.join(subdir);
-    // Before the weights, so that the error names the edited config rather
-    // than the tensors it leaves unused; an adapter's base is checked after.
-    if at.join("config.json").is_file() {
-        same_model(&ModelConfig::from_dir(&at)?, expected)?;
-    }
+    check_saved_config(&at, expected)?;
     let model = Model::load(&at, device)?;
     same_model(model.config(), expected)?;
-    let opt_path = at.join(OPTIMIZER_FILE);
-    let tensors: HashMap<String, Tensor> = candle_core::safetensors::load(&opt_path, device)
-        .map_err(|e| Error::bad_file(&opt_path, format!("cannot read optimizer state: {e}")))?;
+    let tensors = read_optimizer_file(&at, device)?;
     for p in model.params().iter() {
         if let Some(master) = tensors.get(&format!("master.{}", p.name)) {
             p.var.set(master)?;
@@ -119,6 +165,52 @@ pub fn load_part(
     }
     optimizer.load_state(tensors, optimizer_step, model.params())?;
     model.with_dtype(dtype, true)
+}
+
+/// Restores the part saved as `subdir` of a checkpoint into `model`, the
+/// run's model as it was built at the start: the weights that train (by
+/// name, from the f32 masters where kept) and the optimizer's state.
+/// Unlike [`load_part`], the model keeps everything else the run built
+/// (its parameters' order, adapters' dropout, layer graphs, compute
+/// dtype). `load` reads the checkpoint's model as the run read its own.
+pub fn restore_into(
+    dir: &Path,
+    subdir: &str,
+    model: &Model,
+    optimizer: &mut AdamW,
+    optimizer_step: usize,
+    load: impl FnOnce(&Path) -> Result<Model>,
+) -> Result<()> {
+    let at = dir.join(subdir);
+    check_saved_config(&at, model.config())?;
+    let saved = load(&at)?;
+    same_model(saved.config(), model.config())?;
+    let tensors = read_optimizer_file(&at, &model.device())?;
+    for p in model.params().trainable() {
+        let value = match (tensors.get(&format!("master.{}", p.name)), saved.params().get(&p.name)) {
+            (Some(master), _) => master.clone(),
+            (None, Some(weight)) => weight.var.as_tensor().clone(),
+            (None, None) => return Err(Error::bad_file(&at, format!("the checkpoint has no weight {}", p.name))),
+        };
+        p.var.set(&value.to_dtype(p.var.dtype())?)?;
+    }
+    model.params().sync_compute()?;
+    optimizer.load_state(tensors, optimizer_step, model.params())
+}
+
+/// Before the weights, so that the error names an edited config rather
+/// than the tensors it leaves unused; an adapter's base is checked after.
+fn check_saved_config(at: &Path, expected: &ModelConfig) -> Result<()> {
+    match at.join("config.json").is_file() {
+        true => same_model(&ModelConfig::from_dir(at)?, expected),
+        false => Ok(()),
+    }
+}
+
+fn read_optimizer_file(at: &Path, device: &Device) -> Result<HashMap<String, Tensor>> {
+    let path = at.join(OPTIMIZER_FILE);
+    candle_core::safetensors::load(&path, device)
+        .map_err(|e| Error::bad_file(&path, format!("cannot read optimizer state: {e}")))
 }
 
 /// Errors unless a checkpoint's model is the run's.

@@ -30,8 +30,39 @@ pub struct TrainConfig {
     /// the KL reference is the policy without them.
     pub peft: PeftOptions,
     pub train: TrainSection,
+    /// Evaluation on held-out prompts during the run.
+    pub eval: EvalSection,
     /// Reward sources, summed with their weights (`[[reward]]` tables).
     pub reward: Vec<RewardSpec>,
+}
+
+/// Evaluation during training: every `steps` rollout steps (and after the
+/// last) the policy answers the held-out prompts once each, and their
+/// rewards, KL, length, EOS share and win rate over the reference are
+/// logged as `eval/...`; their sample table replaces the training one.
+#[derive(Debug, Clone, Default, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct EvalSection {
+    /// The held-out prompts' split (TRL's `dataset_test_split`), of
+    /// `eval.dataset` when given, else of `data.path`.
+    pub split: Option<String>,
+    /// Held-out prompts from another dataset [split: eval.split, else "test"].
+    pub dataset: Option<String>,
+    /// Use only the first N held-out rows.
+    pub take: Option<usize>,
+    /// "no" or "steps" [default: "steps" with held-out prompts, else "no"].
+    pub strategy: Option<EvalStrategy>,
+    /// Evaluate every N rollout steps [default: as often as sample tables
+    /// are printed, total steps / num_sample_generations].
+    pub steps: Option<usize>,
+}
+
+/// When a run evaluates (TRL's `eval_strategy`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum EvalStrategy {
+    No,
+    Steps,
 }
 
 #[derive(Debug, Clone, Serialize, Deserialize)]
@@ -428,6 +459,7 @@ impl TrainConfig {
         if self.data.path.is_empty() {
             return bad("no prompts: set data.path (or --dataset_name)".into());
         }
+        super::rl::evaluation::validate(self).map_err(Error::Invalid)?;
         let algorithm = super::rl::algorithm::find(&self.train.algo).map_err(Error::Invalid)?;
         (algorithm.check)(self).map_err(Error::Invalid)?;
         let p = &self.ppo;
@@ -501,7 +533,15 @@ impl TrainConfig {
 /// Keys a resumed run may change: where and how often it reports and
 /// saves, and how it uses the machine. Any other change would make the
 /// resumed run a different run than the one its checkpoint belongs to.
-const CHANGEABLE_ON_RESUME: &[&str] = &[
+/// The resolved configuration, saved in the output directory and in each checkpoint.
+pub const CONFIG_FILE: &str = "rloo_config.toml";
+
+pub const CHANGEABLE_ON_RESUME: &[&str] = &[
+    "eval.split",
+    "eval.dataset",
+    "eval.take",
+    "eval.strategy",
+    "eval.steps",
     "model.device",
     "generation.local_rollout_forward_batch_size",
     "train.output_dir",
@@ -517,36 +557,46 @@ const CHANGEABLE_ON_RESUME: &[&str] = &[
 ];
 
 impl TrainConfig {
-    /// The differences from the configuration a checkpoint was saved with,
-    /// as `key: saved -> now`: `Ok` with the changes a resume may make (to
-    /// log), or `Err` with those it may not.
+    /// The differences from the configuration a checkpoint was saved with
+    /// (see [`changes_since`]).
     pub fn changes_since(&self, saved: &TrainConfig) -> std::result::Result<Vec<String>, Vec<String>> {
-        let (old, new) = (flat_keys(saved), flat_keys(self));
-        let keys: std::collections::BTreeSet<&String> = old.keys().chain(new.keys()).collect();
-        let (mut allowed, mut refused) = (Vec::new(), Vec::new());
-        for key in keys {
-            let (was, is) = (old.get(key), new.get(key));
-            if was == is {
-                continue;
-            }
-            let show = |v: Option<&String>| v.cloned().unwrap_or_else(|| "unset".into());
-            let line = format!("{key}: {} -> {}", show(was), show(is));
-            if CHANGEABLE_ON_RESUME.contains(&key.as_str()) {
-                allowed.push(line);
-            } else {
-                refused.push(line);
-            }
+        changes_since(saved, self, CHANGEABLE_ON_RESUME)
+    }
+}
+
+/// The differences between the configuration a checkpoint was saved with
+/// and the run's, as `key: saved -> now`: `Ok` with the changes a resume
+/// may make (those `changeable` names; to log), or `Err` with those it may not.
+pub fn changes_since<T: Serialize>(
+    saved: &T,
+    now: &T,
+    changeable: &[&str],
+) -> std::result::Result<Vec<String>, Vec<String>> {
+    let (old, new) = (flat_keys(saved), flat_keys(now));
+    let keys: std::collections::BTreeSet<&String> = old.keys().chain(new.keys()).collect();
+    let (mut allowed, mut refused) = (Vec::new(), Vec::new());
+    for key in keys {
+        let (was, is) = (old.get(key), new.get(key));
+        if was == is {
+            continue;
         }
-        if refused.is_empty() {
-            Ok(allowed)
+        let show = |v: Option<&String>| v.cloned().unwrap_or_else(|| "unset".into());
+        let line = format!("{key}: {} -> {}", show(was), show(is));
+        if changeable.contains(&key.as_str()) {
+            allowed.push(line);
         } else {
-            Err(refused)
+            refused.push(line);
         }
+    }
+    if refused.is_empty() {
+        Ok(allowed)
+    } else {
+        Err(refused)
     }
 }
 
 /// `section.key -> value` for every set key; `[[reward]]` is one key.
-fn flat_keys(cfg: &TrainConfig) -> std::collections::BTreeMap<String, String> {
+fn flat_keys<T: Serialize>(cfg: &T) -> std::collections::BTreeMap<String, String> {
     let mut out = std::collections::BTreeMap::new();
     if let Ok(toml::Value::Table(top)) = toml::Value::try_from(cfg) {
         for (section, value) in top {

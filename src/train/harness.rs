@@ -87,14 +87,18 @@ impl Harness {
             writer.write_all(step as u64, table.samples())?;
         }
         if show_rows > 0 {
-            let print =
-                || eprintln!("step {step}\n{}", table.render(crate::report::table::terminal_width(), show_rows, 8));
-            match &self.progress {
-                Some(bar) => bar.suspend(print),
-                None => print(),
-            }
+            self.print_table(&format!("step {step}"), table, show_rows);
         }
         Ok(())
+    }
+
+    /// Prints the first `rows` of `table` under `heading`.
+    pub fn print_table(&self, heading: &str, table: &SampleTable, rows: usize) {
+        let print = || eprintln!("{heading}\n{}", table.render(crate::report::table::terminal_width(), rows, 8));
+        match &self.progress {
+            Some(bar) => bar.suspend(print),
+            None => print(),
+        }
     }
 
     /// Moves the progress bar to `episodes`, showing the step's throughput,

@@ -4,72 +4,50 @@
 //! when starting from a causal LM). Accuracy and margin are measured on a
 //! held-out split; the result is a `*ForSequenceClassification` directory.
 
-use std::path::PathBuf;
+use std::path::{Path, PathBuf};
 
 use candle_core::{Device, Tensor};
-use serde::{Deserialize, Serialize};
 use serde_json::Value;
 
-use super::config::{to_toml, OptimizerOptions, Schedule};
-use super::harness::{Harness, HarnessOptions};
-use super::run_dir::Reuse;
-use super::supervised::{train_supervised, validate_data, LoopOptions, Objective};
-use crate::data::split_eval;
+use super::supervised::{train_supervised, Objective, SupervisedConfig, Trainer};
 use crate::data::{DatasetSpec, Row};
 use crate::data::{Prompt, Tokenizer};
 use crate::error::Result;
 use crate::generate::rng::streams;
-use crate::generate::Rng;
 use crate::model::hub::resolve_model;
 use crate::model::layer_graphs::LayerGraphs;
-use crate::model::lora::PeftOptions;
 use crate::model::ops::log_softmax_last;
-use crate::model::{parse_device, HeadKind, Inputs, Model, Network, PadSide, Precision};
+use crate::model::{parse_device, HeadKind, Inputs, Model, Network, PadSide};
 use crate::report::Metrics;
 use crate::reward::model::encode_pair;
 
-#[derive(Debug, Clone, Serialize, Deserialize)]
-#[serde(deny_unknown_fields, default)]
-pub struct RewardTrainConfig {
-    pub model: String,
-    pub dataset: DatasetSpec,
-    /// Held-out rows; without them, `eval_fraction` of the rows are held out.
-    pub eval_dataset: Option<DatasetSpec>,
-    pub eval_fraction: f64,
-    pub output_dir: String,
-    pub device: String,
-    /// f32, or bf16 mixed precision (f32 master weights and optimizer state).
-    pub dtype: Precision,
-    /// Keep only each layer's input in the forward pass and recompute the
-    /// layer in the backward.
-    pub gradient_checkpointing: bool,
-    pub learning_rate: f64,
-    /// Pairs per forward/backward.
-    pub per_device_train_batch_size: usize,
-    pub gradient_accumulation_steps: usize,
-    pub num_train_epochs: usize,
-    pub lr_scheduler_type: Schedule,
-    /// Warm-up optimizer steps; 0: `warmup_ratio` of all steps.
-    pub warmup_steps: usize,
-    pub warmup_ratio: f64,
-    /// AdamW decoupled weight decay (not applied to biases and norm weights).
-    pub weight_decay: f64,
-    pub adam_beta1: f64,
-    pub adam_beta2: f64,
-    pub adam_epsilon: f64,
-    pub max_grad_norm: f64,
-    /// Longest sequence in tokens; longer ones are cut at the end.
-    pub max_length: usize,
-    pub seed: u64,
-    /// Log metrics every N optimizer steps.
-    pub logging_steps: usize,
-    /// Replace the logs of a previous run in output_dir.
-    pub overwrite_output_dir: bool,
-    /// Stop after this many optimizer steps in a row with a non-finite loss or gradient.
-    pub max_skipped_steps: usize,
-    /// LoRA adapters instead of full training.
-    pub peft: PeftOptions,
+/// `rloo reward train`'s side of the shared options.
+#[derive(Debug, Clone, Copy)]
+pub struct RewardTraining;
+
+impl Trainer for RewardTraining {
+    const CONFIG_FILE: &'static str = "reward_config.toml";
+    const DATA_STREAM: u64 = streams::REWARD_DATA;
+
+    fn defaults(shared: RewardTrainConfig) -> RewardTrainConfig {
+        RewardTrainConfig {
+            output_dir: "runs/reward_model".into(),
+            eval_fraction: 0.1,
+            learning_rate: 1e-5,
+            logging_steps: 1,
+            ..shared
+        }
+    }
+
+    fn check(cfg: &RewardTrainConfig) -> Result<()> {
+        if cfg.all_tokens {
+            return Err(crate::error::Error::Invalid("all_tokens applies to rloo sft only".into()));
+        }
+        Ok(())
+    }
 }
+
+pub type RewardTrainConfig = SupervisedConfig<RewardTraining>;
 
 /// The reward model's objective: the Bradley-Terry loss averaged over each
 /// optimizer step's pairs, with the share ranked right; held-out loss,
@@ -83,6 +61,10 @@ struct BradleyTerry<'a> {
 
 impl Objective for BradleyTerry<'_> {
     type Example = Pair;
+
+    fn tokens(p: &Pair) -> [&[u32]; 2] {
+        [&p.chosen, &p.rejected]
+    }
 
     fn micro_loss(&mut self, net: &Network, micro: &[&Pair], step: &[&Pair]) -> Result<(Tensor, usize)> {
         let (c, r) = pair_scores(net, micro, self.device)?;
@@ -105,74 +87,6 @@ impl Objective for BradleyTerry<'_> {
     }
 }
 
-impl Default for RewardTrainConfig {
-    fn default() -> Self {
-        Self {
-            model: String::new(),
-            dataset: DatasetSpec::default(),
-            eval_dataset: None,
-            eval_fraction: 0.1,
-            output_dir: "runs/reward_model".into(),
-            device: "auto".into(),
-            dtype: Precision::F32,
-            gradient_checkpointing: false,
-            learning_rate: 1e-5,
-            per_device_train_batch_size: 8,
-            gradient_accumulation_steps: 1,
-            num_train_epochs: 1,
-            lr_scheduler_type: Schedule::Linear,
-            warmup_steps: 0,
-            warmup_ratio: 0.0,
-            weight_decay: 0.0,
-            adam_beta1: 0.9,
-            adam_beta2: 0.999,
-            adam_epsilon: 1e-8,
-            max_grad_norm: 1.0,
-            max_length: 1024,
-            seed: 42,
-            logging_steps: 1,
-            overwrite_output_dir: false,
-            max_skipped_steps: 10,
-            peft: PeftOptions::default(),
-        }
-    }
-}
-
-/// The resolved configuration, saved in the output directory.
-pub const CONFIG_FILE: &str = "reward_config.toml";
-
-impl RewardTrainConfig {
-    /// The shared loop's options.
-    fn loop_options(&self) -> LoopOptions {
-        LoopOptions {
-            per_device_train_batch_size: self.per_device_train_batch_size,
-            gradient_accumulation_steps: self.gradient_accumulation_steps,
-            num_train_epochs: self.num_train_epochs,
-            learning_rate: self.learning_rate,
-            lr_scheduler_type: self.lr_scheduler_type,
-            warmup_steps: self.warmup_steps,
-            warmup_ratio: self.warmup_ratio,
-            optimizer: OptimizerOptions {
-                adam_beta1: self.adam_beta1,
-                adam_beta2: self.adam_beta2,
-                adam_epsilon: self.adam_epsilon,
-                weight_decay: self.weight_decay,
-                max_grad_norm: self.max_grad_norm,
-            },
-            max_skipped_steps: self.max_skipped_steps,
-            seed: self.seed,
-            order_stream: streams::REWARD_DATA,
-        }
-    }
-
-    /// Checks values that no type can express; messages name the option.
-    pub fn validate(&self) -> Result<()> {
-        super::supervised::require_model_and_data(&self.model, &self.dataset)?;
-        self.loop_options().validate()?;
-        validate_data(self.max_length, self.eval_fraction)
-    }
-}
-
 /// One preference pair as token ids.
 #[derive(Debug, Clone)]
 pub struct Pair {
@@ -192,6 +106,8 @@ pub struct RewardTrainSummary {
     pub steps: usize,
     pub eval: Option<PairStats>,
     pub output_dir: PathBuf,
+    /// Every step done and the model saved (not stopped by `stop_after`).
+    pub finished: bool,
 }
 
 /// `{"prompt", "chosen", "rejected"}` with a text or chat prompt and text
@@ -286,13 +202,13 @@ pub fn evaluate(net: &Network, pairs: &[Pair], batch: usize, device: &Device) ->
 
 pub fn train_reward_model(cfg: &RewardTrainConfig) -> Result<RewardTrainSummary> {
     cfg.validate()?;
-    let output_dir = PathBuf::from(&cfg.output_dir);
-    let run_dir = Harness::lock(&output_dir, if cfg.overwrite_output_dir { Reuse::Overwrite } else { Reuse::Fresh })?;
+    let run_dir = cfg.lock_output_dir()?;
     let device = parse_device(&cfg.device)?;
     let dir = resolve_model(&cfg.model)?;
     let head = HeadKind::SequenceClassification { num_labels: 1 };
     // The score head trains in full beside the adapters (PEFT's modules_to_save).
-    let mut model = Model::load_trainable(&dir, &device, head, (&cfg.peft, &["score"]), cfg.seed, true)?
+    let load = |dir: &Path| Model::load_trainable(dir, &device, head, (&cfg.peft, &["score"]), cfg.seed, true);
+    let mut model = load(&dir)?
         .with_dtype(cfg.dtype.dtype(), true)?
         .with_layer_graphs(LayerGraphs::for_training(cfg.gradient_checkpointing));
     let tok = Tokenizer::from_dir(&dir)?;
@@ -306,20 +222,15 @@ pub fn train_reward_model(cfg: &RewardTrainConfig) -> Result<RewardTrainSummary>
     }
     let train = load_pairs(&cfg.dataset, &tok, cfg.max_length, context)?;
     let eval = cfg.eval_dataset.as_ref().map(|data| load_pairs(data, &tok, cfg.max_length, context)).transpose()?;
-    let (train, eval) = split_eval(train, eval, cfg.eval_fraction, &mut Rng::stream(cfg.seed, &[streams::REWARD_DATA]));
-    let options =
-        HarnessOptions { logging_steps: cfg.logging_steps, progress_total: None, samples: false, tensorboard: true };
-    let mut harness = Harness::open(run_dir, 0, options)?;
-    crate::io::write_atomic(&output_dir.join(CONFIG_FILE), to_toml(cfg).as_bytes())?;
+    let (train, eval) = cfg.split_eval(train, eval);
     let mini = cfg.per_device_train_batch_size * cfg.gradient_accumulation_steps;
     let total = train.len().div_ceil(mini) * cfg.num_train_epochs;
     tracing::info!("reward model: {} train / {} eval pairs, {} steps of {mini} pairs", train.len(), eval.len(), total);
 
     let mut objective = BradleyTerry { eval, batch: cfg.per_device_train_batch_size, device: &device, last_eval: None };
-    let done = train_supervised(&model, &train, &mut objective, &cfg.loop_options(), &mut harness)?;
-    let (step, last_eval) = (done.steps, objective.last_eval);
-    model.save_files(&output_dir)?;
-    Ok(RewardTrainSummary { steps: step, eval: last_eval, output_dir })
+    let done = train_supervised(cfg, run_dir, model, load, &train, &mut objective)?;
+    let output_dir = PathBuf::from(&cfg.output_dir);
+    Ok(RewardTrainSummary { steps: done.steps, eval: objective.last_eval, output_dir, finished: done.finished })
 }
 
 #[cfg(test)]

@@ -7,107 +7,41 @@
 //! `{"messages": [...]}` (the last assistant message is the completion), or
 //! `{"text"}` (language modelling on all tokens).
 
-use std::path::PathBuf;
+use std::path::{Path, PathBuf};
 use std::time::Instant;
 
 use candle_core::{Device, Tensor};
-use serde::{Deserialize, Serialize};
 use serde_json::Value;
 
-use super::config::{to_toml, OptimizerOptions, Schedule};
-use super::harness::{Harness, HarnessOptions};
-use super::run_dir::Reuse;
-use super::supervised::{require_model_and_data, train_supervised, validate_data, LoopOptions, Objective};
-use crate::data::split_eval;
+use super::supervised::{train_supervised, Objective, SupervisedConfig, Trainer};
 use crate::data::{DatasetSpec, Row};
 use crate::data::{Message, Prompt, Tokenizer};
 use crate::error::{Error, Result};
 use crate::generate::rng::streams;
-use crate::generate::Rng;
-use crate::io::write_atomic;
 use crate::model::hub::resolve_model;
 use crate::model::layer_graphs::LayerGraphs;
-use crate::model::lora::PeftOptions;
 use crate::model::scoring::{completion_logprobs, Sequences};
-use crate::model::{parse_device, HeadKind, Model, Network, Precision};
+use crate::model::{parse_device, HeadKind, Model, Network};
 use crate::report::Metrics;
 
-#[derive(Debug, Clone, Serialize, Deserialize)]
-#[serde(deny_unknown_fields, default)]
-pub struct SftConfig {
-    pub model: String,
-    pub dataset: DatasetSpec,
-    /// Held-out rows; without them, `eval_fraction` of the rows are held out.
-    pub eval_dataset: Option<DatasetSpec>,
-    pub eval_fraction: f64,
-    pub output_dir: String,
-    pub device: String,
-    /// f32, or bf16 mixed precision (f32 master weights and optimizer state).
-    pub dtype: Precision,
-    /// Keep only each layer's input in the forward pass and recompute the
-    /// layer in the backward.
-    pub gradient_checkpointing: bool,
-    pub learning_rate: f64,
-    pub per_device_train_batch_size: usize,
-    pub gradient_accumulation_steps: usize,
-    pub num_train_epochs: usize,
-    pub lr_scheduler_type: Schedule,
-    /// Warm-up optimizer steps; 0: `warmup_ratio` of all steps.
-    pub warmup_steps: usize,
-    pub warmup_ratio: f64,
-    /// AdamW decoupled weight decay (not applied to biases and norm weights).
-    pub weight_decay: f64,
-    pub adam_beta1: f64,
-    pub adam_beta2: f64,
-    pub adam_epsilon: f64,
-    pub max_grad_norm: f64,
-    /// Longest prompt + completion in tokens; longer rows are cut at the end.
-    pub max_length: usize,
-    /// Train on prompt tokens too.
-    pub all_tokens: bool,
-    pub seed: u64,
-    pub logging_steps: usize,
-    /// Replace the logs of a previous run in output_dir.
-    pub overwrite_output_dir: bool,
-    /// Stop after this many optimizer steps in a row with a non-finite loss or gradient.
-    pub max_skipped_steps: usize,
-    /// LoRA adapters instead of full training.
-    pub peft: PeftOptions,
-}
+/// `rloo sft`'s side of the shared options.
+#[derive(Debug, Clone, Copy)]
+pub struct Sft;
 
-impl Default for SftConfig {
-    fn default() -> Self {
-        Self {
-            model: String::new(),
-            dataset: DatasetSpec::default(),
-            eval_dataset: None,
-            eval_fraction: 0.0,
-            output_dir: "runs/sft".into(),
-            device: "auto".into(),
-            dtype: Precision::F32,
-            gradient_checkpointing: false,
-            learning_rate: 2e-5,
-            per_device_train_batch_size: 8,
-            gradient_accumulation_steps: 1,
-            num_train_epochs: 1,
-            lr_scheduler_type: Schedule::Linear,
-            warmup_steps: 0,
-            warmup_ratio: 0.0,
-            weight_decay: 0.0,
-            adam_beta1: 0.9,
-            adam_beta2: 0.999,
-            adam_epsilon: 1e-8,
-            max_grad_norm: 1.0,
-            max_length: 1024,
-            all_tokens: false,
-            seed: 42,
-            logging_steps: 10,
-            overwrite_output_dir: false,
-            max_skipped_steps: 10,
-            peft: PeftOptions::default(),
-        }
+impl Trainer for Sft {
+    const CONFIG_FILE: &'static str = "sft_config.toml";
+    const DATA_STREAM: u64 = streams::SFT_DATA;
+
+    fn defaults(shared: SftConfig) -> SftConfig {
+        SftConfig { output_dir: "runs/sft".into(), ..shared }
+    }
+
+    fn check(_: &SftConfig) -> Result<()> {
+        Ok(())
     }
 }
+
+pub type SftConfig = SupervisedConfig<Sft>;
 
 /// One tokenized training example.
 #[derive(Debug, Clone, PartialEq)]
@@ -121,6 +55,8 @@ pub struct SftSummary {
     pub train_loss: f64,
     pub eval_loss: Option<f64>,
     pub output_dir: PathBuf,
+    /// Every step done and the model saved (not stopped by `stop_after`).
+    pub finished: bool,
 }
 
 /// Tokenizes one row (see the module doc for the formats).
@@ -208,6 +144,10 @@ struct NextTokenLoss<'a> {
 impl Objective for NextTokenLoss<'_> {
     type Example = Example;
 
+    fn tokens(e: &Example) -> [&[u32]; 2] {
+        [&e.prompt, &e.completion]
+    }
+
     fn micro_loss(&mut self, net: &Network, micro: &[&Example], step: &[&Example]) -> Result<(Tensor, usize)> {
         let tokens: f64 = step.iter().map(|e| e.completion.len() as f64).sum();
         let lp = completion_logprobs(net, &sequences(micro), 1.0, self.device)?;
@@ -227,41 +167,6 @@ impl Objective for NextTokenLoss<'_> {
         let loss = mean_loss(net, &refs, self.batch, self.device)?;
         self.eval_loss = Some(loss);
         Ok(Some(Metrics::from_iter([("eval/loss", loss)])))
-    }
-}
-
-/// The resolved configuration, saved in the output directory.
-pub const CONFIG_FILE: &str = "sft_config.toml";
-
-impl SftConfig {
-    /// The shared loop's options.
-    fn loop_options(&self) -> LoopOptions {
-        LoopOptions {
-            per_device_train_batch_size: self.per_device_train_batch_size,
-            gradient_accumulation_steps: self.gradient_accumulation_steps,
-            num_train_epochs: self.num_train_epochs,
-            learning_rate: self.learning_rate,
-            lr_scheduler_type: self.lr_scheduler_type,
-            warmup_steps: self.warmup_steps,
-            warmup_ratio: self.warmup_ratio,
-            optimizer: OptimizerOptions {
-                adam_beta1: self.adam_beta1,
-                adam_beta2: self.adam_beta2,
-                adam_epsilon: self.adam_epsilon,
-                weight_decay: self.weight_decay,
-                max_grad_norm: self.max_grad_norm,
-            },
-            max_skipped_steps: self.max_skipped_steps,
-            seed: self.seed,
-            order_stream: streams::SFT_DATA,
-        }
-    }
-
-    /// Checks values that no type can express; messages name the option.
-    pub fn validate(&self) -> Result<()> {
-        require_model_and_data(&self.model, &self.dataset)?;
-        self.loop_options().validate()?;
-        validate_data(self.max_length, self.eval_fraction)
     }
 }
 
@@ -309,11 +214,11 @@ fn sequences<'a>(examples: &[&'a Example]) -> Sequences<'a> {
 
 pub fn train_sft(cfg: &SftConfig) -> Result<SftSummary> {
     cfg.validate()?;
-    let output_dir = PathBuf::from(&cfg.output_dir);
-    let run_dir = Harness::lock(&output_dir, if cfg.overwrite_output_dir { Reuse::Overwrite } else { Reuse::Fresh })?;
+    let run_dir = cfg.lock_output_dir()?;
     let device = parse_device(&cfg.device)?;
     let dir = resolve_model(&cfg.model)?;
-    let model = Model::load_trainable(&dir, &device, HeadKind::CausalLm, (&cfg.peft, &[]), cfg.seed, true)?
+    let load = |dir: &Path| Model::load_trainable(dir, &device, HeadKind::CausalLm, (&cfg.peft, &[]), cfg.seed, true);
+    let model = load(&dir)?
         .with_dtype(cfg.dtype.dtype(), true)?
         .with_layer_graphs(LayerGraphs::for_training(cfg.gradient_checkpointing));
     if model.head() != HeadKind::CausalLm {
@@ -324,20 +229,14 @@ pub fn train_sft(cfg: &SftConfig) -> Result<SftSummary> {
     let context = model.config().context_length();
     let train = load_examples(&cfg.dataset, &tok, cfg, context)?;
     let eval = cfg.eval_dataset.as_ref().map(|data| load_examples(data, &tok, cfg, context)).transpose()?;
-    let (train, eval) = split_eval(train, eval, cfg.eval_fraction, &mut Rng::stream(cfg.seed, &[streams::SFT_DATA]));
-    let options =
-        HarnessOptions { logging_steps: cfg.logging_steps, progress_total: None, samples: false, tensorboard: true };
-    let mut harness = Harness::open(run_dir, 0, options)?;
-    write_atomic(&output_dir.join(CONFIG_FILE), to_toml(cfg).as_bytes())?;
-
+    let (train, eval) = cfg.split_eval(train, eval);
     let mini = cfg.per_device_train_batch_size * cfg.gradient_accumulation_steps;
-    let steps_per_epoch = train.len().div_ceil(mini);
     tracing::info!(
         "SFT: {} train / {} eval examples; {} epochs x {} steps of {} ({} x {} accumulated)",
         train.len(),
         eval.len(),
         cfg.num_train_epochs,
-        steps_per_epoch,
+        train.len().div_ceil(mini),
         mini,
         cfg.per_device_train_batch_size,
         cfg.gradient_accumulation_steps
@@ -345,14 +244,21 @@ pub fn train_sft(cfg: &SftConfig) -> Result<SftSummary> {
     let mut objective =
         NextTokenLoss { eval, batch: cfg.per_device_train_batch_size, device: &device, eval_loss: None };
     let started = Instant::now();
-    let done = train_supervised(&model, &train, &mut objective, &cfg.loop_options(), &mut harness)?;
-    let (step, last_loss, eval_loss) = (done.steps, done.last_loss, objective.eval_loss);
-    model.save_files(&output_dir)?;
+    let done = train_supervised(cfg, run_dir, model, load, &train, &mut objective)?;
+    let output_dir = PathBuf::from(&cfg.output_dir);
     tracing::info!(
-        "SFT: {step} steps in {:.1} s, last train loss {last_loss:.4}, eval loss {} -> {}",
+        "SFT: {} steps in {:.1} s, last train loss {:.4}, eval loss {} -> {}",
+        done.steps,
         started.elapsed().as_secs_f64(),
-        eval_loss.map_or("n/a".into(), |l| format!("{l:.4}")),
+        done.last_loss,
+        objective.eval_loss.map_or("n/a".into(), |l| format!("{l:.4}")),
         output_dir.display()
     );
-    Ok(SftSummary { steps: step, train_loss: last_loss, eval_loss, output_dir })
+    Ok(SftSummary {
+        steps: done.steps,
+        train_loss: done.last_loss,
+        eval_loss: objective.eval_loss,
+        output_dir,
+        finished: done.finished,
+    })
 }

@@ -1,42 +1,162 @@
-//! The loop that SFT and reward-model training share: epochs of seeded
-//! shuffled optimizer steps, each accumulated over micro-batches, clipped,
+//! What SFT and reward-model training share: their options (one type, a
+//! marker for each trainer), and their loop: epochs of seeded shuffled
+//! optimizer steps, each accumulated over micro-batches, clipped,
 //! scheduled and guarded against non-finite values; step metrics, the
-//! held-out evaluation after each epoch, and the save on Ctrl-C or
-//! divergence, through the run [`Harness`]. What differs between the two is an [`Objective`].
+//! held-out evaluation after each epoch, checkpoints every `save_steps`
+//! and on Ctrl-C, and a resume that continues to the same weights as an
+//! uninterrupted run. What differs between the two is an [`Objective`].
+
+use std::marker::PhantomData;
+use std::path::{Path, PathBuf};
 
 use candle_core::Tensor;
+use serde::{Deserialize, Serialize};
 
-use super::checkpoint::checkpoint_dir;
-use super::config::{check_optimizer, in_range, positive, Bound, OptimizerOptions, Schedule};
-use super::harness::{Harness, Stopping};
+use super::checkpoint::{self, Part, SavedConfig, TrainerState};
+use super::config::{check_optimizer, in_range, positive, to_toml, Bound, OptimizerOptions, Schedule};
+use super::harness::{Harness, HarnessOptions, Stopping};
 use super::optim::{learning_rate, warmup_steps, AdamW, GradAccumulator, StepGuard};
+use super::run_dir::{Reuse, RunDir};
+use crate::data::{token_digest, DatasetSpec};
 use crate::error::{Error, Result};
 use crate::generate::Rng;
-use crate::io::write_dir_atomic;
-use crate::model::{Model, Network};
+use crate::io::write_atomic;
+use crate::model::lora::PeftOptions;
+use crate::model::{Model, Network, Precision};
 use crate::report::Metrics;
 
-/// The loop's options, as `sft` and `reward train` name them.
-#[derive(Debug, Clone)]
-pub struct LoopOptions {
+/// What sets one supervised trainer apart: its defaults and its files.
+pub trait Trainer: Sized {
+    /// The resolved configuration's file, in the output directory and in
+    /// each checkpoint.
+    const CONFIG_FILE: &'static str;
+    /// The random stream of the held-out rows, and of each epoch's order
+    /// (with the epoch + 1).
+    const DATA_STREAM: u64;
+    /// The shared defaults with the trainer's own.
+    fn defaults(shared: SupervisedConfig<Self>) -> SupervisedConfig<Self>;
+    /// Checks the options only this trainer has or lacks.
+    fn check(cfg: &SupervisedConfig<Self>) -> Result<()>;
+}
+
+/// The options of `rloo sft` and `rloo reward train`, as both name them.
+#[derive(Debug, Clone, Serialize, Deserialize)]
+#[serde(deny_unknown_fields, default, bound(serialize = "", deserialize = "K: Trainer"))]
+pub struct SupervisedConfig<K> {
+    pub model: String,
+    pub dataset: DatasetSpec,
+    /// Held-out rows; without them, `eval_fraction` of the rows are held out.
+    pub eval_dataset: Option<DatasetSpec>,
+    pub eval_fraction: f64,
+    pub output_dir: String,
+    pub device: String,
+    /// f32, or bf16 mixed precision (f32 master weights and optimizer state).
+    pub dtype: Precision,
+    /// Keep only each layer's input in the forward pass and recompute the
+    /// layer in the backward.
+    pub gradient_checkpointing: bool,
+    pub learning_rate: f64,
+    /// Examples (SFT) or pairs (reward model) per forward/backward.
     pub per_device_train_batch_size: usize,
     pub gradient_accumulation_steps: usize,
     pub num_train_epochs: usize,
-    pub learning_rate: f64,
     pub lr_scheduler_type: Schedule,
     /// Warm-up optimizer steps; 0: `warmup_ratio` of all steps (rounded up).
     pub warmup_steps: usize,
     pub warmup_ratio: f64,
-    pub optimizer: OptimizerOptions,
-    pub max_skipped_steps: usize,
+    /// AdamW decoupled weight decay (not applied to biases and norm weights).
+    pub weight_decay: f64,
+    pub adam_beta1: f64,
+    pub adam_beta2: f64,
+    pub adam_epsilon: f64,
+    pub max_grad_norm: f64,
+    /// Longest sequence in tokens; longer ones are cut at the end.
+    pub max_length: usize,
+    /// SFT: train on prompt tokens too.
+    pub all_tokens: bool,
     pub seed: u64,
-    /// The random stream of each epoch's order (with the epoch + 1).
-    pub order_stream: u64,
+    /// Log metrics every N optimizer steps.
+    pub logging_steps: usize,
+    /// Replace the outputs of a previous run in output_dir.
+    pub overwrite_output_dir: bool,
+    /// Stop after this many optimizer steps in a row with a non-finite loss or gradient.
+    pub max_skipped_steps: usize,
+    /// Checkpoint every N optimizer steps (0: only where the run stops).
+    pub save_steps: usize,
+    /// Keep at most N checkpoints (0: all).
+    pub save_total_limit: usize,
+    /// A checkpoint directory, or "latest" in output_dir.
+    pub resume_from_checkpoint: Option<String>,
+    /// Stop (with a checkpoint) after N optimizer steps of this invocation.
+    pub stop_after: Option<usize>,
+    /// LoRA adapters instead of full training.
+    pub peft: PeftOptions,
+    #[serde(skip)]
+    pub trainer: PhantomData<K>,
 }
 
-impl LoopOptions {
+impl<K: Trainer> Default for SupervisedConfig<K> {
+    fn default() -> Self {
+        K::defaults(Self {
+            model: String::new(),
+            dataset: DatasetSpec::default(),
+            eval_dataset: None,
+            eval_fraction: 0.0,
+            output_dir: String::new(),
+            device: "auto".into(),
+            dtype: Precision::F32,
+            gradient_checkpointing: false,
+            learning_rate: 2e-5,
+            per_device_train_batch_size: 8,
+            gradient_accumulation_steps: 1,
+            num_train_epochs: 1,
+            lr_scheduler_type: Schedule::Linear,
+            warmup_steps: 0,
+            warmup_ratio: 0.0,
+            weight_decay: 0.0,
+            adam_beta1: 0.9,
+            adam_beta2: 0.999,
+            adam_epsilon: 1e-8,
+            max_grad_norm: 1.0,
+            max_length: 1024,
+            all_tokens: false,
+            seed: 42,
+            logging_steps: 10,
+            overwrite_output_dir: false,
+            max_skipped_steps: 10,
+            save_steps: 500,
+            save_total_limit: 3,
+            resume_from_checkpoint: None,
+            stop_after: None,
+            peft: PeftOptions::default(),
+            trainer: PhantomData,
+        })
+    }
+}
+
+/// The options a resume may change: where and how often it reports and
+/// saves, and the device.
+const CHANGEABLE_ON_RESUME: &[&str] = &[
+    "device",
+    "output_dir",
+    "logging_steps",
+    "save_steps",
+    "save_total_limit",
+    "resume_from_checkpoint",
+    "stop_after",
+    "overwrite_output_dir",
+    "max_skipped_steps",
+];
+
+impl<K: Trainer> SupervisedConfig<K> {
     /// Checks values that no type can express; messages name the option.
     pub fn validate(&self) -> Result<()> {
+        if self.model.is_empty() {
+            return Err(Error::Invalid("no model to start from: set model (or --model / --model_name_or_path)".into()));
+        }
+        if self.dataset.name.is_empty() {
+            return Err(Error::Invalid("no training rows: set dataset.name (or --dataset / --dataset_name)".into()));
+        }
         for (name, v) in [
             ("per_device_train_batch_size", self.per_device_train_batch_size),
             ("gradient_accumulation_steps", self.gradient_accumulation_steps),
@@ -46,33 +166,49 @@ impl LoopOptions {
                 return Err(Error::Invalid(format!("{name} must be at least 1")));
             }
         }
+        if self.stop_after == Some(0) {
+            return Err(Error::Invalid("stop_after must be at least 1".into()));
+        }
         positive("learning_rate", self.learning_rate)?;
         in_range("warmup_ratio", self.warmup_ratio, Bound::Closed(0.0), Bound::Closed(1.0))?;
-        check_optimizer("", &self.optimizer)
+        check_optimizer("", &self.optimizer())?;
+        in_range("max_length", self.max_length as f64, Bound::Closed(1.0), Bound::Open(f64::INFINITY))?;
+        in_range("eval_fraction", self.eval_fraction, Bound::Closed(0.0), Bound::Open(1.0))?;
+        K::check(self)
     }
-}
 
-/// A model to start from and training rows: the keys with no default.
-pub fn require_model_and_data(model: &str, dataset: &crate::data::DatasetSpec) -> Result<()> {
-    if model.is_empty() {
-        return Err(Error::Invalid("no model to start from: set model (or --model / --model_name_or_path)".into()));
+    fn optimizer(&self) -> OptimizerOptions {
+        OptimizerOptions {
+            adam_beta1: self.adam_beta1,
+            adam_beta2: self.adam_beta2,
+            adam_epsilon: self.adam_epsilon,
+            weight_decay: self.weight_decay,
+            max_grad_norm: self.max_grad_norm,
+        }
     }
-    if dataset.name.is_empty() {
-        return Err(Error::Invalid("no training rows: set dataset.name (or --dataset / --dataset_name)".into()));
-    }
-    Ok(())
-}
 
-/// Checks the data options both supervised trainers share: the longest
-/// sequence and the held-out fraction.
-pub fn validate_data(max_length: usize, eval_fraction: f64) -> Result<()> {
-    in_range("max_length", max_length as f64, Bound::Closed(1.0), Bound::Open(f64::INFINITY))?;
-    in_range("eval_fraction", eval_fraction, Bound::Closed(0.0), Bound::Open(1.0))
+    /// Locks the output directory: the first thing a run does.
+    pub fn lock_output_dir(&self) -> Result<RunDir> {
+        let reuse = match (&self.resume_from_checkpoint, self.overwrite_output_dir) {
+            (Some(_), _) => Reuse::Resume,
+            (None, true) => Reuse::Overwrite,
+            (None, false) => Reuse::Fresh,
+        };
+        Harness::lock(Path::new(&self.output_dir), reuse)
+    }
+
+    /// The training rows and the held-out rows (see [`crate::data::split_eval`]).
+    pub fn split_eval<T>(&self, train: Vec<T>, eval: Option<Vec<T>>) -> (Vec<T>, Vec<T>) {
+        crate::data::split_eval(train, eval, self.eval_fraction, &mut Rng::stream(self.seed, &[K::DATA_STREAM]))
+    }
 }
 
 /// What a trainer puts into the loop.
 pub trait Objective {
     type Example;
+
+    /// The token sequences of an example (for the digest a checkpoint keeps).
+    fn tokens(example: &Self::Example) -> [&[u32]; 2];
 
     /// The loss of `micro` as its share of the loss of the optimizer step
     /// over `step` (so that the shares add up to the step's loss however it
@@ -96,71 +232,132 @@ pub trait Objective {
 /// How the loop ended.
 #[derive(Debug, Clone)]
 pub struct LoopSummary {
+    /// Optimizer steps done, those of earlier invocations included.
     pub steps: usize,
-    /// The loss of the last optimizer step.
+    /// The loss of the last optimizer step of this invocation (NaN: none ran).
     pub last_loss: f64,
+    /// Whether every step is done and the model saved in the output directory.
+    pub finished: bool,
 }
 
-/// Trains `model` on `train` with `objective`, reporting through `harness`.
-pub fn train_supervised<O: Objective>(
-    model: &Model,
+/// Trains `model` on `train` with `objective` in the locked `run_dir`,
+/// continuing from a checkpoint when `resume_from_checkpoint` says so
+/// (`reload` reads the checkpoint's model as the trainer loads its own),
+/// and saves the model when every step is done.
+pub fn train_supervised<K: Trainer, O: Objective>(
+    cfg: &SupervisedConfig<K>,
+    run_dir: RunDir,
+    model: Model,
+    reload: impl FnOnce(&Path) -> Result<Model>,
     train: &[O::Example],
     objective: &mut O,
-    opts: &LoopOptions,
-    harness: &mut Harness,
 ) -> Result<LoopSummary> {
-    let mini = opts.per_device_train_batch_size * opts.gradient_accumulation_steps;
+    let output_dir = PathBuf::from(&cfg.output_dir);
+    let mini = cfg.per_device_train_batch_size * cfg.gradient_accumulation_steps;
     let steps_per_epoch = train.len().div_ceil(mini);
-    let total_steps = steps_per_epoch * opts.num_train_epochs;
-    let warmup = warmup_steps(opts.warmup_steps, opts.warmup_ratio, total_steps);
-    let o = &opts.optimizer;
+    let total_steps = steps_per_epoch * cfg.num_train_epochs;
+    let warmup = warmup_steps(cfg.warmup_steps, cfg.warmup_ratio, total_steps);
+    let o = cfg.optimizer();
     let mut optimizer = AdamW::new(o.adam_beta1, o.adam_beta2, o.adam_epsilon, o.weight_decay);
+    let digest = token_digest(train.iter().flat_map(O::tokens));
+    let mut state = TrainerState { total_steps, prompts_digest: digest, ..TrainerState::default() };
+    if let Some(dir) = cfg.resume_from_checkpoint.as_deref().and_then(|spec| checkpoint::to_resume(spec, &output_dir)) {
+        checkpoint::check_config(&dir, K::CONFIG_FILE, cfg, CHANGEABLE_ON_RESUME)?;
+        let saved = checkpoint::load_state(&dir)?;
+        if (saved.total_steps, &saved.prompts_digest) != (total_steps, &state.prompts_digest) {
+            return Err(Error::Invalid(format!(
+                "cannot resume from {}: it belongs to a run of {} steps over other rows ({} steps over rows of \
+                 digest {} now); resume with the data and options it was saved with",
+                dir.display(),
+                saved.total_steps,
+                total_steps,
+                state.prompts_digest
+            )));
+        }
+        tracing::info!("resuming from {} at step {}", dir.display(), saved.step);
+        checkpoint::restore_into(&dir, "", &model, &mut optimizer, saved.optimizer_step, reload)?;
+        state = saved;
+    }
+    let options =
+        HarnessOptions { logging_steps: cfg.logging_steps, progress_total: None, samples: false, tensorboard: true };
+    let mut harness = Harness::open(run_dir, state.step, options)?;
+    let config_toml = to_toml(cfg);
+    write_atomic(&output_dir.join(K::CONFIG_FILE), config_toml.as_bytes())?;
+    let saved_config = SavedConfig { file: K::CONFIG_FILE, toml: &config_toml };
+    let stop_at = cfg.stop_after.map_or(total_steps, |n| (state.step + n).min(total_steps));
+
     let mut grads = GradAccumulator::default();
-    let mut guard = StepGuard::new(opts.max_skipped_steps);
-    let (mut step, mut skipped, mut last_loss) = (0usize, 0usize, f64::NAN);
-    for epoch in 0..opts.num_train_epochs {
-        let order = Rng::stream(opts.seed, &[opts.order_stream, epoch as u64 + 1]).permutation(train.len());
-        for batch in order.chunks(mini) {
-            let examples: Vec<&O::Example> = batch.iter().map(|&i| &train[i]).collect();
-            grads.clear();
-            let (mut loss_sum, mut count) = (0f64, 0usize);
-            for micro in examples.chunks(opts.per_device_train_batch_size) {
-                let (loss, n) = objective.micro_loss(model.network(), micro, &examples)?;
-                loss_sum += loss.to_scalar::<f32>()? as f64;
-                count += n;
-                grads.add(model.params(), &crate::model::backward(&loss, &[model])?)?;
-            }
-            let grad_norm = grads.clip(o.max_grad_norm)?;
-            let lr = learning_rate(opts.learning_rate, opts.lr_scheduler_type, step, total_steps, warmup);
-            if guard.check(step, loss_sum, grad_norm) {
-                optimizer.step(model.params(), &grads, lr)?;
-            } else {
-                skipped += 1;
-            }
-            step += 1;
-            last_loss = loss_sum;
-            let mut m = Metrics::new();
-            m.set("train/loss", loss_sum);
-            m.set("train/grad_norm", grad_norm);
-            m.set("train/lr", lr);
-            m.set("train/skipped_steps", skipped as f64);
-            objective.step_metrics(&mut m, examples.len(), count, step as f64 / steps_per_epoch as f64);
-            let evaluated = match step % steps_per_epoch == 0 {
-                true => objective.evaluate(model.frozen())?,
-                false => None,
-            };
-            for (name, value) in evaluated.iter().flat_map(Metrics::iter) {
-                m.set(name, value);
-            }
-            harness.log(step, &m, evaluated.is_some())?;
-            if let Some(stopping) = Stopping::now(&guard) {
-                // These loops do not resume: the model so far is what is kept.
-                let dir = checkpoint_dir(harness.output_dir(), step);
-                write_dir_atomic(&dir, |tmp| model.save_files(tmp))?;
-                let resume = "this command does not resume: run it again with --overwrite_output_dir to start over";
-                return Err(stopping.error(&guard, step, &dir, resume));
+    let mut guard = StepGuard::new(cfg.max_skipped_steps);
+    let mut last_loss = f64::NAN;
+    let mut order: (usize, Vec<usize>) = (usize::MAX, Vec::new());
+    while state.step < stop_at {
+        let step = state.step;
+        let (epoch, at) = (step / steps_per_epoch, step % steps_per_epoch);
+        if order.0 != epoch {
+            let mut rng = Rng::stream(cfg.seed, &[K::DATA_STREAM, epoch as u64 + 1]);
+            order = (epoch, rng.permutation(train.len()));
+        }
+        let examples: Vec<&O::Example> =
+            order.1.chunks(mini).nth(at).unwrap_or(&[]).iter().map(|&i| &train[i]).collect();
+        model.start_dropout_step(cfg.seed, step);
+        grads.clear();
+        let (mut loss_sum, mut count) = (0f64, 0usize);
+        for micro in examples.chunks(cfg.per_device_train_batch_size) {
+            let (loss, n) = objective.micro_loss(model.network(), micro, &examples)?;
+            loss_sum += loss.to_scalar::<f32>()? as f64;
+            count += n;
+            grads.add(model.params(), &crate::model::backward(&loss, &[&model])?)?;
+        }
+        let grad_norm = grads.clip(o.max_grad_norm)?;
+        let lr = learning_rate(cfg.learning_rate, cfg.lr_scheduler_type, step, total_steps, warmup);
+        if guard.check(step, loss_sum, grad_norm) {
+            optimizer.step(model.params(), &grads, lr)?;
+            state.optimizer_step += 1;
+        } else {
+            state.skipped_steps += 1;
+        }
+        state.step += 1;
+        state.episode += examples.len();
+        last_loss = loss_sum;
+        let mut m = Metrics::new();
+        m.set("train/loss", loss_sum);
+        m.set("train/grad_norm", grad_norm);
+        m.set("train/lr", lr);
+        m.set("train/skipped_steps", state.skipped_steps as f64);
+        objective.step_metrics(&mut m, examples.len(), count, state.step as f64 / steps_per_epoch as f64);
+        let evaluated = match state.step % steps_per_epoch == 0 {
+            true => objective.evaluate(model.frozen())?,
+            false => None,
+        };
+        for (name, value) in evaluated.iter().flat_map(Metrics::iter) {
+            m.set(name, value);
+        }
+        harness.log(state.step, &m, evaluated.is_some() || state.step == stop_at)?;
+        let stopping = Stopping::now(&guard);
+        let save_now = cfg.save_steps > 0 && state.step % cfg.save_steps == 0;
+        if save_now || stopping.is_some() || state.step == stop_at {
+            let dir = checkpoint::checkpoint_dir(&output_dir, state.step);
+            checkpoint::save(
+                &dir,
+                &[Part { subdir: "", model: &model, optimizer: &optimizer }],
+                &state,
+                &saved_config,
+            )?;
+            checkpoint::prune(&output_dir, cfg.save_total_limit)?;
+            if let Some(stopping) = stopping {
+                let resume = "continue with the same command and --resume_from_checkpoint latest";
+                return Err(stopping.error(&guard, state.step, &dir, resume));
             }
         }
     }
-    Ok(LoopSummary { steps: step, last_loss })
+    let finished = state.step == total_steps;
+    if finished {
+        model.save_files(&output_dir)?;
+    } else {
+        tracing::info!(
+            "stopped after step {} of {total_steps}; continue with --resume_from_checkpoint latest",
+            state.step
+        );
+    }
+    Ok(LoopSummary { steps: state.step, last_loss, finished })
 }

@@ -6,6 +6,7 @@
 //! algorithms (RLOO, PPO, ...) are in [`algorithm`]; see docs/algorithm.md.
 
 pub mod algorithm;
+pub mod evaluation;
 mod optimise;
 mod report;
 mod setup;
@@ -16,8 +17,8 @@ use std::path::PathBuf;
 
 use candle_core::{Device, Tensor};
 
-use super::checkpoint::{self, Part, TrainerState};
-use super::config::{BatchSizes, TrainConfig};
+use super::checkpoint::{self, Part, SavedConfig, TrainerState};
+use super::config::{BatchSizes, TrainConfig, CONFIG_FILE};
 use super::harness::{Harness, HarnessOptions, Phases, StepTiming, Stopping};
 use super::optim::{learning_rate, AdamW, StepGuard};
 use super::run_dir::Reuse;
@@ -119,9 +120,11 @@ pub fn train(cfg: &TrainConfig) -> Result<RunSummary> {
         samples: true,
         tensorboard: t.tensorboard(),
     };
+    let evaluation = evaluation::Evaluation::start(&run)?;
     let mut harness = Harness::open(run_dir, start.step, options)?;
     let config_toml = cfg.to_toml();
-    write_atomic(&output_dir.join(checkpoint::CONFIG_FILE), config_toml.as_bytes())?;
+    write_atomic(&output_dir.join(CONFIG_FILE), config_toml.as_bytes())?;
+    let saved_config = SavedConfig { file: CONFIG_FILE, toml: &config_toml };
 
     let stop_at = t.stop_after.map_or(sizes.steps, |n| (start.step + n).min(sizes.steps));
     let table_every = (sizes.steps / t.num_sample_generations.max(1)).max(1);
@@ -164,16 +167,29 @@ pub fn train(cfg: &TrainConfig) -> Result<RunSummary> {
             metrics.set("memory/device_gib", used as f64 / (1u64 << 30) as f64);
             device_memory = Some(super::memory::DeviceMemory::add(device_memory, used));
         }
-        harness.log(state.step, &metrics, state.step == stop_at)?;
+        let held_out = match &evaluation {
+            Some(e) if e.due(state.step, sizes.steps) => {
+                let started = std::time::Instant::now();
+                let table = e.evaluate(&run, &mut metrics)?;
+                metrics.set("time/evaluation", started.elapsed().as_secs_f64());
+                Some(table)
+            }
+            _ => None,
+        };
+        harness.log(state.step, &metrics, state.step == stop_at || held_out.is_some())?;
+        // With held-out prompts, the printed table is theirs (as TRL 0.x's).
         let table = report::sample_table(&run.dataset, &rollout, &shaped);
-        let show = state.step % table_every == 0 || state.step == 1;
+        let show = evaluation.is_none() && (state.step % table_every == 0 || state.step == 1);
         harness.samples(state.step, &table, if show { t.num_completions_to_print } else { 0 })?;
+        if let Some(table) = held_out {
+            harness.print_table(&format!("step {} (held-out prompts)", state.step), &table, t.num_completions_to_print);
+        }
         harness.progress(state.episode, &metrics);
         let stopping = Stopping::now(&guard);
         let save_now = t.save_steps > 0 && state.step % t.save_steps == 0;
         if save_now || state.step == stop_at || stopping.is_some() {
             let dir = checkpoint::checkpoint_dir(&output_dir, state.step);
-            checkpoint::save(&dir, &run.parts(&optimizers), &state, &config_toml)?;
+            checkpoint::save(&dir, &run.parts(&optimizers), &state, &saved_config)?;
             checkpoint::prune(&output_dir, t.save_total_limit)?;
             if let Some(stopping) = stopping {
                 harness.finish();
@@ -349,7 +365,12 @@ impl Run {
         }
         let dir = checkpoint::checkpoint_dir(output_dir, state.step);
         if !dir.join(checkpoint::STATE_FILE).exists() {
-            checkpoint::save(&dir, &self.parts(optimizers), state, config_toml)?;
+            checkpoint::save(
+                &dir,
+                &self.parts(optimizers),
+                state,
+                &SavedConfig { file: CONFIG_FILE, toml: config_toml },
+            )?;
         }
         Ok(format!(
             "the run stopped after step {} with its weights in {}; continue with --resume_from_checkpoint latest",

@@ -2,7 +2,7 @@
 //! tokenizer, rewards, prompts, batch sizes and sampling options; and the
 //! resume from a checkpoint.
 
-use std::path::{Path, PathBuf};
+use std::path::Path;
 
 use super::algorithm::{self, Start};
 use super::{Optimizers, Reference, Run};
@@ -15,7 +15,7 @@ use crate::model::layer_graphs::LayerGraphs;
 use crate::model::{parse_device, HeadKind, Model, ModelConfig};
 use crate::reward::{self, Shaping};
 use crate::train::checkpoint::{self, TrainerState};
-use crate::train::config::{BatchSizes, LongPrompts, TrainConfig};
+use crate::train::config::{BatchSizes, LongPrompts, TrainConfig, CHANGEABLE_ON_RESUME, CONFIG_FILE};
 use crate::train::memory;
 use crate::train::optim::warmup_steps;
 
@@ -153,23 +153,15 @@ impl Run {
             optimizer_step: 0,
             total_steps: self.sizes.steps,
             prompts_digest: self.dataset.digest(),
+            skipped_steps: 0,
         };
         let Some(spec) = &self.cfg.train.resume_from_checkpoint else {
             return Ok(fresh);
         };
-        let output_dir = Path::new(&self.cfg.train.output_dir);
-        let dir = if spec == "latest" {
-            match checkpoint::latest(output_dir) {
-                Some(dir) => dir,
-                None => {
-                    tracing::info!("no checkpoint in {} to resume from; starting fresh", output_dir.display());
-                    return Ok(fresh);
-                }
-            }
-        } else {
-            PathBuf::from(spec)
+        let Some(dir) = checkpoint::to_resume(spec, Path::new(&self.cfg.train.output_dir)) else {
+            return Ok(fresh);
         };
-        self.check_resumable(&dir)?;
+        checkpoint::check_config(&dir, CONFIG_FILE, &self.cfg, CHANGEABLE_ON_RESUME)?;
         let state = checkpoint::load_state(&dir)?;
         if state.total_steps != self.sizes.steps {
             return Err(Error::Invalid(format!(
@@ -197,34 +189,6 @@ impl Run {
             *model = checkpoint::load_part(&dir, subdir, &config, &self.device, optimizer, at, dtype)?;
         }
         Ok(state)
-    }
-
-    /// Refuses a checkpoint saved under a configuration that computes a
-    /// different run (data, k, batch sizes, seed, models, ...); logs the
-    /// changes a resume may make (logging, save cadence, device).
-    fn check_resumable(&self, dir: &Path) -> Result<()> {
-        let saved_path = dir.join(checkpoint::CONFIG_FILE);
-        if !saved_path.is_file() {
-            return Err(Error::bad_file(
-                dir,
-                format!("not a complete checkpoint: {} is missing", checkpoint::CONFIG_FILE),
-            ));
-        }
-        let saved = TrainConfig::load(Some(&saved_path), &[])?;
-        match self.cfg.changes_since(&saved) {
-            Ok(allowed) if allowed.is_empty() => Ok(()),
-            Ok(allowed) => {
-                tracing::info!("resuming with changed options: {}", allowed.join("; "));
-                Ok(())
-            }
-            Err(refused) => Err(Error::Invalid(format!(
-                "cannot resume from {}: these options differ from the checkpoint's and would change the run:\n  {}\n\
-                 resume with the options of {} or start a new run in another output directory",
-                dir.display(),
-                refused.join("\n  "),
-                saved_path.display()
-            ))),
-        }
     }
 }
 
