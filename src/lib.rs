@@ -3,7 +3,8 @@
 //! The crate follows the path of one rollout batch: `data` turns rows into
 //! token ids, `model` runs the networks (forward, log-probs, training
 //! path, loading and saving Hugging Face directories), `reward` scores
-//! completions, `service` talks HTTP to what lives outside. The `rloo` binary is a thin command line over it.
+//! completions, `service` talks HTTP to what lives outside; `rng` is the seeded
+//! generator and the named streams every random choice draws from. The `rloo` binary is a thin command line over it.
 
 pub mod algo;
 pub mod check;
@@ -16,6 +17,7 @@ pub mod model;
 pub mod pipeline;
 pub mod report;
 pub mod reward;
+pub mod rng;
 pub mod rollout;
 pub mod serve;
 pub mod service;

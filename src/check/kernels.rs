@@ -5,10 +5,10 @@
 use candle_core::{DType, Device, Result, Tensor, Var};
 
 use super::{relative_error, Check};
-use crate::generate::rng::Rng;
 use crate::model::batch::{attention_bias, Inputs, PadSide};
 use crate::model::kernels::{self, AdamWStep, AttentionInputs, RotaryTables};
 use crate::model::ops::Activation;
+use crate::rng::Rng;
 
 /// The kernels with a CUDA implementation; on a GPU the others run as
 /// compositions of candle ops, and the table says so.

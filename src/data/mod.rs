@@ -41,12 +41,7 @@ pub fn token_digest<'a>(sequences: impl IntoIterator<Item = &'a [u32]>) -> Strin
 
 /// The training rows and the evaluation rows: `eval` when a separate set was
 /// given, else `fraction` of `rows` held out (see [`hold_out`]).
-pub fn split_eval<T>(
-    rows: Vec<T>,
-    eval: Option<Vec<T>>,
-    fraction: f64,
-    rng: &mut crate::generate::Rng,
-) -> (Vec<T>, Vec<T>) {
+pub fn split_eval<T>(rows: Vec<T>, eval: Option<Vec<T>>, fraction: f64, rng: &mut crate::rng::Rng) -> (Vec<T>, Vec<T>) {
     match eval {
         Some(eval) => (rows, eval),
         None => hold_out(rows, fraction, rng),
@@ -55,7 +50,7 @@ pub fn split_eval<T>(
 
 /// Shuffles `rows` with `rng` and holds out `fraction` of them (at least one
 /// row stays for training): returns (train, held out).
-pub fn hold_out<T>(rows: Vec<T>, fraction: f64, rng: &mut crate::generate::Rng) -> (Vec<T>, Vec<T>) {
+pub fn hold_out<T>(rows: Vec<T>, fraction: f64, rng: &mut crate::rng::Rng) -> (Vec<T>, Vec<T>) {
     let held = ((fraction * rows.len() as f64).round() as usize).min(rows.len().saturating_sub(1));
     let mut shuffled = shuffle(rows, rng);
     let eval = shuffled.split_off(shuffled.len() - held);
@@ -63,7 +58,7 @@ pub fn hold_out<T>(rows: Vec<T>, fraction: f64, rng: &mut crate::generate::Rng) 
 }
 
 /// `rows` in an order drawn from `rng`.
-pub fn shuffle<T>(rows: Vec<T>, rng: &mut crate::generate::Rng) -> Vec<T> {
+pub fn shuffle<T>(rows: Vec<T>, rng: &mut crate::rng::Rng) -> Vec<T> {
     let order = rng.permutation(rows.len());
     let mut slots: Vec<Option<T>> = rows.into_iter().map(Some).collect();
     order.iter().filter_map(|&i| slots[i].take()).collect()

@@ -21,9 +21,9 @@ use super::recipes::{Answers, Example, Recipe, RecipeOptions};
 use super::source::DatasetSpec;
 use super::{hold_out, shuffle, JsonlWriter, Prompt, Tokenizer};
 use crate::error::{Error, Result};
-use crate::generate::rng::streams;
-use crate::generate::Rng;
 use crate::reward::model::encode_pair;
+use crate::rng::streams;
+use crate::rng::Rng;
 
 /// What `rloo data prepare` was asked to do.
 #[derive(Debug, Clone, Serialize)]

@@ -11,8 +11,8 @@ use super::rows::Row;
 use super::source::DatasetSpec;
 use super::tokenizer::Tokenizer;
 use crate::error::{Error, Result};
-use crate::generate::rng::streams;
-use crate::generate::Rng;
+use crate::rng::streams;
+use crate::rng::Rng;
 
 /// How rows become prompts.
 #[derive(Debug, Clone, Default)]

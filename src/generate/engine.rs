@@ -9,11 +9,11 @@
 use candle_core::{CpuStorage, Device, Storage, Tensor};
 use rayon::prelude::*;
 
-use super::rng::Rng;
 use super::sampling::{Pick, Sampling, Scratch};
 use crate::data::Tokenizer;
 use crate::error::{Error, Result};
 use crate::model::{Inputs, Network, PadSide};
+use crate::rng::Rng;
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq, serde::Serialize)]
 #[serde(rename_all = "lowercase")]

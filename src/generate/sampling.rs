@@ -2,8 +2,8 @@
 //! temperature with top-k, top-p (nucleus) and min-p truncation, applied in
 //! transformers' order (temperature, top-k, top-p, min-p).
 
-use super::rng::Rng;
 use crate::model::kernels::math::{exp, max, with_avx2};
+use crate::rng::Rng;
 
 #[derive(Debug, Clone, PartialEq)]
 pub enum Sampling {

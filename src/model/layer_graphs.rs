@@ -20,7 +20,7 @@ use candle_core::backprop::GradStore;
 use candle_core::{CpuStorage, CustomOp1, Layout, Result, Shape, Tensor, TensorId, Var};
 
 use super::lora::Dropout;
-use crate::generate::Rng;
+use crate::rng::Rng;
 
 /// What a training forward keeps of each layer's graph.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]

@@ -19,7 +19,7 @@ use super::arch::Architecture;
 use super::kernels::{self, LoraLayer, Mask};
 use super::ops::Activation;
 use crate::error::{read_json, Error, Result};
-use crate::generate::Rng;
+use crate::rng::Rng;
 
 /// The prefix PEFT puts before every tensor name of an adapter file.
 pub const PEFT_PREFIX: &str = "base_model.model.";
@@ -127,7 +127,7 @@ pub struct Dropout {
 
 impl Dropout {
     pub fn new(p: f64, seed: u64) -> Self {
-        let rng = Rng::stream(seed, &[crate::generate::rng::streams::LORA_DROPOUT]);
+        let rng = Rng::stream(seed, &[crate::rng::streams::LORA_DROPOUT]);
         Self { p, rng: Arc::new(Mutex::new(rng)) }
     }
 
@@ -173,7 +173,7 @@ pub struct AdapterPlan {
 impl AdapterPlan {
     /// New adapters: `A` drawn from `seed`, `B` = 0.
     pub fn new(config: LoraConfig, seed: u64) -> Self {
-        let rng = Rng::stream(seed, &[crate::generate::rng::streams::LORA_INIT]);
+        let rng = Rng::stream(seed, &[crate::rng::streams::LORA_INIT]);
         Self { config, rng: RefCell::new(rng), saved: None, dropout: None }
     }
 

@@ -18,8 +18,8 @@ use super::lora::{self, AdapterPlan, Dropout, LoraConfig, PeftOptions, ADAPTER_C
 use super::weights::{Detach, ParamStore, Source, WeightFiles, Weights};
 use super::{kernels, ops};
 use crate::error::{Error, Result};
-use crate::generate::rng::streams;
-use crate::generate::Rng;
+use crate::rng::streams;
+use crate::rng::Rng;
 
 /// The transformer body: embeddings through the final norm.
 pub trait Decoder: Send + Sync {
@@ -300,7 +300,7 @@ impl Model {
         if let (HeadKind::SequenceClassification { num_labels }, Some(seed)) = (config.head, seed) {
             if !files.contains("score.weight") {
                 let std = config.raw.get("initializer_range").and_then(serde_json::Value::as_f64).unwrap_or(0.02);
-                let mut rng = crate::generate::Rng::stream(seed, &[crate::generate::rng::streams::SCORE_HEAD_INIT]);
+                let mut rng = crate::rng::Rng::stream(seed, &[crate::rng::streams::SCORE_HEAD_INIT]);
                 let width = config.head_width();
                 let values: Vec<f32> = (0..num_labels * width).map(|_| (rng.normal() * std) as f32).collect();
                 source.add_fresh("score.weight", &Tensor::from_vec(values, (num_labels, width), device)?)?;

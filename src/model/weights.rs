@@ -12,7 +12,7 @@ use serde::Deserialize;
 
 use super::lora::{adapter_names, Adapter, AdapterPlan};
 use crate::error::{read_json, Error, Result};
-use crate::generate::Rng;
+use crate::rng::Rng;
 
 pub const SINGLE_FILE: &str = "model.safetensors";
 pub const INDEX_FILE: &str = "model.safetensors.index.json";
@@ -323,7 +323,7 @@ impl<'a> Source<'a> {
         Source::Random {
             device: device.clone(),
             std,
-            rng: RefCell::new(Rng::stream(seed, &[crate::generate::rng::streams::WEIGHT_INIT])),
+            rng: RefCell::new(Rng::stream(seed, &[crate::rng::streams::WEIGHT_INIT])),
             store: RefCell::new(ParamStore::default()),
         }
     }

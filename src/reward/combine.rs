@@ -7,8 +7,6 @@
 //! RLOO trainer (`missing_eos_penalty`, then `normalize_reward` and
 //! `reward_clip_range`).
 
-use serde::{Deserialize, Serialize};
-
 use super::{drop_non_finite, RewardSource, Sample};
 use crate::error::{Error, Result};
 use crate::stats::Deviation;
@@ -204,9 +202,9 @@ pub fn clip(scores: &[Option<f32>], lo: f32, hi: f32) -> Vec<Option<f32>> {
     scores.iter().map(|s| s.map(|s| s.clamp(lo, hi))).collect()
 }
 
-/// The score shaping options, applied in the order of their fields.
-#[derive(Debug, Clone, Default, PartialEq, Serialize, Deserialize)]
-#[serde(deny_unknown_fields, default)]
+/// The score shaping, applied in the order of its fields: the options of
+/// `[rloo]` as `RlooSection::shaping` gives them (defined and checked there).
+#[derive(Debug, Clone, Default, PartialEq)]
 pub struct Shaping {
     /// Subtracted from the score of each completion that ended without a
     /// stop/EOS token (TRL's `missing_eos_penalty`). Off when unset.
@@ -218,23 +216,6 @@ pub struct Shaping {
 }
 
 impl Shaping {
-    /// Checks that the numbers are finite and the clip range is not empty.
-    pub fn validate(&self) -> Result<()> {
-        if let Some(p) = self.missing_eos_penalty {
-            if !p.is_finite() {
-                return Err(Error::Invalid(format!("missing_eos_penalty must be a finite number, got {p}")));
-            }
-        }
-        if let Some([lo, hi]) = self.clip {
-            if !(lo.is_finite() && hi.is_finite() && lo <= hi) {
-                return Err(Error::Invalid(format!(
-                    "clip = [{lo}, {hi}]: expected two finite numbers [lo, hi] with lo <= hi"
-                )));
-            }
-        }
-        Ok(())
-    }
-
     /// Applies the penalty, normalisation and clipping that are switched on.
     pub fn apply(&self, scores: &[Option<f32>], ended_with_eos: &[bool]) -> Vec<Option<f32>> {
         let mut s = scores.to_vec();
@@ -379,7 +360,6 @@ mod tests {
     #[test]
     fn shaping_applies_penalty_then_normalisation_then_clipping() {
         let shaping = Shaping { missing_eos_penalty: Some(3.0), normalize: true, clip: Some([-0.5, 0.5]) };
-        shaping.validate().unwrap();
         // After the penalty: [1, 2, 0]: mean 1, std 1 -> [0, 1, -1] -> clipped.
         let got = shaping.apply(&[Some(1.0), Some(2.0), Some(3.0)], &[true, true, false]);
         assert!(close(&got, &[Some(0.0), Some(0.5), Some(-0.5)]), "{got:?}");
@@ -388,16 +368,5 @@ mod tests {
             [Some(1.0), None],
             "all off by default"
         );
-    }
-
-    #[test]
-    fn shaping_rejects_empty_clip_ranges_and_non_finite_penalties() {
-        let bad = Shaping { clip: Some([1.0, -1.0]), ..Shaping::default() };
-        assert_eq!(
-            bad.validate().unwrap_err().to_string(),
-            "clip = [1, -1]: expected two finite numbers [lo, hi] with lo <= hi"
-        );
-        let bad = Shaping { missing_eos_penalty: Some(f32::INFINITY), ..Shaping::default() };
-        assert_eq!(bad.validate().unwrap_err().to_string(), "missing_eos_penalty must be a finite number, got inf");
     }
 }

@@ -19,8 +19,9 @@ use crate::data::Tokenizer;
 use crate::error::Result;
 use crate::generate::engine::pick_rows;
 use crate::generate::sampling::{with_penalty, Pick};
-use crate::generate::{FinishReason, Rng, Sampling};
+use crate::generate::{FinishReason, Sampling};
 use crate::model::{Inputs, KvCache, Network, PadSide};
+use crate::rng::Rng;
 use crate::service::server::Shutdown;
 use crate::service::Cancel;
 

@@ -15,8 +15,8 @@
 
 use serde_json::json;
 
-use crate::generate::rng::streams;
-use crate::generate::Rng;
+use crate::rng::streams;
+use crate::rng::Rng;
 
 pub const POSITIVE: &[&str] = &[
     "wonderful",

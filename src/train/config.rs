@@ -243,6 +243,15 @@ impl TrainSection {
 }
 
 impl RlooSection {
+    /// The score shaping these options ask for (checked by `TrainConfig::validate`).
+    pub fn shaping(&self) -> crate::reward::Shaping {
+        crate::reward::Shaping {
+            missing_eos_penalty: self.missing_eos_penalty.map(|p| p as f32),
+            normalize: self.normalize_reward,
+            clip: self.reward_clip_range.map(|r| [-r as f32, r as f32]),
+        }
+    }
+
     /// The ratio's clip range.
     pub fn clip_range(&self) -> crate::algo::ClipRange {
         crate::algo::ClipRange { low: self.cliprange, high: self.cliprange_high.unwrap_or(self.cliprange) }

@@ -13,13 +13,13 @@ use super::supervised::{train_supervised, Objective, SupervisedConfig, Trainer};
 use crate::data::{DatasetSpec, Row};
 use crate::data::{Prompt, Tokenizer};
 use crate::error::Result;
-use crate::generate::rng::streams;
 use crate::model::hub::resolve_model;
 use crate::model::layer_graphs::LayerGraphs;
 use crate::model::ops::log_softmax_last;
 use crate::model::{parse_device, HeadKind, Inputs, Model, Network, PadSide};
 use crate::report::Metrics;
 use crate::reward::model::encode_pair;
+use crate::rng::streams;
 
 /// `rloo reward train`'s side of the shared options.
 #[derive(Debug, Clone, Copy)]

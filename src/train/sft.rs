@@ -17,12 +17,12 @@ use super::supervised::{train_supervised, Objective, SupervisedConfig, Trainer};
 use crate::data::{DatasetSpec, Row};
 use crate::data::{Message, Prompt, Tokenizer};
 use crate::error::{Error, Result};
-use crate::generate::rng::streams;
 use crate::model::hub::resolve_model;
 use crate::model::layer_graphs::LayerGraphs;
 use crate::model::scoring::{completion_logprobs, Sequences};
 use crate::model::{parse_device, HeadKind, Model, Network};
 use crate::report::Metrics;
+use crate::rng::streams;
 
 /// `rloo sft`'s side of the shared options.
 #[derive(Debug, Clone, Copy)]

@@ -19,11 +19,11 @@ use super::optim::{learning_rate, warmup_steps, AdamW, GradAccumulator, StepGuar
 use super::run_dir::{Reuse, RunDir};
 use crate::data::{token_digest, DatasetSpec};
 use crate::error::{Error, Result};
-use crate::generate::Rng;
 use crate::io::write_atomic;
 use crate::model::lora::PeftOptions;
 use crate::model::{Model, Network, Precision};
 use crate::report::Metrics;
+use crate::rng::Rng;
 
 /// What sets one supervised trainer apart: its defaults and its files.
 pub trait Trainer: Sized {

@@ -13,9 +13,10 @@ use crate::data::prompts::PromptDataset;
 use crate::data::DatasetSpec;
 use crate::error::{Error, Result};
 use crate::eval::{measure, win_share, ModelReport};
-use crate::generate::rng::streams;
-use crate::generate::{GenerateOptions, Rng};
+use crate::generate::GenerateOptions;
 use crate::report::{Metrics, SampleTable};
+use crate::rng::streams;
+use crate::rng::Rng;
 use crate::rollout::Rollout;
 use crate::train::config::{EvalStrategy, TrainConfig};
 

@@ -11,10 +11,10 @@ use super::algorithm::{Micro, Tally, Targets};
 use super::{Optimizers, Run};
 use crate::algo::{self, KlPlacement, LossStats};
 use crate::error::Result;
-use crate::generate::rng::streams;
-use crate::generate::Rng;
 use crate::model::scoring::{completion_logprobs, Sequences, TokenLogprobs};
 use crate::report::Metrics;
+use crate::rng::streams;
+use crate::rng::Rng;
 use crate::train::checkpoint::TrainerState;
 use crate::train::optim::{learning_rate, GradAccumulator, StepGuard};
 

@@ -13,7 +13,7 @@ use crate::generate::{GenerateOptions, Sampling, StopCriteria};
 use crate::model::hub::resolve_model;
 use crate::model::layer_graphs::LayerGraphs;
 use crate::model::{parse_device, HeadKind, Model, ModelConfig};
-use crate::reward::{self, Shaping};
+use crate::reward;
 use crate::train::checkpoint::{self, TrainerState};
 use crate::train::config::{BatchSizes, LongPrompts, TrainConfig, CHANGEABLE_ON_RESUME, CONFIG_FILE};
 use crate::train::memory;
@@ -83,12 +83,7 @@ impl Run {
         let algorithm =
             algorithm::start(&Start { cfg, policy_dir: &policy_dir, policy: policy.config(), device: &device })?;
         let rewards = reward::build(&cfg.reward, &device)?;
-        let shaping = Shaping {
-            missing_eos_penalty: cfg.rloo.missing_eos_penalty.map(|p| p as f32),
-            normalize: cfg.rloo.normalize_reward,
-            clip: cfg.rloo.reward_clip_range.map(|r| [-r as f32, r as f32]),
-        };
-        shaping.validate()?;
+        let shaping = cfg.rloo.shaping();
 
         let source = DatasetSpec {
             name: cfg.data.path.clone(),
