@@ -350,52 +350,33 @@ mod tests {
     #[test]
     fn token_ratio_aggregations() {
         let (lp, lp_old, mask, adv) = toy();
+        let loss = |aggregation, denominator| {
+            let out = policy_loss(
+                lp.as_tensor(),
+                &lp_old,
+                &mask,
+                &adv,
+                ClipRange::symmetric(0.2),
+                RatioLevel::Token,
+                aggregation,
+                denominator,
+            )
+            .unwrap();
+            out.loss.to_scalar::<f32>().unwrap() as f64
+        };
+        let r = |d: f64| d.exp();
         let tm = loss_denominator(&mask, RatioLevel::Token, Aggregation::TokenMean, 3).unwrap();
         assert_eq!(tm, 6.0);
-        let out = policy_loss(
-            lp.as_tensor(),
-            &lp_old,
-            &mask,
-            &adv,
-            ClipRange::symmetric(0.2),
-            RatioLevel::Token,
-            Aggregation::TokenMean,
-            tm,
-        )
-        .unwrap();
-        let r = |d: f64| d.exp();
         let want = (-2.0 * (r(0.1) + 1.0 + 1.0) + (1.0 + r(-0.2)) - 0.5) / 6.0;
-        assert!((out.loss.to_scalar::<f32>().unwrap() as f64 - want).abs() < 1e-6);
-        let out = policy_loss(
-            lp.as_tensor(),
-            &lp_old,
-            &mask,
-            &adv,
-            ClipRange::symmetric(0.2),
-            RatioLevel::Token,
-            Aggregation::SequenceMean,
-            3.0,
-        )
-        .unwrap();
+        assert!((loss(Aggregation::TokenMean, tm) - want).abs() < 1e-6);
         let want = (-2.0 * (r(0.1) + 2.0) / 3.0 + (1.0 + r(-0.2)) / 2.0 - 0.5) / 3.0;
-        assert!((out.loss.to_scalar::<f32>().unwrap() as f64 - want).abs() < 1e-6);
+        assert!((loss(Aggregation::SequenceMean, 3.0) - want).abs() < 1e-6);
         // Dr. GRPO: the same token terms summed, over 4 completions x a
         // response_length of 5, whatever their lengths.
         let ts = loss_denominator(&mask, RatioLevel::Token, Aggregation::TokenSumNorm, 5).unwrap();
         assert_eq!(ts, 20.0);
-        let out = policy_loss(
-            lp.as_tensor(),
-            &lp_old,
-            &mask,
-            &adv,
-            ClipRange::symmetric(0.2),
-            RatioLevel::Token,
-            Aggregation::TokenSumNorm,
-            ts,
-        )
-        .unwrap();
         let want = (-2.0 * (r(0.1) + 1.0 + 1.0) + (1.0 + r(-0.2)) - 0.5) / 20.0;
-        assert!((out.loss.to_scalar::<f32>().unwrap() as f64 - want).abs() < 1e-6);
+        assert!((loss(Aggregation::TokenSumNorm, ts) - want).abs() < 1e-6);
         let none = Tensor::zeros((4, 3), DType::F32, &Device::Cpu).unwrap();
         assert_eq!(loss_denominator(&none, RatioLevel::Token, Aggregation::TokenSumNorm, 5).unwrap(), 0.0);
     }

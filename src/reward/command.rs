@@ -11,7 +11,7 @@
 //! sent again), and killed when a batch takes longer than `timeout_s` (that
 //! batch fails; the next one starts a fresh process).
 
-use std::collections::VecDeque;
+use std::collections::{BTreeMap, VecDeque};
 use std::io::{BufRead, BufReader, Write};
 use std::path::PathBuf;
 use std::process::{Child, Command, Stdio};
@@ -19,11 +19,74 @@ use std::sync::mpsc::{self, Receiver, RecvTimeoutError, Sender};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
+use candle_core::Device;
+use serde::{Deserialize, Serialize};
 use serde_json::{json, Value};
 
-use super::remote::{read_scores, sample_json, CallStats, FailureBudget, Tally};
+use super::config::{one, RewardTable};
+use super::remote::{
+    check_failure_rate, default_max_failure_rate, read_scores, sample_json, seconds, CallStats, FailureBudget, Tally,
+};
 use super::{RewardSource, Sample};
 use crate::error::{Error, Result};
+
+fn default_command_timeout() -> f64 {
+    300.0
+}
+
+/// `type = "command"`: a long-running process scoring over JSON lines
+/// (see `reward::command`).
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct CommandSpec {
+    /// Metric name; default `command`.
+    pub name: Option<String>,
+    /// Weight in the total score.
+    #[serde(default = "one")]
+    pub weight: f32,
+    /// The program and its arguments, e.g. `["python3", "score.py"]`.
+    pub command: Vec<String>,
+    /// Working directory of the process; default: the current one.
+    pub cwd: Option<PathBuf>,
+    /// Variables added to the process's environment (it inherits rloo's;
+    /// keep secrets there rather than here, since this table is saved with
+    /// the run).
+    #[serde(default)]
+    pub env: BTreeMap<String, String>,
+    /// Samples per request line; default: all the samples of a step.
+    pub batch_size: Option<usize>,
+    /// Seconds to wait for an answer line before the process is stopped and
+    /// the batch fails.
+    #[serde(default = "default_command_timeout")]
+    pub timeout_s: f64,
+    /// The share of a step's samples that may fail before the run stops.
+    #[serde(default = "default_max_failure_rate")]
+    pub max_failure_rate: f64,
+}
+
+impl RewardTable for CommandSpec {
+    fn name(&self) -> Option<&str> {
+        self.name.as_deref()
+    }
+
+    fn weight(&self) -> f32 {
+        self.weight
+    }
+
+    fn build(&self, name: String, _device: &Device) -> Result<Box<dyn RewardSource>> {
+        if self.batch_size == Some(0) {
+            return Err(Error::Invalid("batch_size must be at least 1".into()));
+        }
+        check_failure_rate(self.max_failure_rate)?;
+        let launch = Launch {
+            argv: self.command.clone(),
+            cwd: self.cwd.clone(),
+            env: self.env.iter().map(|(k, v)| (k.clone(), v.clone())).collect(),
+        };
+        let timeout = seconds("timeout_s", self.timeout_s)?;
+        Ok(Box::new(CommandSource::start(name, launch, self.batch_size, timeout, self.max_failure_rate)?))
+    }
+}
 
 /// Lines of the process's stderr kept for error messages.
 const STDERR_TAIL: usize = 5;

@@ -41,566 +41,110 @@
 //! score is `sum_j weight_j * reward_j`). Unknown keys are errors, so that a
 //! misspelt option never silently falls back to its default. Relative file
 //! paths are read from the current directory.
+//!
+//! Each source's table lives in the source's file and implements
+//! [`RewardTable`]; adding a source is that file and one line in
+//! [`reward_types!`]'s list below.
 
-use std::collections::BTreeMap;
-use std::path::{Path, PathBuf};
-use std::time::Duration;
+use std::path::Path;
 
 use candle_core::Device;
 use serde::{Deserialize, Serialize};
 
 use super::combine::RewardSet;
-use super::command::{CommandSource, Launch};
-use super::http::HttpSource;
-use super::judge::{Judge, JudgeMode, JudgeSettings, JudgeSource, Pairs};
-use super::model::RewardModel;
-use super::rules::{read_word_list, Count, ExactMatch, LengthUnit, Lexicon, Needle};
 use super::RewardSource;
 use crate::error::{Error, Result};
-use crate::service::{Client, Retry};
 
-/// The values of `type`, in the order of [`RewardSpec`]'s variants.
-pub const REWARD_TYPES: &[&str] = &["model", "length", "count", "lexicon", "exact_match", "command", "http", "judge"];
+pub use super::command::CommandSpec;
+pub use super::http::HttpSpec;
+pub use super::judge::JudgeSpec;
+pub use super::model::ModelSpec;
+use super::rules::LengthUnit;
+pub use super::rules::{CountSpec, ExactMatchSpec, LengthSpec, LexiconSpec};
 
-/// One `[[reward]]` table.
-#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
-#[serde(tag = "type", rename_all = "snake_case")]
-pub enum RewardSpec {
+/// What every `[[reward]]` table gives: its metric name and weight, and the
+/// source it describes.
+pub trait RewardTable {
+    /// `name`, when the table sets it.
+    fn name(&self) -> Option<&str>;
+    /// Weight in the total score.
+    fn weight(&self) -> f32;
+    /// Checks the options and makes the source (reward models are loaded
+    /// onto `device`); errors carry no table prefix ([`build`] adds it).
+    fn build(&self, name: String, device: &Device) -> Result<Box<dyn RewardSource>>;
+}
+
+/// The registry: one line per source, `type` value => variant(table).
+macro_rules! reward_types {
+    ($($(#[doc = $doc:literal])* $ty:literal => $variant:ident($spec:ty),)*) => {
+        /// One `[[reward]]` table, told apart by `type`.
+        #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+        #[serde(tag = "type")]
+        pub enum RewardSpec {
+            $($(#[doc = $doc])* #[serde(rename = $ty)] $variant($spec),)*
+        }
+
+        /// The values of `type`, in the order of [`RewardSpec`]'s variants.
+        pub const REWARD_TYPES: &[&str] = &[$($ty),*];
+
+        impl RewardSpec {
+            /// The `type` value.
+            pub fn type_name(&self) -> &'static str {
+                match self {
+                    $(RewardSpec::$variant(_) => $ty,)*
+                }
+            }
+
+            fn table(&self) -> &dyn RewardTable {
+                match self {
+                    $(RewardSpec::$variant(table) => table,)*
+                }
+            }
+        }
+    };
+}
+
+reward_types! {
     /// A reward model's score.
-    Model(ModelSpec),
+    "model" => Model(ModelSpec),
     /// The completion's length, or its distance to a target length.
-    Length(LengthSpec),
+    "length" => Length(LengthSpec),
     /// Occurrences of a regex or substring.
-    Count(CountSpec),
+    "count" => Count(CountSpec),
     /// Positive minus negative words.
-    Lexicon(LexiconSpec),
+    "lexicon" => Lexicon(LexiconSpec),
     /// 1 when the completion equals a dataset column, else 0.
-    ExactMatch(ExactMatchSpec),
+    "exact_match" => ExactMatch(ExactMatchSpec),
     /// A process that scores batches over JSON lines.
-    Command(CommandSpec),
+    "command" => Command(CommandSpec),
     /// A scoring service over HTTP.
-    Http(HttpSpec),
+    "http" => Http(HttpSpec),
     /// An LLM judge behind an OpenAI-compatible chat endpoint.
-    Judge(JudgeSpec),
-}
-
-fn one() -> f32 {
-    1.0
-}
-
-fn default_batch_size() -> usize {
-    8
-}
-
-/// `type = "model"`.
-#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
-#[serde(deny_unknown_fields)]
-pub struct ModelSpec {
-    /// Metric name; default `model`.
-    pub name: Option<String>,
-    /// Weight in the total score.
-    #[serde(default = "one")]
-    pub weight: f32,
-    /// A `*ForSequenceClassification` model directory with `num_labels = 1`,
-    /// or a hub id (`owner/name[@revision]`) in the local cache.
-    pub path: String,
-    /// Sequences per forward pass.
-    #[serde(default = "default_batch_size")]
-    pub batch_size: usize,
-}
-
-/// `type = "length"`: `scale * len`, or `scale * -|len - target|`.
-#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
-#[serde(deny_unknown_fields)]
-pub struct LengthSpec {
-    /// Metric name; default `length`.
-    pub name: Option<String>,
-    /// Weight in the total score.
-    #[serde(default = "one")]
-    pub weight: f32,
-    /// `tokens` (policy tokens, the default) or `chars`.
-    #[serde(default)]
-    pub unit: LengthUnit,
-    /// When set, the reward is minus the distance to this length.
-    pub target: Option<f32>,
-    /// Multiplies the length (or the distance).
-    #[serde(default = "one")]
-    pub scale: f32,
-}
-
-/// `type = "count"`: matches of `pattern` or `substring`, capped at `max`.
-#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
-#[serde(deny_unknown_fields)]
-pub struct CountSpec {
-    /// Metric name; default `count`.
-    pub name: Option<String>,
-    /// Weight in the total score (negative to penalise).
-    #[serde(default = "one")]
-    pub weight: f32,
-    /// A regular expression (Rust `regex` syntax).
-    pub pattern: Option<String>,
-    /// Literal text; give this or `pattern`.
-    pub substring: Option<String>,
-    /// Match regardless of case.
-    #[serde(default)]
-    pub case_insensitive: bool,
-    /// Count at most this many matches.
-    pub max: Option<u32>,
-}
-
-/// `type = "lexicon"`: `#positive - #negative` words.
-#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
-#[serde(deny_unknown_fields)]
-pub struct LexiconSpec {
-    /// Metric name; default `lexicon`.
-    pub name: Option<String>,
-    /// Weight in the total score.
-    #[serde(default = "one")]
-    pub weight: f32,
-    /// Positive words, inline.
-    #[serde(default)]
-    pub positive: Vec<String>,
-    /// Negative words, inline.
-    #[serde(default)]
-    pub negative: Vec<String>,
-    /// A file of positive words, one per line (`#`/`;` comment lines).
-    pub positive_file: Option<PathBuf>,
-    /// A file of negative words, one per line.
-    pub negative_file: Option<PathBuf>,
-    /// Divide by the number of words in the completion.
-    #[serde(default)]
-    pub normalize: bool,
-}
-
-/// `type = "exact_match"`: 1.0 when the completion's answer equals the
-/// row's `column`, else 0.0; rows without the column are unscorable.
-#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
-#[serde(deny_unknown_fields)]
-pub struct ExactMatchSpec {
-    /// Metric name; default `exact_match`.
-    pub name: Option<String>,
-    /// Weight in the total score.
-    #[serde(default = "one")]
-    pub weight: f32,
-    /// The dataset column holding the reference answer.
-    pub column: String,
-    /// Compare lower-cased.
-    #[serde(default)]
-    pub case_insensitive: bool,
-    /// Compare only the text after the last occurrence of this marker
-    /// (GSM8K's `####`).
-    pub marker: Option<String>,
-    /// Compare only the last number (as a number).
-    #[serde(default)]
-    pub last_number: bool,
-}
-
-fn default_command_timeout() -> f64 {
-    300.0
-}
-
-fn default_timeout() -> f64 {
-    60.0
-}
-
-fn default_judge_timeout() -> f64 {
-    300.0
-}
-
-fn default_max_failure_rate() -> f64 {
-    0.1
-}
-
-fn default_retries() -> u32 {
-    3
-}
-
-fn default_backoff() -> f64 {
-    1.0
-}
-
-fn default_concurrency() -> usize {
-    8
-}
-
-fn default_http_batch_size() -> usize {
-    32
-}
-
-fn default_max_tokens() -> u32 {
-    1024
-}
-
-/// `type = "command"`: a long-running process scoring over JSON lines
-/// (see `reward::command`).
-#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
-#[serde(deny_unknown_fields)]
-pub struct CommandSpec {
-    /// Metric name; default `command`.
-    pub name: Option<String>,
-    /// Weight in the total score.
-    #[serde(default = "one")]
-    pub weight: f32,
-    /// The program and its arguments, e.g. `["python3", "score.py"]`.
-    pub command: Vec<String>,
-    /// Working directory of the process; default: the current one.
-    pub cwd: Option<PathBuf>,
-    /// Variables added to the process's environment (it inherits rloo's;
-    /// keep secrets there rather than here, since this table is saved with
-    /// the run).
-    #[serde(default)]
-    pub env: BTreeMap<String, String>,
-    /// Samples per request line; default: all the samples of a step.
-    pub batch_size: Option<usize>,
-    /// Seconds to wait for an answer line before the process is stopped and
-    /// the batch fails.
-    #[serde(default = "default_command_timeout")]
-    pub timeout_s: f64,
-    /// The share of a step's samples that may fail before the run stops.
-    #[serde(default = "default_max_failure_rate")]
-    pub max_failure_rate: f64,
-}
-
-/// `type = "http"`: a scoring service (see `reward::http`; `rloo reward
-/// serve` is one).
-#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
-#[serde(deny_unknown_fields)]
-pub struct HttpSpec {
-    /// Metric name; default `http`.
-    pub name: Option<String>,
-    /// Weight in the total score.
-    #[serde(default = "one")]
-    pub weight: f32,
-    /// Where batches are POSTed, e.g. `http://10.0.0.5:8000/score`.
-    pub url: String,
-    /// Samples per request.
-    #[serde(default = "default_http_batch_size")]
-    pub batch_size: usize,
-    /// Extra request headers.
-    #[serde(default)]
-    pub headers: BTreeMap<String, String>,
-    /// The environment variable holding a bearer token (the token itself is
-    /// never written anywhere).
-    pub api_key_env: Option<String>,
-    /// Requests in flight at once.
-    #[serde(default = "default_concurrency")]
-    pub max_concurrency: usize,
-    /// Seconds per attempt, from connecting to the end of the answer.
-    #[serde(default = "default_timeout")]
-    pub timeout_s: f64,
-    /// Attempts after the first, on connection errors, timeouts, 429 and 5xx.
-    #[serde(default = "default_retries")]
-    pub retries: u32,
-    /// Seconds before the first retry; doubled for each next one, jittered.
-    #[serde(default = "default_backoff")]
-    pub backoff_s: f64,
-    /// The share of a step's samples that may fail before the run stops.
-    #[serde(default = "default_max_failure_rate")]
-    pub max_failure_rate: f64,
-}
-
-/// `type = "judge"`: an LLM judge (see `reward::judge`).
-#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
-#[serde(deny_unknown_fields)]
-pub struct JudgeSpec {
-    /// Metric name; default `judge`.
-    pub name: Option<String>,
-    /// Weight in the total score.
-    #[serde(default = "one")]
-    pub weight: f32,
-    /// The API base, e.g. `http://127.0.0.1:8000/v1`; requests go to
-    /// `<url>/chat/completions`.
-    pub url: String,
-    /// The model name the server expects.
-    pub model: String,
-    /// The environment variable holding the API key (sent as a bearer
-    /// token; never written anywhere).
-    pub api_key_env: Option<String>,
-    /// A system message, sent before the rendered template.
-    pub system: Option<String>,
-    /// The user message, with `{prompt}`, `{completion}` (pointwise) or
-    /// `{completion_1}`, `{completion_2}` (pairwise) and `{column}` fields;
-    /// default: a 1-to-5 helpfulness rating in the GenRM convention.
-    pub template: Option<String>,
-    /// A regex whose first group (pointwise) or first two groups (pairwise)
-    /// are the scores; default: `\boxed{s}` or `\boxed{s1, s2}`.
-    pub score_pattern: Option<String>,
-    /// `pointwise` (one completion per request) or `pairwise` (GenRM).
-    #[serde(default)]
-    pub mode: JudgeMode,
-    /// Pairwise: `round_robin` (k comparisons per group) or `all`
-    /// (k (k - 1)).
-    #[serde(default)]
-    pub pairs: Pairs,
-    #[serde(default)]
-    pub temperature: f64,
-    /// The longest answer, in the judge's tokens.
-    #[serde(default = "default_max_tokens")]
-    pub max_tokens: u32,
-    /// Extra request headers.
-    #[serde(default)]
-    pub headers: BTreeMap<String, String>,
-    /// Requests in flight at once.
-    #[serde(default = "default_concurrency")]
-    pub max_concurrency: usize,
-    /// Seconds per attempt.
-    #[serde(default = "default_judge_timeout")]
-    pub timeout_s: f64,
-    /// Attempts after the first, on connection errors, timeouts, 429 and 5xx.
-    #[serde(default = "default_retries")]
-    pub retries: u32,
-    /// Seconds before the first retry; doubled for each next one, jittered.
-    #[serde(default = "default_backoff")]
-    pub backoff_s: f64,
-    /// The share of a step's requests that may fail before the run stops.
-    #[serde(default = "default_max_failure_rate")]
-    pub max_failure_rate: f64,
-}
-
-/// How to reach a service: what the `http` and `judge` tables share.
-struct Reach<'a> {
-    url: &'a str,
-    headers: &'a BTreeMap<String, String>,
-    api_key_env: &'a Option<String>,
-    max_concurrency: usize,
-    timeout_s: f64,
-    retries: u32,
-    backoff_s: f64,
-    max_failure_rate: f64,
-}
-
-impl Reach<'_> {
-    /// Checks the options and makes the client.
-    fn client(&self) -> Result<Client> {
-        if !(self.url.starts_with("http://") || self.url.starts_with("https://")) {
-            return Err(Error::Invalid(format!("url `{}` must start with http:// or https://", self.url)));
-        }
-        if self.max_concurrency == 0 {
-            return Err(Error::Invalid("max_concurrency must be at least 1".into()));
-        }
-        let timeout = seconds("timeout_s", self.timeout_s)?;
-        let backoff = if self.backoff_s == 0.0 { Duration::ZERO } else { seconds("backoff_s", self.backoff_s)? };
-        check_failure_rate(self.max_failure_rate)?;
-        let token = match self.api_key_env {
-            Some(var) => Some(
-                std::env::var(var)
-                    .map_err(|_| Error::Invalid(format!("api_key_env: the environment variable `{var}` is not set")))?,
-            ),
-            None => None,
-        };
-        let headers: Vec<(String, String)> = self.headers.iter().map(|(k, v)| (k.clone(), v.clone())).collect();
-        Ok(Client::new(timeout, &headers, token.as_deref(), Retry { retries: self.retries, backoff }))
-    }
-}
-
-fn seconds(key: &str, s: f64) -> Result<Duration> {
-    if s.is_finite() && s > 0.0 && s < 1e9 {
-        Ok(Duration::from_secs_f64(s))
-    } else {
-        Err(Error::Invalid(format!("{key} must be a number of seconds > 0, got {s}")))
-    }
-}
-
-fn check_failure_rate(rate: f64) -> Result<()> {
-    if (0.0..=1.0).contains(&rate) {
-        Ok(())
-    } else {
-        Err(Error::Invalid(format!("max_failure_rate must be in [0, 1], got {rate}")))
-    }
+    "judge" => Judge(JudgeSpec),
 }
 
 impl RewardSpec {
-    /// The `type` value.
-    pub fn type_name(&self) -> &'static str {
-        match self {
-            RewardSpec::Model(_) => "model",
-            RewardSpec::Length(_) => "length",
-            RewardSpec::Count(_) => "count",
-            RewardSpec::Lexicon(_) => "lexicon",
-            RewardSpec::ExactMatch(_) => "exact_match",
-            RewardSpec::Command(_) => "command",
-            RewardSpec::Http(_) => "http",
-            RewardSpec::Judge(_) => "judge",
-        }
-    }
-
     /// The metric name: `name`, or the type.
     pub fn name(&self) -> &str {
-        let name = match self {
-            RewardSpec::Model(s) => &s.name,
-            RewardSpec::Length(s) => &s.name,
-            RewardSpec::Count(s) => &s.name,
-            RewardSpec::Lexicon(s) => &s.name,
-            RewardSpec::ExactMatch(s) => &s.name,
-            RewardSpec::Command(s) => &s.name,
-            RewardSpec::Http(s) => &s.name,
-            RewardSpec::Judge(s) => &s.name,
-        };
-        name.as_deref().unwrap_or(self.type_name())
+        self.table().name().unwrap_or(self.type_name())
     }
 
     pub fn weight(&self) -> f32 {
-        match self {
-            RewardSpec::Model(s) => s.weight,
-            RewardSpec::Length(s) => s.weight,
-            RewardSpec::Count(s) => s.weight,
-            RewardSpec::Lexicon(s) => s.weight,
-            RewardSpec::ExactMatch(s) => s.weight,
-            RewardSpec::Command(s) => s.weight,
-            RewardSpec::Http(s) => s.weight,
-            RewardSpec::Judge(s) => s.weight,
-        }
-    }
-
-    /// The source this table describes; reward models are loaded onto
-    /// `device`. Errors carry no table prefix ([`build`] adds it).
-    fn source(&self, device: &Device) -> Result<Box<dyn RewardSource>> {
-        let name = self.name().to_string();
-        Ok(match self {
-            RewardSpec::Model(s) => {
-                if s.batch_size == 0 {
-                    return Err(Error::Invalid("batch_size must be at least 1".into()));
-                }
-                Box::new(RewardModel::load(name, &s.path, device, s.batch_size)?)
-            }
-            RewardSpec::Length(s) => {
-                finite("scale", s.scale)?;
-                if let Some(t) = s.target {
-                    if !(t.is_finite() && t >= 0.0) {
-                        return Err(Error::Invalid(format!("target must be a length >= 0, got {t}")));
-                    }
-                }
-                Box::new(super::rules::Length::new(name, s.unit, s.target, s.scale))
-            }
-            RewardSpec::Count(s) => {
-                let needle = match (&s.pattern, &s.substring) {
-                    (Some(p), None) => Needle::Pattern(p.clone()),
-                    (None, Some(t)) => Needle::Substring(t.clone()),
-                    (Some(_), Some(_)) => {
-                        return Err(Error::Invalid(
-                            "give either `pattern` (a regex) or `substring` (literal text), \
-                             not both"
-                                .into(),
-                        ))
-                    }
-                    (None, None) => {
-                        return Err(Error::Invalid(
-                            "give `pattern` (a regex) or `substring` (literal text) to count".into(),
-                        ))
-                    }
-                };
-                Box::new(Count::new(name, &needle, s.case_insensitive, s.max)?)
-            }
-            RewardSpec::Lexicon(s) => {
-                let mut positive = s.positive.clone();
-                let mut negative = s.negative.clone();
-                if let Some(path) = &s.positive_file {
-                    positive.extend(read_list("positive_file", path)?);
-                }
-                if let Some(path) = &s.negative_file {
-                    negative.extend(read_list("negative_file", path)?);
-                }
-                Box::new(Lexicon::new(name, &positive, &negative, s.normalize)?)
-            }
-            RewardSpec::ExactMatch(s) => {
-                Box::new(ExactMatch::new(name, s.column.clone(), s.case_insensitive, s.marker.clone(), s.last_number)?)
-            }
-            RewardSpec::Command(s) => {
-                if s.batch_size == Some(0) {
-                    return Err(Error::Invalid("batch_size must be at least 1".into()));
-                }
-                check_failure_rate(s.max_failure_rate)?;
-                let launch = Launch {
-                    argv: s.command.clone(),
-                    cwd: s.cwd.clone(),
-                    env: s.env.iter().map(|(k, v)| (k.clone(), v.clone())).collect(),
-                };
-                let timeout = seconds("timeout_s", s.timeout_s)?;
-                Box::new(CommandSource::start(name, launch, s.batch_size, timeout, s.max_failure_rate)?)
-            }
-            RewardSpec::Http(s) => {
-                if s.batch_size == 0 {
-                    return Err(Error::Invalid("batch_size must be at least 1".into()));
-                }
-                let reach = s.reach();
-                Box::new(HttpSource::new(
-                    name,
-                    &s.url,
-                    reach.client()?,
-                    s.batch_size,
-                    s.max_concurrency,
-                    s.max_failure_rate,
-                ))
-            }
-            RewardSpec::Judge(s) => Box::new(JudgeSource::new(name, s.judge()?, s.pairs, s.max_failure_rate)),
-        })
+        self.table().weight()
     }
 }
 
-impl HttpSpec {
-    fn reach(&self) -> Reach<'_> {
-        Reach {
-            url: &self.url,
-            headers: &self.headers,
-            api_key_env: &self.api_key_env,
-            max_concurrency: self.max_concurrency,
-            timeout_s: self.timeout_s,
-            retries: self.retries,
-            backoff_s: self.backoff_s,
-            max_failure_rate: self.max_failure_rate,
-        }
-    }
+/// The default of every table's `weight`.
+pub(super) fn one() -> f32 {
+    1.0
 }
 
-impl JudgeSpec {
-    fn reach(&self) -> Reach<'_> {
-        Reach {
-            url: &self.url,
-            headers: &self.headers,
-            api_key_env: &self.api_key_env,
-            max_concurrency: self.max_concurrency,
-            timeout_s: self.timeout_s,
-            retries: self.retries,
-            backoff_s: self.backoff_s,
-            max_failure_rate: self.max_failure_rate,
-        }
-    }
-
-    /// The judge this table describes (also what `rloo eval --judge` asks).
-    pub fn judge(&self) -> Result<Judge> {
-        if !(self.temperature.is_finite() && self.temperature >= 0.0) {
-            return Err(Error::Invalid(format!("temperature must be >= 0, got {}", self.temperature)));
-        }
-        if self.max_tokens == 0 {
-            return Err(Error::Invalid("max_tokens must be at least 1".into()));
-        }
-        Judge::new(
-            self.reach().client()?,
-            JudgeSettings {
-                url: self.url.clone(),
-                model: self.model.clone(),
-                system: self.system.clone(),
-                template: self.template.clone(),
-                score_pattern: self.score_pattern.clone(),
-                temperature: self.temperature,
-                max_tokens: self.max_tokens,
-                max_concurrency: self.max_concurrency,
-                mode: self.mode,
-            },
-        )
-    }
-}
-
-fn finite(key: &str, x: f32) -> Result<()> {
+pub(super) fn finite(key: &str, x: f32) -> Result<()> {
     if x.is_finite() {
         Ok(())
     } else {
         Err(Error::Invalid(format!("{key} must be a finite number, got {x}")))
     }
-}
-
-fn read_list(key: &str, path: &Path) -> Result<Vec<String>> {
-    read_word_list(path).map_err(|e| Error::Invalid(format!("{key}: {e}")))
 }
 
 /// Checks a metric name: it becomes a path segment of `rewards/<name>/mean`.
@@ -659,7 +203,7 @@ pub fn reward_funcs(funcs: &[String], weights: Option<&[f32]>) -> Result<Vec<Rew
                     name: Some(name.to_string()),
                     weight,
                     path: path.to_string(),
-                    batch_size: default_batch_size(),
+                    batch_size: super::model::default_batch_size(),
                 })
             }
             other => {
@@ -701,7 +245,8 @@ pub fn build(specs: &[RewardSpec], device: &Device) -> Result<RewardSet> {
     let mut set = RewardSet::new();
     for (i, spec) in specs.iter().enumerate() {
         let source = spec
-            .source(device)
+            .table()
+            .build(spec.name().to_string(), device)
             .map_err(|e| Error::Invalid(format!("reward #{} ({} `{}`): {e}", i + 1, spec.type_name(), spec.name())))?;
         set.push(source, spec.weight())?;
     }

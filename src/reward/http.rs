@@ -4,12 +4,97 @@
 //! `{"scores": [...]}` or OpenRLHF's `{"rewards": [...]}`; `null` is "no
 //! score". `rloo reward serve` speaks this protocol.
 
+use std::collections::BTreeMap;
 use std::time::Instant;
 
-use super::remote::{batch_json, read_scores, CallStats, FailureBudget, Tally};
+use candle_core::Device;
+use serde::{Deserialize, Serialize};
+
+use super::config::{one, RewardTable};
+use super::remote::{
+    batch_json, default_backoff, default_concurrency, default_max_failure_rate, default_retries, reach_of, read_scores,
+    CallStats, FailureBudget, Reach, Tally,
+};
 use super::{RewardSource, Sample};
-use crate::error::Result;
+use crate::error::{Error, Result};
 use crate::service::{in_parallel, Client};
+
+fn default_timeout() -> f64 {
+    60.0
+}
+
+fn default_http_batch_size() -> usize {
+    32
+}
+
+/// `type = "http"`: a scoring service (see `reward::http`; `rloo reward
+/// serve` is one).
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct HttpSpec {
+    /// Metric name; default `http`.
+    pub name: Option<String>,
+    /// Weight in the total score.
+    #[serde(default = "one")]
+    pub weight: f32,
+    /// Where batches are POSTed, e.g. `http://10.0.0.5:8000/score`.
+    pub url: String,
+    /// Samples per request.
+    #[serde(default = "default_http_batch_size")]
+    pub batch_size: usize,
+    /// Extra request headers.
+    #[serde(default)]
+    pub headers: BTreeMap<String, String>,
+    /// The environment variable holding a bearer token (the token itself is
+    /// never written anywhere).
+    pub api_key_env: Option<String>,
+    /// Requests in flight at once.
+    #[serde(default = "default_concurrency")]
+    pub max_concurrency: usize,
+    /// Seconds per attempt, from connecting to the end of the answer.
+    #[serde(default = "default_timeout")]
+    pub timeout_s: f64,
+    /// Attempts after the first, on connection errors, timeouts, 429 and 5xx.
+    #[serde(default = "default_retries")]
+    pub retries: u32,
+    /// Seconds before the first retry; doubled for each next one, jittered.
+    #[serde(default = "default_backoff")]
+    pub backoff_s: f64,
+    /// The share of a step's samples that may fail before the run stops.
+    #[serde(default = "default_max_failure_rate")]
+    pub max_failure_rate: f64,
+}
+
+impl RewardTable for HttpSpec {
+    fn name(&self) -> Option<&str> {
+        self.name.as_deref()
+    }
+
+    fn weight(&self) -> f32 {
+        self.weight
+    }
+
+    fn build(&self, name: String, _device: &Device) -> Result<Box<dyn RewardSource>> {
+        if self.batch_size == 0 {
+            return Err(Error::Invalid("batch_size must be at least 1".into()));
+        }
+        let reach = self.reach();
+        Ok(Box::new(HttpSource::new(
+            name,
+            &self.url,
+            reach.client()?,
+            self.batch_size,
+            self.max_concurrency,
+            self.max_failure_rate,
+        )))
+    }
+}
+
+impl HttpSpec {
+    fn reach(&self) -> Reach<'_> {
+        reach_of!(self)
+    }
+}
 
 pub struct HttpSource {
     name: String,

@@ -19,15 +19,130 @@
 use std::collections::{BTreeMap, BTreeSet};
 use std::time::Instant;
 
+use candle_core::Device;
 use regex::Regex;
 use serde::{Deserialize, Serialize};
 use serde_json::{json, Map, Value};
 
-use super::remote::{CallStats, FailureBudget};
+use super::config::{one, RewardTable};
+use super::remote::{
+    default_backoff, default_concurrency, default_max_failure_rate, default_retries, reach_of, CallStats,
+    FailureBudget, Reach,
+};
 use super::{RewardSource, Sample};
 use crate::data::Prompt;
 use crate::error::{Error, Result};
 use crate::service::{in_parallel, Client};
+
+fn default_judge_timeout() -> f64 {
+    300.0
+}
+
+fn default_max_tokens() -> u32 {
+    1024
+}
+
+/// `type = "judge"`: an LLM judge (see `reward::judge`).
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct JudgeSpec {
+    /// Metric name; default `judge`.
+    pub name: Option<String>,
+    /// Weight in the total score.
+    #[serde(default = "one")]
+    pub weight: f32,
+    /// The API base, e.g. `http://127.0.0.1:8000/v1`; requests go to
+    /// `<url>/chat/completions`.
+    pub url: String,
+    /// The model name the server expects.
+    pub model: String,
+    /// The environment variable holding the API key (sent as a bearer
+    /// token; never written anywhere).
+    pub api_key_env: Option<String>,
+    /// A system message, sent before the rendered template.
+    pub system: Option<String>,
+    /// The user message, with `{prompt}`, `{completion}` (pointwise) or
+    /// `{completion_1}`, `{completion_2}` (pairwise) and `{column}` fields;
+    /// default: a 1-to-5 helpfulness rating in the GenRM convention.
+    pub template: Option<String>,
+    /// A regex whose first group (pointwise) or first two groups (pairwise)
+    /// are the scores; default: `\boxed{s}` or `\boxed{s1, s2}`.
+    pub score_pattern: Option<String>,
+    /// `pointwise` (one completion per request) or `pairwise` (GenRM).
+    #[serde(default)]
+    pub mode: JudgeMode,
+    /// Pairwise: `round_robin` (k comparisons per group) or `all`
+    /// (k (k - 1)).
+    #[serde(default)]
+    pub pairs: Pairs,
+    #[serde(default)]
+    pub temperature: f64,
+    /// The longest answer, in the judge's tokens.
+    #[serde(default = "default_max_tokens")]
+    pub max_tokens: u32,
+    /// Extra request headers.
+    #[serde(default)]
+    pub headers: BTreeMap<String, String>,
+    /// Requests in flight at once.
+    #[serde(default = "default_concurrency")]
+    pub max_concurrency: usize,
+    /// Seconds per attempt.
+    #[serde(default = "default_judge_timeout")]
+    pub timeout_s: f64,
+    /// Attempts after the first, on connection errors, timeouts, 429 and 5xx.
+    #[serde(default = "default_retries")]
+    pub retries: u32,
+    /// Seconds before the first retry; doubled for each next one, jittered.
+    #[serde(default = "default_backoff")]
+    pub backoff_s: f64,
+    /// The share of a step's requests that may fail before the run stops.
+    #[serde(default = "default_max_failure_rate")]
+    pub max_failure_rate: f64,
+}
+
+impl RewardTable for JudgeSpec {
+    fn name(&self) -> Option<&str> {
+        self.name.as_deref()
+    }
+
+    fn weight(&self) -> f32 {
+        self.weight
+    }
+
+    fn build(&self, name: String, _device: &Device) -> Result<Box<dyn RewardSource>> {
+        Ok(Box::new(JudgeSource::new(name, self.judge()?, self.pairs, self.max_failure_rate)))
+    }
+}
+
+impl JudgeSpec {
+    fn reach(&self) -> Reach<'_> {
+        reach_of!(self)
+    }
+
+    /// The judge this table describes (also what `rloo eval --judge` asks).
+    pub fn judge(&self) -> Result<Judge> {
+        if !(self.temperature.is_finite() && self.temperature >= 0.0) {
+            return Err(Error::Invalid(format!("temperature must be >= 0, got {}", self.temperature)));
+        }
+        if self.max_tokens == 0 {
+            return Err(Error::Invalid("max_tokens must be at least 1".into()));
+        }
+        Judge::new(
+            self.reach().client()?,
+            JudgeSettings {
+                url: self.url.clone(),
+                model: self.model.clone(),
+                system: self.system.clone(),
+                template: self.template.clone(),
+                score_pattern: self.score_pattern.clone(),
+                temperature: self.temperature,
+                max_tokens: self.max_tokens,
+                max_concurrency: self.max_concurrency,
+                mode: self.mode,
+            },
+        )
+    }
+}
 
 /// The GenRM convention for two responses: the conversation, the two
 /// responses, then individual helpfulness scores from 1 to 5.

@@ -19,14 +19,54 @@ use std::collections::HashMap;
 use std::path::Path;
 
 use candle_core::Device;
+use serde::{Deserialize, Serialize};
 use serde_json::Value;
 
+use super::config::{one, RewardTable};
 use super::{RewardSource, Sample};
 use crate::data::{Message, Prompt, Tokenizer};
 use crate::error::{Error, Result};
 use crate::model::hub::resolve_model;
 use crate::model::scoring::{sequence_scores, Pair};
 use crate::model::{HeadKind, Model, ModelConfig};
+
+pub(super) fn default_batch_size() -> usize {
+    8
+}
+
+/// `type = "model"`.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct ModelSpec {
+    /// Metric name; default `model`.
+    pub name: Option<String>,
+    /// Weight in the total score.
+    #[serde(default = "one")]
+    pub weight: f32,
+    /// A `*ForSequenceClassification` model directory with `num_labels = 1`,
+    /// or a hub id (`owner/name[@revision]`) in the local cache.
+    pub path: String,
+    /// Sequences per forward pass.
+    #[serde(default = "default_batch_size")]
+    pub batch_size: usize,
+}
+
+impl RewardTable for ModelSpec {
+    fn name(&self) -> Option<&str> {
+        self.name.as_deref()
+    }
+
+    fn weight(&self) -> f32 {
+        self.weight
+    }
+
+    fn build(&self, name: String, device: &Device) -> Result<Box<dyn RewardSource>> {
+        if self.batch_size == 0 {
+            return Err(Error::Invalid("batch_size must be at least 1".into()));
+        }
+        Ok(Box::new(RewardModel::load(name, &self.path, device, self.batch_size)?))
+    }
+}
 
 /// A sequence-classification model and its tokenizer, scoring on a device.
 pub struct RewardModel {

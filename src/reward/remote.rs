@@ -9,7 +9,9 @@
 //! source stops the run with an error that names it, where it lives and the
 //! last failure.
 
+use std::collections::BTreeMap;
 use std::sync::Mutex;
+use std::time::Duration;
 
 use serde_json::{json, Map, Value};
 
@@ -17,6 +19,7 @@ use super::Sample;
 use crate::data::prompt::describe_json;
 use crate::data::Prompt;
 use crate::error::{Error, Result};
+use crate::service::{Client, Retry};
 
 /// One step's calls to a source.
 #[derive(Debug, Clone, Default, PartialEq)]
@@ -210,5 +213,91 @@ mod tests {
                 ("rewards/judge/latency_s/p95".to_string(), 0.3)
             ]
         );
+    }
+}
+
+pub(super) fn default_max_failure_rate() -> f64 {
+    0.1
+}
+
+pub(super) fn default_retries() -> u32 {
+    3
+}
+
+pub(super) fn default_backoff() -> f64 {
+    1.0
+}
+
+pub(super) fn default_concurrency() -> usize {
+    8
+}
+
+/// How to reach a service: what the `http` and `judge` tables share.
+pub(super) struct Reach<'a> {
+    pub(super) url: &'a str,
+    pub(super) headers: &'a BTreeMap<String, String>,
+    pub(super) api_key_env: &'a Option<String>,
+    pub(super) max_concurrency: usize,
+    pub(super) timeout_s: f64,
+    pub(super) retries: u32,
+    pub(super) backoff_s: f64,
+    pub(super) max_failure_rate: f64,
+}
+
+/// The [`Reach`] of a table that names its options as [`Reach`] does
+/// (`http`, `judge`).
+macro_rules! reach_of {
+    ($table:expr) => {
+        Reach {
+            url: &$table.url,
+            headers: &$table.headers,
+            api_key_env: &$table.api_key_env,
+            max_concurrency: $table.max_concurrency,
+            timeout_s: $table.timeout_s,
+            retries: $table.retries,
+            backoff_s: $table.backoff_s,
+            max_failure_rate: $table.max_failure_rate,
+        }
+    };
+}
+pub(super) use reach_of;
+
+impl Reach<'_> {
+    /// Checks the options and makes the client.
+    pub(super) fn client(&self) -> Result<Client> {
+        if !(self.url.starts_with("http://") || self.url.starts_with("https://")) {
+            return Err(Error::Invalid(format!("url `{}` must start with http:// or https://", self.url)));
+        }
+        if self.max_concurrency == 0 {
+            return Err(Error::Invalid("max_concurrency must be at least 1".into()));
+        }
+        let timeout = seconds("timeout_s", self.timeout_s)?;
+        let backoff = if self.backoff_s == 0.0 { Duration::ZERO } else { seconds("backoff_s", self.backoff_s)? };
+        check_failure_rate(self.max_failure_rate)?;
+        let token = match self.api_key_env {
+            Some(var) => Some(
+                std::env::var(var)
+                    .map_err(|_| Error::Invalid(format!("api_key_env: the environment variable `{var}` is not set")))?,
+            ),
+            None => None,
+        };
+        let headers: Vec<(String, String)> = self.headers.iter().map(|(k, v)| (k.clone(), v.clone())).collect();
+        Ok(Client::new(timeout, &headers, token.as_deref(), Retry { retries: self.retries, backoff }))
+    }
+}
+
+pub(super) fn seconds(key: &str, s: f64) -> Result<Duration> {
+    if s.is_finite() && s > 0.0 && s < 1e9 {
+        Ok(Duration::from_secs_f64(s))
+    } else {
+        Err(Error::Invalid(format!("{key} must be a number of seconds > 0, got {s}")))
+    }
+}
+
+pub(super) fn check_failure_rate(rate: f64) -> Result<()> {
+    if (0.0..=1.0).contains(&rate) {
+        Ok(())
+    } else {
+        Err(Error::Invalid(format!("max_failure_rate must be in [0, 1], got {rate}")))
     }
 }

@@ -8,15 +8,197 @@
 //!   equals a column of the dataset row, else 0.
 
 use std::collections::HashSet;
-use std::path::Path;
+use std::path::{Path, PathBuf};
 use std::sync::OnceLock;
 
+use candle_core::Device;
 use regex::{Regex, RegexBuilder};
 use serde::{Deserialize, Serialize};
 use serde_json::{Map, Value};
 
+use super::config::{finite, one, RewardTable};
 use super::{RewardSource, Sample};
 use crate::error::{read_to_string, Error, Result};
+
+/// `type = "length"`: `scale * len`, or `scale * -|len - target|`.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct LengthSpec {
+    /// Metric name; default `length`.
+    pub name: Option<String>,
+    /// Weight in the total score.
+    #[serde(default = "one")]
+    pub weight: f32,
+    /// `tokens` (policy tokens, the default) or `chars`.
+    #[serde(default)]
+    pub unit: LengthUnit,
+    /// When set, the reward is minus the distance to this length.
+    pub target: Option<f32>,
+    /// Multiplies the length (or the distance).
+    #[serde(default = "one")]
+    pub scale: f32,
+}
+
+impl RewardTable for LengthSpec {
+    fn name(&self) -> Option<&str> {
+        self.name.as_deref()
+    }
+
+    fn weight(&self) -> f32 {
+        self.weight
+    }
+
+    fn build(&self, name: String, _device: &Device) -> Result<Box<dyn RewardSource>> {
+        finite("scale", self.scale)?;
+        if let Some(t) = self.target {
+            if !(t.is_finite() && t >= 0.0) {
+                return Err(Error::Invalid(format!("target must be a length >= 0, got {t}")));
+            }
+        }
+        Ok(Box::new(Length::new(name, self.unit, self.target, self.scale)))
+    }
+}
+
+/// `type = "count"`: matches of `pattern` or `substring`, capped at `max`.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct CountSpec {
+    /// Metric name; default `count`.
+    pub name: Option<String>,
+    /// Weight in the total score (negative to penalise).
+    #[serde(default = "one")]
+    pub weight: f32,
+    /// A regular expression (Rust `regex` syntax).
+    pub pattern: Option<String>,
+    /// Literal text; give this or `pattern`.
+    pub substring: Option<String>,
+    /// Match regardless of case.
+    #[serde(default)]
+    pub case_insensitive: bool,
+    /// Count at most this many matches.
+    pub max: Option<u32>,
+}
+
+impl RewardTable for CountSpec {
+    fn name(&self) -> Option<&str> {
+        self.name.as_deref()
+    }
+
+    fn weight(&self) -> f32 {
+        self.weight
+    }
+
+    fn build(&self, name: String, _device: &Device) -> Result<Box<dyn RewardSource>> {
+        let needle = match (&self.pattern, &self.substring) {
+            (Some(p), None) => Needle::Pattern(p.clone()),
+            (None, Some(t)) => Needle::Substring(t.clone()),
+            (Some(_), Some(_)) => {
+                return Err(Error::Invalid(
+                    "give either `pattern` (a regex) or `substring` (literal text), \
+                     not both"
+                        .into(),
+                ))
+            }
+            (None, None) => {
+                return Err(Error::Invalid("give `pattern` (a regex) or `substring` (literal text) to count".into()))
+            }
+        };
+        Ok(Box::new(Count::new(name, &needle, self.case_insensitive, self.max)?))
+    }
+}
+
+/// `type = "lexicon"`: `#positive - #negative` words.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct LexiconSpec {
+    /// Metric name; default `lexicon`.
+    pub name: Option<String>,
+    /// Weight in the total score.
+    #[serde(default = "one")]
+    pub weight: f32,
+    /// Positive words, inline.
+    #[serde(default)]
+    pub positive: Vec<String>,
+    /// Negative words, inline.
+    #[serde(default)]
+    pub negative: Vec<String>,
+    /// A file of positive words, one per line (`#`/`;` comment lines).
+    pub positive_file: Option<PathBuf>,
+    /// A file of negative words, one per line.
+    pub negative_file: Option<PathBuf>,
+    /// Divide by the number of words in the completion.
+    #[serde(default)]
+    pub normalize: bool,
+}
+
+impl RewardTable for LexiconSpec {
+    fn name(&self) -> Option<&str> {
+        self.name.as_deref()
+    }
+
+    fn weight(&self) -> f32 {
+        self.weight
+    }
+
+    fn build(&self, name: String, _device: &Device) -> Result<Box<dyn RewardSource>> {
+        let mut positive = self.positive.clone();
+        let mut negative = self.negative.clone();
+        if let Some(path) = &self.positive_file {
+            positive.extend(read_list("positive_file", path)?);
+        }
+        if let Some(path) = &self.negative_file {
+            negative.extend(read_list("negative_file", path)?);
+        }
+        Ok(Box::new(Lexicon::new(name, &positive, &negative, self.normalize)?))
+    }
+}
+
+/// `type = "exact_match"`: 1.0 when the completion's answer equals the
+/// row's `column`, else 0.0; rows without the column are unscorable.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct ExactMatchSpec {
+    /// Metric name; default `exact_match`.
+    pub name: Option<String>,
+    /// Weight in the total score.
+    #[serde(default = "one")]
+    pub weight: f32,
+    /// The dataset column holding the reference answer.
+    pub column: String,
+    /// Compare lower-cased.
+    #[serde(default)]
+    pub case_insensitive: bool,
+    /// Compare only the text after the last occurrence of this marker
+    /// (GSM8K's `####`).
+    pub marker: Option<String>,
+    /// Compare only the last number (as a number).
+    #[serde(default)]
+    pub last_number: bool,
+}
+
+impl RewardTable for ExactMatchSpec {
+    fn name(&self) -> Option<&str> {
+        self.name.as_deref()
+    }
+
+    fn weight(&self) -> f32 {
+        self.weight
+    }
+
+    fn build(&self, name: String, _device: &Device) -> Result<Box<dyn RewardSource>> {
+        Ok(Box::new(ExactMatch::new(
+            name,
+            self.column.clone(),
+            self.case_insensitive,
+            self.marker.clone(),
+            self.last_number,
+        )?))
+    }
+}
+
+fn read_list(key: &str, path: &Path) -> Result<Vec<String>> {
+    read_word_list(path).map_err(|e| Error::Invalid(format!("{key}: {e}")))
+}
 
 /// What [`Length`] counts.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default, Serialize, Deserialize)]

@@ -6,8 +6,8 @@
 //! completions x `response_length`) rather than averaged within each
 //! completion.
 
-use super::grpo::{grpo_advantages, returns, set_group_metrics};
-use super::{needs_groups, per_sequence, Algorithm, Batch, Entry, LossShape, Start, Targets};
+use super::grpo::group_targets;
+use super::{needs_groups, Algorithm, Batch, Entry, LossShape, Start, Targets};
 use crate::algo::{Aggregation, KlPlacement, RatioLevel, ScaleRewards};
 use crate::error::Result;
 use crate::report::Metrics;
@@ -43,14 +43,6 @@ impl Algorithm for DrGrpo {
     }
 
     fn targets(&self, batch: &Batch<'_>, metrics: &mut Metrics) -> Result<Targets> {
-        let returns = returns(batch, self.kl);
-        let adv = grpo_advantages(&returns, ScaleRewards::None);
-        set_group_metrics(&returns, &adv, metrics);
-        Ok(Targets {
-            advantages: per_sequence(adv.values.flat(), batch.mask.device())?,
-            mask: batch.mask.clone(),
-            returns: None,
-            values: None,
-        })
+        group_targets(batch, self.kl, ScaleRewards::None, metrics)
     }
 }

@@ -48,16 +48,27 @@ impl Algorithm for Grpo {
     }
 
     fn targets(&self, batch: &Batch<'_>, metrics: &mut Metrics) -> Result<Targets> {
-        let returns = returns(batch, self.kl);
-        let adv = grpo_advantages(&returns, self.scale);
-        set_group_metrics(&returns, &adv, metrics);
-        Ok(Targets {
-            advantages: per_sequence(adv.values.flat(), batch.mask.device())?,
-            mask: batch.mask.clone(),
-            returns: None,
-            values: None,
-        })
+        group_targets(batch, self.kl, self.scale, metrics)
     }
+}
+
+/// GRPO's targets (Dr. GRPO's with `ScaleRewards::None`): one advantage
+/// per completion, over its tokens.
+pub fn group_targets(
+    batch: &Batch<'_>,
+    kl: (f32, KlPlacement),
+    scale: ScaleRewards,
+    metrics: &mut Metrics,
+) -> Result<Targets> {
+    let returns = returns(batch, kl);
+    let adv = grpo_advantages(&returns, scale);
+    set_group_metrics(&returns, &adv, metrics);
+    Ok(Targets {
+        advantages: per_sequence(adv.values.flat(), batch.mask.device())?,
+        mask: batch.mask.clone(),
+        returns: None,
+        values: None,
+    })
 }
 
 /// Each completion's return `R_i = s_i - beta KL_i` (`s_i` with the KL in
