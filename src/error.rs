@@ -31,6 +31,10 @@ pub enum Error {
     /// failed beyond what a run tolerates; the message names it.
     #[error("{0}")]
     RewardService(String),
+    /// A data-parallel job could not form, or one of its ranks failed; the
+    /// message names the rank.
+    #[error("{0}")]
+    Dist(String),
     #[error(transparent)]
     Tensor(#[from] candle_core::Error),
 }

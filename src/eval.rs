@@ -89,6 +89,7 @@ pub fn evaluate_model(
         stop: StopCriteria { token_ids: stop, strings: vec![] },
         batch_size: opts.batch_size,
         seed: opts.seed,
+        prompt_offset: 0,
         max_positions: model.config().max_positions(),
     };
     let rows = (0..prompts.len()).collect();

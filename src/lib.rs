@@ -4,11 +4,14 @@
 //! token ids, `model` runs the networks (forward, log-probs, training
 //! path, loading and saving Hugging Face directories), `reward` scores
 //! completions, `service` talks HTTP to what lives outside; `rng` is the seeded
-//! generator and the named streams every random choice draws from. The `rloo` binary is a thin command line over it.
+//! generator and the named streams every random choice draws from; `dist`
+//! joins the processes of a data-parallel job. The `rloo` binary is a thin
+//! command line over it.
 
 pub mod algo;
 pub mod check;
 pub mod data;
+pub mod dist;
 pub mod error;
 pub mod eval;
 pub mod generate;

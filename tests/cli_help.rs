@@ -17,6 +17,7 @@ const COMMANDS: &[&[&str]] = &[
     &["data", "prepare"],
     &["eval"],
     &["generate"],
+    &["launch"],
     &["merge"],
     &["pipeline"],
     &["reward"],

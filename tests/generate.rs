@@ -18,6 +18,7 @@ fn options(sampling: Sampling, max_new_tokens: usize, k: usize, batch_size: usiz
         stop: StopCriteria { token_ids: stop, strings: vec![] },
         batch_size,
         seed: 11,
+        prompt_offset: 0,
         max_positions: None,
     }
 }

@@ -138,6 +138,7 @@ impl Fixture {
             stop: StopCriteria { token_ids: eos.clone(), strings: vec![] },
             batch_size: 8,
             seed: 11,
+            prompt_offset: 0,
             max_positions: None,
         };
         let mut got = vec![Vec::new(); prompts.len()];

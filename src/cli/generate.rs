@@ -138,6 +138,7 @@ pub fn run(args: GenerateArgs) -> Result<()> {
         stop: StopCriteria { token_ids: stop_ids, strings: args.stop.clone() },
         batch_size: args.batch_size as usize,
         seed: args.seed,
+        prompt_offset: 0,
         max_positions: model.config().max_positions(),
     };
     tracing::info!(

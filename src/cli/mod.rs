@@ -9,6 +9,7 @@ mod data;
 mod dataset_flags;
 mod eval;
 mod generate;
+mod launch;
 mod listen_flags;
 mod merge;
 mod pipeline;
@@ -43,6 +44,7 @@ enum Command {
     Data(data::DataCommand),
     Eval(eval::EvalArgs),
     Generate(generate::GenerateArgs),
+    Launch(launch::LaunchArgs),
     Merge(merge::MergeArgs),
     Pipeline(pipeline::PipelineArgs),
     /// Reward models: `rloo reward train`, `rloo reward serve`.
@@ -80,6 +82,7 @@ pub fn main() -> ExitCode {
         Command::Data(cmd) => data::run(cmd),
         Command::Eval(args) => eval::run(args),
         Command::Generate(args) => generate::run(args),
+        Command::Launch(args) => launch::run(args),
         Command::Merge(args) => merge::run(args),
         Command::Pipeline(args) => pipeline::run(args),
         Command::Reward(cmd) => reward::run(cmd),
@@ -92,7 +95,9 @@ pub fn main() -> ExitCode {
     match result {
         Ok(()) => ExitCode::SUCCESS,
         Err(err) => {
-            eprintln!("error: {err}");
+            // In a data-parallel job every rank reports its own failure.
+            let rank = rloo::dist::rank_from_env().map_or(String::new(), |(rank, _)| format!("[rank {rank}] "));
+            eprintln!("{rank}error: {err}");
             for cause in err.chain().skip(1) {
                 eprintln!("  caused by: {cause}");
             }
@@ -124,6 +129,8 @@ fn both_spellings(cmd: clap::Command) -> clap::Command {
 
 fn init_logging(verbose: u8) {
     let default = match verbose {
+        // The other ranks of a data-parallel job say only what goes wrong.
+        0 if rloo::dist::rank_from_env().is_some_and(|(rank, _)| rank > 0) => "warn",
         0 => "info",
         1 => "debug",
         _ => "trace",

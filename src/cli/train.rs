@@ -213,6 +213,9 @@ pub fn run(args: TrainArgs) -> Result<()> {
         return Ok(());
     }
     let summary = rloo::train::rl::train(&cfg).context("training failed")?;
+    if !summary.world.is_main() {
+        return Ok(());
+    }
     eprintln!("trained {} steps ({} episodes) -> {}", summary.steps, summary.episodes, summary.output_dir.display());
     let t = &summary.timing;
     let which = if t.after_first { ", after the first" } else { "" };

@@ -15,7 +15,7 @@ use crate::error::{Error, Result};
 use crate::model::{Inputs, Network, PadSide};
 use crate::rng::Rng;
 
-#[derive(Debug, Clone, Copy, PartialEq, Eq, serde::Serialize)]
+#[derive(Debug, Clone, Copy, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
 #[serde(rename_all = "lowercase")]
 pub enum FinishReason {
     /// An EOS id, a stop token id or a stop string ended the completion.
@@ -66,12 +66,16 @@ pub struct GenerateOptions {
     /// Rows (prompt x sample) decoded together.
     pub batch_size: usize,
     pub seed: u64,
+    /// Added to a prompt's index where its rows' random streams are keyed:
+    /// a process sampling one share of a batch draws what one process
+    /// sampling the whole batch would.
+    pub prompt_offset: usize,
     /// The longest prompt + completion the model allows, if bounded.
     pub max_positions: Option<usize>,
 }
 
 /// One finished completion.
-#[derive(Debug, Clone)]
+#[derive(Debug, Clone, serde::Serialize, serde::Deserialize)]
 pub struct Completion {
     pub prompt_index: usize,
     pub sample_index: usize,
@@ -161,7 +165,7 @@ fn decode_batch(
             tokens: Vec::with_capacity(opts.max_new_tokens),
             logprobs: Vec::with_capacity(opts.max_new_tokens),
             entropies: Vec::with_capacity(opts.max_new_tokens),
-            rng: Rng::stream(opts.seed, &[p as u64, s as u64]),
+            rng: Rng::stream(opts.seed, &[(opts.prompt_offset + p) as u64, s as u64]),
         })
         .collect();
     if opts.max_new_tokens == 0 {

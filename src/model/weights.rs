@@ -213,6 +213,20 @@ impl ParamStore {
         self.params.iter().filter(|p| !p.frozen)
     }
 
+    /// A short digest of every parameter's name, shape and values (their
+    /// sum and sum of squares, reduced where they live), to tell whether two
+    /// processes hold the same weights without moving them.
+    pub fn fingerprint(&self) -> Result<String> {
+        let mut text = String::new();
+        for p in &self.params {
+            let t = p.var.as_tensor().to_dtype(DType::F32)?;
+            let sum = t.sum_all()?.to_scalar::<f32>()?;
+            let sq = t.sqr()?.sum_all()?.to_scalar::<f32>()?;
+            text.push_str(&format!("{} {:?} {sum:e} {sq:e}\n", p.name, t.dims()));
+        }
+        Ok(crate::dist::digest(text.as_bytes()))
+    }
+
     /// Number of scalar parameters that train.
     pub fn trainable_numel(&self) -> usize {
         self.trainable().map(|p| p.var.elem_count()).sum()

@@ -18,7 +18,7 @@ pub struct RewardSet {
 }
 
 /// The scores of one batch.
-#[derive(Debug, Clone, PartialEq)]
+#[derive(Debug, Clone, Default, PartialEq, serde::Serialize, serde::Deserialize)]
 pub struct Scores {
     /// Each source's own scores (before weighting), in the order the sources
     /// were added; non-finite scores are already `None`.
@@ -31,6 +31,29 @@ pub struct Scores {
     pub non_finite: Vec<(String, usize)>,
     /// The requests of the sources that make any.
     pub calls: Vec<(String, super::CallStats)>,
+}
+
+impl Scores {
+    /// The scores of several shares of one batch, in order, as one batch's.
+    pub fn concat(parts: Vec<Scores>) -> Scores {
+        let mut parts = parts.into_iter();
+        let mut all = parts.next().unwrap_or_default();
+        for part in parts {
+            for ((_, mine), (_, theirs)) in all.per_source.iter_mut().zip(part.per_source) {
+                mine.extend(theirs);
+            }
+            all.total.extend(part.total);
+            for ((_, mine), (_, theirs)) in all.non_finite.iter_mut().zip(part.non_finite) {
+                *mine += theirs;
+            }
+            for ((_, mine), (_, theirs)) in all.calls.iter_mut().zip(part.calls) {
+                mine.items += theirs.items;
+                mine.failures += theirs.failures;
+                mine.latencies.extend(theirs.latencies);
+            }
+        }
+        all
+    }
 }
 
 impl RewardSet {

@@ -22,7 +22,7 @@ use crate::error::{Error, Result};
 use crate::service::{Client, Retry};
 
 /// One step's calls to a source.
-#[derive(Debug, Clone, Default, PartialEq)]
+#[derive(Debug, Clone, Default, PartialEq, serde::Serialize, serde::Deserialize)]
 pub struct CallStats {
     /// Items asked for: samples, or comparisons for a pairwise judge.
     pub items: usize,

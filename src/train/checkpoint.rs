@@ -35,6 +35,13 @@ pub struct TrainerState {
     /// Optimizer steps skipped for a non-finite loss or gradient so far.
     #[serde(default)]
     pub skipped_steps: usize,
+    /// The processes of the data-parallel job that saved it (0 or 1: one).
+    #[serde(default, skip_serializing_if = "one_process")]
+    pub world_size: usize,
+}
+
+fn one_process(world_size: &usize) -> bool {
+    *world_size <= 1
 }
 
 pub fn checkpoint_dir(output_dir: &Path, step: usize) -> PathBuf {

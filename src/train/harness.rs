@@ -24,9 +24,11 @@ pub struct HarnessOptions {
     pub tensorboard: bool,
 }
 
-/// An open run: its directory, sinks, sample log and progress bar.
+/// An open run: its directory, sinks, sample log and progress bar; on the
+/// ranks of a data-parallel job other than the main one, none of them.
 pub struct Harness {
-    run_dir: RunDir,
+    /// None on a rank that writes nothing.
+    run_dir: Option<RunDir>,
     sinks: Vec<Box<dyn MetricsSink>>,
     samples: Option<SampleWriter>,
     progress: Option<TrainProgress>,
@@ -45,6 +47,21 @@ impl Harness {
         Ok(run_dir)
     }
 
+    /// A rank of a data-parallel job that is not the main one: it writes
+    /// and prints nothing, and stops on the same signals.
+    pub fn silent(done: usize) -> Self {
+        stop::install();
+        Self {
+            run_dir: None,
+            sinks: Vec::new(),
+            samples: None,
+            progress: None,
+            logging_steps: 1,
+            first_step: done + 1,
+            timing: RunTiming::default(),
+        }
+    }
+
     /// Opens the logs of the locked directory: new ones, or a resumed run's
     /// with the rows of steps after `done` dropped (they run again).
     pub fn open(run_dir: RunDir, done: usize, opts: HarnessOptions) -> Result<Self> {
@@ -57,7 +74,7 @@ impl Harness {
             (true, done) => Some(SampleWriter::resume(output_dir, done as u64 + 1)?),
         };
         Ok(Self {
-            run_dir,
+            run_dir: Some(run_dir),
             sinks,
             samples,
             progress: opts.progress_total.map(TrainProgress::new),
@@ -65,10 +82,6 @@ impl Harness {
             first_step,
             timing: RunTiming::default(),
         })
-    }
-
-    pub fn output_dir(&self) -> &Path {
-        self.run_dir.path()
     }
 
     /// Writes `metrics` of `step` (1-based) when logging is due, or when `force`d.
@@ -94,6 +107,9 @@ impl Harness {
 
     /// Prints the first `rows` of `table` under `heading`.
     pub fn print_table(&self, heading: &str, table: &SampleTable, rows: usize) {
+        if self.run_dir.is_none() {
+            return;
+        }
         let print = || eprintln!("{heading}\n{}", table.render(crate::report::table::terminal_width(), rows, 8));
         match &self.progress {
             Some(bar) => bar.suspend(print),
@@ -147,11 +163,12 @@ pub enum Stopping {
 }
 
 impl Stopping {
-    /// Whether the run must stop now.
-    pub fn now(guard: &StepGuard) -> Option<Stopping> {
+    /// Whether the run must stop now; `signalled`: whether a signal asked
+    /// this process (or, in a data-parallel job, any of its ranks) to stop.
+    pub fn now(guard: &StepGuard, signalled: bool) -> Option<Stopping> {
         if guard.exhausted() {
             Some(Stopping::Diverged)
-        } else if stop::requested() {
+        } else if signalled {
             Some(Stopping::Interrupted)
         } else {
             None

@@ -7,6 +7,7 @@ use candle_core::backprop::GradStore;
 use candle_core::{DType, Tensor, Var};
 
 use super::config::Schedule;
+use crate::dist::Communicator;
 use crate::error::{Error, Result};
 use crate::model::kernels::{self, AdamWStep};
 use crate::model::ParamStore;
@@ -41,6 +42,37 @@ impl GradAccumulator {
 
     pub fn clear(&mut self) {
         self.sums.clear();
+    }
+
+    /// Sums the gradients of `stores` over the ranks of a data-parallel
+    /// job, in one buffer, in the stores' parameter order; a parameter with
+    /// a gradient on any rank has one (zero elsewhere) on every rank after.
+    pub fn all_reduce(&mut self, stores: &[&ParamStore], comm: &dyn Communicator) -> Result<()> {
+        let vars: Vec<&Var> = stores.iter().flat_map(|s| s.iter().map(|p| &p.var)).collect();
+        let mut present: Vec<f64> = vars.iter().map(|v| if self.get(v).is_some() { 1.0 } else { 0.0 }).collect();
+        comm.all_reduce_sum_f64(&mut present)?;
+        let vars: Vec<&Var> = vars.into_iter().zip(present).filter(|(_, p)| *p > 0.0).map(|(v, _)| v).collect();
+        let mut flat = Vec::new();
+        for var in &vars {
+            match self.get(var) {
+                Some(g) => flat.extend(g.flatten_all()?.to_dtype(DType::F32)?.to_vec1::<f32>()?),
+                None => flat.resize(flat.len() + var.elem_count(), 0.0),
+            }
+        }
+        comm.all_reduce_sum(&mut flat)?;
+        let mut at = 0;
+        for var in vars {
+            let n = var.elem_count();
+            let dtype = self.get(var).map_or(var.dtype(), Tensor::dtype);
+            let sum = Tensor::from_slice(&flat[at..at + n], var.shape(), var.device())?.to_dtype(dtype)?;
+            at += n;
+            let id = var.as_tensor().id();
+            match self.sums.iter_mut().find(|(i, _)| *i == id) {
+                Some((_, g)) => *g = sum,
+                None => self.sums.push((id, sum)),
+            }
+        }
+        Ok(())
     }
 
     /// The global L2 norm over all gradients.

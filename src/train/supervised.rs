@@ -187,8 +187,17 @@ impl<K: Trainer> SupervisedConfig<K> {
         }
     }
 
-    /// Locks the output directory: the first thing a run does.
+    /// Locks the output directory: the first thing a run does. Several
+    /// processes of one job would each train and write alone, so a
+    /// data-parallel launch is refused.
     pub fn lock_output_dir(&self) -> Result<RunDir> {
+        if crate::dist::Rendezvous::from_env()?.is_some() {
+            return Err(Error::Invalid(
+                "this trainer runs in one process: start it without torchrun, srun or rloo launch \
+                 (rloo train runs data-parallel)"
+                    .into(),
+            ));
+        }
         let reuse = match (&self.resume_from_checkpoint, self.overwrite_output_dir) {
             (Some(_), _) => Reuse::Resume,
             (None, true) => Reuse::Overwrite,
@@ -333,7 +342,7 @@ pub fn train_supervised<K: Trainer, O: Objective>(
             m.set(name, value);
         }
         harness.log(state.step, &m, evaluated.is_some() || state.step == stop_at)?;
-        let stopping = Stopping::now(&guard);
+        let stopping = Stopping::now(&guard, crate::train::stop::requested());
         let save_now = cfg.save_steps > 0 && state.step % cfg.save_steps == 0;
         if save_now || stopping.is_some() || state.step == stop_at {
             let dir = checkpoint::checkpoint_dir(&output_dir, state.step);

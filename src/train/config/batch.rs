@@ -10,7 +10,7 @@ use crate::error::{Error, Result};
 /// micro-batches (`steps_per_generation`, by default
 /// gradient_accumulation_steps: one optimizer step) or in completions
 /// (`generation_batch_size`). Either way it must split into whole optimizer steps.
-fn rollout_batch(cfg: &TrainConfig, micro: usize, mini: usize) -> Result<(usize, String)> {
+fn rollout_batch(cfg: &TrainConfig, micro: usize, mini: usize, world: usize) -> Result<(usize, String)> {
     let r = &cfg.rloo;
     let ga = cfg.train.gradient_accumulation_steps;
     let (batch, how) = match (r.steps_per_generation, r.generation_batch_size) {
@@ -21,14 +21,16 @@ fn rollout_batch(cfg: &TrainConfig, micro: usize, mini: usize) -> Result<(usize,
         }
         (None, None) => {
             let how = format!(
-                "per_device_train_batch_size {micro} x gradient_accumulation_steps {ga} x num_mini_batches {}",
+                "per_device_train_batch_size {micro} x gradient_accumulation_steps {ga}{} x num_mini_batches {}",
+                processes(world),
                 r.num_mini_batches
             );
             return Ok((mini * r.num_mini_batches, how));
         }
-        (Some(steps), None) => {
-            (micro * steps, format!("per_device_train_batch_size {micro} x steps_per_generation {steps}"))
-        }
+        (Some(steps), None) => (
+            micro * world * steps,
+            format!("per_device_train_batch_size {micro}{} x steps_per_generation {steps}", processes(world)),
+        ),
         (None, Some(n)) => (n, format!("generation_batch_size {n}")),
     };
     if r.num_mini_batches != 1 {
@@ -41,16 +43,28 @@ fn rollout_batch(cfg: &TrainConfig, micro: usize, mini: usize) -> Result<(usize,
     if batch == 0 || batch % mini != 0 {
         return Err(Error::Invalid(format!(
             "the rollout batch of {batch} completions ({how}) is not a whole number of optimizer steps of \
-             per_device_train_batch_size {micro} x gradient_accumulation_steps {ga} = {mini} completions"
+             per_device_train_batch_size {micro} x gradient_accumulation_steps {ga}{} = {mini} completions",
+            processes(world)
         )));
     }
     Ok((batch, how))
 }
 
+/// " x N processes" in a size's derivation, when there are several.
+fn processes(world: usize) -> String {
+    if world > 1 {
+        format!(" x {world} processes")
+    } else {
+        String::new()
+    }
+}
+
 /// TRL's batch arithmetic, resolved once:
 /// completions per rollout = per_device_train_batch_size x
 /// gradient_accumulation_steps x num_mini_batches, made of
-/// `batch / k` prompts; each optimizer step sees one mini-batch.
+/// `batch / k` prompts; each optimizer step sees one mini-batch. With
+/// several processes the sizes `per_device_*` are per process, as under
+/// `accelerate`, and the mini-batch and rollout are the whole job's.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct BatchSizes {
     pub micro: usize,
@@ -59,6 +73,8 @@ pub struct BatchSizes {
     pub prompts_per_batch: usize,
     pub k: usize,
     pub total_episodes: usize,
+    /// Processes in the job; each samples `prompts_per_batch / world` prompts.
+    pub world: usize,
     /// Rollout steps (batches).
     pub steps: usize,
     /// Optimizer steps over the run.
@@ -66,16 +82,28 @@ pub struct BatchSizes {
 }
 
 impl BatchSizes {
-    /// `num_prompts` (the dataset size) sets the default total_episodes.
+    /// One process's sizes; `num_prompts` (the dataset size) sets the default total_episodes.
     pub fn new(cfg: &TrainConfig, num_prompts: Option<usize>) -> Result<Self> {
+        Self::for_world(cfg, num_prompts, 1)
+    }
+
+    /// The sizes of a job of `world` processes.
+    pub fn for_world(cfg: &TrainConfig, num_prompts: Option<usize>, world: usize) -> Result<Self> {
         let t = &cfg.train;
         let k = cfg.rloo.k;
         let micro = t.per_device_train_batch_size;
-        let mini = micro * t.gradient_accumulation_steps;
-        let (batch, how) = rollout_batch(cfg, micro, mini)?;
+        let mini = micro * t.gradient_accumulation_steps * world;
+        let (batch, how) = rollout_batch(cfg, micro, mini, world)?;
         if batch % k != 0 {
             return Err(Error::Invalid(format!(
                 "the rollout batch of {batch} completions ({how}) is not a multiple of rloo_k = {k}"
+            )));
+        }
+        if (batch / k) % world != 0 {
+            return Err(Error::Invalid(format!(
+                "the rollout batch's {} prompts ({how}) do not split evenly over {world} processes: a prompt's \
+                 {k} completions stay on one process",
+                batch / k
             )));
         }
         let optimizer_steps_per_batch = cfg.rloo.num_ppo_epochs * (batch / mini);
@@ -103,6 +131,7 @@ impl BatchSizes {
             prompts_per_batch: batch / k,
             k,
             total_episodes,
+            world,
             steps,
             optimizer_steps: steps * optimizer_steps_per_batch,
         })
@@ -111,17 +140,22 @@ impl BatchSizes {
     /// TRL 1.x's names of the same sizes.
     pub fn describe_trl_1x(&self) -> String {
         format!(
-            "generation_batch_size {} = per_device_train_batch_size {} x steps_per_generation {}",
+            "generation_batch_size {} = per_device_train_batch_size {}{} x steps_per_generation {}",
             self.batch,
             self.micro,
-            self.batch / self.micro
+            processes(self.world),
+            self.batch / self.micro / self.world
         )
     }
 
     pub fn describe(&self, epochs: usize) -> String {
+        let per_process = match self.world {
+            1 => String::new(),
+            n => format!(" on each of {n} processes"),
+        };
         format!(
             "{} steps of {} completions ({} prompts x k={}), {} epoch(s) x {} mini-batch(es) of {} \
-             = {} micro-batch(es) of {}; {} optimizer steps, {} episodes",
+             = {} micro-batch(es) of {}{per_process}; {} optimizer steps, {} episodes",
             self.steps,
             self.batch,
             self.prompts_per_batch,
@@ -129,7 +163,7 @@ impl BatchSizes {
             epochs,
             self.batch / self.mini,
             self.mini,
-            self.mini / self.micro,
+            self.mini / self.micro / self.world,
             self.micro,
             self.optimizer_steps,
             self.total_episodes
@@ -194,5 +228,37 @@ mod tests {
         let both =
             with(&[&base[..], &["rloo.steps_per_generation=4", "rloo.generation_batch_size=16"]].concat()).unwrap();
         assert!(BatchSizes::new(&both, None).unwrap_err().to_string().contains("give one"));
+    }
+
+    /// Under several processes `per_device_*` sizes are per process: two
+    /// processes of 2 x 2 make the mini-batch of one process of 4 x 2.
+    #[test]
+    fn per_device_sizes_are_per_process() {
+        let sizes = |per_device: &str, world| {
+            let c = with(&[
+                &format!("train.per_device_train_batch_size={per_device}"),
+                "train.gradient_accumulation_steps=2",
+                "rloo.num_mini_batches=2",
+                "rloo.k=2",
+            ])
+            .unwrap();
+            BatchSizes::for_world(&c, Some(64), world)
+        };
+        let (one, two) = (sizes("4", 1).unwrap(), sizes("2", 2).unwrap());
+        assert_eq!((two.mini, two.batch, two.prompts_per_batch, two.steps), (one.mini, one.batch, 8, one.steps));
+        assert!(two.describe(1).contains("2 micro-batch(es) of 2 on each of 2 processes"), "{}", two.describe(1));
+        // 4 x 2 x 3 processes x 2 mini-batches = 48 completions = 24 prompts: 8 each.
+        assert_eq!(sizes("4", 3).unwrap().prompts_per_batch, 24);
+        // 12 completions in mini-batches of 1 x 4 processes, but 6 prompts do not split over 4.
+        let c = with(&["train.per_device_train_batch_size=1", "rloo.generation_batch_size=12", "rloo.k=2"]).unwrap();
+        let err = BatchSizes::for_world(&c, Some(64), 4).unwrap_err().to_string();
+        assert!(err.contains("6 prompts (generation_batch_size 12) do not split evenly over 4 processes"), "{err}");
+        let c = with(&["train.per_device_train_batch_size=2", "rloo.steps_per_generation=4", "rloo.k=2"]).unwrap();
+        let b = BatchSizes::for_world(&c, Some(8), 2).unwrap();
+        assert_eq!(b.batch, 16);
+        assert_eq!(
+            b.describe_trl_1x(),
+            "generation_batch_size 16 = per_device_train_batch_size 2 x 2 processes x steps_per_generation 4"
+        );
     }
 }

@@ -10,6 +10,7 @@ pub mod evaluation;
 mod optimise;
 mod report;
 mod setup;
+mod shards;
 
 pub use setup::prompt_spec;
 
@@ -25,6 +26,7 @@ use super::run_dir::Reuse;
 use crate::algo;
 use crate::data::prompts::PromptDataset;
 use crate::data::Tokenizer;
+use crate::dist::{self, Communicator};
 use crate::error::{Error, Result};
 use crate::generate::{Completion, GenerateOptions};
 use crate::io::write_atomic;
@@ -52,6 +54,8 @@ pub struct RunSummary {
     pub memory: (Option<u64>, Option<u64>),
     /// On a GPU, its memory in use over the steps.
     pub device_memory: Option<super::memory::DeviceMemory>,
+    /// This process's place in the job.
+    pub world: dist::World,
 }
 
 /// Everything a step needs that does not change between steps.
@@ -72,6 +76,8 @@ struct Run {
     warmup: usize,
     /// The start-up estimate of the peak memory, in bytes (CPU runs).
     memory_plan: Option<u64>,
+    /// The job's processes (one, unless launched data-parallel).
+    comm: Box<dyn Communicator>,
 }
 
 /// The frozen model the KL is measured against.
@@ -99,6 +105,8 @@ struct Optimizers {
 
 pub fn train(cfg: &TrainConfig) -> Result<RunSummary> {
     cfg.validate()?;
+    let comm = dist::init()?;
+    let main = comm.world().is_main();
     let output_dir = PathBuf::from(&cfg.train.output_dir);
     let reuse = if cfg.train.resume_from_checkpoint.is_some() {
         Reuse::Resume
@@ -107,8 +115,9 @@ pub fn train(cfg: &TrainConfig) -> Result<RunSummary> {
     } else {
         Reuse::Fresh
     };
-    let run_dir = Harness::lock(&output_dir, reuse)?;
-    let mut run = Run::start(cfg)?;
+    // One writer: the main rank locks the directory and writes its files.
+    let run_dir = if main { Some(Harness::lock(&output_dir, reuse)?) } else { None };
+    let mut run = Run::start(cfg, comm)?;
     let t = &cfg.train;
     let adamw = || AdamW::new(t.adam_beta1, t.adam_beta2, t.adam_epsilon, t.weight_decay);
     let mut optimizers =
@@ -121,10 +130,15 @@ pub fn train(cfg: &TrainConfig) -> Result<RunSummary> {
         samples: true,
         tensorboard: t.tensorboard(),
     };
-    let evaluation = evaluation::Evaluation::start(&run)?;
-    let mut harness = Harness::open(run_dir, start.step, options)?;
+    let evaluation = if main { evaluation::Evaluation::start(&run)? } else { None };
+    let mut harness = match run_dir {
+        Some(run_dir) => Harness::open(run_dir, start.step, options)?,
+        None => Harness::silent(start.step),
+    };
     let config_toml = cfg.to_toml();
-    write_atomic(&output_dir.join(CONFIG_FILE), config_toml.as_bytes())?;
+    if main {
+        write_atomic(&output_dir.join(CONFIG_FILE), config_toml.as_bytes())?;
+    }
     let saved_config = SavedConfig { file: CONFIG_FILE, toml: &config_toml };
 
     let stop_at = t.stop_after.map_or(sizes.steps, |n| (start.step + n).min(sizes.steps));
@@ -141,7 +155,7 @@ pub fn train(cfg: &TrainConfig) -> Result<RunSummary> {
         let step_result = run.step(step, &mut optimizers, &mut state, &mut guard, &mut phases, &mut metrics);
         let (rollout, shaped) = match step_result {
             Ok(done) => done,
-            Err(Error::RewardService(why)) => {
+            Err(Error::RewardService(why)) if main => {
                 harness.finish();
                 let saved = run.save_before_stopping(&output_dir, &optimizers, &state, &config_toml)?;
                 return Err(Error::RewardService(format!("{why}; {saved}")));
@@ -186,12 +200,15 @@ pub fn train(cfg: &TrainConfig) -> Result<RunSummary> {
             harness.print_table(&format!("step {} (held-out prompts)", state.step), &table, t.num_completions_to_print);
         }
         harness.progress(state.episode, &metrics);
-        let stopping = Stopping::now(&guard);
+        // A signal to any rank stops them all after the same step.
+        let stopping = Stopping::now(&guard, run.comm.any(super::stop::requested())?);
         let save_now = t.save_steps > 0 && state.step % t.save_steps == 0;
         if save_now || state.step == stop_at || stopping.is_some() {
             let dir = checkpoint::checkpoint_dir(&output_dir, state.step);
-            checkpoint::save(&dir, &run.parts(&optimizers), &state, &saved_config)?;
-            checkpoint::prune(&output_dir, t.save_total_limit)?;
+            if main {
+                checkpoint::save(&dir, &run.parts(&optimizers), &state, &saved_config)?;
+                checkpoint::prune(&output_dir, t.save_total_limit)?;
+            }
             if let Some(stopping) = stopping {
                 harness.finish();
                 let resume = "continue with the same command and --resume_from_checkpoint latest";
@@ -201,7 +218,7 @@ pub fn train(cfg: &TrainConfig) -> Result<RunSummary> {
         last = metrics;
     }
     let timing = harness.finish();
-    if state.step == sizes.steps {
+    if state.step == sizes.steps && main {
         run.policy.save_files(&output_dir)?;
         for trained in run.algorithm.trained() {
             trained.model.save_files(&output_dir.join(trained.subdir))?;
@@ -217,7 +234,17 @@ pub fn train(cfg: &TrainConfig) -> Result<RunSummary> {
     let memory = (run.memory_plan, super::memory::peak_rss_bytes());
     let device_memory = device_memory
         .map(|m| super::memory::DeviceMemory { peak_allocated: super::memory::device_peak_bytes(&run.device), ..m });
-    Ok(RunSummary { steps: state.step, episodes: state.episode, output_dir, last, timing, memory, device_memory })
+    let world = run.comm.world();
+    Ok(RunSummary {
+        steps: state.step,
+        episodes: state.episode,
+        output_dir,
+        last,
+        timing,
+        memory,
+        device_memory,
+        world,
+    })
 }
 
 impl Run {
@@ -233,15 +260,14 @@ impl Run {
         metrics: &mut Metrics,
     ) -> Result<(Rollout, Vec<Option<f32>>)> {
         let cfg = &self.cfg;
-        // 1. Rollout: k completions of each prompt of this step.
+        // 1. Rollout: k completions of each prompt of this step (of this
+        // process's share of them, in a data-parallel job).
         let rollout = phases.time("generation", || self.rollout(step))?;
 
         // 2 and 3, side by side: the scores, shaped (missing-EOS penalty,
         // normalisation, clipping), on a thread of their own (a source that
         // waits on a command or a service holds no compute thread), and the
         // log-probs of the sampling policy and of the reference (and PPO's values).
-        let ended = rollout.ended_with_eos();
-        let seqs = rollout.sequences(&self.dataset);
         let started = std::time::Instant::now();
         let (scored, forward) = std::thread::scope(|s| {
             let scoring = s.spawn(|| -> Result<_> {
@@ -249,10 +275,20 @@ impl Run {
                 let scores = self.rewards.score(&rollout.samples(&self.dataset))?;
                 Ok((scores, started.elapsed().as_secs_f64()))
             });
-            (scoring.join().expect("the scoring thread panicked"), self.rollout_forward(&rollout, &seqs))
+            let forward = self.rollout_forward(&rollout, &rollout.sequences(&self.dataset));
+            (scoring.join().expect("the scoring thread panicked"), forward)
         });
         let both = started.elapsed().as_secs_f64();
-        let ((scores, t_score), mut forward) = (scored?, forward?);
+        let ((scores, t_score), forward) = (scored?, forward?);
+        // Several processes: every one of them gathers the whole batch.
+        let (rollout, scores, mut forward) = if self.comm.world().size > 1 {
+            let width = |r: &Rollout| r.sequences(&self.dataset).completion_width();
+            phases.time("exchange", || shards::gather(&*self.comm, rollout, scores, forward, &width, &self.device))?
+        } else {
+            (rollout, scores, forward)
+        };
+        let seqs = rollout.sequences(&self.dataset);
+        let ended = rollout.ended_with_eos();
         if cfg.rloo.mask_truncated_completions {
             // A completion cut at the length limit takes no part in the loss or the KL.
             let keep: Vec<f32> = ended.iter().map(|&e| if e { 1.0 } else { 0.0 }).collect();
@@ -307,10 +343,16 @@ impl Run {
         Ok((rollout, shaped))
     }
 
+    /// This process's share of the step's prompts, sampled.
     fn rollout(&self, step: usize) -> Result<Rollout> {
+        let world = self.comm.world();
         let prompt_rows =
             self.dataset.batch(step, self.sizes.prompts_per_batch, self.cfg.train.seed, self.cfg.data.shuffle);
+        let share = prompt_rows.len() / world.size;
+        let first = world.rank * share;
+        let prompt_rows = prompt_rows[first..first + share].to_vec();
         let mut opts = self.generation.clone();
+        opts.prompt_offset = first;
         opts.seed = Rng::stream(self.cfg.train.seed, &[streams::ROLLOUT_SAMPLING, step as u64]).next_u64();
         Rollout::sample(self.policy.frozen(), &self.dataset, prompt_rows, &opts, &self.tokenizer, &self.device)
     }
@@ -430,7 +472,7 @@ mod tests {
         ];
         sets.extend(extra.iter().map(|s| s.to_string()));
         let sets: Vec<_> = sets.iter().map(|s| parse_set(s).unwrap()).collect();
-        Run::start(&TrainConfig::load(None, &sets).unwrap()).unwrap()
+        Run::start(&TrainConfig::load(None, &sets).unwrap(), Box::new(dist::Solo)).unwrap()
     }
 
     fn sequence_targets(advantages: &[f32], old: &TokenLogprobs) -> algorithm::Targets {

@@ -10,6 +10,7 @@ use candle_core::Tensor;
 use super::algorithm::{Micro, Tally, Targets};
 use super::{Optimizers, Run};
 use crate::algo::{self, KlPlacement, LossStats};
+use crate::dist::Communicator;
 use crate::error::Result;
 use crate::model::scoring::{completion_logprobs, Sequences, TokenLogprobs};
 use crate::report::Metrics;
@@ -31,6 +32,33 @@ pub(super) struct TrainStats {
 }
 
 impl TrainStats {
+    /// The sums over every process's share of the step.
+    fn sum_over(&mut self, comm: &dyn Communicator) -> Result<()> {
+        let l = &mut self.loss;
+        let mut sums = vec![
+            l.terms,
+            l.clipped,
+            l.ratio_sum,
+            l.ratio_sq_sum,
+            l.sequences,
+            l.approxkl_sum,
+            l.loss_sum,
+            self.entropy_sum,
+            self.tokens,
+        ];
+        sums.extend(self.extra.values());
+        comm.all_reduce_sum_f64(&mut sums)?;
+        let [terms, clipped, ratio_sum, ratio_sq_sum, sequences, approxkl_sum, loss_sum, entropy_sum, tokens] =
+            sums[..9]
+        else {
+            unreachable!("nine sums")
+        };
+        *l = LossStats { terms, clipped, ratio_sum, ratio_sq_sum, sequences, approxkl_sum, loss_sum };
+        (self.entropy_sum, self.tokens) = (entropy_sum, tokens);
+        self.extra.set_values(&sums[9..]);
+        Ok(())
+    }
+
     /// TRL's names.
     pub fn record(&self, m: &mut Metrics) {
         m.set("policy/approxkl_avg", self.loss.approxkl());
@@ -67,6 +95,7 @@ impl Run {
         models.extend(trained.iter().map(|t| t.model));
         let mut stats = TrainStats::default();
         let mut grads = GradAccumulator::default();
+        let world = self.comm.world();
         for epoch in 0..cfg.rloo.num_ppo_epochs {
             let order = Rng::stream(cfg.train.seed, &[streams::MINIBATCH_ORDER, step as u64, epoch as u64])
                 .permutation(seqs.len());
@@ -76,7 +105,11 @@ impl Run {
                 let denominator = algo::loss_denominator(&mini_mask, ratio, aggregation, response_length)?;
                 grads.clear();
                 let mut loss_sum = 0f64;
-                for micro in mini.chunks(sizes.micro) {
+                // Each process takes its share of the mini-batch; the loss's
+                // denominator is the whole mini-batch's, so the summed
+                // gradients are one process's.
+                let share = mini.len() / world.size;
+                for micro in mini[world.rank * share..(world.rank + 1) * share].chunks(sizes.micro) {
                     let part = seqs.select(micro);
                     let now =
                         completion_logprobs(self.policy.network(), &part, cfg.generation.temperature, &self.device)?;
@@ -117,6 +150,13 @@ impl Run {
                         grads.add(model.params(), &backward)?;
                     }
                 }
+                if world.size > 1 {
+                    let stores: Vec<_> = models.iter().map(|m| m.params()).collect();
+                    grads.all_reduce(&stores, &*self.comm)?;
+                    let mut sum = [loss_sum];
+                    self.comm.all_reduce_sum_f64(&mut sum)?;
+                    loss_sum = sum[0];
+                }
                 if denominator == 0.0 {
                     // Every completion of the mini-batch is masked: nothing to learn,
                     // and a step would still move the weights through weight decay.
@@ -143,6 +183,9 @@ impl Run {
                 }
                 state.optimizer_step += 1;
             }
+        }
+        if world.size > 1 {
+            stats.sum_over(&*self.comm)?;
         }
         Ok(stats)
     }

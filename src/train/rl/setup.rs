@@ -8,6 +8,7 @@ use super::algorithm::{self, Start};
 use super::{Optimizers, Reference, Run};
 use crate::data::prompts::{length_filter, ContextRoom, PromptDataset, PromptSpec};
 use crate::data::{DatasetSpec, Tokenizer};
+use crate::dist::{self, Communicator};
 use crate::error::{Error, Result};
 use crate::generate::{GenerateOptions, Sampling, StopCriteria};
 use crate::model::hub::resolve_model;
@@ -15,7 +16,7 @@ use crate::model::layer_graphs::LayerGraphs;
 use crate::model::{parse_device, HeadKind, Model, ModelConfig};
 use crate::reward;
 use crate::train::checkpoint::{self, TrainerState};
-use crate::train::config::{BatchSizes, LongPrompts, TrainConfig, CHANGEABLE_ON_RESUME, CONFIG_FILE};
+use crate::train::config::{load_toml, BatchSizes, LongPrompts, TrainConfig, CHANGEABLE_ON_RESUME, CONFIG_FILE};
 use crate::train::memory;
 use crate::train::optim::warmup_steps;
 
@@ -36,8 +37,13 @@ pub fn prompt_spec(cfg: &TrainConfig, config: &ModelConfig) -> PromptSpec {
 }
 
 impl Run {
-    pub(super) fn start(cfg: &TrainConfig) -> Result<Self> {
-        let device = parse_device(&cfg.model.device)?;
+    pub(super) fn start(cfg: &TrainConfig, comm: Box<dyn Communicator>) -> Result<Self> {
+        let world = comm.world();
+        let device = match cfg.model.device.as_str() {
+            // One process per GPU: the launcher's LOCAL_RANK picks it.
+            "cuda" | "gpu" if world.size > 1 => parse_device(&format!("cuda:{}", world.local_rank))?,
+            name => parse_device(name)?,
+        };
         let policy_dir = resolve_model(&cfg.model.policy)?;
         let tokenizer_dir = match &cfg.model.tokenizer {
             Some(t) => resolve_model(t)?,
@@ -95,7 +101,14 @@ impl Run {
         let dataset = PromptDataset::load(&source, &prompt_spec(cfg, policy.config()), &tokenizer)?;
         let rows: Vec<_> = dataset.rows.iter().map(|r| &r.row.fields).collect();
         rewards.check_rows(&rows)?;
-        let sizes = BatchSizes::new(cfg, Some(dataset.len()))?;
+        let sizes = BatchSizes::for_world(cfg, Some(dataset.len()), world.size)?;
+        if world.size > 1 {
+            // Ranks that differ would train different models in lockstep.
+            dist::check_same(&*comm, "options", &dist::digest(cfg.to_toml().as_bytes()))?;
+            dist::check_same(&*comm, "prompts", &dataset.digest())?;
+            dist::check_same(&*comm, "policy weights", &policy.params().fingerprint()?)?;
+            tracing::info!("rank {} of {}: one process per device, batch sizes per process", world.rank, world.size);
+        }
         tracing::info!("{} prompts from {}; {}", dataset.len(), dataset.label, sizes.describe(cfg.rloo.num_ppo_epochs));
         if cfg.rloo.steps_per_generation.is_some() || cfg.rloo.generation_batch_size.is_some() {
             tracing::info!("in TRL 1.x's terms: {}", sizes.describe_trl_1x());
@@ -137,6 +150,7 @@ impl Run {
             generation,
             warmup,
             memory_plan,
+            comm,
         })
     }
 
@@ -149,6 +163,7 @@ impl Run {
             total_steps: self.sizes.steps,
             prompts_digest: self.dataset.digest(),
             skipped_steps: 0,
+            world_size: self.comm.world().size,
         };
         let Some(spec) = &self.cfg.train.resume_from_checkpoint else {
             return Ok(fresh);
@@ -156,8 +171,9 @@ impl Run {
         let Some(dir) = checkpoint::to_resume(spec, Path::new(&self.cfg.train.output_dir)) else {
             return Ok(fresh);
         };
-        checkpoint::check_config(&dir, CONFIG_FILE, &self.cfg, CHANGEABLE_ON_RESUME)?;
-        let state = checkpoint::load_state(&dir)?;
+        let mut state = checkpoint::load_state(&dir)?;
+        checkpoint::check_config(&dir, CONFIG_FILE, &self.cfg, &self.changeable_on_resume(&dir, &state)?)?;
+        state.world_size = fresh.world_size;
         if state.total_steps != self.sizes.steps {
             return Err(Error::Invalid(format!(
                 "{} belongs to a run of {} steps, this configuration makes {}; resume with the same batch sizes and total_episodes",
@@ -184,6 +200,45 @@ impl Run {
             *model = checkpoint::load_part(&dir, subdir, &config, &self.device, optimizer, at, dtype)?;
         }
         Ok(state)
+    }
+}
+
+impl Run {
+    /// What a resume may change: with another number of processes, the
+    /// per-process batch sizes too, as long as the job's mini-batches and
+    /// rollouts stay what they were.
+    fn changeable_on_resume(&self, dir: &Path, state: &TrainerState) -> Result<Vec<&'static str>> {
+        let mut keys = CHANGEABLE_ON_RESUME.to_vec();
+        let (then, now) = (state.world_size.max(1), self.comm.world().size);
+        if then == now {
+            return Ok(keys);
+        }
+        let saved: TrainConfig = load_toml(Some(&dir.join(CONFIG_FILE)), &[], |_, _| Ok(()))?;
+        let before = BatchSizes::for_world(&saved, Some(self.dataset.len()), then)?;
+        let after = &self.sizes;
+        if (before.mini, before.batch, before.total_episodes) != (after.mini, after.batch, after.total_episodes) {
+            return Err(Error::Invalid(format!(
+                "{} was saved by {then} process(es) training on mini-batches of {} completions from rollouts of {}; \
+                 here {now} process(es) make {} from {}: give per_device_train_batch_size x \
+                 gradient_accumulation_steps x {now} = {} to continue it",
+                dir.display(),
+                before.mini,
+                before.batch,
+                after.mini,
+                after.batch,
+                before.mini
+            )));
+        }
+        tracing::info!(
+            "continuing a run of {then} process(es) on {now}: the same mini-batches of {} completions",
+            after.mini
+        );
+        keys.extend([
+            "train.per_device_train_batch_size",
+            "train.gradient_accumulation_steps",
+            "rloo.steps_per_generation",
+        ]);
+        Ok(keys)
     }
 }
 
@@ -239,6 +294,7 @@ fn generation_options(
         stop: StopCriteria { token_ids: stop_ids, strings: vec![] },
         batch_size: g.local_rollout_forward_batch_size,
         seed: cfg.train.seed,
+        prompt_offset: 0,
         max_positions: policy.config().max_positions(),
     })
 }

@@ -140,6 +140,18 @@ impl Tally {
     pub fn get(&self, name: &str) -> f64 {
         self.0.iter().find(|(n, _)| *n == name).map_or(0.0, |(_, v)| *v)
     }
+
+    /// The sums in the order they were first added.
+    pub fn values(&self) -> impl Iterator<Item = f64> + '_ {
+        self.0.iter().map(|(_, v)| *v)
+    }
+
+    /// Replaces the sums, in the order of [`Tally::values`].
+    pub fn set_values(&mut self, values: &[f64]) {
+        for ((_, v), &new) in self.0.iter_mut().zip(values) {
+            *v = new;
+        }
+    }
 }
 
 /// What an algorithm adds to the shared step.
