@@ -344,3 +344,76 @@ fn ctrl_c_on_the_launcher_stops_every_rank_after_a_checkpoint() {
     assert_eq!(saved.len(), 1, "{saved:?}");
     assert!(dir.join("stopped").join(&saved[0]).join("trainer_state.json").is_file());
 }
+
+/// `rloo sft` and `rloo reward train` on two processes: steps of 8
+/// examples, 4 x 2 in one process and 2 x 2 x 2 processes.
+#[test]
+fn supervised_trainers_run_on_two_processes_as_on_one() {
+    let tmp = tempfile::tempdir().unwrap();
+    let dir = tmp.path();
+    let sft = dir.join("sft.jsonl");
+    let rows: Vec<String> = (0..16)
+        .map(|i| serde_json::json!({"prompt": format!("Review {i}:"), "completion": " lovely music."}).to_string())
+        .collect();
+    std::fs::write(&sft, rows.join("\n")).unwrap();
+    let pairs = dir.join("pairs.jsonl");
+    let rows: Vec<String> = (0..16)
+        .map(|i| {
+            serde_json::json!({"prompt": format!("Review {i}:"), "chosen": " lovely.", "rejected": " awful."})
+                .to_string()
+        })
+        .collect();
+    std::fs::write(&pairs, rows.join("\n")).unwrap();
+    let run = |command: &[&str], model: &str, data: &Path, out: &str, per_device: &str| -> Vec<String> {
+        let mut args: Vec<String> = command.iter().map(|s| s.to_string()).collect();
+        args.extend(
+            [
+                "--model",
+                model_dir(model).to_str().unwrap(),
+                "--dataset",
+                data.to_str().unwrap(),
+                "--output_dir",
+                dir.join(out).to_str().unwrap(),
+                "--learning_rate",
+                "1e-5",
+                "--num_train_epochs",
+                "2",
+                "--eval_fraction",
+                "0.25",
+                "--gradient_accumulation_steps",
+                "2",
+                "--per_device_train_batch_size",
+                per_device,
+                "--device",
+                "cpu",
+            ]
+            .iter()
+            .map(|s| s.to_string()),
+        );
+        args
+    };
+    for (command, model, data) in
+        [(&["sft"][..], "gpt_neox-causal", &sft), (&["reward", "train"][..], "gpt_neox-seqcls", &pairs)]
+    {
+        let name = command.join("_");
+        let (one, two) = (format!("{name}_one"), format!("{name}_two"));
+        ok(one_process(&run(command, model, data, &one, "4")));
+        let out = ok(launch(2, &run(command, model, data, &two, "2")));
+        let log = String::from_utf8_lossy(&out.stderr);
+        assert!(log.contains("x 2 processes") || log.contains("steps of 8"), "{log}");
+        let diff = largest_weight_difference(&dir.join(&one), &dir.join(&two));
+        assert!(diff < 1e-5, "{name}: weights differ by {diff}");
+        assert_close_metrics(&metrics(&dir.join(&one)), &metrics(&dir.join(&two)), 1e-4);
+        // Stopped on two processes after 2 of 4 steps, continued on one.
+        let parts = format!("{name}_parts");
+        let mut first = run(command, model, data, &parts, "2");
+        first.extend(["--stop_after".into(), "2".into()]);
+        ok(launch(2, &first));
+        let mut rest = run(command, model, data, &parts, "4");
+        rest.extend(["--resume_from_checkpoint".into(), "latest".into()]);
+        let log = String::from_utf8_lossy(&ok(one_process(&rest)).stderr).into_owned();
+        assert!(log.contains("continuing a run of 2 process(es) on 1"), "{log}");
+        let diff = largest_weight_difference(&dir.join(&one), &dir.join(&parts));
+        assert!(diff < 1e-5, "{name}, 2 then 1 process(es): weights differ by {diff}");
+    }
+}

@@ -62,11 +62,12 @@ pub fn run(a: LaunchArgs) -> Result<()> {
     if a.nproc_per_node == 0 || a.nnodes == 0 || a.node_rank >= a.nnodes {
         bail!("--nproc_per_node and --nnodes must be at least 1, and --node_rank below --nnodes");
     }
-    if a.command.first().map(String::as_str) != Some("train") {
-        bail!(
-            "rloo launch runs `train` data-parallel (rloo train, RLOO and the other algorithms); got `{}`",
-            a.command.join(" ")
-        );
+    let trains = match a.command.iter().map(String::as_str).collect::<Vec<_>>()[..] {
+        ["train", ..] | ["sft", ..] | ["reward", "train", ..] => true,
+        _ => false,
+    };
+    if !trains {
+        bail!("rloo launch runs the trainers data-parallel (train, sft, reward train); got `{}`", a.command.join(" "));
     }
     let secret = match std::env::var(SECRET_VAR) {
         Ok(s) if !s.is_empty() => s,

@@ -98,6 +98,9 @@ fn serve_model(a: RewardServeArgs) -> Result<()> {
 fn train(a: RewardTrainArgs) -> Result<()> {
     let Some(cfg) = a.config()? else { return Ok(()) };
     let s = train_reward_model(&cfg).context("reward-model training failed")?;
+    if !s.main {
+        return Ok(());
+    }
     if !s.finished {
         return Ok(super::supervised::stopped_early(s.steps, &s.output_dir));
     }

@@ -24,6 +24,9 @@ pub type SftArgs = SupervisedArgs<SftFlags>;
 pub fn run(a: SftArgs) -> Result<()> {
     let Some(cfg) = a.config()? else { return Ok(()) };
     let s = train_sft(&cfg).context("fine-tuning failed")?;
+    if !s.main {
+        return Ok(());
+    }
     if !s.finished {
         return Ok(super::supervised::stopped_early(s.steps, &s.output_dir));
     }

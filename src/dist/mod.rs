@@ -180,6 +180,15 @@ pub fn init() -> Result<Box<dyn Communicator>> {
     }
 }
 
+/// The device `name` (`--device`) means for a process of `world`: with
+/// several processes on a machine, `cuda` is the GPU of the local rank.
+pub fn device_for(name: &str, world: World) -> Result<candle_core::Device> {
+    match name {
+        "cuda" | "gpu" if world.size > 1 => crate::model::parse_device(&format!("cuda:{}", world.local_rank)),
+        name => crate::model::parse_device(name),
+    }
+}
+
 /// Fixed-size values to and from the bytes the collectives move.
 pub fn f32_bytes(values: &[f32]) -> Vec<u8> {
     values.iter().flat_map(|v| v.to_le_bytes()).collect()

@@ -16,7 +16,7 @@ use crate::error::Result;
 use crate::model::hub::resolve_model;
 use crate::model::layer_graphs::LayerGraphs;
 use crate::model::ops::log_softmax_last;
-use crate::model::{parse_device, HeadKind, Inputs, Model, Network, PadSide};
+use crate::model::{HeadKind, Inputs, Model, Network, PadSide};
 use crate::report::Metrics;
 use crate::reward::model::encode_pair;
 use crate::rng::streams;
@@ -108,6 +108,8 @@ pub struct RewardTrainSummary {
     pub output_dir: PathBuf,
     /// Every step done and the model saved (not stopped by `stop_after`).
     pub finished: bool,
+    /// Whether this process wrote the run (the only one, or rank 0).
+    pub main: bool,
 }
 
 /// `{"prompt", "chosen", "rejected"}` with a text or chat prompt and text
@@ -202,8 +204,8 @@ pub fn evaluate(net: &Network, pairs: &[Pair], batch: usize, device: &Device) ->
 
 pub fn train_reward_model(cfg: &RewardTrainConfig) -> Result<RewardTrainSummary> {
     cfg.validate()?;
-    let run_dir = cfg.lock_output_dir()?;
-    let device = parse_device(&cfg.device)?;
+    let job = cfg.start_job()?;
+    let device = job.device(&cfg.device)?;
     let dir = resolve_model(&cfg.model)?;
     let head = HeadKind::SequenceClassification { num_labels: 1 };
     // The score head trains in full beside the adapters (PEFT's modules_to_save).
@@ -223,14 +225,15 @@ pub fn train_reward_model(cfg: &RewardTrainConfig) -> Result<RewardTrainSummary>
     let train = load_pairs(&cfg.dataset, &tok, cfg.max_length, context)?;
     let eval = cfg.eval_dataset.as_ref().map(|data| load_pairs(data, &tok, cfg.max_length, context)).transpose()?;
     let (train, eval) = cfg.split_eval(train, eval);
-    let mini = cfg.per_device_train_batch_size * cfg.gradient_accumulation_steps;
+    let mini = cfg.per_device_train_batch_size * cfg.gradient_accumulation_steps * job.comm.world().size;
     let total = train.len().div_ceil(mini) * cfg.num_train_epochs;
     tracing::info!("reward model: {} train / {} eval pairs, {} steps of {mini} pairs", train.len(), eval.len(), total);
 
     let mut objective = BradleyTerry { eval, batch: cfg.per_device_train_batch_size, device: &device, last_eval: None };
-    let done = train_supervised(cfg, run_dir, model, load, &train, &mut objective)?;
+    let done = train_supervised(cfg, job, model, load, &train, &mut objective)?;
     let output_dir = PathBuf::from(&cfg.output_dir);
-    Ok(RewardTrainSummary { steps: done.steps, eval: objective.last_eval, output_dir, finished: done.finished })
+    let (steps, finished, main) = (done.steps, done.finished, done.main);
+    Ok(RewardTrainSummary { steps, eval: objective.last_eval, output_dir, finished, main })
 }
 
 #[cfg(test)]

@@ -20,7 +20,7 @@ use crate::error::{Error, Result};
 use crate::model::hub::resolve_model;
 use crate::model::layer_graphs::LayerGraphs;
 use crate::model::scoring::{completion_logprobs, Sequences};
-use crate::model::{parse_device, HeadKind, Model, Network};
+use crate::model::{HeadKind, Model, Network};
 use crate::report::Metrics;
 use crate::rng::streams;
 
@@ -57,6 +57,8 @@ pub struct SftSummary {
     pub output_dir: PathBuf,
     /// Every step done and the model saved (not stopped by `stop_after`).
     pub finished: bool,
+    /// Whether this process wrote the run (the only one, or rank 0).
+    pub main: bool,
 }
 
 /// Tokenizes one row (see the module doc for the formats).
@@ -214,8 +216,8 @@ fn sequences<'a>(examples: &[&'a Example]) -> Sequences<'a> {
 
 pub fn train_sft(cfg: &SftConfig) -> Result<SftSummary> {
     cfg.validate()?;
-    let run_dir = cfg.lock_output_dir()?;
-    let device = parse_device(&cfg.device)?;
+    let job = cfg.start_job()?;
+    let device = job.device(&cfg.device)?;
     let dir = resolve_model(&cfg.model)?;
     let load = |dir: &Path| Model::load_trainable(dir, &device, HeadKind::CausalLm, (&cfg.peft, &[]), cfg.seed, true);
     let model = load(&dir)?
@@ -230,21 +232,23 @@ pub fn train_sft(cfg: &SftConfig) -> Result<SftSummary> {
     let train = load_examples(&cfg.dataset, &tok, cfg, context)?;
     let eval = cfg.eval_dataset.as_ref().map(|data| load_examples(data, &tok, cfg, context)).transpose()?;
     let (train, eval) = cfg.split_eval(train, eval);
-    let mini = cfg.per_device_train_batch_size * cfg.gradient_accumulation_steps;
+    let world = job.comm.world().size;
+    let mini = cfg.per_device_train_batch_size * cfg.gradient_accumulation_steps * world;
     tracing::info!(
-        "SFT: {} train / {} eval examples; {} epochs x {} steps of {} ({} x {} accumulated)",
+        "SFT: {} train / {} eval examples; {} epochs x {} steps of {} ({} x {} accumulated{})",
         train.len(),
         eval.len(),
         cfg.num_train_epochs,
         train.len().div_ceil(mini),
         mini,
         cfg.per_device_train_batch_size,
-        cfg.gradient_accumulation_steps
+        cfg.gradient_accumulation_steps,
+        if world > 1 { format!(" x {world} processes") } else { String::new() }
     );
     let mut objective =
         NextTokenLoss { eval, batch: cfg.per_device_train_batch_size, device: &device, eval_loss: None };
     let started = Instant::now();
-    let done = train_supervised(cfg, run_dir, model, load, &train, &mut objective)?;
+    let done = train_supervised(cfg, job, model, load, &train, &mut objective)?;
     let output_dir = PathBuf::from(&cfg.output_dir);
     tracing::info!(
         "SFT: {} steps in {:.1} s, last train loss {:.4}, eval loss {} -> {}",
@@ -260,5 +264,6 @@ pub fn train_sft(cfg: &SftConfig) -> Result<SftSummary> {
         eval_loss: objective.eval_loss,
         output_dir,
         finished: done.finished,
+        main: done.main,
     })
 }

@@ -18,6 +18,7 @@ use super::harness::{Harness, HarnessOptions, Stopping};
 use super::optim::{learning_rate, warmup_steps, AdamW, GradAccumulator, StepGuard};
 use super::run_dir::{Reuse, RunDir};
 use crate::data::{token_digest, DatasetSpec};
+use crate::dist::Communicator;
 use crate::error::{Error, Result};
 use crate::io::write_atomic;
 use crate::model::lora::PeftOptions;
@@ -187,28 +188,39 @@ impl<K: Trainer> SupervisedConfig<K> {
         }
     }
 
-    /// Locks the output directory: the first thing a run does. Several
-    /// processes of one job would each train and write alone, so a
-    /// data-parallel launch is refused.
-    pub fn lock_output_dir(&self) -> Result<RunDir> {
-        if crate::dist::Rendezvous::from_env()?.is_some() {
-            return Err(Error::Invalid(
-                "this trainer runs in one process: start it without torchrun, srun or rloo launch \
-                 (rloo train runs data-parallel)"
-                    .into(),
-            ));
-        }
+    /// Joins the job's processes (one, unless launched data-parallel) and
+    /// locks the output directory on the main one: the first thing a run does.
+    pub fn start_job(&self) -> Result<Job> {
+        let comm = crate::dist::init()?;
         let reuse = match (&self.resume_from_checkpoint, self.overwrite_output_dir) {
             (Some(_), _) => Reuse::Resume,
             (None, true) => Reuse::Overwrite,
             (None, false) => Reuse::Fresh,
         };
-        Harness::lock(Path::new(&self.output_dir), reuse)
+        let run_dir = match comm.world().is_main() {
+            true => Some(Harness::lock(Path::new(&self.output_dir), reuse)?),
+            false => None,
+        };
+        Ok(Job { comm, run_dir })
     }
 
     /// The training rows and the held-out rows (see [`crate::data::split_eval`]).
     pub fn split_eval<T>(&self, train: Vec<T>, eval: Option<Vec<T>>) -> (Vec<T>, Vec<T>) {
         crate::data::split_eval(train, eval, self.eval_fraction, &mut Rng::stream(self.seed, &[K::DATA_STREAM]))
+    }
+}
+
+/// The processes of a run and, on the main one, its locked output directory.
+pub struct Job {
+    pub comm: Box<dyn Communicator>,
+    run_dir: Option<RunDir>,
+}
+
+impl Job {
+    /// The device `name` (`--device`) means for this process: with several
+    /// processes, `cuda` is the GPU of this process's local rank.
+    pub fn device(&self, name: &str) -> Result<candle_core::Device> {
+        crate::dist::device_for(name, self.comm.world())
     }
 }
 
@@ -247,32 +259,45 @@ pub struct LoopSummary {
     pub last_loss: f64,
     /// Whether every step is done and the model saved in the output directory.
     pub finished: bool,
+    /// Whether this is the process that wrote the run (the only one, or rank 0).
+    pub main: bool,
 }
 
-/// Trains `model` on `train` with `objective` in the locked `run_dir`,
+/// Trains `model` on `train` with `objective` in the `job`'s locked output
+/// directory, each optimizer step's examples shared among its processes,
 /// continuing from a checkpoint when `resume_from_checkpoint` says so
 /// (`reload` reads the checkpoint's model as the trainer loads its own),
 /// and saves the model when every step is done.
 pub fn train_supervised<K: Trainer, O: Objective>(
     cfg: &SupervisedConfig<K>,
-    run_dir: RunDir,
+    job: Job,
     model: Model,
     reload: impl FnOnce(&Path) -> Result<Model>,
     train: &[O::Example],
     objective: &mut O,
 ) -> Result<LoopSummary> {
     let output_dir = PathBuf::from(&cfg.output_dir);
-    let mini = cfg.per_device_train_batch_size * cfg.gradient_accumulation_steps;
+    let (comm, world) = (&*job.comm, job.comm.world());
+    let main = world.is_main();
+    let mini = cfg.per_device_train_batch_size * cfg.gradient_accumulation_steps * world.size;
     let steps_per_epoch = train.len().div_ceil(mini);
     let total_steps = steps_per_epoch * cfg.num_train_epochs;
     let warmup = warmup_steps(cfg.warmup_steps, cfg.warmup_ratio, total_steps);
     let o = cfg.optimizer();
     let mut optimizer = AdamW::new(o.adam_beta1, o.adam_beta2, o.adam_epsilon, o.weight_decay);
     let digest = token_digest(train.iter().flat_map(O::tokens));
-    let mut state = TrainerState { total_steps, prompts_digest: digest, ..TrainerState::default() };
+    if world.size > 1 {
+        crate::dist::check_same(comm, "options", &crate::dist::digest(to_toml(cfg).as_bytes()))?;
+        crate::dist::check_same(comm, "rows", &digest)?;
+        crate::dist::check_same(comm, "weights", &model.params().fingerprint()?)?;
+    }
+    let mut state =
+        TrainerState { total_steps, prompts_digest: digest, world_size: world.size, ..TrainerState::default() };
     if let Some(dir) = cfg.resume_from_checkpoint.as_deref().and_then(|spec| checkpoint::to_resume(spec, &output_dir)) {
-        checkpoint::check_config(&dir, K::CONFIG_FILE, cfg, CHANGEABLE_ON_RESUME)?;
-        let saved = checkpoint::load_state(&dir)?;
+        let mut saved = checkpoint::load_state(&dir)?;
+        let changeable = changeable_on_resume(&dir, cfg, &saved, world.size)?;
+        checkpoint::check_config(&dir, K::CONFIG_FILE, cfg, &changeable)?;
+        saved.world_size = world.size;
         if (saved.total_steps, &saved.prompts_digest) != (total_steps, &state.prompts_digest) {
             return Err(Error::Invalid(format!(
                 "cannot resume from {}: it belongs to a run of {} steps over other rows ({} steps over rows of \
@@ -289,9 +314,14 @@ pub fn train_supervised<K: Trainer, O: Objective>(
     }
     let options =
         HarnessOptions { logging_steps: cfg.logging_steps, progress_total: None, samples: false, tensorboard: true };
-    let mut harness = Harness::open(run_dir, state.step, options)?;
+    let mut harness = match job.run_dir {
+        Some(run_dir) => Harness::open(run_dir, state.step, options)?,
+        None => Harness::silent(state.step),
+    };
     let config_toml = to_toml(cfg);
-    write_atomic(&output_dir.join(K::CONFIG_FILE), config_toml.as_bytes())?;
+    if main {
+        write_atomic(&output_dir.join(K::CONFIG_FILE), config_toml.as_bytes())?;
+    }
     let saved_config = SavedConfig { file: K::CONFIG_FILE, toml: &config_toml };
     let stop_at = cfg.stop_after.map_or(total_steps, |n| (state.step + n).min(total_steps));
 
@@ -311,11 +341,20 @@ pub fn train_supervised<K: Trainer, O: Objective>(
         model.start_dropout_step(cfg.seed, step);
         grads.clear();
         let (mut loss_sum, mut count) = (0f64, 0usize);
-        for micro in examples.chunks(cfg.per_device_train_batch_size) {
+        // Each process takes its share of the step's examples; the losses
+        // are shares of the whole step's, so the summed gradients are one process's.
+        let share = examples.len().div_ceil(world.size).max(1);
+        for micro in examples.chunks(share).nth(world.rank).unwrap_or(&[]).chunks(cfg.per_device_train_batch_size) {
             let (loss, n) = objective.micro_loss(model.network(), micro, &examples)?;
             loss_sum += loss.to_scalar::<f32>()? as f64;
             count += n;
             grads.add(model.params(), &crate::model::backward(&loss, &[&model])?)?;
+        }
+        if world.size > 1 {
+            grads.all_reduce(&[model.params()], comm)?;
+            let mut sums = [loss_sum, count as f64];
+            comm.all_reduce_sum_f64(&mut sums)?;
+            (loss_sum, count) = (sums[0], sums[1] as usize);
         }
         let grad_norm = grads.clip(o.max_grad_norm)?;
         let lr = learning_rate(cfg.learning_rate, cfg.lr_scheduler_type, step, total_steps, warmup);
@@ -334,7 +373,7 @@ pub fn train_supervised<K: Trainer, O: Objective>(
         m.set("train/lr", lr);
         m.set("train/skipped_steps", state.skipped_steps as f64);
         objective.step_metrics(&mut m, examples.len(), count, state.step as f64 / steps_per_epoch as f64);
-        let evaluated = match state.step % steps_per_epoch == 0 {
+        let evaluated = match main && state.step % steps_per_epoch == 0 {
             true => objective.evaluate(model.frozen())?,
             false => None,
         };
@@ -342,17 +381,16 @@ pub fn train_supervised<K: Trainer, O: Objective>(
             m.set(name, value);
         }
         harness.log(state.step, &m, evaluated.is_some() || state.step == stop_at)?;
-        let stopping = Stopping::now(&guard, crate::train::stop::requested());
+        // A signal to any process stops them all after the same step.
+        let stopping = Stopping::now(&guard, comm.any(crate::train::stop::requested())?);
         let save_now = cfg.save_steps > 0 && state.step % cfg.save_steps == 0;
         if save_now || stopping.is_some() || state.step == stop_at {
             let dir = checkpoint::checkpoint_dir(&output_dir, state.step);
-            checkpoint::save(
-                &dir,
-                &[Part { subdir: "", model: &model, optimizer: &optimizer }],
-                &state,
-                &saved_config,
-            )?;
-            checkpoint::prune(&output_dir, cfg.save_total_limit)?;
+            if main {
+                let parts = [Part { subdir: "", model: &model, optimizer: &optimizer }];
+                checkpoint::save(&dir, &parts, &state, &saved_config)?;
+                checkpoint::prune(&output_dir, cfg.save_total_limit)?;
+            }
             if let Some(stopping) = stopping {
                 let resume = "continue with the same command and --resume_from_checkpoint latest";
                 return Err(stopping.error(&guard, state.step, &dir, resume));
@@ -360,7 +398,7 @@ pub fn train_supervised<K: Trainer, O: Objective>(
         }
     }
     let finished = state.step == total_steps;
-    if finished {
+    if finished && main {
         model.save_files(&output_dir)?;
     } else {
         tracing::info!(
@@ -368,5 +406,38 @@ pub fn train_supervised<K: Trainer, O: Objective>(
             state.step
         );
     }
-    Ok(LoopSummary { steps: state.step, last_loss, finished })
+    Ok(LoopSummary { steps: state.step, last_loss, finished, main })
+}
+
+/// What a resume may change: with another number of processes, the
+/// per-process batch sizes too, when the step's examples stay as many.
+fn changeable_on_resume<K: Trainer>(
+    dir: &Path,
+    cfg: &SupervisedConfig<K>,
+    saved: &TrainerState,
+    world: usize,
+) -> Result<Vec<&'static str>> {
+    let mut keys = CHANGEABLE_ON_RESUME.to_vec();
+    let then = saved.world_size.max(1);
+    if then == world {
+        return Ok(keys);
+    }
+    let before: SupervisedConfig<K> = super::config::load_toml(Some(&dir.join(K::CONFIG_FILE)), &[], |_, _| Ok(()))?;
+    let step = |c: &SupervisedConfig<K>, n: usize| c.per_device_train_batch_size * c.gradient_accumulation_steps * n;
+    if step(&before, then) != step(cfg, world) {
+        return Err(Error::Invalid(format!(
+            "{} was saved by {then} process(es) with steps of {} examples; here {world} process(es) make {}: give \
+             per_device_train_batch_size x gradient_accumulation_steps x {world} = {} to continue it",
+            dir.display(),
+            step(&before, then),
+            step(cfg, world),
+            step(&before, then)
+        )));
+    }
+    tracing::info!(
+        "continuing a run of {then} process(es) on {world}: the same steps of {} examples",
+        step(cfg, world)
+    );
+    keys.extend(["per_device_train_batch_size", "gradient_accumulation_steps"]);
+    Ok(keys)
 }

@@ -13,7 +13,7 @@ use crate::error::{Error, Result};
 use crate::generate::{GenerateOptions, Sampling, StopCriteria};
 use crate::model::hub::resolve_model;
 use crate::model::layer_graphs::LayerGraphs;
-use crate::model::{parse_device, HeadKind, Model, ModelConfig};
+use crate::model::{HeadKind, Model, ModelConfig};
 use crate::reward;
 use crate::train::checkpoint::{self, TrainerState};
 use crate::train::config::{load_toml, BatchSizes, LongPrompts, TrainConfig, CHANGEABLE_ON_RESUME, CONFIG_FILE};
@@ -39,11 +39,7 @@ pub fn prompt_spec(cfg: &TrainConfig, config: &ModelConfig) -> PromptSpec {
 impl Run {
     pub(super) fn start(cfg: &TrainConfig, comm: Box<dyn Communicator>) -> Result<Self> {
         let world = comm.world();
-        let device = match cfg.model.device.as_str() {
-            // One process per GPU: the launcher's LOCAL_RANK picks it.
-            "cuda" | "gpu" if world.size > 1 => parse_device(&format!("cuda:{}", world.local_rank))?,
-            name => parse_device(name)?,
-        };
+        let device = dist::device_for(&cfg.model.device, world)?;
         let policy_dir = resolve_model(&cfg.model.policy)?;
         let tokenizer_dir = match &cfg.model.tokenizer {
             Some(t) => resolve_model(t)?,
