@@ -174,6 +174,36 @@ fn two_processes_train_as_one_process_with_the_same_batch() {
         std::fs::read(two_dir.join("model.safetensors")).unwrap(),
         std::fs::read(again.join("model.safetensors")).unwrap()
     );
+
+    // ZeRO stage 1: each process keeps and steps half the moments; the
+    // weights and the checkpoint's optimizer state are the same to the bit,
+    // and a process of its own continues from it.
+    let mut zero =
+        train_args(dir, "zero", &["--per_device_train_batch_size", "2", "--gradient_accumulation_steps", "2"]);
+    zero.extend(["--zero_stage".into(), "1".into(), "--stop_after".into(), "1".into()]);
+    ok(launch(2, &zero));
+    let at_1 = |run: &str| std::fs::read(dir.join(run).join("checkpoint-1/optimizer.safetensors")).unwrap();
+    let mut unsharded =
+        train_args(dir, "unsharded", &["--per_device_train_batch_size", "2", "--gradient_accumulation_steps", "2"]);
+    unsharded.extend(["--stop_after".into(), "1".into()]);
+    ok(launch(2, &unsharded));
+    assert!(at_1("zero") == at_1("unsharded"), "the gathered optimizer state differs");
+    let zero = dir.join("zero");
+    let mut rest =
+        train_args(dir, "zero", &["--per_device_train_batch_size", "4", "--gradient_accumulation_steps", "2"]);
+    rest.extend(["--resume_from_checkpoint".into(), "latest".into()]);
+    ok(one_process(&rest));
+    let diff = largest_weight_difference(&one, &zero);
+    assert!(diff < 1e-5, "ZeRO on 2 processes, then 1: weights differ by {diff}");
+    let mut whole =
+        train_args(dir, "zero_whole", &["--per_device_train_batch_size", "2", "--gradient_accumulation_steps", "2"]);
+    whole.extend(["--zero_stage".into(), "1".into()]);
+    ok(launch(2, &whole));
+    assert!(
+        std::fs::read(two_dir.join("model.safetensors")).unwrap()
+            == std::fs::read(dir.join("zero_whole/model.safetensors")).unwrap(),
+        "ZeRO changed the weights"
+    );
 }
 
 #[test]
@@ -398,7 +428,10 @@ fn supervised_trainers_run_on_two_processes_as_on_one() {
         let name = command.join("_");
         let (one, two) = (format!("{name}_one"), format!("{name}_two"));
         ok(one_process(&run(command, model, data, &one, "4")));
-        let out = ok(launch(2, &run(command, model, data, &two, "2")));
+        // The two processes split AdamW's moments too (ZeRO stage 1).
+        let mut two_args = run(command, model, data, &two, "2");
+        two_args.extend(["--zero_stage".into(), "1".into()]);
+        let out = ok(launch(2, &two_args));
         let log = String::from_utf8_lossy(&out.stderr);
         assert!(log.contains("x 2 processes") || log.contains("steps of 8"), "{log}");
         let diff = largest_weight_difference(&dir.join(&one), &dir.join(&two));

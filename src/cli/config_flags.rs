@@ -36,6 +36,7 @@ pub const DEVICE: &[Flag] = &[("device", "device", Kind::Str, "cpu, cuda, cuda:N
 pub const PRECISION: &[Flag] = &[
     ("bf16", "dtype", Kind::Switch("bf16", "f32"), "bf16 mixed precision: bf16 weights and activations, f32 master weights, optimizer state, log-softmax and losses"),
     ("gradient_checkpointing", "gradient_checkpointing", Kind::Bool, "Keep only each layer's input in the forward pass and recompute the layer in the backward: less activation memory for one more forward"),
+    ("zero_stage", "zero_stage", Kind::Int, "1: split AdamW's moments over the processes of a data-parallel job (ZeRO stage 1), each stepping its share of the weights; 0: every process holds them all"),
 ];
 
 pub const BATCH: &[Flag] = &[

@@ -9,6 +9,7 @@
 
 mod tcp;
 
+use std::sync::Arc;
 use std::time::Duration;
 
 use crate::error::{Error, Result};
@@ -156,8 +157,8 @@ impl Rendezvous {
 
     /// Meets the other ranks and gives the communicator over TCP (the CPU
     /// transport; on GPUs it also carries NCCL's unique id).
-    pub fn join(&self) -> Result<Box<dyn Communicator>> {
-        Ok(Box::new(tcp::Star::join(self)?))
+    pub fn join(&self) -> Result<Arc<dyn Communicator>> {
+        Ok(Arc::new(tcp::Star::join(self)?))
     }
 }
 
@@ -173,10 +174,10 @@ pub fn rank_from_env() -> Option<(usize, usize)> {
 }
 
 /// The communicator of this process: its job's, or a world of one.
-pub fn init() -> Result<Box<dyn Communicator>> {
+pub fn init() -> Result<Arc<dyn Communicator>> {
     match Rendezvous::from_env()? {
         Some(rendezvous) => rendezvous.join(),
-        None => Ok(Box::new(Solo)),
+        None => Ok(Arc::new(Solo)),
     }
 }
 

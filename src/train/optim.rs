@@ -2,6 +2,7 @@
 //! clipping, and gradient accumulation over micro-batches.
 
 use std::collections::HashMap;
+use std::sync::Arc;
 
 use candle_core::backprop::GradStore;
 use candle_core::{DType, Tensor, Var};
@@ -151,6 +152,7 @@ impl StepGuard {
 
 /// AdamW as PyTorch implements it (decoupled weight decay, bias-corrected
 /// moments, `eps` added to the corrected square root).
+#[derive(Clone)]
 pub struct AdamW {
     pub beta1: f64,
     pub beta2: f64,
@@ -160,6 +162,66 @@ pub struct AdamW {
     pub step: usize,
     /// (first moment, second moment) per parameter name.
     moments: HashMap<String, (Tensor, Tensor)>,
+    /// ZeRO stage 1: the parameters this process steps, and the job.
+    shard: Option<Shard>,
+}
+
+/// ZeRO stage 1 (`zero_stage = 1`): AdamW's moments, twice the f32
+/// weights, split over the processes. Each still holds the summed gradient
+/// (so clipping sees the whole norm) but steps only the parameters it
+/// owns, keeping only their moments, and then sends their new values to
+/// the others: the weights are the unsharded run's, to the bit.
+#[derive(Clone)]
+struct Shard {
+    /// The owning rank of each parameter that trains.
+    owner: HashMap<String, usize>,
+    comm: Arc<dyn Communicator>,
+}
+
+impl Shard {
+    /// Parameters to ranks, largest first, each to the rank holding the
+    /// fewest elements so far: the same on every process.
+    fn new(params: &ParamStore, comm: Arc<dyn Communicator>) -> Self {
+        let mut trainable: Vec<(&str, usize)> =
+            params.trainable().map(|p| (p.name.as_str(), p.var.elem_count())).collect();
+        trainable.sort_by(|a, b| b.1.cmp(&a.1).then(a.0.cmp(b.0)));
+        let mut load = vec![0usize; comm.world().size];
+        let mut owner = HashMap::new();
+        for (name, n) in trainable {
+            let rank = (0..load.len()).min_by_key(|&r| (load[r], r)).expect("a rank");
+            load[rank] += n;
+            owner.insert(name.to_string(), rank);
+        }
+        Shard { owner, comm }
+    }
+
+    fn owns(&self, name: &str) -> bool {
+        self.owner.get(name) == Some(&self.comm.world().rank)
+    }
+
+    /// Every process's new values of the parameters it owns, to every process.
+    fn share_weights(&self, params: &ParamStore) -> Result<()> {
+        let mut mine = Vec::new();
+        for p in params.trainable().filter(|p| self.owns(&p.name)) {
+            mine.extend(p.var.as_tensor().flatten_all()?.to_dtype(DType::F32)?.to_vec1::<f32>()?);
+        }
+        let all = self.comm.all_gather(&crate::dist::f32_bytes(&mine))?;
+        let mut parts: Vec<(Vec<f32>, usize)> = all.iter().map(|b| (crate::dist::bytes_f32(b), 0)).collect();
+        for p in params.trainable() {
+            let rank = self.owner[&p.name];
+            let (values, at) = &mut parts[rank];
+            let n = p.var.elem_count();
+            if *at + n > values.len() {
+                return Err(Error::Dist(format!("rank {rank} sent too few values for `{}`", p.name)));
+            }
+            if rank != self.comm.world().rank {
+                let t = Tensor::from_slice(&values[*at..*at + n], p.var.shape(), p.var.device())?;
+                p.var.set(&t.to_dtype(p.var.dtype())?)?;
+            }
+            *at += n;
+        }
+        Ok(())
+    }
 }
 
 /// Whether weight decay applies: not to biases or norm weights, as the
@@ -171,7 +233,62 @@ pub fn decays(name: &str) -> bool {
 
 impl AdamW {
     pub fn new(beta1: f64, beta2: f64, eps: f64, weight_decay: f64) -> Self {
-        Self { beta1, beta2, eps, weight_decay, step: 0, moments: HashMap::new() }
+        Self { beta1, beta2, eps, weight_decay, step: 0, moments: HashMap::new(), shard: None }
+    }
+
+    /// ZeRO stage 1 over the processes of `comm`: this process keeps the
+    /// moments of, and steps, its share of `params` (nothing changes in a
+    /// world of one).
+    pub fn shard(&mut self, params: &ParamStore, comm: Arc<dyn Communicator>) {
+        if comm.world().size > 1 {
+            let shard = Shard::new(params, comm);
+            self.moments.retain(|name, _| shard.owns(name));
+            self.shard = Some(shard);
+        }
+    }
+
+    fn owns(&self, name: &str) -> bool {
+        self.shard.as_ref().is_none_or(|s| s.owns(name))
+    }
+
+    /// The whole state on every process: itself, or under ZeRO its shards
+    /// gathered (every process of the job calls it), for a checkpoint.
+    pub fn gathered(&self, params: &ParamStore) -> Result<AdamW> {
+        let Some(shard) = &self.shard else { return Ok(self.clone()) };
+        // Per owned parameter: 1 and its two moments, or 0 before its first gradient.
+        let mut mine = Vec::new();
+        for p in params.trainable().filter(|p| shard.owns(&p.name)) {
+            match self.moments.get(&p.name) {
+                Some((m, v)) => {
+                    mine.push(1.0);
+                    mine.extend(m.flatten_all()?.to_dtype(DType::F32)?.to_vec1::<f32>()?);
+                    mine.extend(v.flatten_all()?.to_dtype(DType::F32)?.to_vec1::<f32>()?);
+                }
+                None => mine.push(0.0),
+            }
+        }
+        let all = shard.comm.all_gather(&crate::dist::f32_bytes(&mine))?;
+        let mut parts: Vec<(Vec<f32>, usize)> = all.iter().map(|b| (crate::dist::bytes_f32(b), 0)).collect();
+        let mut full = AdamW { shard: None, moments: HashMap::new(), ..self.clone() };
+        for p in params.trainable() {
+            let rank = shard.owner[&p.name];
+            let (values, at) = &mut parts[rank];
+            let n = p.var.elem_count();
+            let present = values.get(*at).copied();
+            *at += 1;
+            match present {
+                Some(flag) if flag == 0.0 => continue,
+                Some(_) if *at + 2 * n <= values.len() => {}
+                _ => {
+                    return Err(Error::Dist(format!("rank {rank} sent an incomplete optimizer state for `{}`", p.name)))
+                }
+            }
+            let m = Tensor::from_slice(&values[*at..*at + n], p.var.shape(), p.var.device())?;
+            let v = Tensor::from_slice(&values[*at + n..*at + 2 * n], p.var.shape(), p.var.device())?;
+            *at += 2 * n;
+            full.moments.insert(p.name.clone(), (m, v));
+        }
+        Ok(full)
     }
 
     /// One update of every parameter that has a gradient at learning rate `lr`.
@@ -180,7 +297,8 @@ impl AdamW {
         let t = self.step as i32;
         let bias1 = 1.0 - self.beta1.powi(t);
         let bias2 = 1.0 - self.beta2.powi(t);
-        for p in params.iter() {
+        let mine: Vec<_> = params.iter().filter(|p| self.owns(&p.name)).collect();
+        for p in mine {
             let Some(g) = grads.get(&p.var) else { continue };
             let w = p.var.as_tensor();
             let (mut m, mut v) = match self.moments.remove(&p.name) {
@@ -199,6 +317,9 @@ impl AdamW {
             };
             kernels::adamw(&p.var, g, &mut m, &mut v, update)?;
             self.moments.insert(p.name.clone(), (m, v));
+        }
+        if let Some(shard) = &self.shard {
+            shard.share_weights(params)?;
         }
         // The networks compute with copies of the masters (bf16).
         params.sync_compute()?;
@@ -219,7 +340,8 @@ impl AdamW {
     pub fn load_state(&mut self, tensors: HashMap<String, Tensor>, step: usize, params: &ParamStore) -> Result<()> {
         self.step = step;
         self.moments.clear();
-        for p in params.iter() {
+        let mine: Vec<_> = params.iter().filter(|p| self.owns(&p.name)).collect();
+        for p in mine {
             let m = tensors.get(&format!("exp_avg.{}", p.name));
             let v = tensors.get(&format!("exp_avg_sq.{}", p.name));
             match (m, v) {

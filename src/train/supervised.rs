@@ -56,6 +56,8 @@ pub struct SupervisedConfig<K> {
     /// Keep only each layer's input in the forward pass and recompute the
     /// layer in the backward.
     pub gradient_checkpointing: bool,
+    /// 1: AdamW's moments split over the processes (ZeRO stage 1); 0: not.
+    pub zero_stage: u8,
     pub learning_rate: f64,
     /// Examples (SFT) or pairs (reward model) per forward/backward.
     pub per_device_train_batch_size: usize,
@@ -107,6 +109,7 @@ impl<K: Trainer> Default for SupervisedConfig<K> {
             device: "auto".into(),
             dtype: Precision::F32,
             gradient_checkpointing: false,
+            zero_stage: 0,
             learning_rate: 2e-5,
             per_device_train_batch_size: 8,
             gradient_accumulation_steps: 1,
@@ -147,6 +150,7 @@ const CHANGEABLE_ON_RESUME: &[&str] = &[
     "stop_after",
     "overwrite_output_dir",
     "max_skipped_steps",
+    "zero_stage",
 ];
 
 impl<K: Trainer> SupervisedConfig<K> {
@@ -157,6 +161,9 @@ impl<K: Trainer> SupervisedConfig<K> {
         }
         if self.dataset.name.is_empty() {
             return Err(Error::Invalid("no training rows: set dataset.name (or --dataset / --dataset_name)".into()));
+        }
+        if self.zero_stage > 1 {
+            return Err(Error::Invalid(format!("zero_stage = {} is not one of 0 and 1", self.zero_stage)));
         }
         for (name, v) in [
             ("per_device_train_batch_size", self.per_device_train_batch_size),
@@ -212,7 +219,7 @@ impl<K: Trainer> SupervisedConfig<K> {
 
 /// The processes of a run and, on the main one, its locked output directory.
 pub struct Job {
-    pub comm: Box<dyn Communicator>,
+    pub comm: std::sync::Arc<dyn Communicator>,
     run_dir: Option<RunDir>,
 }
 
@@ -285,6 +292,9 @@ pub fn train_supervised<K: Trainer, O: Objective>(
     let warmup = warmup_steps(cfg.warmup_steps, cfg.warmup_ratio, total_steps);
     let o = cfg.optimizer();
     let mut optimizer = AdamW::new(o.adam_beta1, o.adam_beta2, o.adam_epsilon, o.weight_decay);
+    if cfg.zero_stage == 1 {
+        optimizer.shard(model.params(), job.comm.clone());
+    }
     let digest = token_digest(train.iter().flat_map(O::tokens));
     if world.size > 1 {
         crate::dist::check_same(comm, "options", &crate::dist::digest(to_toml(cfg).as_bytes()))?;
@@ -386,8 +396,9 @@ pub fn train_supervised<K: Trainer, O: Objective>(
         let save_now = cfg.save_steps > 0 && state.step % cfg.save_steps == 0;
         if save_now || stopping.is_some() || state.step == stop_at {
             let dir = checkpoint::checkpoint_dir(&output_dir, state.step);
+            let whole = optimizer.gathered(model.params())?;
             if main {
-                let parts = [Part { subdir: "", model: &model, optimizer: &optimizer }];
+                let parts = [Part { subdir: "", model: &model, optimizer: &whole }];
                 checkpoint::save(&dir, &parts, &state, &saved_config)?;
                 checkpoint::prune(&output_dir, cfg.save_total_limit)?;
             }

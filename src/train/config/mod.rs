@@ -142,6 +142,9 @@ impl TrainConfig {
                 return bad(format!("{name} must be at least 1"));
             }
         }
+        if self.train.zero_stage > 1 {
+            return bad(format!("train.zero_stage = {} is not one of 0 and 1", self.train.zero_stage));
+        }
         if self.reward.is_empty() {
             return bad("no reward: add a [[reward]] table (or --reward_model_path)".into());
         }

@@ -29,6 +29,7 @@ pub const CHANGEABLE_ON_RESUME: &[&str] = &[
     "train.stop_after",
     "train.overwrite_output_dir",
     "train.max_skipped_steps",
+    "train.zero_stage",
 ];
 
 impl TrainConfig {

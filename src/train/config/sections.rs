@@ -346,6 +346,8 @@ pub struct TrainSection {
     /// Keep only each layer's input in the forward pass and recompute the
     /// layer in the backward.
     pub gradient_checkpointing: bool,
+    /// 1: AdamW's moments split over the processes (ZeRO stage 1); 0: not.
+    pub zero_stage: u8,
     pub seed: u64,
     /// Log metrics every N rollout steps.
     pub logging_steps: usize,
@@ -395,6 +397,7 @@ impl Default for TrainSection {
             max_grad_norm: 1.0,
             dtype: Precision::F32,
             gradient_checkpointing: false,
+            zero_stage: 0,
             seed: 42,
             logging_steps: 1,
             save_steps: 100,

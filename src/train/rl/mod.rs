@@ -15,6 +15,7 @@ mod shards;
 pub use setup::prompt_spec;
 
 use std::path::PathBuf;
+use std::sync::Arc;
 
 use candle_core::{Device, Tensor};
 
@@ -77,7 +78,7 @@ struct Run {
     /// The start-up estimate of the peak memory, in bytes (CPU runs).
     memory_plan: Option<u64>,
     /// The job's processes (one, unless launched data-parallel).
-    comm: Box<dyn Communicator>,
+    comm: Arc<dyn Communicator>,
 }
 
 /// The frozen model the KL is measured against.
@@ -122,6 +123,12 @@ pub fn train(cfg: &TrainConfig) -> Result<RunSummary> {
     let adamw = || AdamW::new(t.adam_beta1, t.adam_beta2, t.adam_epsilon, t.weight_decay);
     let mut optimizers =
         Optimizers { policy: adamw(), trained: run.algorithm.trained().iter().map(|_| adamw()).collect() };
+    if t.zero_stage == 1 {
+        optimizers.policy.shard(run.policy.params(), run.comm.clone());
+        for (trained, optimizer) in run.algorithm.trained().iter().zip(&mut optimizers.trained) {
+            optimizer.shard(trained.model.params(), run.comm.clone());
+        }
+    }
     let start = run.resume_state(&mut optimizers)?;
     let sizes = run.sizes;
     let options = HarnessOptions {
@@ -155,7 +162,8 @@ pub fn train(cfg: &TrainConfig) -> Result<RunSummary> {
         let step_result = run.step(step, &mut optimizers, &mut state, &mut guard, &mut phases, &mut metrics);
         let (rollout, shaped) = match step_result {
             Ok(done) => done,
-            Err(Error::RewardService(why)) if main => {
+            // Under ZeRO the optimizer's state is spread over the processes: no save from one alone.
+            Err(Error::RewardService(why)) if main && t.zero_stage == 0 => {
                 harness.finish();
                 let saved = run.save_before_stopping(&output_dir, &optimizers, &state, &config_toml)?;
                 return Err(Error::RewardService(format!("{why}; {saved}")));
@@ -205,8 +213,9 @@ pub fn train(cfg: &TrainConfig) -> Result<RunSummary> {
         let save_now = t.save_steps > 0 && state.step % t.save_steps == 0;
         if save_now || state.step == stop_at || stopping.is_some() {
             let dir = checkpoint::checkpoint_dir(&output_dir, state.step);
+            let whole = run.gathered(&optimizers)?;
             if main {
-                checkpoint::save(&dir, &run.parts(&optimizers), &state, &saved_config)?;
+                checkpoint::save(&dir, &run.parts(&whole), &state, &saved_config)?;
                 checkpoint::prune(&output_dir, t.save_total_limit)?;
             }
             if let Some(stopping) = stopping {
@@ -385,6 +394,19 @@ impl Run {
         completion_logprobs_chunked(net, seqs, temperature, &self.device, chunk)
     }
 
+    /// The optimizers' whole state (gathered from every process under ZeRO).
+    fn gathered(&self, optimizers: &Optimizers) -> Result<Optimizers> {
+        let trained = self.algorithm.trained();
+        Ok(Optimizers {
+            policy: optimizers.policy.gathered(self.policy.params())?,
+            trained: trained
+                .iter()
+                .zip(&optimizers.trained)
+                .map(|(t, o)| o.gathered(t.model.params()))
+                .collect::<Result<_>>()?,
+        })
+    }
+
     /// The models a checkpoint holds, with their optimizers.
     fn parts<'a>(&'a self, optimizers: &'a Optimizers) -> Vec<Part<'a>> {
         let mut parts = vec![Part { subdir: "", model: &self.policy, optimizer: &optimizers.policy }];
@@ -472,7 +494,7 @@ mod tests {
         ];
         sets.extend(extra.iter().map(|s| s.to_string()));
         let sets: Vec<_> = sets.iter().map(|s| parse_set(s).unwrap()).collect();
-        Run::start(&TrainConfig::load(None, &sets).unwrap(), Box::new(dist::Solo)).unwrap()
+        Run::start(&TrainConfig::load(None, &sets).unwrap(), Arc::new(dist::Solo)).unwrap()
     }
 
     fn sequence_targets(advantages: &[f32], old: &TokenLogprobs) -> algorithm::Targets {

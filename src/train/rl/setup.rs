@@ -37,7 +37,7 @@ pub fn prompt_spec(cfg: &TrainConfig, config: &ModelConfig) -> PromptSpec {
 }
 
 impl Run {
-    pub(super) fn start(cfg: &TrainConfig, comm: Box<dyn Communicator>) -> Result<Self> {
+    pub(super) fn start(cfg: &TrainConfig, comm: std::sync::Arc<dyn Communicator>) -> Result<Self> {
         let world = comm.world();
         let device = dist::device_for(&cfg.model.device, world)?;
         let policy_dir = resolve_model(&cfg.model.policy)?;
