@@ -311,12 +311,12 @@ fn a_rank_that_differs_dies_or_cannot_listen_stops_the_job_naming_it() {
     let port = free_port();
     let mut hangs = train_args(dir, "hangs", &sizes);
     endless(&mut hangs);
-    let main = rank(0, &port, &hangs, "3");
-    let mut other = rank(1, &port, &hangs, "3");
+    let main = rank(0, &port, &hangs, "10");
+    let mut other = rank(1, &port, &hangs, "10");
     progress(&dir.join("hangs"));
     stop_signal(&other, libc::SIGSTOP);
     let text = err(finished(main, Duration::from_secs(60)).0);
-    assert!(text.contains("rank 1 sent nothing for 3 s"), "{text}");
+    assert!(text.contains("rank 1 sent nothing for 10 s"), "{text}");
     other.kill().unwrap();
     other.wait().unwrap();
 

@@ -159,8 +159,12 @@ fn supervise(mut ranks: Vec<(usize, Child)>) -> Result<()> {
         }
         if let Some((rank, how, _)) = &failure {
             if running > 0 && killing_at.is_none() {
-                eprintln!("rank {rank} {how}; stopping the other ranks");
-                stop_all(&mut ranks, libc::SIGTERM);
+                // Ranks already asked to stop are saving their work: a second
+                // signal would end them at once.
+                if forwarded == 0 {
+                    eprintln!("rank {rank} {how}; stopping the other ranks");
+                    stop_all(&mut ranks, libc::SIGTERM);
+                }
                 killing_at = Some(Instant::now() + GRACE);
             }
         }
