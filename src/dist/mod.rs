@@ -7,10 +7,14 @@
 //! dies, hangs past the timeout or calls another collective stops the
 //! others with an error naming it.
 
+#[cfg(feature = "cuda")]
+mod nccl;
 mod tcp;
 
 use std::sync::Arc;
 use std::time::Duration;
+
+use candle_core::{DType, Device, Tensor};
 
 use crate::error::{Error, Result};
 
@@ -42,6 +46,14 @@ pub trait Communicator: Send + Sync {
     fn all_reduce_sum_f64(&self, data: &mut [f64]) -> Result<()>;
     /// Every rank's bytes, in rank order, on every rank.
     fn all_gather(&self, mine: &[u8]) -> Result<Vec<Vec<u8>>>;
+    /// The element-wise sum of a tensor over the ranks (the gradients, in
+    /// one buffer). The TCP star moves it through host memory; NCCL sums it
+    /// where it lies.
+    fn all_reduce_tensor(&self, t: &Tensor) -> Result<Tensor> {
+        let mut values = t.flatten_all()?.to_dtype(DType::F32)?.to_vec1::<f32>()?;
+        self.all_reduce_sum(&mut values)?;
+        Ok(Tensor::from_vec(values, t.shape(), t.device())?.to_dtype(t.dtype())?)
+    }
     /// Whether any rank says `yes` (a stop asked on one rank stops them all).
     fn any(&self, yes: bool) -> Result<bool> {
         let mut flag = [if yes { 1.0 } else { 0.0 }];
@@ -181,9 +193,23 @@ pub fn init() -> Result<Arc<dyn Communicator>> {
     }
 }
 
+/// The communicator for a job whose processes compute on `device`: on
+/// GPUs (built with CUDA), NCCL for the tensors unless
+/// `RLOO_DIST_BACKEND=tcp` asks for the TCP star alone; else `comm`.
+pub fn on_device(comm: Arc<dyn Communicator>, device: &Device) -> Result<Arc<dyn Communicator>> {
+    let tcp_only = std::env::var("RLOO_DIST_BACKEND").is_ok_and(|b| b == "tcp");
+    if comm.world().size == 1 || !device.is_cuda() || tcp_only {
+        return Ok(comm);
+    }
+    #[cfg(feature = "cuda")]
+    return Ok(Arc::new(nccl::Nccl::join(comm, device)?));
+    #[cfg(not(feature = "cuda"))]
+    Ok(comm)
+}
+
 /// The device `name` (`--device`) means for a process of `world`: with
 /// several processes on a machine, `cuda` is the GPU of the local rank.
-pub fn device_for(name: &str, world: World) -> Result<candle_core::Device> {
+pub fn device_for(name: &str, world: World) -> Result<Device> {
     match name {
         "cuda" | "gpu" if world.size > 1 => crate::model::parse_device(&format!("cuda:{}", world.local_rank)),
         name => crate::model::parse_device(name),

@@ -53,19 +53,23 @@ impl GradAccumulator {
         let mut present: Vec<f64> = vars.iter().map(|v| if self.get(v).is_some() { 1.0 } else { 0.0 }).collect();
         comm.all_reduce_sum_f64(&mut present)?;
         let vars: Vec<&Var> = vars.into_iter().zip(present).filter(|(_, p)| *p > 0.0).map(|(v, _)| v).collect();
-        let mut flat = Vec::new();
-        for var in &vars {
-            match self.get(var) {
-                Some(g) => flat.extend(g.flatten_all()?.to_dtype(DType::F32)?.to_vec1::<f32>()?),
-                None => flat.resize(flat.len() + var.elem_count(), 0.0),
-            }
+        if vars.is_empty() {
+            return Ok(());
         }
-        comm.all_reduce_sum(&mut flat)?;
+        // One buffer where the gradients lie (a GPU's, for NCCL), in parameter order.
+        let parts = vars
+            .iter()
+            .map(|var| match self.get(var) {
+                Some(g) => Ok(g.flatten_all()?.to_dtype(DType::F32)?),
+                None => Ok(Tensor::zeros(var.elem_count(), DType::F32, var.device())?),
+            })
+            .collect::<Result<Vec<_>>>()?;
+        let flat = comm.all_reduce_tensor(&Tensor::cat(&parts, 0)?)?;
         let mut at = 0;
         for var in vars {
             let n = var.elem_count();
             let dtype = self.get(var).map_or(var.dtype(), Tensor::dtype);
-            let sum = Tensor::from_slice(&flat[at..at + n], var.shape(), var.device())?.to_dtype(dtype)?;
+            let sum = flat.narrow(0, at, n)?.reshape(var.shape())?.to_dtype(dtype)?;
             at += n;
             let id = var.as_tensor().id();
             match self.sums.iter_mut().find(|(i, _)| *i == id) {

@@ -204,7 +204,7 @@ pub fn evaluate(net: &Network, pairs: &[Pair], batch: usize, device: &Device) ->
 
 pub fn train_reward_model(cfg: &RewardTrainConfig) -> Result<RewardTrainSummary> {
     cfg.validate()?;
-    let job = cfg.start_job()?;
+    let mut job = cfg.start_job()?;
     let device = job.device(&cfg.device)?;
     let dir = resolve_model(&cfg.model)?;
     let head = HeadKind::SequenceClassification { num_labels: 1 };

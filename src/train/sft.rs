@@ -216,7 +216,7 @@ fn sequences<'a>(examples: &[&'a Example]) -> Sequences<'a> {
 
 pub fn train_sft(cfg: &SftConfig) -> Result<SftSummary> {
     cfg.validate()?;
-    let job = cfg.start_job()?;
+    let mut job = cfg.start_job()?;
     let device = job.device(&cfg.device)?;
     let dir = resolve_model(&cfg.model)?;
     let load = |dir: &Path| Model::load_trainable(dir, &device, HeadKind::CausalLm, (&cfg.peft, &[]), cfg.seed, true);

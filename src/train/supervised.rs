@@ -224,10 +224,13 @@ pub struct Job {
 }
 
 impl Job {
-    /// The device `name` (`--device`) means for this process: with several
-    /// processes, `cuda` is the GPU of this process's local rank.
-    pub fn device(&self, name: &str) -> Result<candle_core::Device> {
-        crate::dist::device_for(name, self.comm.world())
+    /// The device `name` (`--device`) means for this process (with several
+    /// processes, `cuda` is the GPU of this process's local rank), and the
+    /// job's communicator for it (NCCL on GPUs).
+    pub fn device(&mut self, name: &str) -> Result<candle_core::Device> {
+        let device = crate::dist::device_for(name, self.comm.world())?;
+        self.comm = crate::dist::on_device(self.comm.clone(), &device)?;
+        Ok(device)
     }
 }
 

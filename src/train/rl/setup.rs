@@ -40,6 +40,7 @@ impl Run {
     pub(super) fn start(cfg: &TrainConfig, comm: std::sync::Arc<dyn Communicator>) -> Result<Self> {
         let world = comm.world();
         let device = dist::device_for(&cfg.model.device, world)?;
+        let comm = dist::on_device(comm, &device)?;
         let policy_dir = resolve_model(&cfg.model.policy)?;
         let tokenizer_dir = match &cfg.model.tokenizer {
             Some(t) => resolve_model(t)?,
