@@ -279,7 +279,7 @@ fn a_rank_that_differs_dies_or_cannot_listen_stops_the_job_naming_it() {
     let dir = tmp.path();
     let sizes = ["--per_device_train_batch_size", "2", "--gradient_accumulation_steps", "2"];
 
-    // Another learning rate on rank 1: refused at start-up, by both.
+    // Another seed on rank 1: refused at start-up, by both.
     let port = free_port();
     let main = rank(0, &port, &train_args(dir, "differs", &sizes), "60");
     let mut other = train_args(dir, "differs", &sizes);
