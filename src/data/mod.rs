@@ -26,17 +26,26 @@ pub use tokenizer::{copy_tokenizer_files, Tokenizer, TOKENIZER_FILES};
 /// A digest of token sequences (FNV-1a over each one's length and ids),
 /// which a checkpoint keeps so that a resume on other data is refused.
 pub fn token_digest<'a>(sequences: impl IntoIterator<Item = &'a [u32]>) -> String {
-    let mut h: u64 = 0xcbf2_9ce4_8422_2325;
-    let mut eat = |x: u32| {
-        for b in x.to_le_bytes() {
-            h = (h ^ b as u64).wrapping_mul(0x0100_0000_01b3);
-        }
-    };
+    let mut h = FNV_START;
     for ids in sequences {
-        eat(ids.len() as u32);
-        ids.iter().for_each(|&id| eat(id));
+        h = fnv1a(h, &(ids.len() as u32).to_le_bytes());
+        for id in ids {
+            h = fnv1a(h, &id.to_le_bytes());
+        }
     }
     format!("{h:016x}")
+}
+
+/// A digest of bytes (FNV-1a, in hex): what the processes of a job compare.
+pub fn byte_digest(bytes: &[u8]) -> String {
+    format!("{:016x}", fnv1a(FNV_START, bytes))
+}
+
+const FNV_START: u64 = 0xcbf2_9ce4_8422_2325;
+
+/// 64-bit FNV-1a continued over `bytes`.
+fn fnv1a(h: u64, bytes: &[u8]) -> u64 {
+    bytes.iter().fold(h, |h, &b| (h ^ b as u64).wrapping_mul(0x0100_0000_01b3))
 }
 
 /// The training rows and the evaluation rows: `eval` when a separate set was

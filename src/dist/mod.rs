@@ -50,7 +50,7 @@ pub trait Communicator: Send + Sync {
     /// one buffer). The TCP star moves it through host memory; NCCL sums it
     /// where it lies.
     fn all_reduce_tensor(&self, t: &Tensor) -> Result<Tensor> {
-        let mut values = t.flatten_all()?.to_dtype(DType::F32)?.to_vec1::<f32>()?;
+        let mut values = host_f32(t)?;
         self.all_reduce_sum(&mut values)?;
         Ok(Tensor::from_vec(values, t.shape(), t.device())?.to_dtype(t.dtype())?)
     }
@@ -111,25 +111,9 @@ impl Rendezvous {
     }
 
     fn from_vars(var: &dyn Fn(&str) -> Option<String>) -> Result<Option<Rendezvous>> {
-        let number = |name: &str| -> Result<Option<usize>> {
-            var(name)
-                .map(|v| v.trim().parse::<usize>().map_err(|_| Error::Invalid(format!("{name}={v} is not a number"))))
-                .transpose()
-        };
-        let (rank, size, local_rank) = match (number("RANK")?, number("WORLD_SIZE")?) {
-            (Some(rank), Some(size)) => (rank, size, number("LOCAL_RANK")?.unwrap_or(rank)),
-            (None, None) => match (number("SLURM_PROCID")?, number("SLURM_NTASKS")?) {
-                (Some(rank), Some(size)) => (rank, size, number("SLURM_LOCALID")?.unwrap_or(rank)),
-                _ => return Ok(None),
-            },
-            _ => return Err(Error::Invalid("RANK and WORLD_SIZE must be set together".into())),
-        };
-        if size == 0 || rank >= size {
-            return Err(Error::Invalid(format!("RANK={rank} is not a rank of WORLD_SIZE={size}")));
-        }
-        if size == 1 {
-            return Ok(None);
-        }
+        let Some(world) = place(var)? else { return Ok(None) };
+        let number = |name: &str| -> Result<Option<usize>> { parse(name, var(name)) };
+        let rank = world.rank;
         let addr = var("MASTER_ADDR").unwrap_or_else(|| "127.0.0.1".into());
         let port = number("MASTER_PORT")?.unwrap_or(29500);
         let secret = match (var(SECRET_VAR), var("TORCHELASTIC_RUN_ID"), var("SLURM_JOB_ID")) {
@@ -160,7 +144,7 @@ impl Rendezvous {
         };
         let master = if addr.contains(':') && !addr.starts_with('[') { format!("[{addr}]") } else { addr };
         Ok(Some(Rendezvous {
-            world: World { rank, size, local_rank },
+            world,
             master: format!("{master}:{port}"),
             secret,
             timeout: Duration::from_secs_f64(timeout),
@@ -174,15 +158,35 @@ impl Rendezvous {
     }
 }
 
+/// This process's place in a job of several, from the launcher's
+/// variables (torchrun's, else Slurm's); none in a world of one.
+fn place(var: &dyn Fn(&str) -> Option<String>) -> Result<Option<World>> {
+    let number = |name: &str| parse(name, var(name));
+    let (rank, size, local_rank) = match (number("RANK")?, number("WORLD_SIZE")?) {
+        (Some(rank), Some(size)) => (rank, size, number("LOCAL_RANK")?.unwrap_or(rank)),
+        (None, None) => match (number("SLURM_PROCID")?, number("SLURM_NTASKS")?) {
+            (Some(rank), Some(size)) => (rank, size, number("SLURM_LOCALID")?.unwrap_or(rank)),
+            _ => return Ok(None),
+        },
+        _ => return Err(Error::Invalid("RANK and WORLD_SIZE must be set together".into())),
+    };
+    if size == 0 || rank >= size {
+        return Err(Error::Invalid(format!("RANK={rank} is not a rank of WORLD_SIZE={size}")));
+    }
+    Ok((size > 1).then_some(World { rank, size, local_rank }))
+}
+
+fn parse(name: &str, value: Option<String>) -> Result<Option<usize>> {
+    value
+        .map(|v| v.trim().parse::<usize>().map_err(|_| Error::Invalid(format!("{name}={v} is not a number"))))
+        .transpose()
+}
+
 /// (rank, world size) of this process in a job of several, from the
 /// launcher's variables, without checking the rest of them.
 pub fn rank_from_env() -> Option<(usize, usize)> {
-    let number = |name: &str| std::env::var(name).ok()?.trim().parse::<usize>().ok();
-    let (rank, size) = match (number("RANK"), number("WORLD_SIZE")) {
-        (Some(rank), Some(size)) => (rank, size),
-        _ => (number("SLURM_PROCID")?, number("SLURM_NTASKS")?),
-    };
-    (size > 1).then_some((rank, size))
+    let world = place(&|name| std::env::var(name).ok()).ok()??;
+    Some((world.rank, world.size))
 }
 
 /// The communicator of this process: its job's, or a world of one.
@@ -216,6 +220,11 @@ pub fn device_for(name: &str, world: World) -> Result<Device> {
     }
 }
 
+/// A tensor's values as f32 in host memory, in order.
+pub fn host_f32(t: &Tensor) -> Result<Vec<f32>> {
+    Ok(t.flatten_all()?.to_dtype(DType::F32)?.to_vec1::<f32>()?)
+}
+
 /// Fixed-size values to and from the bytes the collectives move.
 pub fn f32_bytes(values: &[f32]) -> Vec<u8> {
     values.iter().flat_map(|v| v.to_le_bytes()).collect()
@@ -223,12 +232,6 @@ pub fn f32_bytes(values: &[f32]) -> Vec<u8> {
 
 pub fn bytes_f32(bytes: &[u8]) -> Vec<f32> {
     bytes.chunks_exact(4).map(|b| f32::from_le_bytes([b[0], b[1], b[2], b[3]])).collect()
-}
-
-/// A 64-bit FNV-1a digest of `bytes`, in hex: what ranks compare.
-pub fn digest(bytes: &[u8]) -> String {
-    let h = bytes.iter().fold(0xcbf2_9ce4_8422_2325u64, |h, &b| (h ^ b as u64).wrapping_mul(0x0100_0000_01b3));
-    format!("{h:016x}")
 }
 
 /// Checks that every rank holds the same thing (its digest in `mine`):

@@ -224,7 +224,7 @@ impl ParamStore {
             let sq = t.sqr()?.sum_all()?.to_scalar::<f32>()?;
             text.push_str(&format!("{} {:?} {sum:e} {sq:e}\n", p.name, t.dims()));
         }
-        Ok(crate::dist::digest(text.as_bytes()))
+        Ok(crate::data::byte_digest(text.as_bytes()))
     }
 
     /// Number of scalar parameters that train.

@@ -8,7 +8,7 @@ use candle_core::backprop::GradStore;
 use candle_core::{DType, Tensor, Var};
 
 use super::config::Schedule;
-use crate::dist::Communicator;
+use crate::dist::{host_f32, Communicator};
 use crate::error::{Error, Result};
 use crate::model::kernels::{self, AdamWStep};
 use crate::model::ParamStore;
@@ -48,10 +48,13 @@ impl GradAccumulator {
     /// Sums the gradients of `stores` over the ranks of a data-parallel
     /// job, in one buffer, in the stores' parameter order; a parameter with
     /// a gradient on any rank has one (zero elsewhere) on every rank after.
-    pub fn all_reduce(&mut self, stores: &[&ParamStore], comm: &dyn Communicator) -> Result<()> {
+    /// The step's `scalars` (its loss, its counts) are summed on the way.
+    pub fn all_reduce(&mut self, stores: &[&ParamStore], comm: &dyn Communicator, scalars: &mut [f64]) -> Result<()> {
         let vars: Vec<&Var> = stores.iter().flat_map(|s| s.iter().map(|p| &p.var)).collect();
         let mut present: Vec<f64> = vars.iter().map(|v| if self.get(v).is_some() { 1.0 } else { 0.0 }).collect();
+        present.extend_from_slice(scalars);
         comm.all_reduce_sum_f64(&mut present)?;
+        scalars.copy_from_slice(&present[vars.len()..]);
         let vars: Vec<&Var> = vars.into_iter().zip(present).filter(|(_, p)| *p > 0.0).map(|(v, _)| v).collect();
         if vars.is_empty() {
             return Ok(());
@@ -207,24 +210,39 @@ impl Shard {
     fn share_weights(&self, params: &ParamStore) -> Result<()> {
         let mut mine = Vec::new();
         for p in params.trainable().filter(|p| self.owns(&p.name)) {
-            mine.extend(p.var.as_tensor().flatten_all()?.to_dtype(DType::F32)?.to_vec1::<f32>()?);
+            mine.extend(host_f32(p.var.as_tensor())?);
         }
-        let all = self.comm.all_gather(&crate::dist::f32_bytes(&mine))?;
-        let mut parts: Vec<(Vec<f32>, usize)> = all.iter().map(|b| (crate::dist::bytes_f32(b), 0)).collect();
+        let mut received = Received::gather(&*self.comm, &mine)?;
         for p in params.trainable() {
             let rank = self.owner[&p.name];
-            let (values, at) = &mut parts[rank];
-            let n = p.var.elem_count();
-            if *at + n > values.len() {
-                return Err(Error::Dist(format!("rank {rank} sent too few values for `{}`", p.name)));
-            }
+            let values = received.next(rank, p.var.elem_count(), &p.name)?;
             if rank != self.comm.world().rank {
-                let t = Tensor::from_slice(&values[*at..*at + n], p.var.shape(), p.var.device())?;
+                let t = Tensor::from_slice(values, p.var.shape(), p.var.device())?;
                 p.var.set(&t.to_dtype(p.var.dtype())?)?;
             }
-            *at += n;
         }
         Ok(())
+    }
+}
+
+/// What every process sent in one all-gather of f32 values, read in the
+/// order each sent them.
+struct Received(Vec<(Vec<f32>, usize)>);
+
+impl Received {
+    fn gather(comm: &dyn Communicator, mine: &[f32]) -> Result<Self> {
+        let all = comm.all_gather(&crate::dist::f32_bytes(mine))?;
+        Ok(Received(all.iter().map(|b| (crate::dist::bytes_f32(b), 0)).collect()))
+    }
+
+    /// The next `n` values from `rank`, those of parameter `name`.
+    fn next(&mut self, rank: usize, n: usize, name: &str) -> Result<&[f32]> {
+        let (values, at) = &mut self.0[rank];
+        if *at + n > values.len() {
+            return Err(Error::Dist(format!("rank {rank} sent too few values for `{name}`")));
+        }
+        *at += n;
+        Ok(&values[*at - n..*at])
     }
 }
 
@@ -265,31 +283,23 @@ impl AdamW {
             match self.moments.get(&p.name) {
                 Some((m, v)) => {
                     mine.push(1.0);
-                    mine.extend(m.flatten_all()?.to_dtype(DType::F32)?.to_vec1::<f32>()?);
-                    mine.extend(v.flatten_all()?.to_dtype(DType::F32)?.to_vec1::<f32>()?);
+                    mine.extend(host_f32(m)?);
+                    mine.extend(host_f32(v)?);
                 }
                 None => mine.push(0.0),
             }
         }
-        let all = shard.comm.all_gather(&crate::dist::f32_bytes(&mine))?;
-        let mut parts: Vec<(Vec<f32>, usize)> = all.iter().map(|b| (crate::dist::bytes_f32(b), 0)).collect();
+        let mut received = Received::gather(&*shard.comm, &mine)?;
         let mut full = AdamW { shard: None, moments: HashMap::new(), ..self.clone() };
         for p in params.trainable() {
             let rank = shard.owner[&p.name];
-            let (values, at) = &mut parts[rank];
-            let n = p.var.elem_count();
-            let present = values.get(*at).copied();
-            *at += 1;
-            match present {
-                Some(flag) if flag == 0.0 => continue,
-                Some(_) if *at + 2 * n <= values.len() => {}
-                _ => {
-                    return Err(Error::Dist(format!("rank {rank} sent an incomplete optimizer state for `{}`", p.name)))
-                }
+            if received.next(rank, 1, &p.name)?[0] == 0.0 {
+                continue;
             }
-            let m = Tensor::from_slice(&values[*at..*at + n], p.var.shape(), p.var.device())?;
-            let v = Tensor::from_slice(&values[*at + n..*at + 2 * n], p.var.shape(), p.var.device())?;
-            *at += 2 * n;
+            let n = p.var.elem_count();
+            let both = received.next(rank, 2 * n, &p.name)?;
+            let m = Tensor::from_slice(&both[..n], p.var.shape(), p.var.device())?;
+            let v = Tensor::from_slice(&both[n..], p.var.shape(), p.var.device())?;
             full.moments.insert(p.name.clone(), (m, v));
         }
         Ok(full)

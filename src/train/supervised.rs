@@ -300,7 +300,7 @@ pub fn train_supervised<K: Trainer, O: Objective>(
     }
     let digest = token_digest(train.iter().flat_map(O::tokens));
     if world.size > 1 {
-        crate::dist::check_same(comm, "options", &crate::dist::digest(to_toml(cfg).as_bytes()))?;
+        crate::dist::check_same(comm, "options", &crate::data::byte_digest(to_toml(cfg).as_bytes()))?;
         crate::dist::check_same(comm, "rows", &digest)?;
         crate::dist::check_same(comm, "weights", &model.params().fingerprint()?)?;
     }
@@ -364,9 +364,8 @@ pub fn train_supervised<K: Trainer, O: Objective>(
             grads.add(model.params(), &crate::model::backward(&loss, &[&model])?)?;
         }
         if world.size > 1 {
-            grads.all_reduce(&[model.params()], comm)?;
             let mut sums = [loss_sum, count as f64];
-            comm.all_reduce_sum_f64(&mut sums)?;
+            grads.all_reduce(&[model.params()], comm, &mut sums)?;
             (loss_sum, count) = (sums[0], sums[1] as usize);
         }
         let grad_norm = grads.clip(o.max_grad_norm)?;

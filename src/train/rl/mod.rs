@@ -271,32 +271,36 @@ impl Run {
         let cfg = &self.cfg;
         // 1. Rollout: k completions of each prompt of this step (of this
         // process's share of them, in a data-parallel job).
-        let rollout = phases.time("generation", || self.rollout(step))?;
+        let local = phases.time("generation", || self.rollout(step))?;
 
         // 2 and 3, side by side: the scores, shaped (missing-EOS penalty,
         // normalisation, clipping), on a thread of their own (a source that
         // waits on a command or a service holds no compute thread), and the
         // log-probs of the sampling policy and of the reference (and PPO's values).
+        let local_seqs = local.sequences(&self.dataset);
         let started = std::time::Instant::now();
         let (scored, forward) = std::thread::scope(|s| {
             let scoring = s.spawn(|| -> Result<_> {
                 let started = std::time::Instant::now();
-                let scores = self.rewards.score(&rollout.samples(&self.dataset))?;
+                let scores = self.rewards.score(&local.samples(&self.dataset))?;
                 Ok((scores, started.elapsed().as_secs_f64()))
             });
-            let forward = self.rollout_forward(&rollout, &rollout.sequences(&self.dataset));
-            (scoring.join().expect("the scoring thread panicked"), forward)
+            (scoring.join().expect("the scoring thread panicked"), self.rollout_forward(&local, &local_seqs))
         });
         let both = started.elapsed().as_secs_f64();
         let ((scores, t_score), forward) = (scored?, forward?);
         // Several processes: every one of them gathers the whole batch.
-        let (rollout, scores, mut forward) = if self.comm.world().size > 1 {
-            let width = |r: &Rollout| r.sequences(&self.dataset).completion_width();
-            phases.time("exchange", || shards::gather(&*self.comm, rollout, scores, forward, &width, &self.device))?
+        let (whole, scores, mut forward) = if self.comm.world().size > 1 {
+            let (whole, scores, forward) =
+                phases.time("exchange", || shards::gather(&*self.comm, &local, scores, forward, &self.device))?;
+            (Some(whole), scores, forward)
         } else {
-            (rollout, scores, forward)
+            (None, scores, forward)
         };
-        let seqs = rollout.sequences(&self.dataset);
+        let (rollout, seqs) = match &whole {
+            Some(whole) => (whole, whole.sequences(&self.dataset)),
+            None => (&local, local_seqs),
+        };
         let ended = rollout.ended_with_eos();
         if cfg.rloo.mask_truncated_completions {
             // A completion cut at the length limit takes no part in the loss or the KL.
@@ -342,14 +346,14 @@ impl Run {
         })?;
 
         // 6. Metrics.
-        report::rollout_metrics(metrics, &rollout, &shaped, &seq_kl, beta, old, &ended)?;
+        report::rollout_metrics(metrics, rollout, &shaped, &seq_kl, beta, old, &ended)?;
         for (name, value) in scores.metrics() {
             metrics.set(name, value as f64);
         }
         metrics.set("rloo/unscorable", shaped.iter().filter(|s| s.is_none()).count() as f64);
         train_stats.record(metrics);
         self.algorithm.record(&train_stats.extra, metrics);
-        Ok((rollout, shaped))
+        Ok((whole.unwrap_or(local), shaped))
     }
 
     /// This process's share of the step's prompts, sampled.

@@ -152,9 +152,8 @@ impl Run {
                 }
                 if world.size > 1 {
                     let stores: Vec<_> = models.iter().map(|m| m.params()).collect();
-                    grads.all_reduce(&stores, &*self.comm)?;
                     let mut sum = [loss_sum];
-                    self.comm.all_reduce_sum_f64(&mut sum)?;
+                    grads.all_reduce(&stores, &*self.comm, &mut sum)?;
                     loss_sum = sum[0];
                 }
                 if denominator == 0.0 {

@@ -101,7 +101,7 @@ impl Run {
         let sizes = BatchSizes::for_world(cfg, Some(dataset.len()), world.size)?;
         if world.size > 1 {
             // Ranks that differ would train different models in lockstep.
-            dist::check_same(&*comm, "options", &dist::digest(cfg.to_toml().as_bytes()))?;
+            dist::check_same(&*comm, "options", &crate::data::byte_digest(cfg.to_toml().as_bytes()))?;
             dist::check_same(&*comm, "prompts", &dataset.digest())?;
             dist::check_same(&*comm, "policy weights", &policy.params().fingerprint()?)?;
             tracing::info!("rank {} of {}: one process per device, batch sizes per process", world.rank, world.size);

@@ -6,59 +6,45 @@
 //! metrics and mini-batch order from it. Only the per-completion numbers
 //! move: a few bytes per token, against a model's worth of gradients.
 
-use candle_core::{DType, Device, Tensor};
-use serde::{Deserialize, Serialize};
+use candle_core::{Device, Tensor};
 
 use super::RolloutForward;
 use crate::algo::Grouped;
-use crate::dist::{bytes_f32, f32_bytes, Communicator};
+use crate::dist::{bytes_f32, f32_bytes, host_f32, Communicator};
 use crate::error::{Error, Result};
 use crate::generate::Completion;
 use crate::model::scoring::TokenLogprobs;
 use crate::reward::Scores;
 use crate::rollout::Rollout;
 
-/// What a share's rollout and scores travel as.
-#[derive(Serialize, Deserialize)]
-struct Share {
-    prompt_rows: Vec<usize>,
-    completions: Vec<Completion>,
-    texts: Vec<String>,
-    scores: Scores,
-}
+/// What a share's rollout and scores travel as: its prompt rows,
+/// completions, texts and scores.
+type Share = (Vec<usize>, Vec<Completion>, Vec<String>, Scores);
 
 /// The whole batch's rollout, scores and forward passes, from this
-/// process's share of them. `width` gives the completion width of the
-/// whole batch's sequences once its rollout is known.
+/// process's share of them.
 pub(super) fn gather(
     comm: &dyn Communicator,
-    rollout: Rollout,
+    rollout: &Rollout,
     scores: Scores,
     forward: RolloutForward,
-    width: &dyn Fn(&Rollout) -> usize,
     device: &Device,
 ) -> Result<(Rollout, Scores, RolloutForward)> {
-    let k = rollout.completions.k();
-    let share = Share {
-        prompt_rows: rollout.prompt_rows,
-        completions: rollout.completions.into_flat(),
-        texts: rollout.texts,
-        scores,
-    };
-    let bytes = serde_json::to_vec(&share).map_err(|e| Error::Dist(format!("encoding a rollout share: {e}")))?;
+    let mine = (&rollout.prompt_rows, rollout.completions.flat(), &rollout.texts, &scores);
+    let bytes = serde_json::to_vec(&mine).map_err(|e| Error::Dist(format!("encoding a rollout share: {e}")))?;
     let (mut prompt_rows, mut completions, mut texts, mut scores) = (Vec::new(), Vec::new(), Vec::new(), Vec::new());
     for (rank, part) in comm.all_gather(&bytes)?.into_iter().enumerate() {
-        let share: Share = serde_json::from_slice(&part)
+        let (rows, done, said, scored): Share = serde_json::from_slice(&part)
             .map_err(|e| Error::Dist(format!("rank {rank} sent an unreadable rollout share: {e}")))?;
         let offset = prompt_rows.len();
-        prompt_rows.extend(share.prompt_rows);
-        completions
-            .extend(share.completions.into_iter().map(|c| Completion { prompt_index: c.prompt_index + offset, ..c }));
-        texts.extend(share.texts);
-        scores.push(share.scores);
+        prompt_rows.extend(rows);
+        completions.extend(done.into_iter().map(|c| Completion { prompt_index: c.prompt_index + offset, ..c }));
+        texts.extend(said);
+        scores.push(scored);
     }
-    let rollout = Rollout { prompt_rows, completions: Grouped::new(k, completions), texts };
-    let width = width(&rollout);
+    // The whole batch's sequences are as wide as its longest completion.
+    let width = completions.iter().map(|c| c.tokens.len()).max().unwrap_or(0);
+    let rollout = Rollout { prompt_rows, completions: Grouped::new(rollout.completions.k(), completions), texts };
     let rows = |t: &Tensor| gather_rows(comm, t, width, device);
     let old = TokenLogprobs {
         logprobs: rows(&forward.old.logprobs)?,
@@ -77,7 +63,7 @@ fn gather_rows(comm: &dyn Communicator, t: &Tensor, width: usize, device: &Devic
     let (n, w) = t.dims2()?;
     let dtype = t.dtype();
     let padded = if w < width { t.pad_with_zeros(1, 0, width - w)? } else { t.clone() };
-    let mine = f32_bytes(&padded.to_dtype(DType::F32)?.flatten_all()?.to_vec1::<f32>()?);
+    let mine = f32_bytes(&host_f32(&padded)?);
     let mut all = Vec::with_capacity(n * width * comm.world().size);
     for part in comm.all_gather(&mine)? {
         all.extend(bytes_f32(&part));
