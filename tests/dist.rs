@@ -89,11 +89,17 @@ fn one_process(args: &[String]) -> Output {
 }
 
 fn launch(n: usize, args: &[String]) -> Output {
+    launch_with(n, args, &[])
+}
+
+fn launch_with(n: usize, args: &[String], env: &[(&str, &str)]) -> Output {
     let n = n.to_string();
     let port = free_port();
     let mut all = vec!["launch", "--nproc_per_node", &n, "--master_port", &port, "--timeout", "60", "--"];
     all.extend(args.iter().map(String::as_str));
-    Command::new(env!("CARGO_BIN_EXE_rloo")).args(&all).env("RAYON_NUM_THREADS", "1").output().unwrap()
+    let mut command = Command::new(env!("CARGO_BIN_EXE_rloo"));
+    command.args(&all).env("RAYON_NUM_THREADS", "1").envs(env.iter().copied());
+    command.output().unwrap()
 }
 
 fn weights(run: &Path) -> HashMap<String, Tensor> {
@@ -204,6 +210,25 @@ fn two_processes_train_as_one_process_with_the_same_batch() {
             == std::fs::read(dir.join("zero_whole/model.safetensors")).unwrap(),
         "ZeRO changed the weights"
     );
+}
+
+/// A job of one process that names its transport goes through every
+/// collective of a job of several (what one GPU can show of NCCL) and
+/// trains as a lone process does, to the bit.
+#[test]
+fn a_job_of_one_runs_every_collective_and_trains_as_a_lone_process() {
+    let tmp = tempfile::tempdir().unwrap();
+    let dir = tmp.path();
+    let sizes = ["--per_device_train_batch_size", "4", "--gradient_accumulation_steps", "2"];
+    ok(one_process(&train_args(dir, "alone", &sizes)));
+    let out =
+        ok(launch_with(1, &train_args(dir, "job", &sizes), &[("RLOO_DIST_BACKEND", "tcp"), ("RUST_LOG", "info")]));
+    let log = String::from_utf8_lossy(&out.stderr);
+    assert!(log.contains("rank 0 of 1 joined the job"), "{log}");
+    let (alone, job) = (dir.join("alone"), dir.join("job"));
+    assert_eq!(samples(&alone), samples(&job));
+    assert_eq!(metrics(&alone), metrics(&job));
+    assert_eq!(largest_weight_difference(&alone, &job), 0.0);
 }
 
 #[test]

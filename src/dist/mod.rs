@@ -25,10 +25,14 @@ pub struct World {
     pub size: usize,
     /// The rank among this machine's processes (which GPU it drives).
     pub local_rank: usize,
+    /// Whether this process met others at a rendezvous, so that every
+    /// collective runs: a job of several, or a job of one that names its
+    /// transport (`RLOO_DIST_BACKEND`) to exercise it on one device.
+    pub joined: bool,
 }
 
 impl World {
-    pub const SOLO: World = World { rank: 0, size: 1, local_rank: 0 };
+    pub const SOLO: World = World { rank: 0, size: 1, local_rank: 0, joined: false };
 
     /// The rank that writes the run's files.
     pub fn is_main(&self) -> bool {
@@ -159,7 +163,8 @@ impl Rendezvous {
 }
 
 /// This process's place in a job of several, from the launcher's
-/// variables (torchrun's, else Slurm's); none in a world of one.
+/// variables (torchrun's, else Slurm's); none in a world of one, unless
+/// it names its transport.
 fn place(var: &dyn Fn(&str) -> Option<String>) -> Result<Option<World>> {
     let number = |name: &str| parse(name, var(name));
     let (rank, size, local_rank) = match (number("RANK")?, number("WORLD_SIZE")?) {
@@ -173,7 +178,29 @@ fn place(var: &dyn Fn(&str) -> Option<String>) -> Result<Option<World>> {
     if size == 0 || rank >= size {
         return Err(Error::Invalid(format!("RANK={rank} is not a rank of WORLD_SIZE={size}")));
     }
-    Ok((size > 1).then_some(World { rank, size, local_rank }))
+    let named = backend(var)?.is_some();
+    Ok((size > 1 || named).then_some(World { rank, size, local_rank, joined: true }))
+}
+
+/// The variable that picks the transport of a job's tensors.
+pub const BACKEND_VAR: &str = "RLOO_DIST_BACKEND";
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Backend {
+    /// The TCP star alone, through host memory.
+    Tcp,
+    /// NCCL for tensors on GPUs (the default there), the star for the rest.
+    Nccl,
+}
+
+/// The transport `RLOO_DIST_BACKEND` names, if any.
+fn backend(var: &dyn Fn(&str) -> Option<String>) -> Result<Option<Backend>> {
+    match var(BACKEND_VAR).as_deref().map(str::trim) {
+        None | Some("") => Ok(None),
+        Some("tcp") => Ok(Some(Backend::Tcp)),
+        Some("nccl") => Ok(Some(Backend::Nccl)),
+        Some(other) => Err(Error::Invalid(format!("{BACKEND_VAR}={other}: expected tcp or nccl"))),
+    }
 }
 
 fn parse(name: &str, value: Option<String>) -> Result<Option<usize>> {
@@ -201,8 +228,8 @@ pub fn init() -> Result<Arc<dyn Communicator>> {
 /// GPUs (built with CUDA), NCCL for the tensors unless
 /// `RLOO_DIST_BACKEND=tcp` asks for the TCP star alone; else `comm`.
 pub fn on_device(comm: Arc<dyn Communicator>, device: &Device) -> Result<Arc<dyn Communicator>> {
-    let tcp_only = std::env::var("RLOO_DIST_BACKEND").is_ok_and(|b| b == "tcp");
-    if comm.world().size == 1 || !device.is_cuda() || tcp_only {
+    let tcp_only = backend(&|name| std::env::var(name).ok())? == Some(Backend::Tcp);
+    if !comm.world().joined || !device.is_cuda() || tcp_only {
         return Ok(comm);
     }
     #[cfg(feature = "cuda")]
@@ -264,6 +291,11 @@ mod tests {
     fn the_world_comes_from_torchruns_or_slurms_variables() {
         assert!(vars(&[]).unwrap().is_none());
         assert!(vars(&[("RANK", "0"), ("WORLD_SIZE", "1")]).unwrap().is_none());
+        // A job of one that names its transport runs every collective.
+        let one = vars(&[("RANK", "0"), ("WORLD_SIZE", "1"), (BACKEND_VAR, "tcp"), (SECRET_VAR, "s")]);
+        assert_eq!(one.unwrap().unwrap().world, World { rank: 0, size: 1, local_rank: 0, joined: true });
+        let err = vars(&[("RANK", "0"), ("WORLD_SIZE", "1"), (BACKEND_VAR, "gloo")]).unwrap_err().to_string();
+        assert!(err.contains("RLOO_DIST_BACKEND=gloo: expected tcp or nccl"), "{err}");
         let r = vars(&[
             ("RANK", "3"),
             ("WORLD_SIZE", "8"),
@@ -274,7 +306,7 @@ mod tests {
         ])
         .unwrap()
         .unwrap();
-        assert_eq!(r.world, World { rank: 3, size: 8, local_rank: 1 });
+        assert_eq!(r.world, World { rank: 3, size: 8, local_rank: 1, joined: true });
         assert_eq!((r.master.as_str(), r.secret.as_str()), ("10.0.0.2:1234", "s3"));
         let r = vars(&[("SLURM_PROCID", "1"), ("SLURM_NTASKS", "2"), ("SLURM_LOCALID", "1"), ("SLURM_JOB_ID", "77")])
             .unwrap()

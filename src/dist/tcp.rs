@@ -338,7 +338,7 @@ mod tests {
 
     fn rendezvous(rank: usize, size: usize, port: u16, secret: &str) -> Rendezvous {
         Rendezvous {
-            world: World { rank, size, local_rank: rank },
+            world: World { rank, size, local_rank: rank, joined: true },
             master: format!("127.0.0.1:{port}"),
             secret: secret.into(),
             timeout: Duration::from_secs(5),

@@ -262,7 +262,7 @@ impl AdamW {
     /// moments of, and steps, its share of `params` (nothing changes in a
     /// world of one).
     pub fn shard(&mut self, params: &ParamStore, comm: Arc<dyn Communicator>) {
-        if comm.world().size > 1 {
+        if comm.world().joined {
             let shard = Shard::new(params, comm);
             self.moments.retain(|name, _| shard.owns(name));
             self.shard = Some(shard);

@@ -299,7 +299,7 @@ pub fn train_supervised<K: Trainer, O: Objective>(
         optimizer.shard(model.params(), job.comm.clone());
     }
     let digest = token_digest(train.iter().flat_map(O::tokens));
-    if world.size > 1 {
+    if world.joined {
         crate::dist::check_same(comm, "options", &crate::data::byte_digest(to_toml(cfg).as_bytes()))?;
         crate::dist::check_same(comm, "rows", &digest)?;
         crate::dist::check_same(comm, "weights", &model.params().fingerprint()?)?;
@@ -363,7 +363,7 @@ pub fn train_supervised<K: Trainer, O: Objective>(
             count += n;
             grads.add(model.params(), &crate::model::backward(&loss, &[&model])?)?;
         }
-        if world.size > 1 {
+        if world.joined {
             let mut sums = [loss_sum, count as f64];
             grads.all_reduce(&[model.params()], comm, &mut sums)?;
             (loss_sum, count) = (sums[0], sums[1] as usize);

@@ -290,7 +290,7 @@ impl Run {
         let both = started.elapsed().as_secs_f64();
         let ((scores, t_score), forward) = (scored?, forward?);
         // Several processes: every one of them gathers the whole batch.
-        let (whole, scores, mut forward) = if self.comm.world().size > 1 {
+        let (whole, scores, mut forward) = if self.comm.world().joined {
             let (whole, scores, forward) =
                 phases.time("exchange", || shards::gather(&*self.comm, &local, scores, forward, &self.device))?;
             (Some(whole), scores, forward)

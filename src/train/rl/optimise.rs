@@ -150,7 +150,7 @@ impl Run {
                         grads.add(model.params(), &backward)?;
                     }
                 }
-                if world.size > 1 {
+                if world.joined {
                     let stores: Vec<_> = models.iter().map(|m| m.params()).collect();
                     let mut sum = [loss_sum];
                     grads.all_reduce(&stores, &*self.comm, &mut sum)?;
@@ -183,7 +183,7 @@ impl Run {
                 state.optimizer_step += 1;
             }
         }
-        if world.size > 1 {
+        if world.joined {
             stats.sum_over(&*self.comm)?;
         }
         Ok(stats)

@@ -99,7 +99,7 @@ impl Run {
         let rows: Vec<_> = dataset.rows.iter().map(|r| &r.row.fields).collect();
         rewards.check_rows(&rows)?;
         let sizes = BatchSizes::for_world(cfg, Some(dataset.len()), world.size)?;
-        if world.size > 1 {
+        if world.joined {
             // Ranks that differ would train different models in lockstep.
             dist::check_same(&*comm, "options", &crate::data::byte_digest(cfg.to_toml().as_bytes()))?;
             dist::check_same(&*comm, "prompts", &dataset.digest())?;
