@@ -1,18 +1,17 @@
-//! The sampling engine: k completions per prompt, decoded in batches with a
-//! KV cache. Each prompt is prefilled once and its k rows read its cached
-//! keys and values from one copy; every row keeps its own position; rows
-//! that stop leave the batch so no compute is spent on them.
-//!
-//! It runs on the frozen network (detached weights), so no autograd graph
-//! is recorded.
+//! Batch generation on the decoding loop: k completions per prompt, in
+//! closed batches of `batch_size` rows, where the k rows of a prompt read
+//! its cached keys and values from one copy. Each completion ends on a stop
+//! token, a stop string or the length limit.
 
-use candle_core::{CpuStorage, Device, Storage, Tensor};
-use rayon::prelude::*;
+use std::sync::Arc;
 
-use super::sampling::{Pick, Sampling, Scratch};
+use candle_core::Device;
+
+use super::decoding::{DecodeRow, Decoding, Verdict};
+use super::sampling::Sampling;
 use crate::data::Tokenizer;
 use crate::error::{Error, Result};
-use crate::model::{Inputs, Network, PadSide};
+use crate::model::Network;
 use crate::rng::Rng;
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
@@ -89,15 +88,12 @@ pub struct Completion {
     pub finish_reason: FinishReason,
 }
 
-/// A row being decoded.
+/// What the engine keeps of a row beside its tokens.
 struct Row {
     prompt_index: usize,
     sample_index: usize,
-    prompt_len: usize,
-    tokens: Vec<u32>,
     logprobs: Vec<f32>,
     entropies: Vec<f32>,
-    rng: Rng,
 }
 
 /// Generates `num_return_sequences` completions for every prompt. Each
@@ -138,145 +134,76 @@ pub fn generate(
         }
     }
     let k = opts.num_return_sequences;
+    let shared: Vec<Arc<[u32]>> = prompts.iter().map(|p| Arc::from(p.as_slice())).collect();
     let rows: Vec<(usize, usize)> = (0..prompts.len()).flat_map(|p| (0..k).map(move |s| (p, s))).collect();
     for batch in rows.chunks(opts.batch_size) {
-        decode_batch(net, prompts, batch, opts, tokenizer, device, on_tokens, on_done)?;
+        let rows = batch
+            .iter()
+            .map(|&(p, s)| DecodeRow {
+                prompt: shared[p].clone(),
+                sampling: opts.sampling.clone(),
+                repetition_penalty: opts.repetition_penalty,
+                rng: Rng::stream(opts.seed, &[(opts.prompt_offset + p) as u64, s as u64]),
+                max_tokens: opts.max_new_tokens,
+                tokens: Vec::with_capacity(opts.max_new_tokens),
+                client: Row {
+                    prompt_index: p,
+                    sample_index: s,
+                    logprobs: Vec::with_capacity(opts.max_new_tokens),
+                    entropies: Vec::with_capacity(opts.max_new_tokens),
+                },
+            })
+            .collect();
+        decode_batch(net, rows, opts, tokenizer, device, on_tokens, on_done)?;
     }
     Ok(())
 }
 
-#[allow(clippy::too_many_arguments)]
 fn decode_batch(
     net: &Network,
-    prompts: &[Vec<u32>],
-    batch: &[(usize, usize)],
+    rows: Vec<DecodeRow<Row>>,
     opts: &GenerateOptions,
     tokenizer: Option<&Tokenizer>,
     device: &Device,
     on_tokens: &mut dyn FnMut(usize),
     on_done: &mut dyn FnMut(Completion) -> Result<()>,
 ) -> Result<()> {
-    let mut rows: Vec<Row> = batch
-        .iter()
-        .map(|&(p, s)| Row {
-            prompt_index: p,
-            sample_index: s,
-            prompt_len: prompts[p].len(),
-            tokens: Vec::with_capacity(opts.max_new_tokens),
-            logprobs: Vec::with_capacity(opts.max_new_tokens),
-            entropies: Vec::with_capacity(opts.max_new_tokens),
-            rng: Rng::stream(opts.seed, &[(opts.prompt_offset + p) as u64, s as u64]),
-        })
-        .collect();
     if opts.max_new_tokens == 0 {
-        for row in rows {
-            on_done(finish(row, FinishReason::Length))?;
+        for mut row in rows {
+            on_done(finish(&mut row, FinishReason::Length))?;
         }
         return Ok(());
     }
-
-    // Prefill each distinct prompt once (left-padded so every row's last
-    // column is its last prompt token); its rows share its cached slots.
-    let mut distinct: Vec<usize> = batch.iter().map(|&(p, _)| p).collect();
-    distinct.dedup();
-    let prefill_rows: Vec<Vec<u32>> = distinct.iter().map(|&p| prompts[p].clone()).collect();
-    let inputs = Inputs::from_rows(&prefill_rows, 0, PadSide::Left, device)?;
-    let mut cache = net.new_cache();
-    let hidden = net.hidden_states(&inputs, Some(&mut cache))?;
-    let t = hidden.dim(1)?;
-    let last = net.project(&hidden.narrow(1, t - 1, 1)?.squeeze(1)?)?; // (U, V)
-    let owner: Vec<u32> =
-        batch.iter().map(|&(p, _)| distinct.iter().position(|&d| d == p).unwrap_or(0) as u32).collect();
-    let mut logits = if owner.len() == distinct.len() {
-        last
-    } else {
-        cache.share(&owner)?;
-        last.index_select(&Tensor::from_slice(&owner, owner.len(), device)?, 0)?
-    };
-    // The last sampled token is never fed back.
-    cache.reserve(opts.max_new_tokens - 1);
-
+    let mut batch = Decoding::closed(net, device);
+    batch.admit(rows)?;
     let longest_stop = opts.stop.strings.iter().map(String::len).max().unwrap_or(0);
-    loop {
-        let picks = pick_tokens(&logits, &mut rows, prompts, opts)?;
-        let produced = rows.len();
-        let mut keep: Vec<u32> = Vec::with_capacity(rows.len());
-        let mut still = Vec::with_capacity(rows.len());
-        for (i, (mut row, pick)) in std::mem::take(&mut rows).into_iter().zip(picks).enumerate() {
-            let token = pick.token;
-            row.tokens.push(token);
-            row.logprobs.push(pick.logprob);
-            row.entropies.push(pick.entropy);
-            let stopped = opts.stop.token_ids.contains(&token)
+    while !batch.is_empty() {
+        let produced = batch.step(|row, pick, _, _| {
+            row.client.logprobs.push(pick.logprob);
+            row.client.entropies.push(pick.entropy);
+            let stopped = opts.stop.token_ids.contains(&pick.token)
                 || (longest_stop > 0 && hits_stop_string(tokenizer, &row.tokens, &opts.stop.strings, longest_stop)?);
-            if stopped {
-                on_done(finish(row, FinishReason::Stop))?;
-            } else if row.tokens.len() >= opts.max_new_tokens {
-                on_done(finish(row, FinishReason::Length))?;
-            } else {
-                keep.push(i as u32);
-                still.push(row);
-            }
-        }
+            let reason = match stopped {
+                true => FinishReason::Stop,
+                false if row.tokens.len() >= opts.max_new_tokens => FinishReason::Length,
+                false => return Ok(Verdict::Continues),
+            };
+            on_done(finish(row, reason))?;
+            Ok(Verdict::Leaves)
+        })?;
         on_tokens(produced);
-        rows = still;
-        if rows.is_empty() {
-            return Ok(());
-        }
-        if keep.len() < produced {
-            cache.select_rows(&keep)?;
-        }
-        let tokens: Vec<u32> = rows.iter().map(|r| *r.tokens.last().unwrap_or(&0)).collect();
-        let positions: Vec<u32> = rows.iter().map(|r| (r.prompt_len + r.tokens.len() - 1) as u32).collect();
-        let step = Inputs::step(&tokens, &positions, device)?;
-        logits = net.logits(&step, Some(&mut cache))?.squeeze(1)?;
     }
+    Ok(())
 }
 
-/// Picks each row's next token from its row of the (B, V) logits. Rows
-/// sample independently (each has its own generator), so in parallel.
-fn pick_tokens(logits: &Tensor, rows: &mut [Row], prompts: &[Vec<u32>], opts: &GenerateOptions) -> Result<Vec<Pick>> {
-    pick_rows(logits, rows, |row, row_logits, scratch| {
-        let seen = prompts[row.prompt_index].iter().chain(&row.tokens).copied();
-        opts.sampling.pick_penalized(row_logits, seen, opts.repetition_penalty, &mut row.rng, scratch)
-    })
-}
-
-/// Runs `pick` on each row with its row of the (B, V) logits, in parallel,
-/// reading the logits in place when they are on the CPU.
-pub(crate) fn pick_rows<R: Send>(
-    logits: &Tensor,
-    rows: &mut [R],
-    pick: impl Fn(&mut R, &[f32], &mut Scratch) -> Pick + Sync,
-) -> Result<Vec<Pick>> {
-    let vocab = logits.dim(1)?;
-    if logits.dim(0)? != rows.len() {
-        return Err(Error::Invalid(format!("{} logit rows for {} rows", logits.dim(0)?, rows.len())));
-    }
-    let (storage, layout) = logits.storage_and_layout();
-    let copied: Vec<f32>;
-    // Read in place on the CPU: copying the logits costs about as much as sampling from them.
-    let host: &[f32] = match (&*storage, layout.contiguous_offsets()) {
-        (Storage::Cpu(cpu @ CpuStorage::F32(_)), Some((start, end))) => &cpu.as_slice::<f32>()?[start..end],
-        _ => {
-            copied = logits.flatten_all()?.to_vec1()?;
-            &copied
-        }
-    };
-    Ok(rows
-        .par_iter_mut()
-        .zip(host.par_chunks(vocab))
-        .map_init(Scratch::default, |scratch, (row, row_logits)| pick(row, row_logits, scratch))
-        .collect())
-}
-
-fn finish(row: Row, finish_reason: FinishReason) -> Completion {
+/// The completion of a row that leaves the batch (its tokens move out).
+fn finish(row: &mut DecodeRow<Row>, finish_reason: FinishReason) -> Completion {
     Completion {
-        prompt_index: row.prompt_index,
-        sample_index: row.sample_index,
-        tokens: row.tokens,
-        logprobs: row.logprobs,
-        entropies: row.entropies,
+        prompt_index: row.client.prompt_index,
+        sample_index: row.client.sample_index,
+        tokens: std::mem::take(&mut row.tokens),
+        logprobs: std::mem::take(&mut row.client.logprobs),
+        entropies: std::mem::take(&mut row.client.entropies),
         finish_reason,
     }
 }

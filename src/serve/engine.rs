@@ -1,9 +1,9 @@
-//! Continuous batching: one thread per model decodes every running
-//! completion together, one token per row per step. Between two steps, new
-//! requests are prefilled and join the batch (their key/value cache is
-//! appended to the running one) and finished or abandoned completions
-//! leave it, so a request never waits for another to finish, and many
-//! concurrent clients share each step's weight reads.
+//! Continuous batching on the decoding loop: one thread per model decodes
+//! every running completion together, one token per row per step. Between
+//! two steps, new requests are prefilled and join the batch (their
+//! key/value cache is appended to the running one) and finished or
+//! abandoned completions leave it, so a request never waits for another to
+//! finish, and many concurrent clients share each step's weight reads.
 
 use std::collections::VecDeque;
 use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
@@ -17,19 +17,16 @@ use serde_json::{json, Value};
 use super::text::TextStream;
 use crate::data::Tokenizer;
 use crate::error::Result;
-use crate::generate::engine::pick_rows;
+use crate::generate::decoding::{DecodeRow, Decoding, Verdict};
 use crate::generate::sampling::{with_penalty, Pick};
 use crate::generate::{FinishReason, Sampling};
-use crate::model::{Inputs, KvCache, Network, PadSide};
+use crate::model::Network;
 use crate::rng::Rng;
 use crate::service::server::Shutdown;
 use crate::service::Cancel;
 
 /// How often an idle engine looks at the stop flag.
 const POLL: Duration = Duration::from_millis(200);
-
-/// Leading cache slots no row uses are dropped once there are this many.
-const TRIM_SLOTS: usize = 64;
 
 /// One request: `n` completions of one prompt.
 pub struct GenRequest {
@@ -149,26 +146,20 @@ impl Engine {
 
 /// A request's settings, shared by its rows.
 struct Shared {
-    prompt: Vec<u32>,
-    max_tokens: usize,
-    sampling: Sampling,
-    repetition_penalty: f32,
     stop_ids: Vec<u32>,
     logprobs: Option<usize>,
     events: Sender<Event>,
     cancel: Cancel,
 }
 
-/// One completion being decoded.
+/// What the server keeps of a completion beside its tokens.
 struct Row {
     request: Arc<Shared>,
     choice: usize,
-    /// Its prompt among those prefilled with it.
-    prompt: usize,
-    tokens: Vec<u32>,
-    rng: Rng,
     text: TextStream,
 }
+
+type Batch<'m> = Decoding<'m, Row>;
 
 /// What became of a row after its newest token.
 enum Outcome {
@@ -183,7 +174,7 @@ impl EngineLoop<'_> {
     /// stops: from then on waiting requests are turned away, and the rows
     /// running get the grace period to finish before they are stopped.
     pub fn run(self, shutdown: &Shutdown) -> Result<()> {
-        let mut batch = Batch { rows: Vec::new(), cache: self.net.new_cache(), logits: None };
+        let mut batch: Batch = Decoding::open(self.net, &self.device);
         let mut waiting: VecDeque<GenRequest> = VecDeque::new();
         loop {
             if shutdown.stopping() {
@@ -192,15 +183,15 @@ impl EngineLoop<'_> {
                     let _ = request.events.send(Event::Stopped);
                 }
                 if shutdown.past_grace() {
-                    for row in batch.rows.drain(..) {
-                        let _ = row.request.events.send(Event::Stopped);
+                    for row in batch.drain() {
+                        let _ = row.client.request.events.send(Event::Stopped);
                     }
                 }
-                if batch.rows.is_empty() {
+                if batch.is_empty() {
                     break;
                 }
             } else {
-                if batch.rows.is_empty() && waiting.is_empty() {
+                if batch.is_empty() && waiting.is_empty() {
                     match self.queue.recv_timeout(POLL) {
                         Ok(request) => waiting.push_back(request),
                         Err(RecvTimeoutError::Timeout) => continue,
@@ -209,17 +200,16 @@ impl EngineLoop<'_> {
                 }
                 waiting.extend(self.queue.try_iter());
             }
-            let admitted = self.admit(&mut waiting, batch.rows.len());
+            let admitted = self.admit(&mut waiting, batch.len());
             self.stats.waiting_requests.store(waiting.len(), Ordering::Relaxed);
             if let Err(e) = self.step(&mut batch, admitted) {
                 // A failed step fails the requests in it; the server goes on.
                 tracing::error!("decoding failed: {e}");
-                for row in batch.rows.drain(..) {
-                    let _ = row.request.events.send(Event::Failed(e.to_string()));
+                for row in batch.drain() {
+                    let _ = row.client.request.events.send(Event::Failed(e.to_string()));
                 }
-                batch = Batch { rows: Vec::new(), cache: self.net.new_cache(), logits: None };
             }
-            self.stats.running_rows.store(batch.rows.len(), Ordering::Relaxed);
+            self.stats.running_rows.store(batch.len(), Ordering::Relaxed);
         }
         Ok(())
     }
@@ -250,134 +240,87 @@ impl EngineLoop<'_> {
         if !admitted.is_empty() {
             self.prefill(batch, admitted)?;
         }
-        let Some(logits) = batch.logits.take() else { return Ok(()) };
-        let picks = pick_tokens(&logits, &mut batch.rows)?;
-        let mut keep = Vec::with_capacity(batch.rows.len());
-        let mut rows = Vec::with_capacity(batch.rows.len());
-        for (i, (mut row, pick)) in std::mem::take(&mut batch.rows).into_iter().zip(picks).enumerate() {
-            match self.advance(&mut row, &pick, &logits, i)? {
-                Outcome::Continues => {
-                    keep.push(i as u32);
-                    rows.push(row);
-                }
-                Outcome::Finished => {
-                    self.stats.completed.fetch_add(1, Ordering::Relaxed);
-                }
-                Outcome::Abandoned => {
-                    self.stats.cancelled.fetch_add(1, Ordering::Relaxed);
-                }
-            }
-        }
-        self.stats.generated_tokens.fetch_add(logits.dim(0)? as u64, Ordering::Relaxed);
-        batch.rows = rows;
-        if batch.rows.is_empty() {
-            batch.cache = self.net.new_cache();
-            return Ok(());
-        }
-        if keep.len() < logits.dim(0)? {
-            batch.cache.select_rows(&keep)?;
-            batch.cache.trim_front(TRIM_SLOTS)?;
-        }
-        let tokens: Vec<u32> = batch.rows.iter().map(|r| *r.tokens.last().unwrap_or(&0)).collect();
-        let positions: Vec<u32> =
-            batch.rows.iter().map(|r| (r.request.prompt.len() + r.tokens.len() - 1) as u32).collect();
-        let step = Inputs::step(&tokens, &positions, &self.device)?;
-        batch.logits = Some(self.net.logits(&step, Some(&mut batch.cache))?.squeeze(1)?);
+        let produced = batch.step(|row, pick, logits, i| {
+            let counter = match self.advance(row, pick, logits, i)? {
+                Outcome::Continues => return Ok(Verdict::Continues),
+                Outcome::Finished => &self.stats.completed,
+                Outcome::Abandoned => &self.stats.cancelled,
+            };
+            counter.fetch_add(1, Ordering::Relaxed);
+            Ok(Verdict::Leaves)
+        })?;
+        self.stats.generated_tokens.fetch_add(produced as u64, Ordering::Relaxed);
         Ok(())
     }
 
-    /// Runs the new prompts once each (left-padded together), copies each
-    /// one's cache for its `n` rows, and appends rows, cache and last-position
-    /// logits to the batch. If that fails, only the new requests fail.
+    /// Prefills the new requests' prompts (each runs once; its `n` rows get
+    /// copies of its cache) and adds their rows to the batch. If the prefill
+    /// fails, only the new requests fail.
     fn prefill(&self, batch: &mut Batch, admitted: Vec<GenRequest>) -> Result<()> {
-        let prompts: Vec<Vec<u32>> = admitted.iter().map(|r| r.prompt.clone()).collect();
         let mut rows = Vec::new();
-        for (i, request) in admitted.into_iter().enumerate() {
+        for request in admitted {
+            let prompt: Arc<[u32]> = Arc::from(request.prompt);
             let shared = Arc::new(Shared {
-                prompt: request.prompt,
-                max_tokens: request.max_tokens,
-                sampling: request.sampling,
-                repetition_penalty: request.repetition_penalty,
                 stop_ids: request.stop_ids,
                 logprobs: request.logprobs,
                 events: request.events,
                 cancel: request.cancel,
             });
-            rows.extend((0..request.n).map(|c| Row {
-                request: shared.clone(),
-                choice: request.first_choice + c,
-                prompt: i,
-                tokens: Vec::with_capacity(request.max_tokens),
+            rows.extend((0..request.n).map(|c| DecodeRow {
+                prompt: prompt.clone(),
+                sampling: request.sampling.clone(),
+                repetition_penalty: request.repetition_penalty,
                 rng: Rng::stream(request.seed, &[c as u64]),
-                text: TextStream::new(&request.stop_strings),
+                max_tokens: request.max_tokens,
+                tokens: Vec::with_capacity(request.max_tokens),
+                client: Row {
+                    request: shared.clone(),
+                    choice: request.first_choice + c,
+                    text: TextStream::new(&request.stop_strings),
+                },
             }));
         }
-        let (cache, logits) = match self.run_prompts(&prompts, &rows) {
-            Ok(out) => out,
+        match batch.prefill(&rows) {
+            Ok(prefilled) => batch.join(rows, prefilled),
             Err(e) => {
                 tracing::error!("prefill failed: {e}");
                 for row in rows {
-                    let _ = row.request.events.send(Event::Failed(e.to_string()));
+                    let _ = row.client.request.events.send(Event::Failed(e.to_string()));
                 }
-                return Ok(());
+                Ok(())
             }
-        };
-        batch.rows.extend(rows);
-        let reserve = batch.rows.iter().map(|r| r.request.max_tokens - r.tokens.len()).max().unwrap_or(0);
-        batch.cache.join(cache, reserve)?;
-        batch.logits = Some(match batch.logits.take() {
-            Some(running) => Tensor::cat(&[&running, &logits], 0)?,
-            None => logits,
-        });
-        Ok(())
-    }
-
-    /// The cache and last-position logits (rows, V) of new rows: each
-    /// distinct prompt runs once and its rows share copies of its result.
-    fn run_prompts(&self, prompts: &[Vec<u32>], rows: &[Row]) -> Result<(KvCache, Tensor)> {
-        let inputs = Inputs::from_rows(prompts, 0, PadSide::Left, &self.device)?;
-        let mut cache = self.net.new_cache();
-        let hidden = self.net.hidden_states(&inputs, Some(&mut cache))?;
-        let t = hidden.dim(1)?;
-        let last = self.net.project(&hidden.narrow(1, t - 1, 1)?.squeeze(1)?)?; // (U, V)
-        if rows.len() == prompts.len() {
-            return Ok((cache, last));
         }
-        let owner: Vec<u32> = rows.iter().map(|r| r.prompt as u32).collect();
-        cache.select_rows(&owner)?;
-        Ok((cache, last.index_select(&Tensor::from_slice(&owner, owner.len(), &self.device)?, 0)?))
     }
 
-    /// Adds a picked token to its row and tells the request.
-    fn advance(&self, row: &mut Row, pick: &Pick, logits: &Tensor, i: usize) -> Result<Outcome> {
-        let request = row.request.clone();
+    /// Tells the request of a row its newest token.
+    fn advance(&self, row: &mut DecodeRow<Row>, pick: &Pick, logits: &Tensor, i: usize) -> Result<Outcome> {
+        let request = row.client.request.clone();
         if request.cancel.is_cancelled() {
             return Ok(Outcome::Abandoned);
         }
-        row.tokens.push(pick.token);
         let stop_token = request.stop_ids.contains(&pick.token);
-        let piece = if stop_token { Default::default() } else { row.text.push(self.tokenizer, pick.token)? };
+        let piece = if stop_token { Default::default() } else { row.client.text.push(self.tokenizer, pick.token)? };
         let finish = if stop_token || piece.stopped {
             Some(FinishReason::Stop)
-        } else if row.tokens.len() >= request.max_tokens {
+        } else if row.tokens.len() >= row.max_tokens {
             Some(FinishReason::Length)
         } else {
             None
         };
         let mut text = piece.text;
         if finish.is_some() {
-            text.push_str(&row.text.finish(self.tokenizer)?);
+            text.push_str(&row.client.text.finish(self.tokenizer)?);
         }
         let logprob = match request.logprobs {
             Some(top) => Some(self.token_logprob(pick, &logits.get(i)?, row, top)?),
             None => None,
         };
-        let sent = request.events.send(Event::Token { choice: row.choice, text, logprob }).is_ok();
+        let choice = row.client.choice;
+        let sent = request.events.send(Event::Token { choice, text, logprob }).is_ok();
         Ok(match finish {
             _ if !sent => Outcome::Abandoned,
             Some(finish_reason) => {
-                let done = Event::Done { choice: row.choice, finish_reason, tokens: row.tokens.len() };
-                let _ = request.events.send(done);
+                let _ = request.events.send(Event::Done { choice, finish_reason, tokens: row.tokens.len() });
                 Outcome::Finished
             }
             None => Outcome::Continues,
@@ -387,13 +330,12 @@ impl EngineLoop<'_> {
     /// The picked token's log-prob and the `top` most likely tokens' under
     /// the distribution it was drawn from (the repetition penalty included),
     /// once `row` holds it.
-    fn token_logprob(&self, pick: &Pick, logits: &Tensor, row: &Row, top: usize) -> Result<TokenLogprob> {
-        let r = &row.request;
+    fn token_logprob(&self, pick: &Pick, logits: &Tensor, row: &DecodeRow<Row>, top: usize) -> Result<TokenLogprob> {
         let raw: Vec<f32> = logits.to_vec1()?;
         let mut buf = Vec::new();
-        let seen = r.prompt.iter().chain(&row.tokens[..row.tokens.len() - 1]).copied();
-        let row = with_penalty(&raw, seen, r.repetition_penalty, &mut buf);
-        let inv_t = 1.0 / r.sampling.logprob_temperature();
+        let seen = row.prompt.iter().chain(&row.tokens[..row.tokens.len() - 1]).copied();
+        let inv_t = 1.0 / row.sampling.logprob_temperature();
+        let row = with_penalty(&raw, seen, row.repetition_penalty, &mut buf);
         // log p_j = l_j / T - log Z, and log Z follows from the picked token.
         let log_z = row[pick.token as usize] * inv_t - pick.logprob;
         let mut ids: Vec<u32> = (0..row.len() as u32).collect();
@@ -413,20 +355,4 @@ impl EngineLoop<'_> {
     fn token_text(&self, id: u32) -> Result<String> {
         self.tokenizer.decode(&[id], false)
     }
-}
-
-/// The running rows, their cache, and their next-token logits (B, V).
-struct Batch {
-    rows: Vec<Row>,
-    cache: KvCache,
-    logits: Option<Tensor>,
-}
-
-/// Each row's next token, drawn with its own settings and generator.
-fn pick_tokens(logits: &Tensor, rows: &mut [Row]) -> Result<Vec<Pick>> {
-    pick_rows(logits, rows, |row, l, scratch| {
-        let r = &row.request;
-        let seen = r.prompt.iter().chain(&row.tokens).copied();
-        r.sampling.pick_penalized(l, seen, r.repetition_penalty, &mut row.rng, scratch)
-    })
 }

@@ -1,0 +1,230 @@
+//! The one decoding loop. Rows (a prompt, how to draw from it, a random
+//! stream, the tokens so far) decode together, one token per row per step;
+//! each distinct prompt is prefilled once; rows join between steps and leave
+//! when their client says so, and no compute is spent on them after that.
+//! `rloo generate`, the trainers' rollouts, `rloo eval` (through
+//! [`generate`](super::generate)) and `rloo serve`'s continuous batching are
+//! its clients: they decide when a completion ends and what becomes of it.
+//!
+//! It runs on the frozen network (detached weights), so no autograd graph
+//! is recorded.
+
+use std::sync::Arc;
+
+use candle_core::{CpuStorage, Device, Storage, Tensor};
+use rayon::prelude::*;
+
+use super::sampling::{Pick, Sampling, Scratch};
+use crate::error::{Error, Result};
+use crate::model::{Inputs, KvCache, Network, PadSide};
+use crate::rng::Rng;
+
+/// Leading cache slots no row uses are dropped once there are this many
+/// (rows that joined later sit behind left padding).
+const TRIM_SLOTS: usize = 64;
+
+/// One completion being decoded, with what its client keeps beside it.
+pub struct DecodeRow<R> {
+    /// Rows of one prompt sit next to each other and share this allocation,
+    /// which is how a prompt is recognised and prefilled once for all of them.
+    pub prompt: Arc<[u32]>,
+    pub sampling: Sampling,
+    /// transformers' repetition penalty over the prompt and the completion
+    /// so far (1: none).
+    pub repetition_penalty: f32,
+    pub rng: Rng,
+    /// The most tokens the row may get (sizes the cache).
+    pub max_tokens: usize,
+    pub tokens: Vec<u32>,
+    pub client: R,
+}
+
+/// What a client says of a row after its newest token.
+pub enum Verdict {
+    Continues,
+    Leaves,
+}
+
+/// A prefill's result, for rows about to join.
+pub struct Prefilled {
+    cache: KvCache,
+    /// (rows, V) next-token logits.
+    logits: Tensor,
+}
+
+/// The rows decoding together, their key/value cache and next logits.
+pub struct Decoding<'n, R> {
+    net: &'n Network,
+    device: Device,
+    /// Whether rows join while others run (a server): each row then keeps
+    /// its own copy of its prompt's keys and values, so caches can be joined.
+    /// Otherwise the rows of a prompt read one shared copy, and rows join
+    /// only an empty batch.
+    open: bool,
+    rows: Vec<DecodeRow<R>>,
+    cache: KvCache,
+    logits: Option<Tensor>,
+}
+
+impl<'n, R: Send> Decoding<'n, R> {
+    /// A batch whose rows all start together.
+    pub fn closed(net: &'n Network, device: &Device) -> Self {
+        Self::new(net, device, false)
+    }
+
+    /// A batch that rows join while others run.
+    pub fn open(net: &'n Network, device: &Device) -> Self {
+        Self::new(net, device, true)
+    }
+
+    fn new(net: &'n Network, device: &Device, open: bool) -> Self {
+        Self { net, device: device.clone(), open, rows: Vec::new(), cache: net.new_cache(), logits: None }
+    }
+
+    pub fn len(&self) -> usize {
+        self.rows.len()
+    }
+
+    pub fn is_empty(&self) -> bool {
+        self.rows.is_empty()
+    }
+
+    /// Takes every row out, leaving an empty batch.
+    pub fn drain(&mut self) -> Vec<DecodeRow<R>> {
+        self.cache = self.net.new_cache();
+        self.logits = None;
+        std::mem::take(&mut self.rows)
+    }
+
+    /// Runs each distinct prompt of `rows` once (left-padded together) and
+    /// gives the cache and last-position logits for every row. Changes
+    /// nothing, so a failure concerns only these rows.
+    pub fn prefill(&self, rows: &[DecodeRow<R>]) -> Result<Prefilled> {
+        let mut prompts: Vec<Vec<u32>> = Vec::new();
+        let mut owner: Vec<u32> = Vec::with_capacity(rows.len());
+        for (i, row) in rows.iter().enumerate() {
+            if row.prompt.is_empty() {
+                return Err(Error::Invalid("a prompt has no tokens".into()));
+            }
+            if i == 0 || !Arc::ptr_eq(&row.prompt, &rows[i - 1].prompt) {
+                prompts.push(row.prompt.to_vec());
+            }
+            owner.push(prompts.len() as u32 - 1);
+        }
+        let inputs = Inputs::from_rows(&prompts, 0, PadSide::Left, &self.device)?;
+        let mut cache = self.net.new_cache();
+        let hidden = self.net.hidden_states(&inputs, Some(&mut cache))?;
+        let t = hidden.dim(1)?;
+        let last = self.net.project(&hidden.narrow(1, t - 1, 1)?.squeeze(1)?)?; // (U, V)
+        if owner.len() == prompts.len() {
+            return Ok(Prefilled { cache, logits: last });
+        }
+        match self.open {
+            true => cache.select_rows(&owner)?,
+            false => cache.share(&owner)?,
+        }
+        let logits = last.index_select(&Tensor::from_slice(&owner, owner.len(), &self.device)?, 0)?;
+        Ok(Prefilled { cache, logits })
+    }
+
+    /// Adds prefilled rows to the batch.
+    pub fn join(&mut self, rows: Vec<DecodeRow<R>>, prefilled: Prefilled) -> Result<()> {
+        // The last sampled token is never fed back.
+        let room = |r: &DecodeRow<R>| r.max_tokens.saturating_sub(r.tokens.len() + 1);
+        if !self.open {
+            if !self.rows.is_empty() {
+                return Err(Error::Invalid("rows join a closed batch only when it is empty".into()));
+            }
+            self.cache = prefilled.cache;
+            self.cache.reserve(rows.iter().map(room).max().unwrap_or(0));
+            self.logits = Some(prefilled.logits);
+            self.rows = rows;
+            return Ok(());
+        }
+        self.rows.extend(rows);
+        let reserve = self.rows.iter().map(room).max().unwrap_or(0);
+        self.cache.join(prefilled.cache, reserve)?;
+        self.logits = Some(match self.logits.take() {
+            Some(running) => Tensor::cat(&[&running, &prefilled.logits], 0)?,
+            None => prefilled.logits,
+        });
+        Ok(())
+    }
+
+    /// [`prefill`](Self::prefill) and [`join`](Self::join).
+    pub fn admit(&mut self, rows: Vec<DecodeRow<R>>) -> Result<()> {
+        let prefilled = self.prefill(&rows)?;
+        self.join(rows, prefilled)
+    }
+
+    /// Picks every row's next token with its own settings and generator,
+    /// appends it, and asks `verdict` (given the row, the pick and the
+    /// step's (rows, V) logits with the row's index in them) whether the row
+    /// goes on; then computes the next logits of those that do. Returns how
+    /// many tokens were picked.
+    pub fn step(
+        &mut self,
+        mut verdict: impl FnMut(&mut DecodeRow<R>, &Pick, &Tensor, usize) -> Result<Verdict>,
+    ) -> Result<usize> {
+        let Some(logits) = self.logits.take() else { return Ok(0) };
+        let picks = pick_rows(&logits, &mut self.rows, |row, row_logits, scratch| {
+            let seen = row.prompt.iter().chain(&row.tokens).copied();
+            row.sampling.pick_penalized(row_logits, seen, row.repetition_penalty, &mut row.rng, scratch)
+        })?;
+        let produced = picks.len();
+        let mut keep: Vec<u32> = Vec::with_capacity(produced);
+        let mut still = Vec::with_capacity(produced);
+        for (i, (mut row, pick)) in std::mem::take(&mut self.rows).into_iter().zip(picks).enumerate() {
+            row.tokens.push(pick.token);
+            if let Verdict::Continues = verdict(&mut row, &pick, &logits, i)? {
+                keep.push(i as u32);
+                still.push(row);
+            }
+        }
+        self.rows = still;
+        if self.rows.is_empty() {
+            self.cache = self.net.new_cache();
+            return Ok(produced);
+        }
+        if keep.len() < produced {
+            self.cache.select_rows(&keep)?;
+            if self.open {
+                self.cache.trim_front(TRIM_SLOTS)?;
+            }
+        }
+        let tokens: Vec<u32> = self.rows.iter().map(|r| *r.tokens.last().unwrap_or(&0)).collect();
+        let positions: Vec<u32> = self.rows.iter().map(|r| (r.prompt.len() + r.tokens.len() - 1) as u32).collect();
+        let step = Inputs::step(&tokens, &positions, &self.device)?;
+        self.logits = Some(self.net.logits(&step, Some(&mut self.cache))?.squeeze(1)?);
+        Ok(produced)
+    }
+}
+
+/// Runs `pick` on each row with its row of the (B, V) logits, in parallel
+/// (rows sample independently, each with its own generator), reading the
+/// logits in place when they are on the CPU.
+fn pick_rows<R: Send>(
+    logits: &Tensor,
+    rows: &mut [R],
+    pick: impl Fn(&mut R, &[f32], &mut Scratch) -> Pick + Sync,
+) -> Result<Vec<Pick>> {
+    let vocab = logits.dim(1)?;
+    if logits.dim(0)? != rows.len() {
+        return Err(Error::Invalid(format!("{} logit rows for {} rows", logits.dim(0)?, rows.len())));
+    }
+    let (storage, layout) = logits.storage_and_layout();
+    let copied: Vec<f32>;
+    // Read in place on the CPU: copying the logits costs about as much as sampling from them.
+    let host: &[f32] = match (&*storage, layout.contiguous_offsets()) {
+        (Storage::Cpu(cpu @ CpuStorage::F32(_)), Some((start, end))) => &cpu.as_slice::<f32>()?[start..end],
+        _ => {
+            copied = logits.flatten_all()?.to_vec1()?;
+            &copied
+        }
+    };
+    Ok(rows
+        .par_iter_mut()
+        .zip(host.par_chunks(vocab))
+        .map_init(Scratch::default, |scratch, (row, row_logits)| pick(row, row_logits, scratch))
+        .collect())
+}
