@@ -2,12 +2,12 @@
 """Time transformers' `generate` on the benchmark model.
 
 Samples NUM_RETURN_SEQUENCES completions of exactly MAX_NEW_TOKENS tokens for
-every prompt of DIR/prompts.jsonl in one batch (left-padded), after one
+every prompt of DIR/prompts.jsonl (or --prompts FILE) in one batch (left-padded), after one
 untimed warm-up call on a small batch, and prints one JSON line:
 {"tokens": ..., "seconds": ..., "tokens_per_s": ...}. Only generation is
 timed (not model loading or tokenization).
 
-Usage: hf_generate.py MODEL_DIR [--seed N] [--threads 2]
+Usage: hf_generate.py MODEL_DIR [--prompts FILE] [--seed N] [--threads 2]
        [--num-return-sequences 4] [--max-new-tokens 64] [--device cuda --bf16]
 """
 
@@ -17,12 +17,13 @@ import time
 from pathlib import Path
 
 import torch
-from transformers import GPTNeoXForCausalLM, PreTrainedTokenizerFast
+from transformers import AutoModelForCausalLM, PreTrainedTokenizerFast
 
 
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("model_dir", type=Path)
+    ap.add_argument("--prompts", type=Path)
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--num-return-sequences", type=int, default=4)
@@ -37,9 +38,9 @@ def main():
     tokenizer = PreTrainedTokenizerFast.from_pretrained(args.model_dir)
     tokenizer.padding_side = "left"
     dtype = torch.bfloat16 if args.bf16 else torch.float32
-    model = GPTNeoXForCausalLM.from_pretrained(args.model_dir, dtype=dtype).eval().to(args.device)
+    model = AutoModelForCausalLM.from_pretrained(args.model_dir, dtype=dtype).eval().to(args.device)
 
-    with open(args.model_dir / "prompts.jsonl") as f:
+    with open(args.prompts or args.model_dir / "prompts.jsonl") as f:
         prompts = [json.loads(line)["prompt"] for line in f if line.strip()]
 
     gen_kwargs = dict(
@@ -74,16 +75,10 @@ def main():
     expected = len(prompts) * args.num_return_sequences * args.max_new_tokens
     if tokens != expected:
         raise SystemExit(f"generated {tokens} tokens, expected {expected}")
-    print(
-        json.dumps(
-            {
-                "tokens": tokens,
-                "rows": rows,
-                "seconds": round(seconds, 4),
-                "tokens_per_s": round(tokens / seconds, 1),
-            }
-        )
-    )
+    result = {"tokens": tokens, "rows": rows, "seconds": round(seconds, 4), "tokens_per_s": round(tokens / seconds, 1)}
+    if args.device == "cuda":
+        result["peak_gpu_bytes"] = torch.cuda.max_memory_allocated()
+    print(json.dumps(result))
 
 
 if __name__ == "__main__":

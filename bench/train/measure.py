@@ -5,13 +5,16 @@ throughput and peak resident memory as one JSON line.
 Usage: measure.py rloo|trl OUT_JSON -- COMMAND...
 
 Peak RSS is the child's own ru_maxrss from wait4 (the whole process: for
-TRL that includes Python, PyTorch and the tokenizers). Throughput is taken
+TRL that includes Python, PyTorch and the tokenizers). On a GPU, the peak
+GPU memory allocated: PyTorch's max_memory_allocated for TRL, the high-water
+mark of rloo's memory pool (its last stderr lines) for rloo. Throughput is taken
 over the steady-state steps: every step but the first, which carries
 one-time warm-up work on both sides.
 """
 
 import json
 import os
+import re
 import subprocess
 import sys
 
@@ -40,11 +43,15 @@ def main():
     if side == "trl":
         result = json.loads(open(stdout_path).read().strip().splitlines()[-1])
         seconds, per_step = result["step_seconds"], result["completions_per_step"]
-        length, breakdown = result["mean_completion_length"], {}
+        length = result["mean_completion_length"]
+        breakdown = {k: sum(v[1:]) / max(len(v) - 1, 1) for k, v in result.get("phase_seconds", {}).items()}
+        peak_gpu = result.get("peak_gpu_bytes")
     else:
         out_dir = cmd[cmd.index("--output-dir") + 1] if "--output-dir" in cmd else os.environ["RLOO_OUT"]
         seconds, length, breakdown = rloo_steps(out_dir)
         per_step = int(os.environ["COMPLETIONS_PER_STEP"])
+        peak = re.search(r"peak allocated ([\d.]+) GiB", open(out_json + ".stderr").read())
+        peak_gpu = peak and float(peak.group(1)) * 2**30
     steady = seconds[1:]
     json.dump(
         {
@@ -54,6 +61,8 @@ def main():
             "peak_rss_mb": peak_mb,
             "mean_completion_length": length,
             "breakdown": breakdown,
+            "step_seconds": seconds,
+            "peak_gpu_gib": peak_gpu and peak_gpu / 2**30,
         },
         open(out_json, "w"),
     )

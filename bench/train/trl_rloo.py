@@ -5,12 +5,17 @@ wall time of every optimizer step and the mean completion length.
 Usage: trl_rloo.py --model DIR --prompts FILE (--words DIR | --reward-model DIR)
                    [--steps 6] [--threads 2] [--seed 1] [--output DIR]
                    [--device cuda --bf16 --micro-batch N]
-                   [--lora-r R] [--gradient-checkpointing]
+                   [--lora-r R] [--gradient-checkpointing] [--weights-bf16]
+
+With --weights-bf16 the models load in bf16 (as a LoRA run of a large
+model does) instead of TRL's default f32 weights under autocast.
 
 With --lora-r, TRL trains PEFT LoRA adapters of rank R (alpha 2R) on every
 linear layer, and its KL reference is the policy with the adapters off.
 
-On a GPU the line also holds the peak GPU memory PyTorch allocated.
+The line also holds each phase's seconds per step (generation, scoring,
+reference, training: the step less generating and scoring its batch) and,
+on a GPU, the peak GPU memory PyTorch allocated.
 """
 
 import argparse
@@ -56,6 +61,7 @@ def main():
     ap.add_argument("--micro-batch", type=int, help="completions per forward/backward [all of a step's]")
     ap.add_argument("--lora-r", type=int, help="train LoRA adapters of this rank on every linear layer")
     ap.add_argument("--gradient-checkpointing", action="store_true")
+    ap.add_argument("--weights-bf16", action="store_true", help="load the models in bf16 [f32, under autocast]")
     args = ap.parse_args()
     if (args.words is None) == (args.reward_model is None):
         ap.error("give exactly one of --words and --reward-model")
@@ -99,16 +105,47 @@ def main():
         dataloader_num_workers=0,
         log_completions=False,
         disable_tqdm=True,
+        model_init_kwargs={"dtype": torch.bfloat16} if args.weights_bf16 else None,
     )
+
+    def synchronized():
+        if args.device == "cuda":
+            torch.cuda.synchronize()
+
+    def timed(obj, name, bucket, inside=None):
+        """Adds the seconds `obj.name` takes to `phases[bucket][-1]` (only
+        while `inside` runs, if given)."""
+        inner = getattr(obj, name)
+
+        def wrapper(*a, **k):
+            if inside is not None and not active[inside]:
+                return inner(*a, **k)
+            synchronized()
+            t, active[bucket] = time.perf_counter(), True
+            try:
+                return inner(*a, **k)
+            finally:
+                synchronized()
+                active[bucket] = False
+                phases[bucket][-1] += time.perf_counter() - t
+
+        setattr(obj, name, wrapper)
+
+    phases = {k: [] for k in ["generation", "scoring", "reference", "rollout"]}
+    active = dict.fromkeys(phases, False)
 
     class StepTimer(TrainerCallback):
         def __init__(self):
             self.seconds, self.lengths, self._t = [], [], None
 
         def on_step_begin(self, *a, **k):
+            for v in phases.values():
+                v.append(0.0)
+            synchronized()
             self._t = time.perf_counter()
 
         def on_step_end(self, *a, **k):
+            synchronized()
             self.seconds.append(time.perf_counter() - self._t)
 
         def on_log(self, _args, _state, _control, logs=None, **k):
@@ -130,8 +167,17 @@ def main():
         callbacks=[timer],
         peft_config=peft_config,
     )
+    # TRL 1.x's rollout: generate, score, then the reference's (and, past one
+    # iteration, the old policy's) log-probs; what is left of a step trains.
+    timed(trainer, "_generate_and_score_completions", "rollout")
+    timed(trainer, "_generate", "generation")
+    timed(trainer, "_calculate_rewards", "scoring")
+    timed(trainer, "_get_per_token_logps_and_entropies", "reference", inside="rollout")
     trainer.train()
+    rollout = phases.pop("rollout")
+    phases["training"] = [s - r for s, r in zip(timer.seconds, rollout)]
     result = {
+        "phase_seconds": phases,
         "step_seconds": timer.seconds,
         "completions_per_step": per_step,
         "mean_completion_length": sum(timer.lengths) / max(len(timer.lengths), 1),

@@ -1,0 +1,169 @@
+#!/usr/bin/env python3
+"""The GPU benchmark's table, from what bench/gpu/run.sh left in OUT.
+
+  report.py OUT
+
+Generation: tokens/s, ms per decoding step (the whole call over the new
+tokens, prefill included), the memory floor per step (the bf16 weights
+once, less the input embedding a step only indexes, plus the KV cache once:
+each prompt's keys and values once, and every row's completion so far) over
+the measured copy bandwidth, and the ratio to it. Training: completions/s
+over the steady steps, the time split per step, the peak GPU memory
+allocated, and the training phase's model-FLOPs utilisation against the
+measured bf16 peak: (6 for full fine-tuning, 4 for LoRA, which computes no
+weight gradients of the base) x the parameters less the input embedding x
+the tokens trained, plus the attention's 12 x layers x heads x head_dim x
+the keys each token attends to. Medians over runs; a run that failed shows
+as missing.
+"""
+
+import json
+import re
+import statistics
+import sys
+from pathlib import Path
+
+K, NEW = 4, 128
+
+
+def load(path):
+    try:
+        return json.loads(Path(path).read_text().strip().splitlines()[-1])
+    except (OSError, ValueError, IndexError):
+        return None
+
+
+def median(values):
+    values = [v for v in values if v is not None]
+    return statistics.median(values) if values else None
+
+
+def fmt(value, spec):
+    width = int(spec.split(".")[0] or 0)
+    return "-".rjust(width) if value is None else format(value, spec)
+
+
+def prompt_lengths(models, size):
+    # The synthetic tokenizer makes one token of each word.
+    rows = (Path(models) / size / "prompts.jsonl").read_text().splitlines()
+    return [len(json.loads(r)["prompt"].split()) for r in rows if r.strip()]
+
+
+def generation(out, peaks, models):
+    print("Generation: 64 prompts x 4 samples x 128 new tokens, bf16, batch 256")
+    print(f"{'model':<6} {'side':<13} {'tokens/s':>9} {'ms/step':>8} {'floor ms':>9} {'x floor':>8}  runs")
+    for size in sorted({p.name.split("-")[1] for p in out.glob("gen-*-rloo-*.log")}):
+        shape = load(Path(models) / size / "shape.json")
+        lengths = prompt_lengths(models, size)
+        floor = None
+        if shape and peaks:
+            per_token = shape["layers"] * 2 * shape["kv_heads"] * shape["head_dim"] * 2
+            weights = 2 * (shape["parameters"] - shape["embedding_parameters"])
+            kv = per_token * (sum(lengths) + len(lengths) * K * (NEW - 1) / 2)
+            floor = (weights + kv) / (peaks["bandwidth_gbs"] * 1e9) * 1e3
+        rates = {}
+        for side in ["rloo", "transformers"]:
+            if side == "rloo":
+                runs = []
+                for log in sorted(out.glob(f"gen-{size}-rloo-*.log")):
+                    m = re.search(r"generated (\d+) tokens in ([\d.]+) s", log.read_text())
+                    runs.append(m and (int(m.group(1)), float(m.group(2))))
+            else:
+                runs = [(r["tokens"], r["seconds"]) if r else None for r in map(load, sorted(out.glob(f"gen-{size}-hf-*.json")))]
+            done = [r for r in runs if r]
+            rate = median([t / s for t, s in done])
+            step_ms = median([s / NEW * 1e3 for _, s in done])
+            rates[side] = rate
+            ratio = step_ms / floor if step_ms and floor else None
+            print(f"{size:<6} {side:<13} {fmt(rate, '9.0f')} {fmt(step_ms, '8.2f')} {fmt(floor, '9.2f')} "
+                  f"{fmt(ratio, '8.1f')}  {len(done)}/{len(runs)}")
+        if rates["rloo"] and rates["transformers"]:
+            print(f"{size:<6} rloo / transformers: {rates['rloo'] / rates['transformers']:.2f}x")
+        outputs = sorted(out.glob(f"gen-{size}-rloo-*.jsonl"))
+        if len(outputs) >= 2:
+            def tokens(path):
+                rows = [json.loads(l) for l in path.read_text().splitlines() if l.strip()]
+                return sorted((r["prompt_index"], r["sample_index"], r["completion"]) for r in rows)
+            same = all(tokens(p) == tokens(outputs[0]) for p in outputs[1:])
+            print(f"{size:<6} rloo, same seed, same completions in {len(outputs)} runs: {'yes' if same else 'NO'}")
+    vllm = (out / "vllm.txt")
+    if vllm.exists():
+        print("vLLM: " + ("installed, not run by this script" if vllm.read_text().strip() == "yes" else
+                          "not on the GPU machine, and its wheels with their CUDA kernels (hundreds of MB) "
+                          "cannot be carried there"))
+
+
+def train_flops(shape, lengths, lora):
+    tokens = K * sum(n + NEW for n in lengths)
+    keys = K * sum((n + NEW) * (n + NEW + 1) / 2 for n in lengths)
+    dense = (4 if lora else 6) * (shape["parameters"] - shape["embedding_parameters"]) * tokens
+    attention = 12 * shape["layers"] * shape["attention_heads"] * shape["head_dim"] * keys
+    return dense + attention
+
+
+def training(out, peaks, models):
+    print()
+    print("RLOO step: 64 prompts x k = 4, 128 new tokens, bf16, reward model, medians of the steady steps")
+    print(f"{'arm':<14} {'side':<5} {'compl/s':>8} {'gen s':>6} {'score s':>7} {'ref s':>6} {'train s':>7} "
+          f"{'peak GiB':>8} {'MFU':>6}  runs")
+    arms = sorted({re.sub(r"^train-(.*)-(rloo|trl)-\d+\.json$", r"\1", p.name)
+                   for p in out.glob("train-*-*-*.json")})
+    for arm in arms:
+        size, kind = arm.rsplit("-", 1)
+        shape = load(Path(models) / size / "shape.json")
+        flops = train_flops(shape, prompt_lengths(models, size), kind == "lora") if shape else None
+        med = {}
+        for side in ["rloo", "trl"]:
+            runs = [load(p) for p in sorted(out.glob(f"train-{arm}-{side}-*.json"))]
+            done = [r for r in runs if r]
+            if not runs:
+                continue
+            part = lambda k: median([r["breakdown"].get(k) for r in done])
+            rate, peak, train = median([r["completions_per_s"] for r in done]), median([r.get("peak_gpu_gib") for r in done]), part("training")
+            mfu = flops / (train * peaks["bf16_tflops"] * 1e12) if flops and train and peaks else None
+            med[side] = (rate, peak)
+            print(f"{arm:<14} {side:<5} {fmt(rate, '8.1f')} {fmt(part('generation'), '6.2f')} {fmt(part('scoring'), '7.2f')} "
+                  f"{fmt(part('reference'), '6.2f')} {fmt(train, '7.2f')} {fmt(peak, '8.1f')} "
+                  f"{fmt(mfu and 100 * mfu, '5.1f')}%  {len(done)}/{len(runs)}")
+        if "rloo" in med and "trl" in med and med["trl"][0] and med["rloo"][0]:
+            memory = med["rloo"][1] / med["trl"][1] if med["rloo"][1] and med["trl"][1] else None
+            print(f"{arm:<14} rloo / TRL: {med['rloo'][0] / med['trl'][0]:.2f}x completions/s, "
+                  f"{fmt(memory, '.2f')}x peak memory")
+    if flops is not None:
+        print("(rloo's scoring and reference run side by side: 'ref s' is both together when they overlap)")
+
+
+def nccl(out):
+    alone, job = out / "nccl-alone" / "metrics.jsonl", out / "nccl-job" / "metrics.jsonl"
+    if not (out / "nccl-job.log").exists():
+        return
+    print()
+    if not (alone.exists() and job.exists()):
+        print("NCCL, one rank through whole RLOO steps: FAILED (see nccl-*.log)")
+        return
+    rows = lambda p: [{k: v for k, v in json.loads(l).items() if not k.startswith(("time/", "memory/")) and k != "eps"}
+                      for l in p.read_text().splitlines() if l.strip()]
+    a, b = rows(alone), rows(job)
+    diff = max((abs(x[k] - y[k]) / max(abs(x[k]), 1.0) for x, y in zip(a, b) for k in x
+                if isinstance(x.get(k), (int, float)) and isinstance(y.get(k), (int, float))), default=None)
+    joined = "NCCL on" in (out / "nccl-job.log").read_text()
+    print(f"NCCL, one rank through {len(b)} RLOO steps ({'NCCL joined' if joined else 'NCCL NOT seen in the log'}): "
+          f"{len(a)} vs {len(b)} steps, largest relative metric difference to the run alone {fmt(diff, '.2e')}")
+
+
+def main():
+    out = Path(sys.argv[1])
+    models = Path(__import__("os").environ.get("MODELS", "/tmp/rloo-gpu-models"))
+    peaks = load(out / "peaks.json")
+    gpu = (out / "gpu.txt").read_text().strip() if (out / "gpu.txt").exists() else "?"
+    print(f"\n{gpu}; measured: " + (f"{peaks['bf16_tflops']} TFLOP/s bf16, {peaks['bandwidth_gbs']} GB/s copy"
+                                    if peaks else "no peaks"))
+    if list(out.glob("gen-*")):
+        generation(out, peaks, models)
+    if list(out.glob("train-*.json")):
+        training(out, peaks, models)
+    nccl(out)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,149 @@
+#!/usr/bin/env bash
+# The GPU benchmark, in one call on the GPU machine, with the CUDA build
+# (scripts/cuda/build.sh: .cuda/bin/rloo) and the peer's wheels
+# (bench/gpu/wheels.sh: bench/.cache/wheels) carried there. Prints a short
+# table last (bench/gpu/report.py); logs and results stay in OUT.
+#
+#   bench/gpu/run.sh [PART...]   PART: peaks generate train nccl (default: all)
+#
+#   peaks     bf16 matrix product rate and copy bandwidth (bench/gpu/peaks.py)
+#   generate  rloo generate --device cuda --bf16 against transformers'
+#             generate: 64 prompts x 4 x 128 new tokens, batch 256, per SIZES
+#   train     rloo train against TRL's RLOOTrainer: 64 prompts x k = 4, 128
+#             new tokens, bf16, reward-model scoring, one epoch, one
+#             mini-batch, per ARMS
+#   nccl      one RLOO run on the GPU through every collective of a job
+#             (RLOO_DIST_BACKEND=nccl, one rank) beside the same run alone
+#
+# Env: OUT         results and logs (default $OUT, else /tmp/rloo-gpu-bench)
+#      SIZES       generation models: 410m 1b (default both)
+#      ARMS        training arms: 410m-full 1b-full 1b-lora qwen3-8b-lora
+#                  (default the first three; the 8B arm makes a 16 GB model)
+#      RUNS        generation runs of each side (default 3)
+#      TRAIN_RUNS  training runs of each side per arm (default 2)
+#      STEPS       optimizer steps per training run, the first not counted (default 4)
+#      MICRO       completions per forward and backward, both sides (default 64)
+#      LIMIT       seconds one run may take before it is stopped (default 300)
+#      MODELS      where the models are made (default /tmp/rloo-gpu-models)
+#      RLOO        the CUDA binary (default .cuda/bin/rloo)
+#      PY          the Python with torch and transformers (default python3)
+#      DEVICE      cuda (default), or cpu for a dry run of the script itself
+#                  (with SIZES=tiny ARMS=tiny-full RLOO=target/release/rloo)
+set -uo pipefail
+cd "$(dirname "$0")/../.."
+ROOT=$PWD
+OUT=${OUT:-/tmp/rloo-gpu-bench}
+SIZES=${SIZES:-410m 1b}
+ARMS=${ARMS:-410m-full 1b-full 1b-lora}
+RUNS=${RUNS:-3}
+TRAIN_RUNS=${TRAIN_RUNS:-2}
+STEPS=${STEPS:-4}
+MICRO=${MICRO:-64}
+LIMIT=${LIMIT:-300}
+MODELS=${MODELS:-/tmp/rloo-gpu-models}
+DEVICE=${DEVICE:-cuda}
+PY=${PY:-python3}
+PARTS=${*:-peaks generate train nccl}
+PROMPTS=64 K=4 NEW=128
+export RLOO=${RLOO:-$ROOT/.cuda/bin/rloo} PYTHONUNBUFFERED=1 TOKENIZERS_PARALLELISM=false
+export COMPLETIONS_PER_STEP=$((PROMPTS * K))
+if [[ $DEVICE == cuda ]]; then rloo_cmd=("$ROOT/scripts/cuda/run.sh"); else rloo_cmd=("$RLOO"); fi
+rloo=(timeout "$LIMIT" "${rloo_cmd[@]}")
+mkdir -p "$OUT" "$MODELS"
+log() { echo "== $*" >&2; }
+
+# The peer's packages that the machine lacks (TRL and its datasets), from
+# carried wheels, into a folder of their own.
+if ! "$PY" -c 'import trl' 2>/dev/null && ls bench/.cache/wheels/*.whl >/dev/null 2>&1; then
+    "$PY" -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
+        --target /tmp/rloo-bench-site bench/.cache/wheels/*.whl && export PYTHONPATH=/tmp/rloo-bench-site
+fi
+"$PY" -c 'import trl; print("trl", trl.__version__)' >&2 || log "no TRL: the training arms run rloo alone"
+nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader >"$OUT/gpu.txt" 2>&1 ||
+    echo "no GPU (nvidia-smi failed)" >"$OUT/gpu.txt"
+cat "$OUT/gpu.txt" >&2
+
+models() { # SIZE: makes the models once
+    [ -f "$MODELS/$1/shape.json" ] && return
+    log "making the $1 models"
+    "$PY" bench/gpu/make_models.py "$1" "$MODELS/$1" >"$OUT/make-$1.log" 2>&1 || { tail -5 "$OUT/make-$1.log"; return 1; }
+}
+
+part() { [[ " $PARTS " == *" $1 "* ]]; }
+
+if part peaks && [[ $DEVICE == cuda ]]; then
+    log "peaks"
+    "$PY" bench/gpu/peaks.py >"$OUT/peaks.json" 2>"$OUT/peaks.log" || tail -5 "$OUT/peaks.log"
+fi
+
+if part generate; then
+    for size in $SIZES; do
+        models "$size" || continue
+        dir=$MODELS/$size
+        for i in $(seq 1 "$RUNS"); do
+            log "generate $size run $i"
+            # The same seed every run: the runs must give the same tokens.
+            "${rloo[@]}" generate --device "$DEVICE" --bf16 --model "$dir/policy" --prompts "$dir/prompts.jsonl" \
+                --output "$OUT/gen-$size-rloo-$i.jsonl" --num-return-sequences $K --max-new-tokens $NEW \
+                --temperature 1.0 --batch-size $((PROMPTS * K)) --ignore-eos --seed 1 \
+                2>"$OUT/gen-$size-rloo-$i.log" || tail -5 "$OUT/gen-$size-rloo-$i.log"
+            timeout "$LIMIT" "$PY" bench/generate/hf_generate.py "$dir/policy" --prompts "$dir/prompts.jsonl" \
+                --device "$DEVICE" --bf16 --num-return-sequences $K --max-new-tokens $NEW --seed "$i" \
+                >"$OUT/gen-$size-hf-$i.json" 2>"$OUT/gen-$size-hf-$i.log" || tail -5 "$OUT/gen-$size-hf-$i.log"
+        done
+    done
+    "$PY" -c 'import vllm' 2>/dev/null && echo yes >"$OUT/vllm.txt" || echo no >"$OUT/vllm.txt"
+fi
+
+if part train; then
+    for arm in $ARMS; do
+        size=${arm%-*} kind=${arm##*-}
+        models "$size" || continue
+        dir=$MODELS/$size
+        trl_arm=() checkpointing=false lora=""
+        case "$kind" in
+            full) ;;
+            lora) trl_arm=(--lora-r 16)
+                  lora=$'[peft]\nuse_peft = true\nlora_r = 16\nlora_alpha = 32\nlora_target_modules = ["all-linear"]' ;;
+            *) log "unknown arm $arm (SIZE-full or SIZE-lora)"; continue ;;
+        esac
+        # The 8B policy runs as a LoRA user runs it: bf16 weights, gradient checkpointing.
+        if [[ $size == qwen3-8b ]]; then
+            trl_arm+=(--gradient-checkpointing --weights-bf16) checkpointing=true
+        fi
+        for i in $(seq 1 "$TRAIN_RUNS"); do
+            log "train $arm run $i: TRL"
+            if "$PY" -c 'import trl' 2>/dev/null; then
+                "$PY" bench/train/measure.py trl "$OUT/train-$arm-trl-$i.json" -- \
+                    timeout "$LIMIT" "$PY" bench/train/trl_rloo.py --model "$dir/policy" --prompts "$dir/prompts.jsonl" \
+                    --reward-model "$dir/reward" --device "$DEVICE" --bf16 --steps "$STEPS" --seed "$i" \
+                    --prompts-per-step $PROMPTS --k $K --max-new-tokens $NEW --micro-batch "$MICRO" "${trl_arm[@]}" \
+                    >"$OUT/train-$arm-trl-$i.log" 2>&1 || tail -5 "$OUT/train-$arm-trl-$i.log"
+            fi
+            log "train $arm run $i: rloo"
+            run=$OUT/train-$arm-rloo-$i
+            sed -e "s|@MODELS@|$dir|" -e "s|@DEVICE@|$DEVICE|" -e "s|@OUT@|$run|" -e "s|@MICRO@|$MICRO|" \
+                -e "s|@ACCUMULATION@|$((COMPLETIONS_PER_STEP / MICRO))|" \
+                -e "s|@EPISODES@|$((STEPS * COMPLETIONS_PER_STEP))|" -e "s|@CHECKPOINTING@|$checkpointing|" \
+                bench/gpu/rloo.toml.in >"$run.toml"
+            printf '\n%s\n' "$lora" >>"$run.toml"
+            RLOO_OUT=$run "$PY" bench/train/measure.py rloo "$run.json" -- \
+                timeout "$LIMIT" "${rloo_cmd[@]}" train "$run.toml" >"$run.log" 2>&1 || tail -5 "$run.log"
+        done
+    done
+fi
+
+if part nccl && [[ $DEVICE == cuda ]]; then
+    # The fixture policy, 20 steps: alone, then as a job of one over NCCL.
+    steps=(examples/rloo.toml --set train.total_episodes=320 --set train.num_sample_generations=0
+        --set model.device='"cuda"')
+    log "nccl: alone"
+    "${rloo[@]}" train "${steps[@]}" --set train.output_dir="\"$OUT/nccl-alone\"" >"$OUT/nccl-alone.log" 2>&1 ||
+        tail -5 "$OUT/nccl-alone.log"
+    log "nccl: a job of one rank over NCCL"
+    RLOO_DIST_BACKEND=nccl RUST_LOG=info "${rloo[@]}" launch --nproc_per_node 1 --timeout 120 -- \
+        train "${steps[@]}" --set train.output_dir="\"$OUT/nccl-job\"" >"$OUT/nccl-job.log" 2>&1 ||
+        tail -5 "$OUT/nccl-job.log"
+fi
+
+MODELS=$MODELS "$PY" bench/gpu/report.py "$OUT" | tee "$OUT/table.txt"
