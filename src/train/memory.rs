@@ -48,6 +48,9 @@ pub fn rloo_estimate(
     let tokens = (longest_prompt + cfg.generation.response_length) as u64;
     let chunk = cfg.generation.local_rollout_forward_batch_size.min(sizes.batch) as u64;
     let micro = sizes.micro as u64;
+    let completion = cfg.generation.response_length as u64;
+    let logits_rows =
+        |rows: u64| (rows * completion).min(crate::model::kernels::logits_chunk_rows(vocab as usize) as u64);
     // With gradient checkpointing a forward keeps one hidden state per layer,
     // and the backward one layer's activations at a time.
     let saved = match cfg.train.gradient_checkpointing {
@@ -65,8 +68,10 @@ pub fn rloo_estimate(
             ("critic", 4 * critic * F32 + if critic > 0 { saved } else { 0 }),
             ("KV cache", chunk * tokens * layers * 2 * h * F32),
             ("activations", saved),
-            // The logits of a training micro-batch and their gradient, and a scoring chunk's.
-            ("logits", (2 * micro + chunk) * tokens * vocab * F32),
+            // Over completion tokens, a chunk of rows at a time: a training
+            // micro-batch's (kept when they fit one chunk) and their
+            // gradient's, and a scoring pass's.
+            ("logits", (2 * logits_rows(micro) + logits_rows(chunk)) * vocab * F32),
         ],
     }
 }

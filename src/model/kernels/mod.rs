@@ -30,7 +30,7 @@ pub use lora::{lora_linear, lora_runs, LoraLayer, Mask};
 pub use norm::{layer_norm, rms_norm};
 pub use rotary::{rotary, rotate, RotaryTables};
 pub use sdpa::sdpa;
-pub use token_logprobs::token_logprobs;
+pub use token_logprobs::{logits_chunk_rows, token_logprobs};
 
 use candle_core::{CpuStorage, DType, Layout, Result, Tensor};
 
