@@ -11,7 +11,7 @@ use serde::{Deserialize, Serialize};
 use crate::data::prompts::PromptDataset;
 use crate::data::Tokenizer;
 use crate::error::{Error, Result};
-use crate::generate::{GenerateOptions, Sampling, StopCriteria};
+use crate::generate::{GenerateOptions, Sampler, Sampling, StopCriteria};
 use crate::model::scoring::completion_logprobs_chunked;
 use crate::model::{HeadKind, Model, Network};
 use crate::reward::judge::{Ask, Judge};
@@ -88,6 +88,7 @@ pub fn evaluate_model(
         repetition_penalty: 1.0,
         stop: StopCriteria { token_ids: stop, strings: vec![] },
         batch_size: opts.batch_size,
+        sampler: Sampler::from_env(device)?,
         seed: opts.seed,
         prompt_offset: 0,
         max_positions: model.config().max_positions(),

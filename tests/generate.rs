@@ -6,7 +6,7 @@ mod common;
 
 use candle_core::{DType, Device};
 use common::*;
-use rloo::generate::{generate, Completion, FinishReason, GenerateOptions, Sampling, StopCriteria};
+use rloo::generate::{generate, Completion, FinishReason, GenerateOptions, Sampler, Sampling, StopCriteria};
 use rloo::model::{next_token_logprobs, GenerationConfig, Inputs, Model, PadSide};
 
 fn options(sampling: Sampling, max_new_tokens: usize, k: usize, batch_size: usize, stop: Vec<u32>) -> GenerateOptions {
@@ -17,11 +17,15 @@ fn options(sampling: Sampling, max_new_tokens: usize, k: usize, batch_size: usiz
         repetition_penalty: 1.0,
         stop: StopCriteria { token_ids: stop, strings: vec![] },
         batch_size,
+        sampler: Sampler::Host,
         seed: 11,
         prompt_offset: 0,
         max_positions: None,
     }
 }
+
+/// Both ways of picking tokens: each must pass what the other passes.
+const SAMPLERS: [Sampler; 2] = [Sampler::Host, Sampler::Race];
 
 fn run(model: &Model, prompts: &[Vec<u32>], opts: &GenerateOptions) -> Vec<Completion> {
     let mut done = Vec::new();
@@ -53,8 +57,11 @@ fn repetition_penalty_matches_transformers() {
         let eos = GenerationConfig::from_dir(&model_dir(name)).unwrap().unwrap().eos_token_ids().to_vec();
         let mut opts = options(Sampling::greedy(), 12, 1, 8, eos);
         opts.repetition_penalty = r["penalty"].as_f64().unwrap() as f32;
-        let got: Vec<Vec<u32>> = run(&model, &prompts, &opts).into_iter().map(|c| c.tokens).collect();
-        assert_eq!(got, want, "{name}");
+        for sampler in SAMPLERS {
+            opts.sampler = sampler;
+            let got: Vec<Vec<u32>> = run(&model, &prompts, &opts).into_iter().map(|c| c.tokens).collect();
+            assert_eq!(got, want, "{name}, {sampler:?}");
+        }
         opts.repetition_penalty = 1.0;
         let plain: Vec<Vec<u32>> = run(&model, &prompts, &opts).into_iter().map(|c| c.tokens).collect();
         println!(
@@ -81,8 +88,14 @@ fn greedy_generation_matches_transformers() {
             .map(|(r, m)| r.iter().zip(m).filter(|(_, &m)| m == 1).map(|(&i, _)| i).collect())
             .collect();
         let new_tokens = out[0].len() - t;
-        let got = run(&model, &prompts, &options(Sampling::greedy(), new_tokens, 1, 8, eos.clone()));
-        for (row, c) in out.iter().zip(&got) {
+        let mut opts = options(Sampling::greedy(), new_tokens, 1, 8, eos.clone());
+        let host = run(&model, &prompts, &opts);
+        opts.sampler = Sampler::Race;
+        let race = run(&model, &prompts, &opts);
+        for ((row, c), r) in out.iter().zip(&host).zip(&race) {
+            assert_eq!(r.tokens, c.tokens, "{name}");
+            let close = |a: &[f32], b: &[f32]| a.iter().zip(b).all(|(x, y)| (x - y).abs() < 1e-5);
+            assert!(close(&r.logprobs, &c.logprobs) && close(&r.entropies, &c.entropies), "{name}");
             // transformers pads after EOS; rloo stops there.
             let mut want = Vec::new();
             for &tok in &row[t..] {
@@ -101,11 +114,22 @@ fn greedy_generation_matches_transformers() {
 
 #[test]
 fn sampling_is_reproducible_and_independent_of_batching() {
+    for sampler in SAMPLERS {
+        sampling_is_reproducible_and_independent_of_batching_with(sampler);
+    }
+}
+
+fn sampling_is_reproducible_and_independent_of_batching_with(sampler: Sampler) {
     let model = Model::load(&model_dir("qwen2-causal"), &Device::Cpu).unwrap();
     let prompts = vec![vec![5, 9, 12], vec![40], vec![7, 7, 7, 7, 7]];
     let sampling = Sampling::temperature(0.9).with_top_k(50).with_top_p(0.95);
-    let a = run(&model, &prompts, &options(sampling.clone(), 10, 4, 12, vec![]));
-    let b = run(&model, &prompts, &options(sampling.clone(), 10, 4, 5, vec![]));
+    let with = |batch_size: usize, seed: u64| GenerateOptions {
+        sampler,
+        seed,
+        ..options(sampling.clone(), 10, 4, batch_size, vec![])
+    };
+    let a = run(&model, &prompts, &with(12, 11));
+    let b = run(&model, &prompts, &with(5, 11));
     assert_eq!(a.len(), 12);
     for (x, y) in a.iter().zip(&b) {
         assert_eq!(x.tokens, y.tokens, "batch size must not change samples");
@@ -114,9 +138,7 @@ fn sampling_is_reproducible_and_independent_of_batching() {
     }
     let distinct: std::collections::HashSet<&Vec<u32>> = a.iter().map(|c| &c.tokens).collect();
     assert!(distinct.len() > 6, "k samples of a prompt differ");
-    let mut other = options(sampling, 10, 4, 12, vec![]);
-    other.seed = 12;
-    assert_ne!(run(&model, &prompts, &other)[0].tokens, a[0].tokens, "the seed matters");
+    assert_ne!(run(&model, &prompts, &with(12, 12))[0].tokens, a[0].tokens, "the seed matters");
 }
 
 #[test]

@@ -548,3 +548,46 @@ fn a_batch_too_large_for_memory_is_warned_about_at_start_up() {
     let log = String::from_utf8_lossy(&done.stderr);
     assert!(log.contains("this run may need up to") && log.contains("lower per_device_train_batch_size"), "{log}");
 }
+
+/// `RLOO_SAMPLER` picks how tokens are drawn: `race` gives the same
+/// completions from the same seed, in `generate` and in a training run's
+/// rollouts, and an unknown value is refused by name.
+#[test]
+fn the_sampler_variable_is_obeyed_and_checked() {
+    let tmp = tempfile::tempdir().unwrap();
+    let prompts = prompts(tmp.path());
+    let with_sampler = |sampler: &str, args: &[&str]| {
+        Command::new(env!("CARGO_BIN_EXE_rloo")).env("RLOO_SAMPLER", sampler).args(args).output().unwrap()
+    };
+    let generate = |sampler: &str, name: &str| -> (Output, String) {
+        let out = tmp.path().join(name);
+        let args = ["generate", "--model", &policy(), "--prompts", &prompts, "--output", out.to_str().unwrap()];
+        let flags = ["--num-return-sequences", "4", "--max-new-tokens", "8", "--temperature", "1.0", "--seed", "5"];
+        let run = with_sampler(sampler, &[&args[..], &flags[..], &["--ignore-eos"]].concat());
+        (run, std::fs::read_to_string(&out).unwrap_or_default())
+    };
+    let (first, race) = generate("race", "a.jsonl");
+    ok(first);
+    let (second, again) = generate("race", "b.jsonl");
+    ok(second);
+    assert_eq!(race, again, "the same seed draws the same completions");
+    let (host_run, host) = generate("host", "c.jsonl");
+    ok(host_run);
+    assert_ne!(race, host, "the two samplers draw differently from one seed");
+    let e = err(generate("gpu", "d.jsonl").0);
+    assert!(e.contains("RLOO_SAMPLER=gpu: expected host or race"), "{e}");
+
+    let metrics = |dir: &str| -> Vec<serde_json::Map<String, serde_json::Value>> {
+        let out = tmp.path().join(dir);
+        let args = train_args(&out, &prompts, 2, &[]);
+        ok(with_sampler("race", &args.iter().map(String::as_str).collect::<Vec<_>>()));
+        let text = std::fs::read_to_string(out.join("metrics.jsonl")).unwrap();
+        let mut rows: Vec<serde_json::Map<String, serde_json::Value>> =
+            text.lines().map(|l| serde_json::from_str(l).unwrap()).collect();
+        for row in &mut rows {
+            row.retain(|k, _| !k.starts_with("time/") && !k.starts_with("memory/") && k != "eps");
+        }
+        rows
+    };
+    assert_eq!(metrics("run-a"), metrics("run-b"), "a training run's rollouts draw the same");
+}

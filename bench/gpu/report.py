@@ -52,7 +52,7 @@ def prompt_lengths(models, size):
 def generation(out, peaks, models):
     print("Generation: 64 prompts x 4 samples x 128 new tokens, bf16, batch 256")
     print(f"{'model':<6} {'side':<13} {'tokens/s':>9} {'ms/step':>8} {'floor ms':>9} {'x floor':>8}  runs")
-    for size in sorted({p.name.split("-")[1] for p in out.glob("gen-*-rloo-*.log")}):
+    for size in sorted({p.name.split("-")[1] for p in out.glob("gen-*-rloo_*.log")}):
         shape = load(Path(models) / size / "shape.json")
         lengths = prompt_lengths(models, size)
         floor = None
@@ -62,10 +62,11 @@ def generation(out, peaks, models):
             kv = per_token * (sum(lengths) + len(lengths) * K * (NEW - 1) / 2)
             floor = (weights + kv) / (peaks["bandwidth_gbs"] * 1e9) * 1e3
         rates = {}
-        for side in ["rloo", "transformers"]:
-            if side == "rloo":
+        samplers = sorted({p.name.split("-")[2] for p in out.glob(f"gen-{size}-rloo_*.log")})
+        for side in samplers + ["transformers"]:
+            if side != "transformers":
                 runs = []
-                for log in sorted(out.glob(f"gen-{size}-rloo-*.log")):
+                for log in sorted(out.glob(f"gen-{size}-{side}-*.log")):
                     m = re.search(r"generated (\d+) tokens in ([\d.]+) s", log.read_text())
                     runs.append(m and (int(m.group(1)), float(m.group(2))))
             else:
@@ -77,15 +78,16 @@ def generation(out, peaks, models):
             ratio = step_ms / floor if step_ms and floor else None
             print(f"{size:<6} {side:<13} {fmt(rate, '9.0f')} {fmt(step_ms, '8.2f')} {fmt(floor, '9.2f')} "
                   f"{fmt(ratio, '8.1f')}  {len(done)}/{len(runs)}")
-        if rates["rloo"] and rates["transformers"]:
-            print(f"{size:<6} rloo / transformers: {rates['rloo'] / rates['transformers']:.2f}x")
-        outputs = sorted(out.glob(f"gen-{size}-rloo-*.jsonl"))
-        if len(outputs) >= 2:
-            def tokens(path):
-                rows = [json.loads(l) for l in path.read_text().splitlines() if l.strip()]
-                return sorted((r["prompt_index"], r["sample_index"], r["completion"]) for r in rows)
-            same = all(tokens(p) == tokens(outputs[0]) for p in outputs[1:])
-            print(f"{size:<6} rloo, same seed, same completions in {len(outputs)} runs: {'yes' if same else 'NO'}")
+        for side in samplers:
+            if rates[side] and rates["transformers"]:
+                print(f"{size:<6} {side} / transformers: {rates[side] / rates['transformers']:.2f}x")
+            outputs = sorted(out.glob(f"gen-{size}-{side}-*.jsonl"))
+            if len(outputs) >= 2:
+                def tokens(path):
+                    rows = [json.loads(l) for l in path.read_text().splitlines() if l.strip()]
+                    return sorted((r["prompt_index"], r["sample_index"], r["completion"]) for r in rows)
+                same = all(tokens(p) == tokens(outputs[0]) for p in outputs[1:])
+                print(f"{size:<6} {side}, same seed, same completions in {len(outputs)} runs: {'yes' if same else 'NO'}")
     vllm = (out / "vllm.txt")
     if vllm.exists():
         print("vLLM: " + ("installed, not run by this script" if vllm.read_text().strip() == "yes" else

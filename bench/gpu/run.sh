@@ -7,8 +7,9 @@
 #   bench/gpu/run.sh [PART...]   PART: peaks generate train nccl (default: all)
 #
 #   peaks     bf16 matrix product rate and copy bandwidth (bench/gpu/peaks.py)
-#   generate  rloo generate --device cuda --bf16 against transformers'
-#             generate: 64 prompts x 4 x 128 new tokens, batch 256, per SIZES
+#   generate  rloo generate --device cuda --bf16 (with each of SAMPLERS)
+#             against transformers' generate: 64 prompts x 4 x 128 new
+#             tokens, batch 256, per SIZES
 #   train     rloo train against TRL's RLOOTrainer: 64 prompts x k = 4, 128
 #             new tokens, bf16, reward-model scoring, one epoch, one
 #             mini-batch, per ARMS
@@ -19,6 +20,7 @@
 #      SIZES       generation models: 410m 1b (default both)
 #      ARMS        training arms: 410m-full 1b-full 1b-lora qwen3-8b-lora
 #                  (default the first three; the 8B arm makes a 16 GB model)
+#      SAMPLERS    rloo's ways of picking tokens (RLOO_SAMPLER): race host
 #      RUNS        generation runs of each side (default 3)
 #      TRAIN_RUNS  training runs of each side per arm (default 2)
 #      STEPS       optimizer steps per training run, the first not counted (default 4)
@@ -34,6 +36,7 @@ cd "$(dirname "$0")/../.."
 ROOT=$PWD
 OUT=${OUT:-/tmp/rloo-gpu-bench}
 SIZES=${SIZES:-410m 1b}
+SAMPLERS=${SAMPLERS:-race host}
 ARMS=${ARMS:-410m-full 1b-full 1b-lora}
 RUNS=${RUNS:-3}
 TRAIN_RUNS=${TRAIN_RUNS:-2}
@@ -82,11 +85,14 @@ if part generate; then
         dir=$MODELS/$size
         for i in $(seq 1 "$RUNS"); do
             log "generate $size run $i"
-            # The same seed every run: the runs must give the same tokens.
-            "${rloo[@]}" generate --device "$DEVICE" --bf16 --model "$dir/policy" --prompts "$dir/prompts.jsonl" \
-                --output "$OUT/gen-$size-rloo-$i.jsonl" --num-return-sequences $K --max-new-tokens $NEW \
-                --temperature 1.0 --batch-size $((PROMPTS * K)) --ignore-eos --seed 1 \
-                2>"$OUT/gen-$size-rloo-$i.log" || tail -5 "$OUT/gen-$size-rloo-$i.log"
+            for sampler in $SAMPLERS; do
+                # The same seed every run: the runs must give the same tokens.
+                run=$OUT/gen-$size-rloo_$sampler-$i
+                RLOO_SAMPLER=$sampler "${rloo[@]}" generate --device "$DEVICE" --bf16 --model "$dir/policy" \
+                    --prompts "$dir/prompts.jsonl" --output "$run.jsonl" --num-return-sequences $K \
+                    --max-new-tokens $NEW --temperature 1.0 --batch-size $((PROMPTS * K)) --ignore-eos --seed 1 \
+                    2>"$run.log" || tail -5 "$run.log"
+            done
             timeout "$LIMIT" "$PY" bench/generate/hf_generate.py "$dir/policy" --prompts "$dir/prompts.jsonl" \
                 --device "$DEVICE" --bf16 --num-return-sequences $K --max-new-tokens $NEW --seed "$i" \
                 >"$OUT/gen-$size-hf-$i.json" 2>"$OUT/gen-$size-hf-$i.log" || tail -5 "$OUT/gen-$size-hf-$i.log"

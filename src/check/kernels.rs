@@ -5,15 +5,18 @@
 use candle_core::{DType, Device, Result, Tensor, Var};
 
 use super::{relative_error, Check};
+use crate::generate::race::{self, RaceRow};
+use crate::generate::sampling::Pick;
+use crate::generate::Sampling;
 use crate::model::batch::{attention_bias, Inputs, PadSide};
-use crate::model::kernels::{self, AdamWStep, AttentionInputs, RotaryTables};
+use crate::model::kernels::{self, AdamWParam, AdamWStep, AttentionInputs, RotaryTables};
 use crate::model::ops::Activation;
 use crate::rng::Rng;
 
 /// The kernels with a CUDA implementation; on a GPU the others run as
 /// compositions of candle ops, and the table says so.
 const CUDA_KERNELS: &[&str] =
-    &["layer_norm", "rms_norm", "activation", "rotary", "attention", "token_logprobs", "adamw"];
+    &["layer_norm", "rms_norm", "activation", "rotary", "attention", "token_logprobs", "adamw", "race"];
 
 /// Which implementation of `kernel` runs on `device` in `dtype`.
 fn path(kernel: &str, device: &Device, dtype: DType) -> &'static str {
@@ -157,7 +160,118 @@ pub fn check_kernels(device: &Device, dtypes: &[DType]) -> Vec<Check> {
     }
     // AdamW keeps f32 state whatever the compute dtype.
     out.push(adamw_check(device).unwrap_or_else(|e| Check::failed("kernel", "adamw", DType::F32, e)));
+    out.push(adamw_many_check(device).unwrap_or_else(|e| Check::failed("kernel", "adamw_many", DType::F32, e)));
+    // Sampling reads f32 logits whatever the compute dtype.
+    match race_checks(device) {
+        Ok(checks) => out.extend(checks),
+        Err(e) => out.push(Check::failed("kernel", "race sampler", DType::F32, e)),
+    }
     out
+}
+
+/// Step `t` (from 1) of the checks' AdamW.
+fn adamw_step(t: i32, decay: f32) -> AdamWStep {
+    AdamWStep {
+        beta1: 0.9,
+        beta2: 0.999,
+        eps: 1e-8,
+        lr: 1e-2,
+        bias1: 1.0 - 0.9f32.powi(t),
+        bias2: 1.0 - 0.999f32.powi(t),
+        decay,
+    }
+}
+
+/// Three AdamW steps of several parameters at once (one launch on a GPU),
+/// with and without weight decay, against the CPU kernel one by one.
+fn adamw_many_check(device: &Device) -> Result<Check> {
+    let mut rng = Rng::new(12);
+    let shapes: [&[usize]; 4] = [&[37, 1000], &[5], &[3, 7, 11], &[1]];
+    let w0: Vec<Tensor> = shapes.iter().map(|s| randn(&mut rng, s, 0.0, 1.0)).collect();
+    let grads: Vec<Vec<Tensor>> =
+        (0..3).map(|_| shapes.iter().map(|s| randn(&mut rng, s, 0.1, 1.0)).collect()).collect();
+    let run = |device: &Device, together: bool| -> Result<Vec<Tensor>> {
+        let ws = w0.iter().map(|w| Var::from_tensor(&w.to_device(device)?)).collect::<Result<Vec<_>>>()?;
+        let mut moments = ws.iter().map(|w| Ok((w.zeros_like()?, w.zeros_like()?))).collect::<Result<Vec<_>>>()?;
+        for (t, gs) in grads.iter().enumerate() {
+            let t = t as i32 + 1;
+            let gs = gs.iter().map(|g| g.to_device(device)).collect::<Result<Vec<_>>>()?;
+            let mut params: Vec<AdamWParam> = ws
+                .iter()
+                .zip(&gs)
+                .zip(moments.iter_mut())
+                .enumerate()
+                .map(|(i, ((w, g), (m, v)))| AdamWParam {
+                    w,
+                    g,
+                    m,
+                    v,
+                    step: adamw_step(t, if i % 2 == 0 { 1.0 - 1e-3 } else { 1.0 }),
+                })
+                .collect();
+            match together {
+                true => kernels::adamw_many(&mut params)?,
+                false => {
+                    for p in params.iter_mut() {
+                        kernels::adamw(p.w, p.g, p.m, p.v, p.step)?;
+                    }
+                }
+            }
+        }
+        ws.iter().map(|w| w.as_tensor().flatten_all()?.to_device(&Device::Cpu)).collect()
+    };
+    let (want, got) = (run(&Device::Cpu, false)?, run(device, true)?);
+    let error = Tensor::cat(&got, 0).and_then(|got| relative_error(&got, &Tensor::cat(&want, 0)?))?;
+    let label = format!("adamw_many, 4 parameters, 3 steps ({})", path("adamw", device, DType::F32));
+    Ok(Check::new("kernel", &label, DType::F32, error, None, 1e-5))
+}
+
+/// The race sampler on the device against its CPU reference on the same
+/// logits, each row with its own settings (greedy, temperature, top-k,
+/// top-p, min-p, a repetition penalty): the share of tokens that differ
+/// (exp and log may round a near-tie the other way: at most one row in 50),
+/// the log-probs and entropies, and whether a second run draws the same.
+fn race_checks(device: &Device) -> Result<Vec<Check>> {
+    let (rows, vocab) = (96, 12_579); // a vocabulary that is no multiple of 4 or 32
+    let mut rng = Rng::new(13);
+    let logits = randn(&mut rng, &[rows, vocab], 0.0, 3.0);
+    let settings = [
+        Sampling::greedy(),
+        Sampling::temperature(1.0),
+        Sampling::temperature(0.7).with_top_k(50),
+        Sampling::temperature(1.0).with_top_p(0.9),
+        Sampling::temperature(1.3).with_min_p(0.05),
+        Sampling::temperature(1.0).with_top_k(40).with_top_p(0.8).with_min_p(0.02),
+    ];
+    let draws: Vec<RaceRow> = (0..rows)
+        .map(|i| {
+            let penalty = if i % 2 == 0 { 1.0 } else { 1.3 };
+            RaceRow::new(&settings[i % settings.len()], penalty, &Rng::stream(13, &[i as u64]), i % 5)
+        })
+        .collect();
+    let seen: Vec<Vec<u32>> =
+        (0..rows).map(|_| (0..200).map(|_| (rng.next_u64() % vocab as u64) as u32).collect()).collect();
+    let (bits, width) = race::seen_bits(seen.iter().map(|r| r.iter()), vocab);
+    let seen = Tensor::from_vec(bits, (rows, width), &Device::Cpu)?;
+    let run = |device: &Device| -> Result<Vec<Pick>> {
+        race::pick(&logits.to_device(device)?, &draws, Some(&seen.to_device(device)?)).map_err(candle_core::Error::wrap)
+    };
+    let (want, got, again) = (run(&Device::Cpu)?, run(device)?, run(device)?);
+    let differ =
+        |a: &[Pick], b: &[Pick]| a.iter().zip(b).filter(|(x, y)| x.token != y.token).count() as f32 / rows as f32;
+    let mut stats = 0f32;
+    for (g, w) in got.iter().zip(&want) {
+        if g.token == w.token {
+            stats = stats.max((g.logprob - w.logprob).abs() / w.logprob.abs().max(1.0));
+        }
+        stats = stats.max((g.entropy - w.entropy).abs() / w.entropy.abs().max(1.0));
+    }
+    let label = |what: &str| format!("race sampler {what} ({})", path("race", device, DType::F32));
+    Ok(vec![
+        Check::new("kernel", &label("tokens"), DType::F32, differ(&got, &want), None, 2e-2),
+        Check::new("kernel", &label("log-probs, entropies"), DType::F32, stats, None, 1e-4),
+        Check::new("kernel", &label("run twice"), DType::F32, (got != again) as u8 as f32, None, 0.0),
+    ])
 }
 
 /// Rotary and self-attention (grouped-query heads, partial rotary, a
@@ -218,15 +332,7 @@ fn adamw_check(device: &Device) -> Result<Check> {
         let (mut m, mut v) = (w.zeros_like()?, w.zeros_like()?);
         for (t, g) in grads.iter().enumerate() {
             let t = t as i32 + 1;
-            let step = AdamWStep {
-                beta1: 0.9,
-                beta2: 0.999,
-                eps: 1e-8,
-                lr: 1e-2,
-                bias1: 1.0 - 0.9f32.powi(t),
-                bias2: 1.0 - 0.999f32.powi(t),
-                decay: 1.0 - 1e-3,
-            };
+            let step = adamw_step(t, 1.0 - 1e-3);
             kernels::adamw(&w, &g.to_device(device)?, &mut m, &mut v, step)?;
         }
         w.as_tensor().to_device(&Device::Cpu)

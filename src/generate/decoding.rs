@@ -14,6 +14,7 @@ use std::sync::Arc;
 use candle_core::{CpuStorage, Device, Storage, Tensor};
 use rayon::prelude::*;
 
+use super::race::{self, RaceRow, Sampler};
 use super::sampling::{Pick, Sampling, Scratch};
 use crate::error::{Error, Result};
 use crate::model::{Inputs, KvCache, Network, PadSide};
@@ -32,6 +33,8 @@ pub struct DecodeRow<R> {
     /// transformers' repetition penalty over the prompt and the completion
     /// so far (1: none).
     pub repetition_penalty: f32,
+    /// The row's random stream: the host sampler draws from it, the race
+    /// takes its key from it.
     pub rng: Rng,
     /// The most tokens the row may get (sizes the cache).
     pub max_tokens: usize,
@@ -56,6 +59,7 @@ pub struct Prefilled {
 pub struct Decoding<'n, R> {
     net: &'n Network,
     device: Device,
+    sampler: Sampler,
     /// Whether rows join while others run (a server): each row then keeps
     /// its own copy of its prompt's keys and values, so caches can be joined.
     /// Otherwise the rows of a prompt read one shared copy, and rows join
@@ -68,17 +72,17 @@ pub struct Decoding<'n, R> {
 
 impl<'n, R: Send> Decoding<'n, R> {
     /// A batch whose rows all start together.
-    pub fn closed(net: &'n Network, device: &Device) -> Self {
-        Self::new(net, device, false)
+    pub fn closed(net: &'n Network, device: &Device, sampler: Sampler) -> Self {
+        Self::new(net, device, sampler, false)
     }
 
     /// A batch that rows join while others run.
-    pub fn open(net: &'n Network, device: &Device) -> Self {
-        Self::new(net, device, true)
+    pub fn open(net: &'n Network, device: &Device, sampler: Sampler) -> Self {
+        Self::new(net, device, sampler, true)
     }
 
-    fn new(net: &'n Network, device: &Device, open: bool) -> Self {
-        Self { net, device: device.clone(), open, rows: Vec::new(), cache: net.new_cache(), logits: None }
+    fn new(net: &'n Network, device: &Device, sampler: Sampler, open: bool) -> Self {
+        Self { net, device: device.clone(), sampler, open, rows: Vec::new(), cache: net.new_cache(), logits: None }
     }
 
     pub fn len(&self) -> usize {
@@ -167,10 +171,13 @@ impl<'n, R: Send> Decoding<'n, R> {
         mut verdict: impl FnMut(&mut DecodeRow<R>, &Pick, &Tensor, usize) -> Result<Verdict>,
     ) -> Result<usize> {
         let Some(logits) = self.logits.take() else { return Ok(0) };
-        let picks = pick_rows(&logits, &mut self.rows, |row, row_logits, scratch| {
-            let seen = row.prompt.iter().chain(&row.tokens).copied();
-            row.sampling.pick_penalized(row_logits, seen, row.repetition_penalty, &mut row.rng, scratch)
-        })?;
+        let picks = match self.sampler {
+            Sampler::Host => pick_rows(&logits, &mut self.rows, |row, row_logits, scratch| {
+                let seen = row.prompt.iter().chain(&row.tokens).copied();
+                row.sampling.pick_penalized(row_logits, seen, row.repetition_penalty, &mut row.rng, scratch)
+            })?,
+            Sampler::Race => self.race(&logits)?,
+        };
         let produced = picks.len();
         let mut keep: Vec<u32> = Vec::with_capacity(produced);
         let mut still = Vec::with_capacity(produced);
@@ -197,6 +204,24 @@ impl<'n, R: Send> Decoding<'n, R> {
         let step = Inputs::step(&tokens, &positions, &self.device)?;
         self.logits = Some(self.net.logits(&step, Some(&mut self.cache))?.squeeze(1)?);
         Ok(produced)
+    }
+}
+
+impl<R> Decoding<'_, R> {
+    /// Every row's pick by the race, where the logits lie; the seen bits
+    /// go along only when some row has a repetition penalty.
+    fn race(&self, logits: &Tensor) -> Result<Vec<Pick>> {
+        let draws: Vec<RaceRow> =
+            self.rows.iter().map(|r| RaceRow::new(&r.sampling, r.repetition_penalty, &r.rng, r.tokens.len())).collect();
+        let seen = match self.rows.iter().any(|r| r.repetition_penalty != 1.0) {
+            false => None,
+            true => {
+                let rows = self.rows.iter().map(|r| r.prompt.iter().chain(&r.tokens));
+                let (bits, width) = race::seen_bits(rows, logits.dim(1)?);
+                Some(Tensor::from_vec(bits, (self.rows.len(), width), logits.device())?)
+            }
+        };
+        race::pick(logits, &draws, seen.as_ref())
     }
 }
 

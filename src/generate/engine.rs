@@ -8,6 +8,7 @@ use std::sync::Arc;
 use candle_core::Device;
 
 use super::decoding::{DecodeRow, Decoding, Verdict};
+use super::race::Sampler;
 use super::sampling::Sampling;
 use crate::data::Tokenizer;
 use crate::error::{Error, Result};
@@ -64,6 +65,8 @@ pub struct GenerateOptions {
     pub stop: StopCriteria,
     /// Rows (prompt x sample) decoded together.
     pub batch_size: usize,
+    /// How tokens are picked from the logits ([`Sampler::from_env`]).
+    pub sampler: Sampler,
     pub seed: u64,
     /// Added to a prompt's index where its rows' random streams are keyed:
     /// a process sampling one share of a batch draws what one process
@@ -174,7 +177,7 @@ fn decode_batch(
         }
         return Ok(());
     }
-    let mut batch = Decoding::closed(net, device);
+    let mut batch = Decoding::closed(net, device, opts.sampler);
     batch.admit(rows)?;
     let longest_stop = opts.stop.strings.iter().map(String::len).max().unwrap_or(0);
     while !batch.is_empty() {

@@ -2,7 +2,9 @@
 
 pub mod decoding;
 pub mod engine;
+pub mod race;
 pub mod sampling;
 
 pub use engine::{generate, Completion, FinishReason, GenerateOptions, StopCriteria};
+pub use race::Sampler;
 pub use sampling::Sampling;

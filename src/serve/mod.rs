@@ -25,7 +25,7 @@ use serde_json::{json, Value};
 
 use crate::data::Tokenizer;
 use crate::error::{Error, Result};
-use crate::generate::StopCriteria;
+use crate::generate::{Sampler, StopCriteria};
 use crate::model::{GenerationConfig, HeadKind, Model, ModelConfig};
 use crate::reward::serve::{score_route, ScoreRoute};
 use crate::reward::RewardModel;
@@ -155,7 +155,13 @@ pub fn serve(
             match m {
                 Loaded::Text { name, model, tokenizer, generation, eos_ids } => {
                     let device = model.device();
-                    let (engine, decoding) = engine::engine(model.frozen(), tokenizer, &device, opts.max_batch_rows);
+                    let (engine, decoding) = engine::engine(
+                        model.frozen(),
+                        tokenizer,
+                        &device,
+                        opts.max_batch_rows,
+                        Sampler::from_env(&device)?,
+                    );
                     loops.push(s.spawn(move || decoding.run(shutdown)));
                     let context = model.config().context_length();
                     let max_request_rows = opts.max_request_rows;

@@ -10,7 +10,7 @@ use candle_core::{DType, Tensor, Var};
 use super::config::Schedule;
 use crate::dist::{host_f32, Communicator};
 use crate::error::{Error, Result};
-use crate::model::kernels::{self, AdamWStep};
+use crate::model::kernels::{self, AdamWParam, AdamWStep};
 use crate::model::ParamStore;
 
 /// Gradients summed over micro-batches, per parameter, kept in the order
@@ -83,13 +83,21 @@ impl GradAccumulator {
         Ok(())
     }
 
-    /// The global L2 norm over all gradients.
+    /// The global L2 norm over all gradients. Each gradient's sum of
+    /// squares stays where it is computed, and all of them come to the host
+    /// at once (on a GPU, one wait instead of one per parameter), to be
+    /// summed there in parameter order.
     pub fn norm(&self) -> Result<f64> {
-        let mut sq = 0f64;
-        for (_, g) in &self.sums {
-            sq += g.sqr()?.sum_all()?.to_dtype(DType::F64)?.to_scalar::<f64>()?;
+        if self.sums.is_empty() {
+            return Ok(0.0);
         }
-        Ok(sq.sqrt())
+        let squares = self
+            .sums
+            .iter()
+            .map(|(_, g)| g.sqr()?.sum_all()?.to_dtype(DType::F64))
+            .collect::<candle_core::Result<Vec<_>>>()?;
+        let squares = Tensor::stack(&squares, 0)?.to_vec1::<f64>()?;
+        Ok(squares.iter().fold(0.0, |sum, &sq| sum + sq).sqrt())
     }
 
     /// Scales gradients so their global norm is at most `max_norm` (as
@@ -312,25 +320,38 @@ impl AdamW {
         let bias1 = 1.0 - self.beta1.powi(t);
         let bias2 = 1.0 - self.beta2.powi(t);
         let mine: Vec<_> = params.iter().filter(|p| self.owns(&p.name)).collect();
+        let mut stepped = Vec::new();
         for p in mine {
             let Some(g) = grads.get(&p.var) else { continue };
-            let w = p.var.as_tensor();
-            let (mut m, mut v) = match self.moments.remove(&p.name) {
+            let moments = match self.moments.remove(&p.name) {
                 Some(mv) => mv,
-                None => (w.zeros_like()?, w.zeros_like()?),
+                None => (p.var.zeros_like()?, p.var.zeros_like()?),
             };
             let decay = if self.weight_decay > 0.0 && decays(&p.name) { 1.0 - lr * self.weight_decay } else { 1.0 };
-            let update = AdamWStep {
-                beta1: self.beta1 as f32,
-                beta2: self.beta2 as f32,
-                eps: self.eps as f32,
-                lr: lr as f32,
-                bias1: bias1 as f32,
-                bias2: bias2 as f32,
-                decay: decay as f32,
-            };
-            kernels::adamw(&p.var, g, &mut m, &mut v, update)?;
-            self.moments.insert(p.name.clone(), (m, v));
+            stepped.push((p, g, moments, decay));
+        }
+        let mut updates: Vec<AdamWParam> = stepped
+            .iter_mut()
+            .map(|(p, g, (m, v), decay)| AdamWParam {
+                w: &p.var,
+                g,
+                m,
+                v,
+                step: AdamWStep {
+                    beta1: self.beta1 as f32,
+                    beta2: self.beta2 as f32,
+                    eps: self.eps as f32,
+                    lr: lr as f32,
+                    bias1: bias1 as f32,
+                    bias2: bias2 as f32,
+                    decay: *decay as f32,
+                },
+            })
+            .collect();
+        kernels::adamw_many(&mut updates)?;
+        drop(updates);
+        for (p, _, moments, _) in stepped {
+            self.moments.insert(p.name.clone(), moments);
         }
         if let Some(shard) = &self.shard {
             shard.share_weights(params)?;

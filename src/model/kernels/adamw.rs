@@ -8,7 +8,7 @@ use rayon::prelude::*;
 use super::math::with_avx2;
 
 /// The scalars of one AdamW step.
-#[derive(Debug, Clone, Copy)]
+#[derive(Debug, Clone, Copy, PartialEq)]
 pub struct AdamWStep {
     pub beta1: f32,
     pub beta2: f32,
@@ -43,6 +43,58 @@ pub fn adamw(w: &Var, g: &Tensor, m: &mut Tensor, v: &mut Tensor, step: AdamWSte
     let denom = ((v.sqrt()? / (step.bias2 as f64).sqrt())? + step.eps as f64)?;
     new_w = (new_w - ((&*m / denom)? * (step.lr / step.bias1) as f64)?)?;
     w.set(&new_w)
+}
+
+/// One parameter's part in an AdamW step over many.
+pub struct AdamWParam<'a> {
+    pub w: &'a Var,
+    pub g: &'a Tensor,
+    pub m: &'a mut Tensor,
+    pub v: &'a mut Tensor,
+    pub step: AdamWStep,
+}
+
+/// How a GPU applies AdamW to many parameters: `multi` (the default) or
+/// `per-tensor` (three launches per parameter, for comparison).
+pub const ADAMW_VAR: &str = "RLOO_ADAMW";
+
+/// AdamW steps of many parameters. On a GPU, when every operand is f32,
+/// contiguous and of its parameter's shape, and the steps differ in their
+/// weight decay at most, one launch updates every parameter with the
+/// arithmetic of [`adamw`]'s kernels; otherwise each goes through [`adamw`],
+/// in order.
+pub fn adamw_many(params: &mut [AdamWParam]) -> Result<()> {
+    #[cfg(feature = "cuda")]
+    if one_launch(params)? {
+        return super::cuda::adamw_multi(params);
+    }
+    for p in params.iter_mut() {
+        adamw(p.w, p.g, p.m, p.v, p.step)?;
+    }
+    Ok(())
+}
+
+/// Whether [`adamw_many`] can update `params` in one launch.
+#[cfg(feature = "cuda")]
+fn one_launch(params: &[AdamWParam]) -> Result<bool> {
+    match std::env::var(ADAMW_VAR).ok().as_deref() {
+        None | Some("") | Some("multi") => {}
+        Some("per-tensor") => return Ok(false),
+        Some(other) => candle_core::bail!("{ADAMW_VAR}={other}: expected multi or per-tensor"),
+    }
+    let Some(first) = params.first() else { return Ok(false) };
+    // The launch's grid gives each parameter a row of blocks.
+    Ok(params.len() < 65_536
+        && params.iter().all(|p| {
+            let all = [p.w.as_tensor(), p.g, &*p.m, &*p.v];
+            AdamWStep { decay: first.step.decay, ..p.step } == first.step
+                && all.iter().all(|t| {
+                    t.device().is_cuda()
+                        && t.dtype() == candle_core::DType::F32
+                        && t.is_contiguous()
+                        && t.shape() == p.w.shape()
+                })
+        }))
 }
 
 /// Elements per parallel task.

@@ -10,7 +10,7 @@
 mod adamw;
 mod attention;
 #[cfg(feature = "cuda")]
-mod cuda;
+pub(crate) mod cuda;
 mod decode_attention;
 mod elementwise;
 mod linear;
@@ -21,7 +21,7 @@ mod rotary;
 mod sdpa;
 mod token_logprobs;
 
-pub use adamw::{adamw, AdamWStep};
+pub use adamw::{adamw, adamw_many, AdamWParam, AdamWStep, ADAMW_VAR};
 pub use attention::{attention, attention_packed, AttentionInputs, Packing};
 pub use decode_attention::decode_attention;
 pub use elementwise::activation;

@@ -147,6 +147,24 @@ pub fn token_logprobs_grad((logits, l_l): In, (targets, t_l): In, (grad, g_l): I
     Ok(CudaStorage::wrap_cuda_slice(out, dev))
 }
 
+/// The race sampler's picks (`generate::race`): (R, 3) u32 [token, log-prob
+/// bits, entropy bits] from f32 logits (R, V), the rows' settings (R, 9) u32
+/// and their seen bits (R or 1, width) u32.
+pub fn race_pick((logits, l_l): In, (params, p_l): In, (seen, s_l): In) -> Result<CudaStorage> {
+    let dev = logits.device.clone();
+    let (rows, v) = l_l.shape().dims2()?;
+    let (z, p, s) = (view::<f32>(logits, l_l)?, view::<u32>(params, p_l)?, view::<u32>(seen, s_l)?);
+    // Safety: every element is written by the kernel.
+    let mut out = unsafe { dev.alloc::<u32>(3 * rows) }?;
+    let func = dev.get_or_load_custom_func("race_pick", "rloo", PTX)?;
+    let (width, v32) = (s_l.shape().dims2()?.1 as i32, v as i32);
+    let mut args = func.builder();
+    args.arg(&z).arg(&p).arg(&s).arg(&width).arg(&mut out).arg(&v32);
+    // Safety: the argument list matches the kernel's signature.
+    unsafe { args.launch(per_row(rows, v)) }.w()?;
+    Ok(CudaStorage::wrap_cuda_slice(out, dev))
+}
+
 /// The contiguous f32 elements of an in-place operand.
 fn view_mut<'a>(
     s: &'a mut CudaStorage,
@@ -198,6 +216,82 @@ pub fn adamw_update(
     args.arg(&mut ws).arg(&ms).arg(&vs).arg(&n).arg(&lr_step).arg(&inv_sqrt_bias2).arg(&step.eps).arg(&step.decay);
     // Safety: the argument list matches the kernel's signature.
     unsafe { args.launch(elementwise(n)) }.w()?;
+    Ok(())
+}
+
+/// One parameter's operands in [`adamw_multi`]'s table, as `AdamWTensor`
+/// in `kernels.cu`.
+#[repr(C)]
+#[derive(Debug, Clone, Copy)]
+struct AdamWTensor {
+    w: u64,
+    m: u64,
+    v: u64,
+    g: u64,
+    n: u64,
+    decay: f32,
+    pad: f32,
+}
+
+// Safety: a plain C struct of numbers, passed by value.
+unsafe impl DeviceRepr for AdamWTensor {}
+
+/// AdamW over many parameters in one launch (`adamw_many` has checked
+/// that every operand is f32, contiguous and on this GPU): a table of their
+/// addresses goes to the device, and each parameter gets a row of blocks.
+/// The weights and moments are written in place through their addresses,
+/// in the stream's order like every other op.
+pub fn adamw_multi(params: &[super::AdamWParam]) -> Result<()> {
+    use candle_core::cuda_backend::cudarc::driver::DevicePtr;
+    let Some(first) = params.first() else { return Ok(()) };
+    let candle_core::Device::Cuda(dev) = first.w.device() else {
+        candle_core::bail!("adamw_multi: the parameters are not on a GPU")
+    };
+    let stream = dev.cuda_stream();
+    let locked: Vec<_> =
+        params.iter().flat_map(|p| [p.w.as_tensor(), p.g, &*p.m, &*p.v]).map(|t| t.storage_and_layout()).collect();
+    let mut addresses = Vec::with_capacity(locked.len());
+    let mut reads = Vec::with_capacity(locked.len());
+    for (storage, layout) in &locked {
+        let candle_core::Storage::Cuda(s) = &**storage else {
+            candle_core::bail!("adamw_multi: an operand is not on a GPU")
+        };
+        let Some((start, _)) = layout.contiguous_offsets() else {
+            candle_core::bail!("adamw_multi: an operand is not contiguous")
+        };
+        let (address, read) = s.as_cuda_slice::<f32>()?.device_ptr(&stream);
+        addresses.push(address + 4 * start as u64);
+        reads.push(read);
+    }
+    let table: Vec<AdamWTensor> = params
+        .iter()
+        .zip(addresses.chunks(4))
+        .map(|(p, a)| AdamWTensor {
+            w: a[0],
+            m: a[2],
+            v: a[3],
+            g: a[1],
+            n: p.w.elem_count() as u64,
+            decay: p.step.decay,
+            pad: 0.0,
+        })
+        .collect();
+    let table = dev.clone_htod(&table)?;
+    let s = first.step;
+    let (lr_step, inv_sqrt_bias2) = (s.lr / s.bias1, 1.0 / s.bias2.sqrt());
+    let longest = params.iter().map(|p| p.w.elem_count()).max().unwrap_or(1);
+    let cfg = LaunchConfig {
+        grid_dim: (longest.div_ceil(256).clamp(1, 1024) as u32, params.len() as u32, 1),
+        block_dim: (256, 1, 1),
+        shared_mem_bytes: 0,
+    };
+    let func = dev.get_or_load_custom_func("adamw_multi", "rloo", PTX)?;
+    let mut args = func.builder();
+    args.arg(&table).arg(&s.beta1).arg(&s.beta2).arg(&lr_step).arg(&inv_sqrt_bias2).arg(&s.eps);
+    // Safety: the argument list matches the kernel's signature, and the
+    // table's addresses stay allocated (locked) until the launch is queued.
+    unsafe { args.launch(cfg) }.w()?;
+    drop(reads);
     Ok(())
 }
 
