@@ -269,16 +269,19 @@ fn threshold(u: &[f32], row: &RaceRow) -> u32 {
 pub fn pick(logits: &Tensor, rows: &[RaceRow], seen: Option<&Tensor>) -> Result<Vec<Pick>> {
     let device = logits.device();
     // Without seen bits no penalty applies, and one word stands in for them.
+    let penalized = seen.is_some();
     let none;
-    let (seen, unpenalized) = match seen {
-        Some(s) => (s, None),
+    let seen = match seen {
+        Some(s) => s,
         None => {
             none = Tensor::zeros((1, 1), DType::U32, device)?;
-            (&none, Some(1.0))
+            &none
         }
     };
-    let words: Vec<u32> =
-        rows.iter().flat_map(|r| RaceRow { penalty: unpenalized.unwrap_or(r.penalty), ..*r }.to_words()).collect();
+    let words: Vec<u32> = rows
+        .iter()
+        .flat_map(|r| RaceRow { penalty: if penalized { r.penalty } else { 1.0 }, ..*r }.to_words())
+        .collect();
     let params = Tensor::from_vec(words, (rows.len(), ROW_WORDS), device)?;
     let out = logits.contiguous()?.apply_op3_no_bwd(&params, seen, &RacePick)?.to_vec2::<u32>()?;
     Ok(out.iter().map(|w| Pick { token: w[0], logprob: f32::from_bits(w[1]), entropy: f32::from_bits(w[2]) }).collect())

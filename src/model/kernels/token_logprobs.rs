@@ -216,11 +216,11 @@ impl CustomOp2 for TokenLogprobs {
         let mut out = vec![0f32; n * 2];
         let chunk = self.chunk_rows;
         let mut logits = Vec::with_capacity(chunk.min(n) * v);
+        let per_task = rows_per_task(v);
         for (c, out) in out.chunks_mut(2 * chunk).enumerate() {
             let (first, rows) = (c * chunk, out.len() / 2);
             logits.clear();
             chunk_logits(&mut logits, &hidden[first * h..(first + rows) * h], head, (rows, h, v));
-            let per_task = rows_per_task(v);
             out.par_chunks_mut(2 * per_task).enumerate().for_each(|(task, out)| {
                 with_avx2(
                     #[inline(always)]
