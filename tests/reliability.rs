@@ -591,3 +591,28 @@ fn the_sampler_variable_is_obeyed_and_checked() {
     };
     assert_eq!(metrics("run-a"), metrics("run-b"), "a training run's rollouts draw the same");
 }
+
+#[test]
+fn the_decode_attention_variable_is_obeyed_and_checked() {
+    let tmp = tempfile::tempdir().unwrap();
+    let prompts = prompts(tmp.path());
+    let generate = |choice: &str, name: &str| -> (Output, String) {
+        let out = tmp.path().join(name);
+        let args = ["generate", "--model", &policy(), "--prompts", &prompts, "--output", out.to_str().unwrap()];
+        let flags = ["--num-return-sequences", "2", "--max-new-tokens", "12", "--temperature", "0"];
+        let run = Command::new(env!("CARGO_BIN_EXE_rloo"))
+            .env("RLOO_DECODE_ATTENTION", choice)
+            .args([&args[..], &flags[..], &["--ignore-eos"]].concat())
+            .output()
+            .unwrap();
+        (run, std::fs::read_to_string(&out).unwrap_or_default())
+    };
+    let (fused_run, fused) = generate("fused", "a.jsonl");
+    ok(fused_run);
+    let (composed_run, composed) = generate("composed", "b.jsonl");
+    ok(composed_run);
+    assert!(!fused.is_empty());
+    assert_eq!(fused, composed, "the kernel and the composition choose the same greedy tokens");
+    let e = err(generate("flash", "c.jsonl").0);
+    assert!(e.contains("RLOO_DECODE_ATTENTION=flash: expected fused or composed"), "{e}");
+}

@@ -7,7 +7,7 @@
 #   bench/gpu/run.sh [PART...]   PART: peaks generate train nccl (default: all)
 #
 #   peaks     bf16 matrix product rate and copy bandwidth (bench/gpu/peaks.py)
-#   generate  rloo generate --device cuda --bf16 (with each of SAMPLERS)
+#   generate  rloo generate --device cuda --bf16 (with each of DECODERS)
 #             against transformers' generate: 64 prompts x 4 x 128 new
 #             tokens, batch 256, per SIZES
 #   train     rloo train against TRL's RLOOTrainer: 64 prompts x k = 4, 128
@@ -20,7 +20,9 @@
 #      SIZES       generation models: 410m 1b (default both)
 #      ARMS        training arms: 410m-full 1b-full 1b-lora qwen3-8b-lora
 #                  (default the first three; the 8B arm makes a 16 GB model)
-#      SAMPLERS    rloo's ways of picking tokens (RLOO_SAMPLER): race host
+#      DECODERS    rloo's decoding variants, SAMPLER+ATTENTION: how tokens are picked
+#                  (RLOO_SAMPLER: race, host) and how a step attends over the cache
+#                  (RLOO_DECODE_ATTENTION: fused, composed); default race+fused host+composed
 #      RUNS        generation runs of each side (default 3)
 #      TRAIN_RUNS  training runs of each side per arm (default 2)
 #      STEPS       optimizer steps per training run, the first not counted (default 4)
@@ -36,7 +38,7 @@ cd "$(dirname "$0")/../.."
 ROOT=$PWD
 OUT=${OUT:-/tmp/rloo-gpu-bench}
 SIZES=${SIZES:-410m 1b}
-SAMPLERS=${SAMPLERS:-race host}
+DECODERS=${DECODERS:-race+fused host+composed}
 ARMS=${ARMS:-410m-full 1b-full 1b-lora}
 RUNS=${RUNS:-3}
 TRAIN_RUNS=${TRAIN_RUNS:-2}
@@ -85,10 +87,10 @@ if part generate; then
         dir=$MODELS/$size
         for i in $(seq 1 "$RUNS"); do
             log "generate $size run $i"
-            for sampler in $SAMPLERS; do
+            for decoder in $DECODERS; do
                 # The same seed every run: the runs must give the same tokens.
-                run=$OUT/gen-$size-rloo_$sampler-$i
-                RLOO_SAMPLER=$sampler "${rloo[@]}" generate --device "$DEVICE" --bf16 --model "$dir/policy" \
+                run=$OUT/gen-$size-rloo_$decoder-$i
+                RLOO_SAMPLER=${decoder%+*} RLOO_DECODE_ATTENTION=${decoder#*+} "${rloo[@]}" generate --device "$DEVICE" --bf16 --model "$dir/policy" \
                     --prompts "$dir/prompts.jsonl" --output "$run.jsonl" --num-return-sequences $K \
                     --max-new-tokens $NEW --temperature 1.0 --batch-size $((PROMPTS * K)) --ignore-eos --seed 1 \
                     2>"$run.log" || tail -5 "$run.log"

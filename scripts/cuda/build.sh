@@ -22,11 +22,12 @@ if ! "$venv/bin/python" -c 'import nvidia' 2>/dev/null || [ ! -x "$(ls -d "$venv
         "cuda-toolkit[nvcc,crt,nvvm,cccl,cudart,cublas,curand,nvrtc]==13.0.2" "nvidia-nccl-cu13==2.28.9"
 fi
 cuda=$(ls -d "$venv"/lib/python3*/site-packages/nvidia/cu13)
+nccl=$(dirname "$cuda")/nccl
 
 # Linking wants unversioned names, nvcc.profile looks in lib64, and no wheel
 # ships libcuda.so: a stub of the driver's symbols serves the link step only
 # (the GPU machine's driver provides the real libcuda.so.1 at run time).
-for lib in "$cuda"/lib/lib*.so.[0-9]*; do
+for lib in "$cuda"/lib/lib*.so.[0-9]* "$nccl"/lib/lib*.so.[0-9]*; do
     base=${lib%%.so.*}.so
     [ -e "$base" ] || ln -s "$(basename "$lib")" "$base"
 done
@@ -49,7 +50,7 @@ export PATH=$cuda/bin:$PATH
 export CUDA_HOME=$cuda CUDA_PATH=$cuda CUDA_ROOT=$cuda
 export CUDA_COMPUTE_CAP=90 CUDARC_CUDA_VERSION=13000
 export CUDAFORGE_THREADS=${CUDAFORGE_THREADS:-2}
-export LIBRARY_PATH=$stubs:$cuda/lib${LIBRARY_PATH:+:$LIBRARY_PATH}
+export LIBRARY_PATH=$stubs:$cuda/lib:$nccl/lib${LIBRARY_PATH:+:$LIBRARY_PATH}
 export RUSTFLAGS="${RUSTFLAGS:-} -L native=$stubs -L native=$cuda/lib"
 if [ "${1:-}" = --check ]; then
     cargo check --release --locked --features cuda --target-dir "$root/target" --all-targets

@@ -9,14 +9,24 @@ use crate::generate::race::{self, RaceRow};
 use crate::generate::sampling::Pick;
 use crate::generate::Sampling;
 use crate::model::batch::{attention_bias, Inputs, PadSide};
+use crate::model::cache::{LayerKv, SharedKv};
 use crate::model::kernels::{self, AdamWParam, AdamWStep, AttentionInputs, RotaryTables};
 use crate::model::ops::Activation;
 use crate::rng::Rng;
 
 /// The kernels with a CUDA implementation; on a GPU the others run as
 /// compositions of candle ops, and the table says so.
-const CUDA_KERNELS: &[&str] =
-    &["layer_norm", "rms_norm", "activation", "rotary", "attention", "token_logprobs", "adamw", "race"];
+const CUDA_KERNELS: &[&str] = &[
+    "layer_norm",
+    "rms_norm",
+    "activation",
+    "rotary",
+    "attention",
+    "decode_attention",
+    "token_logprobs",
+    "adamw",
+    "race",
+];
 
 /// Which implementation of `kernel` runs on `device` in `dtype`.
 fn path(kernel: &str, device: &Device, dtype: DType) -> &'static str {
@@ -145,6 +155,12 @@ pub fn check_kernels(device: &Device, dtypes: &[DType]) -> Vec<Check> {
         match attention_checks(device, dtype, rng) {
             Ok(checks) => out.extend(checks),
             Err(e) => out.push(Check::failed("kernel", "attention", dtype, e)),
+        }
+        for d in [64, 128] {
+            out.push(
+                decode_attention_check(device, dtype, d, rng)
+                    .unwrap_or_else(|e| Check::failed("kernel", &format!("decode_attention, head size {d}"), dtype, e)),
+            );
         }
         let (hidden, head) = (randn(rng, &[24, 64], 0.0, 1.0), randn(rng, &[500, 64], 0.0, 0.2));
         let targets: Vec<u32> = (0..24).map(|i| (i * 37 % 500) as u32).collect();
@@ -320,6 +336,56 @@ fn attention_checks(device: &Device, dtype: DType, rng: &mut Rng) -> Result<Vec<
         rng,
     );
     Ok(vec![rotary, attention])
+}
+
+/// One decoding step's attention over a cache whose rows continue shared
+/// slots (two prompts, one left-padded) and own slots with spare capacity,
+/// with grouped-query heads and a padded newest slot: the device's kernel
+/// (or, where none runs, the composition over the cache copied out) against
+/// the CPU kernel.
+fn decode_attention_check(device: &Device, dtype: DType, d: usize, rng: &mut Rng) -> Result<Check> {
+    let (b, h, h_kv, p, s_own, capacity) = (6, 4, 2, 13, 9, 16);
+    let rows = [0u32, 1, 1, 0, 1, 0];
+    let q = randn(rng, &[b, h, 1, d], 0.0, 1.0);
+    let (shared_k, shared_v) = (randn(rng, &[2, h_kv, p, d], 0.0, 1.0), randn(rng, &[2, h_kv, p, d], 0.0, 1.0));
+    let (own_k, own_v) = (randn(rng, &[b, h_kv, capacity, d], 0.0, 1.0), randn(rng, &[b, h_kv, capacity, d], 0.0, 1.0));
+    let s = p + s_own;
+    let mask: Vec<f32> = (0..b * s)
+        .map(|i| {
+            let (row, slot) = (i / s, i % s);
+            let padded = (rows[row] == 1 && slot < 4) || (row == 4 && slot == s - 1);
+            if padded {
+                0.0
+            } else {
+                1.0
+            }
+        })
+        .collect();
+    let run = |device: &Device, dtype: DType| -> Result<Tensor> {
+        let on = |t: &Tensor| t.to_device(device)?.to_dtype(dtype);
+        let (shared_k, shared_v, own_k, own_v) = (on(&shared_k)?, on(&shared_v)?, on(&own_k)?, on(&own_v)?);
+        let device_rows = Tensor::new(&rows, device)?;
+        let kv = LayerKv {
+            keys: own_k.narrow(2, 0, s_own)?,
+            values: own_v.narrow(2, 0, s_own)?,
+            shared: Some(SharedKv { keys: &shared_k, values: &shared_v, rows: &rows, device_rows: &device_rows }),
+        };
+        let q = on(&q)?;
+        if device.is_cpu() && dtype == DType::F32 {
+            return kernels::decode_attention(&q, &kv, &mask, 0.125);
+        }
+        let key_mask = Tensor::from_slice(&mask, (b, s), device)?;
+        if let Some(out) = kernels::decode_attention_cuda(&q, &kv, &key_mask, 0.125)? {
+            return out.to_dtype(DType::F32)?.to_device(&Device::Cpu);
+        }
+        let (keys, values) = kv.whole()?;
+        let bias = ((key_mask - 1.0)? * 1e30)?.reshape((b, 1, 1, s))?;
+        let out = kernels::sdpa(&q, &keys.contiguous()?, &values.contiguous()?, &bias, 0.125)?;
+        out.to_dtype(DType::F32)?.to_device(&Device::Cpu)
+    };
+    let error = relative_error(&run(device, dtype)?, &run(&Device::Cpu, DType::F32)?)?;
+    let label = format!("decode_attention, head size {d} ({})", path("decode_attention", device, dtype));
+    Ok(Check::new("kernel", &label, dtype, error, None, tolerance(dtype)))
 }
 
 /// Three AdamW steps on the device against the CPU kernel.

@@ -30,6 +30,8 @@ struct Shared {
     layers: Vec<(Tensor, Tensor)>,
     /// For each row, the shared row it continues.
     rows: Vec<u32>,
+    /// The same on the cache's device, for index selects and kernels.
+    device_rows: Tensor,
     /// P.
     len: usize,
 }
@@ -49,6 +51,8 @@ pub struct SharedKv<'a> {
     pub keys: &'a Tensor,
     pub values: &'a Tensor,
     pub rows: &'a [u32],
+    /// `rows` (B,) u32 on the keys' device.
+    pub device_rows: &'a Tensor,
 }
 
 impl LayerKv<'_> {
@@ -58,9 +62,9 @@ impl LayerKv<'_> {
         let Some(shared) = &self.shared else {
             return Ok((self.keys.clone(), self.values.clone()));
         };
-        let idx = Tensor::from_slice(shared.rows, shared.rows.len(), self.keys.device())?;
-        let keys = Tensor::cat(&[&shared.keys.index_select(&idx, 0)?, &self.keys], 2)?;
-        let values = Tensor::cat(&[&shared.values.index_select(&idx, 0)?, &self.values], 2)?;
+        let idx = shared.device_rows;
+        let keys = Tensor::cat(&[&shared.keys.index_select(idx, 0)?, &self.keys], 2)?;
+        let values = Tensor::cat(&[&shared.values.index_select(idx, 0)?, &self.values], 2)?;
         Ok((keys, values))
     }
 }
@@ -114,8 +118,9 @@ impl KvCache {
             let Some((k, v)) = layer.take() else { candle_core::bail!("a layer has no cached keys to share") };
             layers.push((k.narrow(2, 0, len)?.contiguous()?, v.narrow(2, 0, len)?.contiguous()?));
         }
-        self.key_mask = Some(mask.index_select(&Tensor::from_slice(rows, rows.len(), mask.device())?, 0)?);
-        self.shared = Some(Shared { layers, rows: rows.to_vec(), len });
+        let device_rows = Tensor::from_slice(rows, rows.len(), mask.device())?;
+        self.key_mask = Some(mask.index_select(&device_rows, 0)?);
+        self.shared = Some(Shared { layers, rows: rows.to_vec(), device_rows, len });
         Ok(())
     }
 
@@ -130,6 +135,7 @@ impl KvCache {
         }
         if let Some(shared) = &mut self.shared {
             shared.rows = rows.iter().map(|&r| shared.rows[r as usize]).collect();
+            shared.device_rows = shared.device_rows.index_select(&idx, 0)?;
         }
         Ok(())
     }
@@ -235,7 +241,7 @@ impl KvCache {
         self.layers[layer] = Some((kb, vb));
         let shared = self.shared.as_ref().map(|s| {
             let (keys, values) = &s.layers[layer];
-            SharedKv { keys, values, rows: &s.rows }
+            SharedKv { keys, values, rows: &s.rows, device_rows: &s.device_rows }
         });
         Ok(LayerKv { keys, values, shared })
     }

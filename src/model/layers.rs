@@ -19,10 +19,11 @@ pub struct Context {
     pub bias: Tensor,
     /// (B, 1, T, R) rotary tables, for architectures with rotary embeddings.
     pub rotary: Option<(Tensor, Tensor)>,
-    /// The key mask over all S slots, stored into the cache at the end.
+    /// The key mask over all S slots, stored into the cache at the end
+    /// (and read by the CUDA decoding kernel).
     key_mask: Tensor,
-    /// The same mask on the host, for the fused decoding kernel (one new
-    /// token per row with a cache, on the CPU).
+    /// The same mask on the host, for the fused CPU decoding kernel (one
+    /// new token per row with a cache).
     decode_mask: Option<Vec<f32>>,
     /// Bias and rotary tables on the host, for the fused attention kernel
     /// (whole sequences without a cache, on the CPU).
@@ -102,9 +103,14 @@ pub fn self_attention(
     let (k, v) = match cache {
         Some(cache) => {
             let kv = cache.append(layer, &k, &v)?;
-            if let (Some(mask), true) = (&ctx.decode_mask, kernels::fused(&q)) {
-                let out = decode_attention(&q, &kv, mask, scale)?;
-                return out.transpose(1, 2)?.reshape((b, t, n_heads * d));
+            if t == 1 && kernels::decode_attention_fused()? {
+                let out = match &ctx.decode_mask {
+                    Some(mask) if kernels::fused(&q) => Some(decode_attention(&q, &kv, mask, scale)?),
+                    _ => kernels::decode_attention_cuda(&q, &kv, &ctx.key_mask, scale)?,
+                };
+                if let Some(out) = out {
+                    return out.transpose(1, 2)?.reshape((b, t, n_heads * d));
+                }
             }
             kv.whole()?
         }

@@ -1,15 +1,132 @@
-//! A fused attention kernel for one decoding step on the CPU: every query
-//! row attends over its cache slice directly (the slots it shares with
-//! other rows, then its own), with no copies of the cache, no repeated
-//! key/value heads and no per-head matmul dispatch. Sampling
-//! only: it has no backward (candle reports an error if one is asked for),
-//! and the training path never calls it.
+//! Attention of one decoding step, every query row over its cache slice
+//! read where it lies (the slots it shares with other rows, then its own),
+//! with no copies of the cache, no repeated key/value heads and no per-head
+//! matmul dispatch: a multi-threaded CPU kernel, and a CUDA kernel on a GPU.
+//! Sampling only: neither has a backward, and the training path never
+//! calls them.
 
 use candle_core::{Layout, Result, Storage, Tensor};
 use rayon::prelude::*;
 
 use super::math::{axpy, dot, exp, max, with_avx2};
 use crate::model::cache::LayerKv;
+
+/// Picks how a decoding step attends: `fused` (the default: the kernels
+/// here) or `composed` (the cache copied out whole, then the attention
+/// every forward pass uses), to compare the two.
+pub const DECODE_ATTENTION_VAR: &str = "RLOO_DECODE_ATTENTION";
+
+/// Whether the fused kernels are chosen; an unknown choice is an error.
+pub fn decode_attention_fused() -> Result<bool> {
+    match std::env::var(DECODE_ATTENTION_VAR).ok().as_deref() {
+        None | Some("" | "fused") => Ok(true),
+        Some("composed") => Ok(false),
+        Some(other) => candle_core::bail!("{DECODE_ATTENTION_VAR}={other}: expected fused or composed"),
+    }
+}
+
+/// The head sizes the CUDA kernel takes: 32 lanes of 1, 2, 4 or 8 features.
+const CUDA_HEAD_SIZES: [usize; 4] = [32, 64, 128, 256];
+
+/// [`decode_attention`] on a GPU, with the key mask (B, S) on the device;
+/// `None` where the CUDA kernel does not run (another device or dtype, or
+/// another head size), and the caller composes the attention.
+pub fn decode_attention_cuda(q: &Tensor, kv: &LayerKv, key_mask: &Tensor, scale: f64) -> Result<Option<Tensor>> {
+    let [_, _, t, d] = *q.dims() else { candle_core::bail!("decode-attention: q must be 4-d") };
+    if t != 1 || !CUDA_HEAD_SIZES.contains(&d) || !super::on_cuda(&[q, &kv.keys, &kv.values]) {
+        return Ok(None);
+    }
+    #[cfg(feature = "cuda")]
+    return cuda::run(q, kv, key_mask, scale).map(Some);
+    #[cfg(not(feature = "cuda"))]
+    {
+        let _ = (key_mask, scale);
+        Ok(None)
+    }
+}
+
+#[cfg(feature = "cuda")]
+mod cuda {
+    use candle_core::op::BackpropOp;
+    use candle_core::{CudaStorage, DType, Layout, Result, Storage, Tensor};
+
+    use super::super::cuda::{self as launch, DecodeDims};
+    use crate::model::cache::LayerKv;
+
+    /// The (row, head) strides of a (rows, heads, slots, D) view whose
+    /// slots are packed rows of D features.
+    fn strides(l: &Layout, d: usize) -> Result<(i64, i64)> {
+        match l.stride() {
+            [row, head, slot, 1] if *slot == d => Ok((*row as i64, *head as i64)),
+            other => candle_core::bail!("decode-attention: a cache view with strides {other:?} (head size {d})"),
+        }
+    }
+
+    fn on_gpu<'a>(storage: &'a Storage, layout: &'a Layout) -> Result<(&'a CudaStorage, &'a Layout)> {
+        match storage {
+            Storage::Cuda(s) => Ok((s, layout)),
+            _ => candle_core::bail!("decode-attention: an input is not on the GPU"),
+        }
+    }
+
+    pub fn run(q: &Tensor, kv: &LayerKv, key_mask: &Tensor, scale: f64) -> Result<Tensor> {
+        let q = q.contiguous()?;
+        let mask = key_mask.to_dtype(DType::F32)?.contiguous()?;
+        let (b, h, _, d) = q.dims4()?;
+        let (_, h_kv, s_own, _) = kv.keys.dims4()?;
+        let (own_row, own_head) = strides(kv.keys.layout(), d)?;
+        if strides(kv.values.layout(), d)? != (own_row, own_head) {
+            candle_core::bail!("decode-attention: keys and values are laid out differently");
+        }
+        let (shared_row, shared_head, p) = match &kv.shared {
+            Some(s) => {
+                let (row, head) = strides(s.keys.layout(), d)?;
+                if strides(s.values.layout(), d)? != (row, head) {
+                    candle_core::bail!("decode-attention: shared keys and values are laid out differently");
+                }
+                (row, head, s.keys.dim(2)?)
+            }
+            None => (0, 0, 0),
+        };
+        if mask.dims() != [b, p + s_own] {
+            candle_core::bail!("decode-attention: key mask {:?}, expected ({b}, {})", mask.dims(), p + s_own);
+        }
+        let dims = DecodeDims {
+            h: h as i32,
+            h_kv: h_kv as i32,
+            d: d as i32,
+            p: p as i32,
+            s_own: s_own as i32,
+            own_row,
+            own_head,
+            shared_row,
+            shared_head,
+            scale: scale as f32,
+        };
+        let (q_g, k_g, v_g, m_g) = (
+            q.storage_and_layout(),
+            kv.keys.storage_and_layout(),
+            kv.values.storage_and_layout(),
+            mask.storage_and_layout(),
+        );
+        let shared_g = kv
+            .shared
+            .as_ref()
+            .map(|s| (s.keys.storage_and_layout(), s.values.storage_and_layout(), s.device_rows.storage_and_layout()));
+        let shared = match &shared_g {
+            Some((k, v, rows)) => Some((on_gpu(&k.0, k.1)?, on_gpu(&v.0, v.1)?, on_gpu(&rows.0, rows.1)?)),
+            None => None,
+        };
+        let out = launch::decode_attention(
+            on_gpu(&q_g.0, q_g.1)?,
+            (on_gpu(&k_g.0, k_g.1)?, on_gpu(&v_g.0, v_g.1)?),
+            shared,
+            on_gpu(&m_g.0, m_g.1)?,
+            dims,
+        )?;
+        Ok(Tensor::from_storage(Storage::Cuda(out), (b, h, 1, d), BackpropOp::none(), false))
+    }
+}
 
 /// q: (B, H, 1, D); `kv`: the layer's cache, read in place whatever its
 /// strides; `key_mask`: (B, S) over all its slots, shared ones first.
@@ -324,12 +441,13 @@ mod tests {
         let shared_k = Tensor::randn(0f32, 1.0, (2, h_kv, p, d), &dev).unwrap();
         let shared_v = Tensor::randn(0f32, 1.0, (2, h_kv, p, d), &dev).unwrap();
         let rows = [1u32, 0, 1];
+        let device_rows = Tensor::new(&rows, &dev).unwrap();
         let k_buf = Tensor::randn(0f32, 1.0, (b, h_kv, cap, d), &dev).unwrap();
         let v_buf = Tensor::randn(0f32, 1.0, (b, h_kv, cap, d), &dev).unwrap();
         let kv = LayerKv {
             keys: k_buf.narrow(2, 0, s_own).unwrap(),
             values: v_buf.narrow(2, 0, s_own).unwrap(),
-            shared: Some(SharedKv { keys: &shared_k, values: &shared_v, rows: &rows }),
+            shared: Some(SharedKv { keys: &shared_k, values: &shared_v, rows: &rows, device_rows: &device_rows }),
         };
         // Row 1's prompt is left-padded by three; row 2's newest slot is padding.
         let s = p + s_own;

@@ -445,3 +445,77 @@ pub fn attention_bwd(x: &AttnInputs, a: AttnDims, keys: bool) -> Result<CudaStor
     let name = typed(if keys { "attention_bwd_kv" } else { "attention_bwd_q" }, dtype)?;
     by_dtype!(dtype, run(&name, x, a, keys))
 }
+
+/// The sizes and strides of [`decode_attention`], as `DecodeDims` in
+/// `kernels.cu`.
+#[repr(C)]
+#[derive(Debug, Clone, Copy)]
+pub struct DecodeDims {
+    pub h: i32,
+    pub h_kv: i32,
+    pub d: i32,
+    /// Shared slots in front of each row's own (0 when none).
+    pub p: i32,
+    pub s_own: i32,
+    pub own_row: i64,
+    pub own_head: i64,
+    pub shared_row: i64,
+    pub shared_head: i64,
+    pub scale: f32,
+}
+
+// Safety: a plain C struct of numbers, passed by value.
+unsafe impl DeviceRepr for DecodeDims {}
+
+/// Threads per (row, head) block: `DECODE_WARPS` warps in `kernels.cu`.
+const DECODE_THREADS: u32 = 8 * 32;
+
+/// A decoding step's attention (B, H, 1, D) from q, each row's own keys and
+/// values (views into the cache's buffers), the shared keys, values and
+/// each row's shared row, if any, and the key mask (B, S) f32.
+pub fn decode_attention(
+    q: In,
+    (k, v): (In, In),
+    shared: Option<(In, In, In)>,
+    mask: In,
+    a: DecodeDims,
+) -> Result<CudaStorage> {
+    fn run<T: CudaDType + DeviceRepr>(
+        name: &str,
+        q: In,
+        (k, v): (In, In),
+        shared: Option<(In, In, In)>,
+        mask: In,
+        a: DecodeDims,
+    ) -> Result<CudaStorage> {
+        let dev = q.0.device.clone();
+        let qs = view::<T>(q.0, q.1)?;
+        let (ks, vs) = (kv_view::<T>(k)?, kv_view::<T>(v)?);
+        let ms = view::<f32>(mask.0, mask.1)?;
+        let shared = match shared {
+            Some((sk, sv, rows)) => {
+                Some((view::<T>(sk.0, sk.1)?, view::<T>(sv.0, sv.1)?, view::<u32>(rows.0, rows.1)?))
+            }
+            None => None,
+        };
+        // Safety: every element is written by the kernel.
+        let mut out = unsafe { dev.alloc::<T>(qs.len()) }?;
+        let func = dev.get_or_load_custom_func(name, "rloo", PTX)?;
+        let mut args = func.builder();
+        args.arg(&qs).arg(&ks).arg(&vs);
+        match &shared {
+            Some((sk, sv, rows)) => args.arg(sk).arg(sv).arg(rows),
+            // Without shared slots (p = 0) the kernel reads none of these.
+            None => args.arg(&ks).arg(&vs).arg(&ms),
+        };
+        args.arg(&ms).arg(&mut out).arg(&a);
+        let blocks = (qs.len() / a.d as usize) as u32;
+        let cfg = LaunchConfig { grid_dim: (blocks, 1, 1), block_dim: (DECODE_THREADS, 1, 1), shared_mem_bytes: 0 };
+        // Safety: the argument list matches the kernel's signature.
+        unsafe { args.launch(cfg) }.w()?;
+        Ok(CudaStorage::wrap_cuda_slice(out, dev))
+    }
+    let dtype = q.0.dtype();
+    let name = typed(&format!("decode_attention_{}", a.d / 32), dtype)?;
+    by_dtype!(dtype, run(&name, q, (k, v), shared, mask, a))
+}
