@@ -15,9 +15,15 @@
 //! enters candle's gradient store, which would zero a buffer of that size
 //! and add it in on one thread. The entropy is a metric and carries no
 //! gradient.
+//!
+//! That is the f32 CPU kernel. On a GPU and in other dtypes the same
+//! chunks go through candle's matrix products (and, on a GPU, a kernel for
+//! the log-softmax, gather and entropy, and one for d logits); a training
+//! pass computes each chunk's logits again in its backward.
 
 use std::sync::Mutex;
 
+use candle_core::backend::BackendStorage;
 use candle_core::{CpuStorage, CustomOp2, Layout, Result, Shape, Tensor, D};
 use rayon::prelude::*;
 
@@ -45,10 +51,125 @@ pub fn token_logprobs(hidden: &Tensor, head: &Tensor, targets: &[u32], temperatu
     if !cuda && super::fused(hidden) && super::fused(head) {
         return fused(hidden, head, targets, temperature, logits_chunk_rows(head.dim(0)?));
     }
-    // Without gradients a chunk of rows at a time; a training pass keeps
-    // its logits for the backward either way, so it runs whole.
-    let rows = if hidden.track_op() || head.track_op() { n } else { logits_chunk_rows(head.dim(0)?) };
+    let rows = logits_chunk_rows(head.dim(0)?);
+    if hidden.track_op() || head.track_op() {
+        return recomputed(hidden, head, targets, temperature, rows);
+    }
     op_by_op(hidden, head, targets, temperature, rows)
+}
+
+/// Other devices and dtypes in a training pass: the forward goes `rows`
+/// rows at a time with no graph, and one op over (hidden, head) carries its
+/// values and, in the backward, computes each chunk's logits again. No pass
+/// holds more than a chunk of logits or of their gradient, at the cost of
+/// one more LM-head product.
+fn recomputed(
+    hidden: &Tensor,
+    head: &Tensor,
+    targets: &[u32],
+    temperature: f64,
+    rows: usize,
+) -> Result<(Tensor, Tensor)> {
+    let (logprobs, entropy) = op_by_op(&hidden.detach(), &head.detach(), targets, temperature, rows)?;
+    let op = Recomputed {
+        values: Tensor::stack(&[&logprobs, &entropy], 1)?,
+        targets: targets.to_vec(),
+        inv_temperature: (1.0 / temperature) as f32,
+        rows: rows.max(1),
+    };
+    // (N, 2): [log-prob, entropy] per row.
+    let out = hidden.apply_op2(head, op)?;
+    Ok((out.narrow(1, 0, 1)?.squeeze(1)?, out.narrow(1, 1, 1)?.squeeze(1)?.detach()))
+}
+
+/// The values (N, 2) f32 of a pass [`recomputed`] has made, with the
+/// backward that computes its logits again.
+struct Recomputed {
+    values: Tensor,
+    targets: Vec<u32>,
+    inv_temperature: f32,
+    rows: usize,
+}
+
+impl CustomOp2 for Recomputed {
+    fn name(&self) -> &'static str {
+        "token-logprobs-recomputed"
+    }
+
+    fn cpu_fwd(&self, _: &CpuStorage, _: &Layout, _: &CpuStorage, _: &Layout) -> Result<(CpuStorage, Shape)> {
+        let (storage, layout) = self.values.storage_and_layout();
+        match &*storage {
+            candle_core::Storage::Cpu(values) => Ok((values.try_clone(layout)?, layout.shape().clone())),
+            _ => candle_core::bail!("token-logprobs: the values are not on the CPU"),
+        }
+    }
+
+    #[cfg(feature = "cuda")]
+    fn cuda_fwd(
+        &self,
+        _: &candle_core::CudaStorage,
+        _: &Layout,
+        _: &candle_core::CudaStorage,
+        _: &Layout,
+    ) -> Result<(candle_core::CudaStorage, Shape)> {
+        let (storage, layout) = self.values.storage_and_layout();
+        match &*storage {
+            candle_core::Storage::Cuda(values) => Ok((values.try_clone(layout)?, layout.shape().clone())),
+            _ => candle_core::bail!("token-logprobs: the values are not on the GPU"),
+        }
+    }
+
+    fn bwd(
+        &self,
+        hidden: &Tensor,
+        head: &Tensor,
+        _out: &Tensor,
+        grad_out: &Tensor,
+    ) -> Result<(Option<Tensor>, Option<Tensor>)> {
+        let head_trains = head.track_op();
+        let (hidden, head) = (hidden.detach(), head.detach());
+        let n = hidden.dim(0)?;
+        let grad_out = grad_out.to_dtype(candle_core::DType::F32)?.contiguous()?;
+        let mut d_hidden = Vec::with_capacity(n.div_ceil(self.rows));
+        let mut d_head: Option<Tensor> = None;
+        for start in (0..n).step_by(self.rows) {
+            let len = self.rows.min(n - start);
+            let part = hidden.narrow(0, start, len)?;
+            let logits = ops::linear(&part, &head, None)?.to_dtype(candle_core::DType::F32)?;
+            let targets = &self.targets[start..start + len];
+            let d_logits = self.logits_grad(&logits, targets, &grad_out.narrow(0, start, len)?)?;
+            let d_logits = d_logits.to_dtype(hidden.dtype())?;
+            d_hidden.push(d_logits.matmul(&head)?);
+            if head_trains {
+                // Summed over the chunks in f32, in order.
+                let d = d_logits.t()?.matmul(&part)?.to_dtype(candle_core::DType::F32)?;
+                d_head = Some(match d_head {
+                    Some(sum) => (sum + d)?,
+                    None => d,
+                });
+            }
+        }
+        let d_head = d_head.map(|d| d.to_dtype(head.dtype())).transpose()?;
+        Ok((Some(Tensor::cat(&d_hidden, 0)?), d_head))
+    }
+}
+
+impl Recomputed {
+    /// d logits (n, V) f32 = g / T * (1[v = target] - p_v), from one chunk's
+    /// f32 logits and its rows of d out (n, 2), whose entropy column has no
+    /// gradient.
+    fn logits_grad(&self, logits: &Tensor, targets: &[u32], grad_out: &Tensor) -> Result<Tensor> {
+        if super::on_cuda(&[logits]) {
+            let op = LogitsLogprobsGrad { inv_temperature: self.inv_temperature };
+            let ids = Tensor::from_slice(targets, targets.len(), logits.device())?;
+            return logits.apply_op3_no_bwd(&ids, grad_out, &op);
+        }
+        let inv_t = self.inv_temperature as f64;
+        let probs = ops::softmax_last(&(logits * inv_t)?)?;
+        let scaled = (grad_out.narrow(1, 0, 1)? * inv_t)?;
+        let ids = Tensor::from_slice(targets, (targets.len(), 1), logits.device())?;
+        probs.broadcast_mul(&scaled)?.neg()?.scatter_add(&ids, &scaled, 1)
+    }
 }
 
 /// Other devices and dtypes: the logits op by op, `rows` rows at a time.
@@ -449,6 +570,44 @@ mod tests {
         let (lp3, ent3) = op_by_op(&hidden, &head, &targets, 0.8, 3).unwrap();
         assert_eq!(lp3.dims(), [7]);
         assert!(max_abs_diff(&lp, &lp3) < 1e-5 && max_abs_diff(&ent, &ent3) < 1e-5);
+    }
+
+    #[test]
+    fn a_training_pass_in_other_dtypes_recomputes_each_chunk_and_matches_the_kernel() {
+        let dev = Device::Cpu;
+        let (n, h, v) = (7, 12, 300);
+        let hidden = Tensor::randn(0f32, 1.0, (n, h), &dev).unwrap();
+        let head = Tensor::randn(0f32, 0.8, (v, h), &dev).unwrap();
+        let targets: Vec<u32> = (0..n as u32).map(|i| (i * 29 + 7) % v as u32).collect();
+        let w = Tensor::from_vec(vec![1.0f32, 0.0, -0.5, 2.0, 1.5, -1.0, 0.5], n, &dev).unwrap();
+        let run = |dtype: candle_core::DType, chunk_rows: Option<usize>| {
+            let on = |t: &Tensor| Var::from_tensor(&t.to_dtype(dtype).unwrap()).unwrap();
+            let (hv, wv) = (on(&hidden), on(&head));
+            let (lp, ent) = match chunk_rows {
+                Some(rows) => recomputed(hv.as_tensor(), wv.as_tensor(), &targets, 0.8, rows).unwrap(),
+                None => token_logprobs(hv.as_tensor(), wv.as_tensor(), &targets, 0.8).unwrap(),
+            };
+            let grads = lp.mul(&w).unwrap().sum_all().unwrap().backward().unwrap();
+            let f32 = |t: &Tensor| t.to_dtype(candle_core::DType::F32).unwrap();
+            (lp, ent, f32(grads.get(&hv).unwrap()), f32(grads.get(&wv).unwrap()))
+        };
+        let kernel = run(candle_core::DType::F32, None);
+        for chunk_rows in [1, 3, n] {
+            let (lp, ent, dh, dw) = run(candle_core::DType::F32, Some(chunk_rows));
+            assert!(max_abs_diff(&lp, &kernel.0) < 1e-5 && max_abs_diff(&ent, &kernel.1) < 1e-5);
+            assert!(max_abs_diff(&dh, &kernel.2) < 1e-5, "d hidden in chunks of {chunk_rows}");
+            assert!(max_abs_diff(&dw, &kernel.3) < 1e-5, "d head in chunks of {chunk_rows}");
+        }
+        // bf16 takes this path by default, to bf16's precision (relative
+        // to each reference's largest magnitude).
+        let (lp, _, dh, dw) = run(candle_core::DType::BF16, None);
+        let relative = |a: &Tensor, b: &Tensor| {
+            let a = a.to_dtype(candle_core::DType::F32).unwrap();
+            max_abs_diff(&a, b) / b.abs().unwrap().flatten_all().unwrap().max(0).unwrap().to_scalar::<f32>().unwrap()
+        };
+        assert!(relative(&lp, &kernel.0) < 3e-2, "bf16 logprobs: {}", relative(&lp, &kernel.0));
+        assert!(relative(&dh, &kernel.2) < 3e-2, "bf16 d hidden: {}", relative(&dh, &kernel.2));
+        assert!(relative(&dw, &kernel.3) < 3e-2, "bf16 d head: {}", relative(&dw, &kernel.3));
     }
 
     #[test]
