@@ -10,7 +10,7 @@
 use std::path::{Path, PathBuf};
 use std::time::Instant;
 
-use candle_core::Device;
+use candle_core::{DType, Device};
 use serde_json::json;
 
 use crate::data::jsonl::JsonlWriter;
@@ -251,7 +251,7 @@ impl HeldOut {
         let room = ContextRoom::of(&ModelConfig::from_dir(&out.join("sft"))?, options.max_new_tokens);
         let eval_prompts = DatasetSpec::named(out.join("data/eval_prompts.jsonl").display().to_string());
         let prompts = PromptDataset::from_prompt_column(&eval_prompts, &tokenizer, room)?;
-        let rewards = build(&measures, device)?;
+        let rewards = build(&measures, device, DType::F32)?;
         Ok(HeldOut { rewards, positive, prompts, tokenizer, options, device: device.clone() })
     }
 

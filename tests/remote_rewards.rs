@@ -8,7 +8,7 @@ use std::path::Path;
 use std::process::Command;
 use std::time::Duration;
 
-use candle_core::Device;
+use candle_core::{DType, Device};
 use common::stub::{Reply, Seen, Stub};
 use common::*;
 use rloo::data::Prompt;
@@ -47,7 +47,7 @@ impl Batch {
 
 fn set(spec: Value) -> RewardSet {
     let specs: Vec<RewardSpec> = serde_json::from_value(json!([spec])).unwrap();
-    build(&specs, &Device::Cpu).unwrap()
+    build(&specs, &Device::Cpu, DType::F32).unwrap()
 }
 
 fn score(set: &RewardSet, batch: &Batch) -> rloo::Result<Scores> {
@@ -174,7 +174,7 @@ fn a_refused_connection_names_the_url() {
 fn bad_http_and_judge_tables_are_explained() {
     let err = |spec: Value| {
         let specs: Vec<RewardSpec> = serde_json::from_value(json!([spec])).unwrap();
-        build(&specs, &Device::Cpu).err().unwrap().to_string()
+        build(&specs, &Device::Cpu, DType::F32).err().unwrap().to_string()
     };
     assert_eq!(
         err(json!({"type": "http", "url": "localhost:8000/score"})),

@@ -4,7 +4,7 @@
 
 mod common;
 
-use candle_core::Device;
+use candle_core::{DType, Device};
 use serde_json::{json, Map, Value};
 
 use common::*;
@@ -25,7 +25,7 @@ fn model_and_rules_combine_into_one_shaped_score() {
         {"type": "count", "name": "dots", "substring": ".", "weight": 0.0}
     ]))
     .unwrap();
-    let rewards = build(&specs, &Device::Cpu).unwrap();
+    let rewards = build(&specs, &Device::Cpu, DType::F32).unwrap();
     assert_eq!(rewards.names(), ["rm", "answer", "dots"]);
 
     let expected = expected_rows("llama-seqcls");

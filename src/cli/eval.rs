@@ -130,7 +130,7 @@ pub fn run(a: EvalArgs) -> Result<()> {
     let rewards = match (specs.is_empty(), &judge) {
         (true, None) => bail!("no reward: give --rewards FILE.toml, --reward-model DIR or --judge FILE.toml"),
         (true, Some(_)) => RewardSet::new(),
-        (false, _) => build(&specs, &device)?,
+        (false, _) => build(&specs, &device, dtype)?,
     };
     let opts = EvalOptions {
         samples_per_prompt: a.samples_per_prompt as usize,

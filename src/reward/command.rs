@@ -19,7 +19,7 @@ use std::sync::mpsc::{self, Receiver, RecvTimeoutError, Sender};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
-use candle_core::Device;
+use candle_core::{DType, Device};
 use serde::{Deserialize, Serialize};
 use serde_json::{json, Value};
 
@@ -73,7 +73,7 @@ impl RewardTable for CommandSpec {
         self.weight
     }
 
-    fn build(&self, name: String, _device: &Device) -> Result<Box<dyn RewardSource>> {
+    fn build(&self, name: String, _device: &Device, _dtype: DType) -> Result<Box<dyn RewardSource>> {
         if self.batch_size == Some(0) {
             return Err(Error::Invalid("batch_size must be at least 1".into()));
         }

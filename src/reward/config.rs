@@ -48,7 +48,7 @@
 
 use std::path::Path;
 
-use candle_core::Device;
+use candle_core::{DType, Device};
 use serde::{Deserialize, Serialize};
 
 use super::combine::RewardSet;
@@ -70,8 +70,9 @@ pub trait RewardTable {
     /// Weight in the total score.
     fn weight(&self) -> f32;
     /// Checks the options and makes the source (reward models are loaded
-    /// onto `device`); errors carry no table prefix ([`build`] adds it).
-    fn build(&self, name: String, device: &Device) -> Result<Box<dyn RewardSource>>;
+    /// onto `device`, computing in `dtype`); errors carry no table prefix
+    /// ([`build`] adds it).
+    fn build(&self, name: String, device: &Device, dtype: DType) -> Result<Box<dyn RewardSource>>;
 }
 
 /// The registry: one line per source, `type` value => variant(table).
@@ -219,9 +220,10 @@ pub fn reward_funcs(funcs: &[String], weights: Option<&[f32]>) -> Result<Vec<Rew
 }
 
 /// Validates the `[[reward]]` tables and builds the weighted sources, loading
-/// reward models onto `device`. Errors name the table (`reward #2`, counted
-/// from 1 in file order) and the option at fault.
-pub fn build(specs: &[RewardSpec], device: &Device) -> Result<RewardSet> {
+/// reward models onto `device` to compute in `dtype` (their scores are f32
+/// either way). Errors name the table (`reward #2`, counted from 1 in file
+/// order) and the option at fault.
+pub fn build(specs: &[RewardSpec], device: &Device, dtype: DType) -> Result<RewardSet> {
     if specs.is_empty() {
         return Err(Error::Invalid(format!(
             "no reward: add at least one [[reward]] table with a type ({})",
@@ -246,7 +248,7 @@ pub fn build(specs: &[RewardSpec], device: &Device) -> Result<RewardSet> {
     for (i, spec) in specs.iter().enumerate() {
         let source = spec
             .table()
-            .build(spec.name().to_string(), device)
+            .build(spec.name().to_string(), device, dtype)
             .map_err(|e| Error::Invalid(format!("reward #{} ({} `{}`): {e}", i + 1, spec.type_name(), spec.name())))?;
         set.push(source, spec.weight())?;
     }
@@ -279,7 +281,7 @@ mod tests {
 
     fn build_err(v: Value) -> String {
         let specs = parse(v).unwrap();
-        match build(&specs, &Device::Cpu) {
+        match build(&specs, &Device::Cpu, DType::F32) {
             Ok(_) => panic!("expected an error"),
             Err(e) => e.to_string(),
         }
@@ -450,7 +452,7 @@ mod tests {
             {"type": "length", "unit": "chars", "target": 4, "weight": 0.1}
         ]))
         .unwrap();
-        let set = build(&specs, &Device::Cpu).unwrap();
+        let set = build(&specs, &Device::Cpu, DType::F32).unwrap();
         assert_eq!(set.names(), ["sentiment", "shouting", "length"]);
         assert_eq!(set.weights(), [0.5, -1.0, 0.1]);
         let owned = completions(&["good!", "bad, boring"]);

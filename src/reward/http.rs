@@ -7,7 +7,7 @@
 use std::collections::BTreeMap;
 use std::time::Instant;
 
-use candle_core::Device;
+use candle_core::{DType, Device};
 use serde::{Deserialize, Serialize};
 
 use super::config::{one, RewardTable};
@@ -74,7 +74,7 @@ impl RewardTable for HttpSpec {
         self.weight
     }
 
-    fn build(&self, name: String, _device: &Device) -> Result<Box<dyn RewardSource>> {
+    fn build(&self, name: String, _device: &Device, _dtype: DType) -> Result<Box<dyn RewardSource>> {
         if self.batch_size == 0 {
             return Err(Error::Invalid("batch_size must be at least 1".into()));
         }

@@ -19,7 +19,7 @@
 use std::collections::{BTreeMap, BTreeSet};
 use std::time::Instant;
 
-use candle_core::Device;
+use candle_core::{DType, Device};
 use regex::Regex;
 use serde::{Deserialize, Serialize};
 use serde_json::{json, Map, Value};
@@ -109,7 +109,7 @@ impl RewardTable for JudgeSpec {
         self.weight
     }
 
-    fn build(&self, name: String, _device: &Device) -> Result<Box<dyn RewardSource>> {
+    fn build(&self, name: String, _device: &Device, _dtype: DType) -> Result<Box<dyn RewardSource>> {
         Ok(Box::new(JudgeSource::new(name, self.judge()?, self.pairs, self.max_failure_rate)))
     }
 }

@@ -18,7 +18,7 @@
 use std::collections::HashMap;
 use std::path::Path;
 
-use candle_core::Device;
+use candle_core::{DType, Device};
 use serde::{Deserialize, Serialize};
 use serde_json::Value;
 
@@ -60,11 +60,11 @@ impl RewardTable for ModelSpec {
         self.weight
     }
 
-    fn build(&self, name: String, device: &Device) -> Result<Box<dyn RewardSource>> {
+    fn build(&self, name: String, device: &Device, dtype: DType) -> Result<Box<dyn RewardSource>> {
         if self.batch_size == 0 {
             return Err(Error::Invalid("batch_size must be at least 1".into()));
         }
-        Ok(Box::new(RewardModel::load(name, &self.path, device, self.batch_size)?))
+        Ok(Box::new(RewardModel::load(name, &self.path, device, self.batch_size)?.computing_in(dtype)?))
     }
 }
 
@@ -95,6 +95,13 @@ impl RewardModel {
         let model = Model::load(dir, device)?;
         let tokenizer = Tokenizer::from_dir(dir)?;
         Ok(RewardModel { name: name.into(), model, tokenizer, device: device.clone(), batch_size })
+    }
+
+    /// The model computing in `dtype` (bf16: weights and activations; the
+    /// scores stay f32).
+    pub fn computing_in(mut self, dtype: DType) -> Result<Self> {
+        self.model = self.model.with_dtype(dtype, false)?;
+        Ok(self)
     }
 
     /// The directory the model was loaded from.
@@ -309,6 +316,37 @@ mod tests {
         let mut config: Map<String, Value> = serde_json::from_str(&std::fs::read_to_string(&path).unwrap()).unwrap();
         edit(&mut config);
         std::fs::write(&path, Value::Object(config).to_string()).unwrap();
+    }
+
+    #[test]
+    fn a_table_builds_a_model_computing_in_the_given_dtype() {
+        let spec = ModelSpec {
+            name: None,
+            weight: 1.0,
+            path: fixture("models/gpt_neox-seqcls").display().to_string(),
+            batch_size: 2,
+        };
+        let prompt = Prompt::Text("The movie was".into());
+        let row = Map::new();
+        let sample = Sample {
+            prompt: &prompt,
+            completion: " good.",
+            completion_ids: &[],
+            ended_with_eos: true,
+            row: &row,
+            group: 0,
+        };
+        let score = |dtype: DType| {
+            let rm = RewardModel::load("rm", &spec.path, &Device::Cpu, 2).unwrap().computing_in(dtype).unwrap();
+            assert_eq!(rm.model.dtype(), dtype);
+            let source = spec.build("rm".into(), &Device::Cpu, dtype).unwrap();
+            let built = source.score(std::slice::from_ref(&sample)).unwrap()[0].unwrap();
+            let direct = rm.score(std::slice::from_ref(&sample)).unwrap()[0].unwrap();
+            assert_eq!(built, direct, "the table's model computes in {dtype:?}");
+            direct
+        };
+        let (f32, bf16) = (score(DType::F32), score(DType::BF16));
+        assert!(f32 != bf16 && (f32 - bf16).abs() < 0.05 * f32.abs().max(1.0), "{f32} in f32, {bf16} in bf16");
     }
 
     #[test]

@@ -11,7 +11,7 @@ use std::collections::HashSet;
 use std::path::{Path, PathBuf};
 use std::sync::OnceLock;
 
-use candle_core::Device;
+use candle_core::{DType, Device};
 use regex::{Regex, RegexBuilder};
 use serde::{Deserialize, Serialize};
 use serde_json::{Map, Value};
@@ -48,7 +48,7 @@ impl RewardTable for LengthSpec {
         self.weight
     }
 
-    fn build(&self, name: String, _device: &Device) -> Result<Box<dyn RewardSource>> {
+    fn build(&self, name: String, _device: &Device, _dtype: DType) -> Result<Box<dyn RewardSource>> {
         finite("scale", self.scale)?;
         if let Some(t) = self.target {
             if !(t.is_finite() && t >= 0.0) {
@@ -88,7 +88,7 @@ impl RewardTable for CountSpec {
         self.weight
     }
 
-    fn build(&self, name: String, _device: &Device) -> Result<Box<dyn RewardSource>> {
+    fn build(&self, name: String, _device: &Device, _dtype: DType) -> Result<Box<dyn RewardSource>> {
         let needle = match (&self.pattern, &self.substring) {
             (Some(p), None) => Needle::Pattern(p.clone()),
             (None, Some(t)) => Needle::Substring(t.clone()),
@@ -140,7 +140,7 @@ impl RewardTable for LexiconSpec {
         self.weight
     }
 
-    fn build(&self, name: String, _device: &Device) -> Result<Box<dyn RewardSource>> {
+    fn build(&self, name: String, _device: &Device, _dtype: DType) -> Result<Box<dyn RewardSource>> {
         let mut positive = self.positive.clone();
         let mut negative = self.negative.clone();
         if let Some(path) = &self.positive_file {
@@ -185,7 +185,7 @@ impl RewardTable for ExactMatchSpec {
         self.weight
     }
 
-    fn build(&self, name: String, _device: &Device) -> Result<Box<dyn RewardSource>> {
+    fn build(&self, name: String, _device: &Device, _dtype: DType) -> Result<Box<dyn RewardSource>> {
         Ok(Box::new(ExactMatch::new(
             name,
             self.column.clone(),

@@ -19,6 +19,7 @@
 use std::collections::BTreeMap;
 use std::path::Path;
 
+use candle_core::DType;
 use serde::{Deserialize, Serialize};
 
 use crate::data::prompts::PromptDataset;
@@ -133,7 +134,7 @@ impl StudyEval {
         let tokenizer = Tokenizer::from_dir(run_dir)?;
         let source = DatasetSpec { take: self.take, ..DatasetSpec::named(&self.prompts).with_split(&self.split) };
         let prompts = PromptDataset::load(&source, &prompt_spec(cfg, policy.config()), &tokenizer)?;
-        let rewards = build(self.rewards(cfg), &device)?;
+        let rewards = build(self.rewards(cfg), &device, DType::F32)?;
         let opts = EvalOptions {
             samples_per_prompt: self.samples_per_prompt,
             max_new_tokens: self.max_new_tokens.unwrap_or(cfg.generation.response_length),

@@ -85,7 +85,7 @@ impl Run {
         check_lengths(cfg, policy.config())?;
         let algorithm =
             algorithm::start(&Start { cfg, policy_dir: &policy_dir, policy: policy.config(), device: &device })?;
-        let rewards = reward::build(&cfg.reward, &device)?;
+        let rewards = reward::build(&cfg.reward, &device, dtype)?;
         let shaping = cfg.rloo.shaping();
 
         let source = DatasetSpec {
