@@ -616,3 +616,22 @@ fn the_decode_attention_variable_is_obeyed_and_checked() {
     let e = err(generate("flash", "c.jsonl").0);
     assert!(e.contains("RLOO_DECODE_ATTENTION=flash: expected fused or composed"), "{e}");
 }
+
+#[test]
+fn the_gpu_pool_variable_is_checked_on_every_device() {
+    let tmp = tempfile::tempdir().unwrap();
+    let prompts = prompts(tmp.path());
+    let generate = |choice: &str| {
+        let out = tmp.path().join("out.jsonl");
+        let args = ["generate", "--model", &policy(), "--prompts", &prompts, "--output", out.to_str().unwrap()];
+        Command::new(env!("CARGO_BIN_EXE_rloo"))
+            .env("RLOO_CUDA_POOL", choice)
+            .args([&args[..], &["--max-new-tokens", "2"]].concat())
+            .output()
+            .unwrap()
+    };
+    ok(generate("keep"));
+    ok(generate("release"));
+    let e = err(generate("hoard"));
+    assert!(e.contains("RLOO_CUDA_POOL=hoard: expected keep or release"), "{e}");
+}
