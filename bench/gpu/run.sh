@@ -15,6 +15,9 @@
 #             mini-batch, per ARMS
 #   nccl      one RLOO run on the GPU through every collective of a job
 #             (RLOO_DIST_BACKEND=nccl, one rank) beside the same run alone
+#   profile   the kernels of a short generation (16 new tokens) and of one
+#             short RLOO step at the first of SIZES, by total time, from
+#             Nsight Compute (bench/gpu/kernels.py); not in the default parts
 #
 # Env: OUT         results and logs (default $OUT, else /tmp/rloo-gpu-bench)
 #      SIZES       generation models: 410m 1b (default both)
@@ -152,6 +155,34 @@ if part nccl && [[ $DEVICE == cuda ]]; then
     RLOO_DIST_BACKEND=nccl RUST_LOG=info "${rloo[@]}" launch --nproc_per_node 1 --timeout 120 -- \
         train "${steps[@]}" --set train.output_dir="\"$OUT/nccl-job\"" >"$OUT/nccl-job.log" 2>&1 ||
         tail -5 "$OUT/nccl-job.log"
+fi
+
+if part profile && [[ $DEVICE == cuda ]]; then
+    size=${SIZES%% *}
+    ncu=$(command -v ncu || ls /opt/nvidia/nsight-compute/*/ncu 2>/dev/null | tail -1)
+    if [[ -z $ncu ]]; then
+        log "profile: no ncu on this machine"
+    elif models "$size"; then
+        dir=$MODELS/$size
+        head -16 "$dir/prompts.jsonl" >"$OUT/profile-prompts.jsonl"
+        profiled() { # NAME COMMAND...: the kernels of one run, by total time
+            local name=$1
+            shift
+            log "profile: $name"
+            timeout "$LIMIT" "$ncu" --target-processes all --csv --page raw --metrics gpu__time_duration.sum \
+                "$@" >"$OUT/profile-$name.csv" 2>"$OUT/profile-$name.log" || tail -5 "$OUT/profile-$name.log"
+            "$PY" bench/gpu/kernels.py "$OUT/profile-$name.csv" >"$OUT/profile-$name.txt" && cat "$OUT/profile-$name.txt"
+        }
+        profiled generate "${rloo_cmd[@]}" generate --device cuda --bf16 --model "$dir/policy" \
+            --prompts "$OUT/profile-prompts.jsonl" --output "$OUT/profile-generate.jsonl" --num-return-sequences $K \
+            --max-new-tokens 16 --temperature 1.0 --batch-size $((16 * K)) --ignore-eos --seed 1
+        run=$OUT/profile-train
+        sed -e "s|@MODELS@|$dir|" -e "s|@DEVICE@|cuda|" -e "s|@OUT@|$run|" -e "s|@MICRO@|$((16 * K))|" \
+            -e "s|@ACCUMULATION@|1|" -e "s|@EPISODES@|$((16 * K))|" -e "s|@CHECKPOINTING@|false|" \
+            -e "s|^path = \"$dir/prompts.jsonl\"|path = \"$OUT/profile-prompts.jsonl\"|" \
+            -e "s|^response_length = .*|response_length = 32|" bench/gpu/rloo.toml.in >"$run.toml"
+        profiled train "${rloo_cmd[@]}" train "$run.toml"
+    fi
 fi
 
 MODELS=$MODELS "$PY" bench/gpu/report.py "$OUT" | tee "$OUT/table.txt"
