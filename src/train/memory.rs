@@ -86,17 +86,17 @@ pub fn peak_rss_bytes() -> Option<u64> {
     ok.then(|| usage.ru_maxrss as u64 * 1024)
 }
 
-/// GPU memory in use on `device` (by every process, the CUDA context
-/// included), in bytes; None on the CPU.
+/// GPU memory tensors hold on `device` once the queued work is done, in
+/// bytes (what PyTorch's `memory_allocated` counts: not the memory the
+/// allocation pool keeps for later, nor the CUDA context's); None on the CPU.
 pub fn device_used_bytes(device: &candle_core::Device) -> Option<u64> {
+    device.synchronize().ok()?;
     #[cfg(feature = "cuda")]
-    if let candle_core::Device::Cuda(dev) = device {
-        // After the queued work, freed buffers are back with the driver.
-        device.synchronize().ok()?;
-        let (free, total) = dev.cuda_stream().context().mem_get_info().ok()?;
-        return Some(total.saturating_sub(free) as u64);
-    }
-    let _ = device;
+    return pool_reading(
+        device,
+        candle_core::cuda_backend::cudarc::driver::sys::CUmemPool_attribute::CU_MEMPOOL_ATTR_USED_MEM_CURRENT,
+    );
+    #[cfg(not(feature = "cuda"))]
     None
 }
 
@@ -105,26 +105,37 @@ pub fn device_used_bytes(device: &candle_core::Device) -> Option<u64> {
 /// every tensor comes from): what PyTorch's `max_memory_allocated` counts.
 pub fn device_peak_bytes(device: &candle_core::Device) -> Option<u64> {
     #[cfg(feature = "cuda")]
-    if let candle_core::Device::Cuda(dev) = device {
-        use candle_core::cuda_backend::cudarc::driver::sys;
-        let ctx = dev.cuda_stream().context().clone();
-        ctx.bind_to_thread().ok()?;
-        let mut pool: sys::CUmemoryPool = std::ptr::null_mut();
-        let mut high: u64 = 0;
-        // Safety: the out-pointers are locals of the types the driver writes;
-        // the device is the bound context's.
-        let ok = unsafe {
-            sys::cuDeviceGetDefaultMemPool(&mut pool, ctx.cu_device()) == sys::CUresult::CUDA_SUCCESS
-                && sys::cuMemPoolGetAttribute(
-                    pool,
-                    sys::CUmemPool_attribute::CU_MEMPOOL_ATTR_USED_MEM_HIGH,
-                    (&mut high as *mut u64).cast(),
-                ) == sys::CUresult::CUDA_SUCCESS
-        };
-        return ok.then_some(high);
+    return pool_reading(
+        device,
+        candle_core::cuda_backend::cudarc::driver::sys::CUmemPool_attribute::CU_MEMPOOL_ATTR_USED_MEM_HIGH,
+    );
+    #[cfg(not(feature = "cuda"))]
+    {
+        let _ = device;
+        None
     }
-    let _ = device;
-    None
+}
+
+/// A byte count of the device's default allocation pool; None off a GPU.
+#[cfg(feature = "cuda")]
+fn pool_reading(
+    device: &candle_core::Device,
+    attribute: candle_core::cuda_backend::cudarc::driver::sys::CUmemPool_attribute,
+) -> Option<u64> {
+    use candle_core::cuda_backend::cudarc::driver::sys;
+    let candle_core::Device::Cuda(dev) = device else { return None };
+    let ctx = dev.cuda_stream().context().clone();
+    ctx.bind_to_thread().ok()?;
+    let mut pool: sys::CUmemoryPool = std::ptr::null_mut();
+    let mut bytes: u64 = 0;
+    // Safety: the out-pointers are locals of the types the driver writes;
+    // the device is the bound context's.
+    let ok = unsafe {
+        sys::cuDeviceGetDefaultMemPool(&mut pool, ctx.cu_device()) == sys::CUresult::CUDA_SUCCESS
+            && sys::cuMemPoolGetAttribute(pool, attribute, (&mut bytes as *mut u64).cast())
+                == sys::CUresult::CUDA_SUCCESS
+    };
+    ok.then_some(bytes)
 }
 
 /// GPU memory in use at the end of each step (the first, the last and the
