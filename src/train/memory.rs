@@ -1,7 +1,10 @@
 //! A start-up estimate of a run's peak memory, so that a batch that cannot
 //! fit is reported before the machine starts swapping or kills the run.
-//! Sizes are upper bounds in f32 bytes: every row as long as the longest
-//! prompt plus a full completion.
+//! Sizes are upper bounds: every row as long as the longest prompt plus a
+//! full completion, in the compute dtype's bytes (optimizer state,
+//! gradients and logits in f32).
+
+use candle_core::DType;
 
 use super::config::{BatchSizes, TrainConfig};
 use crate::model::ModelConfig;
@@ -41,8 +44,10 @@ pub fn rloo_estimate(
     longest_prompt: usize,
     reference: bool,
     critic_params: usize,
+    dtype: DType,
 ) -> Estimate {
     let (params, trainable) = (params as u64, trainable as u64);
+    let compute = dtype.size_in_bytes() as u64;
     let critic = critic_params as u64;
     let (h, layers, vocab) = (model.hidden_size() as u64, model.num_layers() as u64, model.vocab_size() as u64);
     let tokens = (longest_prompt + cfg.generation.response_length) as u64;
@@ -54,19 +59,21 @@ pub fn rloo_estimate(
     // With gradient checkpointing a forward keeps one hidden state per layer,
     // and the backward one layer's activations at a time.
     let saved = match cfg.train.gradient_checkpointing {
-        true => micro * tokens * (layers + SAVED_PER_LAYER) * h * F32,
-        false => micro * tokens * layers * SAVED_PER_LAYER * h * F32,
+        true => micro * tokens * (layers + SAVED_PER_LAYER) * h * compute,
+        false => micro * tokens * layers * SAVED_PER_LAYER * h * compute,
     };
+    // In bf16 the trained parameters keep f32 masters beside the copies the networks compute with.
+    let masters = if compute < F32 { trainable * F32 } else { 0 };
     Estimate {
         parts: vec![
-            ("weights", params * F32),
+            ("weights", params * compute + masters),
             // LoRA: only the adapters have gradients and optimizer state.
             ("gradients", trainable * F32),
             ("optimizer state", 2 * trainable * F32),
-            ("reference", if reference { params * F32 } else { 0 }),
+            ("reference", if reference { params * compute } else { 0 }),
             // PPO's critic: weights, gradients and optimizer state, and its activations.
             ("critic", 4 * critic * F32 + if critic > 0 { saved } else { 0 }),
-            ("KV cache", chunk * tokens * layers * 2 * h * F32),
+            ("KV cache", chunk * tokens * layers * 2 * h * compute),
             ("activations", saved),
             // Over completion tokens, a chunk of rows at a time: a training
             // micro-batch's (kept when they fit one chunk) and their
@@ -139,25 +146,28 @@ fn pool_reading(
 }
 
 /// GPU memory in use at the end of each step (the first, the last and the
-/// largest reading, to show whether a run grows), and the peak allocated.
+/// largest reading, to show whether a run grows), the peak allocated and
+/// the start-up plan.
 #[derive(Debug, Clone, Copy)]
 pub struct DeviceMemory {
     pub first: u64,
     pub last: u64,
     pub max: u64,
     pub peak_allocated: Option<u64>,
+    pub planned: Option<u64>,
 }
 
 impl DeviceMemory {
     pub fn add(seen: Option<Self>, used: u64) -> Self {
         match seen {
-            None => Self { first: used, last: used, max: used, peak_allocated: None },
+            None => Self { first: used, last: used, max: used, peak_allocated: None, planned: None },
             Some(m) => Self { last: used, max: m.max.max(used), ..m },
         }
     }
 
     pub fn describe(&self) -> String {
-        let peak = self.peak_allocated.map_or(String::new(), |p| format!("; peak allocated {}", gib(p)));
+        let plan = self.planned.map_or(String::new(), |p| format!(" (planned at start-up: {})", gib(p)));
+        let peak = self.peak_allocated.map_or(String::new(), |p| format!("; peak allocated {}{plan}", gib(p)));
         format!(
             "GPU memory in use {} after the first step, {} after the last (at most {}){peak}",
             gib(self.first),
@@ -192,4 +202,31 @@ fn available_bytes() -> Option<u64> {
 /// Bytes as GiB.
 pub fn gib(bytes: u64) -> String {
     format!("{:.2} GiB", bytes as f64 / (1u64 << 30) as f64)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use std::path::Path;
+
+    #[test]
+    fn bf16_halves_what_the_networks_hold_and_keeps_f32_masters() {
+        let root = Path::new(env!("CARGO_MANIFEST_DIR"));
+        let cfg = TrainConfig::default();
+        let sizes = BatchSizes::for_world(&cfg, Some(64), 1).unwrap();
+        let model = ModelConfig::from_dir(&root.join("tests/fixtures/models/gpt_neox-causal")).unwrap();
+        let plan = |dtype: DType| {
+            let estimate = rloo_estimate(&cfg, &sizes, &model, 1000, 400, 20, true, 0, dtype);
+            move |part: &str| estimate.parts.iter().find(|(name, _)| *name == part).unwrap().1
+        };
+        let (f32, bf16) = (plan(DType::F32), plan(DType::BF16));
+        assert_eq!((f32("weights"), bf16("weights")), (4000, 2000 + 1600));
+        assert_eq!((f32("reference"), bf16("reference")), (4000, 2000));
+        for halved in ["KV cache", "activations"] {
+            assert_eq!(f32(halved), 2 * bf16(halved), "{halved}");
+        }
+        for same in ["gradients", "optimizer state", "logits"] {
+            assert_eq!(f32(same), bf16(same), "{same}");
+        }
+    }
 }

@@ -75,7 +75,7 @@ struct Run {
     dataset: PromptDataset,
     generation: GenerateOptions,
     warmup: usize,
-    /// The start-up estimate of the peak memory, in bytes (CPU runs).
+    /// The start-up estimate of the peak memory, in bytes.
     memory_plan: Option<u64>,
     /// The job's processes (one, unless launched data-parallel).
     comm: Arc<dyn Communicator>,
@@ -240,9 +240,14 @@ pub fn train(cfg: &TrainConfig) -> Result<RunSummary> {
         run_started.elapsed().as_secs_f64(),
         output_dir.display()
     );
-    let memory = (run.memory_plan, super::memory::peak_rss_bytes());
-    let device_memory = device_memory
-        .map(|m| super::memory::DeviceMemory { peak_allocated: super::memory::device_peak_bytes(&run.device), ..m });
+    // The plan is of the device's memory: the host's on the CPU, the GPU's on a GPU.
+    let on_cpu = run.device.is_cpu();
+    let memory = (run.memory_plan.filter(|_| on_cpu), super::memory::peak_rss_bytes());
+    let device_memory = device_memory.map(|m| super::memory::DeviceMemory {
+        peak_allocated: super::memory::device_peak_bytes(&run.device),
+        planned: run.memory_plan,
+        ..m
+    });
     let world = run.comm.world();
     Ok(RunSummary {
         steps: state.step,

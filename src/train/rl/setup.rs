@@ -111,7 +111,7 @@ impl Run {
             tracing::info!("in TRL 1.x's terms: {}", sizes.describe_trl_1x());
         }
 
-        let memory_plan = if device.is_cpu() {
+        let memory_plan = {
             let longest = dataset.rows.iter().map(|r| r.ids.len()).max().unwrap_or(0);
             let params = policy.params().numel();
             let trainable = policy.params().trainable_numel();
@@ -125,11 +125,13 @@ impl Run {
                 longest,
                 matches!(reference, Some(Reference::Model(_))),
                 critic_params,
+                dtype,
             );
-            memory::warn_if_short(&estimate);
+            match device.is_cpu() {
+                true => memory::warn_if_short(&estimate),
+                false => tracing::info!("GPU memory plan: {}", estimate.describe()),
+            }
             Some(estimate.total())
-        } else {
-            None
         };
         let generation = generation_options(cfg, &policy_dir, &tokenizer, &policy)?;
         let warmup = warmup_steps(cfg.train.warmup_steps, cfg.train.warmup_ratio, sizes.optimizer_steps);
