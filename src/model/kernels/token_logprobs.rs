@@ -230,10 +230,11 @@ fn composed(logits: &Tensor, targets: &[u32], temperature: f64) -> Result<(Tenso
 }
 
 /// On the GPU, from f32 logits (N, V) and target ids (N,): (N, 2) [log-prob,
-/// entropy] in one pass per row, and d logits in one more; the (N, V)
-/// log-softmax of the composition is never stored.
+/// entropy] in one pass per row, the (N, V) log-softmax of the composition
+/// never stored. Without a backward: [`Recomputed`] has it.
 #[derive(Clone)]
 struct LogitsLogprobs {
+    #[cfg_attr(not(feature = "cuda"), allow(dead_code))]
     inv_temperature: f32,
 }
 
@@ -257,20 +258,9 @@ impl CustomOp2 for LogitsLogprobs {
         let out = super::cuda::token_logprobs((logits, logits_l), (targets, targets_l), self.inv_temperature)?;
         Ok((out, Shape::from((targets_l.shape().elem_count(), 2))))
     }
-
-    fn bwd(
-        &self,
-        logits: &Tensor,
-        targets: &Tensor,
-        _out: &Tensor,
-        grad: &Tensor,
-    ) -> Result<(Option<Tensor>, Option<Tensor>)> {
-        let op = LogitsLogprobsGrad { inv_temperature: self.inv_temperature };
-        Ok((Some(logits.apply_op3_no_bwd(targets, &grad.contiguous()?, &op)?), None))
-    }
 }
 
-/// (logits, targets, d out) -> d logits.
+/// (logits, targets, d out (N, 2)) -> d logits, on the GPU.
 struct LogitsLogprobsGrad {
     #[cfg_attr(not(feature = "cuda"), allow(dead_code))]
     inv_temperature: f32,
