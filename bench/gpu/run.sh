@@ -4,7 +4,7 @@
 # (bench/gpu/wheels.sh: bench/.cache/wheels) carried there. Prints a short
 # table last (bench/gpu/report.py); logs and results stay in OUT.
 #
-#   bench/gpu/run.sh [PART...]   PART: peaks generate train nccl (default: all)
+#   bench/gpu/run.sh [PART...]   PART: peaks generate train nccl profile (default: the first four)
 #
 #   peaks     bf16 matrix product rate and copy bandwidth (bench/gpu/peaks.py)
 #   generate  rloo generate --device cuda --bf16 (with each of DECODERS)
