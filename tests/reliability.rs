@@ -618,20 +618,28 @@ fn the_decode_attention_variable_is_obeyed_and_checked() {
 }
 
 #[test]
-fn the_gpu_pool_variable_is_checked_on_every_device() {
+fn the_gpu_variables_are_checked_on_every_device() {
     let tmp = tempfile::tempdir().unwrap();
     let prompts = prompts(tmp.path());
-    let generate = |choice: &str| {
+    let generate = |var: &str, choice: &str| {
         let out = tmp.path().join("out.jsonl");
         let args = ["generate", "--model", &policy(), "--prompts", &prompts, "--output", out.to_str().unwrap()];
         Command::new(env!("CARGO_BIN_EXE_rloo"))
-            .env("RLOO_CUDA_POOL", choice)
+            .env(var, choice)
             .args([&args[..], &["--max-new-tokens", "2"]].concat())
             .output()
             .unwrap()
     };
-    ok(generate("keep"));
-    ok(generate("release"));
-    let e = err(generate("hoard"));
+    ok(generate("RLOO_CUDA_POOL", "keep"));
+    ok(generate("RLOO_CUDA_POOL", "release"));
+    let e = err(generate("RLOO_CUDA_POOL", "hoard"));
     assert!(e.contains("RLOO_CUDA_POOL=hoard: expected keep or release"), "{e}");
+    ok(generate("RLOO_CUDA_EVENTS", "off"));
+    ok(generate("RLOO_CUDA_EVENTS", "on"));
+    let e = err(generate("RLOO_CUDA_EVENTS", "sometimes"));
+    assert!(e.contains("RLOO_CUDA_EVENTS=sometimes: expected off or on"), "{e}");
+    ok(generate("RLOO_ATTENTION", "rows"));
+    ok(generate("RLOO_ATTENTION", "tensor"));
+    let e = err(generate("RLOO_ATTENTION", "flash"));
+    assert!(e.contains("RLOO_ATTENTION=flash: expected rows or tensor"), "{e}");
 }

@@ -16,8 +16,9 @@
 #   nccl      one RLOO run on the GPU through every collective of a job
 #             (RLOO_DIST_BACKEND=nccl, one rank) beside the same run alone
 #   profile   the kernels of a short generation (16 new tokens) and of one
-#             short RLOO step at the first of SIZES, by total time, from
-#             Nsight Compute (bench/gpu/kernels.py); not in the default parts
+#             short RLOO step at the first of SIZES, by total time, with the
+#             host's CUDA calls, from Nsight Systems (else Nsight Compute,
+#             bench/gpu/kernels.py); not in the default parts
 #
 # Env: OUT         results and logs (default $OUT, else /tmp/rloo-gpu-bench)
 #      SIZES       generation models: 410m 1b (default both)
@@ -26,6 +27,8 @@
 #      DECODERS    rloo's decoding variants, SAMPLER+ATTENTION: how tokens are picked
 #                  (RLOO_SAMPLER: race, host) and how a step attends over the cache
 #                  (RLOO_DECODE_ATTENTION: fused, composed); default race+fused host+composed
+#      ATTENTION   rloo's attention kernels for whole sequences in the training
+#                  runs (RLOO_ATTENTION: rows, tensor); default rows tensor
 #      RUNS        generation runs of each side (default 3)
 #      TRAIN_RUNS  training runs of each side per arm (default 2)
 #      STEPS       optimizer steps per training run, the first not counted (default 4)
@@ -42,6 +45,7 @@ ROOT=$PWD
 OUT=${OUT:-/tmp/rloo-gpu-bench}
 SIZES=${SIZES:-410m 1b}
 DECODERS=${DECODERS:-race+fused host+composed}
+ATTENTION=${ATTENTION:-rows tensor}
 ARMS=${ARMS:-410m-full 1b-full 1b-lora}
 RUNS=${RUNS:-3}
 TRAIN_RUNS=${TRAIN_RUNS:-2}
@@ -131,15 +135,19 @@ if part train; then
                     --prompts-per-step $PROMPTS --k $K --max-new-tokens $NEW --micro-batch "$MICRO" "${trl_arm[@]}" \
                     >"$OUT/train-$arm-trl-$i.log" 2>&1 || tail -5 "$OUT/train-$arm-trl-$i.log"
             fi
-            log "train $arm run $i: rloo"
-            run=$OUT/train-$arm-rloo-$i
-            sed -e "s|@MODELS@|$dir|" -e "s|@DEVICE@|$DEVICE|" -e "s|@OUT@|$run|" -e "s|@MICRO@|$MICRO|" \
-                -e "s|@ACCUMULATION@|$((COMPLETIONS_PER_STEP / MICRO))|" \
-                -e "s|@EPISODES@|$((STEPS * COMPLETIONS_PER_STEP))|" -e "s|@CHECKPOINTING@|$checkpointing|" \
-                bench/gpu/rloo.toml.in >"$run.toml"
-            printf '\n%s\n' "$lora" >>"$run.toml"
-            RLOO_OUT=$run "$PY" bench/train/measure.py rloo "$run.json" -- \
-                timeout "$LIMIT" "${rloo_cmd[@]}" train "$run.toml" >"$run.log" 2>&1 || tail -5 "$run.log"
+            for kernels in $ATTENTION; do
+                log "train $arm run $i: rloo, $kernels attention"
+                run=$OUT/train-$arm-rloo_$kernels-$i
+                sed -e "s|@MODELS@|$dir|" -e "s|@DEVICE@|$DEVICE|" -e "s|@OUT@|$run|" -e "s|@MICRO@|$MICRO|" \
+                    -e "s|@ACCUMULATION@|$((COMPLETIONS_PER_STEP / MICRO))|" \
+                    -e "s|@EPISODES@|$((STEPS * COMPLETIONS_PER_STEP))|" -e "s|@CHECKPOINTING@|$checkpointing|" \
+                    bench/gpu/rloo.toml.in >"$run.toml"
+                printf '\n%s\n' "$lora" >>"$run.toml"
+                RLOO_ATTENTION=$kernels RLOO_OUT=$run "$PY" bench/train/measure.py rloo "$run.json" -- \
+                    timeout "$LIMIT" "${rloo_cmd[@]}" train "$run.toml" >"$run.log" 2>&1 || tail -5 "$run.log"
+                # The trained model is of no further use, and would travel back with OUT.
+                rm -rf "$run"/*.safetensors "$run"/checkpoint-*
+            done
         done
     done
 fi
@@ -159,19 +167,29 @@ fi
 
 if part profile && [[ $DEVICE == cuda ]]; then
     size=${SIZES%% *}
-    ncu=$(command -v ncu || ls /opt/nvidia/nsight-compute/*/ncu 2>/dev/null | tail -1)
-    if [[ -z $ncu ]]; then
-        log "profile: no ncu on this machine"
+    nsys=$(command -v nsys || ls /opt/nvidia/nsight-systems/*/bin/nsys /usr/local/cuda/bin/nsys 2>/dev/null | tail -1)
+    ncu=$(command -v ncu || ls /opt/nvidia/nsight-compute/*/ncu /usr/local/cuda/bin/ncu 2>/dev/null | tail -1)
+    if [[ -z $nsys && -z $ncu ]]; then
+        log "profile: neither nsys nor ncu on this machine"
     elif models "$size"; then
         dir=$MODELS/$size
         head -16 "$dir/prompts.jsonl" >"$OUT/profile-prompts.jsonl"
-        profiled() { # NAME COMMAND...: the kernels of one run, by total time
+        profiled() { # NAME COMMAND...: the kernels of one run by total time, and the host's CUDA calls
             local name=$1
             shift
             log "profile: $name"
-            timeout "$LIMIT" "$ncu" --target-processes all --csv --page raw --metrics gpu__time_duration.sum \
-                "$@" >"$OUT/profile-$name.csv" 2>"$OUT/profile-$name.log" || tail -5 "$OUT/profile-$name.log"
-            "$PY" bench/gpu/kernels.py "$OUT/profile-$name.csv" >"$OUT/profile-$name.txt" && cat "$OUT/profile-$name.txt"
+            if [[ -n $nsys ]]; then
+                # Nsight Systems: kernels and driver calls as they ran, without replay.
+                timeout "$LIMIT" "$nsys" profile --trace cuda --sample none --cpuctxsw none --force-overwrite true \
+                    -o "/tmp/profile-$name" "$@" >"$OUT/profile-$name.log" 2>&1 || tail -5 "$OUT/profile-$name.log"
+                "$nsys" stats --report cuda_gpu_kern_sum --report cuda_api_sum --format table \
+                    "/tmp/profile-$name.nsys-rep" 2>&1 | cut -c1-180 >"$OUT/profile-$name.txt"
+                grep -A28 -m2 -E "cuda_gpu_kern_sum|cuda_api_sum" "$OUT/profile-$name.txt"
+            else
+                timeout "$LIMIT" "$ncu" --target-processes all --csv --page raw --metrics gpu__time_duration.sum \
+                    "$@" >"$OUT/profile-$name.csv" 2>"$OUT/profile-$name.log" || tail -5 "$OUT/profile-$name.log"
+                "$PY" bench/gpu/kernels.py "$OUT/profile-$name.csv" >"$OUT/profile-$name.txt" && cat "$OUT/profile-$name.txt"
+            fi
         }
         profiled generate "${rloo_cmd[@]}" generate --device cuda --bf16 --model "$dir/policy" \
             --prompts "$OUT/profile-prompts.jsonl" --output "$OUT/profile-generate.jsonl" --num-return-sequences $K \

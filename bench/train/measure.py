@@ -21,11 +21,12 @@ import sys
 
 def rloo_steps(out_dir):
     rows = [json.loads(l) for l in open(os.path.join(out_dir, "metrics.jsonl")) if l.strip()]
-    keys = ["generation", "scoring", "reference", "scoring_and_reference", "training"]
+    keys = ["generation", "scoring", "reference", "scoring_and_reference", "training",
+            "training_forward", "training_backward", "training_update"]
     return (
         [r["time/step"] for r in rows],
         sum(r["completions/mean_length"] for r in rows) / len(rows),
-        {k: sum(r[f"time/{k}"] for r in rows[1:]) / max(len(rows) - 1, 1) for k in keys},
+        {k: sum(r.get(f"time/{k}", 0.0) for r in rows[1:]) / max(len(rows) - 1, 1) for k in keys},
     )
 
 

@@ -156,6 +156,14 @@ pub fn check_kernels(device: &Device, dtypes: &[DType]) -> Vec<Check> {
             Ok(checks) => out.extend(checks),
             Err(e) => out.push(Check::failed("kernel", "attention", dtype, e)),
         }
+        // The tensor-core kernels run in bf16 on a GPU only: nothing to compare elsewhere.
+        if device.is_cuda() && dtype == DType::BF16 {
+            for d in [64, 128, 256] {
+                out.push(tensor_attention_check(device, d, rng).unwrap_or_else(|e| {
+                    Check::failed("kernel", &format!("attention on tensor cores, head size {d}"), dtype, e)
+                }));
+            }
+        }
         for d in [64, 128] {
             out.push(
                 decode_attention_check(device, dtype, d, rng)
@@ -336,6 +344,34 @@ fn attention_checks(device: &Device, dtype: DType, rng: &mut Rng) -> Result<Vec<
         rng,
     );
     Ok(vec![rotary, attention])
+}
+
+/// The tensor-core attention kernels at head size `d` against the CPU's
+/// composition, value and gradients: grouped-query heads, a right-padded
+/// row, and 70 queries and keys, so the last tiles are cut short.
+fn tensor_attention_check(device: &Device, d: usize, rng: &mut Rng) -> Result<Check> {
+    let (b, t, h, h_kv) = (2, 70, 4, 2);
+    let rows = [(1..=70).collect::<Vec<u32>>(), (1..=41).collect()];
+    let bias_on = |dev: &Device| -> Result<Tensor> {
+        let inputs = Inputs::from_rows(&rows, 0, PadSide::Right, dev)?;
+        Ok(attention_bias(&inputs, None)?.0)
+    };
+    let (host, on_device) = (bias_on(&Device::Cpu)?, bias_on(device)?);
+    let scale = 1.0 / (d as f64).sqrt();
+    let inputs = [
+        randn(rng, &[b, h, t, d], 0.0, 1.0),
+        randn(rng, &[b, h_kv, t, d], 0.0, 1.0),
+        randn(rng, &[b, h_kv, t, d], 0.0, 1.0),
+    ];
+    Ok(compare(
+        &format!("attention on tensor cores, head size {d}"),
+        &inputs,
+        &|x| kernels::sdpa(&x[0], &x[1], &x[2], &host, scale),
+        &|x| kernels::sdpa_with(&x[0], &x[1], &x[2], &on_device, scale, kernels::AttentionKernels::Tensor),
+        device,
+        DType::BF16,
+        rng,
+    ))
 }
 
 /// One decoding step's attention over a cache whose rows continue shared

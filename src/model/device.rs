@@ -22,12 +22,44 @@ pub fn parse_device(name: &str) -> Result<Device> {
         },
     };
     let keep = keep_freed_memory()?;
+    let events = buffer_events()?;
+    // Read where a GPU attends over whole sequences: refused here on every device.
+    crate::model::kernels::attention_kernels().map_err(|e| Error::Invalid(e.to_string()))?;
     #[cfg(feature = "cuda")]
-    if let (Device::Cuda(dev), true) = (&device, keep) {
-        pool_keeps_freed_memory(dev).map_err(|e| Error::Invalid(format!("--device {name}: {e}")))?;
+    if let Device::Cuda(dev) = &device {
+        let gpu = |e: String| Error::Invalid(format!("--device {name}: {e}"));
+        if keep {
+            pool_keeps_freed_memory(dev).map_err(gpu)?;
+        }
+        if !events {
+            no_buffer_events(dev).map_err(gpu)?;
+        }
     }
-    let _ = keep;
+    let _ = (keep, events);
     Ok(device)
+}
+
+/// Picks whether each GPU buffer carries the two CUDA events cudarc gives
+/// it for ordering work across streams: `off` (the default; rloo puts a
+/// device's work on one stream, where they order nothing, and two events
+/// are made and destroyed per tensor) or `on`, for comparison.
+pub const CUDA_EVENTS_VAR: &str = "RLOO_CUDA_EVENTS";
+
+fn buffer_events() -> Result<bool> {
+    Ok(variant(CUDA_EVENTS_VAR, &["off", "on"]).map_err(Error::Invalid)? == "on")
+}
+
+/// Buffers made from now on carry no events. cudarc records them only once
+/// a context has several streams of its own, and then they are needed.
+#[cfg(feature = "cuda")]
+fn no_buffer_events(dev: &candle_core::CudaDevice) -> std::result::Result<(), String> {
+    if dev.cuda_stream().context().is_in_multi_stream_mode() {
+        return Err(format!("{CUDA_EVENTS_VAR}=off needs a device on one stream"));
+    }
+    // Safety: the context has no stream of its own besides the one its
+    // tensors use, so no buffer's use needs ordering against another's.
+    unsafe { dev.disable_event_tracking() };
+    Ok(())
 }
 
 /// Picks what a GPU's allocation pool does with the memory of freed
@@ -37,10 +69,18 @@ pub fn parse_device(name: &str) -> Result<Device> {
 pub const CUDA_POOL_VAR: &str = "RLOO_CUDA_POOL";
 
 fn keep_freed_memory() -> Result<bool> {
-    match std::env::var(CUDA_POOL_VAR).ok().as_deref() {
-        None | Some("" | "keep") => Ok(true),
-        Some("release") => Ok(false),
-        Some(other) => Err(Error::Invalid(format!("{CUDA_POOL_VAR}={other}: expected keep or release"))),
+    Ok(variant(CUDA_POOL_VAR, &["keep", "release"]).map_err(Error::Invalid)? == "keep")
+}
+
+/// Which of `choices` the variable `var` picks, for the variables that
+/// choose between ways of computing the same thing: the first when it is
+/// unset or empty; any other value is an error naming the choices.
+pub fn variant(var: &str, choices: &[&'static str]) -> std::result::Result<&'static str, String> {
+    let value = std::env::var(var).unwrap_or_default();
+    match choices.iter().find(|c| **c == value) {
+        Some(c) => Ok(c),
+        None if value.is_empty() => Ok(choices[0]),
+        None => Err(format!("{var}={value}: expected {}", choices.join(" or "))),
     }
 }
 

@@ -77,10 +77,10 @@ pub fn adamw_many(params: &mut [AdamWParam]) -> Result<()> {
 /// Whether [`adamw_many`] can update `params` in one launch.
 #[cfg(feature = "cuda")]
 fn one_launch(params: &[AdamWParam]) -> Result<bool> {
-    match std::env::var(ADAMW_VAR).ok().as_deref() {
-        None | Some("") | Some("multi") => {}
-        Some("per-tensor") => return Ok(false),
-        Some(other) => candle_core::bail!("{ADAMW_VAR}={other}: expected multi or per-tensor"),
+    if crate::model::device::variant(ADAMW_VAR, &["multi", "per-tensor"]).map_err(candle_core::Error::msg)?
+        == "per-tensor"
+    {
+        return Ok(false);
     }
     let Some(first) = params.first() else { return Ok(false) };
     // The launch's grid gives each parameter a row of blocks.

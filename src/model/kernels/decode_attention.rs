@@ -10,6 +10,7 @@ use rayon::prelude::*;
 
 use super::math::{axpy, dot, exp, max, with_avx2};
 use crate::model::cache::LayerKv;
+use crate::model::device::variant;
 
 /// Picks how a decoding step attends: `fused` (the default: the kernels
 /// here) or `composed` (the cache copied out whole, then the attention
@@ -18,11 +19,7 @@ pub const DECODE_ATTENTION_VAR: &str = "RLOO_DECODE_ATTENTION";
 
 /// Whether the fused kernels are chosen; an unknown choice is an error.
 pub fn decode_attention_fused() -> Result<bool> {
-    match std::env::var(DECODE_ATTENTION_VAR).ok().as_deref() {
-        None | Some("" | "fused") => Ok(true),
-        Some("composed") => Ok(false),
-        Some(other) => candle_core::bail!("{DECODE_ATTENTION_VAR}={other}: expected fused or composed"),
-    }
+    Ok(variant(DECODE_ATTENTION_VAR, &["fused", "composed"]).map_err(candle_core::Error::msg)? == "fused")
 }
 
 /// The head sizes the CUDA kernel takes: 32 lanes of 1, 2, 4 or 8 features.

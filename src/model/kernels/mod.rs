@@ -29,7 +29,7 @@ pub use linear::{activation_linear, linear};
 pub use lora::{lora_linear, lora_runs, LoraLayer, Mask};
 pub use norm::{layer_norm, rms_norm};
 pub use rotary::{rotary, rotate, RotaryTables};
-pub use sdpa::sdpa;
+pub use sdpa::{attention_kernels, sdpa, sdpa_with, AttentionKernels, ATTENTION_VAR};
 pub use token_logprobs::{logits_chunk_rows, token_logprobs};
 
 use candle_core::{CpuStorage, DType, Layout, Result, Tensor};

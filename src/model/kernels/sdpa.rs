@@ -8,24 +8,66 @@ use std::sync::Mutex;
 
 use candle_core::{CustomOp3, DType, Layout, Result, Tensor, D};
 
+#[cfg(feature = "cuda")]
+use super::cuda::tensor_attention_fits;
+use crate::model::device::variant;
 use crate::model::ops;
 
 /// Rows whose scores fit the kernel's shared memory (48 KiB of floats,
 /// less the scratch); longer ones take the composition.
 const MAX_KEYS: usize = 11_000;
 
+/// Picks the GPU's kernels for whole sequences: `rows` (the default: a
+/// block per query row, and per key row for d k and d v) or `tensor`
+/// (tiles on tensor cores, in bf16 at head sizes 64, 128 and 256; the rows
+/// kernels elsewhere).
+pub const ATTENTION_VAR: &str = "RLOO_ATTENTION";
+
+/// The GPU kernels [`ATTENTION_VAR`] picks.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum AttentionKernels {
+    Rows,
+    Tensor,
+}
+
+/// The kernels chosen; an unknown choice is an error.
+pub fn attention_kernels() -> Result<AttentionKernels> {
+    match variant(ATTENTION_VAR, &["rows", "tensor"]).map_err(candle_core::Error::msg)? {
+        "tensor" => Ok(AttentionKernels::Tensor),
+        _ => Ok(AttentionKernels::Rows),
+    }
+}
+
 /// Returns (B, H, T, D).
 pub fn sdpa(q: &Tensor, k: &Tensor, v: &Tensor, bias: &Tensor, scale: f64) -> Result<Tensor> {
-    let (_, h, t, _) = q.dims4()?;
+    sdpa_with(q, k, v, bias, scale, attention_kernels()?)
+}
+
+/// [`sdpa`] with the GPU kernels given.
+pub fn sdpa_with(
+    q: &Tensor,
+    k: &Tensor,
+    v: &Tensor,
+    bias: &Tensor,
+    scale: f64,
+    kernels: AttentionKernels,
+) -> Result<Tensor> {
+    let (_, h, t, d) = q.dims4()?;
     let (_, h_kv, s, _) = k.dims4()?;
-    if !(super::on_cuda(&[q, k, v]) && s <= MAX_KEYS && t <= MAX_KEYS / 2) {
+    let tensor = kernels == AttentionKernels::Tensor && q.dtype() == DType::BF16 && tensor_attention_fits(d);
+    if !(super::on_cuda(&[q, k, v]) && (tensor || (s <= MAX_KEYS && t <= MAX_KEYS / 2))) {
         let n_rep = h / h_kv;
         return ops::attention(q, &ops::repeat_kv(k, n_rep)?, &ops::repeat_kv(v, n_rep)?, bias, scale);
     }
     let (k, v) = (cache_layout(k)?, cache_layout(v)?);
     let bias = bias.to_dtype(DType::F32)?.contiguous()?;
-    let op = Sdpa { bias, scale: scale as f32, lse: Mutex::new(None) };
+    let op = Sdpa { bias, scale: scale as f32, tensor, lse: Mutex::new(None) };
     q.contiguous()?.apply_op3(&k, &v, op)
+}
+
+#[cfg(not(feature = "cuda"))]
+fn tensor_attention_fits(_: usize) -> bool {
+    false
 }
 
 /// `x` itself when its heads are evenly spaced rows of D features (a
@@ -50,6 +92,9 @@ fn head_stride(l: &Layout) -> Option<usize> {
 struct Sdpa {
     bias: Tensor,
     scale: f32,
+    /// The tensor-core kernels, else the rows ones.
+    #[cfg_attr(not(feature = "cuda"), allow(dead_code))]
+    tensor: bool,
     /// Each row's log-sum-exp (B, H, T), kept by the forward for the backward.
     lse: Mutex<Option<Tensor>>,
 }
@@ -74,7 +119,7 @@ impl CustomOp3 for Sdpa {
         let dims = attn_dims(q_l, k_l, v_l, self.scale)?;
         let (bias, bias_l) = self.bias.storage_and_layout();
         let candle_core::Storage::Cuda(bias) = &*bias else { candle_core::bail!("sdpa: the bias is not on the GPU") };
-        let (out, lse) = super::cuda::attention_fwd((q, q_l), (k, k_l), (v, v_l), (bias, bias_l), dims)?;
+        let (out, lse) = super::cuda::attention_fwd((q, q_l), (k, k_l), (v, v_l), (bias, bias_l), dims, self.tensor)?;
         let (b, h, t) = (q_l.dims()[0], q_l.dims()[1], q_l.dims()[2]);
         let lse = Tensor::from_storage(
             candle_core::Storage::Cuda(lse),
@@ -100,7 +145,7 @@ impl CustomOp3 for Sdpa {
         let grad = grad.contiguous()?;
         // di = rowsum(d out * out), the softmax backward's correction.
         let di = (grad.to_dtype(DType::F32)? * out.to_dtype(DType::F32)?)?.sum(D::Minus1)?.contiguous()?;
-        let state = GradState { bias: self.bias.clone(), lse, grad, di, scale: self.scale };
+        let state = GradState { bias: self.bias.clone(), lse, grad, di, scale: self.scale, tensor: self.tensor };
         let dq = q.apply_op3_no_bwd(k, v, &SdpaGrad { state: &state, keys: false })?;
         let dkv = q.apply_op3_no_bwd(k, v, &SdpaGrad { state: &state, keys: true })?;
         Ok((Some(dq), Some(dkv.get(0)?), Some(dkv.get(1)?)))
@@ -115,6 +160,7 @@ struct GradState {
     grad: Tensor,
     di: Tensor,
     scale: f32,
+    tensor: bool,
 }
 
 /// d q (`keys` false), or d k then d v stacked (2, B, Hkv, S, D).
@@ -161,7 +207,7 @@ impl CustomOp3 for SdpaGrad<'_> {
             grad: on_gpu[2],
             di: on_gpu[3],
         };
-        let out = super::cuda::attention_bwd(&inputs, dims, self.keys)?;
+        let out = super::cuda::attention_bwd(&inputs, dims, self.keys, s.tensor)?;
         let shape = match self.keys {
             true => candle_core::Shape::from([&[2][..], k_l.dims()].concat()),
             false => q_l.shape().clone(),

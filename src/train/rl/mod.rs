@@ -349,6 +349,10 @@ impl Run {
             }
             self.optimise(step, &seqs, old, reference, &targets, optimizers, state, guard)
         })?;
+        let parts = train_stats.seconds;
+        phases.record("training_forward", parts.forward);
+        phases.record("training_backward", parts.backward);
+        phases.record("training_update", parts.update);
 
         // 6. Metrics.
         report::rollout_metrics(metrics, rollout, &shaped, &seq_kl, beta, old, &ended)?;

@@ -5,6 +5,8 @@
 //! there, and the algorithm's own terms (PPO's value loss), whose
 //! gradients reach what it trains beside the policy.
 
+use std::time::Instant;
+
 use candle_core::Tensor;
 
 use super::algorithm::{Micro, Tally, Targets};
@@ -29,6 +31,17 @@ pub(super) struct TrainStats {
     pub tokens: f64,
     pub grad_norm: f64,
     pub skipped_steps: usize,
+    /// Seconds of the training phase's parts, each timed to the end of its
+    /// device work: forward passes and losses, backward passes (with the
+    /// gradients' accumulation), and updates (exchange, clipping, optimizer).
+    pub seconds: TrainSeconds,
+}
+
+#[derive(Default, Clone, Copy)]
+pub(super) struct TrainSeconds {
+    pub forward: f64,
+    pub backward: f64,
+    pub update: f64,
 }
 
 impl TrainStats {
@@ -110,6 +123,7 @@ impl Run {
                 // gradients are one process's.
                 let share = mini.len() / world.size;
                 for micro in mini[world.rank * share..(world.rank + 1) * share].chunks(sizes.micro) {
+                    let started = Instant::now();
                     let part = seqs.select(micro);
                     let now =
                         completion_logprobs(self.policy.network(), &part, cfg.generation.temperature, &self.device)?;
@@ -145,11 +159,16 @@ impl Run {
                     stats.loss.add(&out.stats);
                     stats.entropy_sum += (&now.entropy * &mask)?.sum_all()?.to_scalar::<f32>()? as f64;
                     stats.tokens += mask.sum_all()?.to_scalar::<f32>()? as f64;
+                    stats.seconds.forward += started.elapsed().as_secs_f64();
+                    let started = Instant::now();
                     let backward = crate::model::backward(&loss, &models)?;
                     for model in &models {
                         grads.add(model.params(), &backward)?;
                     }
+                    self.device.synchronize()?;
+                    stats.seconds.backward += started.elapsed().as_secs_f64();
                 }
+                let started = Instant::now();
                 if world.joined {
                     let stores: Vec<_> = models.iter().map(|m| m.params()).collect();
                     let mut sum = [loss_sum];
@@ -180,6 +199,8 @@ impl Run {
                 for (t, optimizer) in trained.iter().zip(&mut optimizers.trained) {
                     optimizer.step(t.model.params(), &grads, lr(t.learning_rate))?;
                 }
+                self.device.synchronize()?;
+                stats.seconds.update += started.elapsed().as_secs_f64();
                 state.optimizer_step += 1;
             }
         }

@@ -5,7 +5,10 @@
 
 #include <cuda_bf16.h>
 #include <limits.h>
+#include <mma.h>
 #include <stdint.h>
+
+using namespace nvcuda;
 
 typedef __nv_bfloat16 bf16;
 
@@ -460,6 +463,308 @@ __device__ void attention_bwd_kv(const T* q, const T* k, const T* v, const float
 
 ATTENTION(float, f32)
 ATTENTION(bf16, bf16)
+
+// ---- The same attention on tensor cores (bf16, head sizes 64, 128, 256),
+// flash style: a block takes a tile of queries (forward, d q) or of keys
+// (d k, d v) and walks the other side tile by tile through shared memory,
+// so no (T, S) tensor reaches global memory. Products run as 16 x 16 x 16
+// WMMA tiles with f32 accumulators, each warp owning 16 rows of the block's
+// tile; softmax rows are worked by pairs of lanes. Probabilities (and d
+// scores) enter the second product rounded to bf16. Tiles whose bias masks
+// every pair are skipped. Same inputs and outputs as the kernels above.
+
+namespace tc {
+
+typedef wmma::fragment<wmma::matrix_a, 16, 16, 16, bf16, wmma::row_major> RowA;
+typedef wmma::fragment<wmma::matrix_b, 16, 16, 16, bf16, wmma::row_major> RowB;
+typedef wmma::fragment<wmma::matrix_b, 16, 16, 16, bf16, wmma::col_major> ColB;
+typedef wmma::fragment<wmma::accumulator, 16, 16, 16, float> Acc;
+
+// Row strides in shared memory, padded against bank conflicts (WMMA wants
+// multiples of 8 bf16 or 4 floats, tiles starting 32 bytes apart).
+__host__ __device__ constexpr int ld_bf(int cols) { return cols + 8; }
+__host__ __device__ constexpr int ld_f(int cols) { return cols + 4; }
+
+// Stops the kernel if it was launched with less shared memory than it lays
+// out, or another block size, rather than let it read out of bounds.
+__device__ __forceinline__ void expect_launch(size_t bytes, int threads) {
+    unsigned dynamic;
+    asm volatile("mov.u32 %0, %%dynamic_smem_size;" : "=r"(dynamic));
+    if (dynamic < bytes || blockDim.x != (unsigned)threads) __trap();
+}
+
+// Rows [r0, r0 + n) of a (rows, D) matrix into shared memory, zeros past `rows`.
+template <int D>
+__device__ __forceinline__ void stage(bf16* dst, const bf16* src, int r0, int n, int rows) {
+    for (int i = threadIdx.x; i < n * D; i += blockDim.x) {
+        const int r = i / D, c = i % D;
+        dst[r * ld_bf(D) + c] = r0 + r < rows ? src[(size_t)(r0 + r) * D + c] : __float2bfloat16(0.f);
+    }
+}
+
+// out (16 x 16 tiles, `n` of them across) = a (16 x K) b^T, with b's rows as
+// the output's columns: a's and b's rows are K long, in shared memory.
+template <int K>
+__device__ __forceinline__ void product_t(float* out, int ld_out, const bf16* a, const bf16* b, int ld, int n) {
+    for (int j = 0; j < n; ++j) {
+        Acc acc;
+        wmma::fill_fragment(acc, 0.f);
+        for (int kk = 0; kk < K / 16; ++kk) {
+            RowA fa;
+            ColB fb;
+            wmma::load_matrix_sync(fa, a + kk * 16, ld);
+            wmma::load_matrix_sync(fb, b + j * 16 * ld + kk * 16, ld);
+            wmma::mma_sync(acc, fa, fb, acc);
+        }
+        wmma::store_matrix_sync(out + j * 16, acc, ld_out, wmma::mem_row_major);
+    }
+}
+
+// acc (16 x D, f32 in shared memory) += a (16 x K) b (K x D).
+template <int K, int D>
+__device__ __forceinline__ void accumulate(float* acc, const bf16* a, int ld_a, const bf16* b) {
+    for (int j = 0; j < D / 16; ++j) {
+        Acc c;
+        wmma::load_matrix_sync(c, acc + j * 16, ld_f(D), wmma::mem_row_major);
+        for (int kk = 0; kk < K / 16; ++kk) {
+            RowA fa;
+            RowB fb;
+            wmma::load_matrix_sync(fa, a + kk * 16, ld_a);
+            wmma::load_matrix_sync(fb, b + kk * 16 * ld_bf(D) + j * 16, ld_bf(D));
+            wmma::mma_sync(c, fa, fb, c);
+        }
+        wmma::store_matrix_sync(acc + j * 16, c, ld_f(D), wmma::mem_row_major);
+    }
+}
+
+// The bias of queries [t0, t0 + nq) against keys [s0, s0 + nk) into
+// shared memory, -inf where masked or out of range, transposed (keys as
+// rows) when `keys_first`; whether any pair is unmasked, for the block.
+__device__ __forceinline__ bool stage_bias(float* dst, int ld, const float* bias, const AttnDims& a, int t0, int nq,
+                                           int s0, int nk, bool keys_first) {
+    int live = 0;
+    for (int i = threadIdx.x; i < nq * nk; i += blockDim.x) {
+        const int qi = i / nk, kj = i % nk;
+        float b = -INFINITY;
+        if (t0 + qi < a.t && s0 + kj < a.s) {
+            b = bias[(size_t)(t0 + qi) * a.s + s0 + kj];
+            if (b < -1e29f) b = -INFINITY;
+            else live = 1;
+        }
+        dst[keys_first ? kj * ld + qi : qi * ld + kj] = b;
+    }
+    return __syncthreads_or(live);
+}
+
+template <int D, int W, int BK>
+__host__ __device__ constexpr size_t fwd_bytes() {
+    return 2 * (16 * W + 2 * BK) * ld_bf(D) + 8 * 16 * W * ld_f(BK) + 2 * 16 * W * ld_bf(BK) + 4 * 16 * W * ld_f(D);
+}
+
+template <int D, int W, int BK>
+__device__ void fwd(const bf16* q, const bf16* k, const bf16* v, const float* bias, bf16* o, float* lse, AttnDims a) {
+    constexpr int BQ = 16 * W, LD = ld_bf(D), LS = ld_f(BK), LP = ld_bf(BK), LO = ld_f(D);
+    expect_launch(fwd_bytes<D, W, BK>(), 32 * W);
+    extern __shared__ __align__(128) unsigned char smem[];
+    bf16* qs = (bf16*)smem;
+    bf16* ks = qs + BQ * LD;
+    bf16* vs = ks + BK * LD;
+    float* ss = (float*)(vs + BK * LD);
+    float* bs = ss + BQ * LS;
+    bf16* ps = (bf16*)(bs + BQ * LS);
+    float* os = (float*)(ps + BQ * LP);
+    const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, half = lane & 1;
+    const int row = warp * 16 + (lane >> 1);
+    const int bh = blockIdx.y, b = bh / a.h, hk = bh % a.h / (a.h / a.h_kv), t0 = blockIdx.x * BQ;
+    const bf16* kh = k + ((size_t)b * a.h_kv + hk) * a.kv_stride;
+    const bf16* vh = v + ((size_t)b * a.h_kv + hk) * a.kv_stride;
+    stage<D>(qs, q + (size_t)bh * a.t * D, t0, BQ, a.t);
+    for (int i = threadIdx.x; i < BQ * D; i += blockDim.x) os[i / D * LO + i % D] = 0.f;
+    float m = -INFINITY, l = 0.f;  // the running max and sum of this lane's row
+    for (int s0 = 0; s0 < a.s; s0 += BK) {
+        __syncthreads();
+        stage<D>(ks, kh, s0, BK, a.s);
+        stage<D>(vs, vh, s0, BK, a.s);
+        if (!stage_bias(bs, LS, bias + (size_t)b * a.t * a.s, a, t0, BQ, s0, BK, false)) continue;
+        product_t<D>(ss + warp * 16 * LS, LS, qs + warp * 16 * LD, ks, LD, BK / 16);
+        __syncwarp();
+        float* sr = ss + row * LS;
+        const float* br = bs + row * LS;
+        float top = -INFINITY;
+        for (int c = half * BK / 2; c < (half + 1) * BK / 2; ++c) {
+            sr[c] = br[c] == -INFINITY ? -INFINITY : sr[c] * a.scale + br[c];
+            top = fmaxf(top, sr[c]);
+        }
+        const float m_new = fmaxf(m, fmaxf(top, __shfl_xor_sync(0xffffffff, top, 1)));
+        const float keep = m_new == -INFINITY ? 1.f : expf(m - m_new);
+        float sum = 0.f;
+        for (int c = half * BK / 2; c < (half + 1) * BK / 2; ++c) {
+            const bf16 p = __float2bfloat16(sr[c] == -INFINITY ? 0.f : expf(sr[c] - m_new));
+            ps[row * LP + c] = p;
+            sum += __bfloat162float(p);
+        }
+        l = l * keep + sum + __shfl_xor_sync(0xffffffff, sum, 1);
+        m = m_new;
+        for (int c = half * D / 2; c < (half + 1) * D / 2; ++c) os[row * LO + c] *= keep;
+        __syncwarp();
+        accumulate<BK, D>(os + warp * 16 * LO, ps + warp * 16 * LP, LP, vs);
+    }
+    __syncwarp();
+    if (t0 + row < a.t) {
+        const size_t at = (size_t)bh * a.t + t0 + row;
+        const float inv = l > 0.f ? 1.f / l : 0.f;
+        for (int c = half * D / 2; c < (half + 1) * D / 2; ++c) o[at * D + c] = __float2bfloat16(os[row * LO + c] * inv);
+        if (half == 0) lse[at] = l > 0.f ? m + logf(l) : 0.f;
+    }
+}
+
+template <int D, int W, int BK>
+__host__ __device__ constexpr size_t bwd_q_bytes() {
+    return 2 * (2 * 16 * W + 2 * BK) * ld_bf(D) + 12 * 16 * W * ld_f(BK) + 2 * 16 * W * ld_bf(BK) +
+           4 * 16 * W * ld_f(D);
+}
+
+template <int D, int W, int BK>
+__device__ void bwd_q(const bf16* q, const bf16* k, const bf16* v, const float* bias, const float* lse,
+                      const bf16* dout, const float* di, bf16* dq, AttnDims a) {
+    constexpr int BQ = 16 * W, LD = ld_bf(D), LS = ld_f(BK), LP = ld_bf(BK), LO = ld_f(D);
+    expect_launch(bwd_q_bytes<D, W, BK>(), 32 * W);
+    extern __shared__ __align__(128) unsigned char smem[];
+    bf16* qs = (bf16*)smem;
+    bf16* dos = qs + BQ * LD;
+    bf16* ks = dos + BQ * LD;
+    bf16* vs = ks + BK * LD;
+    float* ss = (float*)(vs + BK * LD);
+    float* dps = ss + BQ * LS;
+    float* bs = dps + BQ * LS;
+    bf16* dss = (bf16*)(bs + BQ * LS);
+    float* dqs = (float*)(dss + BQ * LP);
+    const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, half = lane & 1;
+    const int row = warp * 16 + (lane >> 1);
+    const int bh = blockIdx.y, b = bh / a.h, hk = bh % a.h / (a.h / a.h_kv), t0 = blockIdx.x * BQ;
+    const bf16* kh = k + ((size_t)b * a.h_kv + hk) * a.kv_stride;
+    const bf16* vh = v + ((size_t)b * a.h_kv + hk) * a.kv_stride;
+    stage<D>(qs, q + (size_t)bh * a.t * D, t0, BQ, a.t);
+    stage<D>(dos, dout + (size_t)bh * a.t * D, t0, BQ, a.t);
+    for (int i = threadIdx.x; i < BQ * D; i += blockDim.x) dqs[i / D * LO + i % D] = 0.f;
+    const size_t at = (size_t)bh * a.t + t0 + row;
+    const float row_lse = t0 + row < a.t ? lse[at] : 0.f, row_di = t0 + row < a.t ? di[at] : 0.f;
+    for (int s0 = 0; s0 < a.s; s0 += BK) {
+        __syncthreads();
+        stage<D>(ks, kh, s0, BK, a.s);
+        stage<D>(vs, vh, s0, BK, a.s);
+        if (!stage_bias(bs, LS, bias + (size_t)b * a.t * a.s, a, t0, BQ, s0, BK, false)) continue;
+        product_t<D>(ss + warp * 16 * LS, LS, qs + warp * 16 * LD, ks, LD, BK / 16);
+        product_t<D>(dps + warp * 16 * LS, LS, dos + warp * 16 * LD, vs, LD, BK / 16);
+        __syncwarp();
+        for (int c = half * BK / 2; c < (half + 1) * BK / 2; ++c) {
+            const float bv = bs[row * LS + c];
+            const float p = bv == -INFINITY ? 0.f : expf(ss[row * LS + c] * a.scale + bv - row_lse);
+            dss[row * LP + c] = __float2bfloat16(p * (dps[row * LS + c] - row_di));
+        }
+        __syncwarp();
+        accumulate<BK, D>(dqs + warp * 16 * LO, dss + warp * 16 * LP, LP, ks);
+    }
+    __syncwarp();
+    if (t0 + row < a.t)
+        for (int c = half * D / 2; c < (half + 1) * D / 2; ++c)
+            dq[at * D + c] = __float2bfloat16(dqs[row * LO + c] * a.scale);
+}
+
+template <int D, int W, int BQ>
+__host__ __device__ constexpr size_t bwd_kv_bytes() {
+    return 2 * (2 * 16 * W + 2 * BQ) * ld_bf(D) + 12 * 16 * W * ld_f(BQ) + 4 * 16 * W * ld_bf(BQ) +
+           8 * 16 * W * ld_f(D) + 8 * BQ;
+}
+
+// Block per (tile of 16 W keys, b, kv head): d k and d v summed over the
+// query heads of the group and every query tile. out: d k (B, Hkv, S, D),
+// then d v.
+template <int D, int W, int BQ>
+__device__ void bwd_kv(const bf16* q, const bf16* k, const bf16* v, const float* bias, const float* lse,
+                       const bf16* dout, const float* di, bf16* out, AttnDims a) {
+    constexpr int BKV = 16 * W, LD = ld_bf(D), LT = ld_f(BQ), LP = ld_bf(BQ), LO = ld_f(D);
+    expect_launch(bwd_kv_bytes<D, W, BQ>(), 32 * W);
+    extern __shared__ __align__(128) unsigned char smem[];
+    bf16* ks = (bf16*)smem;
+    bf16* vs = ks + BKV * LD;
+    bf16* qs = vs + BKV * LD;
+    bf16* dos = qs + BQ * LD;
+    float* sts = (float*)(dos + BQ * LD);
+    float* dpts = sts + BKV * LT;
+    float* bts = dpts + BKV * LT;
+    bf16* pts = (bf16*)(bts + BKV * LT);
+    bf16* dsts = pts + BKV * LP;
+    float* dks = (float*)(dsts + BKV * LP);
+    float* dvs = dks + BKV * LO;
+    float* lse_s = dvs + BKV * LO;
+    float* di_s = lse_s + BQ;
+    const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, half = lane & 1;
+    const int key = warp * 16 + (lane >> 1);
+    const int b = blockIdx.y / a.h_kv, hk = blockIdx.y % a.h_kv, j0 = blockIdx.x * BKV, n_rep = a.h / a.h_kv;
+    stage<D>(ks, k + ((size_t)b * a.h_kv + hk) * a.kv_stride, j0, BKV, a.s);
+    stage<D>(vs, v + ((size_t)b * a.h_kv + hk) * a.kv_stride, j0, BKV, a.s);
+    for (int i = threadIdx.x; i < BKV * D; i += blockDim.x) dks[i / D * LO + i % D] = dvs[i / D * LO + i % D] = 0.f;
+    for (int rep = 0; rep < n_rep; ++rep) {
+        const size_t head = (size_t)b * a.h + hk * n_rep + rep;
+        for (int t0 = 0; t0 < a.t; t0 += BQ) {
+            __syncthreads();
+            stage<D>(qs, q + head * a.t * D, t0, BQ, a.t);
+            stage<D>(dos, dout + head * a.t * D, t0, BQ, a.t);
+            for (int i = threadIdx.x; i < BQ; i += blockDim.x) {
+                lse_s[i] = t0 + i < a.t ? lse[head * a.t + t0 + i] : 0.f;
+                di_s[i] = t0 + i < a.t ? di[head * a.t + t0 + i] : 0.f;
+            }
+            if (!stage_bias(bts, LT, bias + (size_t)b * a.t * a.s, a, t0, BQ, j0, BKV, true)) continue;
+            product_t<D>(sts + warp * 16 * LT, LT, ks + warp * 16 * LD, qs, LD, BQ / 16);
+            product_t<D>(dpts + warp * 16 * LT, LT, vs + warp * 16 * LD, dos, LD, BQ / 16);
+            __syncwarp();
+            for (int c = half * BQ / 2; c < (half + 1) * BQ / 2; ++c) {
+                const float bv = bts[key * LT + c];
+                const float p = bv == -INFINITY ? 0.f : expf(sts[key * LT + c] * a.scale + bv - lse_s[c]);
+                pts[key * LP + c] = __float2bfloat16(p);
+                dsts[key * LP + c] = __float2bfloat16(p * (dpts[key * LT + c] - di_s[c]));
+            }
+            __syncwarp();
+            accumulate<BQ, D>(dvs + warp * 16 * LO, pts + warp * 16 * LP, LP, dos);
+            accumulate<BQ, D>(dks + warp * 16 * LO, dsts + warp * 16 * LP, LP, qs);
+        }
+    }
+    __syncwarp();
+    if (j0 + key < a.s) {
+        const size_t at = (((size_t)b * a.h_kv + hk) * a.s + j0 + key) * D;
+        const size_t dv_at = (size_t)gridDim.y * a.s * D;
+        for (int c = half * D / 2; c < (half + 1) * D / 2; ++c) {
+            out[at + c] = __float2bfloat16(dks[key * LO + c] * a.scale);
+            out[dv_at + at + c] = __float2bfloat16(dvs[key * LO + c]);
+        }
+    }
+}
+
+}  // namespace tc
+
+// Per head size: warps and key tile of the forward and d q kernels, warps
+// and query tile of the d k, d v kernel (within 227 KB of shared memory).
+#define ATTENTION_TC(D, W, BK, W_KV, BQ_KV)                                                                     \
+    extern "C" __global__ void __launch_bounds__(32 * W)                                                       \
+        attention_tc_fwd_##D(const bf16* q, const bf16* k, const bf16* v, const float* bias, bf16* o,          \
+                             float* lse, AttnDims a) {                                                         \
+        tc::fwd<D, W, BK>(q, k, v, bias, o, lse, a);                                                           \
+    }                                                                                                          \
+    extern "C" __global__ void __launch_bounds__(32 * W)                                                       \
+        attention_tc_bwd_q_##D(const bf16* q, const bf16* k, const bf16* v, const float* bias,                 \
+                               const float* lse, const bf16* dout, const float* di, bf16* dq, AttnDims a) {    \
+        tc::bwd_q<D, W, BK>(q, k, v, bias, lse, dout, di, dq, a);                                              \
+    }                                                                                                          \
+    extern "C" __global__ void __launch_bounds__(32 * W_KV)                                                    \
+        attention_tc_bwd_kv_##D(const bf16* q, const bf16* k, const bf16* v, const float* bias,                \
+                                const float* lse, const bf16* dout, const float* di, bf16* out, AttnDims a) {  \
+        tc::bwd_kv<D, W_KV, BQ_KV>(q, k, v, bias, lse, dout, di, out, a);                                      \
+    }
+
+ATTENTION_TC(64, 4, 64, 4, 64)
+ATTENTION_TC(128, 4, 64, 4, 64)
+ATTENTION_TC(256, 4, 32, 2, 32)
 
 // ---- Attention of one decoding step over a KV cache read where it lies:
 // each row's shared slots (row `shared_rows[b]` of the shared buffers, the

@@ -4,7 +4,7 @@
 //! buffers on the inputs' stream.
 
 use candle_core::backend::BackendStorage;
-use candle_core::cuda_backend::cudarc::driver::{CudaView, DeviceRepr, LaunchConfig, PushKernelArg};
+use candle_core::cuda_backend::cudarc::driver::{CudaFunction, CudaView, DeviceRepr, LaunchConfig, PushKernelArg};
 use candle_core::cuda_backend::{CudaDType, WrapErr};
 use candle_core::{CudaStorage, DType, Layout, Result, Shape};
 use half::bf16;
@@ -366,36 +366,134 @@ pub struct AttnDims {
 // Safety: a plain C struct of numbers, passed by value.
 unsafe impl DeviceRepr for AttnDims {}
 
-/// Threads per attention block and the dynamic shared memory of `floats`.
-fn attention_launch(blocks: usize, floats: usize) -> LaunchConfig {
-    LaunchConfig { grid_dim: (blocks as u32, 1, 1), block_dim: (128, 1, 1), shared_mem_bytes: (floats * 4) as u32 }
+/// The three attention passes: the forward, d q, and d k with d v.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Pass {
+    Forward,
+    Queries,
+    Keys,
 }
 
-/// (output (B, H, T, D) in q's dtype, log-sum-exp (B, H, T) f32).
-pub fn attention_fwd(q: In, k: In, v: In, bias: In, a: AttnDims) -> Result<(CudaStorage, CudaStorage)> {
+/// The tensor-core kernels' tiles by head size, as `ATTENTION_TC` in
+/// `kernels.cu` instantiates them: (warps, the other side's tile) of the
+/// forward and d q kernels, then of the d k, d v kernel.
+fn tensor_tiles(d: usize) -> Option<[(usize, usize); 2]> {
+    match d {
+        64 | 128 => Some([(4, 64), (4, 64)]),
+        256 => Some([(4, 32), (2, 32)]),
+        _ => None,
+    }
+}
+
+/// Whether the tensor-core attention kernels take head size `d`.
+pub fn tensor_attention_fits(d: usize) -> bool {
+    tensor_tiles(d).is_some()
+}
+
+/// The shared memory a tensor-core kernel lays out: `fwd_bytes`,
+/// `bwd_q_bytes` and `bwd_kv_bytes` in `kernels.cu`.
+fn tensor_bytes(pass: Pass, d: usize, warps: usize, tile: usize) -> usize {
+    let (ld_bf, ld_f) = (|c: usize| c + 8, |c: usize| c + 4);
+    let rows = 16 * warps;
+    match pass {
+        Pass::Forward => {
+            2 * (rows + 2 * tile) * ld_bf(d) + 8 * rows * ld_f(tile) + 2 * rows * ld_bf(tile) + 4 * rows * ld_f(d)
+        }
+        Pass::Queries => {
+            2 * (2 * rows + 2 * tile) * ld_bf(d) + 12 * rows * ld_f(tile) + 2 * rows * ld_bf(tile) + 4 * rows * ld_f(d)
+        }
+        Pass::Keys => {
+            2 * (2 * rows + 2 * tile) * ld_bf(d)
+                + 12 * rows * ld_f(tile)
+                + 4 * rows * ld_bf(tile)
+                + 8 * rows * ld_f(d)
+                + 8 * tile
+        }
+    }
+}
+
+/// The kernel of `pass` and its launch over `batch` sequences: the
+/// tensor-core one (bf16, a head size of [`tensor_tiles`]) when `tensor`,
+/// else the one that takes a block per query (or key) row.
+fn attention_kernel(
+    pass: Pass,
+    a: &AttnDims,
+    batch: usize,
+    dtype: DType,
+    tensor: bool,
+) -> Result<(String, LaunchConfig)> {
+    let (h, h_kv, t, s, d) = (a.h as usize, a.h_kv as usize, a.t as usize, a.s as usize, a.d as usize);
+    let stem = match pass {
+        Pass::Forward => "fwd",
+        Pass::Queries => "bwd_q",
+        Pass::Keys => "bwd_kv",
+    };
+    if !tensor {
+        let (blocks, floats) = match pass {
+            Pass::Forward | Pass::Queries => (batch * h * t, s + 32),
+            Pass::Keys => (batch * h_kv * s, 2 * (t + d)),
+        };
+        let cfg = LaunchConfig {
+            grid_dim: (blocks as u32, 1, 1),
+            block_dim: (128, 1, 1),
+            shared_mem_bytes: (floats * 4) as u32,
+        };
+        return Ok((typed(&format!("attention_{stem}"), dtype)?, cfg));
+    }
+    let (Some(tiles), DType::BF16) = (tensor_tiles(d), dtype) else {
+        candle_core::bail!("the tensor-core attention takes bf16 and head sizes 64, 128 or 256, not {dtype:?} and {d}")
+    };
+    let ((warps, tile), (rows, heads)) = match pass {
+        Pass::Forward | Pass::Queries => (tiles[0], (t, h)),
+        Pass::Keys => (tiles[1], (s, h_kv)),
+    };
+    let cfg = LaunchConfig {
+        grid_dim: (rows.div_ceil(16 * warps) as u32, (batch * heads) as u32, 1),
+        block_dim: (32 * warps as u32, 1, 1),
+        shared_mem_bytes: tensor_bytes(pass, d, warps, tile) as u32,
+    };
+    Ok((format!("attention_tc_{stem}_{d}"), cfg))
+}
+
+/// Lets `func` take `cfg`'s shared memory (above the 48 KiB a kernel gets
+/// unasked).
+fn allow_shared_memory(func: &CudaFunction, cfg: &LaunchConfig) -> Result<()> {
+    use candle_core::cuda_backend::cudarc::driver::sys::CUfunction_attribute_enum;
+    if cfg.shared_mem_bytes > 48 * 1024 {
+        let attribute = CUfunction_attribute_enum::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES;
+        func.set_attribute(attribute, cfg.shared_mem_bytes as i32).w()?;
+    }
+    Ok(())
+}
+
+/// (output (B, H, T, D) in q's dtype, log-sum-exp (B, H, T) f32), on tensor
+/// cores when `tensor`.
+pub fn attention_fwd(q: In, k: In, v: In, bias: In, a: AttnDims, tensor: bool) -> Result<(CudaStorage, CudaStorage)> {
     fn run<T: CudaDType + DeviceRepr>(
-        name: &str,
         q: In,
         k: In,
         v: In,
         bias: In,
         a: AttnDims,
+        tensor: bool,
     ) -> Result<(CudaStorage, CudaStorage)> {
         let dev = q.0.device.clone();
         let qs = view::<T>(q.0, q.1)?;
         let (ks, vs) = (kv_view::<T>(k)?, kv_view::<T>(v)?);
         let bs = view::<f32>(bias.0, bias.1)?;
         let rows = qs.len() / a.d as usize;
+        let (name, cfg) = attention_kernel(Pass::Forward, &a, rows / (a.h * a.t) as usize, q.0.dtype(), tensor)?;
         // Safety: every element is written by the kernel.
         let (mut out, mut lse) = unsafe { (dev.alloc::<T>(qs.len())?, dev.alloc::<f32>(rows)?) };
-        let func = dev.get_or_load_custom_func(name, "rloo", PTX)?;
+        let func = dev.get_or_load_custom_func(&name, "rloo", PTX)?;
+        allow_shared_memory(&func, &cfg)?;
         let mut args = func.builder();
         args.arg(&qs).arg(&ks).arg(&vs).arg(&bs).arg(&mut out).arg(&mut lse).arg(&a);
         // Safety: the argument list matches the kernel's signature.
-        unsafe { args.launch(attention_launch(rows, a.s as usize + 32)) }.w()?;
+        unsafe { args.launch(cfg) }.w()?;
         Ok((CudaStorage::wrap_cuda_slice(out, dev.clone()), CudaStorage::wrap_cuda_slice(lse, dev)))
     }
-    by_dtype!(q.0.dtype(), run(&typed("attention_fwd", q.0.dtype())?, q, k, v, bias, a))
+    by_dtype!(q.0.dtype(), run(q, k, v, bias, a, tensor))
 }
 
 /// Everything the attention backward kernels read.
@@ -415,9 +513,10 @@ fn kv_view<'a, T: CudaDType>((s, l): In<'a>) -> Result<CudaView<'a, T>> {
     Ok(s.as_cuda_slice::<T>()?.slice(l.start_offset()..))
 }
 
-/// d q (B, H, T, D), or d k and d v stacked (2, B, Hkv, S, D) (`keys`).
-pub fn attention_bwd(x: &AttnInputs, a: AttnDims, keys: bool) -> Result<CudaStorage> {
-    fn run<T: CudaDType + DeviceRepr>(name: &str, x: &AttnInputs, a: AttnDims, keys: bool) -> Result<CudaStorage> {
+/// d q (B, H, T, D), or d k and d v stacked (2, B, Hkv, S, D) (`keys`), on
+/// tensor cores when `tensor`.
+pub fn attention_bwd(x: &AttnInputs, a: AttnDims, keys: bool, tensor: bool) -> Result<CudaStorage> {
+    fn run<T: CudaDType + DeviceRepr>(x: &AttnInputs, a: AttnDims, keys: bool, tensor: bool) -> Result<CudaStorage> {
         let dev = x.q.0.device.clone();
         let qs = view::<T>(x.q.0, x.q.1)?;
         let (ks, vs) = (kv_view::<T>(x.k)?, kv_view::<T>(x.v)?);
@@ -428,22 +527,22 @@ pub fn attention_bwd(x: &AttnInputs, a: AttnDims, keys: bool) -> Result<CudaStor
             view::<f32>(x.di.0, x.di.1)?,
         );
         let (b, d) = (qs.len() / (a.h * a.t * a.d) as usize, a.d as usize);
-        let (len, blocks, floats) = match keys {
-            true => (2 * b * (a.h_kv * a.s) as usize * d, b * (a.h_kv * a.s) as usize, 2 * (a.t as usize + d)),
-            false => (qs.len(), qs.len() / d, a.s as usize + 32),
+        let (pass, len) = match keys {
+            true => (Pass::Keys, 2 * b * (a.h_kv * a.s) as usize * d),
+            false => (Pass::Queries, qs.len()),
         };
+        let (name, cfg) = attention_kernel(pass, &a, b, x.q.0.dtype(), tensor)?;
         // Safety: every element is written by the kernel.
         let mut out = unsafe { dev.alloc::<T>(len) }?;
-        let func = dev.get_or_load_custom_func(name, "rloo", PTX)?;
+        let func = dev.get_or_load_custom_func(&name, "rloo", PTX)?;
+        allow_shared_memory(&func, &cfg)?;
         let mut args = func.builder();
         args.arg(&qs).arg(&ks).arg(&vs).arg(&bs).arg(&ls).arg(&gs).arg(&ds).arg(&mut out).arg(&a);
         // Safety: the argument list matches the kernel's signature.
-        unsafe { args.launch(attention_launch(blocks, floats)) }.w()?;
+        unsafe { args.launch(cfg) }.w()?;
         Ok(CudaStorage::wrap_cuda_slice(out, dev))
     }
-    let dtype = x.q.0.dtype();
-    let name = typed(if keys { "attention_bwd_kv" } else { "attention_bwd_q" }, dtype)?;
-    by_dtype!(dtype, run(&name, x, a, keys))
+    by_dtype!(x.q.0.dtype(), run(x, a, keys, tensor))
 }
 
 /// The sizes and strides of [`decode_attention`], as `DecodeDims` in
