@@ -25,6 +25,7 @@ const CUDA_KERNELS: &[&str] = &[
     "decode_attention",
     "token_logprobs",
     "adamw",
+    "sum_squares",
     "race",
 ];
 
@@ -185,6 +186,10 @@ pub fn check_kernels(device: &Device, dtypes: &[DType]) -> Vec<Check> {
     // AdamW keeps f32 state whatever the compute dtype.
     out.push(adamw_check(device).unwrap_or_else(|e| Check::failed("kernel", "adamw", DType::F32, e)));
     out.push(adamw_many_check(device).unwrap_or_else(|e| Check::failed("kernel", "adamw_many", DType::F32, e)));
+    // One launch on a GPU; elsewhere the composition it would be compared with.
+    if device.is_cuda() {
+        out.push(squares_check(device).unwrap_or_else(|e| Check::failed("kernel", "sum_squares", DType::F32, e)));
+    }
     // Sampling reads f32 logits whatever the compute dtype.
     match race_checks(device) {
         Ok(checks) => out.extend(checks),
@@ -248,6 +253,22 @@ fn adamw_many_check(device: &Device) -> Result<Check> {
     let error = Tensor::cat(&got, 0).and_then(|got| relative_error(&got, &Tensor::cat(&want, 0)?))?;
     let label = format!("adamw_many, 4 parameters, 3 steps ({})", path("adamw", device, DType::F32));
     Ok(Check::new("kernel", &label, DType::F32, error, None, 1e-5))
+}
+
+/// The gradient norm's sums of squares of several tensors (one launch on a
+/// GPU) against the CPU's composition.
+fn squares_check(device: &Device) -> Result<Check> {
+    let mut rng = Rng::new(14);
+    let shapes: [&[usize]; 4] = [&[37, 1000], &[5], &[3, 7, 11], &[1]];
+    let host: Vec<Tensor> = shapes.iter().map(|s| randn(&mut rng, s, 0.1, 1.0)).collect();
+    let on_device = host.iter().map(|t| t.to_device(device)).collect::<Result<Vec<_>>>()?;
+    let sums = |ts: &[Tensor]| -> Result<Tensor> {
+        let sums = kernels::sums_of_squares(&ts.iter().collect::<Vec<_>>())?;
+        Ok(Tensor::from_vec(sums.iter().map(|&s| s as f32).collect::<Vec<_>>(), sums.len(), &Device::Cpu)?)
+    };
+    let error = relative_error(&sums(&on_device)?, &sums(&host)?)?;
+    let label = format!("sum_squares, 4 tensors ({})", path("sum_squares", device, DType::F32));
+    Ok(Check::new("kernel", &label, DType::F32, error, None, 1e-6))
 }
 
 /// The race sampler on the device against its CPU reference on the same

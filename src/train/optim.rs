@@ -83,20 +83,15 @@ impl GradAccumulator {
         Ok(())
     }
 
-    /// The global L2 norm over all gradients. Each gradient's sum of
-    /// squares stays where it is computed, and all of them come to the host
-    /// at once (on a GPU, one wait instead of one per parameter), to be
-    /// summed there in parameter order.
+    /// The global L2 norm over all gradients: their sums of squares come
+    /// to the host at once (on a GPU, from one launch), to be summed there
+    /// in parameter order.
     pub fn norm(&self) -> Result<f64> {
         if self.sums.is_empty() {
             return Ok(0.0);
         }
-        let squares = self
-            .sums
-            .iter()
-            .map(|(_, g)| g.sqr()?.sum_all()?.to_dtype(DType::F64))
-            .collect::<candle_core::Result<Vec<_>>>()?;
-        let squares = Tensor::stack(&squares, 0)?.to_vec1::<f64>()?;
+        let grads: Vec<&Tensor> = self.sums.iter().map(|(_, g)| g).collect();
+        let squares = crate::model::kernels::sums_of_squares(&grads)?;
         Ok(squares.iter().fold(0.0, |sum, &sq| sum + sq).sqrt())
     }
 

@@ -19,6 +19,7 @@ pub(crate) mod math;
 mod norm;
 mod rotary;
 mod sdpa;
+mod squares;
 mod token_logprobs;
 
 pub use adamw::{adamw, adamw_many, AdamWParam, AdamWStep, ADAMW_VAR};
@@ -30,6 +31,7 @@ pub use lora::{lora_linear, lora_runs, LoraLayer, Mask};
 pub use norm::{layer_norm, rms_norm};
 pub use rotary::{rotary, rotate, RotaryTables};
 pub use sdpa::{attention_kernels, sdpa, sdpa_with, AttentionKernels, ATTENTION_VAR};
+pub use squares::sums_of_squares;
 pub use token_logprobs::{logits_chunk_rows, token_logprobs};
 
 use candle_core::{CpuStorage, DType, Layout, Result, Tensor};

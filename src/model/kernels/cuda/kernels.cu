@@ -242,6 +242,32 @@ extern "C" __global__ void adamw_multi(const AdamWTensor* table, float beta1, fl
     }
 }
 
+// ---- Sums of squares of many f32 tensors in one launch, for the gradient
+// norm: blockIdx.y picks the tensor; each of the gridDim.x blocks of 256
+// threads sums its stride of it in f64, in a fixed order, into
+// out[tensor * gridDim.x + block], which the host adds up in order.
+struct SquaresTensor {
+    const float* x;
+    unsigned long long n;
+};
+
+extern "C" __global__ void sum_squares_multi(const SquaresTensor* table, double* out) {
+    __shared__ double part[256];
+    const SquaresTensor t = table[blockIdx.y];
+    double acc = 0.0;
+    for (size_t i = blockIdx.x * (size_t)blockDim.x + threadIdx.x; i < t.n; i += (size_t)gridDim.x * blockDim.x) {
+        const double v = t.x[i];
+        acc += v * v;
+    }
+    part[threadIdx.x] = acc;
+    __syncthreads();
+    for (int s = blockDim.x / 2; s > 0; s >>= 1) {
+        if ((int)threadIdx.x < s) part[threadIdx.x] += part[threadIdx.x + s];
+        __syncthreads();
+    }
+    if (threadIdx.x == 0) out[(size_t)blockIdx.y * gridDim.x + blockIdx.x] = part[0];
+}
+
 // ---- Activations and their derivatives; `act`: 0 GELU (erf), 1 GELU
 // (tanh), 2 SiLU, 3 ReLU, as `Activation`'s order in the op file.
 

@@ -295,6 +295,64 @@ pub fn adamw_multi(params: &[super::AdamWParam]) -> Result<()> {
     Ok(())
 }
 
+/// One tensor in [`sum_squares_multi`]'s table, as `SquaresTensor` in
+/// `kernels.cu`.
+#[repr(C)]
+#[derive(Debug, Clone, Copy)]
+struct SquaresTensor {
+    x: u64,
+    n: u64,
+}
+
+// Safety: a plain C struct of numbers, passed by value.
+unsafe impl DeviceRepr for SquaresTensor {}
+
+/// Blocks summing each tensor in [`sum_squares_multi`].
+const SQUARES_BLOCKS: usize = 64;
+
+/// Each tensor's sum of squares, in f64, from one launch (`sums_of_squares`
+/// has checked that every tensor is f32, contiguous and on this GPU) and
+/// one read of the blocks' partial sums, added in order here.
+pub fn sum_squares_multi(ts: &[&candle_core::Tensor]) -> Result<Vec<f64>> {
+    use candle_core::cuda_backend::cudarc::driver::DevicePtr;
+    let Some(first) = ts.first() else { return Ok(Vec::new()) };
+    let candle_core::Device::Cuda(dev) = first.device() else {
+        candle_core::bail!("sum_squares_multi: the tensors are not on a GPU")
+    };
+    let stream = dev.cuda_stream();
+    let locked: Vec<_> = ts.iter().map(|t| t.storage_and_layout()).collect();
+    let mut table = Vec::with_capacity(ts.len());
+    let mut reads = Vec::with_capacity(ts.len());
+    for (t, (storage, layout)) in ts.iter().zip(&locked) {
+        let candle_core::Storage::Cuda(s) = &**storage else {
+            candle_core::bail!("sum_squares_multi: a tensor is not on a GPU")
+        };
+        let Some((start, _)) = layout.contiguous_offsets() else {
+            candle_core::bail!("sum_squares_multi: a tensor is not contiguous")
+        };
+        let (address, read) = s.as_cuda_slice::<f32>()?.device_ptr(&stream);
+        table.push(SquaresTensor { x: address + 4 * start as u64, n: t.elem_count() as u64 });
+        reads.push(read);
+    }
+    let table = dev.clone_htod(&table)?;
+    // Safety: every element is written by the kernel.
+    let mut partial = unsafe { dev.alloc::<f64>(ts.len() * SQUARES_BLOCKS) }?;
+    let cfg = LaunchConfig {
+        grid_dim: (SQUARES_BLOCKS as u32, ts.len() as u32, 1),
+        block_dim: (256, 1, 1),
+        shared_mem_bytes: 0,
+    };
+    let func = dev.get_or_load_custom_func("sum_squares_multi", "rloo", PTX)?;
+    let mut args = func.builder();
+    args.arg(&table).arg(&mut partial);
+    // Safety: the argument list matches the kernel's signature, and the
+    // table's addresses stay allocated (locked) until the launch is queued.
+    unsafe { args.launch(cfg) }.w()?;
+    drop(reads);
+    let partial = dev.clone_dtoh(&partial)?;
+    Ok(partial.chunks(SQUARES_BLOCKS).map(|blocks| blocks.iter().sum()).collect())
+}
+
 /// `act` (0 GELU, 1 GELU tanh, 2 SiLU, 3 ReLU) elementwise over `x`, or its
 /// backward `g * act'(x)` when `grad` is given; in x's dtype.
 pub fn activation((x, x_l): In, grad: Option<In>, act: i32) -> Result<CudaStorage> {
