@@ -219,6 +219,29 @@ pub fn adamw_update(
     Ok(())
 }
 
+/// The device addresses of the first elements of locked f32 tensors, for a
+/// table of operands that one launch reads; the guards keep the stream's
+/// order of their uses and must live until the launch is queued.
+fn f32_addresses<'a, G: std::ops::Deref<Target = candle_core::Storage>>(
+    op: &str,
+    locked: &'a [(G, &'a Layout)],
+    stream: &'a std::sync::Arc<candle_core::cuda_backend::cudarc::driver::CudaStream>,
+) -> Result<(Vec<u64>, Vec<candle_core::cuda_backend::cudarc::driver::SyncOnDrop<'a>>)> {
+    use candle_core::cuda_backend::cudarc::driver::DevicePtr;
+    let mut addresses = Vec::with_capacity(locked.len());
+    let mut reads = Vec::with_capacity(locked.len());
+    for (storage, layout) in locked {
+        let candle_core::Storage::Cuda(s) = &**storage else { candle_core::bail!("{op}: an operand is not on a GPU") };
+        let Some((start, _)) = layout.contiguous_offsets() else {
+            candle_core::bail!("{op}: an operand is not contiguous")
+        };
+        let (address, read) = s.as_cuda_slice::<f32>()?.device_ptr(stream);
+        addresses.push(address + 4 * start as u64);
+        reads.push(read);
+    }
+    Ok((addresses, reads))
+}
+
 /// One parameter's operands in [`adamw_multi`]'s table, as `AdamWTensor`
 /// in `kernels.cu`.
 #[repr(C)]
@@ -242,7 +265,6 @@ unsafe impl DeviceRepr for AdamWTensor {}
 /// The weights and moments are written in place through their addresses,
 /// in the stream's order like every other op.
 pub fn adamw_multi(params: &[super::AdamWParam]) -> Result<()> {
-    use candle_core::cuda_backend::cudarc::driver::DevicePtr;
     let Some(first) = params.first() else { return Ok(()) };
     let candle_core::Device::Cuda(dev) = first.w.device() else {
         candle_core::bail!("adamw_multi: the parameters are not on a GPU")
@@ -250,19 +272,7 @@ pub fn adamw_multi(params: &[super::AdamWParam]) -> Result<()> {
     let stream = dev.cuda_stream();
     let locked: Vec<_> =
         params.iter().flat_map(|p| [p.w.as_tensor(), p.g, &*p.m, &*p.v]).map(|t| t.storage_and_layout()).collect();
-    let mut addresses = Vec::with_capacity(locked.len());
-    let mut reads = Vec::with_capacity(locked.len());
-    for (storage, layout) in &locked {
-        let candle_core::Storage::Cuda(s) = &**storage else {
-            candle_core::bail!("adamw_multi: an operand is not on a GPU")
-        };
-        let Some((start, _)) = layout.contiguous_offsets() else {
-            candle_core::bail!("adamw_multi: an operand is not contiguous")
-        };
-        let (address, read) = s.as_cuda_slice::<f32>()?.device_ptr(&stream);
-        addresses.push(address + 4 * start as u64);
-        reads.push(read);
-    }
+    let (addresses, reads) = f32_addresses("adamw_multi", &locked, &stream)?;
     let table: Vec<AdamWTensor> = params
         .iter()
         .zip(addresses.chunks(4))
@@ -314,26 +324,15 @@ const SQUARES_BLOCKS: usize = 64;
 /// has checked that every tensor is f32, contiguous and on this GPU) and
 /// one read of the blocks' partial sums, added in order here.
 pub fn sum_squares_multi(ts: &[&candle_core::Tensor]) -> Result<Vec<f64>> {
-    use candle_core::cuda_backend::cudarc::driver::DevicePtr;
     let Some(first) = ts.first() else { return Ok(Vec::new()) };
     let candle_core::Device::Cuda(dev) = first.device() else {
         candle_core::bail!("sum_squares_multi: the tensors are not on a GPU")
     };
     let stream = dev.cuda_stream();
     let locked: Vec<_> = ts.iter().map(|t| t.storage_and_layout()).collect();
-    let mut table = Vec::with_capacity(ts.len());
-    let mut reads = Vec::with_capacity(ts.len());
-    for (t, (storage, layout)) in ts.iter().zip(&locked) {
-        let candle_core::Storage::Cuda(s) = &**storage else {
-            candle_core::bail!("sum_squares_multi: a tensor is not on a GPU")
-        };
-        let Some((start, _)) = layout.contiguous_offsets() else {
-            candle_core::bail!("sum_squares_multi: a tensor is not contiguous")
-        };
-        let (address, read) = s.as_cuda_slice::<f32>()?.device_ptr(&stream);
-        table.push(SquaresTensor { x: address + 4 * start as u64, n: t.elem_count() as u64 });
-        reads.push(read);
-    }
+    let (addresses, reads) = f32_addresses("sum_squares_multi", &locked, &stream)?;
+    let table: Vec<SquaresTensor> =
+        ts.iter().zip(addresses).map(|(t, x)| SquaresTensor { x, n: t.elem_count() as u64 }).collect();
     let table = dev.clone_htod(&table)?;
     // Safety: every element is written by the kernel.
     let mut partial = unsafe { dev.alloc::<f64>(ts.len() * SQUARES_BLOCKS) }?;
