@@ -4,6 +4,8 @@
 use candle_core::{DType, Result, Tensor};
 use serde::{Deserialize, Serialize};
 
+use crate::model::readback::{HostValues, Readback, Slot};
+
 /// Whether the importance ratio is taken per sequence or per token.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default, Serialize, Deserialize)]
 #[serde(rename_all = "snake_case")]
@@ -58,8 +60,70 @@ impl ClipRange {
 pub struct PolicyLoss {
     /// Scalar, differentiable in the current log-probs.
     pub loss: Tensor,
-    /// Sums over the terms of this batch, for averaging across micro-batches.
-    pub stats: LossStats,
+    /// What the diagnostics are summed from, still on the loss's device.
+    pub diagnostics: LossDiagnostics,
+}
+
+/// Detached per-term values of a policy loss, (N,) or flattened (N, T):
+/// read to the host when the caller chooses, and summed there in f64.
+pub struct LossDiagnostics {
+    /// 1 on live terms, 0 elsewhere.
+    live: Tensor,
+    rho: Tensor,
+    unclipped: Tensor,
+    clipped: Tensor,
+    per_term: Tensor,
+    /// (N,): 1 on sequences with an unmasked token.
+    has_tokens: Tensor,
+    /// (N,): `LP - LP_old` per sequence.
+    log_ratio_seq: Tensor,
+}
+
+/// [`LossDiagnostics`] queued on a [`Readback`].
+pub struct QueuedLossStats([Slot; 7]);
+
+impl LossDiagnostics {
+    pub fn queue(&self, readback: &mut Readback) -> Result<QueuedLossStats> {
+        let mut push = |t: &Tensor| readback.push(t);
+        Ok(QueuedLossStats([
+            push(&self.live)?,
+            push(&self.rho)?,
+            push(&self.unclipped)?,
+            push(&self.clipped)?,
+            push(&self.per_term)?,
+            push(&self.has_tokens)?,
+            push(&self.log_ratio_seq)?,
+        ]))
+    }
+
+    /// The sums, read now.
+    pub fn read(&self) -> Result<LossStats> {
+        let mut readback = Readback::default();
+        let queued = self.queue(&mut readback)?;
+        Ok(queued.stats(&readback.read()?))
+    }
+}
+
+impl QueuedLossStats {
+    /// The sums over live terms, in term order.
+    pub fn stats(&self, host: &HostValues) -> LossStats {
+        let [live, rho, un, cl, term, has, log_ratio] = self.0.map(|s| host.get(s));
+        let mut stats = LossStats::default();
+        for i in (0..live.len()).filter(|&i| live[i] > 0.0) {
+            stats.terms += 1.0;
+            stats.clipped += f64::from(cl[i] > un[i]);
+            stats.ratio_sum += rho[i] as f64;
+            stats.ratio_sq_sum += (rho[i] as f64).powi(2);
+            stats.loss_sum += term[i] as f64;
+        }
+        for (h, d) in has.iter().zip(log_ratio) {
+            if *h > 0.0 {
+                stats.sequences += 1.0;
+                stats.approxkl_sum += 0.5 * (*d as f64).powi(2);
+            }
+        }
+        stats
+    }
 }
 
 /// Sums (not means), so that micro-batches can be added up and divided once.
@@ -157,32 +221,21 @@ pub fn policy_loss(
     let per_term = unclipped.maximum(&clipped)?; // -min(a, b) = max(-a, -b)
     let loss = ((&per_term * &weight)?.sum_all()? / denominator.max(1.0))?;
 
-    // Diagnostics on detached values, over live terms only.
-    let live: Vec<f32> = match ratio {
-        RatioLevel::Sequence => has_tokens.to_vec1()?,
-        RatioLevel::Token => mask.flatten_all()?.to_vec1()?,
+    let live = match ratio {
+        RatioLevel::Sequence => has_tokens.clone(),
+        RatioLevel::Token => mask.clone(),
     };
-    let flat = |t: &Tensor| -> Result<Vec<f32>> { t.detach().flatten_all()?.to_vec1() };
-    let (rho_v, un_v, cl_v, term_v) = (flat(&rho)?, flat(&unclipped)?, flat(&clipped)?, flat(&per_term)?);
-    let mut stats = LossStats::default();
-    for i in 0..live.len() {
-        if live[i] > 0.0 {
-            stats.terms += 1.0;
-            stats.clipped += f64::from(cl_v[i] > un_v[i]);
-            stats.ratio_sum += rho_v[i] as f64;
-            stats.ratio_sq_sum += (rho_v[i] as f64).powi(2);
-            stats.loss_sum += term_v[i] as f64;
-        }
-    }
-    let has: Vec<f32> = has_tokens.to_vec1()?;
-    let lr: Vec<f32> = log_ratio_seq.detach().to_vec1()?;
-    for (h, d) in has.iter().zip(&lr) {
-        if *h > 0.0 {
-            stats.sequences += 1.0;
-            stats.approxkl_sum += 0.5 * (*d as f64).powi(2);
-        }
-    }
-    Ok(PolicyLoss { loss, stats })
+    // Detached, so that holding them does not hold the forward pass's graph.
+    let diagnostics = LossDiagnostics {
+        live: live.detach(),
+        rho: rho.detach(),
+        unclipped: unclipped.detach(),
+        clipped: clipped.detach(),
+        per_term: per_term.detach(),
+        has_tokens: has_tokens.detach(),
+        log_ratio_seq: log_ratio_seq.detach(),
+    };
+    Ok(PolicyLoss { loss, diagnostics })
 }
 
 /// A per-token penalty (such as KL in the loss) averaged the way the policy
@@ -207,26 +260,24 @@ pub fn masked_mean_loss(
 /// What a mini-batch's loss is divided by: its live sequences, its
 /// unmasked tokens for `token_mean`, or its completions x
 /// `response_length` for `token_sum_norm` (0 when no token is live, which
-/// skips the step). `mask`: (N, T).
-pub fn loss_denominator(
-    mask: &Tensor,
-    ratio: RatioLevel,
-    aggregation: Aggregation,
-    response_length: usize,
-) -> Result<f64> {
-    let lengths: Vec<f32> = mask.sum(1)?.to_vec1()?;
+/// skips the step). `lengths`: each completion's unmasked tokens.
+pub fn loss_denominator(lengths: &[f32], ratio: RatioLevel, aggregation: Aggregation, response_length: usize) -> f64 {
     let live = lengths.iter().filter(|&&l| l > 0.0).count() as f64;
-    Ok(match (ratio, aggregation) {
+    match (ratio, aggregation) {
         (RatioLevel::Token, Aggregation::TokenMean) => lengths.iter().map(|&l| l as f64).sum(),
         (RatioLevel::Token, Aggregation::TokenSumNorm) if live > 0.0 => (lengths.len() * response_length) as f64,
         _ => live,
-    })
+    }
 }
 
 #[cfg(test)]
 mod tests {
     use super::*;
     use candle_core::{Device, Var};
+
+    fn lengths(mask: &Tensor) -> Vec<f32> {
+        mask.sum(1).unwrap().to_vec1().unwrap()
+    }
 
     /// Two prompts x two completions of up to 3 tokens; the last completion
     /// is fully masked.
@@ -245,7 +296,7 @@ mod tests {
     #[test]
     fn sequence_ratio_loss_and_gradient_match_hand_computation() {
         let (lp, lp_old, mask, adv) = toy();
-        let denom = loss_denominator(&mask, RatioLevel::Sequence, Aggregation::SequenceMean, 3).unwrap();
+        let denom = loss_denominator(&lengths(&mask), RatioLevel::Sequence, Aggregation::SequenceMean, 3);
         assert_eq!(denom, 3.0, "the fully masked completion is not a term");
         let out = policy_loss(
             lp.as_tensor(),
@@ -273,10 +324,11 @@ mod tests {
                 assert!((*a as f64 - b).abs() < 1e-6, "{g:?}");
             }
         }
-        assert_eq!(out.stats.terms, 3.0);
-        assert_eq!(out.stats.clipped, 0.0);
+        let stats = out.diagnostics.read().unwrap();
+        assert_eq!(stats.terms, 3.0);
+        assert_eq!(stats.clipped, 0.0);
         let approxkl = 0.5 * (0.01 + 0.04) / 3.0;
-        assert!((out.stats.approxkl() - approxkl).abs() < 1e-6);
+        assert!((stats.approxkl() - approxkl).abs() < 1e-6);
     }
 
     #[test]
@@ -298,7 +350,8 @@ mod tests {
         )
         .unwrap();
         assert!((out.loss.to_scalar::<f32>().unwrap() + 1.2).abs() < 1e-6);
-        assert_eq!(out.stats.clipped, 1.0);
+        let stats = out.diagnostics.read().unwrap();
+        assert_eq!(stats.clipped, 1.0);
         let g = out.loss.backward().unwrap().get(&lp).unwrap().to_vec2::<f32>().unwrap()[0][0];
         assert_eq!(g, 0.0, "a clipped term has no gradient");
     }
@@ -328,7 +381,8 @@ mod tests {
         .unwrap();
         // Terms: -min(1.25, 1.25) = -1.25; -min(-0.75, -0.8) = 0.8.
         assert!((out.loss.to_scalar::<f32>().unwrap() - (-1.25 + 0.8) / 2.0).abs() < 1e-6);
-        assert_eq!(out.stats.clipped, 1.0);
+        let stats = out.diagnostics.read().unwrap();
+        assert_eq!(stats.clipped, 1.0);
         let g = out.loss.backward().unwrap().get(&lp).unwrap().to_vec2::<f32>().unwrap();
         // d/d lp of -rho * A / 2 = -1.25 / 2 for the first; the clipped second has none.
         assert!((g[0][0] + 0.625).abs() < 1e-6 && g[1][0] == 0.0, "{g:?}");
@@ -365,7 +419,7 @@ mod tests {
             out.loss.to_scalar::<f32>().unwrap() as f64
         };
         let r = |d: f64| d.exp();
-        let tm = loss_denominator(&mask, RatioLevel::Token, Aggregation::TokenMean, 3).unwrap();
+        let tm = loss_denominator(&lengths(&mask), RatioLevel::Token, Aggregation::TokenMean, 3);
         assert_eq!(tm, 6.0);
         let want = (-2.0 * (r(0.1) + 1.0 + 1.0) + (1.0 + r(-0.2)) - 0.5) / 6.0;
         assert!((loss(Aggregation::TokenMean, tm) - want).abs() < 1e-6);
@@ -373,12 +427,12 @@ mod tests {
         assert!((loss(Aggregation::SequenceMean, 3.0) - want).abs() < 1e-6);
         // Dr. GRPO: the same token terms summed, over 4 completions x a
         // response_length of 5, whatever their lengths.
-        let ts = loss_denominator(&mask, RatioLevel::Token, Aggregation::TokenSumNorm, 5).unwrap();
+        let ts = loss_denominator(&lengths(&mask), RatioLevel::Token, Aggregation::TokenSumNorm, 5);
         assert_eq!(ts, 20.0);
         let want = (-2.0 * (r(0.1) + 1.0 + 1.0) + (1.0 + r(-0.2)) - 0.5) / 20.0;
         assert!((loss(Aggregation::TokenSumNorm, ts) - want).abs() < 1e-6);
         let none = Tensor::zeros((4, 3), DType::F32, &Device::Cpu).unwrap();
-        assert_eq!(loss_denominator(&none, RatioLevel::Token, Aggregation::TokenSumNorm, 5).unwrap(), 0.0);
+        assert_eq!(loss_denominator(&lengths(&none), RatioLevel::Token, Aggregation::TokenSumNorm, 5), 0.0);
     }
 
     #[test]
@@ -410,6 +464,7 @@ mod tests {
             .to_scalar::<f32>()
             .unwrap();
         assert_eq!(g, 0.0);
-        assert_eq!(out.stats.terms, 0.0);
+        let stats = out.diagnostics.read().unwrap();
+        assert_eq!(stats.terms, 0.0);
     }
 }

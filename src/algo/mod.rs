@@ -12,5 +12,6 @@ pub use advantage::{advantages, returns_and_advantages, whiten, Advantages, Base
 pub use groups::Grouped;
 pub use kl::{kl_per_token, sequence_kl, KlEstimator, KlPlacement};
 pub use loss::{
-    loss_denominator, masked_mean_loss, policy_loss, Aggregation, ClipRange, LossStats, PolicyLoss, RatioLevel,
+    loss_denominator, masked_mean_loss, policy_loss, Aggregation, ClipRange, LossDiagnostics, LossStats, PolicyLoss,
+    QueuedLossStats, RatioLevel,
 };

@@ -6,6 +6,8 @@
 
 use candle_core::{Result, Tensor};
 
+use crate::model::readback::{HostValues, Readback, Slot};
+
 /// `r_t = -beta * kl_t` on every token, with the score added at the last
 /// token. A completion with no tokens has no rewards (its score is lost,
 /// as there is no action to credit).
@@ -70,7 +72,56 @@ pub fn padded(rows: &[Vec<f32>], width: usize, device: &candle_core::Device) -> 
 pub struct ValueLoss {
     /// Scalar, differentiable in the predicted values.
     pub loss: Tensor,
-    pub stats: ValueStats,
+    /// What the diagnostics are summed from, still on the loss's device.
+    pub diagnostics: ValueDiagnostics,
+}
+
+/// Detached per-token values of a value loss, (N, T).
+pub struct ValueDiagnostics {
+    mask: Tensor,
+    unclipped: Tensor,
+    clipped: Tensor,
+    per_token: Tensor,
+    vpred: Tensor,
+}
+
+/// [`ValueDiagnostics`] queued on a [`Readback`].
+pub struct QueuedValueStats([Slot; 5]);
+
+impl ValueDiagnostics {
+    pub fn queue(&self, readback: &mut Readback) -> Result<QueuedValueStats> {
+        let mut push = |t: &Tensor| readback.push(t);
+        Ok(QueuedValueStats([
+            push(&self.mask)?,
+            push(&self.unclipped)?,
+            push(&self.clipped)?,
+            push(&self.per_token)?,
+            push(&self.vpred)?,
+        ]))
+    }
+
+    /// The sums, read now.
+    pub fn read(&self) -> Result<ValueStats> {
+        let mut readback = Readback::default();
+        let queued = self.queue(&mut readback)?;
+        Ok(queued.stats(&readback.read()?))
+    }
+}
+
+impl QueuedValueStats {
+    /// The sums over unmasked tokens, in token order.
+    pub fn stats(&self, host: &HostValues) -> ValueStats {
+        let [m, un, cl, term, v] = self.0.map(|s| host.get(s));
+        let mut stats = ValueStats::default();
+        for i in (0..m.len()).filter(|&i| m[i] > 0.0) {
+            stats.tokens += 1.0;
+            stats.clipped += f64::from(cl[i] > un[i]);
+            stats.loss_sum += term[i] as f64;
+            stats.vpred_sum += v[i] as f64;
+            stats.error_sum += un[i] as f64;
+        }
+        stats
+    }
 }
 
 /// Sums over unmasked tokens, added up across micro-batches.
@@ -127,17 +178,14 @@ pub fn value_loss(
     let per_token = (unclipped.maximum(&clipped)? * 0.5)?;
     let loss = ((&per_token * mask)?.sum_all()? / denominator.max(1.0))?;
 
-    let flat = |t: &Tensor| -> Result<Vec<f32>> { t.detach().flatten_all()?.to_vec1() };
-    let (m, un, cl, term, v) = (flat(mask)?, flat(&unclipped)?, flat(&clipped)?, flat(&per_token)?, flat(vpred)?);
-    let mut stats = ValueStats::default();
-    for i in (0..m.len()).filter(|&i| m[i] > 0.0) {
-        stats.tokens += 1.0;
-        stats.clipped += f64::from(cl[i] > un[i]);
-        stats.loss_sum += term[i] as f64;
-        stats.vpred_sum += v[i] as f64;
-        stats.error_sum += un[i] as f64;
-    }
-    Ok(ValueLoss { loss, stats })
+    let diagnostics = ValueDiagnostics {
+        mask: mask.detach(),
+        unclipped: unclipped.detach(),
+        clipped: clipped.detach(),
+        per_token: per_token.detach(),
+        vpred: vpred.detach(),
+    };
+    Ok(ValueLoss { loss, diagnostics })
 }
 
 #[cfg(test)]
@@ -210,10 +258,11 @@ mod tests {
         .unwrap();
         let loss = out.loss.to_scalar::<f32>().unwrap();
         assert!((loss - (1.62 + 0.605 + 4.5) / 3.0).abs() < 1e-5, "{loss}");
-        assert_eq!(out.stats.tokens, 3.0);
-        assert_eq!(out.stats.clipped, 1.0);
-        assert!((out.stats.error_mean() - (1.0 + 1.21 + 9.0) / 3.0).abs() < 1e-5);
-        assert!((out.stats.vpred_mean() - (1.0 + 0.1 - 3.0) / 3.0).abs() < 1e-6);
+        let stats = out.diagnostics.read().unwrap();
+        assert_eq!(stats.tokens, 3.0);
+        assert_eq!(stats.clipped, 1.0);
+        assert!((stats.error_mean() - (1.0 + 1.21 + 9.0) / 3.0).abs() < 1e-5);
+        assert!((stats.vpred_mean() - (1.0 + 0.1 - 3.0) / 3.0).abs() < 1e-6);
         // The gradient flows through the unclipped error only where it is the larger one:
         // token 0 is clipped (no gradient), token 1: (V - R) / 3, token 2: (V - R) / 3.
         let grads = out.loss.backward().unwrap();

@@ -21,6 +21,7 @@ pub mod ops;
 pub mod opt;
 pub mod qwen2;
 pub mod qwen3;
+pub mod readback;
 pub mod rope;
 pub mod save;
 pub mod scoring;

@@ -20,9 +20,21 @@ pub fn activation(x: &Tensor, act: Activation) -> Result<Tensor> {
 pub(super) fn apply(act: Activation, x: &[f32]) -> Vec<f32> {
     match act {
         Activation::Gelu => map(x, gelu_erf),
-        Activation::GeluTanh => map(x, |x| gelu_tanh(x).0),
-        Activation::Silu => map(x, |x| x / (1.0 + exp(-x))),
-        Activation::Relu => map(x, |x| x.max(0.0)),
+        Activation::GeluTanh => map(
+            x,
+            #[inline(always)]
+            |x| gelu_tanh(x).0,
+        ),
+        Activation::Silu => map(
+            x,
+            #[inline(always)]
+            |x| x / (1.0 + exp(-x)),
+        ),
+        Activation::Relu => map(
+            x,
+            #[inline(always)]
+            |x| x.max(0.0),
+        ),
     }
 }
 
@@ -40,21 +52,44 @@ pub(super) fn grad_without_graph(x: &Tensor, grad: &Tensor, act: Activation) -> 
 pub(super) fn apply_grad(act: Activation, x: &[f32], g: &[f32]) -> Vec<f32> {
     match act {
         // d/dx x Phi(x) = Phi(x) + x phi(x)
-        Activation::Gelu => map2(x, g, |x, g| {
-            let cdf = 0.5 * (1.0 + erf(x * std::f32::consts::FRAC_1_SQRT_2));
-            g * (cdf + x * exp(-0.5 * x * x) * INV_SQRT_2PI)
-        }),
-        Activation::GeluTanh => map2(x, g, |x, g| g * gelu_tanh(x).1),
+        Activation::Gelu => map2(
+            x,
+            g,
+            #[inline(always)]
+            |x, g| {
+                let cdf = 0.5 * (1.0 + erf(x * std::f32::consts::FRAC_1_SQRT_2));
+                g * (cdf + x * exp(-0.5 * x * x) * INV_SQRT_2PI)
+            },
+        ),
+        Activation::GeluTanh => map2(
+            x,
+            g,
+            #[inline(always)]
+            |x, g| g * gelu_tanh(x).1,
+        ),
         // d/dx x s(x) = s(x) (1 + x (1 - s(x)))
-        Activation::Silu => map2(x, g, |x, g| {
-            let s = sigmoid(x);
-            g * s * (1.0 + x * (1.0 - s))
-        }),
-        Activation::Relu => map2(x, g, |x, g| if x > 0.0 { g } else { 0.0 }),
+        Activation::Silu => map2(
+            x,
+            g,
+            #[inline(always)]
+            |x, g| {
+                let s = sigmoid(x);
+                g * s * (1.0 + x * (1.0 - s))
+            },
+        ),
+        Activation::Relu => map2(
+            x,
+            g,
+            #[inline(always)]
+            |x, g| if x > 0.0 { g } else { 0.0 },
+        ),
     }
 }
 
-/// Elementwise over `x` in parallel chunks.
+/// Elementwise over `x` in parallel chunks. Callers mark `f`
+/// `#[inline(always)]`: only inlined into the AVX2 loop is it compiled
+/// with AVX2; left to the optimiser, it can stay a plain call (several
+/// times slower), depending on how the rest of the crate compiles.
 fn map(x: &[f32], f: impl Fn(f32) -> f32 + Sync) -> Vec<f32> {
     let mut out = vec![0f32; x.len()];
     out.par_chunks_mut(CHUNK).zip(x.par_chunks(CHUNK)).for_each(|(o, x)| {
@@ -70,7 +105,8 @@ fn map(x: &[f32], f: impl Fn(f32) -> f32 + Sync) -> Vec<f32> {
     out
 }
 
-/// `f(x, y)` elementwise over two slices of equal length, in parallel chunks.
+/// `f(x, y)` elementwise over two slices of equal length, in parallel
+/// chunks; `f` is `#[inline(always)]` as in [`map`].
 fn map2(x: &[f32], y: &[f32], f: impl Fn(f32, f32) -> f32 + Sync) -> Vec<f32> {
     let mut out = vec![0f32; x.len()];
     out.par_chunks_mut(CHUNK).zip(x.par_chunks(CHUNK).zip(y.par_chunks(CHUNK))).for_each(|(o, (x, y))| {

@@ -3,17 +3,20 @@
 //! micro-batches: the clipped policy loss the algorithm shapes, over its
 //! per-completion or per-token advantages, the KL loss where it is placed
 //! there, and the algorithm's own terms (PPO's value loss), whose
-//! gradients reach what it trains beside the policy.
+//! gradients reach what it trains beside the policy. The losses'
+//! diagnostics stay on the device until the optimizer step, which reads
+//! them to the host at once.
 
 use std::time::Instant;
 
 use candle_core::Tensor;
 
-use super::algorithm::{Micro, Tally, Targets};
+use super::algorithm::{Micro, PendingTally, Tally, Targets};
 use super::{Optimizers, Run};
-use crate::algo::{self, KlPlacement, LossStats};
+use crate::algo::{self, KlPlacement, LossStats, QueuedLossStats};
 use crate::dist::Communicator;
 use crate::error::Result;
+use crate::model::readback::{HostValues, Readback, Slot};
 use crate::model::scoring::{completion_logprobs, Sequences, TokenLogprobs};
 use crate::report::Metrics;
 use crate::rng::streams;
@@ -44,7 +47,33 @@ pub(super) struct TrainSeconds {
     pub update: f64,
 }
 
+/// What one micro-batch queued for the host, read at its mini-batch's end.
+struct QueuedMicro {
+    loss: Slot,
+    policy: QueuedLossStats,
+    /// The sum of its tokens' entropies, and its token count.
+    entropy: Slot,
+    tokens: Slot,
+    extra: Option<PendingTally>,
+}
+
 impl TrainStats {
+    /// Adds a mini-batch's micro-batches, in their order; returns the sum
+    /// of their losses.
+    fn add(&mut self, queued: Vec<QueuedMicro>, host: &HostValues) -> f64 {
+        let mut loss_sum = 0f64;
+        for q in queued {
+            loss_sum += host.scalar(q.loss) as f64;
+            self.loss.add(&q.policy.stats(host));
+            self.entropy_sum += host.scalar(q.entropy) as f64;
+            self.tokens += host.scalar(q.tokens) as f64;
+            if let Some(extra) = q.extra {
+                self.extra.merge(&extra(host));
+            }
+        }
+        loss_sum
+    }
+
     /// The sums over every process's share of the step.
     fn sum_over(&mut self, comm: &dyn Communicator) -> Result<()> {
         let l = &mut self.loss;
@@ -108,16 +137,19 @@ impl Run {
         models.extend(trained.iter().map(|t| t.model));
         let mut stats = TrainStats::default();
         let mut grads = GradAccumulator::default();
+        let mut readback = Readback::default();
+        // Each completion's loss tokens, read once: the mini-batches' denominators.
+        let lengths: Vec<f32> = loss_mask.sum(1)?.to_vec1()?;
         let world = self.comm.world();
         for epoch in 0..cfg.rloo.num_ppo_epochs {
             let order = Rng::stream(cfg.train.seed, &[streams::MINIBATCH_ORDER, step as u64, epoch as u64])
                 .permutation(seqs.len());
             for mini in order.chunks(sizes.mini) {
-                let mini_mask = rows_of(loss_mask, mini)?;
+                let mini_lengths: Vec<f32> = mini.iter().map(|&i| lengths[i]).collect();
                 let response_length = cfg.generation.response_length;
-                let denominator = algo::loss_denominator(&mini_mask, ratio, aggregation, response_length)?;
+                let denominator = algo::loss_denominator(&mini_lengths, ratio, aggregation, response_length);
                 grads.clear();
-                let mut loss_sum = 0f64;
+                let mut queued = Vec::new();
                 // Each process takes its share of the mini-batch; the loss's
                 // denominator is the whole mini-batch's, so the summed
                 // gradients are one process's.
@@ -151,14 +183,19 @@ impl Run {
                     }
                     let micro =
                         Micro { part: &part, rows: &narrow, targets, mask: &mask, denominator, device: &self.device };
-                    if let Some((extra, tally)) = self.algorithm.extra_loss(&micro)? {
-                        loss = (loss + extra)?;
-                        stats.extra.merge(&tally);
+                    let mut extra = None;
+                    if let Some((extra_loss, tally)) = self.algorithm.extra_loss(&micro, &mut readback)? {
+                        loss = (loss + extra_loss)?;
+                        extra = Some(tally);
                     }
-                    loss_sum += loss.to_scalar::<f32>()? as f64;
-                    stats.loss.add(&out.stats);
-                    stats.entropy_sum += (&now.entropy * &mask)?.sum_all()?.to_scalar::<f32>()? as f64;
-                    stats.tokens += mask.sum_all()?.to_scalar::<f32>()? as f64;
+                    queued.push(QueuedMicro {
+                        loss: readback.push(&loss)?,
+                        policy: out.diagnostics.queue(&mut readback)?,
+                        entropy: readback.push(&(&now.entropy * &mask)?.sum_all()?)?,
+                        tokens: readback.push(&mask.sum_all()?)?,
+                        extra,
+                    });
+                    self.device.synchronize()?;
                     stats.seconds.forward += started.elapsed().as_secs_f64();
                     let started = Instant::now();
                     let backward = crate::model::backward(&loss, &models)?;
@@ -169,6 +206,8 @@ impl Run {
                     stats.seconds.backward += started.elapsed().as_secs_f64();
                 }
                 let started = Instant::now();
+                // The mini-batch's diagnostics, in one read.
+                let mut loss_sum = stats.add(queued, &readback.read()?);
                 if world.joined {
                     let stores: Vec<_> = models.iter().map(|m| m.params()).collect();
                     let mut sum = [loss_sum];

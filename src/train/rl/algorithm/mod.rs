@@ -17,6 +17,7 @@ use candle_core::{Device, Tensor};
 
 use crate::algo::{Aggregation, RatioLevel};
 use crate::error::{Error, Result};
+use crate::model::readback::{HostValues, Readback};
 use crate::model::scoring::Sequences;
 use crate::model::{Model, ModelConfig};
 use crate::report::Metrics;
@@ -123,6 +124,9 @@ pub struct Trained<'a> {
 #[derive(Debug, Clone, Default, PartialEq)]
 pub struct Tally(Vec<(&'static str, f64)>);
 
+/// A micro-batch's [`Tally`], once the step has read what it queued.
+pub type PendingTally = Box<dyn FnOnce(&HostValues) -> Tally>;
+
 impl Tally {
     pub fn add(&mut self, name: &'static str, value: f64) {
         match self.0.iter_mut().find(|(n, _)| *n == name) {
@@ -170,8 +174,8 @@ pub trait Algorithm: Send + Sync {
 
     /// Loss terms beside the policy's on one micro-batch (PPO: the value
     /// loss), differentiable in the models of [`trained`](Self::trained),
-    /// with the sums it reports.
-    fn extra_loss(&self, _micro: &Micro<'_>) -> Result<Option<(Tensor, Tally)>> {
+    /// with the sums it reports, from values it queues on `readback`.
+    fn extra_loss(&self, _micro: &Micro<'_>, _readback: &mut Readback) -> Result<Option<(Tensor, PendingTally)>> {
         Ok(None)
     }
 

@@ -8,12 +8,13 @@ use std::path::Path;
 
 use candle_core::{Device, Tensor};
 
-use super::{Algorithm, Batch, Entry, LiveRows, LossShape, Micro, Start, Tally, Targets, Trained};
+use super::{Algorithm, Batch, Entry, LiveRows, LossShape, Micro, PendingTally, Start, Tally, Targets, Trained};
 use crate::algo::ppo::{gae, token_rewards, value_loss, whiten_tokens};
 use crate::algo::{Aggregation, KlPlacement, RatioLevel};
 use crate::error::{Error, Result};
 use crate::model::hub::resolve_model;
 use crate::model::layer_graphs::LayerGraphs;
+use crate::model::readback::Readback;
 use crate::model::scoring::{completion_values, completion_values_chunked, Sequences};
 use crate::model::{HeadKind, Model, ModelConfig};
 use crate::report::Metrics;
@@ -68,7 +69,7 @@ impl Algorithm for Ppo {
     }
 
     /// `vf_coef` times the clipped value loss, whose gradients reach the critic.
-    fn extra_loss(&self, micro: &Micro<'_>) -> Result<Option<(Tensor, Tally)>> {
+    fn extra_loss(&self, micro: &Micro<'_>, readback: &mut Readback) -> Result<Option<(Tensor, PendingTally)>> {
         let vpred = completion_values(self.critic.model.network(), micro.part, micro.device)?;
         let (Some(values), Some(returns)) = (&micro.targets.values, &micro.targets.returns) else {
             unreachable!("PPO's targets hold values and returns")
@@ -76,16 +77,21 @@ impl Algorithm for Ppo {
         let (values, returns) = ((micro.rows)(values)?, (micro.rows)(returns)?);
         let o = &self.options;
         let v = value_loss(&vpred, &values, &returns, micro.mask, o.cliprange_value, micro.denominator)?;
-        let mut tally = Tally::default();
-        for (name, x) in [
-            ("tokens", v.stats.tokens),
-            ("clipped", v.stats.clipped),
-            ("loss", v.stats.loss_sum),
-            ("vpred", v.stats.vpred_sum),
-            ("error", v.stats.error_sum),
-        ] {
-            tally.add(name, x);
-        }
+        let queued = v.diagnostics.queue(readback)?;
+        let tally: PendingTally = Box::new(move |host| {
+            let stats = queued.stats(host);
+            let mut tally = Tally::default();
+            for (name, x) in [
+                ("tokens", stats.tokens),
+                ("clipped", stats.clipped),
+                ("loss", stats.loss_sum),
+                ("vpred", stats.vpred_sum),
+                ("error", stats.error_sum),
+            ] {
+                tally.add(name, x);
+            }
+            tally
+        });
         Ok(Some(((v.loss * o.vf_coef)?, tally)))
     }
 
