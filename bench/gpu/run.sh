@@ -24,9 +24,11 @@
 #      SIZES       generation models: 410m 1b (default both)
 #      ARMS        training arms: 410m-full 1b-full 1b-lora qwen3-8b-lora
 #                  (default the first three; the 8B arm makes a 16 GB model)
-#      DECODERS    rloo's decoding variants, SAMPLER+ATTENTION: how tokens are picked
-#                  (RLOO_SAMPLER: race, host) and how a step attends over the cache
-#                  (RLOO_DECODE_ATTENTION: fused, composed); default race+fused host+composed
+#      DECODERS    rloo's decoding variants, SAMPLER+ATTENTION[+APPEND]: how tokens are
+#                  picked (RLOO_SAMPLER: race, host), how a step attends over the cache
+#                  (RLOO_DECODE_ATTENTION: fused, composed) and how it rotates and
+#                  appends its keys (RLOO_DECODE_APPEND: composed, the default, or fused);
+#                  default race+fused race+fused+fused host+composed
 #      ATTENTION   rloo's attention kernels for whole sequences in the training
 #                  runs (RLOO_ATTENTION: rows, tensor); default rows tensor
 #      RUNS        generation runs of each side (default 3)
@@ -44,7 +46,7 @@ cd "$(dirname "$0")/../.."
 ROOT=$PWD
 OUT=${OUT:-/tmp/rloo-gpu-bench}
 SIZES=${SIZES:-410m 1b}
-DECODERS=${DECODERS:-race+fused host+composed}
+DECODERS=${DECODERS:-race+fused race+fused+fused host+composed}
 ATTENTION=${ATTENTION:-rows tensor}
 ARMS=${ARMS:-410m-full 1b-full 1b-lora}
 RUNS=${RUNS:-3}
@@ -97,7 +99,9 @@ if part generate; then
             for decoder in $DECODERS; do
                 # The same seed every run: the runs must give the same tokens.
                 run=$OUT/gen-$size-rloo_$decoder-$i
-                RLOO_SAMPLER=${decoder%+*} RLOO_DECODE_ATTENTION=${decoder#*+} "${rloo[@]}" generate --device "$DEVICE" --bf16 --model "$dir/policy" \
+                IFS=+ read -r sampler attention append <<<"$decoder"
+                RLOO_SAMPLER=$sampler RLOO_DECODE_ATTENTION=$attention RLOO_DECODE_APPEND=${append:-composed} \
+                    "${rloo[@]}" generate --device "$DEVICE" --bf16 --model "$dir/policy" \
                     --prompts "$dir/prompts.jsonl" --output "$run.jsonl" --num-return-sequences $K \
                     --max-new-tokens $NEW --temperature 1.0 --batch-size $((PROMPTS * K)) --ignore-eos --seed 1 \
                     2>"$run.log" || tail -5 "$run.log"

@@ -9,7 +9,7 @@ use crate::generate::race::{self, RaceRow};
 use crate::generate::sampling::Pick;
 use crate::generate::Sampling;
 use crate::model::batch::{attention_bias, Inputs, PadSide};
-use crate::model::cache::{LayerKv, SharedKv};
+use crate::model::cache::{KvCache, LayerKv, SharedKv};
 use crate::model::kernels::{self, AdamWParam, AdamWStep, AttentionInputs, RotaryTables};
 use crate::model::ops::Activation;
 use crate::rng::Rng;
@@ -23,6 +23,7 @@ const CUDA_KERNELS: &[&str] = &[
     "rotary",
     "attention",
     "decode_attention",
+    "rotary_append",
     "token_logprobs",
     "adamw",
     "sum_squares",
@@ -170,6 +171,16 @@ pub fn check_kernels(device: &Device, dtypes: &[DType]) -> Vec<Check> {
                 decode_attention_check(device, dtype, d, rng)
                     .unwrap_or_else(|e| Check::failed("kernel", &format!("decode_attention, head size {d}"), dtype, e)),
             );
+        }
+        // One launch on a GPU; elsewhere the composition it would be compared with.
+        if device.is_cuda() {
+            for d in [64, 128] {
+                out.push(
+                    rotary_append_check(device, dtype, d, rng).unwrap_or_else(|e| {
+                        Check::failed("kernel", &format!("rotary_append, head size {d}"), dtype, e)
+                    }),
+                );
+            }
         }
         let (hidden, head) = (randn(rng, &[24, 64], 0.0, 1.0), randn(rng, &[500, 64], 0.0, 0.2));
         let targets: Vec<u32> = (0..24).map(|i| (i * 37 % 500) as u32).collect();
@@ -326,7 +337,7 @@ fn attention_checks(device: &Device, dtype: DType, rng: &mut Rng) -> Result<Vec<
     let rows = [(1..=9).collect::<Vec<u32>>(), (1..=6).collect()];
     let bias_on = |dev: &Device| -> Result<Tensor> {
         let inputs = Inputs::from_rows(&rows, 0, PadSide::Right, dev)?;
-        Ok(attention_bias(&inputs, None)?.0)
+        attention_bias(&inputs, &inputs.mask)
     };
     let angles = randn(rng, &[b, 1, t, r / 2], 0.0, 1.0);
     let angles = Tensor::cat(&[&angles, &angles], 3)?;
@@ -375,7 +386,7 @@ fn tensor_attention_check(device: &Device, d: usize, rng: &mut Rng) -> Result<Ch
     let rows = [(1..=70).collect::<Vec<u32>>(), (1..=41).collect()];
     let bias_on = |dev: &Device| -> Result<Tensor> {
         let inputs = Inputs::from_rows(&rows, 0, PadSide::Right, dev)?;
-        Ok(attention_bias(&inputs, None)?.0)
+        attention_bias(&inputs, &inputs.mask)
     };
     let (host, on_device) = (bias_on(&Device::Cpu)?, bias_on(device)?);
     let scale = 1.0 / (d as f64).sqrt();
@@ -442,6 +453,46 @@ fn decode_attention_check(device: &Device, dtype: DType, d: usize, rng: &mut Rng
     };
     let error = relative_error(&run(device, dtype)?, &run(&Device::Cpu, DType::F32)?)?;
     let label = format!("decode_attention, head size {d} ({})", path("decode_attention", device, dtype));
+    Ok(Check::new("kernel", &label, dtype, error, None, tolerance(dtype)))
+}
+
+/// A decoding step's rotary and cache append in one launch, with q, k and v
+/// cut from one fused projection (grouped-query heads, a quarter of each
+/// head rotated) after two filled slots of a cache with spare capacity,
+/// against the CPU composition: the rotated queries, then the cache's keys
+/// and values.
+fn rotary_append_check(device: &Device, dtype: DType, d: usize, rng: &mut Rng) -> Result<Check> {
+    let (b, h, h_kv, r, filled) = (3, 4, 2, d / 4, 2);
+    let qkv = randn(rng, &[b, 1, h + 2 * h_kv, d], 0.0, 1.0);
+    let (past_k, past_v) = (randn(rng, &[b, h_kv, filled, d], 0.0, 1.0), randn(rng, &[b, h_kv, filled, d], 0.0, 1.0));
+    // Rotate-half tables: each angle serves features j and j + R/2.
+    let angles = randn(rng, &[b, 1, 1, r / 2], 0.0, 2.0);
+    let angles = Tensor::cat(&[&angles, &angles], 3)?;
+    let (cos, sin) = (angles.cos()?, angles.sin()?);
+    let run = |device: &Device, dtype: DType| -> Result<Tensor> {
+        let on = |t: &Tensor| t.to_device(device)?.to_dtype(dtype);
+        let qkv = on(&qkv)?;
+        let (q, k, v) = (qkv.narrow(2, 0, h)?, qkv.narrow(2, h, h_kv)?, qkv.narrow(2, h + h_kv, h_kv)?);
+        let tables = (cos.to_device(device)?, sin.to_device(device)?);
+        let mut cache = KvCache::new(1);
+        cache.reserve(filled + 2);
+        cache.append(0, &on(&past_k)?, &on(&past_v)?)?;
+        cache.set_key_mask(Tensor::ones((b, filled), DType::F32, device)?);
+        let (q, kv) = match kernels::rotary_append_cuda((&q, &k, &v), Some(&tables), &mut cache, 0)? {
+            Some(appended) => appended,
+            None if device.is_cpu() => {
+                let heads = |t: &Tensor| t.transpose(1, 2)?.contiguous();
+                let rotate = |t: &Tensor| kernels::rotate(&heads(t)?, &tables.0, &tables.1);
+                (rotate(&q)?, cache.append(0, &rotate(&k)?, &heads(&v)?)?)
+            }
+            None => candle_core::bail!("the fused kernel did not run"),
+        };
+        let (keys, values) = kv.whole()?;
+        let flat = |t: &Tensor| t.to_dtype(DType::F32)?.to_device(&Device::Cpu)?.flatten_all();
+        Tensor::cat(&[flat(&q)?, flat(&keys)?, flat(&values)?], 0)
+    };
+    let error = relative_error(&run(device, dtype)?, &run(&Device::Cpu, DType::F32)?)?;
+    let label = format!("rotary_append, head size {d} ({})", path("rotary_append", device, dtype));
     Ok(Check::new("kernel", &label, dtype, error, None, tolerance(dtype)))
 }
 

@@ -172,32 +172,42 @@ fn positions_from_mask(mask: &[f32], b: usize, t: usize) -> Vec<u32> {
 /// result instead of NaN.
 const MASKED: f64 = -1e30;
 
-/// Builds the additive attention bias (B, 1, T, S) for `inputs` following
-/// `past` cached slots: a query may see real keys up to its own slot.
-/// Returns the bias and the key mask of all S slots, which the cache keeps
-/// after the forward pass.
-pub fn attention_bias(inputs: &Inputs, cache: Option<&KvCache>) -> Result<(Tensor, Tensor)> {
-    let dev = inputs.ids.device();
-    let (b, t) = inputs.ids.dims2()?;
-    let key_mask = match cache.and_then(KvCache::key_mask) {
+/// The key mask (B, S) of a pass over `inputs` after the cache's past
+/// slots: the cache's own mask, then the inputs'. The cache keeps it after
+/// the forward pass.
+pub fn key_mask(inputs: &Inputs, cache: Option<&KvCache>) -> Result<Tensor> {
+    if inputs.segments.is_some() && cache.is_some() {
+        candle_core::bail!("shared-prefix rows are for whole-sequence passes, not a key/value cache");
+    }
+    Ok(match cache.and_then(KvCache::key_mask) {
         Some(past) => Tensor::cat(&[past, &inputs.mask], 1)?,
         None => inputs.mask.clone(),
-    };
-    let s = key_mask.dims()[1];
-    if let Some(segments) = &inputs.segments {
-        if cache.is_some() {
-            candle_core::bail!("shared-prefix rows are for whole-sequence passes, not a key/value cache");
-        }
-        return Ok((shared_prefix_bias(segments, b, t, dev)?, key_mask));
+    })
+}
+
+/// The additive attention bias (B, 1, T, S) of `inputs` under `key_mask`
+/// (from [`key_mask`]): a query may see real keys up to its own slot, and
+/// a shared-prefix row's query only its prompt and its own part.
+pub fn attention_bias(inputs: &Inputs, key_mask: &Tensor) -> Result<Tensor> {
+    let (b, t) = inputs.ids.dims2()?;
+    match &inputs.segments {
+        Some(segments) => shared_prefix_bias(segments, b, t, inputs.ids.device()),
+        None => causal_bias(key_mask, t),
     }
+}
+
+/// The bias of `t` queries that follow `S - t` past slots, over the (B, S)
+/// key mask.
+pub fn causal_bias(key_mask: &Tensor, t: usize) -> Result<Tensor> {
+    let (b, s) = key_mask.dims2()?;
     let past = s - t;
     // causal (T, S): query i sits at slot past + i.
     let causal: Vec<f32> =
         (0..t).flat_map(|i| (0..s).map(move |j| if j <= past + i { 0.0 } else { MASKED as f32 })).collect();
-    let causal = Tensor::from_vec(causal, (1, 1, t, s), dev)?;
+    let causal = Tensor::from_vec(causal, (1, 1, t, s), key_mask.device())?;
     // (B, S) -> (B, 1, 1, S): 0 for real keys, MASKED for padding.
     let keys = ((key_mask.clone() - 1.0)? * (-MASKED))?.reshape((b, 1, 1, s))?;
-    Ok((causal.broadcast_add(&keys)?, key_mask))
+    causal.broadcast_add(&keys)
 }
 
 /// The (B, 1, T, T) bias of shared-prefix rows: query i sees key j <= i
@@ -242,7 +252,7 @@ mod tests {
     fn bias_is_causal_and_hides_padding() {
         let dev = Device::Cpu;
         let inputs = Inputs::from_rows(&[vec![1, 2], vec![3]], 0, PadSide::Left, &dev).unwrap();
-        let (bias, _) = attention_bias(&inputs, None).unwrap();
+        let bias = attention_bias(&inputs, &key_mask(&inputs, None).unwrap()).unwrap();
         // (B=2, 1, T=2, S=2) flattened: index (b * 2 + query) * 2 + key.
         let bias: Vec<f32> = bias.flatten_all().unwrap().to_vec1().unwrap();
         let ok = |b: usize, q: usize, k: usize| bias[(b * 2 + q) * 2 + k] == 0.0;

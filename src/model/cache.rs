@@ -1,6 +1,6 @@
 //! The key/value cache of incremental decoding.
 
-use candle_core::{Result, Tensor};
+use candle_core::{DType, Device, Result, Tensor};
 
 /// Keys and values of every layer for the tokens seen so far, and which
 /// cache slots are real tokens. Each row keeps its own positions (given in
@@ -218,16 +218,33 @@ impl KvCache {
     /// Writes one layer's new keys and values (B, Hkv, T, D) after each
     /// row's filled slots and returns that layer's cache.
     pub fn append(&mut self, layer: usize, k: &Tensor, v: &Tensor) -> Result<LayerKv<'_>> {
+        let t = k.dim(2)?;
+        let (kb, vb, start) = self.make_room(layer, k.dims4()?, k.dtype(), k.device())?;
+        kb.slice_set(&k.contiguous()?, 2, start)?;
+        vb.slice_set(&v.contiguous()?, 2, start)?;
+        self.layer(layer, start + t)
+    }
+
+    /// Room for T new slots after each row's filled ones in `layer`'s key
+    /// and value buffers (B, Hkv, capacity, D), `new` being (B, Hkv, T, D):
+    /// returns the buffers, grown if need be, and the first new slot, for a
+    /// caller that writes them itself; [`KvCache::layer`] then reads them.
+    pub fn make_room(
+        &mut self,
+        layer: usize,
+        (b, h, t, d): (usize, usize, usize, usize),
+        dtype: DType,
+        device: &Device,
+    ) -> Result<(Tensor, Tensor, usize)> {
         let start = self.len() - self.shared_len();
-        let need = start + k.dim(2)?;
+        let need = start + t;
         let (kb, vb) = match self.layers[layer].take() {
             Some((kb, vb)) if kb.dim(2)? >= need => (kb, vb),
             old => {
                 // Grow geometrically so that decoding N tokens copies O(N) slots in all.
                 let capacity = if need <= self.planned { self.planned } else { (2 * need).max(64) };
-                let (b, h, _, d) = k.dims4()?;
-                let kb = Tensor::zeros((b, h, capacity, d), k.dtype(), k.device())?;
-                let vb = Tensor::zeros((b, h, capacity, d), v.dtype(), v.device())?;
+                let kb = Tensor::zeros((b, h, capacity, d), dtype, device)?;
+                let vb = Tensor::zeros((b, h, capacity, d), dtype, device)?;
                 if let Some((ok, ov)) = old {
                     kb.slice_set(&ok.narrow(2, 0, start)?.contiguous()?, 2, 0)?;
                     vb.slice_set(&ov.narrow(2, 0, start)?.contiguous()?, 2, 0)?;
@@ -235,10 +252,14 @@ impl KvCache {
                 (kb, vb)
             }
         };
-        kb.slice_set(&k.contiguous()?, 2, start)?;
-        vb.slice_set(&v.contiguous()?, 2, start)?;
-        let (keys, values) = (kb.narrow(2, 0, need)?, vb.narrow(2, 0, need)?);
-        self.layers[layer] = Some((kb, vb));
+        self.layers[layer] = Some((kb.clone(), vb.clone()));
+        Ok((kb, vb, start))
+    }
+
+    /// `layer`'s cache, its first `len` own slots filled.
+    pub fn layer(&self, layer: usize, len: usize) -> Result<LayerKv<'_>> {
+        let Some((kb, vb)) = &self.layers[layer] else { candle_core::bail!("layer {layer} has no cache yet") };
+        let (keys, values) = (kb.narrow(2, 0, len)?, vb.narrow(2, 0, len)?);
         let shared = self.shared.as_ref().map(|s| {
             let (keys, values) = &s.layers[layer];
             SharedKv { keys, values, rows: &s.rows, device_rows: &s.device_rows }

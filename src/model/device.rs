@@ -23,8 +23,11 @@ pub fn parse_device(name: &str) -> Result<Device> {
     };
     let keep = keep_freed_memory()?;
     let events = buffer_events()?;
-    // Read where a GPU attends over whole sequences: refused here on every device.
-    crate::model::kernels::attention_kernels().map_err(|e| Error::Invalid(e.to_string()))?;
+    // Read where the kernels run: refused here, before any work, on every device.
+    let invalid = |e: candle_core::Error| Error::Invalid(e.to_string());
+    crate::model::kernels::attention_kernels().map_err(invalid)?;
+    crate::model::kernels::decode_attention_fused().map_err(invalid)?;
+    crate::model::kernels::decode_append_fused().map_err(invalid)?;
     #[cfg(feature = "cuda")]
     if let Device::Cuda(dev) = &device {
         let gpu = |e: String| Error::Invalid(format!("--device {name}: {e}"));

@@ -2,9 +2,11 @@
 //! (mask bias, rotary tables), multi-head self-attention over a cache, and
 //! the embedding lookup.
 
+use std::sync::OnceLock;
+
 use candle_core::{Result, Tensor};
 
-use super::batch::{attention_bias, Inputs};
+use super::batch::{attention_bias, causal_bias, key_mask, Inputs};
 use super::cache::KvCache;
 use super::kernels::{self, decode_attention};
 use super::lora::Adapter;
@@ -15,8 +17,12 @@ use crate::error::Result as LoadResult;
 
 /// Computed once per forward pass and shared by all layers.
 pub struct Context {
-    /// (B, 1, T, S) additive attention bias.
-    pub bias: Tensor,
+    /// (B, 1, T, S) additive attention bias: made at once for whole
+    /// sequences, and with a cache only if a layer asks for it (the
+    /// decoding kernels read the key mask instead).
+    bias: OnceLock<Tensor>,
+    /// T.
+    queries: usize,
     /// (B, 1, T, R) rotary tables, for architectures with rotary embeddings.
     pub rotary: Option<(Tensor, Tensor)>,
     /// The key mask over all S slots, stored into the cache at the end
@@ -35,7 +41,11 @@ pub struct Context {
 
 impl Context {
     pub fn new(inputs: &Inputs, cache: Option<&KvCache>, rope: Option<(&Rope, &Tensor)>) -> Result<Self> {
-        let (bias, key_mask) = attention_bias(inputs, cache)?;
+        let key_mask = key_mask(inputs, cache)?;
+        let bias = OnceLock::new();
+        if cache.is_none() {
+            let _ = bias.set(attention_bias(inputs, &key_mask)?);
+        }
         let rotary = match rope {
             Some((rope, inv_freq)) => Some(rope.cos_sin(inv_freq, &inputs.positions)?),
             None => None,
@@ -44,15 +54,25 @@ impl Context {
             Some(_) if inputs.seq_len() == 1 && key_mask.device().is_cpu() => Some(key_mask.flatten_all()?.to_vec1()?),
             _ => None,
         };
-        let whole = match cache {
-            None if kernels::fused(&bias) => Some(kernels::AttentionInputs::new(&bias, rotary.as_ref())?),
+        let whole = match bias.get() {
+            Some(bias) if kernels::fused(bias) => Some(kernels::AttentionInputs::new(bias, rotary.as_ref())?),
             _ => None,
         };
         let rotary_host = match (&rotary, cache) {
             (Some((cos, sin)), Some(_)) if kernels::fused(cos) => Some(kernels::RotaryTables::new(cos, sin)?),
             _ => None,
         };
-        Ok(Self { bias, rotary, key_mask, decode_mask, whole, rotary_host })
+        Ok(Self { bias, queries: inputs.seq_len(), rotary, key_mask, decode_mask, whole, rotary_host })
+    }
+
+    /// The (B, 1, T, S) additive attention bias, made on first use.
+    pub fn bias(&self) -> Result<&Tensor> {
+        if let Some(bias) = self.bias.get() {
+            return Ok(bias);
+        }
+        // Only a pass with a cache gets here, and it has no shared-prefix rows.
+        let bias = causal_bias(&self.key_mask, self.queries)?;
+        Ok(self.bias.get_or_init(|| bias))
     }
 
     /// Hands the key mask to the cache once every layer has appended.
@@ -89,6 +109,41 @@ pub fn self_attention(
             None => kernels::attention(&qkv.q, &qkv.k, &qkv.v, whole, scale),
         };
     }
+    let (q, k, v) = match cache {
+        Some(cache) => {
+            // On a GPU, one launch can rotate and append a decoding step's heads.
+            let fused = match t == 1 && kernels::decode_append_fused()? {
+                true => kernels::rotary_append_cuda((&qkv.q, &qkv.k, &qkv.v), ctx.rotary.as_ref(), cache, layer)?,
+                false => None,
+            };
+            let (q, kv) = match fused {
+                Some(appended) => appended,
+                None => {
+                    let (q, k, v) = rotated_heads(&qkv, ctx)?;
+                    (q, cache.append(layer, &k, &v)?)
+                }
+            };
+            if t == 1 && kernels::decode_attention_fused()? {
+                let out = match &ctx.decode_mask {
+                    Some(mask) if kernels::fused(&q) => Some(decode_attention(&q, &kv, mask, scale)?),
+                    _ => kernels::decode_attention_cuda(&q, &kv, &ctx.key_mask, scale)?,
+                };
+                if let Some(out) = out {
+                    return out.transpose(1, 2)?.reshape((b, t, n_heads * d));
+                }
+            }
+            let (k, v) = kv.whole()?;
+            (q, k, v)
+        }
+        None => rotated_heads(&qkv, ctx)?,
+    };
+    let out = kernels::sdpa(&q, &k, &v, ctx.bias()?, scale)?;
+    // (B, H, T, D) -> (B, T, H * D)
+    out.transpose(1, 2)?.reshape((b, t, n_heads * d))
+}
+
+/// q, k and v as (B, H, T, D), q and k rotated.
+fn rotated_heads(qkv: &Qkv, ctx: &Context) -> Result<(Tensor, Tensor, Tensor)> {
     // (B, T, H, D) -> (B, H, T, D)
     let mut q = qkv.q.transpose(1, 2)?.contiguous()?;
     let mut k = qkv.k.transpose(1, 2)?.contiguous()?;
@@ -100,25 +155,7 @@ pub fn self_attention(
         q = kernels::rotate(&q, cos, sin)?;
         k = kernels::rotate(&k, cos, sin)?;
     }
-    let (k, v) = match cache {
-        Some(cache) => {
-            let kv = cache.append(layer, &k, &v)?;
-            if t == 1 && kernels::decode_attention_fused()? {
-                let out = match &ctx.decode_mask {
-                    Some(mask) if kernels::fused(&q) => Some(decode_attention(&q, &kv, mask, scale)?),
-                    _ => kernels::decode_attention_cuda(&q, &kv, &ctx.key_mask, scale)?,
-                };
-                if let Some(out) = out {
-                    return out.transpose(1, 2)?.reshape((b, t, n_heads * d));
-                }
-            }
-            kv.whole()?
-        }
-        None => (k, v),
-    };
-    let out = kernels::sdpa(&q, &k, &v, &ctx.bias, scale)?;
-    // (B, H, T, D) -> (B, T, H * D)
-    out.transpose(1, 2)?.reshape((b, t, n_heads * d))
+    Ok((q, k, v))
 }
 
 /// Looks up token embeddings: ids (B, T) -> (B, T, H).

@@ -9,7 +9,7 @@ use candle_core::{Layout, Result, Storage, Tensor};
 use rayon::prelude::*;
 
 use super::math::{axpy, dot, exp, max, with_avx2};
-use crate::model::cache::LayerKv;
+use crate::model::cache::{KvCache, LayerKv};
 use crate::model::device::variant;
 
 /// Picks how a decoding step attends: `fused` (the default: the kernels
@@ -20,6 +20,43 @@ pub const DECODE_ATTENTION_VAR: &str = "RLOO_DECODE_ATTENTION";
 /// Whether the fused kernels are chosen; an unknown choice is an error.
 pub fn decode_attention_fused() -> Result<bool> {
     Ok(variant(DECODE_ATTENTION_VAR, &["fused", "composed"]).map_err(candle_core::Error::msg)? == "fused")
+}
+
+/// Picks how a decoding step on a GPU rotates its new queries and keys and
+/// writes keys and values to the cache: `composed` (the default: the heads
+/// transposed, the rotary kernel, the cache's own writes) or `fused` (one
+/// launch: [`rotary_append_cuda`]), to compare the two.
+pub const DECODE_APPEND_VAR: &str = "RLOO_DECODE_APPEND";
+
+/// Whether the fused append is chosen; an unknown choice is an error.
+pub fn decode_append_fused() -> Result<bool> {
+    Ok(variant(DECODE_APPEND_VAR, &["composed", "fused"]).map_err(candle_core::Error::msg)? == "fused")
+}
+
+/// A decoding step's rotary and cache append on a GPU, in one launch: q, k
+/// and v (B, 1, heads, D) as the projections give them (views of the fused
+/// one are read in place), `rotary` the step's (B, 1, 1, R) tables. Writes
+/// k rotated, and v, into `layer`'s cache and returns q rotated (B, H, 1,
+/// D) with that layer's cache; `None` where the kernel does not run (not
+/// on a GPU, another dtype, more than one token, or features not adjacent),
+/// and the caller composes the step.
+pub fn rotary_append_cuda<'c>(
+    (q, k, v): (&Tensor, &Tensor, &Tensor),
+    rotary: Option<&(Tensor, Tensor)>,
+    cache: &'c mut KvCache,
+    layer: usize,
+) -> Result<Option<(Tensor, LayerKv<'c>)>> {
+    let adjacent = |t: &Tensor| t.rank() == 4 && t.dim(1).ok() == Some(1) && t.stride().last() == Some(&1);
+    if !(adjacent(q) && adjacent(k) && adjacent(v)) || !super::on_cuda(&[q, k, v]) {
+        return Ok(None);
+    }
+    #[cfg(feature = "cuda")]
+    return cuda::rotary_append(q, k, v, rotary, cache, layer).map(Some);
+    #[cfg(not(feature = "cuda"))]
+    {
+        let _ = (rotary, cache, layer);
+        Ok(None)
+    }
 }
 
 /// The head sizes the CUDA kernel takes: 32 lanes of 1, 2, 4 or 8 features.
@@ -48,7 +85,7 @@ mod cuda {
     use candle_core::{CudaStorage, DType, Layout, Result, Storage, Tensor};
 
     use super::super::cuda::{self as launch, DecodeDims};
-    use crate::model::cache::LayerKv;
+    use crate::model::cache::{KvCache, LayerKv};
 
     /// The (row, head) strides of a (rows, heads, slots, D) view whose
     /// slots are packed rows of D features.
@@ -64,6 +101,66 @@ mod cuda {
             Storage::Cuda(s) => Ok((s, layout)),
             _ => candle_core::bail!("decode-attention: an input is not on the GPU"),
         }
+    }
+
+    /// [`super::rotary_append_cuda`] once it has checked the inputs.
+    pub fn rotary_append<'c>(
+        q: &Tensor,
+        k: &Tensor,
+        v: &Tensor,
+        rotary: Option<&(Tensor, Tensor)>,
+        cache: &'c mut KvCache,
+        layer: usize,
+    ) -> Result<(Tensor, LayerKv<'c>)> {
+        let (b, _, h, d) = q.dims4()?;
+        let h_kv = k.dim(2)?;
+        if k.dims4()? != (b, 1, h_kv, d) || v.dims4()? != (b, 1, h_kv, d) {
+            candle_core::bail!("rotary-append: q {:?}, k {:?}, v {:?}", q.dims(), k.dims(), v.dims());
+        }
+        let table = |t: &Tensor| -> Result<Tensor> { t.to_dtype(DType::F32)?.contiguous() };
+        let tables = match rotary {
+            Some((cos, sin)) => Some((table(cos)?, table(sin)?)),
+            None => None,
+        };
+        let r = match &tables {
+            Some((cos, _)) => cos.dim(candle_core::D::Minus1)?,
+            None => 0,
+        };
+        if tables.as_ref().is_some_and(|(cos, _)| cos.elem_count() != b * r) || r > d {
+            candle_core::bail!("rotary-append: tables of {r} features for {b} rows of {d}");
+        }
+        let (k_buf, v_buf, slot) = cache.make_room(layer, (b, h_kv, 1, d), q.dtype(), q.device())?;
+        let strides = |t: &Tensor| (t.stride()[0] as i64, t.stride()[2] as i64);
+        let ((q_row, q_head), (k_row, k_head), (v_row, v_head)) = (strides(q), strides(k), strides(v));
+        let dims = launch::AppendDims {
+            q_row,
+            q_head,
+            k_row,
+            k_head,
+            v_row,
+            v_head,
+            h: h as i32,
+            h_kv: h_kv as i32,
+            d: d as i32,
+            r: r as i32,
+            capacity: k_buf.dim(2)? as i32,
+            slot: slot as i32,
+        };
+        let (q_g, k_g, v_g) = (q.storage_and_layout(), k.storage_and_layout(), v.storage_and_layout());
+        let table_g = tables.as_ref().map(|(cos, sin)| (cos.storage_and_layout(), sin.storage_and_layout()));
+        let tables = match &table_g {
+            Some((cos, sin)) => Some((on_gpu(&cos.0, cos.1)?, on_gpu(&sin.0, sin.1)?)),
+            None => None,
+        };
+        let out = launch::rotary_append(
+            (on_gpu(&q_g.0, q_g.1)?, on_gpu(&k_g.0, k_g.1)?, on_gpu(&v_g.0, v_g.1)?),
+            tables,
+            (&k_buf, &v_buf),
+            b,
+            dims,
+        )?;
+        let q = Tensor::from_storage(Storage::Cuda(out), (b, h, 1, d), BackpropOp::none(), false);
+        Ok((q, cache.layer(layer, slot + 1)?))
     }
 
     pub fn run(q: &Tensor, kv: &LayerKv, key_mask: &Tensor, scale: f64) -> Result<Tensor> {

@@ -159,7 +159,7 @@ fn attention_matches_the_composition_with_gqa_partial_rotary_and_padding() {
     let (b, t, h, h_kv, d, r) = (2, 5, 4, 2, 6, 4);
     // Row 1 is right-padded: its last two slots are padding.
     let inputs = Inputs::from_rows(&[vec![1, 2, 3, 4, 5], vec![6, 7, 8]], 0, PadSide::Right, &dev).unwrap();
-    let (bias, _) = attention_bias(&inputs, None).unwrap();
+    let bias = attention_bias(&inputs, &inputs.mask).unwrap();
     let angles = Tensor::randn(0f32, 1.0, (b, 1, t, r / 2), &dev).unwrap();
     let angles = Tensor::cat(&[&angles, &angles], 3).unwrap();
     let rotary = (angles.cos().unwrap(), angles.sin().unwrap());
@@ -182,7 +182,7 @@ fn packed_attention_matches_the_composition() {
     let dev = Device::Cpu;
     let (b, t, h, d, r) = (2, 4, 3, 4, 2);
     let inputs = Inputs::from_rows(&[vec![1, 2, 3, 4], vec![5, 6]], 0, PadSide::Right, &dev).unwrap();
-    let (bias, _) = attention_bias(&inputs, None).unwrap();
+    let bias = attention_bias(&inputs, &inputs.mask).unwrap();
     let angles = Tensor::randn(0f32, 1.0, (b, 1, t, r / 2), &dev).unwrap();
     let angles = Tensor::cat(&[&angles, &angles], 3).unwrap();
     let rotary = (angles.cos().unwrap(), angles.sin().unwrap());

@@ -312,6 +312,13 @@ ACTIVATIONS(bf16, bf16)
 // (B, 1, T, R), R <= D: features past R pass through. The inverse rotation
 // (sign -1) is the backward pass: rotations are orthogonal.
 
+// Feature j (< R) of a rotated head: `partner` is feature j + R/2 for the
+// first half, j - R/2 for the second; c, s its table entries.
+__device__ __forceinline__ float rotated(float x, float partner, int j, int half, float c, float s) {
+    const float other = j < half ? -partner : partner;
+    return x * c + other * s;
+}
+
 #define ROTARY(T, S)                                                                                        \
     extern "C" __global__ void rotary_##S(const T* x, const float* cos, const float* sin, T* y, int h, int t, \
                                           int d, int r, float sign, size_t n) {                             \
@@ -324,14 +331,56 @@ ACTIVATIONS(bf16, bf16)
             const size_t token = i / d, bi = token / ((size_t)h * t), ti = token % t;                      \
             const size_t at = (bi * t + ti) * r + j;                                                        \
             const int half = r / 2;                                                                         \
-            const float c = cos[at], s = sign * sin[at];                                                    \
-            const float other = j < half ? -to_f32(x[i + half]) : to_f32(x[i - half]);                     \
-            y[i] = from_f32<T>(to_f32(x[i]) * c + other * s);                                               \
+            const float partner = to_f32(j < half ? x[i + half] : x[i - half]);                            \
+            y[i] = from_f32<T>(rotated(to_f32(x[i]), partner, j, half, cos[at], sign * sin[at]));           \
         }                                                                                                   \
     }
 
 ROTARY(float, f32)
 ROTARY(bf16, bf16)
+
+// ---- A decoding step's rotary and cache append in one launch. q, k, v: one
+// token per row, (B, 1, heads, D) views with their own (row, head) strides
+// and unit feature stride (cut from the fused projection, not copied); cos,
+// sin: (B, R) f32, R <= D (R = 0: no rotation). q is written rotated to
+// q_out (B, H, 1, D); k rotated, and v as it is, to slot `slot` of the
+// cache's (B, Hkv, capacity, D) buffers, in place. One block per head of q
+// then of k (blockIdx.x) and row (blockIdx.y), a thread per feature.
+
+struct AppendDims {
+    int64_t q_row, q_head, k_row, k_head, v_row, v_head;
+    int h, h_kv, d, r, capacity, slot;
+};
+
+template <typename T>
+__device__ void rotary_append(const T* q, const T* k, const T* v, const float* cos, const float* sin, T* q_out,
+                              T* k_cache, T* v_cache, AppendDims a) {
+    const int b = blockIdx.y, head = blockIdx.x;
+    const bool is_q = head < a.h;
+    const int hh = is_q ? head : head - a.h;
+    const T* x = is_q ? q + b * a.q_row + hh * a.q_head : k + b * a.k_row + hh * a.k_head;
+    const size_t slot = ((size_t)b * a.h_kv + hh) * a.capacity + a.slot;
+    T* y = is_q ? q_out + ((size_t)b * a.h + hh) * a.d : k_cache + slot * a.d;
+    const int half = a.r / 2;
+    for (int j = threadIdx.x; j < a.d; j += blockDim.x) {
+        if (j < a.r) {
+            const float partner = to_f32(j < half ? x[j + half] : x[j - half]);
+            y[j] = from_f32<T>(rotated(to_f32(x[j]), partner, j, half, cos[b * a.r + j], sin[b * a.r + j]));
+        } else {
+            y[j] = x[j];
+        }
+        if (!is_q) v_cache[slot * a.d + j] = v[b * a.v_row + hh * a.v_head + j];
+    }
+}
+
+#define ROTARY_APPEND(T, S)                                                                                    \
+    extern "C" __global__ void rotary_append_##S(const T* q, const T* k, const T* v, const float* cos,         \
+                                                 const float* sin, T* q_out, T* k_cache, T* v_cache,           \
+                                                 AppendDims a) {                                                \
+        rotary_append<T>(q, k, v, cos, sin, q_out, k_cache, v_cache, a);                                        \
+    }
+ROTARY_APPEND(float, f32)
+ROTARY_APPEND(bf16, bf16)
 
 // ---- Scaled dot-product attention with an additive bias, whole rows in
 // shared memory (no (T, S) tensor in global memory). q, o: (B, H, T, D)

@@ -22,6 +22,13 @@ fn view<'a, T: CudaDType>(s: &'a CudaStorage, l: &Layout) -> Result<CudaView<'a,
     }
 }
 
+/// The elements of an input from its first on, for a kernel that reads it
+/// by its strides.
+fn from_first<'a, T: CudaDType>((s, l): In<'a>) -> Result<CudaView<'a, T>> {
+    let all = s.as_cuda_slice::<T>()?;
+    Ok(all.slice(l.start_offset()..all.len()))
+}
+
 /// One block per row of `width` elements: a multiple of 32 threads, at most 1024.
 fn per_row(rows: usize, width: usize) -> LaunchConfig {
     let threads = (width.div_ceil(32) * 32).clamp(32, 1024) as u32;
@@ -219,10 +226,11 @@ pub fn adamw_update(
     Ok(())
 }
 
-/// The device addresses of the first elements of locked f32 tensors, for a
-/// table of operands that one launch reads; the guards keep the stream's
-/// order of their uses and must live until the launch is queued.
-fn f32_addresses<'a, G: std::ops::Deref<Target = candle_core::Storage>>(
+/// The device addresses of the first elements of locked tensors of `T`,
+/// for kernels that take operands by address (a table of them, or buffers
+/// written in place); the guards keep the stream's order of their uses and
+/// must live until the launch is queued.
+fn addresses<'a, T: CudaDType + 'a, G: std::ops::Deref<Target = candle_core::Storage>>(
     op: &str,
     locked: &'a [(G, &'a Layout)],
     stream: &'a std::sync::Arc<candle_core::cuda_backend::cudarc::driver::CudaStream>,
@@ -235,8 +243,8 @@ fn f32_addresses<'a, G: std::ops::Deref<Target = candle_core::Storage>>(
         let Some((start, _)) = layout.contiguous_offsets() else {
             candle_core::bail!("{op}: an operand is not contiguous")
         };
-        let (address, read) = s.as_cuda_slice::<f32>()?.device_ptr(stream);
-        addresses.push(address + 4 * start as u64);
+        let (address, read) = s.as_cuda_slice::<T>()?.device_ptr(stream);
+        addresses.push(address + (std::mem::size_of::<T>() * start) as u64);
         reads.push(read);
     }
     Ok((addresses, reads))
@@ -272,7 +280,7 @@ pub fn adamw_multi(params: &[super::AdamWParam]) -> Result<()> {
     let stream = dev.cuda_stream();
     let locked: Vec<_> =
         params.iter().flat_map(|p| [p.w.as_tensor(), p.g, &*p.m, &*p.v]).map(|t| t.storage_and_layout()).collect();
-    let (addresses, reads) = f32_addresses("adamw_multi", &locked, &stream)?;
+    let (addresses, reads) = addresses::<f32, _>("adamw_multi", &locked, &stream)?;
     let table: Vec<AdamWTensor> = params
         .iter()
         .zip(addresses.chunks(4))
@@ -330,7 +338,7 @@ pub fn sum_squares_multi(ts: &[&candle_core::Tensor]) -> Result<Vec<f64>> {
     };
     let stream = dev.cuda_stream();
     let locked: Vec<_> = ts.iter().map(|t| t.storage_and_layout()).collect();
-    let (addresses, reads) = f32_addresses("sum_squares_multi", &locked, &stream)?;
+    let (addresses, reads) = addresses::<f32, _>("sum_squares_multi", &locked, &stream)?;
     let table: Vec<SquaresTensor> =
         ts.iter().zip(addresses).map(|(t, x)| SquaresTensor { x, n: t.elem_count() as u64 }).collect();
     let table = dev.clone_htod(&table)?;
@@ -404,6 +412,89 @@ pub fn rotary((x, x_l): In, (cos, c_l): In, (sin, s_l): In, sign: f32) -> Result
         Ok(CudaStorage::wrap_cuda_slice(out, dev))
     }
     by_dtype!(x.dtype(), run(&typed("rotary", x.dtype())?, (x, x_l), (cos, c_l), (sin, s_l), sign))
+}
+
+/// The sizes and strides of [`rotary_append`], as `AppendDims` in
+/// `kernels.cu`.
+#[repr(C)]
+#[derive(Debug, Clone, Copy)]
+pub struct AppendDims {
+    /// The (row, head) strides of q, k and v.
+    pub q_row: i64,
+    pub q_head: i64,
+    pub k_row: i64,
+    pub k_head: i64,
+    pub v_row: i64,
+    pub v_head: i64,
+    pub h: i32,
+    pub h_kv: i32,
+    pub d: i32,
+    /// Rotated features (0: none).
+    pub r: i32,
+    /// The cache buffers' slots per head, and the one written.
+    pub capacity: i32,
+    pub slot: i32,
+}
+
+// Safety: a plain C struct of numbers, passed by value.
+unsafe impl DeviceRepr for AppendDims {}
+
+/// A decoding step's rotary and cache append in one launch: q, k and v (B
+/// rows of one token) read from their first elements with the strides of
+/// `a`, the f32 tables (B, R) if any, and the cache's key and value buffers
+/// (contiguous, B x Hkv x capacity x D) written in place at slot `a.slot`.
+/// Returns q rotated, (B, H, 1, D).
+pub fn rotary_append(
+    (q, k, v): (In, In, In),
+    tables: Option<(In, In)>,
+    cache: (&candle_core::Tensor, &candle_core::Tensor),
+    b: usize,
+    a: AppendDims,
+) -> Result<CudaStorage> {
+    fn run<T: CudaDType + DeviceRepr>(
+        name: &str,
+        (q, k, v): (In, In, In),
+        tables: Option<(In, In)>,
+        (k_cache, v_cache): (&candle_core::Tensor, &candle_core::Tensor),
+        b: usize,
+        a: AppendDims,
+    ) -> Result<CudaStorage> {
+        let dev = q.0.device.clone();
+        let (qs, ks, vs) = (from_first::<T>(q)?, from_first::<T>(k)?, from_first::<T>(v)?);
+        let tables = match tables {
+            Some((cos, sin)) => Some((view::<f32>(cos.0, cos.1)?, view::<f32>(sin.0, sin.1)?)),
+            None => None,
+        };
+        let stream = dev.cuda_stream();
+        let locked = [k_cache.storage_and_layout(), v_cache.storage_and_layout()];
+        let (buffers, writes) = addresses::<T, _>("rotary_append", &locked, &stream)?;
+        let n = b * (a.h * a.d) as usize;
+        // Safety: every element is written by the kernel.
+        let mut out = unsafe { dev.alloc::<T>(n) }?;
+        let func = dev.get_or_load_custom_func(name, "rloo", PTX)?;
+        let mut args = func.builder();
+        args.arg(&qs).arg(&ks).arg(&vs);
+        match &tables {
+            Some((cos, sin)) => args.arg(cos).arg(sin),
+            // With r = 0 the kernel reads no table.
+            None => args.arg(&qs).arg(&qs),
+        };
+        args.arg(&mut out).arg(&buffers[0]).arg(&buffers[1]).arg(&a);
+        let threads = (a.d as u32).div_ceil(32) * 32;
+        let cfg = LaunchConfig {
+            grid_dim: ((a.h + a.h_kv) as u32, b as u32, 1),
+            block_dim: (threads, 1, 1),
+            shared_mem_bytes: 0,
+        };
+        // Safety: the argument list matches the kernel's signature; the
+        // buffers' addresses stay allocated (locked) until the launch is
+        // queued, and the kernel writes only slot `a.slot` of each head.
+        unsafe { args.launch(cfg) }.w()?;
+        drop(writes);
+        Ok(CudaStorage::wrap_cuda_slice(out, dev))
+    }
+    let dtype = q.0.dtype();
+    by_dtype!(dtype, run(&typed("rotary_append", dtype)?, (q, k, v), tables, cache, b, a))
 }
 
 /// The attention kernels' sizes, as `AttnDims` in `kernels.cu`.
