@@ -37,6 +37,12 @@ pub struct Context {
     /// Rotary tables on the host, for the rotary kernel (with a cache, on
     /// the CPU).
     rotary_host: Option<kernels::RotaryTables>,
+    /// For a decoding step (a cache, one new token per row): whether it
+    /// attends with the fused kernels, and whether a GPU rotates and
+    /// appends its heads in one launch (`RLOO_DECODE_ATTENTION`,
+    /// `RLOO_DECODE_APPEND`, read once per pass).
+    fused_decode_attention: bool,
+    fused_append: bool,
 }
 
 impl Context {
@@ -62,7 +68,20 @@ impl Context {
             (Some((cos, sin)), Some(_)) if kernels::fused(cos) => Some(kernels::RotaryTables::new(cos, sin)?),
             _ => None,
         };
-        Ok(Self { bias, queries: inputs.seq_len(), rotary, key_mask, decode_mask, whole, rotary_host })
+        let decoding = cache.is_some() && inputs.seq_len() == 1;
+        let fused_decode_attention = decoding && kernels::decode_attention_fused()?;
+        let fused_append = decoding && kernels::decode_append_fused()?;
+        Ok(Self {
+            bias,
+            queries: inputs.seq_len(),
+            rotary,
+            key_mask,
+            decode_mask,
+            whole,
+            rotary_host,
+            fused_decode_attention,
+            fused_append,
+        })
     }
 
     /// The (B, 1, T, S) additive attention bias, made on first use.
@@ -112,7 +131,7 @@ pub fn self_attention(
     let (q, k, v) = match cache {
         Some(cache) => {
             // On a GPU, one launch can rotate and append a decoding step's heads.
-            let fused = match t == 1 && kernels::decode_append_fused()? {
+            let fused = match ctx.fused_append {
                 true => kernels::rotary_append_cuda((&qkv.q, &qkv.k, &qkv.v), ctx.rotary.as_ref(), cache, layer)?,
                 false => None,
             };
@@ -123,7 +142,7 @@ pub fn self_attention(
                     (q, cache.append(layer, &k, &v)?)
                 }
             };
-            if t == 1 && kernels::decode_attention_fused()? {
+            if ctx.fused_decode_attention {
                 let out = match &ctx.decode_mask {
                     Some(mask) if kernels::fused(&q) => Some(decode_attention(&q, &kv, mask, scale)?),
                     _ => kernels::decode_attention_cuda(&q, &kv, &ctx.key_mask, scale)?,

@@ -22,11 +22,11 @@ fn view<'a, T: CudaDType>(s: &'a CudaStorage, l: &Layout) -> Result<CudaView<'a,
     }
 }
 
-/// The elements of an input from its first on, for a kernel that reads it
-/// by its strides.
+/// The elements of an input from its first on, for a kernel that walks it
+/// by its own strides, which may leave gaps (a cache's spare slots, the
+/// other heads of a fused projection).
 fn from_first<'a, T: CudaDType>((s, l): In<'a>) -> Result<CudaView<'a, T>> {
-    let all = s.as_cuda_slice::<T>()?;
-    Ok(all.slice(l.start_offset()..all.len()))
+    Ok(s.as_cuda_slice::<T>()?.slice(l.start_offset()..))
 }
 
 /// One block per row of `width` elements: a multiple of 32 threads, at most 1024.
@@ -627,7 +627,7 @@ pub fn attention_fwd(q: In, k: In, v: In, bias: In, a: AttnDims, tensor: bool) -
     ) -> Result<(CudaStorage, CudaStorage)> {
         let dev = q.0.device.clone();
         let qs = view::<T>(q.0, q.1)?;
-        let (ks, vs) = (kv_view::<T>(k)?, kv_view::<T>(v)?);
+        let (ks, vs) = (from_first::<T>(k)?, from_first::<T>(v)?);
         let bs = view::<f32>(bias.0, bias.1)?;
         let rows = qs.len() / a.d as usize;
         let (name, cfg) = attention_kernel(Pass::Forward, &a, rows / (a.h * a.t) as usize, q.0.dtype(), tensor)?;
@@ -655,19 +655,13 @@ pub struct AttnInputs<'a> {
     pub di: In<'a>,
 }
 
-/// Keys or values from their first element on: the kernel walks heads by
-/// `kv_stride`, which may leave gaps (a cache's spare slots).
-fn kv_view<'a, T: CudaDType>((s, l): In<'a>) -> Result<CudaView<'a, T>> {
-    Ok(s.as_cuda_slice::<T>()?.slice(l.start_offset()..))
-}
-
 /// d q (B, H, T, D), or d k and d v stacked (2, B, Hkv, S, D) (`keys`), on
 /// tensor cores when `tensor`.
 pub fn attention_bwd(x: &AttnInputs, a: AttnDims, keys: bool, tensor: bool) -> Result<CudaStorage> {
     fn run<T: CudaDType + DeviceRepr>(x: &AttnInputs, a: AttnDims, keys: bool, tensor: bool) -> Result<CudaStorage> {
         let dev = x.q.0.device.clone();
         let qs = view::<T>(x.q.0, x.q.1)?;
-        let (ks, vs) = (kv_view::<T>(x.k)?, kv_view::<T>(x.v)?);
+        let (ks, vs) = (from_first::<T>(x.k)?, from_first::<T>(x.v)?);
         let (bs, ls, gs, ds) = (
             view::<f32>(x.bias.0, x.bias.1)?,
             view::<f32>(x.lse.0, x.lse.1)?,
@@ -737,7 +731,7 @@ pub fn decode_attention(
     ) -> Result<CudaStorage> {
         let dev = q.0.device.clone();
         let qs = view::<T>(q.0, q.1)?;
-        let (ks, vs) = (kv_view::<T>(k)?, kv_view::<T>(v)?);
+        let (ks, vs) = (from_first::<T>(k)?, from_first::<T>(v)?);
         let ms = view::<f32>(mask.0, mask.1)?;
         let shared = match shared {
             Some((sk, sv, rows)) => {
