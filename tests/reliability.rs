@@ -641,12 +641,12 @@ fn the_gpu_variables_are_checked_on_every_device() {
     ok(generate("RLOO_ATTENTION", "rows"));
     ok(generate("RLOO_ATTENTION", "tensor"));
     let e = err(generate("RLOO_ATTENTION", "flash"));
-    assert!(e.contains("RLOO_ATTENTION=flash: expected rows or tensor"), "{e}");
+    assert!(e.contains("RLOO_ATTENTION=flash: expected tensor or rows"), "{e}");
     ok(generate("RLOO_DECODE_ATTENTION", "composed"));
     let e = err(generate("RLOO_DECODE_ATTENTION", "split"));
     assert!(e.contains("RLOO_DECODE_ATTENTION=split: expected fused or composed"), "{e}");
     ok(generate("RLOO_DECODE_APPEND", "composed"));
     ok(generate("RLOO_DECODE_APPEND", "fused"));
     let e = err(generate("RLOO_DECODE_APPEND", "always"));
-    assert!(e.contains("RLOO_DECODE_APPEND=always: expected composed or fused"), "{e}");
+    assert!(e.contains("RLOO_DECODE_APPEND=always: expected fused or composed"), "{e}");
 }

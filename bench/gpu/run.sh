@@ -47,7 +47,7 @@ ROOT=$PWD
 OUT=${OUT:-/tmp/rloo-gpu-bench}
 SIZES=${SIZES:-410m 1b}
 DECODERS=${DECODERS:-race+fused race+fused+fused host+composed}
-ATTENTION=${ATTENTION:-rows tensor}
+ATTENTION=${ATTENTION:-tensor rows}
 ARMS=${ARMS:-410m-full 1b-full 1b-lora}
 RUNS=${RUNS:-3}
 TRAIN_RUNS=${TRAIN_RUNS:-2}
@@ -64,7 +64,7 @@ export COMPLETIONS_PER_STEP=$((PROMPTS * K))
 if [[ $DEVICE == cuda ]]; then rloo_cmd=("$ROOT/scripts/cuda/run.sh"); else rloo_cmd=("$RLOO"); fi
 rloo=(timeout "$LIMIT" "${rloo_cmd[@]}")
 mkdir -p "$OUT" "$MODELS"
-log() { echo "== $*" >&2; }
+log() { echo "== [${SECONDS} s] $*" >&2; }
 
 # The peer's packages that the machine lacks (TRL and its datasets), from
 # carried wheels, into a folder of their own.
@@ -171,16 +171,19 @@ fi
 
 if part profile && [[ $DEVICE == cuda ]]; then
     size=${SIZES%% *}
-    nsys=$(command -v nsys || ls /opt/nvidia/nsight-systems/*/bin/nsys /usr/local/cuda/bin/nsys 2>/dev/null | tail -1)
-    ncu=$(command -v ncu || ls /opt/nvidia/nsight-compute/*/ncu /usr/local/cuda/bin/ncu 2>/dev/null | tail -1)
+    nsys=$(command -v nsys || ls /opt/nvidia/nsight-systems/*/bin/nsys /usr/local/cuda*/bin/nsys \
+        /usr/local/cuda*/nsight-systems*/bin/nsys 2>/dev/null | tail -1)
+    ncu=$(command -v ncu || ls /opt/nvidia/nsight-compute/*/ncu /usr/local/cuda*/bin/ncu \
+        /usr/local/cuda*/nsight-compute*/ncu 2>/dev/null | tail -1)
     if [[ -z $nsys && -z $ncu ]]; then
         log "profile: neither nsys nor ncu on this machine"
     elif models "$size"; then
         dir=$MODELS/$size
         head -16 "$dir/prompts.jsonl" >"$OUT/profile-prompts.jsonl"
-        profiled() { # NAME COMMAND...: the kernels of one run by total time, and the host's CUDA calls
-            local name=$1
-            shift
+        profiled() { # NAME SKIP COMMAND...: the kernels of one run by total time, and the host's CUDA calls
+            # (Nsight Compute times kernels one by one: it measures 5,000 launches after the first SKIP.)
+            local name=$1 skip=$2
+            shift 2
             log "profile: $name"
             if [[ -n $nsys ]]; then
                 # Nsight Systems: kernels and driver calls as they ran, without replay.
@@ -191,11 +194,11 @@ if part profile && [[ $DEVICE == cuda ]]; then
                 grep -A28 -m2 -E "cuda_gpu_kern_sum|cuda_api_sum" "$OUT/profile-$name.txt"
             else
                 timeout "$LIMIT" "$ncu" --target-processes all --csv --page raw --metrics gpu__time_duration.sum \
-                    "$@" >"$OUT/profile-$name.csv" 2>"$OUT/profile-$name.log" || tail -5 "$OUT/profile-$name.log"
+                    --launch-skip "$skip" --launch-count 5000 "$@" >"$OUT/profile-$name.csv" 2>"$OUT/profile-$name.log" || tail -5 "$OUT/profile-$name.log"
                 "$PY" bench/gpu/kernels.py "$OUT/profile-$name.csv" >"$OUT/profile-$name.txt" && cat "$OUT/profile-$name.txt"
             fi
         }
-        profiled generate "${rloo_cmd[@]}" generate --device cuda --bf16 --model "$dir/policy" \
+        profiled generate 0 "${rloo_cmd[@]}" generate --device cuda --bf16 --model "$dir/policy" \
             --prompts "$OUT/profile-prompts.jsonl" --output "$OUT/profile-generate.jsonl" --num-return-sequences $K \
             --max-new-tokens 16 --temperature 1.0 --batch-size $((16 * K)) --ignore-eos --seed 1
         run=$OUT/profile-train
@@ -203,7 +206,8 @@ if part profile && [[ $DEVICE == cuda ]]; then
             -e "s|@ACCUMULATION@|1|" -e "s|@EPISODES@|$((16 * K))|" -e "s|@CHECKPOINTING@|false|" \
             -e "s|^path = \"$dir/prompts.jsonl\"|path = \"$OUT/profile-prompts.jsonl\"|" \
             -e "s|^response_length = .*|response_length = 32|" bench/gpu/rloo.toml.in >"$run.toml"
-        profiled train "${rloo_cmd[@]}" train "$run.toml"
+        # 32 decoding steps of about 450 launches each, then the scoring and reference passes come first.
+        profiled train 17000 "${rloo_cmd[@]}" train "$run.toml"
     fi
 fi
 

@@ -17,7 +17,7 @@
 use std::sync::{Arc, Mutex, PoisonError};
 
 use candle_core::backprop::GradStore;
-use candle_core::{CpuStorage, CustomOp1, Layout, Result, Shape, Tensor, TensorId, Var};
+use candle_core::{CpuStorage, CustomOp1, CustomOp2, Layout, Result, Shape, Tensor, TensorId, Var};
 
 use super::lora::Dropout;
 use crate::rng::Rng;
@@ -175,7 +175,7 @@ impl CustomOp1 for Cut {
 
     fn bwd(&self, x: &Tensor, _y: &Tensor, grad: &Tensor) -> Result<Option<Tensor>> {
         let (input, y) = self.graph(x)?;
-        let mut grads = (y * grad)?.sum_all()?.backward()?;
+        let mut grads = y.apply_op2(grad, Seed)?.backward()?;
         // Gradients that still record ops would keep this layer's graph, and
         // so its activations, alive through the rest of the backward.
         let ids: Vec<TensorId> = grads.get_ids().copied().collect();
@@ -191,5 +191,39 @@ impl CustomOp1 for Cut {
             None => *side = Some(grads),
         }
         Ok(dx)
+    }
+}
+
+/// A backward's root that hands `grad` to `y` as its gradient: `Seed(y,
+/// grad)` stands for `sum(y * grad)` without computing it (a product and a
+/// whole-tensor sum per layer, then their backward), whose gradient for `y`
+/// is `grad` all the same.
+struct Seed;
+
+impl CustomOp2 for Seed {
+    fn name(&self) -> &'static str {
+        "backward-seed"
+    }
+
+    fn cpu_fwd(&self, _: &CpuStorage, _: &Layout, _: &CpuStorage, _: &Layout) -> Result<(CpuStorage, Shape)> {
+        Ok((CpuStorage::F32(vec![0.0]), Shape::from(())))
+    }
+
+    #[cfg(feature = "cuda")]
+    fn cuda_fwd(
+        &self,
+        y: &candle_core::CudaStorage,
+        _: &Layout,
+        _: &candle_core::CudaStorage,
+        _: &Layout,
+    ) -> Result<(candle_core::CudaStorage, Shape)> {
+        use candle_core::backend::BackendStorage;
+        let dev = y.device().clone();
+        let zero = dev.alloc_zeros::<f32>(1)?;
+        Ok((candle_core::CudaStorage::wrap_cuda_slice(zero, dev), Shape::from(())))
+    }
+
+    fn bwd(&self, _: &Tensor, grad: &Tensor, _: &Tensor, _: &Tensor) -> Result<(Option<Tensor>, Option<Tensor>)> {
+        Ok((Some(grad.clone()), None))
     }
 }

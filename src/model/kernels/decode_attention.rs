@@ -23,14 +23,14 @@ pub fn decode_attention_fused() -> Result<bool> {
 }
 
 /// Picks how a decoding step on a GPU rotates its new queries and keys and
-/// writes keys and values to the cache: `composed` (the default: the heads
-/// transposed, the rotary kernel, the cache's own writes) or `fused` (one
-/// launch: [`rotary_append_cuda`]), to compare the two.
+/// writes keys and values to the cache: `fused` (the default: one launch,
+/// [`rotary_append_cuda`]) or `composed` (the heads transposed, the rotary
+/// kernel, the cache's own writes), to compare the two.
 pub const DECODE_APPEND_VAR: &str = "RLOO_DECODE_APPEND";
 
 /// Whether the fused append is chosen; an unknown choice is an error.
 pub fn decode_append_fused() -> Result<bool> {
-    Ok(variant(DECODE_APPEND_VAR, &["composed", "fused"]).map_err(candle_core::Error::msg)? == "fused")
+    Ok(variant(DECODE_APPEND_VAR, &["fused", "composed"]).map_err(candle_core::Error::msg)? == "fused")
 }
 
 /// A decoding step's rotary and cache append on a GPU, in one launch: q, k

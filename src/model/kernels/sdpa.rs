@@ -17,10 +17,10 @@ use crate::model::ops;
 /// less the scratch); longer ones take the composition.
 const MAX_KEYS: usize = 11_000;
 
-/// Picks the GPU's kernels for whole sequences: `rows` (the default: a
-/// block per query row, and per key row for d k and d v) or `tensor`
-/// (tiles on tensor cores, in bf16 at head sizes 64, 128 and 256; the rows
-/// kernels elsewhere).
+/// Picks the GPU's kernels for whole sequences: `tensor` (the default:
+/// tiles on tensor cores, in bf16 at head sizes 64, 128 and 256; the rows
+/// kernels elsewhere) or `rows` (a block per query row, and per key row for
+/// d k and d v).
 pub const ATTENTION_VAR: &str = "RLOO_ATTENTION";
 
 /// The GPU kernels [`ATTENTION_VAR`] picks.
@@ -32,9 +32,9 @@ pub enum AttentionKernels {
 
 /// The kernels chosen; an unknown choice is an error.
 pub fn attention_kernels() -> Result<AttentionKernels> {
-    match variant(ATTENTION_VAR, &["rows", "tensor"]).map_err(candle_core::Error::msg)? {
-        "tensor" => Ok(AttentionKernels::Tensor),
-        _ => Ok(AttentionKernels::Rows),
+    match variant(ATTENTION_VAR, &["tensor", "rows"]).map_err(candle_core::Error::msg)? {
+        "rows" => Ok(AttentionKernels::Rows),
+        _ => Ok(AttentionKernels::Tensor),
     }
 }
 

@@ -308,6 +308,22 @@ __device__ __forceinline__ float activation_slope(float x, int act) {
 ACTIVATIONS(float, f32)
 ACTIVATIONS(bf16, bf16)
 
+// ---- A dense layer's bias added to every row of its product y (rows, n):
+// a block of columns, each thread one column down a stride of rows, so the
+// bias is read once per thread and no index goes through a division.
+
+#define BIAS_ROWS(T, S)                                                                                     \
+    extern "C" __global__ void bias_rows_##S(const T* y, const T* b, T* out, size_t rows, int n) {          \
+        const int c = blockIdx.x * blockDim.x + threadIdx.x;                                                \
+        if (c >= n) return;                                                                                 \
+        const float bias = to_f32(b[c]);                                                                    \
+        for (size_t r = blockIdx.y; r < rows; r += gridDim.y)                                               \
+            out[r * n + c] = from_f32<T>(to_f32(y[r * n + c]) + bias);                                      \
+    }
+
+BIAS_ROWS(float, f32)
+BIAS_ROWS(bf16, bf16)
+
 // ---- Rotary embeddings (rotate-half) on x (B, H, T, D) with f32 tables
 // (B, 1, T, R), R <= D: features past R pass through. The inverse rotation
 // (sign -1) is the backward pass: rotations are orthogonal.

@@ -385,6 +385,35 @@ pub fn activation((x, x_l): In, grad: Option<In>, act: i32) -> Result<CudaStorag
     by_dtype!(x.dtype(), run(&name, (x, x_l), grad, act))
 }
 
+/// `y` (rows, n) with `b` (n,) added to every row, in y's dtype.
+pub fn bias_rows((y, y_l): In, (b, b_l): In) -> Result<CudaStorage> {
+    fn run<T: CudaDType + DeviceRepr>(name: &str, (y, y_l): In, (b, b_l): In) -> Result<CudaStorage> {
+        let dev = y.device.clone();
+        let (ys, bs) = (view::<T>(y, y_l)?, view::<T>(b, b_l)?);
+        let (n, len) = (bs.len(), ys.len());
+        if n == 0 || len % n != 0 {
+            candle_core::bail!("bias_rows: {len} elements are not rows of the bias's {n}");
+        }
+        let rows = len / n;
+        // Safety: every element is written by the kernel.
+        let mut out = unsafe { dev.alloc::<T>(len) }?;
+        let func = dev.get_or_load_custom_func(name, "rloo", PTX)?;
+        let cfg = LaunchConfig {
+            grid_dim: (n.div_ceil(256) as u32, rows.clamp(1, 65_535) as u32, 1),
+            block_dim: (256, 1, 1),
+            shared_mem_bytes: 0,
+        };
+        let n = n as i32;
+        let mut args = func.builder();
+        args.arg(&ys).arg(&bs).arg(&mut out).arg(&rows).arg(&n);
+        // Safety: the argument list matches the kernel's signature.
+        unsafe { args.launch(cfg) }.w()?;
+        Ok(CudaStorage::wrap_cuda_slice(out, dev))
+    }
+    let name = typed("bias_rows", y.dtype())?;
+    by_dtype!(y.dtype(), run(&name, (y, y_l), (b, b_l)))
+}
+
 /// Rotates x (B, H, T, D) by f32 tables (B, 1, T, R); `sign` -1 rotates back.
 pub fn rotary((x, x_l): In, (cos, c_l): In, (sin, s_l): In, sign: f32) -> Result<CudaStorage> {
     fn run<T: CudaDType + DeviceRepr>(
