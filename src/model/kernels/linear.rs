@@ -51,7 +51,9 @@ pub fn activation_linear(u: &Tensor, act: Activation, w: &Tensor, b: Option<&Ten
 /// where candle's broadcast add works every element's index out through
 /// the broadcast strides (4 to 5 times a plain add's time there); elsewhere
 /// the broadcast add. The backward is the broadcast add's: `b` gets the
-/// gradient summed over y's rows.
+/// gradient summed over y's rows, here as a product with a row of ones
+/// (cuBLAS reads the rows in order, where candle's sum over the first
+/// dimension strides across them).
 fn add_bias(y: &Tensor, b: &Tensor) -> Result<Tensor> {
     let fits = b.rank() == 1 && y.dims().last() == Some(&b.dim(0)?) && y.elem_count() > 0;
     if !(fits && super::on_cuda(&[y, b])) {
@@ -84,7 +86,9 @@ impl CustomOp2 for BiasRows {
 
     fn bwd(&self, _: &Tensor, b: &Tensor, _: &Tensor, grad: &Tensor) -> Result<(Option<Tensor>, Option<Tensor>)> {
         let n = b.dim(0)?;
-        let db = grad.reshape((grad.elem_count() / n, n))?.sum(0)?;
+        let rows = grad.elem_count() / n;
+        let ones = Tensor::ones((1, rows), grad.dtype(), grad.device())?;
+        let db = ones.matmul(&grad.reshape((rows, n))?)?.reshape(n)?;
         Ok((Some(grad.clone()), Some(db)))
     }
 }

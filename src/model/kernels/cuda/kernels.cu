@@ -584,9 +584,21 @@ __device__ __forceinline__ void expect_launch(size_t bytes, int threads) {
     if (dynamic < bytes || blockDim.x != (unsigned)threads) __trap();
 }
 
-// Rows [r0, r0 + n) of a (rows, D) matrix into shared memory, zeros past `rows`.
+// Rows [r0, r0 + n) of a (rows, D) matrix into shared memory, zeros past
+// `rows`: 16 bytes (8 features) per load where the matrix is 16-byte aligned,
+// as its rows then are (D is a multiple of 16), else feature by feature.
 template <int D>
 __device__ __forceinline__ void stage(bf16* dst, const bf16* src, int r0, int n, int rows) {
+    if ((reinterpret_cast<size_t>(src) & 15) == 0) {
+        constexpr int PER_ROW = D / 8;
+        for (int i = threadIdx.x; i < n * PER_ROW; i += blockDim.x) {
+            const int r = i / PER_ROW, c = i % PER_ROW * 8;
+            uint4 x = make_uint4(0, 0, 0, 0);
+            if (r0 + r < rows) x = *reinterpret_cast<const uint4*>(src + (size_t)(r0 + r) * D + c);
+            *reinterpret_cast<uint4*>(dst + r * ld_bf(D) + c) = x;
+        }
+        return;
+    }
     for (int i = threadIdx.x; i < n * D; i += blockDim.x) {
         const int r = i / D, c = i % D;
         dst[r * ld_bf(D) + c] = r0 + r < rows ? src[(size_t)(r0 + r) * D + c] : __float2bfloat16(0.f);
@@ -631,18 +643,31 @@ __device__ __forceinline__ void accumulate(float* acc, const bf16* a, int ld_a, 
 // The bias of queries [t0, t0 + nq) against keys [s0, s0 + nk) into
 // shared memory, -inf where masked or out of range, transposed (keys as
 // rows) when `keys_first`; whether any pair is unmasked, for the block.
+// Four keys per thread (nk and s0 are multiples of 4), in one 16-byte load
+// where the bias's rows are 16-byte aligned.
 __device__ __forceinline__ bool stage_bias(float* dst, int ld, const float* bias, const AttnDims& a, int t0, int nq,
                                            int s0, int nk, bool keys_first) {
+    const bool wide = (a.s & 3) == 0 && (reinterpret_cast<size_t>(bias) & 15) == 0;
     int live = 0;
-    for (int i = threadIdx.x; i < nq * nk; i += blockDim.x) {
-        const int qi = i / nk, kj = i % nk;
-        float b = -INFINITY;
-        if (t0 + qi < a.t && s0 + kj < a.s) {
-            b = bias[(size_t)(t0 + qi) * a.s + s0 + kj];
-            if (b < -1e29f) b = -INFINITY;
-            else live = 1;
+    for (int i = threadIdx.x; i < nq * nk / 4; i += blockDim.x) {
+        const int qi = i / (nk / 4), kj = i % (nk / 4) * 4;
+        float b[4] = {-INFINITY, -INFINITY, -INFINITY, -INFINITY};
+        if (t0 + qi < a.t) {
+            const float* row = bias + (size_t)(t0 + qi) * a.s + s0 + kj;
+            if (wide && s0 + kj < a.s) {
+                const float4 x = *reinterpret_cast<const float4*>(row);
+                b[0] = x.x, b[1] = x.y, b[2] = x.z, b[3] = x.w;
+            } else {
+                for (int e = 0; e < 4; ++e)
+                    if (s0 + kj + e < a.s) b[e] = row[e];
+            }
         }
-        dst[keys_first ? kj * ld + qi : qi * ld + kj] = b;
+        for (int e = 0; e < 4; ++e) {
+            float v = b[e];
+            if (v < -1e29f) v = -INFINITY;
+            else live = 1;
+            dst[keys_first ? (kj + e) * ld + qi : qi * ld + kj + e] = v;
+        }
     }
     return __syncthreads_or(live);
 }
@@ -674,9 +699,11 @@ __device__ void fwd(const bf16* q, const bf16* k, const bf16* v, const float* bi
     float m = -INFINITY, l = 0.f;  // the running max and sum of this lane's row
     for (int s0 = 0; s0 < a.s; s0 += BK) {
         __syncthreads();
+        // Tiles the bias masks whole are skipped before their keys and values are read.
+        if (!stage_bias(bs, LS, bias + (size_t)b * a.t * a.s, a, t0, BQ, s0, BK, false)) continue;
         stage<D>(ks, kh, s0, BK, a.s);
         stage<D>(vs, vh, s0, BK, a.s);
-        if (!stage_bias(bs, LS, bias + (size_t)b * a.t * a.s, a, t0, BQ, s0, BK, false)) continue;
+        __syncthreads();
         product_t<D>(ss + warp * 16 * LS, LS, qs + warp * 16 * LD, ks, LD, BK / 16);
         __syncwarp();
         float* sr = ss + row * LS;
@@ -742,9 +769,11 @@ __device__ void bwd_q(const bf16* q, const bf16* k, const bf16* v, const float* 
     const float row_lse = t0 + row < a.t ? lse[at] : 0.f, row_di = t0 + row < a.t ? di[at] : 0.f;
     for (int s0 = 0; s0 < a.s; s0 += BK) {
         __syncthreads();
+        // Tiles the bias masks whole are skipped before their keys and values are read.
+        if (!stage_bias(bs, LS, bias + (size_t)b * a.t * a.s, a, t0, BQ, s0, BK, false)) continue;
         stage<D>(ks, kh, s0, BK, a.s);
         stage<D>(vs, vh, s0, BK, a.s);
-        if (!stage_bias(bs, LS, bias + (size_t)b * a.t * a.s, a, t0, BQ, s0, BK, false)) continue;
+        __syncthreads();
         product_t<D>(ss + warp * 16 * LS, LS, qs + warp * 16 * LD, ks, LD, BK / 16);
         product_t<D>(dps + warp * 16 * LS, LS, dos + warp * 16 * LD, vs, LD, BK / 16);
         __syncwarp();
@@ -800,13 +829,14 @@ __device__ void bwd_kv(const bf16* q, const bf16* k, const bf16* v, const float*
         const size_t head = (size_t)b * a.h + hk * n_rep + rep;
         for (int t0 = 0; t0 < a.t; t0 += BQ) {
             __syncthreads();
+            if (!stage_bias(bts, LT, bias + (size_t)b * a.t * a.s, a, t0, BQ, j0, BKV, true)) continue;
             stage<D>(qs, q + head * a.t * D, t0, BQ, a.t);
             stage<D>(dos, dout + head * a.t * D, t0, BQ, a.t);
             for (int i = threadIdx.x; i < BQ; i += blockDim.x) {
                 lse_s[i] = t0 + i < a.t ? lse[head * a.t + t0 + i] : 0.f;
                 di_s[i] = t0 + i < a.t ? di[head * a.t + t0 + i] : 0.f;
             }
-            if (!stage_bias(bts, LT, bias + (size_t)b * a.t * a.s, a, t0, BQ, j0, BKV, true)) continue;
+            __syncthreads();
             product_t<D>(sts + warp * 16 * LT, LT, ks + warp * 16 * LD, qs, LD, BQ / 16);
             product_t<D>(dpts + warp * 16 * LT, LT, vs + warp * 16 * LD, dos, LD, BQ / 16);
             __syncwarp();
@@ -878,6 +908,22 @@ __device__ __forceinline__ float warp_sum(float v) {
     for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffff, v, o);
     return v;
 }
+
+// ---- out[r] = sum_e a[r, e] b[r, e] in f32 over rows of d: a warp per row,
+// lanes in a fixed order (the attention backward's rowsum(d out * out)).
+
+#define ROW_DOTS(T, S)                                                                                      \
+    extern "C" __global__ void row_dots_##S(const T* a, const T* b, float* out, size_t rows, int d) {       \
+        const size_t r = blockIdx.x * (size_t)(blockDim.x / 32) + threadIdx.x / 32;                         \
+        if (r >= rows) return;                                                                              \
+        float acc = 0.f;                                                                                    \
+        for (int e = threadIdx.x % 32; e < d; e += 32) acc += to_f32(a[r * d + e]) * to_f32(b[r * d + e]); \
+        acc = warp_sum(acc);                                                                                \
+        if (threadIdx.x % 32 == 0) out[r] = acc;                                                            \
+    }
+
+ROW_DOTS(float, f32)
+ROW_DOTS(bf16, bf16)
 
 template <typename T, int E>
 __device__ void decode_attention(const T* q, const T* k, const T* v, const T* shared_k, const T* shared_v,

@@ -414,6 +414,35 @@ pub fn bias_rows((y, y_l): In, (b, b_l): In) -> Result<CudaStorage> {
     by_dtype!(y.dtype(), run(&name, (y, y_l), (b, b_l)))
 }
 
+/// The f32 dot product of each row of `a` and `b` (rows of `d`).
+pub fn row_dots((a, a_l): In, (b, b_l): In, d: usize) -> Result<CudaStorage> {
+    fn run<T: CudaDType + DeviceRepr>(name: &str, (a, a_l): In, (b, b_l): In, d: usize) -> Result<CudaStorage> {
+        let dev = a.device.clone();
+        let (xs, ys) = (view::<T>(a, a_l)?, view::<T>(b, b_l)?);
+        if d == 0 || xs.len() != ys.len() || xs.len() % d != 0 {
+            candle_core::bail!("row_dots: {} and {} elements are not rows of {d}", xs.len(), ys.len());
+        }
+        let rows = xs.len() / d;
+        // Safety: every element is written by the kernel.
+        let mut out = unsafe { dev.alloc::<f32>(rows) }?;
+        let func = dev.get_or_load_custom_func(name, "rloo", PTX)?;
+        // 8 warps per block, a warp per row.
+        let cfg = LaunchConfig {
+            grid_dim: (rows.div_ceil(8).max(1) as u32, 1, 1),
+            block_dim: (256, 1, 1),
+            shared_mem_bytes: 0,
+        };
+        let d = d as i32;
+        let mut args = func.builder();
+        args.arg(&xs).arg(&ys).arg(&mut out).arg(&rows).arg(&d);
+        // Safety: the argument list matches the kernel's signature.
+        unsafe { args.launch(cfg) }.w()?;
+        Ok(CudaStorage::wrap_cuda_slice(out, dev))
+    }
+    let name = typed("row_dots", a.dtype())?;
+    by_dtype!(a.dtype(), run(&name, (a, a_l), (b, b_l), d))
+}
+
 /// Rotates x (B, H, T, D) by f32 tables (B, 1, T, R); `sign` -1 rotates back.
 pub fn rotary((x, x_l): In, (cos, c_l): In, (sin, s_l): In, sign: f32) -> Result<CudaStorage> {
     fn run<T: CudaDType + DeviceRepr>(
