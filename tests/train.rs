@@ -127,8 +127,18 @@ fn a_rule_reward_rises_within_a_short_run() {
         "time/reference",
         "time/scoring_and_reference",
         "time/training",
+        "time/training_forward",
+        "time/training_backward",
+        "time/training_forward_queued",
+        "time/training_backward_queued",
     ] {
         assert!(rows[0].contains_key(key), "metric {key} missing");
+    }
+    for part in ["forward", "backward"] {
+        let seconds = |name: String| rows[0][&name].as_f64().unwrap();
+        let (queued, whole) =
+            (seconds(format!("time/training_{part}_queued")), seconds(format!("time/training_{part}")));
+        assert!(queued <= whole, "{part}: queued {queued} of {whole} s");
     }
 }
 

@@ -137,12 +137,14 @@ def training(out, peaks, models):
     if flops is not None:
         print("(rloo's scoring and reference run side by side: 'ref s' is both together when they overlap)")
     print()
-    print("rloo's training phase by part (s per step): forward and loss, backward, update")
+    print("rloo's training phase by part (s per step): forward and loss, backward, update; "
+          "of the first two, the host's queuing")
     for p in sorted(out.glob("train-*-rloo*-*.json")):
         b = (load(p) or {}).get("breakdown", {})
         if b.get("training_forward") is not None:
             print(f"{p.stem:<30} {b['training_forward']:7.2f} {b.get('training_backward', 0):7.2f} "
-                  f"{b.get('training_update', 0):7.2f}")
+                  f"{b.get('training_update', 0):7.2f} {b.get('training_forward_queued', 0):7.2f} "
+                  f"{b.get('training_backward_queued', 0):7.2f}")
 
 
 def nccl(out):

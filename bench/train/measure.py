@@ -22,7 +22,8 @@ import sys
 def rloo_steps(out_dir):
     rows = [json.loads(l) for l in open(os.path.join(out_dir, "metrics.jsonl")) if l.strip()]
     keys = ["generation", "scoring", "reference", "scoring_and_reference", "training",
-            "training_forward", "training_backward", "training_update"]
+            "training_forward", "training_backward", "training_update",
+            "training_forward_queued", "training_backward_queued"]
     return (
         [r["time/step"] for r in rows],
         sum(r["completions/mean_length"] for r in rows) / len(rows),

@@ -353,6 +353,8 @@ impl Run {
         phases.record("training_forward", parts.forward);
         phases.record("training_backward", parts.backward);
         phases.record("training_update", parts.update);
+        phases.record("training_forward_queued", parts.forward_queued);
+        phases.record("training_backward_queued", parts.backward_queued);
 
         // 6. Metrics.
         report::rollout_metrics(metrics, rollout, &shaped, &seq_kl, beta, old, &ended)?;

@@ -45,6 +45,11 @@ pub(super) struct TrainSeconds {
     pub forward: f64,
     pub backward: f64,
     pub update: f64,
+    /// Of `forward` and `backward`, the seconds until the host had queued
+    /// their work; on a GPU the rest is the wait for the device (on the CPU
+    /// there is no rest).
+    pub forward_queued: f64,
+    pub backward_queued: f64,
 }
 
 /// What one micro-batch queued for the host, read at its mini-batch's end.
@@ -195,6 +200,7 @@ impl Run {
                         tokens: readback.push(&mask.sum_all()?)?,
                         extra,
                     });
+                    stats.seconds.forward_queued += started.elapsed().as_secs_f64();
                     self.device.synchronize()?;
                     stats.seconds.forward += started.elapsed().as_secs_f64();
                     let started = Instant::now();
@@ -202,6 +208,7 @@ impl Run {
                     for model in &models {
                         grads.add(model.params(), &backward)?;
                     }
+                    stats.seconds.backward_queued += started.elapsed().as_secs_f64();
                     self.device.synchronize()?;
                     stats.seconds.backward += started.elapsed().as_secs_f64();
                 }
