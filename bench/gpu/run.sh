@@ -206,8 +206,8 @@ if part profile && [[ $DEVICE == cuda ]]; then
             -e "s|@ACCUMULATION@|1|" -e "s|@EPISODES@|$((16 * K))|" -e "s|@CHECKPOINTING@|false|" \
             -e "s|^path = \"$dir/prompts.jsonl\"|path = \"$OUT/profile-prompts.jsonl\"|" \
             -e "s|^response_length = .*|response_length = 32|" bench/gpu/rloo.toml.in >"$run.toml"
-        # 32 decoding steps of about 450 launches each, then the scoring and reference passes come first.
-        profiled train 17000 "${rloo_cmd[@]}" train "$run.toml"
+        # Loading and prefill, 32 decoding steps of about 400 launches each, and the scoring and reference passes come first.
+        profiled train 16500 "${rloo_cmd[@]}" train "$run.toml"
     fi
 fi
 

@@ -123,6 +123,57 @@ pub fn device_peak_bytes(device: &candle_core::Device) -> Option<u64> {
     }
 }
 
+/// The most GPU memory held at once in each phase of a step: each reading
+/// is the pool's high-water mark since the last one, which then starts
+/// again from the memory in use. Nothing off a GPU.
+#[derive(Debug, Default)]
+pub struct PhasePeaks {
+    readings: Vec<(&'static str, u64)>,
+    /// The largest reading of the run, the pool's own mark being reset.
+    pub most: u64,
+}
+
+impl PhasePeaks {
+    /// Ends `phase` here: its peak, for [`Self::record`].
+    pub fn mark(&mut self, device: &candle_core::Device, phase: &'static str) {
+        #[cfg(feature = "cuda")]
+        if let Some(peak) = take_device_peak(device) {
+            self.readings.push((phase, peak));
+            self.most = self.most.max(peak);
+        }
+        #[cfg(not(feature = "cuda"))]
+        let _ = (device, phase);
+    }
+
+    /// The step's readings as `memory/peak_<phase>_gib`, cleared for the next step.
+    pub fn record(&mut self, metrics: &mut crate::report::Metrics) {
+        for (phase, bytes) in self.readings.drain(..) {
+            metrics.set(format!("memory/peak_{phase}_gib"), bytes as f64 / (1u64 << 30) as f64);
+        }
+    }
+}
+
+/// The pool's high-water mark, then reset to the memory in use now.
+#[cfg(feature = "cuda")]
+fn take_device_peak(device: &candle_core::Device) -> Option<u64> {
+    use candle_core::cuda_backend::cudarc::driver::sys;
+    let peak = device_peak_bytes(device)?;
+    let candle_core::Device::Cuda(dev) = device else { return None };
+    let ctx = dev.cuda_stream().context().clone();
+    ctx.bind_to_thread().ok()?;
+    let mut pool: sys::CUmemoryPool = std::ptr::null_mut();
+    let mut zero: u64 = 0;
+    // Safety: as in `pool_reading`; zero is the one value the driver takes
+    // for this attribute (it restarts the mark from the memory in use).
+    unsafe {
+        if sys::cuDeviceGetDefaultMemPool(&mut pool, ctx.cu_device()) == sys::CUresult::CUDA_SUCCESS {
+            let high = sys::CUmemPool_attribute::CU_MEMPOOL_ATTR_USED_MEM_HIGH;
+            sys::cuMemPoolSetAttribute(pool, high, (&mut zero as *mut u64).cast());
+        }
+    }
+    Some(peak)
+}
+
 /// A byte count of the device's default allocation pool; None off a GPU.
 #[cfg(feature = "cuda")]
 fn pool_reading(

@@ -22,6 +22,7 @@ use candle_core::{Device, Tensor};
 use super::checkpoint::{self, Part, SavedConfig, TrainerState};
 use super::config::{BatchSizes, TrainConfig, CONFIG_FILE};
 use super::harness::{Harness, HarnessOptions, Phases, StepTiming, Stopping};
+use super::memory::PhasePeaks;
 use super::optim::{learning_rate, AdamW, StepGuard};
 use super::run_dir::Reuse;
 use crate::algo;
@@ -154,12 +155,14 @@ pub fn train(cfg: &TrainConfig) -> Result<RunSummary> {
     let mut guard = StepGuard::new(t.max_skipped_steps);
     let mut last = Metrics::new();
     let mut device_memory = None;
+    let mut peaks = PhasePeaks::default();
     let run_started = std::time::Instant::now();
     while state.step < stop_at {
         let step = state.step;
         let mut phases = Phases::start();
         let mut metrics = Metrics::new();
-        let step_result = run.step(step, &mut optimizers, &mut state, &mut guard, &mut phases, &mut metrics);
+        let step_result =
+            run.step(step, &mut optimizers, &mut state, &mut guard, (&mut phases, &mut peaks), &mut metrics);
         let (rollout, shaped) = match step_result {
             Ok(done) => done,
             // Under ZeRO the optimizer's state is spread over the processes: no save from one alone.
@@ -186,6 +189,7 @@ pub fn train(cfg: &TrainConfig) -> Result<RunSummary> {
         metrics.set("episode", state.episode as f64);
         metrics.set("eps", sizes.batch as f64 / phases.elapsed());
         harness.record_phases(state.step, sizes.batch, &phases, &mut metrics);
+        peaks.record(&mut metrics);
         if let Some(used) = super::memory::device_used_bytes(&run.device) {
             metrics.set("memory/device_gib", used as f64 / (1u64 << 30) as f64);
             device_memory = Some(super::memory::DeviceMemory::add(device_memory, used));
@@ -244,7 +248,7 @@ pub fn train(cfg: &TrainConfig) -> Result<RunSummary> {
     let on_cpu = run.device.is_cpu();
     let memory = (run.memory_plan.filter(|_| on_cpu), super::memory::peak_rss_bytes());
     let device_memory = device_memory.map(|m| super::memory::DeviceMemory {
-        peak_allocated: super::memory::device_peak_bytes(&run.device),
+        peak_allocated: super::memory::device_peak_bytes(&run.device).map(|p| p.max(peaks.most)),
         planned: run.memory_plan,
         ..m
     });
@@ -270,13 +274,14 @@ impl Run {
         optimizers: &mut Optimizers,
         state: &mut TrainerState,
         guard: &mut StepGuard,
-        phases: &mut Phases,
+        (phases, peaks): (&mut Phases, &mut PhasePeaks),
         metrics: &mut Metrics,
     ) -> Result<(Rollout, Vec<Option<f32>>)> {
         let cfg = &self.cfg;
         // 1. Rollout: k completions of each prompt of this step (of this
         // process's share of them, in a data-parallel job).
         let local = phases.time("generation", || self.rollout(step))?;
+        peaks.mark(&self.device, "generation");
 
         // 2 and 3, side by side: the scores, shaped (missing-EOS penalty,
         // normalisation, clipping), on a thread of their own (a source that
@@ -313,6 +318,7 @@ impl Run {
             let keep = Tensor::from_vec(keep, (ended.len(), 1), &self.device)?;
             forward.old.mask = forward.old.mask.broadcast_mul(&keep)?;
         }
+        peaks.mark(&self.device, "scoring_and_reference");
         phases.record("scoring", t_score);
         // "reference": every forward pass beside the scoring (old log-probs, reference, PPO's values).
         phases.record("reference", forward.secs);
@@ -349,6 +355,7 @@ impl Run {
             }
             self.optimise(step, &seqs, old, reference, &targets, optimizers, state, guard)
         })?;
+        peaks.mark(&self.device, "training");
         let parts = train_stats.seconds;
         phases.record("training_forward", parts.forward);
         phases.record("training_backward", parts.backward);
