@@ -27,10 +27,17 @@ K, NEW = 4, 128
 
 
 def load(path):
+    """A JSON file (shape.json is indented), or the last line of a log that ends with one."""
     try:
-        return json.loads(Path(path).read_text().strip().splitlines()[-1])
-    except (OSError, ValueError, IndexError):
+        text = Path(path).read_text().strip()
+    except OSError:
         return None
+    for candidate in (text, text.splitlines()[-1] if text else ""):
+        try:
+            return json.loads(candidate)
+        except ValueError:
+            pass
+    return None
 
 
 def median(values):
@@ -145,6 +152,10 @@ def training(out, peaks, models):
             print(f"{p.stem:<30} {b['training_forward']:7.2f} {b.get('training_backward', 0):7.2f} "
                   f"{b.get('training_update', 0):7.2f} {b.get('training_forward_queued', 0):7.2f} "
                   f"{b.get('training_backward_queued', 0):7.2f}")
+            peaks = {k.removeprefix("peak_").removesuffix("_gib"): v for k, v in b.items() if k.startswith("peak_")}
+            if peaks:
+                print(" " * 31 + "most GPU memory held (GiB): "
+                      + ", ".join(f"{k} {v:.1f}" for k, v in sorted(peaks.items())))
 
 
 def nccl(out):
