@@ -17,6 +17,7 @@ use crate::rng::Rng;
 /// The kernels with a CUDA implementation; on a GPU the others run as
 /// compositions of candle ops, and the table says so.
 const CUDA_KERNELS: &[&str] = &[
+    "linear",
     "layer_norm",
     "rms_norm",
     "activation",

@@ -17,12 +17,8 @@ use crate::model::ops::{self, Activation};
 /// `b` (out,). `w` may also be the transposed view of an (in, out) tensor,
 /// which the product reads in place.
 pub fn linear(x: &Tensor, w: &Tensor, b: Option<&Tensor>) -> Result<Tensor> {
-    if super::on_cuda(&[x, w]) {
-        let y = ops::linear(x, w, None)?;
-        return match b {
-            Some(b) => add_bias(&y, b),
-            None => Ok(y),
-        };
+    if let Some(b) = b.filter(|b| cuda_linear_runs(x, w, b)) {
+        return x.contiguous()?.apply_op3(&weight_layout(w)?, &b.contiguous()?, CudaLinear);
     }
     if !(super::fused(x) && super::fused(w) && b.is_none_or(super::fused)) {
         return ops::linear(x, w, b);
@@ -47,49 +43,68 @@ pub fn activation_linear(u: &Tensor, act: Activation, w: &Tensor, b: Option<&Ten
     }
 }
 
-/// `y + b` for `b` (n,) over `y`'s last dimension n: on a GPU one launch,
-/// where candle's broadcast add works every element's index out through
-/// the broadcast strides (4 to 5 times a plain add's time there); elsewhere
-/// the broadcast add. The backward is the broadcast add's: `b` gets the
-/// gradient summed over y's rows, here as a product with a row of ones
-/// (cuBLAS reads the rows in order, where candle's sum over the first
-/// dimension strides across them).
-fn add_bias(y: &Tensor, b: &Tensor) -> Result<Tensor> {
-    let fits = b.rank() == 1 && y.dims().last() == Some(&b.dim(0)?) && y.elem_count() > 0;
-    if !(fits && super::on_cuda(&[y, b])) {
-        return y.broadcast_add(b);
-    }
-    y.contiguous()?.apply_op2(&b.contiguous()?, BiasRows)
+/// Whether [`CudaLinear`] takes these operands: on a GPU, a bias (n,)
+/// for a weight (n, k), rows to multiply.
+fn cuda_linear_runs(x: &Tensor, w: &Tensor, b: &Tensor) -> bool {
+    super::on_cuda(&[x, w, b])
+        && w.rank() == 2
+        && b.dims() == [w.dims()[0]]
+        && x.dims().last() == Some(&w.dims()[1])
+        && x.elem_count() > 0
 }
 
-struct BiasRows;
+/// A dense layer with a bias on a GPU, as one op: cuBLAS's product, then
+/// the bias added to every row in one pass (candle's broadcast add works
+/// each element's index out through the broadcast strides, 4 to 5 times a
+/// plain add's time there). One node keeps only x and w for the backward,
+/// where the composition also kept the product before its bias (an
+/// activation of the output's size), and its backward writes d x, d w and
+/// d b without the composition's reshape and transpose nodes, each of which
+/// added its gradient into a zeroed buffer.
+struct CudaLinear;
 
-impl CustomOp2 for BiasRows {
+impl CustomOp3 for CudaLinear {
     fn name(&self) -> &'static str {
-        "bias-rows"
+        "cuda-linear"
     }
 
-    fn cpu_fwd(&self, _: &CpuStorage, _: &Layout, _: &CpuStorage, _: &Layout) -> Result<(CpuStorage, Shape)> {
-        candle_core::bail!("{} runs on CUDA only", self.name())
-    }
+    super::cuda_only_cpu_fwd3!();
 
     #[cfg(feature = "cuda")]
     fn cuda_fwd(
         &self,
-        y: &candle_core::CudaStorage,
-        y_l: &Layout,
+        x: &candle_core::CudaStorage,
+        x_l: &Layout,
+        w: &candle_core::CudaStorage,
+        w_l: &Layout,
         b: &candle_core::CudaStorage,
         b_l: &Layout,
     ) -> Result<(candle_core::CudaStorage, Shape)> {
-        Ok((super::cuda::bias_rows((y, y_l), (b, b_l))?, y_l.shape().clone()))
+        use candle_core::backend::BackendStorage;
+        let (rows, k, n) = sizes(self.name(), x_l, w_l)?;
+        let product = x.matmul(w, (1, rows, n, k), x_l, &w_l.transpose(0, 1)?)?;
+        let out = super::cuda::bias_rows((&product, &Layout::contiguous((rows, n))), (b, b_l))?;
+        Ok((out, out_shape(x_l, n)))
     }
 
-    fn bwd(&self, _: &Tensor, b: &Tensor, _: &Tensor, grad: &Tensor) -> Result<(Option<Tensor>, Option<Tensor>)> {
-        let n = b.dim(0)?;
-        let rows = grad.elem_count() / n;
-        let ones = Tensor::ones((1, rows), grad.dtype(), grad.device())?;
-        let db = ones.matmul(&grad.reshape((rows, n))?)?.reshape(n)?;
-        Ok((Some(grad.clone()), Some(db)))
+    fn bwd(
+        &self,
+        x: &Tensor,
+        w: &Tensor,
+        _: &Tensor,
+        _: &Tensor,
+        grad: &Tensor,
+    ) -> Result<(Option<Tensor>, Option<Tensor>, Option<Tensor>)> {
+        let (n, k) = w.dims2()?;
+        let rows = x.elem_count() / k;
+        let g = grad.reshape((rows, n))?;
+        let dx = g.matmul(w)?.reshape(x.shape())?;
+        let dw = g.t()?.matmul(&x.reshape((rows, k))?)?;
+        // The sum over rows as a product with a row of ones: cuBLAS reads the
+        // rows in order, where candle's sum over the first dimension strides
+        // across them.
+        let db = Tensor::ones((1, rows), g.dtype(), g.device())?.matmul(&g)?.reshape(n)?;
+        Ok((Some(dx), Some(dw), Some(db)))
     }
 }
 
