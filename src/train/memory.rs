@@ -158,18 +158,13 @@ impl PhasePeaks {
 fn take_device_peak(device: &candle_core::Device) -> Option<u64> {
     use candle_core::cuda_backend::cudarc::driver::sys;
     let peak = device_peak_bytes(device)?;
-    let candle_core::Device::Cuda(dev) = device else { return None };
-    let ctx = dev.cuda_stream().context().clone();
-    ctx.bind_to_thread().ok()?;
-    let mut pool: sys::CUmemoryPool = std::ptr::null_mut();
+    let pool = default_pool(device)?;
     let mut zero: u64 = 0;
-    // Safety: as in `pool_reading`; zero is the one value the driver takes
-    // for this attribute (it restarts the mark from the memory in use).
+    // Safety: zero is the one value the driver takes for this attribute (it
+    // restarts the mark from the memory in use), from a local it reads.
     unsafe {
-        if sys::cuDeviceGetDefaultMemPool(&mut pool, ctx.cu_device()) == sys::CUresult::CUDA_SUCCESS {
-            let high = sys::CUmemPool_attribute::CU_MEMPOOL_ATTR_USED_MEM_HIGH;
-            sys::cuMemPoolSetAttribute(pool, high, (&mut zero as *mut u64).cast());
-        }
+        let high = sys::CUmemPool_attribute::CU_MEMPOOL_ATTR_USED_MEM_HIGH;
+        sys::cuMemPoolSetAttribute(pool, high, (&mut zero as *mut u64).cast());
     }
     Some(peak)
 }
@@ -181,19 +176,28 @@ fn pool_reading(
     attribute: candle_core::cuda_backend::cudarc::driver::sys::CUmemPool_attribute,
 ) -> Option<u64> {
     use candle_core::cuda_backend::cudarc::driver::sys;
+    let pool = default_pool(device)?;
+    let mut bytes: u64 = 0;
+    // Safety: the out-pointer is a local of the type the driver writes.
+    let ok = unsafe {
+        sys::cuMemPoolGetAttribute(pool, attribute, (&mut bytes as *mut u64).cast()) == sys::CUresult::CUDA_SUCCESS
+    };
+    ok.then_some(bytes)
+}
+
+/// The device's default allocation pool, every tensor's source, with its
+/// context bound to this thread; None off a GPU.
+#[cfg(feature = "cuda")]
+fn default_pool(device: &candle_core::Device) -> Option<candle_core::cuda_backend::cudarc::driver::sys::CUmemoryPool> {
+    use candle_core::cuda_backend::cudarc::driver::sys;
     let candle_core::Device::Cuda(dev) = device else { return None };
     let ctx = dev.cuda_stream().context().clone();
     ctx.bind_to_thread().ok()?;
     let mut pool: sys::CUmemoryPool = std::ptr::null_mut();
-    let mut bytes: u64 = 0;
-    // Safety: the out-pointers are locals of the types the driver writes;
-    // the device is the bound context's.
-    let ok = unsafe {
-        sys::cuDeviceGetDefaultMemPool(&mut pool, ctx.cu_device()) == sys::CUresult::CUDA_SUCCESS
-            && sys::cuMemPoolGetAttribute(pool, attribute, (&mut bytes as *mut u64).cast())
-                == sys::CUresult::CUDA_SUCCESS
-    };
-    ok.then_some(bytes)
+    // Safety: the out-pointer is a local of the type the driver writes; the
+    // device is the bound context's.
+    let ok = unsafe { sys::cuDeviceGetDefaultMemPool(&mut pool, ctx.cu_device()) == sys::CUresult::CUDA_SUCCESS };
+    ok.then_some(pool)
 }
 
 /// GPU memory in use at the end of each step (the first, the last and the
