@@ -82,7 +82,9 @@ impl CustomOp3 for CudaLinear {
     ) -> Result<(candle_core::CudaStorage, Shape)> {
         use candle_core::backend::BackendStorage;
         let (rows, k, n) = sizes(self.name(), x_l, w_l)?;
-        let product = x.matmul(w, (1, rows, n, k), x_l, &w_l.transpose(0, 1)?)?;
+        // x is contiguous (the caller made it so): one (rows, k) matrix whatever its rank.
+        let x_rows = Layout::contiguous_with_offset((rows, k), x_l.start_offset());
+        let product = x.matmul(w, (1, rows, n, k), &x_rows, &w_l.transpose(0, 1)?)?;
         let out = super::cuda::bias_rows((&product, &Layout::contiguous((rows, n))), (b, b_l))?;
         Ok((out, out_shape(x_l, n)))
     }
