@@ -6,9 +6,14 @@ use std::path::PathBuf;
 use std::process::Command;
 
 const SOURCE: &str = "src/model/kernels/cuda/kernels.cu";
+/// Headers `SOURCE` includes.
+const HEADERS: &[&str] = &["src/model/kernels/cuda/flash.cuh"];
 
 fn main() {
     println!("cargo:rerun-if-changed={SOURCE}");
+    for header in HEADERS {
+        println!("cargo:rerun-if-changed={header}");
+    }
     println!("cargo:rerun-if-env-changed=CUDA_COMPUTE_CAP");
     if std::env::var_os("CARGO_FEATURE_CUDA").is_none() {
         return;

@@ -30,7 +30,7 @@
 #                  appends its keys (RLOO_DECODE_APPEND: composed, the default, or fused);
 #                  default race+fused race+fused+fused host+composed
 #      ATTENTION   rloo's attention kernels for whole sequences in the training
-#                  runs (RLOO_ATTENTION: rows, tensor); default rows tensor
+#                  runs (RLOO_ATTENTION: rows, tensor, flash); default tensor rows
 #      RUNS        generation runs of each side (default 3)
 #      TRAIN_RUNS  training runs of each side per arm (default 2)
 #      STEPS       optimizer steps per training run, the first not counted (default 4)

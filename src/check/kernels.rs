@@ -8,7 +8,7 @@ use super::{relative_error, Check};
 use crate::generate::race::{self, RaceRow};
 use crate::generate::sampling::Pick;
 use crate::generate::Sampling;
-use crate::model::batch::{attention_bias, Inputs, PadSide};
+use crate::model::batch::{attention_bias, Inputs, PadSide, SharedPrefix};
 use crate::model::cache::{KvCache, LayerKv, SharedKv};
 use crate::model::kernels::{self, AdamWParam, AdamWStep, AttentionInputs, RotaryTables};
 use crate::model::ops::Activation;
@@ -161,10 +161,17 @@ pub fn check_kernels(device: &Device, dtypes: &[DType]) -> Vec<Check> {
         }
         // The tensor-core kernels run in bf16 on a GPU only: nothing to compare elsewhere.
         if device.is_cuda() && dtype == DType::BF16 {
-            for d in [64, 128, 256] {
-                out.push(tensor_attention_check(device, d, rng).unwrap_or_else(|e| {
-                    Check::failed("kernel", &format!("attention on tensor cores, head size {d}"), dtype, e)
-                }));
+            for (choice, name) in [
+                (kernels::AttentionKernels::Tensor, "attention on tensor cores"),
+                (kernels::AttentionKernels::Flash, "flash attention on tensor cores"),
+            ] {
+                for d in [64, 128, 256] {
+                    let name = format!("{name}, head size {d}");
+                    out.push(
+                        tensor_attention_check(device, d, choice, &name, rng)
+                            .unwrap_or_else(|e| Check::failed("kernel", &name, dtype, e)),
+                    );
+                }
             }
         }
         for d in [64, 128] {
@@ -379,15 +386,29 @@ fn attention_checks(device: &Device, dtype: DType, rng: &mut Rng) -> Result<Vec<
     Ok(vec![rotary, attention])
 }
 
-/// The tensor-core attention kernels at head size `d` against the CPU's
-/// composition, value and gradients: grouped-query heads, a right-padded
-/// row, and 70 queries and keys, so the last tiles are cut short.
-fn tensor_attention_check(device: &Device, d: usize, rng: &mut Rng) -> Result<Check> {
+/// The tensor-core attention kernels `choice` at head size `d` against the
+/// CPU's composition, value and gradients: grouped-query heads, 70 queries
+/// and keys (so the last tiles are cut short), a right-padded row and one
+/// packed as training packs them, a prompt then completions that each see
+/// it and themselves.
+fn tensor_attention_check(
+    device: &Device,
+    d: usize,
+    choice: kernels::AttentionKernels,
+    name: &str,
+    rng: &mut Rng,
+) -> Result<Check> {
     let (b, t, h, h_kv) = (2, 70, 4, 2);
-    let rows = [(1..=70).collect::<Vec<u32>>(), (1..=41).collect()];
+    let ids: Vec<u32> = (1..=70).collect();
     let bias_on = |dev: &Device| -> Result<Tensor> {
-        let inputs = Inputs::from_rows(&rows, 0, PadSide::Right, dev)?;
-        attention_bias(&inputs, &inputs.mask)
+        let padded = Inputs::from_rows(&[ids.clone(), ids[..41].to_vec()], 0, PadSide::Right, dev)?;
+        let packed = Inputs::shared_prefix(
+            &[SharedPrefix { prompt: &ids[..20], continuations: vec![&ids[20..37], &ids[37..49], &ids[49..]] }],
+            0,
+            dev,
+        )?;
+        let padded = attention_bias(&padded, &padded.mask)?.narrow(0, 1, 1)?;
+        Tensor::cat(&[&padded, &attention_bias(&packed, &packed.mask)?], 0)
     };
     let (host, on_device) = (bias_on(&Device::Cpu)?, bias_on(device)?);
     let scale = 1.0 / (d as f64).sqrt();
@@ -397,10 +418,10 @@ fn tensor_attention_check(device: &Device, d: usize, rng: &mut Rng) -> Result<Ch
         randn(rng, &[b, h_kv, t, d], 0.0, 1.0),
     ];
     Ok(compare(
-        &format!("attention on tensor cores, head size {d}"),
+        name,
         &inputs,
         &|x| kernels::sdpa(&x[0], &x[1], &x[2], &host, scale),
-        &|x| kernels::sdpa_with(&x[0], &x[1], &x[2], &on_device, scale, kernels::AttentionKernels::Tensor),
+        &|x| kernels::sdpa_with(&x[0], &x[1], &x[2], &on_device, scale, choice),
         device,
         DType::BF16,
         rng,

@@ -18,9 +18,10 @@ use crate::model::ops;
 const MAX_KEYS: usize = 11_000;
 
 /// Picks the GPU's kernels for whole sequences: `tensor` (the default:
-/// tiles on tensor cores, in bf16 at head sizes 64, 128 and 256; the rows
-/// kernels elsewhere) or `rows` (a block per query row, and per key row for
-/// d k and d v).
+/// tiles on tensor cores through WMMA, scores staged in shared memory, in
+/// bf16 at head sizes 64, 128 and 256; the rows kernels elsewhere), `flash`
+/// (the same tiles with the scores in registers as mma.sync fragments) or
+/// `rows` (a block per query row, and per key row for d k and d v).
 pub const ATTENTION_VAR: &str = "RLOO_ATTENTION";
 
 /// The GPU kernels [`ATTENTION_VAR`] picks.
@@ -28,12 +29,21 @@ pub const ATTENTION_VAR: &str = "RLOO_ATTENTION";
 pub enum AttentionKernels {
     Rows,
     Tensor,
+    Flash,
+}
+
+impl AttentionKernels {
+    /// Whether these are tiles on tensor cores (bf16, head sizes 64, 128, 256).
+    pub fn on_tensor_cores(self) -> bool {
+        self != Self::Rows
+    }
 }
 
 /// The kernels chosen; an unknown choice is an error.
 pub fn attention_kernels() -> Result<AttentionKernels> {
-    match variant(ATTENTION_VAR, &["tensor", "rows"]).map_err(candle_core::Error::msg)? {
+    match variant(ATTENTION_VAR, &["tensor", "flash", "rows"]).map_err(candle_core::Error::msg)? {
         "rows" => Ok(AttentionKernels::Rows),
+        "flash" => Ok(AttentionKernels::Flash),
         _ => Ok(AttentionKernels::Tensor),
     }
 }
@@ -54,14 +64,15 @@ pub fn sdpa_with(
 ) -> Result<Tensor> {
     let (_, h, t, d) = q.dims4()?;
     let (_, h_kv, s, _) = k.dims4()?;
-    let tensor = kernels == AttentionKernels::Tensor && q.dtype() == DType::BF16 && tensor_attention_fits(d);
+    let tensor = kernels.on_tensor_cores() && q.dtype() == DType::BF16 && tensor_attention_fits(d);
+    let kernels = if tensor { kernels } else { AttentionKernels::Rows };
     if !(super::on_cuda(&[q, k, v]) && (tensor || (s <= MAX_KEYS && t <= MAX_KEYS / 2))) {
         let n_rep = h / h_kv;
         return ops::attention(q, &ops::repeat_kv(k, n_rep)?, &ops::repeat_kv(v, n_rep)?, bias, scale);
     }
     let (k, v) = (cache_layout(k)?, cache_layout(v)?);
     let bias = bias.to_dtype(DType::F32)?.contiguous()?;
-    let op = Sdpa { bias, scale: scale as f32, tensor, lse: Mutex::new(None) };
+    let op = Sdpa { bias, scale: scale as f32, kernels, lse: Mutex::new(None) };
     q.contiguous()?.apply_op3(&k, &v, op)
 }
 
@@ -92,9 +103,9 @@ fn head_stride(l: &Layout) -> Option<usize> {
 struct Sdpa {
     bias: Tensor,
     scale: f32,
-    /// The tensor-core kernels, else the rows ones.
+    /// The rows kernels where the tiled ones do not take the inputs.
     #[cfg_attr(not(feature = "cuda"), allow(dead_code))]
-    tensor: bool,
+    kernels: AttentionKernels,
     /// Each row's log-sum-exp (B, H, T), kept by the forward for the backward.
     lse: Mutex<Option<Tensor>>,
 }
@@ -119,7 +130,7 @@ impl CustomOp3 for Sdpa {
         let dims = attn_dims(q_l, k_l, v_l, self.scale)?;
         let (bias, bias_l) = self.bias.storage_and_layout();
         let candle_core::Storage::Cuda(bias) = &*bias else { candle_core::bail!("sdpa: the bias is not on the GPU") };
-        let (out, lse) = super::cuda::attention_fwd((q, q_l), (k, k_l), (v, v_l), (bias, bias_l), dims, self.tensor)?;
+        let (out, lse) = super::cuda::attention_fwd((q, q_l), (k, k_l), (v, v_l), (bias, bias_l), dims, self.kernels)?;
         let (b, h, t) = (q_l.dims()[0], q_l.dims()[1], q_l.dims()[2]);
         let lse = Tensor::from_storage(
             candle_core::Storage::Cuda(lse),
@@ -145,7 +156,7 @@ impl CustomOp3 for Sdpa {
         let grad = grad.contiguous()?;
         // di = rowsum(d out * out), the softmax backward's correction, in f32.
         let di = grad.apply_op2_no_bwd(&out.contiguous()?, &RowDots)?;
-        let state = GradState { bias: self.bias.clone(), lse, grad, di, scale: self.scale, tensor: self.tensor };
+        let state = GradState { bias: self.bias.clone(), lse, grad, di, scale: self.scale, kernels: self.kernels };
         let dq = q.apply_op3_no_bwd(k, v, &SdpaGrad { state: &state, keys: false })?;
         let dkv = q.apply_op3_no_bwd(k, v, &SdpaGrad { state: &state, keys: true })?;
         Ok((Some(dq), Some(dkv.get(0)?), Some(dkv.get(1)?)))
@@ -192,7 +203,7 @@ struct GradState {
     grad: Tensor,
     di: Tensor,
     scale: f32,
-    tensor: bool,
+    kernels: AttentionKernels,
 }
 
 /// d q (`keys` false), or d k then d v stacked (2, B, Hkv, S, D).
@@ -239,7 +250,7 @@ impl CustomOp3 for SdpaGrad<'_> {
             grad: on_gpu[2],
             di: on_gpu[3],
         };
-        let out = super::cuda::attention_bwd(&inputs, dims, self.keys, s.tensor)?;
+        let out = super::cuda::attention_bwd(&inputs, dims, self.keys, s.kernels)?;
         let shape = match self.keys {
             true => candle_core::Shape::from([&[2][..], k_l.dims()].concat()),
             false => q_l.shape().clone(),

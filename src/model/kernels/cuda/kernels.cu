@@ -12,6 +12,8 @@ using namespace nvcuda;
 
 typedef __nv_bfloat16 bf16;
 
+#include "flash.cuh"
+
 __device__ __forceinline__ float to_f32(float x) { return x; }
 __device__ __forceinline__ float to_f32(bf16 x) { return __bfloat162float(x); }
 template <typename T> __device__ __forceinline__ T from_f32(float x);
@@ -407,12 +409,6 @@ ROTARY_APPEND(bf16, bf16)
 // the backward pass. One block per query row; dynamic shared memory holds
 // the row's S scores and 32 floats of scratch.
 
-struct AttnDims {
-    int h, h_kv, t, s, d;
-    long long kv_stride;
-    float scale;
-};
-
 template <typename T>
 __device__ __forceinline__ float dot(const T* a, const T* b, int d) {
     float acc = 0.f;
@@ -571,39 +567,12 @@ typedef wmma::fragment<wmma::matrix_b, 16, 16, 16, bf16, wmma::row_major> RowB;
 typedef wmma::fragment<wmma::matrix_b, 16, 16, 16, bf16, wmma::col_major> ColB;
 typedef wmma::fragment<wmma::accumulator, 16, 16, 16, float> Acc;
 
-// Row strides in shared memory, padded against bank conflicts (WMMA wants
-// multiples of 8 bf16 or 4 floats, tiles starting 32 bytes apart).
-__host__ __device__ constexpr int ld_bf(int cols) { return cols + 8; }
+// Float rows in shared memory padded likewise (WMMA wants multiples of 4
+// floats, tiles starting 32 bytes apart); bf16 rows as fa::ld_bf.
 __host__ __device__ constexpr int ld_f(int cols) { return cols + 4; }
-
-// Stops the kernel if it was launched with less shared memory than it lays
-// out, or another block size, rather than let it read out of bounds.
-__device__ __forceinline__ void expect_launch(size_t bytes, int threads) {
-    unsigned dynamic;
-    asm volatile("mov.u32 %0, %%dynamic_smem_size;" : "=r"(dynamic));
-    if (dynamic < bytes || blockDim.x != (unsigned)threads) __trap();
-}
-
-// Rows [r0, r0 + n) of a (rows, D) matrix into shared memory, zeros past
-// `rows`: 16 bytes (8 features) per load where the matrix is 16-byte aligned,
-// as its rows then are (D is a multiple of 16), else feature by feature.
-template <int D>
-__device__ __forceinline__ void stage(bf16* dst, const bf16* src, int r0, int n, int rows) {
-    if ((reinterpret_cast<size_t>(src) & 15) == 0) {
-        constexpr int PER_ROW = D / 8;
-        for (int i = threadIdx.x; i < n * PER_ROW; i += blockDim.x) {
-            const int r = i / PER_ROW, c = i % PER_ROW * 8;
-            uint4 x = make_uint4(0, 0, 0, 0);
-            if (r0 + r < rows) x = *reinterpret_cast<const uint4*>(src + (size_t)(r0 + r) * D + c);
-            *reinterpret_cast<uint4*>(dst + r * ld_bf(D) + c) = x;
-        }
-        return;
-    }
-    for (int i = threadIdx.x; i < n * D; i += blockDim.x) {
-        const int r = i / D, c = i % D;
-        dst[r * ld_bf(D) + c] = r0 + r < rows ? src[(size_t)(r0 + r) * D + c] : __float2bfloat16(0.f);
-    }
-}
+using fa::expect_launch;
+using fa::ld_bf;
+using fa::stage;
 
 // out (16 x 16 tiles, `n` of them across) = a (16 x K) b^T, with b's rows as
 // the output's columns: a's and b's rows are K long, in shared memory.
@@ -886,6 +855,30 @@ __device__ void bwd_kv(const bf16* q, const bf16* k, const bf16* v, const float*
 ATTENTION_TC(64, 4, 64, 4, 64)
 ATTENTION_TC(128, 4, 64, 4, 64)
 ATTENTION_TC(256, 4, 32, 2, 32)
+
+// Per head size: the key tile of the register-resident forward and d q
+// kernels, the query tile of their d k, d v kernel, and whether that one
+// splits d k and d v into blocks of their own (flash.cuh).
+#define ATTENTION_FA(D, BK, BQ_KV, SPLIT)                                                                       \
+    extern "C" __global__ void __launch_bounds__(32 * fa::WARPS)                                               \
+        attention_fa_fwd_##D(const bf16* q, const bf16* k, const bf16* v, const float* bias, bf16* o,          \
+                             float* lse, AttnDims a) {                                                         \
+        fa::fwd<D, BK>(q, k, v, bias, o, lse, a);                                                              \
+    }                                                                                                          \
+    extern "C" __global__ void __launch_bounds__(32 * fa::WARPS)                                               \
+        attention_fa_bwd_q_##D(const bf16* q, const bf16* k, const bf16* v, const float* bias,                 \
+                               const float* lse, const bf16* dout, const float* di, bf16* dq, AttnDims a) {    \
+        fa::bwd_q<D, BK>(q, k, v, bias, lse, dout, di, dq, a);                                                 \
+    }                                                                                                          \
+    extern "C" __global__ void __launch_bounds__(32 * fa::WARPS)                                               \
+        attention_fa_bwd_kv_##D(const bf16* q, const bf16* k, const bf16* v, const float* bias,                \
+                                const float* lse, const bf16* dout, const float* di, bf16* out, AttnDims a) {  \
+        fa::bwd_kv<D, BQ_KV, SPLIT>(q, k, v, bias, lse, dout, di, out, a);                                     \
+    }
+
+ATTENTION_FA(64, 64, 64, false)
+ATTENTION_FA(128, 64, 32, false)
+ATTENTION_FA(256, 32, 16, true)
 
 // ---- Attention of one decoding step over a KV cache read where it lies:
 // each row's shared slots (row `shared_rows[b]` of the shared buffers, the

@@ -9,6 +9,8 @@ use candle_core::cuda_backend::{CudaDType, WrapErr};
 use candle_core::{CudaStorage, DType, Layout, Result, Shape};
 use half::bf16;
 
+use super::AttentionKernels;
+
 const PTX: &str = include_str!(concat!(env!("OUT_DIR"), "/kernels.ptx"));
 
 /// An input: its storage and where its elements lie.
@@ -580,7 +582,7 @@ enum Pass {
     Keys,
 }
 
-/// The tensor-core kernels' tiles by head size, as `ATTENTION_TC` in
+/// The WMMA kernels' tiles by head size, as `ATTENTION_TC` in
 /// `kernels.cu` instantiates them: (warps, the other side's tile) of the
 /// forward and d q kernels, then of the d k, d v kernel.
 fn tensor_tiles(d: usize) -> Option<[(usize, usize); 2]> {
@@ -591,13 +593,26 @@ fn tensor_tiles(d: usize) -> Option<[(usize, usize); 2]> {
     }
 }
 
+/// The register-resident kernels' tiles by head size, as `ATTENTION_FA` in
+/// `kernels.cu` instantiates them: the key tile of the forward and d q
+/// kernels, the query tile of the d k, d v kernel, and whether that one
+/// gives d k and d v blocks of their own. Blocks are four warps over 64 rows.
+fn flash_tiles(d: usize) -> Option<(usize, usize, bool)> {
+    match d {
+        64 => Some((64, 64, false)),
+        128 => Some((64, 32, false)),
+        256 => Some((32, 16, true)),
+        _ => None,
+    }
+}
+
 /// Whether the tensor-core attention kernels take head size `d`.
 pub fn tensor_attention_fits(d: usize) -> bool {
     tensor_tiles(d).is_some()
 }
 
-/// The shared memory a tensor-core kernel lays out: `fwd_bytes`,
-/// `bwd_q_bytes` and `bwd_kv_bytes` in `kernels.cu`.
+/// The shared memory a WMMA kernel lays out: `fwd_bytes`, `bwd_q_bytes`
+/// and `bwd_kv_bytes` in `kernels.cu`.
 fn tensor_bytes(pass: Pass, d: usize, warps: usize, tile: usize) -> usize {
     let (ld_bf, ld_f) = (|c: usize| c + 8, |c: usize| c + 4);
     let rows = 16 * warps;
@@ -618,15 +633,26 @@ fn tensor_bytes(pass: Pass, d: usize, warps: usize, tile: usize) -> usize {
     }
 }
 
-/// The kernel of `pass` and its launch over `batch` sequences: the
-/// tensor-core one (bf16, a head size of [`tensor_tiles`]) when `tensor`,
-/// else the one that takes a block per query (or key) row.
+/// The shared memory a register-resident kernel lays out: `fa::fwd_bytes`,
+/// `fa::bwd_q_bytes` and `fa::bwd_kv_bytes` in `flash.cuh`.
+fn flash_bytes(pass: Pass, d: usize, tile: usize) -> usize {
+    let row = 2 * (d + 8);
+    match pass {
+        Pass::Forward => (64 + 2 * tile) * row,
+        Pass::Queries => (2 * 64 + 2 * tile) * row,
+        Pass::Keys => (2 * 64 + 2 * tile) * row + 8 * tile,
+    }
+}
+
+/// The kernel of `pass` and its launch over `batch` sequences: a tiled one
+/// on tensor cores (bf16, a head size of [`tensor_attention_fits`]) unless
+/// `kernels` are the rows ones, which take a block per query (or key) row.
 fn attention_kernel(
     pass: Pass,
     a: &AttnDims,
     batch: usize,
     dtype: DType,
-    tensor: bool,
+    kernels: AttentionKernels,
 ) -> Result<(String, LaunchConfig)> {
     let (h, h_kv, t, s, d) = (a.h as usize, a.h_kv as usize, a.t as usize, a.s as usize, a.d as usize);
     let stem = match pass {
@@ -634,7 +660,7 @@ fn attention_kernel(
         Pass::Queries => "bwd_q",
         Pass::Keys => "bwd_kv",
     };
-    if !tensor {
+    if kernels == AttentionKernels::Rows {
         let (blocks, floats) = match pass {
             Pass::Forward | Pass::Queries => (batch * h * t, s + 32),
             Pass::Keys => (batch * h_kv * s, 2 * (t + d)),
@@ -646,12 +672,29 @@ fn attention_kernel(
         };
         return Ok((typed(&format!("attention_{stem}"), dtype)?, cfg));
     }
-    let (Some(tiles), DType::BF16) = (tensor_tiles(d), dtype) else {
+    let (Some(tiles), Some(flash), DType::BF16) = (tensor_tiles(d), flash_tiles(d), dtype) else {
         candle_core::bail!("the tensor-core attention takes bf16 and head sizes 64, 128 or 256, not {dtype:?} and {d}")
     };
-    let ((warps, tile), (rows, heads)) = match pass {
-        Pass::Forward | Pass::Queries => (tiles[0], (t, h)),
-        Pass::Keys => (tiles[1], (s, h_kv)),
+    let (rows, heads) = match pass {
+        Pass::Forward | Pass::Queries => (t, h),
+        Pass::Keys => (s, h_kv),
+    };
+    if kernels == AttentionKernels::Flash {
+        let (key_tile, query_tile, split) = flash;
+        let (tile, parts) = match pass {
+            Pass::Forward | Pass::Queries => (key_tile, 1),
+            Pass::Keys => (query_tile, if split { 2 } else { 1 }),
+        };
+        let cfg = LaunchConfig {
+            grid_dim: (rows.div_ceil(64) as u32, (batch * heads) as u32, parts),
+            block_dim: (128, 1, 1),
+            shared_mem_bytes: flash_bytes(pass, d, tile) as u32,
+        };
+        return Ok((format!("attention_fa_{stem}_{d}"), cfg));
+    }
+    let (warps, tile) = match pass {
+        Pass::Forward | Pass::Queries => tiles[0],
+        Pass::Keys => tiles[1],
     };
     let cfg = LaunchConfig {
         grid_dim: (rows.div_ceil(16 * warps) as u32, (batch * heads) as u32, 1),
@@ -672,23 +715,30 @@ fn allow_shared_memory(func: &CudaFunction, cfg: &LaunchConfig) -> Result<()> {
     Ok(())
 }
 
-/// (output (B, H, T, D) in q's dtype, log-sum-exp (B, H, T) f32), on tensor
-/// cores when `tensor`.
-pub fn attention_fwd(q: In, k: In, v: In, bias: In, a: AttnDims, tensor: bool) -> Result<(CudaStorage, CudaStorage)> {
+/// (output (B, H, T, D) in q's dtype, log-sum-exp (B, H, T) f32), by the
+/// `kernels` given.
+pub fn attention_fwd(
+    q: In,
+    k: In,
+    v: In,
+    bias: In,
+    a: AttnDims,
+    kernels: AttentionKernels,
+) -> Result<(CudaStorage, CudaStorage)> {
     fn run<T: CudaDType + DeviceRepr>(
         q: In,
         k: In,
         v: In,
         bias: In,
         a: AttnDims,
-        tensor: bool,
+        kernels: AttentionKernels,
     ) -> Result<(CudaStorage, CudaStorage)> {
         let dev = q.0.device.clone();
         let qs = view::<T>(q.0, q.1)?;
         let (ks, vs) = (from_first::<T>(k)?, from_first::<T>(v)?);
         let bs = view::<f32>(bias.0, bias.1)?;
         let rows = qs.len() / a.d as usize;
-        let (name, cfg) = attention_kernel(Pass::Forward, &a, rows / (a.h * a.t) as usize, q.0.dtype(), tensor)?;
+        let (name, cfg) = attention_kernel(Pass::Forward, &a, rows / (a.h * a.t) as usize, q.0.dtype(), kernels)?;
         // Safety: every element is written by the kernel.
         let (mut out, mut lse) = unsafe { (dev.alloc::<T>(qs.len())?, dev.alloc::<f32>(rows)?) };
         let func = dev.get_or_load_custom_func(&name, "rloo", PTX)?;
@@ -699,7 +749,7 @@ pub fn attention_fwd(q: In, k: In, v: In, bias: In, a: AttnDims, tensor: bool) -
         unsafe { args.launch(cfg) }.w()?;
         Ok((CudaStorage::wrap_cuda_slice(out, dev.clone()), CudaStorage::wrap_cuda_slice(lse, dev)))
     }
-    by_dtype!(q.0.dtype(), run(q, k, v, bias, a, tensor))
+    by_dtype!(q.0.dtype(), run(q, k, v, bias, a, kernels))
 }
 
 /// Everything the attention backward kernels read.
@@ -713,10 +763,15 @@ pub struct AttnInputs<'a> {
     pub di: In<'a>,
 }
 
-/// d q (B, H, T, D), or d k and d v stacked (2, B, Hkv, S, D) (`keys`), on
-/// tensor cores when `tensor`.
-pub fn attention_bwd(x: &AttnInputs, a: AttnDims, keys: bool, tensor: bool) -> Result<CudaStorage> {
-    fn run<T: CudaDType + DeviceRepr>(x: &AttnInputs, a: AttnDims, keys: bool, tensor: bool) -> Result<CudaStorage> {
+/// d q (B, H, T, D), or d k and d v stacked (2, B, Hkv, S, D) (`keys`), by
+/// the `kernels` given.
+pub fn attention_bwd(x: &AttnInputs, a: AttnDims, keys: bool, kernels: AttentionKernels) -> Result<CudaStorage> {
+    fn run<T: CudaDType + DeviceRepr>(
+        x: &AttnInputs,
+        a: AttnDims,
+        keys: bool,
+        kernels: AttentionKernels,
+    ) -> Result<CudaStorage> {
         let dev = x.q.0.device.clone();
         let qs = view::<T>(x.q.0, x.q.1)?;
         let (ks, vs) = (from_first::<T>(x.k)?, from_first::<T>(x.v)?);
@@ -731,7 +786,7 @@ pub fn attention_bwd(x: &AttnInputs, a: AttnDims, keys: bool, tensor: bool) -> R
             true => (Pass::Keys, 2 * b * (a.h_kv * a.s) as usize * d),
             false => (Pass::Queries, qs.len()),
         };
-        let (name, cfg) = attention_kernel(pass, &a, b, x.q.0.dtype(), tensor)?;
+        let (name, cfg) = attention_kernel(pass, &a, b, x.q.0.dtype(), kernels)?;
         // Safety: every element is written by the kernel.
         let mut out = unsafe { dev.alloc::<T>(len) }?;
         let func = dev.get_or_load_custom_func(&name, "rloo", PTX)?;
@@ -742,7 +797,7 @@ pub fn attention_bwd(x: &AttnInputs, a: AttnDims, keys: bool, tensor: bool) -> R
         unsafe { args.launch(cfg) }.w()?;
         Ok(CudaStorage::wrap_cuda_slice(out, dev))
     }
-    by_dtype!(x.q.0.dtype(), run(x, a, keys, tensor))
+    by_dtype!(x.q.0.dtype(), run(x, a, keys, kernels))
 }
 
 /// The sizes and strides of [`decode_attention`], as `DecodeDims` in

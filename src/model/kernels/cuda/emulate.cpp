@@ -1,0 +1,383 @@
+// Runs the register-resident attention kernels of flash.cuh on the host and
+// compares them with a reference in f64, so their fragment and index logic
+// is checked where no GPU is: every CUDA thread is a host thread, the
+// warp-level primitives (ldmatrix, mma.sync, shuffles) exchange lane values
+// through per-warp slots between barriers, as the PTX ISA lays the
+// fragments out, and blocks run one after another. Built and run by
+// scripts/cuda/emulate.sh; exits non-zero on a mismatch.
+
+#include <cmath>
+#include <condition_variable>
+#include <cstdint>
+#include <cstdio>
+#include <cstdlib>
+#include <cstring>
+#include <functional>
+#include <mutex>
+#include <random>
+#include <thread>
+#include <vector>
+
+// ---- The CUDA surface the kernels use.
+
+#define __device__
+#define __host__
+#define __forceinline__ inline
+#define __shared__
+#define __align__(n)  // the host buffer below is aligned
+
+struct bf16 {
+    uint16_t bits;
+};
+
+inline float __bfloat162float(bf16 x) {
+    const uint32_t u = uint32_t(x.bits) << 16;
+    float f;
+    std::memcpy(&f, &u, 4);
+    return f;
+}
+
+// Round to nearest even, as the device's conversion.
+inline bf16 __float2bfloat16(float f) {
+    uint32_t u;
+    std::memcpy(&u, &f, 4);
+    if (std::isnan(f)) return {0x7fc0};
+    u += 0x7fff + ((u >> 16) & 1);
+    return {uint16_t(u >> 16)};
+}
+
+struct uint4 {
+    uint32_t x, y, z, w;
+};
+inline uint4 make_uint4(uint32_t x, uint32_t y, uint32_t z, uint32_t w) { return {x, y, z, w}; }
+
+struct Dim3 {
+    unsigned x = 0, y = 0, z = 0;
+};
+thread_local Dim3 threadIdx, blockIdx;
+Dim3 blockDim, gridDim;
+size_t launched_smem = 0;
+namespace fa {
+// The kernels' `extern __shared__` buffer, for the block that runs.
+alignas(128) unsigned char smem[256 * 1024];
+}  // namespace fa
+
+// A barrier for `n` threads that also ORs a value over them.
+struct Barrier {
+    std::mutex mu;
+    std::condition_variable cv;
+    int n = 0, count = 0, acc = 0, result = 0;
+    long gen = 0;
+
+    int arrive(int v) {
+        std::unique_lock<std::mutex> lock(mu);
+        acc |= v;
+        if (++count == n) {
+            result = acc, acc = 0, count = 0, ++gen;
+            cv.notify_all();
+            return result;
+        }
+        const long g = gen;
+        cv.wait(lock, [&] { return gen != g; });
+        return result;
+    }
+};
+
+struct Warp {
+    Barrier bar;
+    const void* ptr[32];
+    float f[32];
+    uint32_t a[32][4], b[32][2];
+};
+
+Barrier block_bar;
+std::vector<Warp> warps;
+
+inline int __syncthreads_or(int v) { return block_bar.arrive(v != 0); }
+inline void __syncthreads() { block_bar.arrive(0); }
+
+namespace fa {
+
+inline Warp& my_warp() { return warps[threadIdx.x / 32]; }
+inline int my_lane() { return threadIdx.x % 32; }
+inline uint16_t bits_at(const void* row, int e) { return static_cast<const bf16*>(row)[e].bits; }
+
+void ldsm_x4(uint32_t (&r)[4], const bf16* p) {
+    Warp& w = my_warp();
+    const int lane = my_lane();
+    w.ptr[lane] = p;
+    w.bar.arrive(0);
+    for (int i = 0; i < 4; ++i) {
+        const void* row = w.ptr[i * 8 + lane / 4];
+        r[i] = bits_at(row, 2 * (lane % 4)) | uint32_t(bits_at(row, 2 * (lane % 4) + 1)) << 16;
+    }
+    w.bar.arrive(0);
+}
+
+void ldsm_x4_t(uint32_t (&r)[4], const bf16* p) {
+    Warp& w = my_warp();
+    const int lane = my_lane();
+    w.ptr[lane] = p;
+    w.bar.arrive(0);
+    for (int i = 0; i < 4; ++i) {
+        const uint16_t lo = bits_at(w.ptr[i * 8 + 2 * (lane % 4)], lane / 4);
+        const uint16_t hi = bits_at(w.ptr[i * 8 + 2 * (lane % 4) + 1], lane / 4);
+        r[i] = lo | uint32_t(hi) << 16;
+    }
+    w.bar.arrive(0);
+}
+
+inline float half_of(uint32_t reg, int half) {
+    return __bfloat162float(bf16{uint16_t(half ? reg >> 16 : reg & 0xffff)});
+}
+
+// m16n8k16: A (row, k) sits in lane (row % 8) * 4 + (k % 8) / 2, register
+// (row >= 8) + 2 (k >= 8), half k % 2; B (k, n) in lane n * 4 + (k % 8) / 2,
+// register k >= 8, half k % 2; C (row, n) in lane (row % 8) * 4 + (n / 2),
+// element 2 (row >= 8) + n % 2.
+void mma(float (&c)[4], const uint32_t (&a)[4], uint32_t b0, uint32_t b1) {
+    Warp& w = my_warp();
+    const int lane = my_lane();
+    std::memcpy(w.a[lane], a, sizeof a);
+    w.b[lane][0] = b0, w.b[lane][1] = b1;
+    w.bar.arrive(0);
+    float out[4];
+    for (int i = 0; i < 4; ++i) {
+        const int row = lane / 4 + (i >> 1) * 8, col = (lane % 4) * 2 + (i & 1);
+        float acc = c[i];
+        for (int k = 0; k < 16; ++k) {
+            const float x = half_of(w.a[(row % 8) * 4 + (k % 8) / 2][(row >= 8) + 2 * (k >= 8)], k % 2);
+            const float y = half_of(w.b[col * 4 + (k % 8) / 2][k >= 8], k % 2);
+            acc += x * y;
+        }
+        out[i] = acc;
+    }
+    w.bar.arrive(0);
+    std::memcpy(c, out, sizeof out);
+}
+
+float shfl_xor(float x, int mask) {
+    Warp& w = my_warp();
+    const int lane = my_lane();
+    w.f[lane] = x;
+    w.bar.arrive(0);
+    const float y = w.f[lane ^ mask];
+    w.bar.arrive(0);
+    return y;
+}
+
+inline uint32_t pack(float lo, float hi) { return __float2bfloat16(lo).bits | uint32_t(__float2bfloat16(hi).bits) << 16; }
+
+inline void store_pair(bf16* at, float lo, float hi) { at[0] = __float2bfloat16(lo), at[1] = __float2bfloat16(hi); }
+
+inline void expect_launch(size_t bytes, int threads) {
+    if (launched_smem < bytes || blockDim.x != (unsigned)threads) {
+        std::fprintf(stderr, "launched with %zu bytes and %u threads; the kernel wants %zu and %d\n", launched_smem,
+                     blockDim.x, bytes, threads);
+        std::abort();
+    }
+}
+
+}  // namespace fa
+
+#include "flash.cuh"
+
+// ---- Launching: blocks in turn, each a host thread per CUDA thread.
+
+void launch(Dim3 grid, size_t smem_bytes, const std::function<void()>& kernel) {
+    if (smem_bytes > sizeof fa::smem) std::abort();
+    gridDim = grid, blockDim = {32 * fa::WARPS, 1, 1}, launched_smem = smem_bytes;
+    warps = std::vector<Warp>(fa::WARPS);
+    for (Warp& w : warps) w.bar.n = 32;
+    block_bar.n = blockDim.x;
+    for (unsigned z = 0; z < grid.z; ++z)
+        for (unsigned y = 0; y < grid.y; ++y)
+            for (unsigned x = 0; x < grid.x; ++x) {
+                // Stale shared memory must not matter, and none past the launch's may be written.
+                std::memset(fa::smem, 0xcd, sizeof fa::smem);
+                std::vector<std::thread> threads;
+                for (unsigned t = 0; t < blockDim.x; ++t)
+                    threads.emplace_back([&, t] {
+                        threadIdx = {t, 0, 0};
+                        blockIdx = {x, y, z};
+                        kernel();
+                    });
+                for (auto& th : threads) th.join();
+                for (size_t i = smem_bytes; i < sizeof fa::smem; ++i)
+                    if (fa::smem[i] != 0xcd) {
+                        std::fprintf(stderr, "shared memory written at byte %zu, past the %zu launched\n", i, smem_bytes);
+                        std::abort();
+                    }
+            }
+}
+
+// ---- The reference, in f64 over the bf16 inputs.
+
+struct Case {
+    const char* name;
+    int b, h, h_kv, t, s, d, capacity;  // capacity: key slots per head (>= s)
+    enum Mask { CAUSAL, SHARED_PREFIX } mask;
+};
+
+struct Problem {
+    Case c;
+    AttnDims a;
+    std::vector<bf16> q, k, v, dout;
+    std::vector<float> bias;
+};
+
+bf16 random_bf16(std::mt19937& rng) { return __float2bfloat16(std::normal_distribution<float>(0.f, 1.f)(rng)); }
+
+Problem make(const Case& c, std::mt19937& rng) {
+    Problem p{c, {c.h, c.h_kv, c.t, c.s, c.d, (long long)c.capacity * c.d, 1.f / std::sqrt(float(c.d))}, {}, {}, {}, {}, {}};
+    for (auto* x : {&p.q, &p.dout}) {
+        x->resize((size_t)c.b * c.h * c.t * c.d);
+        for (auto& e : *x) e = random_bf16(rng);
+    }
+    for (auto* x : {&p.k, &p.v}) {
+        x->resize((size_t)c.b * c.h_kv * c.capacity * c.d);
+        for (auto& e : *x) e = random_bf16(rng);
+    }
+    p.bias.assign((size_t)c.b * c.t * c.s, -1e30f);
+    for (int bi = 0; bi < c.b; ++bi) {
+        const int pad = bi == 0 ? 0 : 5 + bi;  // left padding of keys in later rows
+        for (int i = 0; i < c.t; ++i)
+            for (int j = 0; j < c.s; ++j) {
+                bool see;
+                if (c.mask == Case::CAUSAL) {
+                    see = j >= pad && j <= c.s - c.t + i;
+                } else {
+                    // A prompt of 24 slots, then completions of 19 each: a query sees
+                    // the prompt and the earlier slots of its own completion.
+                    auto seg = [](int x) { return x < 24 ? 0 : 1 + (x - 24) / 19; };
+                    see = j <= i && (seg(j) == 0 || seg(j) == seg(i));
+                }
+                // The last query of the last row sees nothing.
+                if (bi == c.b - 1 && i == c.t - 1) see = false;
+                if (see) p.bias[((size_t)bi * c.t + i) * c.s + j] = 0.01f * float((i * 7 + j * 3) % 11 - 5);
+            }
+    }
+    return p;
+}
+
+struct Grads {
+    std::vector<double> o, lse, dq, dk, dv;
+};
+
+Grads reference(const Problem& p) {
+    const Case& c = p.c;
+    auto f = [](bf16 x) { return (double)__bfloat162float(x); };
+    Grads g;
+    g.o.assign(p.q.size(), 0), g.lse.assign((size_t)c.b * c.h * c.t, 0), g.dq.assign(p.q.size(), 0);
+    g.dk.assign((size_t)c.b * c.h_kv * c.s * c.d, 0), g.dv.assign(g.dk.size(), 0);
+    std::vector<double> pr(c.s);
+    for (int bi = 0; bi < c.b; ++bi)
+        for (int hi = 0; hi < c.h; ++hi) {
+            const int hk = hi / (c.h / c.h_kv);
+            const size_t qh = ((size_t)bi * c.h + hi) * c.t, kh = ((size_t)bi * c.h_kv + hk) * c.capacity;
+            const size_t gh = ((size_t)bi * c.h_kv + hk) * c.s;
+            for (int i = 0; i < c.t; ++i) {
+                double top = -INFINITY;
+                for (int j = 0; j < c.s; ++j) {
+                    const float bv = p.bias[((size_t)bi * c.t + i) * c.s + j];
+                    if (bv < -1e29f) {
+                        pr[j] = -INFINITY;
+                        continue;
+                    }
+                    double dot = 0;
+                    for (int e = 0; e < c.d; ++e) dot += f(p.q[(qh + i) * c.d + e]) * f(p.k[(kh + j) * c.d + e]);
+                    pr[j] = dot * p.a.scale + bv;
+                    top = std::max(top, pr[j]);
+                }
+                double sum = 0;
+                for (int j = 0; j < c.s; ++j) sum += pr[j] == -INFINITY ? 0 : std::exp(pr[j] - top);
+                g.lse[qh + i] = sum > 0 ? top + std::log(sum) : 0;
+                for (int j = 0; j < c.s; ++j) pr[j] = pr[j] == -INFINITY ? 0 : std::exp(pr[j] - top) / sum;
+                double di = 0;
+                for (int e = 0; e < c.d; ++e) {
+                    double o = 0;
+                    for (int j = 0; j < c.s; ++j) o += pr[j] * f(p.v[(kh + j) * c.d + e]);
+                    g.o[(qh + i) * c.d + e] = o;
+                    di += o * f(p.dout[(qh + i) * c.d + e]);
+                }
+                for (int j = 0; j < c.s; ++j) {
+                    if (pr[j] == 0) continue;
+                    double dp = 0;
+                    for (int e = 0; e < c.d; ++e) dp += f(p.dout[(qh + i) * c.d + e]) * f(p.v[(kh + j) * c.d + e]);
+                    const double ds = pr[j] * (dp - di);
+                    for (int e = 0; e < c.d; ++e) {
+                        g.dq[(qh + i) * c.d + e] += ds * p.a.scale * f(p.k[(kh + j) * c.d + e]);
+                        g.dk[(gh + j) * c.d + e] += ds * p.a.scale * f(p.q[(qh + i) * c.d + e]);
+                        g.dv[(gh + j) * c.d + e] += pr[j] * f(p.dout[(qh + i) * c.d + e]);
+                    }
+                }
+            }
+        }
+    return g;
+}
+
+// ---- Running the kernels and comparing.
+
+template <typename T>
+double relative_error(const std::vector<T>& got, const std::vector<double>& want, size_t from = 0) {
+    double num = 0, den = 0;
+    for (size_t i = 0; i < want.size(); ++i) {
+        double x;
+        if constexpr (std::is_same_v<T, bf16>)
+            x = __bfloat162float(got[from + i]);
+        else
+            x = got[from + i];
+        if (!std::isfinite(x)) return INFINITY;
+        num += (x - want[i]) * (x - want[i]), den += want[i] * want[i];
+    }
+    return std::sqrt(num / std::max(den, 1e-30));
+}
+
+template <int D, int BK, int BQ_KV, bool SPLIT>
+bool run(const Case& c, std::mt19937& rng) {
+    Problem p = make(c, rng);
+    Grads want = reference(p);
+    const AttnDims a = p.a;
+    const int rows = c.b * c.h * c.t;
+    std::vector<bf16> o(p.q.size(), bf16{0xffff}), dq(p.q.size(), bf16{0xffff});
+    std::vector<float> lse(rows, NAN), di(rows);
+    launch({unsigned((c.t + fa::ROWS - 1) / fa::ROWS), unsigned(c.b * c.h), 1}, fa::fwd_bytes<D, BK>(),
+           [&] { fa::fwd<D, BK>(p.q.data(), p.k.data(), p.v.data(), p.bias.data(), o.data(), lse.data(), a); });
+    for (int r = 0; r < rows; ++r) {
+        double x = 0;
+        for (int e = 0; e < D; ++e) x += __bfloat162float(o[(size_t)r * D + e]) * __bfloat162float(p.dout[(size_t)r * D + e]);
+        di[r] = float(x);
+    }
+    launch({unsigned((c.t + fa::ROWS - 1) / fa::ROWS), unsigned(c.b * c.h), 1}, fa::bwd_q_bytes<D, BK>(), [&] {
+        fa::bwd_q<D, BK>(p.q.data(), p.k.data(), p.v.data(), p.bias.data(), lse.data(), p.dout.data(), di.data(),
+                         dq.data(), a);
+    });
+    std::vector<bf16> kv(2 * want.dk.size(), bf16{0xffff});
+    launch({unsigned((c.s + fa::ROWS - 1) / fa::ROWS), unsigned(c.b * c.h_kv), SPLIT ? 2u : 1u},
+           fa::bwd_kv_bytes<D, BQ_KV>(), [&] {
+               fa::bwd_kv<D, BQ_KV, SPLIT>(p.q.data(), p.k.data(), p.v.data(), p.bias.data(), lse.data(),
+                                           p.dout.data(), di.data(), kv.data(), a);
+           });
+    const double errs[5] = {relative_error(o, want.o), relative_error(lse, want.lse), relative_error(dq, want.dq),
+                            relative_error(kv, want.dk), relative_error(kv, want.dv, want.dk.size())};
+    const bool ok = errs[0] < 1e-2 && errs[1] < 1e-4 && errs[2] < 2e-2 && errs[3] < 2e-2 && errs[4] < 2e-2;
+    std::printf("%-4s %-34s o %.1e  lse %.1e  dq %.1e  dk %.1e  dv %.1e\n", ok ? "ok" : "FAIL", c.name, errs[0],
+                errs[1], errs[2], errs[3], errs[4]);
+    std::fflush(stdout);
+    return ok;
+}
+
+int main() {
+    std::mt19937 rng(7);
+    bool ok = true;
+    // The tiles as kernels.cu's ATTENTION_FA instantiates them.
+    ok &= run<64, 64, 64, false>({"d64 causal, padding, gqa", 2, 4, 2, 70, 70, 64, 70, Case::CAUSAL}, rng);
+    ok &= run<64, 64, 64, false>({"d64 shared prefix", 2, 2, 2, 100, 100, 64, 100, Case::SHARED_PREFIX}, rng);
+    ok &= run<64, 64, 64, false>({"d64 past slots in a cache", 2, 2, 1, 20, 90, 64, 96, Case::CAUSAL}, rng);
+    ok &= run<128, 64, 32, false>({"d128 causal, padding, gqa", 2, 4, 2, 70, 70, 128, 70, Case::CAUSAL}, rng);
+    ok &= run<128, 64, 32, false>({"d128 shared prefix", 1, 2, 1, 100, 100, 128, 100, Case::SHARED_PREFIX}, rng);
+    ok &= run<256, 32, 16, true>({"d256 causal, padding, gqa", 2, 2, 1, 70, 70, 256, 70, Case::CAUSAL}, rng);
+    ok &= run<256, 32, 16, true>({"d256 past slots in a cache", 1, 2, 2, 20, 90, 256, 96, Case::CAUSAL}, rng);
+    std::printf(ok ? "all match\n" : "MISMATCH\n");
+    return ok ? 0 : 1;
+}
