@@ -640,8 +640,12 @@ fn the_gpu_variables_are_checked_on_every_device() {
     assert!(e.contains("RLOO_CUDA_EVENTS=sometimes: expected off or on"), "{e}");
     ok(generate("RLOO_ATTENTION", "rows"));
     ok(generate("RLOO_ATTENTION", "tensor"));
-    let e = err(generate("RLOO_ATTENTION", "flash"));
-    assert!(e.contains("RLOO_ATTENTION=flash: expected tensor or rows"), "{e}");
+    ok(generate("RLOO_ATTENTION", "flash"));
+    let e = err(generate("RLOO_ATTENTION", "wmma"));
+    assert!(e.contains("RLOO_ATTENTION=wmma: expected tensor or flash or rows"), "{e}");
+    ok(generate("RLOO_CUDA_PROFILE", "training"));
+    let e = err(generate("RLOO_CUDA_PROFILE", "everything"));
+    assert!(e.contains("RLOO_CUDA_PROFILE=everything: expected off or generation or scoring or training"), "{e}");
     ok(generate("RLOO_DECODE_ATTENTION", "composed"));
     let e = err(generate("RLOO_DECODE_ATTENTION", "split"));
     assert!(e.contains("RLOO_DECODE_ATTENTION=split: expected fused or composed"), "{e}");

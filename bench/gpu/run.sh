@@ -180,25 +180,30 @@ if part profile && [[ $DEVICE == cuda ]]; then
     elif models "$size"; then
         dir=$MODELS/$size
         head -16 "$dir/prompts.jsonl" >"$OUT/profile-prompts.jsonl"
-        profiled() { # NAME SKIP COMMAND...: the kernels of one run by total time, and the host's CUDA calls
-            # (Nsight Compute times kernels one by one: it measures 5,000 launches after the first SKIP.)
-            local name=$1 skip=$2
+        profiled() { # NAME PHASE COMMAND...: the kernels of one run (of one phase of its step, RLOO_CUDA_PROFILE,
+            # unless PHASE is -) by total time, and the host's CUDA calls. Nsight Compute times kernels one
+            # by one: it measures the first 9,000 launches.
+            local name=$1 phase=$2 window=()
             shift 2
             log "profile: $name"
             if [[ -n $nsys ]]; then
                 # Nsight Systems: kernels and driver calls as they ran, without replay.
-                timeout "$LIMIT" "$nsys" profile --trace cuda --sample none --cpuctxsw none --force-overwrite true \
-                    -o "/tmp/profile-$name" "$@" >"$OUT/profile-$name.log" 2>&1 || tail -5 "$OUT/profile-$name.log"
+                [[ $phase == - ]] || window=(--capture-range cudaProfilerApi)
+                RLOO_CUDA_PROFILE=${phase/#-/off} timeout "$LIMIT" "$nsys" profile --trace cuda --sample none \
+                    --cpuctxsw none --force-overwrite true "${window[@]}" -o "/tmp/profile-$name" "$@" \
+                    >"$OUT/profile-$name.log" 2>&1 || tail -5 "$OUT/profile-$name.log"
                 "$nsys" stats --report cuda_gpu_kern_sum --report cuda_api_sum --format table \
                     "/tmp/profile-$name.nsys-rep" 2>&1 | cut -c1-180 >"$OUT/profile-$name.txt"
                 grep -A28 -m2 -E "cuda_gpu_kern_sum|cuda_api_sum" "$OUT/profile-$name.txt"
             else
-                timeout "$LIMIT" "$ncu" --target-processes all --csv --page raw --metrics gpu__time_duration.sum \
-                    --launch-skip "$skip" --launch-count 5000 "$@" >"$OUT/profile-$name.csv" 2>"$OUT/profile-$name.log" || tail -5 "$OUT/profile-$name.log"
+                [[ $phase == - ]] || window=(--profile-from-start off)
+                RLOO_CUDA_PROFILE=${phase/#-/off} timeout "$LIMIT" "$ncu" --target-processes all --csv --page raw \
+                    --metrics gpu__time_duration.sum "${window[@]}" --launch-count 9000 "$@" \
+                    >"$OUT/profile-$name.csv" 2>"$OUT/profile-$name.log" || tail -5 "$OUT/profile-$name.log"
                 "$PY" bench/gpu/kernels.py "$OUT/profile-$name.csv" >"$OUT/profile-$name.txt" && cat "$OUT/profile-$name.txt"
             fi
         }
-        profiled generate 0 "${rloo_cmd[@]}" generate --device cuda --bf16 --model "$dir/policy" \
+        profiled generate - "${rloo_cmd[@]}" generate --device cuda --bf16 --model "$dir/policy" \
             --prompts "$OUT/profile-prompts.jsonl" --output "$OUT/profile-generate.jsonl" --num-return-sequences $K \
             --max-new-tokens 16 --temperature 1.0 --batch-size $((16 * K)) --ignore-eos --seed 1
         run=$OUT/profile-train
@@ -206,8 +211,7 @@ if part profile && [[ $DEVICE == cuda ]]; then
             -e "s|@ACCUMULATION@|1|" -e "s|@EPISODES@|$((16 * K))|" -e "s|@CHECKPOINTING@|false|" \
             -e "s|^path = \"$dir/prompts.jsonl\"|path = \"$OUT/profile-prompts.jsonl\"|" \
             -e "s|^response_length = .*|response_length = 32|" bench/gpu/rloo.toml.in >"$run.toml"
-        # Loading and prefill, 32 decoding steps of about 400 launches each, and the scoring and reference passes come first.
-        profiled train 16500 "${rloo_cmd[@]}" train "$run.toml"
+        profiled train training "${rloo_cmd[@]}" train "$run.toml"
     fi
 fi
 

@@ -23,6 +23,7 @@ pub fn parse_device(name: &str) -> Result<Device> {
     };
     let keep = keep_freed_memory()?;
     let events = buffer_events()?;
+    profiled_phase()?;
     // Read where the kernels run: refused here, before any work, on every device.
     let invalid = |e: candle_core::Error| Error::Invalid(e.to_string());
     crate::model::kernels::attention_kernels().map_err(invalid)?;
@@ -73,6 +74,36 @@ pub const CUDA_POOL_VAR: &str = "RLOO_CUDA_POOL";
 
 fn keep_freed_memory() -> Result<bool> {
     Ok(variant(CUDA_POOL_VAR, &["keep", "release"]).map_err(Error::Invalid)? == "keep")
+}
+
+/// Names the phase of a training step during which a CUDA profiler that
+/// waits for the program's word (Nsight Compute's `--profile-from-start
+/// off`) records: `generation`, `scoring` (the reward and the reference's
+/// forward passes) or `training`; `off`, the default, records nothing.
+pub const CUDA_PROFILE_VAR: &str = "RLOO_CUDA_PROFILE";
+
+/// The phases [`CUDA_PROFILE_VAR`] can name, `off` first.
+pub const PROFILED_PHASES: [&str; 4] = ["off", "generation", "scoring", "training"];
+
+fn profiled_phase() -> Result<&'static str> {
+    variant(CUDA_PROFILE_VAR, &PROFILED_PHASES).map_err(Error::Invalid)
+}
+
+/// Runs `f`, the step's `phase`, with the CUDA profiler recording when
+/// [`CUDA_PROFILE_VAR`] names it and `device` is a GPU.
+pub fn in_profiled_phase<T>(device: &Device, phase: &str, f: impl FnOnce() -> T) -> T {
+    debug_assert!(PROFILED_PHASES.contains(&phase));
+    #[cfg(feature = "cuda")]
+    if let (Device::Cuda(dev), Ok(chosen)) = (device, profiled_phase()) {
+        use candle_core::cuda_backend::cudarc::driver::Profiler;
+        if chosen == phase && dev.cuda_stream().context().bind_to_thread().is_ok() {
+            // Stops recording when dropped, after f.
+            let _recording = Profiler::new().ok();
+            return f();
+        }
+    }
+    let _ = (device, phase);
+    f()
 }
 
 /// Which of `choices` the variable `var` picks, for the variables that

@@ -32,6 +32,7 @@ use crate::dist::{self, Communicator};
 use crate::error::{Error, Result};
 use crate::generate::{Completion, GenerateOptions};
 use crate::io::write_atomic;
+use crate::model::device::in_profiled_phase;
 use crate::model::scoring::{completion_logprobs_chunked, Sequences, TokenLogprobs};
 use crate::model::{Model, Network};
 use crate::report::Metrics;
@@ -280,7 +281,8 @@ impl Run {
         let cfg = &self.cfg;
         // 1. Rollout: k completions of each prompt of this step (of this
         // process's share of them, in a data-parallel job).
-        let local = phases.time("generation", || self.rollout(step))?;
+        let local =
+            phases.time("generation", || in_profiled_phase(&self.device, "generation", || self.rollout(step)))?;
         peaks.mark(&self.device, "generation");
 
         // 2 and 3, side by side: the scores, shaped (missing-EOS penalty,
@@ -289,13 +291,15 @@ impl Run {
         // log-probs of the sampling policy and of the reference (and PPO's values).
         let local_seqs = local.sequences(&self.dataset);
         let started = std::time::Instant::now();
-        let (scored, forward) = std::thread::scope(|s| {
-            let scoring = s.spawn(|| -> Result<_> {
-                let started = std::time::Instant::now();
-                let scores = self.rewards.score(&local.samples(&self.dataset))?;
-                Ok((scores, started.elapsed().as_secs_f64()))
-            });
-            (scoring.join().expect("the scoring thread panicked"), self.rollout_forward(&local, &local_seqs))
+        let (scored, forward) = in_profiled_phase(&self.device, "scoring", || {
+            std::thread::scope(|s| {
+                let scoring = s.spawn(|| -> Result<_> {
+                    let started = std::time::Instant::now();
+                    let scores = self.rewards.score(&local.samples(&self.dataset))?;
+                    Ok((scores, started.elapsed().as_secs_f64()))
+                });
+                (scoring.join().expect("the scoring thread panicked"), self.rollout_forward(&local, &local_seqs))
+            })
         });
         let both = started.elapsed().as_secs_f64();
         let ((scores, t_score), forward) = (scored?, forward?);
@@ -353,7 +357,9 @@ impl Run {
                 guard.skip(state.optimizer_step, format!("all {} samples of the rollout are unscorable", shaped.len()));
                 return Ok(TrainStats { skipped_steps: 1, ..TrainStats::default() });
             }
-            self.optimise(step, &seqs, old, reference, &targets, optimizers, state, guard)
+            in_profiled_phase(&self.device, "training", || {
+                self.optimise(step, &seqs, old, reference, &targets, optimizers, state, guard)
+            })
         })?;
         peaks.mark(&self.device, "training");
         let parts = train_stats.seconds;
