@@ -548,3 +548,31 @@ impl Model {
         }
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use candle_core::{Device, Tensor, Var};
+
+    /// candle's backward as vendor/candle-core patches it: a tensor's first
+    /// gradient is kept (contiguous) and later ones are added to it.
+    #[test]
+    fn gradients_sum_over_every_use_and_come_back_contiguous() {
+        let dev = Device::Cpu;
+        let x = Var::from_vec(vec![1f32, -2., 3., 0.5, -0., 4.], (2, 3), &dev).unwrap();
+        let w = Var::from_vec(vec![0.25f32, 1., -1., 2., 3., -4.], (2, 3), &dev).unwrap();
+        let c = Tensor::from_vec(vec![1f32, 2., 3., 4., 5., 6.], (3, 2), &dev).unwrap();
+        // x is used twice (through a transpose and squared); w once, through a transpose.
+        let through_t = (x.t().unwrap() * &c).unwrap().sum_all().unwrap();
+        let squared = x.sqr().unwrap().sum_all().unwrap();
+        let w_term = (w.t().unwrap() * &c).unwrap().sum_all().unwrap();
+        let loss = ((through_t + squared).unwrap() + w_term).unwrap();
+        let grads = loss.backward().unwrap();
+        let (gx, gw) = (grads.get(&x).unwrap(), grads.get(&w).unwrap());
+        let ct: Vec<f32> = c.t().unwrap().flatten_all().unwrap().to_vec1().unwrap();
+        let xs: Vec<f32> = x.as_tensor().flatten_all().unwrap().to_vec1().unwrap();
+        let want_x: Vec<f32> = ct.iter().zip(&xs).map(|(c, x)| c + 2. * x).collect();
+        assert_eq!(gx.flatten_all().unwrap().to_vec1::<f32>().unwrap(), want_x);
+        assert_eq!(gw.flatten_all().unwrap().to_vec1::<f32>().unwrap(), ct);
+        assert!(gx.is_contiguous() && gw.is_contiguous(), "a transposed gradient is stored contiguous");
+    }
+}
