@@ -159,21 +159,6 @@ pub fn check_kernels(device: &Device, dtypes: &[DType]) -> Vec<Check> {
             Ok(checks) => out.extend(checks),
             Err(e) => out.push(Check::failed("kernel", "attention", dtype, e)),
         }
-        // The tensor-core kernels run in bf16 on a GPU only: nothing to compare elsewhere.
-        if device.is_cuda() && dtype == DType::BF16 {
-            for (choice, name) in [
-                (kernels::AttentionKernels::Tensor, "attention on tensor cores"),
-                (kernels::AttentionKernels::Flash, "flash attention on tensor cores"),
-            ] {
-                for d in [64, 128, 256] {
-                    let name = format!("{name}, head size {d}");
-                    out.push(
-                        tensor_attention_check(device, d, choice, &name, rng)
-                            .unwrap_or_else(|e| Check::failed("kernel", &name, dtype, e)),
-                    );
-                }
-            }
-        }
         for d in [64, 128] {
             out.push(
                 decode_attention_check(device, dtype, d, rng)
@@ -213,6 +198,30 @@ pub fn check_kernels(device: &Device, dtypes: &[DType]) -> Vec<Check> {
     match race_checks(device) {
         Ok(checks) => out.extend(checks),
         Err(e) => out.push(Check::failed("kernel", "race sampler", DType::F32, e)),
+    }
+    out
+}
+
+/// The tensor-core attention kernels on `device` against the CPU, where
+/// they run: on a GPU, in bf16. Run after every other check, as a fault
+/// there ends every later launch on the device.
+pub fn check_tensor_attention(device: &Device, dtypes: &[DType]) -> Vec<Check> {
+    let mut out = Vec::new();
+    if !(device.is_cuda() && dtypes.contains(&DType::BF16)) {
+        return out;
+    }
+    let mut rng = Rng::new(7);
+    for (choice, name) in [
+        (kernels::AttentionKernels::Tensor, "attention on tensor cores"),
+        (kernels::AttentionKernels::Flash, "flash attention on tensor cores"),
+    ] {
+        for d in [64, 128, 256] {
+            let name = format!("{name}, head size {d}");
+            out.push(
+                tensor_attention_check(device, d, choice, &name, &mut rng)
+                    .unwrap_or_else(|e| Check::failed("kernel", &name, DType::BF16, e)),
+            );
+        }
     }
     out
 }

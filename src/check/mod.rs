@@ -12,7 +12,7 @@ use std::path::Path;
 
 use candle_core::{DType, Device};
 
-pub use kernels::check_kernels;
+pub use kernels::{check_kernels, check_tensor_attention};
 pub use parity::{max_diff, max_diff_masked, relative_error, Fixture};
 
 /// The fixture models the parity checks load: six architectures, both heads

@@ -24,6 +24,7 @@ pub fn run(a: CheckArgs) -> Result<()> {
     let dtypes = [DType::F32, DType::BF16];
     let mut checks = check::check_kernels(&device, &dtypes);
     checks.extend(check::check_fixtures(&a.fixtures, &device, &dtypes));
+    checks.extend(check::check_tensor_attention(&device, &dtypes));
     print!("{}", check::table(&device, &checks));
     if checks.iter().any(|c| !c.passed()) {
         bail!("some checks failed on {}", check::describe(&device));
