@@ -9,9 +9,10 @@
 // d q and (d k, d v) are separate kernels, each summing in a fixed order.
 //
 // Inputs and outputs are the bias-attention kernels' in kernels.cu. The
-// warp-level primitives (ldmatrix, mma, shuffles, barriers) are defined
-// here for the GPU; scripts/cuda/emulate.sh defines them on the host, one
-// thread per lane, and runs these kernels against a reference.
+// warp-level primitives (ldmatrix, mma, shuffles) are defined here for the
+// GPU; emulate.cpp beside this file defines them on the host, one thread
+// per lane, and runs these kernels against a reference
+// (scripts/cuda/emulate.sh).
 
 #pragma once
 
