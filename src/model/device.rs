@@ -125,25 +125,36 @@ pub fn variant(var: &str, choices: &[&'static str]) -> std::result::Result<&'sta
 #[cfg(feature = "cuda")]
 fn pool_keeps_freed_memory(dev: &candle_core::CudaDevice) -> std::result::Result<(), String> {
     use candle_core::cuda_backend::cudarc::driver::sys;
-    let ctx = dev.cuda_stream().context().clone();
-    ctx.bind_to_thread().map_err(|e| e.to_string())?;
-    let mut pool: sys::CUmemoryPool = std::ptr::null_mut();
     let mut threshold = u64::MAX;
-    // Safety: the pool is the bound context's device's default pool, and
-    // the attribute's value is a u64, as the driver reads it.
-    let ok = unsafe {
-        sys::cuDeviceGetDefaultMemPool(&mut pool, ctx.cu_device()) == sys::CUresult::CUDA_SUCCESS
-            && sys::cuMemPoolSetAttribute(
-                pool,
-                sys::CUmemPool_attribute::CU_MEMPOOL_ATTR_RELEASE_THRESHOLD,
-                (&mut threshold as *mut u64).cast(),
-            ) == sys::CUresult::CUDA_SUCCESS
-    };
+    // Safety: the attribute's value is a u64, as the driver reads it.
+    let ok = default_pool(dev).is_some_and(|pool| unsafe {
+        sys::cuMemPoolSetAttribute(
+            pool,
+            sys::CUmemPool_attribute::CU_MEMPOOL_ATTR_RELEASE_THRESHOLD,
+            (&mut threshold as *mut u64).cast(),
+        ) == sys::CUresult::CUDA_SUCCESS
+    });
     if ok {
         Ok(())
     } else {
         Err("could not set the allocation pool's release threshold".into())
     }
+}
+
+/// The device's default allocation pool, every tensor's source, with its
+/// context bound to this thread.
+#[cfg(feature = "cuda")]
+pub(crate) fn default_pool(
+    dev: &candle_core::CudaDevice,
+) -> Option<candle_core::cuda_backend::cudarc::driver::sys::CUmemoryPool> {
+    use candle_core::cuda_backend::cudarc::driver::sys;
+    let ctx = dev.cuda_stream().context().clone();
+    ctx.bind_to_thread().ok()?;
+    let mut pool: sys::CUmemoryPool = std::ptr::null_mut();
+    // Safety: the out-pointer is a local of the type the driver writes; the
+    // device is the bound context's.
+    let ok = unsafe { sys::cuDeviceGetDefaultMemPool(&mut pool, ctx.cu_device()) == sys::CUresult::CUDA_SUCCESS };
+    ok.then_some(pool)
 }
 
 /// The dtype a model computes in: `f32`, or `bf16` mixed precision (bf16

@@ -185,19 +185,10 @@ fn pool_reading(
     ok.then_some(bytes)
 }
 
-/// The device's default allocation pool, every tensor's source, with its
-/// context bound to this thread; None off a GPU.
+/// The device's default allocation pool; None off a GPU.
 #[cfg(feature = "cuda")]
 fn default_pool(device: &candle_core::Device) -> Option<candle_core::cuda_backend::cudarc::driver::sys::CUmemoryPool> {
-    use candle_core::cuda_backend::cudarc::driver::sys;
-    let candle_core::Device::Cuda(dev) = device else { return None };
-    let ctx = dev.cuda_stream().context().clone();
-    ctx.bind_to_thread().ok()?;
-    let mut pool: sys::CUmemoryPool = std::ptr::null_mut();
-    // Safety: the out-pointer is a local of the type the driver writes; the
-    // device is the bound context's.
-    let ok = unsafe { sys::cuDeviceGetDefaultMemPool(&mut pool, ctx.cu_device()) == sys::CUresult::CUDA_SUCCESS };
-    ok.then_some(pool)
+    crate::model::device::default_pool(device.as_cuda_device().ok()?)
 }
 
 /// GPU memory in use at the end of each step (the first, the last and the

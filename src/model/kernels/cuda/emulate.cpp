@@ -334,8 +334,10 @@ double relative_error(const std::vector<T>& got, const std::vector<double>& want
     return std::sqrt(num / std::max(den, 1e-30));
 }
 
-template <int D, int BK, int BQ_KV, bool SPLIT>
+template <int D>
 bool run(const Case& c, std::mt19937& rng) {
+    constexpr int BK = fa::Tiles<D>::KEYS, BQ_KV = fa::Tiles<D>::QUERIES;
+    constexpr bool SPLIT = fa::Tiles<D>::SPLIT;
     Problem p = make(c, rng);
     Grads want = reference(p);
     const AttnDims a = p.a;
@@ -374,19 +376,18 @@ int main(int argc, char** argv) {
     // `races`: two small cases, for a build under ThreadSanitizer, which
     // sees a read of shared memory that no barrier orders after its write.
     if (argc > 1 && std::strcmp(argv[1], "races") == 0) {
-        ok &= run<64, 64, 64, false>({"d64 causal, padding", 2, 2, 1, 70, 70, 64, 70, Case::CAUSAL}, rng);
-        ok &= run<256, 32, 16, true>({"d256 past slots in a cache", 1, 1, 1, 20, 40, 256, 48, Case::CAUSAL}, rng);
+        ok &= run<64>({"d64 causal, padding", 2, 2, 1, 70, 70, 64, 70, Case::CAUSAL}, rng);
+        ok &= run<256>({"d256 past slots in a cache", 1, 1, 1, 20, 40, 256, 48, Case::CAUSAL}, rng);
         std::printf(ok ? "all match\n" : "MISMATCH\n");
         return ok ? 0 : 1;
     }
-    // The tiles as kernels.cu's ATTENTION_FA instantiates them.
-    ok &= run<64, 64, 64, false>({"d64 causal, padding, gqa", 2, 4, 2, 70, 70, 64, 70, Case::CAUSAL}, rng);
-    ok &= run<64, 64, 64, false>({"d64 shared prefix", 2, 2, 2, 100, 100, 64, 100, Case::SHARED_PREFIX}, rng);
-    ok &= run<64, 64, 64, false>({"d64 past slots in a cache", 2, 2, 1, 20, 90, 64, 96, Case::CAUSAL}, rng);
-    ok &= run<128, 64, 32, false>({"d128 causal, padding, gqa", 2, 4, 2, 70, 70, 128, 70, Case::CAUSAL}, rng);
-    ok &= run<128, 64, 32, false>({"d128 shared prefix", 1, 2, 1, 100, 100, 128, 100, Case::SHARED_PREFIX}, rng);
-    ok &= run<256, 32, 16, true>({"d256 causal, padding, gqa", 2, 2, 1, 70, 70, 256, 70, Case::CAUSAL}, rng);
-    ok &= run<256, 32, 16, true>({"d256 past slots in a cache", 1, 2, 2, 20, 90, 256, 96, Case::CAUSAL}, rng);
+    ok &= run<64>({"d64 causal, padding, gqa", 2, 4, 2, 70, 70, 64, 70, Case::CAUSAL}, rng);
+    ok &= run<64>({"d64 shared prefix", 2, 2, 2, 100, 100, 64, 100, Case::SHARED_PREFIX}, rng);
+    ok &= run<64>({"d64 past slots in a cache", 2, 2, 1, 20, 90, 64, 96, Case::CAUSAL}, rng);
+    ok &= run<128>({"d128 causal, padding, gqa", 2, 4, 2, 70, 70, 128, 70, Case::CAUSAL}, rng);
+    ok &= run<128>({"d128 shared prefix", 1, 2, 1, 100, 100, 128, 100, Case::SHARED_PREFIX}, rng);
+    ok &= run<256>({"d256 causal, padding, gqa", 2, 2, 1, 70, 70, 256, 70, Case::CAUSAL}, rng);
+    ok &= run<256>({"d256 past slots in a cache", 1, 2, 2, 20, 90, 256, 96, Case::CAUSAL}, rng);
     std::printf(ok ? "all match\n" : "MISMATCH\n");
     return ok ? 0 : 1;
 }

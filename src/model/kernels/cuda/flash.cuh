@@ -100,6 +100,24 @@ __device__ __forceinline__ void stage(bf16* dst, const bf16* src, int r0, int n,
 }
 
 constexpr int WARPS = 4, ROWS = 16 * WARPS;
+
+// The tiles by head size: the key tile of the forward and d q kernels, the
+// query tile of the d k, d v kernel, and whether d k and d v take blocks of
+// their own (together their accumulators overflow the registers at 256).
+// cuda/mod.rs's flash_tiles repeats them for the launches.
+template <int D> struct Tiles;
+template <> struct Tiles<64> {
+    static constexpr int KEYS = 64, QUERIES = 64;
+    static constexpr bool SPLIT = false;
+};
+template <> struct Tiles<128> {
+    static constexpr int KEYS = 64, QUERIES = 32;
+    static constexpr bool SPLIT = false;
+};
+template <> struct Tiles<256> {
+    static constexpr int KEYS = 32, QUERIES = 16;
+    static constexpr bool SPLIT = true;
+};
 constexpr float LOG2E = 1.4426950408889634f;
 
 // s (16 x 8 NT) = a (16 x D) b^T, b holding 8 NT rows of D: both row-major
@@ -164,16 +182,20 @@ __device__ __forceinline__ int load_bias(float (&bv)[NT][4], const float* bias, 
 }
 
 // What a block of 64 queries of one head (blockIdx.x the tile, blockIdx.y
-// the sequence and head) reads: its key/value head and its sequence's bias.
+// the sequence and head) reads: its queries' first row of (B, H, T) rows,
+// its key/value head and its sequence's bias; and this lane's first query
+// (its second is r + 8).
 struct QueryBlock {
-    int bh, t0;
+    size_t row0;
+    int t0, r;
     const bf16 *k, *v;
     const float* bias;
 
     __device__ __forceinline__ QueryBlock(const bf16* keys, const bf16* values, const float* biases,
                                           const AttnDims& a) {
-        bh = blockIdx.y, t0 = blockIdx.x * ROWS;
-        const int b = bh / a.h, hk = bh % a.h / (a.h / a.h_kv);
+        const int bh = blockIdx.y, b = bh / a.h, hk = bh % a.h / (a.h / a.h_kv);
+        row0 = (size_t)bh * a.t, t0 = blockIdx.x * ROWS;
+        r = t0 + (threadIdx.x >> 5) * 16 + (threadIdx.x & 31) / 4;
         k = keys + ((size_t)b * a.h_kv + hk) * a.kv_stride;
         v = values + ((size_t)b * a.h_kv + hk) * a.kv_stride;
         bias = biases + (size_t)b * a.t * a.s;
@@ -194,21 +216,19 @@ __device__ void fwd(const bf16* q, const bf16* k, const bf16* v, const float* bi
     bf16* ks = qs + ROWS * LD;
     bf16* vs = ks + BK * LD;
     const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
-    const QueryBlock at(k, v, bias, a);
-    const int bh = at.bh, t0 = at.t0, r = t0 + warp * 16 + (lane >> 2);
-    const bf16 *kh = at.k, *vh = at.v;
-    const float* bias_b = at.bias;
+    const QueryBlock blk(k, v, bias, a);
+    const int r = blk.r;
     const float scale = a.scale * LOG2E;
-    stage<D>(qs, q + (size_t)bh * a.t * D, t0, ROWS, a.t);
+    stage<D>(qs, q + blk.row0 * D, blk.t0, ROWS, a.t);
     float acc[ND][4];
     for (int n = 0; n < ND; ++n) acc[n][0] = acc[n][1] = acc[n][2] = acc[n][3] = 0.f;
     // Per row (r, r + 8): the running max (log2 units) and this lane's part of the sum.
     float m[2] = {-INFINITY, -INFINITY}, l[2] = {0.f, 0.f};
     for (int s0 = 0; s0 < a.s; s0 += BK) {
         float s[NT][4];
-        if (!__syncthreads_or(load_bias(s, bias_b, a, r, s0, lane, false))) continue;
-        stage<D>(ks, kh, s0, BK, a.s);
-        stage<D>(vs, vh, s0, BK, a.s);
+        if (!__syncthreads_or(load_bias(s, blk.bias, a, r, s0, lane, false))) continue;
+        stage<D>(ks, blk.k, s0, BK, a.s);
+        stage<D>(vs, blk.v, s0, BK, a.s);
         __syncthreads();
         float x[NT][4];
         product_t<D, NT>(x, qs + warp * 16 * LD, ks, lane);
@@ -243,7 +263,7 @@ __device__ void fwd(const bf16* q, const bf16* k, const bf16* v, const float* bi
         l[h] += shfl_xor(l[h], 2);
         const int row = r + 8 * h;
         if (row >= a.t) continue;
-        const size_t at = (size_t)bh * a.t + row;
+        const size_t at = blk.row0 + row;
         const float inv = l[h] > 0.f ? 1.f / l[h] : 0.f;
         for (int n = 0; n < ND; ++n)
             store_pair(o + at * D + n * 8 + (lane & 3) * 2, acc[n][2 * h] * inv, acc[n][2 * h + 1] * inv);
@@ -268,26 +288,24 @@ __device__ void bwd_q(const bf16* q, const bf16* k, const bf16* v, const float* 
     bf16* ks = dos + ROWS * LD;
     bf16* vs = ks + BK * LD;
     const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
-    const QueryBlock at(k, v, bias, a);
-    const int bh = at.bh, t0 = at.t0, r = t0 + warp * 16 + (lane >> 2);
-    const bf16 *kh = at.k, *vh = at.v;
-    const float* bias_b = at.bias;
+    const QueryBlock blk(k, v, bias, a);
+    const int r = blk.r;
     const float scale = a.scale * LOG2E;
-    stage<D>(qs, q + (size_t)bh * a.t * D, t0, ROWS, a.t);
-    stage<D>(dos, dout + (size_t)bh * a.t * D, t0, ROWS, a.t);
+    stage<D>(qs, q + blk.row0 * D, blk.t0, ROWS, a.t);
+    stage<D>(dos, dout + blk.row0 * D, blk.t0, ROWS, a.t);
     float row_lse[2], row_di[2];
     for (int h = 0; h < 2; ++h) {
         const bool in = r + 8 * h < a.t;
-        row_lse[h] = in ? lse[(size_t)bh * a.t + r + 8 * h] * LOG2E : 0.f;
-        row_di[h] = in ? di[(size_t)bh * a.t + r + 8 * h] : 0.f;
+        row_lse[h] = in ? lse[blk.row0 + r + 8 * h] * LOG2E : 0.f;
+        row_di[h] = in ? di[blk.row0 + r + 8 * h] : 0.f;
     }
     float acc[ND][4];
     for (int n = 0; n < ND; ++n) acc[n][0] = acc[n][1] = acc[n][2] = acc[n][3] = 0.f;
     for (int s0 = 0; s0 < a.s; s0 += BK) {
         float s[NT][4];
-        if (!__syncthreads_or(load_bias(s, bias_b, a, r, s0, lane, false))) continue;
-        stage<D>(ks, kh, s0, BK, a.s);
-        stage<D>(vs, vh, s0, BK, a.s);
+        if (!__syncthreads_or(load_bias(s, blk.bias, a, r, s0, lane, false))) continue;
+        stage<D>(ks, blk.k, s0, BK, a.s);
+        stage<D>(vs, blk.v, s0, BK, a.s);
         __syncthreads();
         float x[NT][4], dp[NT][4];
         product_t<D, NT>(x, qs + warp * 16 * LD, ks, lane);
@@ -303,7 +321,7 @@ __device__ void bwd_q(const bf16* q, const bf16* k, const bf16* v, const float* 
     for (int h = 0; h < 2; ++h) {
         const int row = r + 8 * h;
         if (row >= a.t) continue;
-        const size_t at = ((size_t)bh * a.t + row) * D;
+        const size_t at = (blk.row0 + row) * D;
         for (int n = 0; n < ND; ++n)
             store_pair(dq + at + n * 8 + (lane & 3) * 2, acc[n][2 * h] * a.scale, acc[n][2 * h + 1] * a.scale);
     }

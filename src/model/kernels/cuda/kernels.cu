@@ -856,29 +856,27 @@ ATTENTION_TC(64, 4, 64, 4, 64)
 ATTENTION_TC(128, 4, 64, 4, 64)
 ATTENTION_TC(256, 4, 32, 2, 32)
 
-// Per head size: the key tile of the register-resident forward and d q
-// kernels, the query tile of their d k, d v kernel, and whether that one
-// splits d k and d v into blocks of their own (flash.cuh).
-#define ATTENTION_FA(D, BK, BQ_KV, SPLIT)                                                                       \
+// The register-resident kernels at each head size, with fa::Tiles<D>'s tiles.
+#define ATTENTION_FA(D)                                                                                         \
     extern "C" __global__ void __launch_bounds__(32 * fa::WARPS)                                               \
         attention_fa_fwd_##D(const bf16* q, const bf16* k, const bf16* v, const float* bias, bf16* o,          \
                              float* lse, AttnDims a) {                                                         \
-        fa::fwd<D, BK>(q, k, v, bias, o, lse, a);                                                              \
+        fa::fwd<D, fa::Tiles<D>::KEYS>(q, k, v, bias, o, lse, a);                                              \
     }                                                                                                          \
     extern "C" __global__ void __launch_bounds__(32 * fa::WARPS)                                               \
         attention_fa_bwd_q_##D(const bf16* q, const bf16* k, const bf16* v, const float* bias,                 \
                                const float* lse, const bf16* dout, const float* di, bf16* dq, AttnDims a) {    \
-        fa::bwd_q<D, BK>(q, k, v, bias, lse, dout, di, dq, a);                                                 \
+        fa::bwd_q<D, fa::Tiles<D>::KEYS>(q, k, v, bias, lse, dout, di, dq, a);                                 \
     }                                                                                                          \
     extern "C" __global__ void __launch_bounds__(32 * fa::WARPS)                                               \
         attention_fa_bwd_kv_##D(const bf16* q, const bf16* k, const bf16* v, const float* bias,                \
                                 const float* lse, const bf16* dout, const float* di, bf16* out, AttnDims a) {  \
-        fa::bwd_kv<D, BQ_KV, SPLIT>(q, k, v, bias, lse, dout, di, out, a);                                     \
+        fa::bwd_kv<D, fa::Tiles<D>::QUERIES, fa::Tiles<D>::SPLIT>(q, k, v, bias, lse, dout, di, out, a);       \
     }
 
-ATTENTION_FA(64, 64, 64, false)
-ATTENTION_FA(128, 64, 32, false)
-ATTENTION_FA(256, 32, 16, true)
+ATTENTION_FA(64)
+ATTENTION_FA(128)
+ATTENTION_FA(256)
 
 // ---- Attention of one decoding step over a KV cache read where it lies:
 // each row's shared slots (row `shared_rows[b]` of the shared buffers, the

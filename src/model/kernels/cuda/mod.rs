@@ -593,10 +593,10 @@ fn tensor_tiles(d: usize) -> Option<[(usize, usize); 2]> {
     }
 }
 
-/// The register-resident kernels' tiles by head size, as `ATTENTION_FA` in
-/// `kernels.cu` instantiates them: the key tile of the forward and d q
-/// kernels, the query tile of the d k, d v kernel, and whether that one
-/// gives d k and d v blocks of their own. Blocks are four warps over 64 rows.
+/// The register-resident kernels' tiles by head size, as `fa::Tiles` in
+/// `flash.cuh`: the key tile of the forward and d q kernels, the query tile
+/// of the d k, d v kernel, and whether that one gives d k and d v blocks of
+/// their own. Blocks are four warps over 64 rows.
 fn flash_tiles(d: usize) -> Option<(usize, usize, bool)> {
     match d {
         64 => Some((64, 64, false)),
