@@ -15,6 +15,7 @@ pub mod dist;
 pub mod error;
 pub mod eval;
 pub mod generate;
+pub mod heap;
 pub mod io;
 pub mod model;
 pub mod pipeline;
@@ -30,3 +31,6 @@ pub mod task;
 pub mod train;
 
 pub use error::{Error, Result};
+
+#[global_allocator]
+static ALLOCATOR: heap::Counting = heap::Counting;

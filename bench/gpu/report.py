@@ -156,6 +156,10 @@ def training(out, peaks, models):
             if peaks:
                 print(" " * 31 + "most GPU memory held (GiB): "
                       + ", ".join(f"{k} {v:.1f}" for k, v in sorted(peaks.items())))
+            held = [b.get(f"held_{k}_gib") for k in ("before_training", "after_forward")]
+            if None not in held:
+                print(" " * 31 + f"training held {held[0]:.1f} GiB as it began, "
+                      f"{held[1]:.1f} after a micro-batch's forward")
 
 
 def nccl(out):

@@ -25,8 +25,9 @@ def rloo_steps(out_dir):
             "training_forward", "training_backward", "training_update",
             "training_forward_queued", "training_backward_queued"]
     breakdown = {k: sum(r.get(f"time/{k}", 0.0) for r in rows[1:]) / max(len(rows) - 1, 1) for k in keys}
-    # On a GPU, the most memory each phase held at once, over the steps.
-    for name in {k for r in rows for k in r if k.startswith("memory/peak_")}:
+    # The most memory each phase held at once, and what the training phase
+    # held as it began and after a micro-batch's forward, over the steps.
+    for name in {k for r in rows for k in r if k.startswith(("memory/peak_", "memory/held_"))}:
         breakdown[name.removeprefix("memory/")] = max(r.get(name, 0.0) for r in rows)
     return [r["time/step"] for r in rows], sum(r["completions/mean_length"] for r in rows) / len(rows), breakdown
 

@@ -10,7 +10,6 @@ use clap::{ArgMatches, Command};
 use rloo::reward::config::{reward_funcs, ModelSpec};
 use rloo::reward::RewardSpec;
 use rloo::train::config::TrainConfig;
-use rloo::train::memory;
 use rloo::train::rl::algorithm::REGISTRY;
 
 use super::config_flags::{self, config_file, given, switch, text, usage, words, Flag, Flags, Kind};
@@ -220,9 +219,8 @@ pub fn run(args: TrainArgs) -> Result<()> {
     let t = &summary.timing;
     let which = if t.after_first { ", after the first" } else { "" };
     eprintln!("time {} (mean of {} steps{which})", t.describe(), t.steps);
-    if let (plan, Some(peak)) = summary.memory {
-        let plan = plan.map_or(String::new(), |p| format!(" (planned at start-up: {})", memory::gib(p)));
-        eprintln!("peak memory {}{plan}", memory::gib(peak));
+    if let Some(line) = summary.memory.describe() {
+        eprintln!("{line}");
     }
     if let Some(device) = summary.device_memory {
         eprintln!("{}", device.describe());

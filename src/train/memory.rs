@@ -107,6 +107,15 @@ pub fn device_used_bytes(device: &candle_core::Device) -> Option<u64> {
     None
 }
 
+/// Memory tensors hold now, in bytes: the GPU's once its queued work is done,
+/// or the CPU heap's ([`crate::heap`]).
+pub fn in_use_bytes(device: &candle_core::Device) -> Option<u64> {
+    match device.is_cpu() {
+        true => Some(crate::heap::in_use()),
+        false => device_used_bytes(device),
+    }
+}
+
 /// The most GPU memory allocations have held at once since the process
 /// started (the high-water mark of the device's allocation pool, which
 /// every tensor comes from): what PyTorch's `max_memory_allocated` counts.
@@ -123,9 +132,10 @@ pub fn device_peak_bytes(device: &candle_core::Device) -> Option<u64> {
     }
 }
 
-/// The most GPU memory held at once in each phase of a step: each reading
-/// is the pool's high-water mark since the last one, which then starts
-/// again from the memory in use. Nothing off a GPU.
+/// The most memory held at once in each phase of a step: each reading is
+/// the high-water mark since the last one (of the GPU's allocation pool, or
+/// on the CPU of the process's heap, [`crate::heap`]), which then starts
+/// again from the memory in use.
 #[derive(Debug, Default)]
 pub struct PhasePeaks {
     readings: Vec<(&'static str, u64)>,
@@ -136,13 +146,10 @@ pub struct PhasePeaks {
 impl PhasePeaks {
     /// Ends `phase` here: its peak, for [`Self::record`].
     pub fn mark(&mut self, device: &candle_core::Device, phase: &'static str) {
-        #[cfg(feature = "cuda")]
-        if let Some(peak) = take_device_peak(device) {
+        if let Some(peak) = take_peak(device) {
             self.readings.push((phase, peak));
             self.most = self.most.max(peak);
         }
-        #[cfg(not(feature = "cuda"))]
-        let _ = (device, phase);
     }
 
     /// The step's readings as `memory/peak_<phase>_gib`, cleared for the next step.
@@ -151,6 +158,17 @@ impl PhasePeaks {
             metrics.set(format!("memory/peak_{phase}_gib"), bytes as f64 / (1u64 << 30) as f64);
         }
     }
+}
+
+/// The device's high-water mark, then reset to the memory in use now.
+fn take_peak(device: &candle_core::Device) -> Option<u64> {
+    if device.is_cpu() {
+        return Some(crate::heap::take_peak());
+    }
+    #[cfg(feature = "cuda")]
+    return take_device_peak(device);
+    #[cfg(not(feature = "cuda"))]
+    None
 }
 
 /// The pool's high-water mark, then reset to the memory in use now.
@@ -189,6 +207,24 @@ fn pool_reading(
 #[cfg(feature = "cuda")]
 fn default_pool(device: &candle_core::Device) -> Option<candle_core::cuda_backend::cudarc::driver::sys::CUmemoryPool> {
     crate::model::device::default_pool(device.as_cuda_device().ok()?)
+}
+
+/// A CPU run's memory: the start-up plan, the process's peak resident
+/// memory and the most its heap held at once (over the marked phases).
+#[derive(Debug, Clone, Copy, Default)]
+pub struct HostMemory {
+    pub planned: Option<u64>,
+    pub resident: Option<u64>,
+    pub held: Option<u64>,
+}
+
+impl HostMemory {
+    pub fn describe(&self) -> Option<String> {
+        let resident = self.resident?;
+        let held = self.held.map_or(String::new(), |h| format!(", {} held at most", gib(h)));
+        let plan = self.planned.map_or(String::new(), |p| format!(" (planned at start-up: {})", gib(p)));
+        Some(format!("peak memory {} resident{held}{plan}", gib(resident)))
+    }
 }
 
 /// GPU memory in use at the end of each step (the first, the last and the

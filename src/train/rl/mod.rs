@@ -53,8 +53,8 @@ pub struct RunSummary {
     pub last: Metrics,
     /// Where the time of this invocation's steps went.
     pub timing: StepTiming,
-    /// The start-up memory estimate and the measured peak of the process, in bytes.
-    pub memory: (Option<u64>, Option<u64>),
+    /// On the CPU, the start-up memory estimate and the measured peaks.
+    pub memory: super::memory::HostMemory,
     /// On a GPU, its memory in use over the steps.
     pub device_memory: Option<super::memory::DeviceMemory>,
     /// This process's place in the job.
@@ -247,7 +247,11 @@ pub fn train(cfg: &TrainConfig) -> Result<RunSummary> {
     );
     // The plan is of the device's memory: the host's on the CPU, the GPU's on a GPU.
     let on_cpu = run.device.is_cpu();
-    let memory = (run.memory_plan.filter(|_| on_cpu), super::memory::peak_rss_bytes());
+    let memory = super::memory::HostMemory {
+        planned: run.memory_plan.filter(|_| on_cpu),
+        resident: super::memory::peak_rss_bytes(),
+        held: Some(peaks.most).filter(|_| on_cpu),
+    };
     let device_memory = device_memory.map(|m| super::memory::DeviceMemory {
         peak_allocated: super::memory::device_peak_bytes(&run.device).map(|p| p.max(peaks.most)),
         planned: run.memory_plan,

@@ -22,6 +22,7 @@ use crate::report::Metrics;
 use crate::rng::streams;
 use crate::rng::Rng;
 use crate::train::checkpoint::TrainerState;
+use crate::train::memory::in_use_bytes;
 use crate::train::optim::{learning_rate, GradAccumulator, StepGuard};
 
 /// Loss diagnostics summed over a step's optimisation.
@@ -38,6 +39,11 @@ pub(super) struct TrainStats {
     /// device work: forward passes and losses, backward passes (with the
     /// gradients' accumulation), and updates (exchange, clipping, optimizer).
     pub seconds: TrainSeconds,
+    /// Memory held as the phase began, and the most held at the end of a
+    /// micro-batch's forward: the difference is what a forward keeps for
+    /// its backward (activations, and the gradients of the micro-batches
+    /// before it).
+    pub held: Option<(u64, u64)>,
 }
 
 #[derive(Default, Clone, Copy)]
@@ -116,6 +122,11 @@ impl TrainStats {
         m.set("policy/entropy_avg", self.entropy_sum / self.tokens.max(1.0));
         m.set("grad_norm", self.grad_norm);
         m.set("train/skipped_steps", self.skipped_steps as f64);
+        if let Some((before, after_forward)) = self.held {
+            let gib = |b: u64| b as f64 / (1u64 << 30) as f64;
+            m.set("memory/held_before_training_gib", gib(before));
+            m.set("memory/held_after_forward_gib", gib(after_forward));
+        }
     }
 }
 
@@ -145,6 +156,7 @@ impl Run {
         let mut readback = Readback::default();
         // Each completion's loss tokens, read once: the mini-batches' denominators.
         let lengths: Vec<f32> = loss_mask.sum(1)?.to_vec1()?;
+        stats.held = in_use_bytes(&self.device).map(|b| (b, b));
         let world = self.comm.world();
         for epoch in 0..cfg.rloo.num_ppo_epochs {
             let order = Rng::stream(cfg.train.seed, &[streams::MINIBATCH_ORDER, step as u64, epoch as u64])
@@ -203,6 +215,9 @@ impl Run {
                     stats.seconds.forward_queued += started.elapsed().as_secs_f64();
                     self.device.synchronize()?;
                     stats.seconds.forward += started.elapsed().as_secs_f64();
+                    if let (Some((_, most)), Some(now)) = (&mut stats.held, in_use_bytes(&self.device)) {
+                        *most = (*most).max(now);
+                    }
                     let started = Instant::now();
                     let backward = crate::model::backward(&loss, &models)?;
                     for model in &models {
