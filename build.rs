@@ -7,7 +7,7 @@ use std::process::Command;
 
 const SOURCE: &str = "src/model/kernels/cuda/kernels.cu";
 /// Headers `SOURCE` includes.
-const HEADERS: &[&str] = &["src/model/kernels/cuda/flash.cuh"];
+const HEADERS: &[&str] = &["src/model/kernels/cuda/flash.cuh", "src/model/kernels/cuda/heads.cuh"];
 
 fn main() {
     println!("cargo:rerun-if-changed={SOURCE}");

@@ -653,4 +653,8 @@ fn the_gpu_variables_are_checked_on_every_device() {
     ok(generate("RLOO_DECODE_APPEND", "fused"));
     let e = err(generate("RLOO_DECODE_APPEND", "always"));
     assert!(e.contains("RLOO_DECODE_APPEND=always: expected fused or composed"), "{e}");
+    ok(generate("RLOO_ATTENTION_HEADS", "composed"));
+    ok(generate("RLOO_ATTENTION_HEADS", "fused"));
+    let e = err(generate("RLOO_ATTENTION_HEADS", "copied"));
+    assert!(e.contains("RLOO_ATTENTION_HEADS=copied: expected composed or fused"), "{e}");
 }

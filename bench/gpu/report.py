@@ -113,16 +113,16 @@ def train_flops(shape, lengths, lora):
 def training(out, peaks, models):
     print()
     print("RLOO step: 64 prompts x k = 4, 128 new tokens, bf16, reward model, medians of the steady steps")
-    print(f"{'arm':<14} {'side':<12} {'compl/s':>8} {'gen s':>6} {'score s':>7} {'ref s':>6} {'train s':>7} "
+    print(f"{'arm':<14} {'side':<18} {'compl/s':>8} {'gen s':>6} {'score s':>7} {'ref s':>6} {'train s':>7} "
           f"{'peak GiB':>8} {'MFU':>6}  runs")
-    named = [re.match(r"^train-(.*)-(rloo\w*|trl)-\d+\.json$", p.name) for p in out.glob("train-*-*-*.json")]
+    named = [re.match(r"^train-(.*)-(rloo[\w+]*|trl)-\d+\.json$", p.name) for p in out.glob("train-*-*-*.json")]
     arms = sorted({m.group(1) for m in named if m})
     for arm in arms:
         size, kind = arm.rsplit("-", 1)
         shape = load(Path(models) / size / "shape.json")
         flops = train_flops(shape, prompt_lengths(models, size), kind == "lora") if shape else None
         med = {}
-        # rloo with each attention kernel (rloo_rows, rloo_tensor), then TRL.
+        # rloo with each attention variant (rloo_tensor, rloo_flash+fused, ...), then TRL.
         sides = sorted({m.group(2) for m in named if m and m.group(1) == arm and m.group(2) != "trl"}) + ["trl"]
         for side in sides:
             runs = [load(p) for p in sorted(out.glob(f"train-{arm}-{side}-*.json"))]
@@ -133,7 +133,7 @@ def training(out, peaks, models):
             rate, peak, train = median([r["completions_per_s"] for r in done]), median([r.get("peak_gpu_gib") for r in done]), part("training")
             mfu = flops / (train * peaks["bf16_tflops"] * 1e12) if flops and train and peaks else None
             med[side] = (rate, peak)
-            print(f"{arm:<14} {side:<12} {fmt(rate, '8.1f')} {fmt(part('generation'), '6.2f')} {fmt(part('scoring'), '7.2f')} "
+            print(f"{arm:<14} {side:<18} {fmt(rate, '8.1f')} {fmt(part('generation'), '6.2f')} {fmt(part('scoring'), '7.2f')} "
                   f"{fmt(part('reference'), '6.2f')} {fmt(train, '7.2f')} {fmt(peak, '8.1f')} "
                   f"{fmt(mfu and 100 * mfu, '5.1f')}%  {len(done)}/{len(runs)}")
         for side in [s for s in med if s != "trl"]:

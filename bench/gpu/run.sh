@@ -29,8 +29,11 @@
 #                  (RLOO_DECODE_ATTENTION: fused, composed) and how it rotates and
 #                  appends its keys (RLOO_DECODE_APPEND: composed, the default, or fused);
 #                  default race+fused race+fused+fused host+composed
-#      ATTENTION   rloo's attention kernels for whole sequences in the training
-#                  runs (RLOO_ATTENTION: rows, tensor, flash); default tensor rows
+#      ATTENTION   rloo's attention for whole sequences in the training runs,
+#                  KERNELS[+HEADS]: the kernels (RLOO_ATTENTION: rows, tensor, flash)
+#                  and how they get their heads from a fused projection
+#                  (RLOO_ATTENTION_HEADS: composed, the default, or fused);
+#                  default flash+fused flash tensor
 #      RUNS        generation runs of each side (default 3)
 #      TRAIN_RUNS  training runs of each side per arm (default 2)
 #      STEPS       optimizer steps per training run, the first not counted (default 4)
@@ -47,7 +50,7 @@ ROOT=$PWD
 OUT=${OUT:-/tmp/rloo-gpu-bench}
 SIZES=${SIZES:-410m 1b}
 DECODERS=${DECODERS:-race+fused race+fused+fused host+composed}
-ATTENTION=${ATTENTION:-tensor rows}
+ATTENTION=${ATTENTION:-flash+fused flash tensor}
 ARMS=${ARMS:-410m-full 1b-full 1b-lora}
 RUNS=${RUNS:-3}
 TRAIN_RUNS=${TRAIN_RUNS:-2}
@@ -139,15 +142,17 @@ if part train; then
                     --prompts-per-step $PROMPTS --k $K --max-new-tokens $NEW --micro-batch "$MICRO" "${trl_arm[@]}" \
                     >"$OUT/train-$arm-trl-$i.log" 2>&1 || tail -5 "$OUT/train-$arm-trl-$i.log"
             fi
-            for kernels in $ATTENTION; do
-                log "train $arm run $i: rloo, $kernels attention"
-                run=$OUT/train-$arm-rloo_$kernels-$i
+            for attention in $ATTENTION; do
+                log "train $arm run $i: rloo, $attention attention"
+                IFS=+ read -r kernels heads <<<"$attention"
+                run=$OUT/train-$arm-rloo_$attention-$i
                 sed -e "s|@MODELS@|$dir|" -e "s|@DEVICE@|$DEVICE|" -e "s|@OUT@|$run|" -e "s|@MICRO@|$MICRO|" \
                     -e "s|@ACCUMULATION@|$((COMPLETIONS_PER_STEP / MICRO))|" \
                     -e "s|@EPISODES@|$((STEPS * COMPLETIONS_PER_STEP))|" -e "s|@CHECKPOINTING@|$checkpointing|" \
                     bench/gpu/rloo.toml.in >"$run.toml"
                 printf '\n%s\n' "$lora" >>"$run.toml"
-                RLOO_ATTENTION=$kernels RLOO_OUT=$run "$PY" bench/train/measure.py rloo "$run.json" -- \
+                RLOO_ATTENTION=$kernels RLOO_ATTENTION_HEADS=${heads:-composed} RLOO_OUT=$run \
+                    "$PY" bench/train/measure.py rloo "$run.json" -- \
                     timeout "$LIMIT" "${rloo_cmd[@]}" train "$run.toml" >"$run.log" 2>&1 || tail -5 "$run.log"
                 # The trained model is of no further use, and would travel back with OUT.
                 rm -rf "$run"/*.safetensors "$run"/checkpoint-*

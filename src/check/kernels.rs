@@ -23,6 +23,7 @@ const CUDA_KERNELS: &[&str] = &[
     "activation",
     "rotary",
     "attention",
+    "qkv_attention",
     "decode_attention",
     "rotary_append",
     "token_logprobs",
@@ -46,6 +47,14 @@ fn tolerance(dtype: DType) -> f32 {
         DType::F32 => 1e-4,
         _ => 4e-2,
     }
+}
+
+/// Rotary (cos, sin) tables in rotate-half layout: random angles of the
+/// given spread, `half` = (..., R / 2) of them, each used twice.
+fn rotary_tables(rng: &mut Rng, half: &[usize], spread: f32) -> Result<(Tensor, Tensor)> {
+    let angles = randn(rng, half, 0.0, spread);
+    let angles = Tensor::cat(&[&angles, &angles], half.len() - 1)?;
+    Ok((angles.cos()?, angles.sin()?))
 }
 
 /// Random normal host values, reproducible.
@@ -222,6 +231,13 @@ pub fn check_tensor_attention(device: &Device, dtypes: &[DType]) -> Vec<Check> {
                     .unwrap_or_else(|e| Check::failed("kernel", &name, DType::BF16, e)),
             );
         }
+        for d in [64, 128] {
+            let name = format!("qkv_attention, {name}, head size {d}");
+            out.push(
+                qkv_attention_check(device, d, choice, &name, &mut rng)
+                    .unwrap_or_else(|e| Check::failed("kernel", &name, DType::BF16, e)),
+            );
+        }
     }
     out
 }
@@ -356,9 +372,7 @@ fn attention_checks(device: &Device, dtype: DType, rng: &mut Rng) -> Result<Vec<
         let inputs = Inputs::from_rows(&rows, 0, PadSide::Right, dev)?;
         attention_bias(&inputs, &inputs.mask)
     };
-    let angles = randn(rng, &[b, 1, t, r / 2], 0.0, 1.0);
-    let angles = Tensor::cat(&[&angles, &angles], 3)?;
-    let (cos, sin) = (angles.cos()?, angles.sin()?);
+    let (cos, sin) = rotary_tables(rng, &[b, 1, t, r / 2], 1.0)?;
     let tables = RotaryTables::new(&cos, &sin)?;
     let host = AttentionInputs::new(&bias_on(&Device::Cpu)?, Some(&(cos.clone(), sin.clone())))?;
     let (dcos, dsin) = (cos.to_device(device)?, sin.to_device(device)?);
@@ -392,7 +406,46 @@ fn attention_checks(device: &Device, dtype: DType, rng: &mut Rng) -> Result<Vec<
         dtype,
         rng,
     );
-    Ok(vec![rotary, attention])
+    let projection = randn(rng, &[b, t, 3 * h * d], 0.0, 1.0);
+    let qkv = compare(
+        "qkv_attention",
+        &[projection],
+        &|x| kernels::attention_packed(&x[0], neox(d), h, d, &host, 0.25),
+        &|x| {
+            let rotary = Some(&(dcos.clone(), dsin.clone()));
+            let kernels = kernels::AttentionKernels::Rows;
+            match kernels::qkv_attention(&x[0], neox(d), h, d, rotary, &dbias, 0.25, kernels)? {
+                Some(out) => Ok(out),
+                None => qkv_composed(&x[0], h, d, (&dcos, &dsin), &dbias, 0.25),
+            }
+        },
+        device,
+        dtype,
+        rng,
+    );
+    Ok(vec![rotary, attention, qkv])
+}
+
+/// GPT-NeoX's fused projection of head size `d`: each head's [q | k | v].
+fn neox(d: usize) -> kernels::Packing {
+    kernels::Packing { q: 0, k: d, v: 2 * d, head_stride: 3 * d }
+}
+
+/// Attention over a fused projection laid out as [`neox`], op by op: the
+/// heads cut and transposed, q and k rotated, attention, the output
+/// transposed back.
+fn qkv_composed(
+    fused: &Tensor,
+    h: usize,
+    d: usize,
+    rotary: (&Tensor, &Tensor),
+    bias: &Tensor,
+    scale: f64,
+) -> Result<Tensor> {
+    let (b, t, _) = fused.dims3()?;
+    let part = |p: usize| fused.reshape((b, t, h, 3 * d))?.narrow(3, p * d, d)?.transpose(1, 2)?.contiguous();
+    let (q, k) = (kernels::rotate(&part(0)?, rotary.0, rotary.1)?, kernels::rotate(&part(1)?, rotary.0, rotary.1)?);
+    kernels::sdpa(&q, &k, &part(2)?, bias, scale)?.transpose(1, 2)?.reshape((b, t, h * d))
 }
 
 /// The tensor-core attention kernels `choice` at head size `d` against the
@@ -408,18 +461,7 @@ fn tensor_attention_check(
     rng: &mut Rng,
 ) -> Result<Check> {
     let (b, t, h, h_kv) = (2, 70, 4, 2);
-    let ids: Vec<u32> = (1..=70).collect();
-    let bias_on = |dev: &Device| -> Result<Tensor> {
-        let padded = Inputs::from_rows(&[ids.clone(), ids[..41].to_vec()], 0, PadSide::Right, dev)?;
-        let packed = Inputs::shared_prefix(
-            &[SharedPrefix { prompt: &ids[..20], continuations: vec![&ids[20..37], &ids[37..49], &ids[49..]] }],
-            0,
-            dev,
-        )?;
-        let padded = attention_bias(&padded, &padded.mask)?.narrow(0, 1, 1)?;
-        Tensor::cat(&[&padded, &attention_bias(&packed, &packed.mask)?], 0)
-    };
-    let (host, on_device) = (bias_on(&Device::Cpu)?, bias_on(device)?);
+    let (host, on_device) = (two_rows_bias(&Device::Cpu)?, two_rows_bias(device)?);
     let scale = 1.0 / (d as f64).sqrt();
     let inputs = [
         randn(rng, &[b, h, t, d], 0.0, 1.0),
@@ -431,6 +473,52 @@ fn tensor_attention_check(
         &inputs,
         &|x| kernels::sdpa(&x[0], &x[1], &x[2], &host, scale),
         &|x| kernels::sdpa_with(&x[0], &x[1], &x[2], &on_device, scale, choice),
+        device,
+        DType::BF16,
+        rng,
+    ))
+}
+
+/// The (2, 1, 70, 70) attention bias of the tensor-core checks: a row
+/// right-padded after 41 tokens, and one packed as training packs it (a
+/// prompt of 20 tokens, then completions that each see it and themselves).
+fn two_rows_bias(dev: &Device) -> Result<Tensor> {
+    let ids: Vec<u32> = (1..=70).collect();
+    let padded = Inputs::from_rows(&[ids.clone(), ids[..41].to_vec()], 0, PadSide::Right, dev)?;
+    let packed = Inputs::shared_prefix(
+        &[SharedPrefix { prompt: &ids[..20], continuations: vec![&ids[20..37], &ids[37..49], &ids[49..]] }],
+        0,
+        dev,
+    )?;
+    let padded = attention_bias(&padded, &padded.mask)?.narrow(0, 1, 1)?;
+    Tensor::cat(&[&padded, &attention_bias(&packed, &packed.mask)?], 0)
+}
+
+/// Attention over a GPT-NeoX fused projection of head size `d` on
+/// tensor cores (`choice`) against the CPU kernel, value and gradient: the
+/// rows of [`two_rows_bias`], rotary over a quarter of each head, as
+/// Pythia's. Where the kernels do not take it, an error.
+fn qkv_attention_check(
+    device: &Device,
+    d: usize,
+    choice: kernels::AttentionKernels,
+    name: &str,
+    rng: &mut Rng,
+) -> Result<Check> {
+    let (b, t, h, r) = (2, 70, 4, d / 4);
+    let (cos, sin) = rotary_tables(rng, &[b, 1, t, r / 2], 1.0)?;
+    let host = AttentionInputs::new(&two_rows_bias(&Device::Cpu)?, Some(&(cos.clone(), sin.clone())))?;
+    let rotary = (cos.to_device(device)?, sin.to_device(device)?);
+    let bias = two_rows_bias(device)?;
+    let scale = 1.0 / (d as f64).sqrt();
+    Ok(compare(
+        name,
+        &[randn(rng, &[b, t, 3 * h * d], 0.0, 1.0)],
+        &|x| kernels::attention_packed(&x[0], neox(d), h, d, &host, scale),
+        &|x| {
+            kernels::qkv_attention(&x[0], neox(d), h, d, Some(&rotary), &bias, scale, choice)?
+                .ok_or_else(|| candle_core::Error::Msg("the kernels do not take these inputs".into()))
+        },
         device,
         DType::BF16,
         rng,
@@ -497,9 +585,7 @@ fn rotary_append_check(device: &Device, dtype: DType, d: usize, rng: &mut Rng) -
     let qkv = randn(rng, &[b, 1, h + 2 * h_kv, d], 0.0, 1.0);
     let (past_k, past_v) = (randn(rng, &[b, h_kv, filled, d], 0.0, 1.0), randn(rng, &[b, h_kv, filled, d], 0.0, 1.0));
     // Rotate-half tables: each angle serves features j and j + R/2.
-    let angles = randn(rng, &[b, 1, 1, r / 2], 0.0, 2.0);
-    let angles = Tensor::cat(&[&angles, &angles], 3)?;
-    let (cos, sin) = (angles.cos()?, angles.sin()?);
+    let (cos, sin) = rotary_tables(rng, &[b, 1, 1, r / 2], 2.0)?;
     let run = |device: &Device, dtype: DType| -> Result<Tensor> {
         let on = |t: &Tensor| t.to_device(device)?.to_dtype(dtype);
         let qkv = on(&qkv)?;

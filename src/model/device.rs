@@ -27,6 +27,7 @@ pub fn parse_device(name: &str) -> Result<Device> {
     // Read where the kernels run: refused here, before any work, on every device.
     let invalid = |e: candle_core::Error| Error::Invalid(e.to_string());
     crate::model::kernels::attention_kernels().map_err(invalid)?;
+    crate::model::kernels::attention_heads_fused().map_err(invalid)?;
     crate::model::kernels::decode_attention_fused().map_err(invalid)?;
     crate::model::kernels::decode_append_fused().map_err(invalid)?;
     #[cfg(feature = "cuda")]

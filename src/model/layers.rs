@@ -43,6 +43,9 @@ pub struct Context {
     /// `RLOO_DECODE_APPEND`, read once per pass).
     fused_decode_attention: bool,
     fused_append: bool,
+    /// For whole sequences on a GPU: whether attention takes its heads
+    /// straight from a fused projection (`RLOO_ATTENTION_HEADS`).
+    fused_heads: bool,
 }
 
 impl Context {
@@ -71,6 +74,7 @@ impl Context {
         let decoding = cache.is_some() && inputs.seq_len() == 1;
         let fused_decode_attention = decoding && kernels::decode_attention_fused()?;
         let fused_append = decoding && kernels::decode_append_fused()?;
+        let fused_heads = cache.is_none() && kernels::attention_heads_fused()?;
         Ok(Self {
             bias,
             queries: inputs.seq_len(),
@@ -81,6 +85,7 @@ impl Context {
             rotary_host,
             fused_decode_attention,
             fused_append,
+            fused_heads,
         })
     }
 
@@ -127,6 +132,12 @@ pub fn self_attention(
             Some((fused, packing)) => kernels::attention_packed(fused, *packing, n_heads, d, whole, scale),
             None => kernels::attention(&qkv.q, &qkv.k, &qkv.v, whole, scale),
         };
+    }
+    if let (Some((fused, packing)), None, true) = (&qkv.packed, &cache, ctx.fused_heads) {
+        let (rotary, chosen) = (ctx.rotary.as_ref(), kernels::attention_kernels()?);
+        if let Some(out) = kernels::qkv_attention(fused, *packing, n_heads, d, rotary, ctx.bias()?, scale, chosen)? {
+            return Ok(out);
+        }
     }
     let (q, k, v) = match cache {
         Some(cache) => {

@@ -64,16 +64,32 @@ pub fn sdpa_with(
 ) -> Result<Tensor> {
     let (_, h, t, d) = q.dims4()?;
     let (_, h_kv, s, _) = k.dims4()?;
-    let tensor = kernels.on_tensor_cores() && q.dtype() == DType::BF16 && tensor_attention_fits(d);
-    let kernels = if tensor { kernels } else { AttentionKernels::Rows };
-    if !(super::on_cuda(&[q, k, v]) && (tensor || (s <= MAX_KEYS && t <= MAX_KEYS / 2))) {
+    let Some(kernels) = kernels_taking(kernels, q.dtype(), d, t, s).filter(|_| super::on_cuda(&[q, k, v])) else {
         let n_rep = h / h_kv;
         return ops::attention(q, &ops::repeat_kv(k, n_rep)?, &ops::repeat_kv(v, n_rep)?, bias, scale);
-    }
+    };
     let (k, v) = (cache_layout(k)?, cache_layout(v)?);
     let bias = bias.to_dtype(DType::F32)?.contiguous()?;
     let op = Sdpa { bias, scale: scale as f32, kernels, lse: Mutex::new(None) };
     q.contiguous()?.apply_op3(&k, &v, op)
+}
+
+/// The GPU kernels that take `t` queries over `s` keys of head size `d` in
+/// `dtype`, of the `chosen` ones: those on tensor cores where they run,
+/// else the rows kernels while a row of scores fits shared memory; None
+/// where only the composition does.
+pub(super) fn kernels_taking(
+    chosen: AttentionKernels,
+    dtype: DType,
+    d: usize,
+    t: usize,
+    s: usize,
+) -> Option<AttentionKernels> {
+    if chosen.on_tensor_cores() && dtype == DType::BF16 && tensor_attention_fits(d) {
+        Some(chosen)
+    } else {
+        (s <= MAX_KEYS && t <= MAX_KEYS / 2).then_some(AttentionKernels::Rows)
+    }
 }
 
 #[cfg(not(feature = "cuda"))]
@@ -154,13 +170,17 @@ impl CustomOp3 for Sdpa {
             candle_core::bail!("sdpa: backward without a forward")
         };
         let grad = grad.contiguous()?;
-        // di = rowsum(d out * out), the softmax backward's correction, in f32.
-        let di = grad.apply_op2_no_bwd(&out.contiguous()?, &RowDots)?;
+        let di = row_dots(&grad, &out.contiguous()?)?;
         let state = GradState { bias: self.bias.clone(), lse, grad, di, scale: self.scale, kernels: self.kernels };
-        let dq = q.apply_op3_no_bwd(k, v, &SdpaGrad { state: &state, keys: false })?;
-        let dkv = q.apply_op3_no_bwd(k, v, &SdpaGrad { state: &state, keys: true })?;
+        let (dq, dkv) = state.grads(q, k, v)?;
         Ok((Some(dq), Some(dkv.get(0)?), Some(dkv.get(1)?)))
     }
+}
+
+/// di = rowsum(d out * out) over the last dimension, in f32: the softmax
+/// backward's correction.
+pub(super) fn row_dots(grad: &Tensor, out: &Tensor) -> Result<Tensor> {
+    grad.apply_op2_no_bwd(out, &RowDots)
 }
 
 /// The f32 dot products of two tensors' last dimensions, in one launch
@@ -197,13 +217,22 @@ impl candle_core::CustomOp2 for RowDots {
 
 /// What the backward kernels read beside q, k and v.
 #[cfg_attr(not(feature = "cuda"), allow(dead_code))]
-struct GradState {
-    bias: Tensor,
-    lse: Tensor,
-    grad: Tensor,
-    di: Tensor,
-    scale: f32,
-    kernels: AttentionKernels,
+pub(super) struct GradState {
+    pub bias: Tensor,
+    pub lse: Tensor,
+    pub grad: Tensor,
+    pub di: Tensor,
+    pub scale: f32,
+    pub kernels: AttentionKernels,
+}
+
+impl GradState {
+    /// d q (B, H, T, D), and d k, d v stacked (2, B, Hkv, S, D).
+    pub fn grads(&self, q: &Tensor, k: &Tensor, v: &Tensor) -> Result<(Tensor, Tensor)> {
+        let dq = q.apply_op3_no_bwd(k, v, &SdpaGrad { state: self, keys: false })?;
+        let dkv = q.apply_op3_no_bwd(k, v, &SdpaGrad { state: self, keys: true })?;
+        Ok((dq, dkv))
+    }
 }
 
 /// d q (`keys` false), or d k then d v stacked (2, B, Hkv, S, D).

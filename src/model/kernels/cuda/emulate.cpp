@@ -1,6 +1,6 @@
-// Runs the register-resident attention kernels of flash.cuh on the host and
-// compares them with a reference in f64, so their fragment and index logic
-// is checked where no GPU is: every CUDA thread is a host thread, the
+// Runs the register-resident attention kernels of flash.cuh, and the heads
+// kernels of heads.cuh, on the host and compares them with a reference, so
+// their fragment and index logic is checked where no GPU is: every CUDA thread is a host thread, the
 // warp-level primitives (ldmatrix, mma.sync, shuffles) exchange lane values
 // through per-warp slots between barriers, as the PTX ISA lays the
 // fragments out, and blocks run one after another. Built and run by
@@ -182,6 +182,14 @@ inline void expect_launch(size_t bytes, int threads) {
 }  // namespace fa
 
 #include "flash.cuh"
+
+inline float to_f32(float x) { return x; }
+inline float to_f32(bf16 x) { return __bfloat162float(x); }
+template <typename T> T from_f32(float x);
+template <> float from_f32<float>(float x) { return x; }
+template <> bf16 from_f32<bf16>(float x) { return __float2bfloat16(x); }
+
+#include "heads.cuh"
 
 // ---- Launching: blocks in turn, each a host thread per CUDA thread.
 
@@ -370,6 +378,55 @@ bool run(const Case& c, std::mt19937& rng) {
     return ok;
 }
 
+// ---- The heads cut from a fused projection and their gradients put back
+// (heads.cuh), in f32 on one host thread, against a direct reference.
+
+// Head h's part p of token (b, t), feature e, rotated over r features by
+// angle `theta` (b t r + e) per feature: what heads_split must give.
+bool heads_case(const char* name, bool per_head, int r) {
+    const int b = 2, t = 5, h = 3, d = 8, width = 3 * h * d;
+    HeadsDims a{width, per_head ? 3 * d : d, {0, 0, 0}, b, h, t, d, r};
+    for (int p = 0; p < 3; ++p) a.offset[p] = per_head ? p * d : p * h * d;
+    std::mt19937 rng(3);
+    std::normal_distribution<float> normal;
+    std::vector<float> fused((size_t)b * t * width), cos((size_t)b * t * std::max(r, 1)), sin(cos.size());
+    for (auto& x : fused) x = normal(rng);
+    for (int bt = 0; bt < b * t; ++bt)
+        for (int e = 0; e < r; ++e) {
+            const float theta = 0.3f * float(bt + 1) * float(e % (r / 2) + 1);
+            cos[bt * r + e] = std::cos(theta), sin[bt * r + e] = std::sin(theta);
+        }
+    const size_t n = (size_t)3 * b * h * t * d;
+    std::vector<float> heads_out(n, NAN), back((size_t)b * t * width, NAN);
+    gridDim = {1, 1, 1}, blockDim = {1, 1, 1}, threadIdx = {0, 0, 0}, blockIdx = {0, 0, 0};
+    heads_split<float>(fused.data(), cos.data(), sin.data(), heads_out.data(), a, n);
+    double err = 0;
+    for (int p = 0; p < 3; ++p)
+        for (int bi = 0; bi < b; ++bi)
+            for (int hh = 0; hh < h; ++hh)
+                for (int ti = 0; ti < t; ++ti) {
+                    const float* x = &fused[((size_t)bi * t + ti) * width + hh * a.head_stride + a.offset[p]];
+                    const int bt = bi * t + ti, half = r / 2;
+                    for (int e = 0; e < d; ++e) {
+                        double want = x[e];
+                        if (p < 2 && e < half)
+                            want = x[e] * cos[bt * r + e] - x[e + half] * sin[bt * r + e];
+                        else if (p < 2 && e < r)
+                            want = x[e] * cos[bt * r + e] + x[e - half] * sin[bt * r + e];
+                        const size_t at = ((((size_t)p * b + bi) * h + hh) * t + ti) * d + e;
+                        err = std::max(err, std::abs(heads_out[at] - want));
+                    }
+                }
+    // The gradients of the heads themselves give back the projection: the
+    // rotation's transpose undoes it.
+    heads_merge<float>(heads_out.data(), heads_out.data() + n / 3, cos.data(), sin.data(), back.data(), a, n);
+    double round_trip = 0;
+    for (size_t i = 0; i < fused.size(); ++i) round_trip = std::max(round_trip, (double)std::abs(back[i] - fused[i]));
+    const bool ok = err < 1e-5 && round_trip < 1e-5;
+    std::printf("%-4s heads: %-29s split %.1e  merged back %.1e\n", ok ? "ok" : "FAIL", name, err, round_trip);
+    return ok;
+}
+
 int main(int argc, char** argv) {
     std::mt19937 rng(7);
     bool ok = true;
@@ -381,6 +438,9 @@ int main(int argc, char** argv) {
         std::printf(ok ? "all match\n" : "MISMATCH\n");
         return ok ? 0 : 1;
     }
+    ok &= heads_case("per head [q | k | v], rotary", true, 4);
+    ok &= heads_case("[Q | K | V], rotary", false, 8);
+    ok &= heads_case("per head, no rotary", true, 0);
     ok &= run<64>({"d64 causal, padding, gqa", 2, 4, 2, 70, 70, 64, 70, Case::CAUSAL}, rng);
     ok &= run<64>({"d64 shared prefix", 2, 2, 2, 100, 100, 64, 100, Case::SHARED_PREFIX}, rng);
     ok &= run<64>({"d64 past slots in a cache", 2, 2, 1, 20, 90, 64, 96, Case::CAUSAL}, rng);

@@ -357,6 +357,23 @@ __device__ __forceinline__ float rotated(float x, float partner, int j, int half
 ROTARY(float, f32)
 ROTARY(bf16, bf16)
 
+// ---- Attention's heads cut out of a fused q/k/v projection and their
+// gradients written back (heads.cuh).
+
+#include "heads.cuh"
+
+#define HEADS(T, S)                                                                                           \
+    extern "C" __global__ void heads_split_##S(const T* fused, const float* cos, const float* sin, T* out,    \
+                                               HeadsDims a, size_t n) {                                       \
+        heads_split<T>(fused, cos, sin, out, a, n);                                                           \
+    }                                                                                                         \
+    extern "C" __global__ void heads_merge_##S(const T* dq, const T* dkv, const float* cos, const float* sin, \
+                                               T* fused, HeadsDims a, size_t n) {                             \
+        heads_merge<T>(dq, dkv, cos, sin, fused, a, n);                                                       \
+    }
+HEADS(float, f32)
+HEADS(bf16, bf16)
+
 // ---- A decoding step's rotary and cache append in one launch. q, k, v: one
 // token per row, (B, 1, heads, D) views with their own (row, head) strides
 // and unit feature stride (cut from the fused projection, not copied); cos,

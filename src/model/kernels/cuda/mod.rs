@@ -474,6 +474,107 @@ pub fn rotary((x, x_l): In, (cos, c_l): In, (sin, s_l): In, sign: f32) -> Result
     by_dtype!(x.dtype(), run(&typed("rotary", x.dtype())?, (x, x_l), (cos, c_l), (sin, s_l), sign))
 }
 
+/// Where a fused q/k/v projection's heads lie, as `HeadsDims` in
+/// `heads.cuh`.
+#[repr(C)]
+#[derive(Debug, Clone, Copy)]
+pub struct HeadsDims {
+    /// The projection's row (3 H D), and where each head's q, k and v
+    /// start in it: head h's part p at h head_stride + offset[p].
+    pub width: i64,
+    pub head_stride: i64,
+    pub offset: [i64; 3],
+    pub batch: i32,
+    pub h: i32,
+    pub t: i32,
+    pub d: i32,
+    /// Rotated features of q and k (0: none).
+    pub r: i32,
+}
+
+// Safety: a plain C struct of numbers, passed by value.
+unsafe impl DeviceRepr for HeadsDims {}
+
+impl HeadsDims {
+    /// Elements of the heads (3, B, H, T, D), as of the projection.
+    fn len(&self) -> usize {
+        3 * (self.batch as usize) * (self.h as usize) * (self.t as usize) * (self.d as usize)
+    }
+}
+
+/// `heads_split` (inputs: the projection) or `heads_merge` (d q, then d k
+/// and d v stacked) over the f32 rotary tables (B, T, R), if any.
+fn heads(kernel: &str, inputs: &[In], tables: Option<(In, In)>, a: HeadsDims) -> Result<CudaStorage> {
+    fn run<T: CudaDType + DeviceRepr>(
+        name: &str,
+        inputs: &[In],
+        tables: Option<(In, In)>,
+        a: HeadsDims,
+    ) -> Result<CudaStorage> {
+        let dev = inputs[0].0.device.clone();
+        let views = inputs.iter().map(|&(s, l)| view::<T>(s, l)).collect::<Result<Vec<_>>>()?;
+        let tables = match tables {
+            Some((cos, sin)) => Some((view::<f32>(cos.0, cos.1)?, view::<f32>(sin.0, sin.1)?)),
+            None => None,
+        };
+        let n = a.len();
+        // Safety: every element is written by the kernel.
+        let mut out = unsafe { dev.alloc::<T>(n) }?;
+        let func = dev.get_or_load_custom_func(name, "rloo", PTX)?;
+        let mut args = func.builder();
+        for v in &views {
+            args.arg(v);
+        }
+        match &tables {
+            Some((cos, sin)) => args.arg(cos).arg(sin),
+            // With r = 0 the kernel reads no table.
+            None => args.arg(&views[0]).arg(&views[0]),
+        };
+        args.arg(&mut out).arg(&a).arg(&n);
+        // Safety: the argument list matches the kernel's signature.
+        unsafe { args.launch(elementwise(n)) }.w()?;
+        Ok(CudaStorage::wrap_cuda_slice(out, dev))
+    }
+    let dtype = inputs[0].0.dtype();
+    by_dtype!(dtype, run(&typed(kernel, dtype)?, inputs, tables, a))
+}
+
+/// The heads (3, B, H, T, D) of the projection `fused` (B, T, W), q and k
+/// rotated by the tables.
+pub fn heads_split(fused: In, tables: Option<(In, In)>, a: HeadsDims) -> Result<CudaStorage> {
+    heads("heads_split", &[fused], tables, a)
+}
+
+/// The projection's gradient (B, T, W) from d q (B, H, T, D) and d k, d v
+/// stacked (2, B, H, T, D), rotated back by the tables.
+pub fn heads_merge(dq: In, dkv: In, tables: Option<(In, In)>, a: HeadsDims) -> Result<CudaStorage> {
+    heads("heads_merge", &[dq, dkv], tables, a)
+}
+
+/// Attention over the heads of a fused projection, by the `kernels` given:
+/// (output (B, T, H D) in the projection's dtype, log-sum-exp (B, H, T) f32).
+pub fn qkv_attention_fwd(
+    fused: In,
+    tables: Option<(In, In)>,
+    bias: In,
+    a: HeadsDims,
+    scale: f32,
+    kernels: AttentionKernels,
+) -> Result<(CudaStorage, CudaStorage)> {
+    use candle_core::backend::BackendDevice;
+    let qkv = heads_split(fused, tables, a)?;
+    let (b, h, t, d) = (a.batch as usize, a.h as usize, a.t as usize, a.d as usize);
+    let part = |p: usize| Layout::contiguous_with_offset((b, h, t, d), p * b * h * t * d);
+    let (q_l, k_l, v_l) = (part(0), part(1), part(2));
+    let dims = AttnDims { h: a.h, h_kv: a.h, t: a.t, s: a.t, d: a.d, kv_stride: (t * d) as i64, scale };
+    let (out, lse) = attention_fwd((&qkv, &q_l), (&qkv, &k_l), (&qkv, &v_l), bias, dims, kernels)?;
+    // (B, H, T, D) -> (B, T, H, D), the output projection's input.
+    // Safety: the copy below writes every element.
+    let mut rows = unsafe { out.device().alloc_uninit(&Shape::from((b, t, h, d)), out.dtype()) }?;
+    out.copy_strided_src(&mut rows, 0, &Layout::contiguous((b, h, t, d)).transpose(1, 2)?)?;
+    Ok((rows, lse))
+}
+
 /// The sizes and strides of [`rotary_append`], as `AppendDims` in
 /// `kernels.cu`.
 #[repr(C)]
