@@ -82,6 +82,21 @@ impl<'a> Sequences<'a> {
         }
     }
 
+    /// `rows` reordered so that the rows of each group stand together
+    /// (groups in the order they first appear, rows within one in their
+    /// order): cut into micro-batches, a group's completions then share one
+    /// pass over their prompt ([`Self::packed`]).
+    pub fn grouped_order(&self, rows: &[usize]) -> Vec<usize> {
+        let mut first: HashMap<usize, usize> = HashMap::new();
+        for &i in rows {
+            let n = first.len();
+            first.entry(self.groups[i]).or_insert(n);
+        }
+        let mut order = rows.to_vec();
+        order.sort_by_key(|&i| first[&self.groups[i]]);
+        order
+    }
+
     pub fn len(&self) -> usize {
         self.prompts.len()
     }
@@ -281,5 +296,20 @@ mod tests {
         assert_eq!(packed.slot(1, 0), 7, "the first token is predicted from the prompt's last");
         assert_eq!(packed.slot(1, 5), 8 + 900 + 4);
         assert_eq!(packed.slot(2, 1), packed.inputs.seq_len() + 8);
+    }
+
+    #[test]
+    fn a_grouped_order_keeps_the_rows_and_puts_each_prompts_together() {
+        let (a, b, c) = (vec![1u32], vec![2u32], vec![3u32]);
+        let completion = vec![9u32; 4];
+        // Three prompts' completions, shuffled as mini-batches are.
+        let prompts = vec![&a, &b, &c, &a, &b, &c, &a, &b];
+        let seqs = Sequences::new(prompts.iter().map(|p| p.as_slice()).collect(), vec![&completion[..]; 8]);
+        let shuffled = [4, 0, 7, 3, 5, 1, 6];
+        assert_eq!(seqs.grouped_order(&shuffled), [4, 7, 1, 0, 3, 6, 5]);
+        // A micro-batch of the first three packs one prompt's row, not two.
+        let rows = |micro: &[usize]| seqs.select(micro).packed(&Device::Cpu).unwrap().inputs.ids.dim(0).unwrap();
+        assert_eq!(rows(&seqs.grouped_order(&shuffled)[..3]), 1);
+        assert_eq!(rows(&shuffled[..3]), 2);
     }
 }

@@ -162,6 +162,10 @@ impl Run {
             let order = Rng::stream(cfg.train.seed, &[streams::MINIBATCH_ORDER, step as u64, epoch as u64])
                 .permutation(seqs.len());
             for mini in order.chunks(sizes.mini) {
+                // The same mini-batch, its gradient the same sum in another
+                // order, with each prompt's completions side by side so that
+                // a micro-batch computes the prompt once for all of them.
+                let mini = &seqs.grouped_order(mini);
                 let mini_lengths: Vec<f32> = mini.iter().map(|&i| lengths[i]).collect();
                 let response_length = cfg.generation.response_length;
                 let denominator = algo::loss_denominator(&mini_lengths, ratio, aggregation, response_length);
