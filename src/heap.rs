@@ -83,19 +83,3 @@ pub fn in_use() -> u64 {
 pub fn take_peak() -> u64 {
     HIGH.swap(in_use(), Relaxed).max(in_use())
 }
-
-#[cfg(test)]
-mod tests {
-    use super::*;
-
-    #[test]
-    fn the_peak_keeps_what_was_held_after_it_is_freed() {
-        // Other tests run on threads beside this one: their allocations can
-        // only raise what this one reads.
-        take_peak();
-        let big = vec![1u8; 64 << 20];
-        assert!(in_use() >= 64 << 20);
-        drop(big);
-        assert!(take_peak() >= 64 << 20, "the peak keeps the 64 MiB once they are freed");
-    }
-}
