@@ -155,7 +155,7 @@ impl PhasePeaks {
     /// The step's readings as `memory/peak_<phase>_gib`, cleared for the next step.
     pub fn record(&mut self, metrics: &mut crate::report::Metrics) {
         for (phase, bytes) in self.readings.drain(..) {
-            metrics.set(format!("memory/peak_{phase}_gib"), bytes as f64 / (1u64 << 30) as f64);
+            metrics.set(format!("memory/peak_{phase}_gib"), in_gib(bytes));
         }
     }
 }
@@ -281,9 +281,14 @@ fn available_bytes() -> Option<u64> {
     Some(kib * 1024)
 }
 
+/// Bytes in GiB, as the `memory/*_gib` metrics log them.
+pub fn in_gib(bytes: u64) -> f64 {
+    bytes as f64 / (1u64 << 30) as f64
+}
+
 /// Bytes as GiB.
 pub fn gib(bytes: u64) -> String {
-    format!("{:.2} GiB", bytes as f64 / (1u64 << 30) as f64)
+    format!("{:.2} GiB", in_gib(bytes))
 }
 
 #[cfg(test)]

@@ -192,7 +192,7 @@ pub fn train(cfg: &TrainConfig) -> Result<RunSummary> {
         harness.record_phases(state.step, sizes.batch, &phases, &mut metrics);
         peaks.record(&mut metrics);
         if let Some(used) = super::memory::device_used_bytes(&run.device) {
-            metrics.set("memory/device_gib", used as f64 / (1u64 << 30) as f64);
+            metrics.set("memory/device_gib", super::memory::in_gib(used));
             device_memory = Some(super::memory::DeviceMemory::add(device_memory, used));
         }
         let held_out = match &evaluation {

@@ -22,7 +22,7 @@ use crate::report::Metrics;
 use crate::rng::streams;
 use crate::rng::Rng;
 use crate::train::checkpoint::TrainerState;
-use crate::train::memory::in_use_bytes;
+use crate::train::memory::{in_gib, in_use_bytes};
 use crate::train::optim::{learning_rate, GradAccumulator, StepGuard};
 
 /// Loss diagnostics summed over a step's optimisation.
@@ -123,9 +123,8 @@ impl TrainStats {
         m.set("grad_norm", self.grad_norm);
         m.set("train/skipped_steps", self.skipped_steps as f64);
         if let Some((before, after_forward)) = self.held {
-            let gib = |b: u64| b as f64 / (1u64 << 30) as f64;
-            m.set("memory/held_before_training_gib", gib(before));
-            m.set("memory/held_after_forward_gib", gib(after_forward));
+            m.set("memory/held_before_training_gib", in_gib(before));
+            m.set("memory/held_after_forward_gib", in_gib(after_forward));
         }
     }
 }

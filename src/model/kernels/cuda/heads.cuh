@@ -9,6 +9,14 @@
 // are (3, B, H, T, D) contiguous, q and k rotated over their first R features
 // by the (B, T, R) f32 tables, in rotate-half layout (R = 0: no rotation).
 
+// Feature j (< R) of a rotated head: `partner` is feature j + R/2 for the
+// first half, j - R/2 for the second; c, s its table entries (s negated
+// rotates back). Also the rotary kernels' in kernels.cu.
+__device__ __forceinline__ float rotated(float x, float partner, int j, int half, float c, float s) {
+    const float other = j < half ? -partner : partner;
+    return x * c + other * s;
+}
+
 struct HeadsDims {
     int64_t width, head_stride, offset[3];
     int batch, h, t, d, r;
@@ -44,8 +52,7 @@ __device__ __forceinline__ float turn(const T* x, int e, int r, const float* cos
     const float v = to_f32(x[e]);
     if (e >= r) return v;
     const int half = r / 2;
-    const float partner = to_f32(e < half ? x[e + half] : x[e - half]);
-    return v * cos[e] + (e < half ? -partner : partner) * sign * sin[e];
+    return rotated(v, to_f32(e < half ? x[e + half] : x[e - half]), e, half, cos[e], sign * sin[e]);
 }
 
 }  // namespace heads

@@ -330,12 +330,8 @@ BIAS_ROWS(bf16, bf16)
 // (B, 1, T, R), R <= D: features past R pass through. The inverse rotation
 // (sign -1) is the backward pass: rotations are orthogonal.
 
-// Feature j (< R) of a rotated head: `partner` is feature j + R/2 for the
-// first half, j - R/2 for the second; c, s its table entries.
-__device__ __forceinline__ float rotated(float x, float partner, int j, int half, float c, float s) {
-    const float other = j < half ? -partner : partner;
-    return x * c + other * s;
-}
+// `rotated` (a rotated feature), and the heads of a fused projection below.
+#include "heads.cuh"
 
 #define ROTARY(T, S)                                                                                        \
     extern "C" __global__ void rotary_##S(const T* x, const float* cos, const float* sin, T* y, int h, int t, \
@@ -359,8 +355,6 @@ ROTARY(bf16, bf16)
 
 // ---- Attention's heads cut out of a fused q/k/v projection and their
 // gradients written back (heads.cuh).
-
-#include "heads.cuh"
 
 #define HEADS(T, S)                                                                                           \
     extern "C" __global__ void heads_split_##S(const T* fused, const float* cos, const float* sin, T* out,    \
