@@ -11,7 +11,7 @@ use serde::{Deserialize, Serialize};
 use crate::data::prompts::PromptDataset;
 use crate::data::Tokenizer;
 use crate::error::{Error, Result};
-use crate::generate::{GenerateOptions, Sampler, Sampling, StopCriteria};
+use crate::generate::{GenerateOptions, Sampler, Sampling, Stepping, StopCriteria};
 use crate::model::scoring::completion_logprobs_chunked;
 use crate::model::{HeadKind, Model, Network};
 use crate::reward::judge::{Ask, Judge};
@@ -89,6 +89,7 @@ pub fn evaluate_model(
         stop: StopCriteria { token_ids: stop, strings: vec![] },
         batch_size: opts.batch_size,
         sampler: Sampler::from_env(device)?,
+        stepping: Stepping::from_env()?,
         seed: opts.seed,
         prompt_offset: 0,
         max_positions: model.config().max_positions(),

@@ -6,7 +6,7 @@ mod common;
 
 use candle_core::{DType, Device};
 use common::*;
-use rloo::generate::{generate, Completion, FinishReason, GenerateOptions, Sampler, Sampling, StopCriteria};
+use rloo::generate::{generate, Completion, FinishReason, GenerateOptions, Sampler, Sampling, Stepping, StopCriteria};
 use rloo::model::{next_token_logprobs, GenerationConfig, Inputs, Model, PadSide};
 
 fn options(sampling: Sampling, max_new_tokens: usize, k: usize, batch_size: usize, stop: Vec<u32>) -> GenerateOptions {
@@ -18,6 +18,7 @@ fn options(sampling: Sampling, max_new_tokens: usize, k: usize, batch_size: usiz
         stop: StopCriteria { token_ids: stop, strings: vec![] },
         batch_size,
         sampler: Sampler::Host,
+        stepping: Stepping::Shrink,
         seed: 11,
         prompt_offset: 0,
         max_positions: None,
@@ -157,6 +158,48 @@ fn rows_stop_at_stop_tokens_and_leave_the_batch() {
                 assert_eq!(s.finish_reason, FinishReason::Stop);
             }
             None => assert_eq!(s.tokens, f.tokens, "rows that never stop are unaffected by others stopping"),
+        }
+    }
+}
+
+/// Fixed stepping (finished rows stay in the batch until at most half of
+/// it decodes, the slot a step writes read from the device) decodes what a
+/// shrinking batch decodes: the same tokens and endings, and log-probs to
+/// rounding, with
+/// rows of one prompt sharing its cache, rows ending at different steps
+/// and the batch compacted on the way; in f32 through the decoding kernel,
+/// in bf16 through the composed attention.
+#[test]
+fn fixed_stepping_decodes_what_a_shrinking_batch_decodes() {
+    let bf16 = ["gpt_neox-causal", "llama-causal"].map(|name| (name, DType::BF16));
+    for (name, dtype) in causal_models().map(|name| (name, DType::F32)).chain(bf16) {
+        let model = Model::load(&model_dir(name), &Device::Cpu).unwrap().with_dtype(dtype, false).unwrap();
+        let prompts = vec![vec![3, 4, 5], vec![6, 7], vec![8, 9, 10, 11], vec![12]];
+        let mut opts = options(Sampling::temperature(1.0), 12, 3, 12, vec![]);
+        for sampler in SAMPLERS {
+            (opts.sampler, opts.stepping, opts.stop.token_ids) = (sampler, Stepping::Shrink, vec![]);
+            // Stop on a token of each of eight rows, at different steps: those rows end there or earlier.
+            let free = run(&model, &prompts, &opts);
+            opts.stop.token_ids = free[..8].iter().enumerate().map(|(i, c)| c.tokens[1 + i * 3 % 10]).collect();
+            let want = run(&model, &prompts, &opts);
+            let early = want.iter().filter(|c| c.tokens.len() < 12).count();
+            assert!(2 * early >= want.len(), "{name}: {early} of {} rows end early: no compaction", want.len());
+            for stepping in [Stepping::Fixed, Stepping::Graph] {
+                opts.stepping = stepping;
+                for (got, want) in run(&model, &prompts, &opts).iter().zip(&want) {
+                    let what = format!("{name} {dtype:?}, {sampler:?}, {stepping:?}, prompt {}", want.prompt_index);
+                    assert_eq!(got.tokens, want.tokens, "{what}");
+                    assert_eq!(got.finish_reason, want.finish_reason, "{what}");
+                    // A product over more rows may round its last bit differently.
+                    let close =
+                        |a: &[f32], b: &[f32]| a.iter().zip(b).all(|(x, y)| (x - y).abs() <= 1e-5 * y.abs().max(1.0));
+                    assert!(close(&got.logprobs, &want.logprobs) && close(&got.entropies, &want.entropies), "{what}");
+                }
+            }
+            println!(
+                "{name} {dtype:?}, {sampler:?}: fixed stepping as shrinking, {early} of {} rows end early",
+                want.len()
+            );
         }
     }
 }

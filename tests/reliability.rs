@@ -657,4 +657,13 @@ fn the_gpu_variables_are_checked_on_every_device() {
     ok(generate("RLOO_ATTENTION_HEADS", "fused"));
     let e = err(generate("RLOO_ATTENTION_HEADS", "copied"));
     assert!(e.contains("RLOO_ATTENTION_HEADS=copied: expected composed or fused"), "{e}");
+    let completions = |choice: &str| {
+        ok(generate("RLOO_DECODE_STEP", choice));
+        std::fs::read_to_string(tmp.path().join("out.jsonl")).unwrap()
+    };
+    let shrinking = completions("shrink");
+    assert_eq!(completions("fixed"), shrinking);
+    assert_eq!(completions("graph"), shrinking);
+    let e = err(generate("RLOO_DECODE_STEP", "replay"));
+    assert!(e.contains("RLOO_DECODE_STEP=replay: expected shrink or fixed or graph"), "{e}");
 }

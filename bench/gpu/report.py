@@ -58,7 +58,7 @@ def prompt_lengths(models, size):
 
 def generation(out, peaks, models):
     print("Generation: 64 prompts x 4 samples x 128 new tokens, bf16, batch 256")
-    print(f"{'model':<6} {'side':<20} {'tokens/s':>9} {'ms/step':>8} {'floor ms':>9} {'x floor':>8}  runs")
+    print(f"{'model':<6} {'side':<30} {'tokens/s':>9} {'ms/step':>8} {'floor ms':>9} {'x floor':>8}  runs")
     for size in sorted({p.name.split("-")[1] for p in out.glob("gen-*-rloo_*.log")}):
         shape = load(Path(models) / size / "shape.json")
         lengths = prompt_lengths(models, size)
@@ -83,7 +83,7 @@ def generation(out, peaks, models):
             step_ms = median([s / NEW * 1e3 for _, s in done])
             rates[side] = rate
             ratio = step_ms / floor if step_ms and floor else None
-            print(f"{size:<6} {side:<20} {fmt(rate, '9.0f')} {fmt(step_ms, '8.2f')} {fmt(floor, '9.2f')} "
+            print(f"{size:<6} {side:<30} {fmt(rate, '9.0f')} {fmt(step_ms, '8.2f')} {fmt(floor, '9.2f')} "
                   f"{fmt(ratio, '8.1f')}  {len(done)}/{len(runs)}")
         for side in decoders:
             if rates[side] and rates["transformers"]:

@@ -24,11 +24,13 @@
 #      SIZES       generation models: 410m 1b (default both)
 #      ARMS        training arms: 410m-full 1b-full 1b-lora qwen3-8b-lora
 #                  (default the first three; the 8B arm makes a 16 GB model)
-#      DECODERS    rloo's decoding variants, SAMPLER+ATTENTION[+APPEND]: how tokens are
-#                  picked (RLOO_SAMPLER: race, host), how a step attends over the cache
-#                  (RLOO_DECODE_ATTENTION: fused, composed) and how it rotates and
-#                  appends its keys (RLOO_DECODE_APPEND: composed, the default, or fused);
-#                  default race+fused race+fused+fused host+composed
+#      DECODERS    rloo's decoding variants, SAMPLER+ATTENTION[+APPEND[+STEP]]: how tokens
+#                  are picked (RLOO_SAMPLER: race, host), how a step attends over the cache
+#                  (RLOO_DECODE_ATTENTION: fused, composed), how it rotates and appends its
+#                  keys (RLOO_DECODE_APPEND: composed, the default, or fused) and how the
+#                  batch's steps are launched (RLOO_DECODE_STEP: shrink, the default, fixed,
+#                  or graph: one CUDA graph replayed per step); default
+#                  race+fused+fused+graph race+fused+fused+fixed race+fused+fused host+composed
 #      ATTENTION   rloo's attention for whole sequences in the training runs,
 #                  KERNELS[+HEADS]: the kernels (RLOO_ATTENTION: rows, tensor, flash)
 #                  and how they get their heads from a fused projection
@@ -49,7 +51,7 @@ cd "$(dirname "$0")/../.."
 ROOT=$PWD
 OUT=${OUT:-/tmp/rloo-gpu-bench}
 SIZES=${SIZES:-410m 1b}
-DECODERS=${DECODERS:-race+fused race+fused+fused host+composed}
+DECODERS=${DECODERS:-race+fused+fused+graph race+fused+fused+fixed race+fused+fused host+composed}
 ATTENTION=${ATTENTION:-flash+fused flash tensor}
 ARMS=${ARMS:-410m-full 1b-full 1b-lora}
 RUNS=${RUNS:-3}
@@ -102,8 +104,9 @@ if part generate; then
             for decoder in $DECODERS; do
                 # The same seed every run: the runs must give the same tokens.
                 run=$OUT/gen-$size-rloo_$decoder-$i
-                IFS=+ read -r sampler attention append <<<"$decoder"
+                IFS=+ read -r sampler attention append step <<<"$decoder"
                 RLOO_SAMPLER=$sampler RLOO_DECODE_ATTENTION=$attention RLOO_DECODE_APPEND=${append:-composed} \
+                    RLOO_DECODE_STEP=${step:-shrink} \
                     "${rloo[@]}" generate --device "$DEVICE" --bf16 --model "$dir/policy" \
                     --prompts "$dir/prompts.jsonl" --output "$run.jsonl" --num-return-sequences $K \
                     --max-new-tokens $NEW --temperature 1.0 --batch-size $((PROMPTS * K)) --ignore-eos --seed 1 \

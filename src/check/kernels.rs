@@ -529,7 +529,8 @@ fn qkv_attention_check(
 /// slots (two prompts, one left-padded) and own slots with spare capacity,
 /// with grouped-query heads and a padded newest slot: the device's kernel
 /// (or, where none runs, the composition over the cache copied out) against
-/// the CPU kernel.
+/// the CPU kernel; and again as over fixed slots, the mask covering every
+/// slot and the own slots' count read from the device (the views show one).
 fn decode_attention_check(device: &Device, dtype: DType, d: usize, rng: &mut Rng) -> Result<Check> {
     let (b, h, h_kv, p, s_own, capacity) = (6, 4, 2, 13, 9, 16);
     let rows = [0u32, 1, 1, 0, 1, 0];
@@ -537,40 +538,54 @@ fn decode_attention_check(device: &Device, dtype: DType, d: usize, rng: &mut Rng
     let (shared_k, shared_v) = (randn(rng, &[2, h_kv, p, d], 0.0, 1.0), randn(rng, &[2, h_kv, p, d], 0.0, 1.0));
     let (own_k, own_v) = (randn(rng, &[b, h_kv, capacity, d], 0.0, 1.0), randn(rng, &[b, h_kv, capacity, d], 0.0, 1.0));
     let s = p + s_own;
-    let mask: Vec<f32> = (0..b * s)
-        .map(|i| {
-            let (row, slot) = (i / s, i % s);
-            let padded = (rows[row] == 1 && slot < 4) || (row == 4 && slot == s - 1);
-            if padded {
-                0.0
-            } else {
-                1.0
-            }
-        })
-        .collect();
-    let run = |device: &Device, dtype: DType| -> Result<Tensor> {
+    // Over `width` slots: padding where a row's prompt is short and in row 4's newest slot, 1 past the filled ones.
+    let mask = |width: usize| -> Vec<f32> {
+        (0..b * width)
+            .map(|i| {
+                let (row, slot) = (i / width, i % width);
+                let padded = (rows[row] == 1 && slot < 4) || (row == 4 && slot == s - 1);
+                if padded {
+                    0.0
+                } else {
+                    1.0
+                }
+            })
+            .collect()
+    };
+    let run = |device: &Device, dtype: DType, fixed: bool| -> Result<Tensor> {
         let on = |t: &Tensor| t.to_device(device)?.to_dtype(dtype);
         let (shared_k, shared_v, own_k, own_v) = (on(&shared_k)?, on(&shared_v)?, on(&own_k)?, on(&own_v)?);
         let device_rows = Tensor::new(&rows, device)?;
+        let on_gpu = fixed && device.is_cuda();
+        let slot = Tensor::new(&[s_own as u32 - 1], device)?;
+        let (shown, width) = match (fixed, on_gpu) {
+            (false, _) => (s_own, s),
+            (true, false) => (s_own, p + capacity),
+            (true, true) => (1, p + capacity),
+        };
         let kv = LayerKv {
-            keys: own_k.narrow(2, 0, s_own)?,
-            values: own_v.narrow(2, 0, s_own)?,
+            keys: own_k.narrow(2, 0, shown)?,
+            values: own_v.narrow(2, 0, shown)?,
             shared: Some(SharedKv { keys: &shared_k, values: &shared_v, rows: &rows, device_rows: &device_rows }),
+            slot_at: on_gpu.then_some(&slot),
         };
         let q = on(&q)?;
+        let mask = mask(width);
         if device.is_cpu() && dtype == DType::F32 {
             return kernels::decode_attention(&q, &kv, &mask, 0.125);
         }
-        let key_mask = Tensor::from_slice(&mask, (b, s), device)?;
+        let key_mask = Tensor::from_slice(&mask, (b, width), device)?;
         if let Some(out) = kernels::decode_attention_cuda(&q, &kv, &key_mask, 0.125)? {
             return out.to_dtype(DType::F32)?.to_device(&Device::Cpu);
         }
         let (keys, values) = kv.whole()?;
-        let bias = ((key_mask - 1.0)? * 1e30)?.reshape((b, 1, 1, s))?;
+        let bias = ((key_mask.narrow(1, 0, s)? - 1.0)? * 1e30)?.reshape((b, 1, 1, s))?;
         let out = kernels::sdpa(&q, &keys.contiguous()?, &values.contiguous()?, &bias, 0.125)?;
         out.to_dtype(DType::F32)?.to_device(&Device::Cpu)
     };
-    let error = relative_error(&run(device, dtype)?, &run(&Device::Cpu, DType::F32)?)?;
+    let want = run(&Device::Cpu, DType::F32, false)?;
+    let error =
+        relative_error(&run(device, dtype, false)?, &want)?.max(relative_error(&run(device, dtype, true)?, &want)?);
     let label = format!("decode_attention, head size {d} ({})", path("decode_attention", device, dtype));
     Ok(Check::new("kernel", &label, dtype, error, None, tolerance(dtype)))
 }
@@ -579,14 +594,15 @@ fn decode_attention_check(device: &Device, dtype: DType, d: usize, rng: &mut Rng
 /// cut from one fused projection (grouped-query heads, a quarter of each
 /// head rotated) after two filled slots of a cache with spare capacity,
 /// against the CPU composition: the rotated queries, then the cache's keys
-/// and values.
+/// and values; and again with the cache's slots fixed, the slot written
+/// read from the device.
 fn rotary_append_check(device: &Device, dtype: DType, d: usize, rng: &mut Rng) -> Result<Check> {
     let (b, h, h_kv, r, filled) = (3, 4, 2, d / 4, 2);
     let qkv = randn(rng, &[b, 1, h + 2 * h_kv, d], 0.0, 1.0);
     let (past_k, past_v) = (randn(rng, &[b, h_kv, filled, d], 0.0, 1.0), randn(rng, &[b, h_kv, filled, d], 0.0, 1.0));
     // Rotate-half tables: each angle serves features j and j + R/2.
     let (cos, sin) = rotary_tables(rng, &[b, 1, 1, r / 2], 2.0)?;
-    let run = |device: &Device, dtype: DType| -> Result<Tensor> {
+    let run = |device: &Device, dtype: DType, fixed: bool| -> Result<Tensor> {
         let on = |t: &Tensor| t.to_device(device)?.to_dtype(dtype);
         let qkv = on(&qkv)?;
         let (q, k, v) = (qkv.narrow(2, 0, h)?, qkv.narrow(2, h, h_kv)?, qkv.narrow(2, h + h_kv, h_kv)?);
@@ -594,7 +610,10 @@ fn rotary_append_check(device: &Device, dtype: DType, d: usize, rng: &mut Rng) -
         let mut cache = KvCache::new(1);
         cache.reserve(filled + 2);
         cache.append(0, &on(&past_k)?, &on(&past_v)?)?;
-        cache.set_key_mask(Tensor::ones((b, filled), DType::F32, device)?);
+        cache.finish_pass(Tensor::ones((b, filled), DType::F32, device)?, filled);
+        if fixed {
+            cache.fix_slots(Tensor::new(&[filled as u32], device)?)?;
+        }
         let (q, kv) = match kernels::rotary_append_cuda((&q, &k, &v), Some(&tables), &mut cache, 0)? {
             Some(appended) => appended,
             None if device.is_cpu() => {
@@ -608,7 +627,9 @@ fn rotary_append_check(device: &Device, dtype: DType, d: usize, rng: &mut Rng) -
         let flat = |t: &Tensor| t.to_dtype(DType::F32)?.to_device(&Device::Cpu)?.flatten_all();
         Tensor::cat(&[flat(&q)?, flat(&keys)?, flat(&values)?], 0)
     };
-    let error = relative_error(&run(device, dtype)?, &run(&Device::Cpu, DType::F32)?)?;
+    let want = run(&Device::Cpu, DType::F32, false)?;
+    let error =
+        relative_error(&run(device, dtype, false)?, &want)?.max(relative_error(&run(device, dtype, true)?, &want)?);
     let label = format!("rotary_append, head size {d} ({})", path("rotary_append", device, dtype));
     Ok(Check::new("kernel", &label, dtype, error, None, tolerance(dtype)))
 }

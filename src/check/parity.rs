@@ -8,7 +8,7 @@ use std::path::Path;
 
 use candle_core::{DType, Device, Result, Tensor};
 
-use crate::generate::{generate, GenerateOptions, Sampler, Sampling, StopCriteria};
+use crate::generate::{generate, GenerateOptions, Sampler, Sampling, Stepping, StopCriteria};
 use crate::model::{next_token_logprobs, GenerationConfig, Inputs, Model, Network};
 
 /// A fixture model and the tensors transformers produced for it (on the CPU).
@@ -138,6 +138,7 @@ impl Fixture {
             stop: StopCriteria { token_ids: eos.clone(), strings: vec![] },
             batch_size: 8,
             sampler: Sampler::from_env(&self.model.device())?,
+            stepping: Stepping::from_env()?,
             seed: 11,
             prompt_offset: 0,
             max_positions: None,

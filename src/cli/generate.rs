@@ -11,7 +11,7 @@ use serde_json::{Map, Value};
 use rloo::data::jsonl::JsonlWriter;
 use rloo::data::prompts::{ContextRoom, PromptDataset};
 use rloo::data::Tokenizer;
-use rloo::generate::{generate, GenerateOptions, Sampler, Sampling, StopCriteria};
+use rloo::generate::{generate, GenerateOptions, Sampler, Sampling, Stepping, StopCriteria};
 use rloo::model::hub::resolve_model;
 use rloo::model::{parse_device, GenerationConfig, HeadKind, Model, Precision};
 
@@ -138,6 +138,7 @@ pub fn run(args: GenerateArgs) -> Result<()> {
         stop: StopCriteria { token_ids: stop_ids, strings: args.stop.clone() },
         batch_size: args.batch_size as usize,
         sampler: Sampler::from_env(&model.device())?,
+        stepping: Stepping::from_env()?,
         seed: args.seed,
         prompt_offset: 0,
         max_positions: model.config().max_positions(),

@@ -14,6 +14,7 @@ use std::sync::Arc;
 use candle_core::{CpuStorage, Device, Storage, Tensor};
 use rayon::prelude::*;
 
+use super::fixed::{FixedBatch, Stepping};
 use super::race::{self, RaceRow, Sampler};
 use super::sampling::{Pick, Sampling, Scratch};
 use crate::error::{Error, Result};
@@ -65,24 +66,31 @@ pub struct Decoding<'n, R> {
     /// Otherwise the rows of a prompt read one shared copy, and rows join
     /// only an empty batch.
     open: bool,
+    /// How a closed batch steps.
+    stepping: Stepping,
     rows: Vec<DecodeRow<R>>,
     cache: KvCache,
+    /// (rows, V) next-token logits; with fixed stepping, the batch's
+    /// (B, V), finished rows included.
     logits: Option<Tensor>,
+    /// The batch's rows on the device, with fixed stepping.
+    fixed: Option<FixedBatch>,
 }
 
 impl<'n, R: Send> Decoding<'n, R> {
     /// A batch whose rows all start together.
-    pub fn closed(net: &'n Network, device: &Device, sampler: Sampler) -> Self {
-        Self::new(net, device, sampler, false)
+    pub fn closed(net: &'n Network, device: &Device, sampler: Sampler, stepping: Stepping) -> Self {
+        Self::new(net, device, sampler, false, stepping)
     }
 
     /// A batch that rows join while others run.
     pub fn open(net: &'n Network, device: &Device, sampler: Sampler) -> Self {
-        Self::new(net, device, sampler, true)
+        Self::new(net, device, sampler, true, Stepping::Shrink)
     }
 
-    fn new(net: &'n Network, device: &Device, sampler: Sampler, open: bool) -> Self {
-        Self { net, device: device.clone(), sampler, open, rows: Vec::new(), cache: net.new_cache(), logits: None }
+    fn new(net: &'n Network, device: &Device, sampler: Sampler, open: bool, stepping: Stepping) -> Self {
+        let (rows, cache) = (Vec::new(), net.new_cache());
+        Self { net, device: device.clone(), sampler, open, stepping, rows, cache, logits: None, fixed: None }
     }
 
     pub fn len(&self) -> usize {
@@ -97,6 +105,7 @@ impl<'n, R: Send> Decoding<'n, R> {
     pub fn drain(&mut self) -> Vec<DecodeRow<R>> {
         self.cache = self.net.new_cache();
         self.logits = None;
+        self.fixed = None;
         std::mem::take(&mut self.rows)
     }
 
@@ -141,6 +150,10 @@ impl<'n, R: Send> Decoding<'n, R> {
             }
             self.cache = prefilled.cache;
             self.cache.reserve(rows.iter().map(room).max().unwrap_or(0));
+            if self.stepping != Stepping::Shrink && !rows.is_empty() {
+                let (n, vocab, graph) = (rows.len(), prefilled.logits.dim(1)?, self.stepping == Stepping::Graph);
+                self.fixed = Some(FixedBatch::new(n, vocab, &mut self.cache, &self.device, graph)?);
+            }
             self.logits = Some(prefilled.logits);
             self.rows = rows;
             return Ok(());
@@ -171,6 +184,10 @@ impl<'n, R: Send> Decoding<'n, R> {
         mut verdict: impl FnMut(&mut DecodeRow<R>, &Pick, &Tensor, usize) -> Result<Verdict>,
     ) -> Result<usize> {
         let Some(logits) = self.logits.take() else { return Ok(0) };
+        let logits = match &self.fixed {
+            Some(fixed) => fixed.live_logits(&logits)?,
+            None => logits,
+        };
         let picks = match self.sampler {
             Sampler::Host => pick_rows(&logits, &mut self.rows, |row, row_logits, scratch| {
                 let seen = row.prompt.iter().chain(&row.tokens).copied();
@@ -191,6 +208,13 @@ impl<'n, R: Send> Decoding<'n, R> {
         self.rows = still;
         if self.rows.is_empty() {
             self.cache = self.net.new_cache();
+            self.fixed = None;
+            return Ok(produced);
+        }
+        let tokens: Vec<u32> = self.rows.iter().map(|r| *r.tokens.last().unwrap_or(&0)).collect();
+        let positions: Vec<u32> = self.rows.iter().map(|r| (r.prompt.len() + r.tokens.len() - 1) as u32).collect();
+        if let Some(fixed) = &mut self.fixed {
+            self.logits = Some(fixed.step(self.net, &mut self.cache, &keep, &tokens, &positions)?);
             return Ok(produced);
         }
         if keep.len() < produced {
@@ -199,8 +223,6 @@ impl<'n, R: Send> Decoding<'n, R> {
                 self.cache.trim_front(TRIM_SLOTS)?;
             }
         }
-        let tokens: Vec<u32> = self.rows.iter().map(|r| *r.tokens.last().unwrap_or(&0)).collect();
-        let positions: Vec<u32> = self.rows.iter().map(|r| (r.prompt.len() + r.tokens.len() - 1) as u32).collect();
         let step = Inputs::step(&tokens, &positions, &self.device)?;
         self.logits = Some(self.net.logits(&step, Some(&mut self.cache))?.squeeze(1)?);
         Ok(produced)

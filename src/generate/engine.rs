@@ -8,6 +8,7 @@ use std::sync::Arc;
 use candle_core::Device;
 
 use super::decoding::{DecodeRow, Decoding, Verdict};
+use super::fixed::Stepping;
 use super::race::Sampler;
 use super::sampling::Sampling;
 use crate::data::Tokenizer;
@@ -67,6 +68,8 @@ pub struct GenerateOptions {
     pub batch_size: usize,
     /// How tokens are picked from the logits ([`Sampler::from_env`]).
     pub sampler: Sampler,
+    /// How a batch's steps are launched ([`Stepping::from_env`]).
+    pub stepping: Stepping,
     pub seed: u64,
     /// Added to a prompt's index where its rows' random streams are keyed:
     /// a process sampling one share of a batch draws what one process
@@ -177,7 +180,7 @@ fn decode_batch(
         }
         return Ok(());
     }
-    let mut batch = Decoding::closed(net, device, opts.sampler);
+    let mut batch = Decoding::closed(net, device, opts.sampler, opts.stepping);
     batch.admit(rows)?;
     let longest_stop = opts.stop.strings.iter().map(String::len).max().unwrap_or(0);
     while !batch.is_empty() {

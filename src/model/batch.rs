@@ -180,6 +180,8 @@ pub fn key_mask(inputs: &Inputs, cache: Option<&KvCache>) -> Result<Tensor> {
         candle_core::bail!("shared-prefix rows are for whole-sequence passes, not a key/value cache");
     }
     Ok(match cache.and_then(KvCache::key_mask) {
+        // Fixed slots: the mask already covers the new ones.
+        Some(past) if cache.is_some_and(|c| c.fixed_slot().is_some()) => past.clone(),
         Some(past) => Tensor::cat(&[past, &inputs.mask], 1)?,
         None => inputs.mask.clone(),
     })

@@ -10,6 +10,12 @@ use candle_core::{DType, Device, Result, Tensor};
 ///
 /// Rows may start with slots they share ([`KvCache::share`]): the k
 /// completions of a prompt read its keys and values from one copy.
+///
+/// Its slots may be fixed ([`KvCache::fix_slots`]): the buffers then have
+/// their final size, the key mask covers every slot, and a decoding step
+/// launches the same kernels on the same buffers every time, reading the
+/// slot it writes from the device, so that it can be recorded once as a
+/// CUDA graph and replayed.
 #[derive(Debug, Clone)]
 pub struct KvCache {
     /// Per layer: each row's own key and value buffers (B, Hkv, capacity, D),
@@ -21,6 +27,17 @@ pub struct KvCache {
     /// Slots per row the own buffers get when next allocated, if more than
     /// they need.
     planned: usize,
+    fixed: Option<Fixed>,
+}
+
+/// What a cache with fixed slots keeps beside its buffers.
+#[derive(Debug, Clone)]
+struct Fixed {
+    /// Own slots filled so far, of the buffers' capacity.
+    filled: usize,
+    /// (1,) u32: the own slot the next step writes, which its owner sets
+    /// to `filled` before each step.
+    slot: Tensor,
 }
 
 /// Slots several rows start with, stored once.
@@ -43,6 +60,10 @@ pub struct LayerKv<'a> {
     pub values: Tensor,
     /// The shared slots in front of them, if any.
     pub shared: Option<SharedKv<'a>>,
+    /// With fixed slots, the (1,) u32 slot this step writes: the GPU
+    /// kernels read the own slots' count there (it plus one), not from the
+    /// views, so that a replayed step reads past its recording's length.
+    pub slot_at: Option<&'a Tensor>,
 }
 
 /// Shared slots: row b reads keys and values of row `rows[b]`.
@@ -71,12 +92,15 @@ impl LayerKv<'_> {
 
 impl KvCache {
     pub fn new(num_layers: usize) -> Self {
-        Self { layers: vec![None; num_layers], key_mask: None, shared: None, planned: 0 }
+        Self { layers: vec![None; num_layers], key_mask: None, shared: None, planned: 0, fixed: None }
     }
 
     /// Number of filled slots (S), shared ones included.
     pub fn len(&self) -> usize {
-        self.key_mask.as_ref().map_or(0, |m| m.dims()[1])
+        match &self.fixed {
+            Some(fixed) => self.shared_len() + fixed.filled,
+            None => self.key_mask.as_ref().map_or(0, |m| m.dims()[1]),
+        }
     }
 
     pub fn is_empty(&self) -> bool {
@@ -84,13 +108,76 @@ impl KvCache {
     }
 
     /// The (B, S) mask of filled slots: 1 for real tokens, 0 for padding.
+    /// With fixed slots it covers every slot, S being the shared ones plus
+    /// the capacity, and a slot not yet filled is 1.
     pub fn key_mask(&self) -> Option<&Tensor> {
         self.key_mask.as_ref()
     }
 
-    /// Records the key mask after a forward pass has appended every layer.
-    pub fn set_key_mask(&mut self, key_mask: Tensor) {
-        self.key_mask = Some(key_mask);
+    /// Records the key mask after a forward pass has appended every layer
+    /// (with fixed slots, counts the pass's `t` new slots instead).
+    pub fn finish_pass(&mut self, key_mask: Tensor, t: usize) {
+        match &mut self.fixed {
+            Some(_) => self.advance(t),
+            None => self.key_mask = Some(key_mask),
+        }
+    }
+
+    /// With fixed slots, counts `t` slots written by a step the host did
+    /// not run (a replayed CUDA graph).
+    pub fn advance(&mut self, t: usize) {
+        if let Some(fixed) = &mut self.fixed {
+            fixed.filled += t;
+        }
+    }
+
+    /// The slot the next step writes, with fixed slots.
+    pub fn fixed_slot(&self) -> Option<usize> {
+        self.fixed.as_ref().map(|f| f.filled)
+    }
+
+    /// With fixed slots, the (1,) u32 tensor the GPU kernels read that
+    /// slot from.
+    pub fn slot_at(&self) -> Option<&Tensor> {
+        self.fixed.as_ref().map(|f| &f.slot)
+    }
+
+    /// Fixes the slots: gives every layer's buffers the capacity
+    /// [`reserve`](Self::reserve) planned, and the key mask a 1 for every
+    /// slot after the filled ones. Steps then read the slot they write from
+    /// `slot`, (1,) u32, which the caller sets before each step; called
+    /// again (after [`select_rows`](Self::select_rows)) it only swaps
+    /// `slot`.
+    pub fn fix_slots(&mut self, slot: Tensor) -> Result<()> {
+        if let Some(fixed) = &mut self.fixed {
+            fixed.slot = slot;
+            return Ok(());
+        }
+        let Some(mask) = self.key_mask.clone() else { candle_core::bail!("the cache is empty: no slots to fix") };
+        let (b, filled) = (mask.dim(0)?, self.len() - self.shared_len());
+        let capacity = self.planned.max(filled);
+        for layer in 0..self.layers.len() {
+            let (h, d, dtype, device) = match (&self.layers[layer], &self.shared) {
+                (Some((k, _)), _) => (k.dim(1)?, k.dim(3)?, k.dtype(), k.device().clone()),
+                (None, Some(shared)) => {
+                    let k = &shared.layers[layer].0;
+                    (k.dim(1)?, k.dim(3)?, k.dtype(), k.device().clone())
+                }
+                (None, None) => candle_core::bail!("layer {layer} has no cache yet"),
+            };
+            self.make_room(layer, (b, h, capacity - filled, d), dtype, &device)?;
+        }
+        let spare = Tensor::ones((b, capacity - filled), mask.dtype(), mask.device())?;
+        self.key_mask = Some(Tensor::cat(&[&mask, &spare], 1)?);
+        self.fixed = Some(Fixed { filled, slot });
+        Ok(())
+    }
+
+    fn refuse_fixed(&self, what: &str) -> Result<()> {
+        match self.fixed {
+            Some(_) => candle_core::bail!("a cache with fixed slots cannot {what}"),
+            None => Ok(()),
+        }
     }
 
     fn shared_len(&self) -> usize {
@@ -101,6 +188,9 @@ impl KvCache {
     /// next allocated, so that decoding that many tokens never regrows
     /// (copies) them.
     pub fn reserve(&mut self, additional: usize) {
+        if self.fixed.is_some() {
+            return;
+        }
         self.planned = self.len() - self.shared_len() + additional;
     }
 
@@ -111,6 +201,7 @@ impl KvCache {
         if self.shared.is_some() {
             candle_core::bail!("the cache already has shared slots");
         }
+        self.refuse_fixed("share slots")?;
         let Some(mask) = &self.key_mask else { candle_core::bail!("the cache is empty: nothing to share") };
         let len = mask.dim(1)?;
         let mut layers = Vec::with_capacity(self.layers.len());
@@ -150,6 +241,8 @@ impl KvCache {
         if self.shared.is_some() || other.shared.is_some() {
             candle_core::bail!("caches with shared slots cannot be joined");
         }
+        self.refuse_fixed("be joined")?;
+        other.refuse_fixed("be joined")?;
         let Some(theirs) = other.key_mask.clone() else { return Ok(()) };
         let Some(ours) = self.key_mask.take() else {
             *self = other;
@@ -181,7 +274,7 @@ impl KvCache {
     /// were dropped. Keeps a long-running batch from growing without bound.
     pub fn trim_front(&mut self, min_slots: usize) -> Result<usize> {
         let Some(mask) = &self.key_mask else { return Ok(0) };
-        if self.shared.is_some() {
+        if self.shared.is_some() || self.fixed.is_some() {
             return Ok(0);
         }
         let s = mask.dim(1)?;
@@ -240,6 +333,9 @@ impl KvCache {
         let need = start + t;
         let (kb, vb) = match self.layers[layer].take() {
             Some((kb, vb)) if kb.dim(2)? >= need => (kb, vb),
+            Some(_) if self.fixed.is_some() => {
+                candle_core::bail!("a cache with fixed slots is full: {need} slots asked of {}", self.planned)
+            }
             old => {
                 // Grow geometrically so that decoding N tokens copies O(N) slots in all.
                 let capacity = if need <= self.planned { self.planned } else { (2 * need).max(64) };
@@ -264,6 +360,6 @@ impl KvCache {
             let (keys, values) = &s.layers[layer];
             SharedKv { keys, values, rows: &s.rows, device_rows: &s.device_rows }
         });
-        Ok(LayerKv { keys, values, shared })
+        Ok(LayerKv { keys, values, shared, slot_at: self.fixed.as_ref().map(|f| &f.slot) })
     }
 }

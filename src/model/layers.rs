@@ -23,6 +23,9 @@ pub struct Context {
     bias: OnceLock<Tensor>,
     /// T.
     queries: usize,
+    /// The slots the pass attends over: with a cache whose slots are fixed,
+    /// fewer than the key mask covers.
+    slots: usize,
     /// (B, 1, T, R) rotary tables, for architectures with rotary embeddings.
     pub rotary: Option<(Tensor, Tensor)>,
     /// The key mask over all S slots, stored into the cache at the end
@@ -51,6 +54,10 @@ pub struct Context {
 impl Context {
     pub fn new(inputs: &Inputs, cache: Option<&KvCache>, rope: Option<(&Rope, &Tensor)>) -> Result<Self> {
         let key_mask = key_mask(inputs, cache)?;
+        let slots = match cache {
+            Some(cache) if cache.fixed_slot().is_some() => cache.len() + inputs.seq_len(),
+            _ => key_mask.dim(1)?,
+        };
         let bias = OnceLock::new();
         if cache.is_none() {
             let _ = bias.set(attention_bias(inputs, &key_mask)?);
@@ -78,6 +85,7 @@ impl Context {
         Ok(Self {
             bias,
             queries: inputs.seq_len(),
+            slots,
             rotary,
             key_mask,
             decode_mask,
@@ -95,14 +103,14 @@ impl Context {
             return Ok(bias);
         }
         // Only a pass with a cache gets here, and it has no shared-prefix rows.
-        let bias = causal_bias(&self.key_mask, self.queries)?;
+        let bias = causal_bias(&self.key_mask.narrow(1, 0, self.slots)?, self.queries)?;
         Ok(self.bias.get_or_init(|| bias))
     }
 
     /// Hands the key mask to the cache once every layer has appended.
     pub fn finish(&self, cache: Option<&mut KvCache>) {
         if let Some(cache) = cache {
-            cache.set_key_mask(self.key_mask.clone());
+            cache.finish_pass(self.key_mask.clone(), self.queries);
         }
     }
 }

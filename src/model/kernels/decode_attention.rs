@@ -152,10 +152,16 @@ mod cuda {
             Some((cos, sin)) => Some((on_gpu(&cos.0, cos.1)?, on_gpu(&sin.0, sin.1)?)),
             None => None,
         };
+        let slot_g = cache.slot_at().map(Tensor::storage_and_layout);
+        let slot_at = match &slot_g {
+            Some((s, l)) => Some(on_gpu(s, l)?),
+            None => None,
+        };
         let out = launch::rotary_append(
             (on_gpu(&q_g.0, q_g.1)?, on_gpu(&k_g.0, k_g.1)?, on_gpu(&v_g.0, v_g.1)?),
             tables,
             (&k_buf, &v_buf),
+            slot_at,
             b,
             dims,
         )?;
@@ -182,8 +188,10 @@ mod cuda {
             }
             None => (0, 0, 0),
         };
-        if mask.dims() != [b, p + s_own] {
-            candle_core::bail!("decode-attention: key mask {:?}, expected ({b}, {})", mask.dims(), p + s_own);
+        // A cache with fixed slots gives a mask over all of them: each row's first p + s_own apply.
+        let (mask_rows, mask_row) = mask.dims2()?;
+        if mask_rows != b || mask_row < p + s_own {
+            candle_core::bail!("decode-attention: key mask {:?} for {b} rows of {} slots", mask.dims(), p + s_own);
         }
         let dims = DecodeDims {
             h: h as i32,
@@ -191,6 +199,7 @@ mod cuda {
             d: d as i32,
             p: p as i32,
             s_own: s_own as i32,
+            mask_row: mask_row as i64,
             own_row,
             own_head,
             shared_row,
@@ -211,11 +220,17 @@ mod cuda {
             Some((k, v, rows)) => Some((on_gpu(&k.0, k.1)?, on_gpu(&v.0, v.1)?, on_gpu(&rows.0, rows.1)?)),
             None => None,
         };
+        let slot_g = kv.slot_at.map(Tensor::storage_and_layout);
+        let slot_at = match &slot_g {
+            Some((s, l)) => Some(on_gpu(s, l)?),
+            None => None,
+        };
         let out = launch::decode_attention(
             on_gpu(&q_g.0, q_g.1)?,
             (on_gpu(&k_g.0, k_g.1)?, on_gpu(&v_g.0, v_g.1)?),
             shared,
             on_gpu(&m_g.0, m_g.1)?,
+            slot_at,
             dims,
         )?;
         Ok(Tensor::from_storage(Storage::Cuda(out), (b, h, 1, d), BackpropOp::none(), false))
@@ -242,8 +257,10 @@ pub fn decode_attention(q: &Tensor, kv: &LayerKv, key_mask: &[f32], scale: f64) 
     };
     let shared_rows = kv.shared.as_ref().map_or(&[][..], |s| s.rows);
     let s = shared.as_ref().map_or(0, |p| p.len) + own.len;
-    if key_mask.len() != b * s {
-        candle_core::bail!("decode-attention: key mask has {} entries, expected {}", key_mask.len(), b * s);
+    // A cache with fixed slots gives a mask over all of them: each row's first s apply.
+    let mask_row = key_mask.len() / b.max(1);
+    if mask_row < s || key_mask.len() != b * mask_row {
+        candle_core::bail!("decode-attention: a key mask of {} entries for {b} rows of {s} slots", key_mask.len());
     }
     let q = host(&q_guard, q_layout)?;
     let n_rep = h / own.heads;
@@ -260,7 +277,7 @@ pub fn decode_attention(q: &Tensor, kv: &LayerKv, key_mask: &[f32], scale: f64) 
             let head = Head {
                 q: &q[row * d..(row + 1) * d],
                 segments: [front, own.segment(bi, kv_head)],
-                mask: &key_mask[bi * s..(bi + 1) * s],
+                mask: &key_mask[bi * mask_row..bi * mask_row + s],
             };
             #[cfg(target_arch = "x86_64")]
             if simd::available() {
@@ -518,7 +535,7 @@ mod tests {
         let k_buf = Tensor::randn(0f32, 1.0, (b, h_kv, cap, d), &dev).unwrap();
         let v_buf = Tensor::randn(0f32, 1.0, (b, h_kv, cap, d), &dev).unwrap();
         let (keys, values) = (k_buf.narrow(2, 0, s).unwrap(), v_buf.narrow(2, 0, s).unwrap());
-        let kv = LayerKv { keys, values, shared: None };
+        let kv = LayerKv { keys, values, shared: None, slot_at: None };
         let mask = vec![0.0, 1.0, 1.0, 1.0, 1.0, 1.0, 1.0, 0.0, 1.0, 1.0];
         let got = decode_attention(&q, &kv, &mask, 0.5).unwrap();
         let diff = max_diff(&got, &composed(&q, &kv, &mask, 0.5));
@@ -542,6 +559,7 @@ mod tests {
             keys: k_buf.narrow(2, 0, s_own).unwrap(),
             values: v_buf.narrow(2, 0, s_own).unwrap(),
             shared: Some(SharedKv { keys: &shared_k, values: &shared_v, rows: &rows, device_rows: &device_rows }),
+            slot_at: None,
         };
         // Row 1's prompt is left-padded by three; row 2's newest slot is padding.
         let s = p + s_own;
@@ -551,5 +569,9 @@ mod tests {
         let got = decode_attention(&q, &kv, &mask, 0.3).unwrap();
         let diff = max_diff(&got, &composed(&q, &kv, &mask, 0.3));
         assert!(diff < 1e-5, "{diff}");
+        // A mask over a fixed cache's every slot (spare ones 1) reads the same.
+        let wide: Vec<f32> = mask.chunks(s).flat_map(|row| row.iter().copied().chain([1.0; 3])).collect();
+        let flat = |t: Tensor| t.flatten_all().unwrap().to_vec1::<f32>().unwrap();
+        assert_eq!(flat(decode_attention(&q, &kv, &wide, 0.3).unwrap()), flat(got));
     }
 }

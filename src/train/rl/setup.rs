@@ -10,7 +10,7 @@ use crate::data::prompts::{length_filter, ContextRoom, PromptDataset, PromptSpec
 use crate::data::{DatasetSpec, Tokenizer};
 use crate::dist::{self, Communicator};
 use crate::error::{Error, Result};
-use crate::generate::{GenerateOptions, Sampler, Sampling, StopCriteria};
+use crate::generate::{GenerateOptions, Sampler, Sampling, Stepping, StopCriteria};
 use crate::model::hub::resolve_model;
 use crate::model::layer_graphs::LayerGraphs;
 use crate::model::{HeadKind, Model, ModelConfig};
@@ -293,6 +293,7 @@ fn generation_options(
         stop: StopCriteria { token_ids: stop_ids, strings: vec![] },
         batch_size: g.local_rollout_forward_batch_size,
         sampler: Sampler::from_env(&policy.device())?,
+        stepping: Stepping::from_env()?,
         seed: cfg.train.seed,
         prompt_offset: 0,
         max_positions: policy.config().max_positions(),

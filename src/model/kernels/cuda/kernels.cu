@@ -373,8 +373,10 @@ HEADS(bf16, bf16)
 // and unit feature stride (cut from the fused projection, not copied); cos,
 // sin: (B, R) f32, R <= D (R = 0: no rotation). q is written rotated to
 // q_out (B, H, 1, D); k rotated, and v as it is, to slot `slot` of the
-// cache's (B, Hkv, capacity, D) buffers, in place. One block per head of q
-// then of k (blockIdx.x) and row (blockIdx.y), a thread per feature.
+// cache's (B, Hkv, capacity, D) buffers, in place, or to slot *slot_at when
+// slot_at is given (a step replayed from a CUDA graph reads it there). One
+// block per head of q then of k (blockIdx.x) and row (blockIdx.y), a thread
+// per feature.
 
 struct AppendDims {
     int64_t q_row, q_head, k_row, k_head, v_row, v_head;
@@ -383,12 +385,12 @@ struct AppendDims {
 
 template <typename T>
 __device__ void rotary_append(const T* q, const T* k, const T* v, const float* cos, const float* sin, T* q_out,
-                              T* k_cache, T* v_cache, AppendDims a) {
+                              T* k_cache, T* v_cache, const uint32_t* slot_at, AppendDims a) {
     const int b = blockIdx.y, head = blockIdx.x;
     const bool is_q = head < a.h;
     const int hh = is_q ? head : head - a.h;
     const T* x = is_q ? q + b * a.q_row + hh * a.q_head : k + b * a.k_row + hh * a.k_head;
-    const size_t slot = ((size_t)b * a.h_kv + hh) * a.capacity + a.slot;
+    const size_t slot = ((size_t)b * a.h_kv + hh) * a.capacity + (slot_at ? *slot_at : a.slot);
     T* y = is_q ? q_out + ((size_t)b * a.h + hh) * a.d : k_cache + slot * a.d;
     const int half = a.r / 2;
     for (int j = threadIdx.x; j < a.d; j += blockDim.x) {
@@ -405,8 +407,8 @@ __device__ void rotary_append(const T* q, const T* k, const T* v, const float* c
 #define ROTARY_APPEND(T, S)                                                                                    \
     extern "C" __global__ void rotary_append_##S(const T* q, const T* k, const T* v, const float* cos,         \
                                                  const float* sin, T* q_out, T* k_cache, T* v_cache,           \
-                                                 AppendDims a) {                                                \
-        rotary_append<T>(q, k, v, cos, sin, q_out, k_cache, v_cache, a);                                        \
+                                                 const uint32_t* slot_at, AppendDims a) {                       \
+        rotary_append<T>(q, k, v, cos, sin, q_out, k_cache, v_cache, slot_at, a);                               \
     }
 ROTARY_APPEND(float, f32)
 ROTARY_APPEND(bf16, bf16)
@@ -896,11 +898,14 @@ ATTENTION_FA(256)
 // ..., a lane holding E = D / 32 features, so each key and value row is
 // read once and whole by one warp. Each warp keeps an online softmax; the
 // warps are combined in a fixed order. Keys whose mask is 0 are skipped.
+// The mask's rows are mask_row apart; with slot_at given, a row's own slots
+// are the first *slot_at + 1 (a step replayed from a CUDA graph), else s_own.
 
 #define DECODE_WARPS 8
 
 struct DecodeDims {
     int h, h_kv, d, p, s_own;              // query heads, key/value heads, head size, shared and own slots
+    long long mask_row;                    // the key mask's row stride, at least p + own slots
     long long own_row, own_head;           // strides of the own buffers between rows and heads
     long long shared_row, shared_head;     // the same of the shared buffers; slots are d apart in both
     float scale;
@@ -929,14 +934,16 @@ ROW_DOTS(bf16, bf16)
 
 template <typename T, int E>
 __device__ void decode_attention(const T* q, const T* k, const T* v, const T* shared_k, const T* shared_v,
-                                 const uint32_t* shared_rows, const float* mask, T* o, DecodeDims a) {
+                                 const uint32_t* shared_rows, const float* mask, const uint32_t* slot_at, T* o,
+                                 DecodeDims a) {
     __shared__ float part_max[DECODE_WARPS], part_sum[DECODE_WARPS];
     __shared__ float part_acc[DECODE_WARPS][32 * E];
     const int row = blockIdx.x, b = row / a.h, kv_head = row % a.h / (a.h / a.h_kv);
-    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, s = a.p + a.s_own;
+    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+    const int s = a.p + (slot_at ? (int)*slot_at + 1 : a.s_own);
     float qv[E], acc[E];
     for (int e = 0; e < E; e++) qv[e] = to_f32(q[(size_t)row * a.d + lane * E + e]) * a.scale, acc[e] = 0.f;
-    const float* row_mask = mask + (size_t)b * s;
+    const float* row_mask = mask + (size_t)b * a.mask_row;
     const size_t shared_at = a.p ? (size_t)shared_rows[b] * a.shared_row + (size_t)kv_head * a.shared_head : 0;
     const size_t own_at = (size_t)b * a.own_row + (size_t)kv_head * a.own_head;
     float run_max = -INFINITY, run_sum = 0.f;
@@ -977,8 +984,9 @@ __device__ void decode_attention(const T* q, const T* k, const T* v, const T* sh
 #define DECODE_ATTENTION(T, S, E)                                                                              \
     extern "C" __global__ void decode_attention_##E##_##S(const T* q, const T* k, const T* v, const T* shared_k, \
                                                           const T* shared_v, const uint32_t* shared_rows,       \
-                                                          const float* mask, T* o, DecodeDims a) {              \
-        decode_attention<T, E>(q, k, v, shared_k, shared_v, shared_rows, mask, o, a);                           \
+                                                          const float* mask, const uint32_t* slot_at, T* o,     \
+                                                          DecodeDims a) {                                       \
+        decode_attention<T, E>(q, k, v, shared_k, shared_v, shared_rows, mask, slot_at, o, a);                  \
     }
 DECODE_ATTENTION(float, f32, 1)
 DECODE_ATTENTION(float, f32, 2)

@@ -31,6 +31,9 @@ fn from_first<'a, T: CudaDType>((s, l): In<'a>) -> Result<CudaView<'a, T>> {
     Ok(s.as_cuda_slice::<T>()?.slice(l.start_offset()..))
 }
 
+/// A null pointer, for a kernel's optional pointer argument.
+const NULL: u64 = 0;
+
 /// One block per row of `width` elements: a multiple of 32 threads, at most 1024.
 fn per_row(rows: usize, width: usize) -> LaunchConfig {
     let threads = (width.div_ceil(32) * 32).clamp(32, 1024) as u32;
@@ -603,12 +606,14 @@ unsafe impl DeviceRepr for AppendDims {}
 /// A decoding step's rotary and cache append in one launch: q, k and v (B
 /// rows of one token) read from their first elements with the strides of
 /// `a`, the f32 tables (B, R) if any, and the cache's key and value buffers
-/// (contiguous, B x Hkv x capacity x D) written in place at slot `a.slot`.
-/// Returns q rotated, (B, H, 1, D).
+/// (contiguous, B x Hkv x capacity x D) written in place at slot `a.slot`,
+/// or at the slot `slot_at` (1,) u32 holds when given. Returns q rotated,
+/// (B, H, 1, D).
 pub fn rotary_append(
     (q, k, v): (In, In, In),
     tables: Option<(In, In)>,
     cache: (&candle_core::Tensor, &candle_core::Tensor),
+    slot_at: Option<In>,
     b: usize,
     a: AppendDims,
 ) -> Result<CudaStorage> {
@@ -617,6 +622,7 @@ pub fn rotary_append(
         (q, k, v): (In, In, In),
         tables: Option<(In, In)>,
         (k_cache, v_cache): (&candle_core::Tensor, &candle_core::Tensor),
+        slot_at: Option<In>,
         b: usize,
         a: AppendDims,
     ) -> Result<CudaStorage> {
@@ -640,7 +646,13 @@ pub fn rotary_append(
             // With r = 0 the kernel reads no table.
             None => args.arg(&qs).arg(&qs),
         };
-        args.arg(&mut out).arg(&buffers[0]).arg(&buffers[1]).arg(&a);
+        let slot_at = slot_at.map(|(s, l)| view::<u32>(s, l)).transpose()?;
+        args.arg(&mut out).arg(&buffers[0]).arg(&buffers[1]);
+        match &slot_at {
+            Some(slot) => args.arg(slot),
+            None => args.arg(&NULL),
+        };
+        args.arg(&a);
         let threads = (a.d as u32).div_ceil(32) * 32;
         let cfg = LaunchConfig {
             grid_dim: ((a.h + a.h_kv) as u32, b as u32, 1),
@@ -655,7 +667,7 @@ pub fn rotary_append(
         Ok(CudaStorage::wrap_cuda_slice(out, dev))
     }
     let dtype = q.0.dtype();
-    by_dtype!(dtype, run(&typed("rotary_append", dtype)?, (q, k, v), tables, cache, b, a))
+    by_dtype!(dtype, run(&typed("rotary_append", dtype)?, (q, k, v), tables, cache, slot_at, b, a))
 }
 
 /// The attention kernels' sizes, as `AttnDims` in `kernels.cu`.
@@ -912,6 +924,8 @@ pub struct DecodeDims {
     /// Shared slots in front of each row's own (0 when none).
     pub p: i32,
     pub s_own: i32,
+    /// The key mask's row stride, at least p + s_own.
+    pub mask_row: i64,
     pub own_row: i64,
     pub own_head: i64,
     pub shared_row: i64,
@@ -927,12 +941,15 @@ const DECODE_THREADS: u32 = 8 * 32;
 
 /// A decoding step's attention (B, H, 1, D) from q, each row's own keys and
 /// values (views into the cache's buffers), the shared keys, values and
-/// each row's shared row, if any, and the key mask (B, S) f32.
+/// each row's shared row, if any, and the key mask (B, S) f32. With
+/// `slot_at`, (1,) u32, each row's own slots are the first `slot_at + 1`
+/// rather than `a.s_own`.
 pub fn decode_attention(
     q: In,
     (k, v): (In, In),
     shared: Option<(In, In, In)>,
     mask: In,
+    slot_at: Option<In>,
     a: DecodeDims,
 ) -> Result<CudaStorage> {
     fn run<T: CudaDType + DeviceRepr>(
@@ -941,6 +958,7 @@ pub fn decode_attention(
         (k, v): (In, In),
         shared: Option<(In, In, In)>,
         mask: In,
+        slot_at: Option<In>,
         a: DecodeDims,
     ) -> Result<CudaStorage> {
         let dev = q.0.device.clone();
@@ -963,7 +981,13 @@ pub fn decode_attention(
             // Without shared slots (p = 0) the kernel reads none of these.
             None => args.arg(&ks).arg(&vs).arg(&ms),
         };
-        args.arg(&ms).arg(&mut out).arg(&a);
+        let slot_at = slot_at.map(|(s, l)| view::<u32>(s, l)).transpose()?;
+        args.arg(&ms);
+        match &slot_at {
+            Some(slot) => args.arg(slot),
+            None => args.arg(&NULL),
+        };
+        args.arg(&mut out).arg(&a);
         let blocks = (qs.len() / a.d as usize) as u32;
         let cfg = LaunchConfig { grid_dim: (blocks, 1, 1), block_dim: (DECODE_THREADS, 1, 1), shared_mem_bytes: 0 };
         // Safety: the argument list matches the kernel's signature.
@@ -972,5 +996,5 @@ pub fn decode_attention(
     }
     let dtype = q.0.dtype();
     let name = typed(&format!("decode_attention_{}", a.d / 32), dtype)?;
-    by_dtype!(dtype, run(&name, q, (k, v), shared, mask, a))
+    by_dtype!(dtype, run(&name, q, (k, v), shared, mask, slot_at, a))
 }

@@ -1,0 +1,165 @@
+//! Fixed stepping of a closed batch: every decoding step launches the same
+//! kernels on the same buffers, so that on a GPU the step can be recorded
+//! once as a CUDA graph and replayed, one launch a token instead of several
+//! hundred. The cache's slots are fixed at their final number
+//! ([`KvCache::fix_slots`]); the step's tokens, positions and the slot it
+//! writes lie in one device buffer refreshed before each step; rows that
+//! finish stay in the batch, their results unread, until at most half of it
+//! decodes, when the batch is compacted to its live rows (and, on a GPU,
+//! recorded again at that size).
+
+use candle_core::{DType, Device, Tensor};
+
+use crate::error::{Error, Result};
+use crate::model::{Inputs, KvCache, Network};
+
+/// Picks how a closed batch steps: `shrink` (the default: a finished row
+/// leaves the batch at once, and each step's work is launched anew),
+/// `fixed` (this module, launched from the host) or `graph` (fixed, each
+/// step a replay of a CUDA graph recorded at the batch's size; on the CPU,
+/// where there is nothing to record, the same as `fixed`).
+pub const DECODE_STEP_VAR: &str = "RLOO_DECODE_STEP";
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Stepping {
+    Shrink,
+    Fixed,
+    Graph,
+}
+
+impl Stepping {
+    /// `RLOO_DECODE_STEP`, `shrink` when unset; any other value is an error.
+    pub fn from_env() -> Result<Self> {
+        let chosen = crate::model::device::variant(DECODE_STEP_VAR, &["shrink", "fixed", "graph"]);
+        Ok(match chosen.map_err(Error::Invalid)? {
+            "fixed" => Self::Fixed,
+            "graph" => Self::Graph,
+            _ => Self::Shrink,
+        })
+    }
+}
+
+/// A closed batch's rows on the device, finished or not, and how its steps
+/// are launched.
+pub struct FixedBatch {
+    /// u32 (2B + 1): each batch row's token, each row's position, then the
+    /// cache slot the step writes. `inputs` and the cache's slot are views
+    /// of it, so every step reads them where the first one did.
+    staging: Tensor,
+    /// What `staging` is set to before each step.
+    host: Vec<u32>,
+    inputs: Inputs,
+    /// The batch row of each row still decoding, in order.
+    live: Vec<u32>,
+    /// Words in the vocabulary: the logits are (B, V).
+    vocab: usize,
+    launch: Launch,
+}
+
+/// How a step's work reaches the device.
+enum Launch {
+    /// Op by op from the host.
+    Host,
+    /// The first step at this size: launched from the host, with candle
+    /// keeping the kernel parameters it uploads, so that recording finds
+    /// them on the device (a recorded step may not upload).
+    #[cfg(feature = "cuda")]
+    WarmUp,
+    /// The next step is recorded, then replayed.
+    #[cfg(feature = "cuda")]
+    Record,
+    #[cfg(feature = "cuda")]
+    Replay(super::graph::StepGraph),
+}
+
+impl FixedBatch {
+    /// Fixes `cache`'s slots for `rows` rows decoding from logits over
+    /// `vocab` words; `graph` records the steps where `device` is a GPU.
+    pub fn new(rows: usize, vocab: usize, cache: &mut KvCache, device: &Device, graph: bool) -> Result<Self> {
+        let staging = Tensor::zeros(2 * rows + 1, DType::U32, device)?;
+        let inputs = Inputs {
+            ids: staging.narrow(0, 0, rows)?.reshape((rows, 1))?,
+            mask: Tensor::ones((rows, 1), DType::F32, device)?,
+            positions: staging.narrow(0, rows, rows)?.reshape((rows, 1))?,
+            segments: None,
+        };
+        cache.fix_slots(staging.narrow(0, 2 * rows, 1)?)?;
+        let launch = match graph && device.is_cuda() {
+            #[cfg(feature = "cuda")]
+            true => Launch::WarmUp,
+            _ => Launch::Host,
+        };
+        Ok(Self { staging, host: vec![0; 2 * rows + 1], inputs, live: (0..rows as u32).collect(), vocab, launch })
+    }
+
+    /// The rows of the batch's (B, V) logits that still decode, in order.
+    pub fn live_logits(&self, logits: &Tensor) -> Result<Tensor> {
+        if self.live.len() == self.host.len() / 2 {
+            return Ok(logits.clone());
+        }
+        let at = Tensor::from_slice(&self.live, self.live.len(), logits.device())?;
+        Ok(logits.index_select(&at, 0)?)
+    }
+
+    /// One step for the rows `kept` (indices among those that decoded last
+    /// step) with their newest tokens and positions: compacts the batch
+    /// when at most half of it is still decoding, then runs the step and
+    /// gives the batch's logits (B, V).
+    pub fn step(
+        &mut self,
+        net: &Network,
+        cache: &mut KvCache,
+        kept: &[u32],
+        tokens: &[u32],
+        positions: &[u32],
+    ) -> Result<Tensor> {
+        self.live = kept.iter().map(|&i| self.live[i as usize]).collect();
+        let device = self.staging.device().clone();
+        if 2 * self.live.len() <= self.host.len() / 2 {
+            cache.select_rows(&self.live)?;
+            *self = Self::new(self.live.len(), self.vocab, cache, &device, !matches!(self.launch, Launch::Host))?;
+        }
+        let rows = self.host.len() / 2;
+        for ((&at, &token), &position) in self.live.iter().zip(tokens).zip(positions) {
+            self.host[at as usize] = token;
+            self.host[rows + at as usize] = position;
+        }
+        let Some(slot) = cache.fixed_slot() else {
+            return Err(Error::Invalid("the cache's slots are not fixed".into()));
+        };
+        self.host[2 * rows] = slot as u32;
+        self.staging.slice_set(&Tensor::from_slice(&self.host, self.host.len(), &device)?, 0, 0)?;
+        self.forward(net, cache)
+    }
+
+    fn forward(&mut self, net: &Network, cache: &mut KvCache) -> Result<Tensor> {
+        let launched = |inputs: &Inputs, cache: &mut KvCache| -> Result<Tensor> {
+            Ok(net.logits(inputs, Some(cache))?.squeeze(1)?)
+        };
+        match &mut self.launch {
+            Launch::Host => launched(&self.inputs, cache),
+            #[cfg(feature = "cuda")]
+            Launch::WarmUp => {
+                let logits = super::graph::keeping_uploads(self.staging.device(), || launched(&self.inputs, cache))?;
+                self.launch = Launch::Record;
+                Ok(logits)
+            }
+            #[cfg(feature = "cuda")]
+            Launch::Record => {
+                let shape = (self.host.len() / 2, self.vocab);
+                let graph =
+                    super::graph::StepGraph::record(self.staging.device(), shape, || launched(&self.inputs, cache))?;
+                let logits = graph.replay()?;
+                self.launch = Launch::Replay(graph);
+                Ok(logits)
+            }
+            #[cfg(feature = "cuda")]
+            Launch::Replay(graph) => {
+                let logits = graph.replay()?;
+                // The recorded pass counted its slot once, when it was recorded.
+                cache.advance(1);
+                Ok(logits)
+            }
+        }
+    }
+}
