@@ -40,6 +40,7 @@ steps=(--set train.total_episodes=320 --set train.num_sample_generations=0)
 timed "train 20 steps, cpu f32" "$out/train-cpu.log" $rloo train examples/rloo.toml "${steps[@]}" --set model.device='"cpu"' --set train.output_dir="\"$out/train-cpu\""
 timed "train 20 steps, cuda f32" "$out/train-cuda.log" $rloo train examples/rloo.toml "${steps[@]}" --set model.device='"cuda"' --set train.output_dir="\"$out/train-cuda\""
 timed "train 20 steps, cuda bf16" "$out/train-bf16.log" $rloo train examples/rloo.toml "${steps[@]}" --set model.device='"cuda"' --bf16 --set train.output_dir="\"$out/train-bf16\""
+RLOO_DECODE_STEP=graph timed "train 20 steps, cuda bf16, graph" "$out/train-graph.log" $rloo train examples/rloo.toml "${steps[@]}" --set model.device='"cuda"' --bf16 --set train.output_dir="\"$out/train-graph\""
 learning() { # the mean score of the first and last five steps of each run
     python3 - "$out" "$@" <<'PY'
 import json, sys, os
@@ -56,8 +57,8 @@ for run in sys.argv[2:]:
     print(f"{run:<12} {len(rows):>5} {first:>15.3f} {last:>14.3f} {rows[-1]['objective/kl']:>9.3f}")
 PY
 }
-learning train-cpu train-cuda train-bf16
-for run in cpu cuda bf16; do
+learning train-cpu train-cuda train-bf16 train-graph
+for run in cpu cuda bf16 graph; do
     echo "$run: $(grep -h "completions/s" "$out/train-$run.log" | sed 's/.*; //')"
 done
 echo "== memory over a long run: 200 steps on the GPU"
@@ -70,6 +71,9 @@ policy=tests/fixtures/models/gpt_neox-causal
 rm -rf "$out/pipeline"
 timed "pipeline --fast" "$out/pipeline.log" $rloo pipeline --fast --device cuda --out "$out/pipeline"
 timed "generate" "$out/generate.log" $rloo generate --model $policy --prompts examples/prompts.jsonl --output "$out/generated.jsonl" --device cuda
+RLOO_DECODE_STEP=graph timed "generate, graph" "$out/generate-graph.log" $rloo generate --model $policy --prompts examples/prompts.jsonl --output "$out/generated-graph.jsonl" --device cuda
+cmp -s "$out/generated.jsonl" "$out/generated-graph.jsonl" && same=yes || same=no
+echo "generate, graph: the same completions as a shrinking batch: $same"
 timed "score" "$out/score.log" $rloo score --model tests/fixtures/models/gpt_neox-seqcls --input tests/fixtures/score/rows_plain.jsonl --output "$out/scored.jsonl" --device cuda
 timed "eval" "$out/eval.log" $rloo eval --prompts examples/prompts.jsonl --model "$out/pipeline/rloo" --model-b "$out/pipeline/sft" --reward-model "$out/pipeline/reward_model" --max-new-tokens 16 --device cuda --output "$out/eval.json"
 timed "sft" "$out/sft.log" $rloo sft --model "$out/pipeline/init" --dataset "$out/pipeline/data/sft.jsonl" --output-dir "$out/sft" --num-train-epochs 1 --device cuda

@@ -311,6 +311,12 @@ impl KvCache {
     /// Writes one layer's new keys and values (B, Hkv, T, D) after each
     /// row's filled slots and returns that layer's cache.
     pub fn append(&mut self, layer: usize, k: &Tensor, v: &Tensor) -> Result<LayerKv<'_>> {
+        if super::device::recording(k.device()) {
+            candle_core::bail!(
+                "a recorded decoding step would write its keys to the slot it was recorded at: \
+                 recording needs the one-launch append (RLOO_DECODE_APPEND=fused)"
+            );
+        }
         let t = k.dim(2)?;
         let (kb, vb, start) = self.make_room(layer, k.dims4()?, k.dtype(), k.device())?;
         kb.slice_set(&k.contiguous()?, 2, start)?;

@@ -158,6 +158,22 @@ pub(crate) fn default_pool(
     ok.then_some(pool)
 }
 
+/// Whether `device`'s stream is being recorded into a CUDA graph: work
+/// whose launch depends on the host's values at the time would replay
+/// them.
+pub fn recording(device: &Device) -> bool {
+    #[cfg(feature = "cuda")]
+    if let Device::Cuda(dev) = device {
+        use candle_core::cuda_backend::cudarc::driver::sys::CUstreamCaptureStatus;
+        return dev
+            .cuda_stream()
+            .capture_status()
+            .is_ok_and(|s| s != CUstreamCaptureStatus::CU_STREAM_CAPTURE_STATUS_NONE);
+    }
+    let _ = device;
+    false
+}
+
 /// The dtype a model computes in: `f32`, or `bf16` mixed precision (bf16
 /// weights and activations; f32 master weights, optimizer state,
 /// log-softmax and losses).

@@ -170,6 +170,12 @@ pub fn self_attention(
                     return out.transpose(1, 2)?.reshape((b, t, n_heads * d));
                 }
             }
+            if super::device::recording(q.device()) {
+                candle_core::bail!(
+                    "a recorded decoding step would attend over the slots it was recorded with: \
+                     recording needs the decoding attention kernel (RLOO_DECODE_ATTENTION=fused)"
+                );
+            }
             let (k, v) = kv.whole()?;
             (q, k, v)
         }
