@@ -4,7 +4,7 @@
 
 use std::sync::OnceLock;
 
-use candle_core::{Result, Tensor};
+use candle_core::{DType, Result, Tensor};
 
 use super::batch::{attention_bias, causal_bias, key_mask, Inputs};
 use super::cache::KvCache;
@@ -135,11 +135,16 @@ pub fn self_attention(
     scale: f64,
 ) -> Result<Tensor> {
     let (b, t, n_heads, d) = qkv.q.dims4()?;
-    if let (Some(whole), None, true) = (&ctx.whole, &cache, kernels::fused(&qkv.q)) {
-        return match &qkv.packed {
-            Some((fused, packing)) => kernels::attention_packed(fused, *packing, n_heads, d, whole, scale),
-            None => kernels::attention(&qkv.q, &qkv.k, &qkv.v, whole, scale),
+    // bf16 on the CPU goes through the f32 kernel with its inputs cast up:
+    // the composition would keep (B, H, T, S) scores and their softmax.
+    let cpu_bf16 = qkv.q.device().is_cpu() && qkv.q.dtype() == DType::BF16;
+    if let (Some(whole), None, true) = (&ctx.whole, &cache, kernels::fused(&qkv.q) || cpu_bf16) {
+        let f32 = |x: &Tensor| x.to_dtype(DType::F32);
+        let out = match &qkv.packed {
+            Some((fused, packing)) => kernels::attention_packed(&f32(fused)?, *packing, n_heads, d, whole, scale)?,
+            None => kernels::attention(&f32(&qkv.q)?, &f32(&qkv.k)?, &f32(&qkv.v)?, whole, scale)?,
         };
+        return out.to_dtype(qkv.q.dtype());
     }
     if let (Some((fused, packing)), None, true) = (&qkv.packed, &cache, ctx.fused_heads) {
         let (rotary, chosen) = (ctx.rotary.as_ref(), kernels::attention_kernels()?);
