@@ -31,11 +31,12 @@
 #                  batch's steps are launched (RLOO_DECODE_STEP: shrink, the default, fixed,
 #                  or graph: one CUDA graph replayed per step); default
 #                  race+fused+fused+graph race+fused+fused+fixed race+fused+fused host+composed
-#      ATTENTION   rloo's attention for whole sequences in the training runs,
-#                  KERNELS[+HEADS]: the kernels (RLOO_ATTENTION: rows, tensor, flash)
-#                  and how they get their heads from a fused projection
-#                  (RLOO_ATTENTION_HEADS: composed, the default, or fused);
-#                  default flash+fused flash tensor
+#      ATTENTION   rloo's variants in the training runs, KERNELS[+HEADS[+STEP]]: the
+#                  attention kernels for whole sequences (RLOO_ATTENTION: rows, tensor,
+#                  flash), how they get their heads from a fused projection
+#                  (RLOO_ATTENTION_HEADS: composed, the default, or fused) and how the
+#                  rollouts' decoding steps are launched (RLOO_DECODE_STEP: shrink, the
+#                  default, fixed or graph); default flash+fused+graph flash+fused tensor
 #      RUNS        generation runs of each side (default 3)
 #      TRAIN_RUNS  training runs of each side per arm (default 2)
 #      STEPS       optimizer steps per training run, the first not counted (default 4)
@@ -52,7 +53,7 @@ ROOT=$PWD
 OUT=${OUT:-/tmp/rloo-gpu-bench}
 SIZES=${SIZES:-410m 1b}
 DECODERS=${DECODERS:-race+fused+fused+graph race+fused+fused+fixed race+fused+fused host+composed}
-ATTENTION=${ATTENTION:-flash+fused flash tensor}
+ATTENTION=${ATTENTION:-flash+fused+graph flash+fused tensor}
 ARMS=${ARMS:-410m-full 1b-full 1b-lora}
 RUNS=${RUNS:-3}
 TRAIN_RUNS=${TRAIN_RUNS:-2}
@@ -147,14 +148,15 @@ if part train; then
             fi
             for attention in $ATTENTION; do
                 log "train $arm run $i: rloo, $attention attention"
-                IFS=+ read -r kernels heads <<<"$attention"
+                IFS=+ read -r kernels heads step <<<"$attention"
                 run=$OUT/train-$arm-rloo_$attention-$i
                 sed -e "s|@MODELS@|$dir|" -e "s|@DEVICE@|$DEVICE|" -e "s|@OUT@|$run|" -e "s|@MICRO@|$MICRO|" \
                     -e "s|@ACCUMULATION@|$((COMPLETIONS_PER_STEP / MICRO))|" \
                     -e "s|@EPISODES@|$((STEPS * COMPLETIONS_PER_STEP))|" -e "s|@CHECKPOINTING@|$checkpointing|" \
                     bench/gpu/rloo.toml.in >"$run.toml"
                 printf '\n%s\n' "$lora" >>"$run.toml"
-                RLOO_ATTENTION=$kernels RLOO_ATTENTION_HEADS=${heads:-composed} RLOO_OUT=$run \
+                RLOO_ATTENTION=$kernels RLOO_ATTENTION_HEADS=${heads:-composed} RLOO_DECODE_STEP=${step:-shrink} \
+                    RLOO_OUT=$run \
                     "$PY" bench/train/measure.py rloo "$run.json" -- \
                     timeout "$LIMIT" "${rloo_cmd[@]}" train "$run.toml" >"$run.log" 2>&1 || tail -5 "$run.log"
                 # The trained model is of no further use, and would travel back with OUT.

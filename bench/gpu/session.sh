@@ -1,0 +1,42 @@
+#!/usr/bin/env bash
+# A short pass on a GPU machine that fits one call of BUDGET seconds
+# (default 540), with the CUDA build (.cuda/bin) and the peer's wheels
+# (bench/.cache/wheels) carried there. In order, each part only while time
+# remains for it:
+#   1. `rloo check --device cuda`: every kernel against the CPU's, the
+#      fixtures against transformers (greedy tokens from shrinking batches
+#      and recorded steps);
+#   2. generation at 410m, recorded steps beside shrinking batches;
+#   3. the RLOO step at 410m against TRL: flash attention from the fused
+#      projection with recorded decoding steps, and the tensor-core kernels;
+#   4. the same two at 1B.
+# Logs stay in OUT; the benchmark's table (bench/gpu/report.py) prints last.
+#
+#   bench/gpu/session.sh                 # OUT=/tmp/rloo-gpu-session
+set -uo pipefail
+cd "$(dirname "$0")/../.."
+export OUT=${OUT:-/tmp/rloo-gpu-session} PY=${PY:-python3} MODELS=${MODELS:-/tmp/rloo-gpu-models}
+BUDGET=${BUDGET:-540}
+mkdir -p "$OUT"
+left() { echo $((BUDGET - SECONDS)); }
+# part NAME SECONDS COMMAND...: runs COMMAND if SECONDS remain, stopped when the budget ends.
+part() {
+    local name=$1 needs=$2
+    shift 2
+    if (($(left) < needs)); then
+        echo "== [$SECONDS s] $name: skipped, $(left) s left of $BUDGET" >&2
+        return
+    fi
+    echo "== [$SECONDS s] $name" >&2
+    timeout "$(left)" "$@" >"$OUT/$name.log" 2>&1 || echo "== $name: exit $? (log: $name.log)" >&2
+}
+
+part check 60 scripts/cuda/run.sh check --device cuda
+grep -E "checks on|FAIL" "$OUT/check.log" >&2
+part generate-410m 90 env SIZES=410m RUNS=2 DECODERS="race+fused+fused+graph race+fused+fused" \
+    bench/gpu/run.sh peaks generate
+for size in 410m 1b; do
+    part "train-$size" 150 env ARMS="$size-full" TRAIN_RUNS=1 STEPS=3 ATTENTION="flash+fused+graph tensor" \
+        bench/gpu/run.sh train
+done
+"$PY" bench/gpu/report.py "$OUT" | tee "$OUT/table.txt"
