@@ -32,7 +32,7 @@ part() {
 }
 
 part check 60 scripts/cuda/run.sh check --device cuda
-grep -E "checks on|FAIL" "$OUT/check.log" >&2
+grep -sE "checks on|FAIL" "$OUT/check.log" >&2
 part generate-410m 90 env SIZES=410m RUNS=2 DECODERS="race+fused+fused+graph race+fused+fused" \
     bench/gpu/run.sh peaks generate
 for size in 410m 1b; do
