@@ -92,9 +92,14 @@ impl FixedBatch {
         Ok(Self { staging, host: vec![0; 2 * rows + 1], inputs, live: (0..rows as u32).collect(), vocab, launch })
     }
 
+    /// B: the batch's rows, finished or not.
+    fn rows(&self) -> usize {
+        self.host.len() / 2
+    }
+
     /// The rows of the batch's (B, V) logits that still decode, in order.
     pub fn live_logits(&self, logits: &Tensor) -> Result<Tensor> {
-        if self.live.len() == self.host.len() / 2 {
+        if self.live.len() == self.rows() {
             return Ok(logits.clone());
         }
         let at = Tensor::from_slice(&self.live, self.live.len(), logits.device())?;
@@ -115,11 +120,11 @@ impl FixedBatch {
     ) -> Result<Tensor> {
         self.live = kept.iter().map(|&i| self.live[i as usize]).collect();
         let device = self.staging.device().clone();
-        if 2 * self.live.len() <= self.host.len() / 2 {
+        if 2 * self.live.len() <= self.rows() {
             cache.select_rows(&self.live)?;
             *self = Self::new(self.live.len(), self.vocab, cache, &device, !matches!(self.launch, Launch::Host))?;
         }
-        let rows = self.host.len() / 2;
+        let rows = self.rows();
         for ((&at, &token), &position) in self.live.iter().zip(tokens).zip(positions) {
             self.host[at as usize] = token;
             self.host[rows + at as usize] = position;
@@ -146,7 +151,7 @@ impl FixedBatch {
             }
             #[cfg(feature = "cuda")]
             Launch::Record => {
-                let shape = (self.host.len() / 2, self.vocab);
+                let shape = (self.rows(), self.vocab);
                 let graph =
                     super::graph::StepGraph::record(self.staging.device(), shape, || launched(&self.inputs, cache))?;
                 let logits = graph.replay()?;

@@ -117,7 +117,7 @@ impl KvCache {
     /// Records the key mask after a forward pass has appended every layer
     /// (with fixed slots, counts the pass's `t` new slots instead).
     pub fn finish_pass(&mut self, key_mask: Tensor, t: usize) {
-        match &mut self.fixed {
+        match self.fixed {
             Some(_) => self.advance(t),
             None => self.key_mask = Some(key_mask),
         }

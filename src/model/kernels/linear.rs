@@ -68,7 +68,7 @@ impl CustomOp3 for CudaLinear {
         "cuda-linear"
     }
 
-    super::cuda_only_cpu_fwd3!();
+    super::cuda_only_cpu_fwd!(3);
 
     #[cfg(feature = "cuda")]
     fn cuda_fwd(

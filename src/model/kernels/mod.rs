@@ -40,9 +40,29 @@ pub use token_logprobs::{logits_chunk_rows, token_logprobs};
 
 use candle_core::{CpuStorage, DType, Layout, Result, Tensor};
 
-/// The `cpu_fwd` of a three-input op that runs on CUDA only.
-macro_rules! cuda_only_cpu_fwd3 {
-    () => {
+/// The `cpu_fwd` of an op of 1, 2 or 3 inputs that runs on CUDA only.
+macro_rules! cuda_only_cpu_fwd {
+    (1) => {
+        fn cpu_fwd(
+            &self,
+            _: &candle_core::CpuStorage,
+            _: &candle_core::Layout,
+        ) -> candle_core::Result<(candle_core::CpuStorage, candle_core::Shape)> {
+            candle_core::bail!("{} runs on CUDA only", self.name())
+        }
+    };
+    (2) => {
+        fn cpu_fwd(
+            &self,
+            _: &candle_core::CpuStorage,
+            _: &candle_core::Layout,
+            _: &candle_core::CpuStorage,
+            _: &candle_core::Layout,
+        ) -> candle_core::Result<(candle_core::CpuStorage, candle_core::Shape)> {
+            candle_core::bail!("{} runs on CUDA only", self.name())
+        }
+    };
+    (3) => {
         fn cpu_fwd(
             &self,
             _: &candle_core::CpuStorage,
@@ -56,7 +76,7 @@ macro_rules! cuda_only_cpu_fwd3 {
         }
     };
 }
-use cuda_only_cpu_fwd3;
+use cuda_only_cpu_fwd;
 
 /// Whether the fused CPU kernels can run on `t`.
 pub fn fused(t: &Tensor) -> bool {

@@ -14,7 +14,9 @@
 
 use std::sync::Mutex;
 
-use candle_core::{CpuStorage, CustomOp1, CustomOp2, DType, Layout, Result, Shape, Tensor};
+use candle_core::{CustomOp1, CustomOp2, DType, Result, Tensor};
+#[cfg(feature = "cuda")]
+use candle_core::{Layout, Shape};
 
 use super::sdpa::{kernels_taking, row_dots, GradState};
 use super::{AttentionKernels, Packing};
@@ -149,9 +151,7 @@ impl CustomOp1 for QkvAttention {
         "qkv-attention"
     }
 
-    fn cpu_fwd(&self, _: &CpuStorage, _: &Layout) -> Result<(CpuStorage, Shape)> {
-        candle_core::bail!("{} runs on CUDA only", self.name())
-    }
+    super::cuda_only_cpu_fwd!(1);
 
     #[cfg(feature = "cuda")]
     fn cuda_fwd(&self, fused: &candle_core::CudaStorage, l: &Layout) -> Result<(candle_core::CudaStorage, Shape)> {
@@ -211,9 +211,7 @@ impl CustomOp1 for Split {
         "qkv-heads-split"
     }
 
-    fn cpu_fwd(&self, _: &CpuStorage, _: &Layout) -> Result<(CpuStorage, Shape)> {
-        candle_core::bail!("{} runs on CUDA only", self.name())
-    }
+    super::cuda_only_cpu_fwd!(1);
 
     #[cfg(feature = "cuda")]
     fn cuda_fwd(&self, fused: &candle_core::CudaStorage, l: &Layout) -> Result<(candle_core::CudaStorage, Shape)> {
@@ -236,9 +234,7 @@ impl CustomOp2 for Merge {
         "qkv-heads-merge"
     }
 
-    fn cpu_fwd(&self, _: &CpuStorage, _: &Layout, _: &CpuStorage, _: &Layout) -> Result<(CpuStorage, Shape)> {
-        candle_core::bail!("{} runs on CUDA only", self.name())
-    }
+    super::cuda_only_cpu_fwd!(2);
 
     #[cfg(feature = "cuda")]
     fn cuda_fwd(

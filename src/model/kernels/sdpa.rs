@@ -131,7 +131,7 @@ impl CustomOp3 for Sdpa {
         "sdpa"
     }
 
-    super::cuda_only_cpu_fwd3!();
+    super::cuda_only_cpu_fwd!(3);
 
     #[cfg(feature = "cuda")]
     fn cuda_fwd(
@@ -192,15 +192,7 @@ impl candle_core::CustomOp2 for RowDots {
         "row-dots"
     }
 
-    fn cpu_fwd(
-        &self,
-        _: &candle_core::CpuStorage,
-        _: &Layout,
-        _: &candle_core::CpuStorage,
-        _: &Layout,
-    ) -> Result<(candle_core::CpuStorage, candle_core::Shape)> {
-        candle_core::bail!("{} runs on CUDA only", self.name())
-    }
+    super::cuda_only_cpu_fwd!(2);
 
     #[cfg(feature = "cuda")]
     fn cuda_fwd(
@@ -248,7 +240,7 @@ impl CustomOp3 for SdpaGrad<'_> {
         "sdpa-grad"
     }
 
-    super::cuda_only_cpu_fwd3!();
+    super::cuda_only_cpu_fwd!(3);
 
     #[cfg(feature = "cuda")]
     fn cuda_fwd(

@@ -271,7 +271,7 @@ impl candle_core::CustomOp3 for LogitsLogprobsGrad {
         "logits-logprobs-grad"
     }
 
-    super::cuda_only_cpu_fwd3!();
+    super::cuda_only_cpu_fwd!(3);
 
     #[cfg(feature = "cuda")]
     fn cuda_fwd(
