@@ -89,7 +89,7 @@ pub fn evaluate_model(
         stop: StopCriteria { token_ids: stop, strings: vec![] },
         batch_size: opts.batch_size,
         sampler: Sampler::from_env(device)?,
-        stepping: Stepping::from_env()?,
+        stepping: Stepping::from_env(device)?,
         seed: opts.seed,
         prompt_offset: 0,
         max_positions: model.config().max_positions(),

@@ -26,17 +26,21 @@
 #                  (default the first three; the 8B arm makes a 16 GB model)
 #      DECODERS    rloo's decoding variants, SAMPLER+ATTENTION[+APPEND[+STEP]]: how tokens
 #                  are picked (RLOO_SAMPLER: race, host), how a step attends over the cache
-#                  (RLOO_DECODE_ATTENTION: fused, composed), how it rotates and appends its
-#                  keys (RLOO_DECODE_APPEND: composed, the default, or fused) and how the
-#                  batch's steps are launched (RLOO_DECODE_STEP: shrink, the default, fixed,
-#                  or graph: one CUDA graph replayed per step); default
+#                  (RLOO_DECODE_ATTENTION: fused, a key per warp, lanes, a key per lane, or
+#                  composed), how it rotates and appends its keys (RLOO_DECODE_APPEND:
+#                  composed when left out, or fused) and how the batch's steps are launched
+#                  (RLOO_DECODE_STEP: shrink when left out, fixed, or graph: one CUDA graph
+#                  replayed per step); default
 #                  race+fused+fused+graph race+fused+fused+fixed race+fused+fused host+composed
-#      ATTENTION   rloo's variants in the training runs, KERNELS[+HEADS[+STEP]]: the
-#                  attention kernels for whole sequences (RLOO_ATTENTION: rows, tensor,
-#                  flash), how they get their heads from a fused projection
-#                  (RLOO_ATTENTION_HEADS: composed, the default, or fused) and how the
-#                  rollouts' decoding steps are launched (RLOO_DECODE_STEP: shrink, the
-#                  default, fixed or graph); default flash+fused+graph flash+fused tensor
+#      ATTENTION   rloo's variants in the training runs, KERNELS[+HEADS[+STEP[+DECODE]]]:
+#                  the attention kernels for whole sequences (RLOO_ATTENTION: flash, tensor,
+#                  rows), how they get their heads from a fused projection
+#                  (RLOO_ATTENTION_HEADS: composed when left out, or fused), how the
+#                  rollouts' decoding steps are launched (RLOO_DECODE_STEP: shrink when left
+#                  out, fixed or graph) and attend (RLOO_DECODE_ATTENTION: fused when left
+#                  out, lanes, composed); default flash+fused+graph flash+fused tensor
+#      PEER        on (default), or off: rloo's runs alone, without transformers' generate
+#                  and TRL (for a short call whose peer figures an earlier one on the card gave)
 #      RUNS        generation runs of each side (default 3)
 #      TRAIN_RUNS  training runs of each side per arm (default 2)
 #      STEPS       optimizer steps per training run, the first not counted (default 4)
@@ -63,6 +67,7 @@ LIMIT=${LIMIT:-300}
 MODELS=${MODELS:-/tmp/rloo-gpu-models}
 DEVICE=${DEVICE:-cuda}
 PY=${PY:-python3}
+PEER=${PEER:-on}
 PARTS=${*:-peaks generate train nccl}
 PROMPTS=64 K=4 NEW=128
 export RLOO=${RLOO:-$ROOT/.cuda/bin/rloo} PYTHONUNBUFFERED=1 TOKENIZERS_PARALLELISM=false
@@ -113,7 +118,7 @@ if part generate; then
                     --max-new-tokens $NEW --temperature 1.0 --batch-size $((PROMPTS * K)) --ignore-eos --seed 1 \
                     2>"$run.log" || tail -5 "$run.log"
             done
-            timeout "$LIMIT" "$PY" bench/generate/hf_generate.py "$dir/policy" --prompts "$dir/prompts.jsonl" \
+            [[ $PEER == off ]] || timeout "$LIMIT" "$PY" bench/generate/hf_generate.py "$dir/policy" --prompts "$dir/prompts.jsonl" \
                 --device "$DEVICE" --bf16 --num-return-sequences $K --max-new-tokens $NEW --seed "$i" \
                 >"$OUT/gen-$size-hf-$i.json" 2>"$OUT/gen-$size-hf-$i.log" || tail -5 "$OUT/gen-$size-hf-$i.log"
         done
@@ -139,7 +144,7 @@ if part train; then
         fi
         for i in $(seq 1 "$TRAIN_RUNS"); do
             log "train $arm run $i: TRL"
-            if "$PY" -c 'import trl' 2>/dev/null; then
+            if [[ $PEER != off ]] && "$PY" -c 'import trl' 2>/dev/null; then
                 "$PY" bench/train/measure.py trl "$OUT/train-$arm-trl-$i.json" -- \
                     timeout "$LIMIT" "$PY" bench/train/trl_rloo.py --model "$dir/policy" --prompts "$dir/prompts.jsonl" \
                     --reward-model "$dir/reward" --device "$DEVICE" --bf16 --steps "$STEPS" --seed "$i" \
@@ -148,7 +153,7 @@ if part train; then
             fi
             for attention in $ATTENTION; do
                 log "train $arm run $i: rloo, $attention attention"
-                IFS=+ read -r kernels heads step <<<"$attention"
+                IFS=+ read -r kernels heads step decode <<<"$attention"
                 run=$OUT/train-$arm-rloo_$attention-$i
                 sed -e "s|@MODELS@|$dir|" -e "s|@DEVICE@|$DEVICE|" -e "s|@OUT@|$run|" -e "s|@MICRO@|$MICRO|" \
                     -e "s|@ACCUMULATION@|$((COMPLETIONS_PER_STEP / MICRO))|" \
@@ -156,6 +161,7 @@ if part train; then
                     bench/gpu/rloo.toml.in >"$run.toml"
                 printf '\n%s\n' "$lora" >>"$run.toml"
                 RLOO_ATTENTION=$kernels RLOO_ATTENTION_HEADS=${heads:-composed} RLOO_DECODE_STEP=${step:-shrink} \
+                    RLOO_DECODE_ATTENTION=${decode:-fused} \
                     RLOO_OUT=$run \
                     "$PY" bench/train/measure.py rloo "$run.json" -- \
                     timeout "$LIMIT" "${rloo_cmd[@]}" train "$run.toml" >"$run.log" 2>&1 || tail -5 "$run.log"

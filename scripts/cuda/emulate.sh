@@ -1,10 +1,10 @@
 #!/usr/bin/env bash
 # Runs the register-resident attention kernels (src/model/kernels/cuda/
 # flash.cuh) on the host, one thread per CUDA thread, against an f64
-# reference, and the kernels that cut attention's heads out of a fused
-# projection (heads.cuh): their fragment and index logic checked without a
-# GPU. Then two
-# small cases again under ThreadSanitizer, which reports any read of shared
+# reference, the kernels that cut attention's heads out of a fused
+# projection (heads.cuh) and the decoding-attention kernels (decode.cuh):
+# their fragment and index logic checked without a GPU. Then a few small
+# cases again under ThreadSanitizer, which reports any read of shared
 # memory that no barrier orders after the write it sees (a missing
 # __syncthreads). Needs a C++17 compiler (CXX, default c++) with
 # -fsanitize=thread; about two minutes on two cores.

@@ -168,9 +168,15 @@ pub fn check_kernels(device: &Device, dtypes: &[DType]) -> Vec<Check> {
             Ok(checks) => out.extend(checks),
             Err(e) => out.push(Check::failed("kernel", "attention", dtype, e)),
         }
-        for d in [64, 128] {
+        // On a GPU also the kernel with a lane per key, at a head size under 32 too.
+        let lanes = match device.is_cuda() {
+            true => &[16, 64, 128][..],
+            false => &[],
+        };
+        let kernels = [64, 128].iter().map(|&d| (d, false)).chain(lanes.iter().map(|&d| (d, true)));
+        for (d, lanes) in kernels {
             out.push(
-                decode_attention_check(device, dtype, d, rng)
+                decode_attention_check(device, dtype, d, lanes, rng)
                     .unwrap_or_else(|e| Check::failed("kernel", &format!("decode_attention, head size {d}"), dtype, e)),
             );
         }
@@ -528,10 +534,11 @@ fn qkv_attention_check(
 /// One decoding step's attention over a cache whose rows continue shared
 /// slots (two prompts, one left-padded) and own slots with spare capacity,
 /// with grouped-query heads and a padded newest slot: the device's kernel
-/// (or, where none runs, the composition over the cache copied out) against
+/// (`lanes`: the one with a lane per key, on a GPU only; where none runs,
+/// the composition over the cache copied out) against
 /// the CPU kernel; and again as over fixed slots, the mask covering every
 /// slot and the own slots' count read from the device (the views show one).
-fn decode_attention_check(device: &Device, dtype: DType, d: usize, rng: &mut Rng) -> Result<Check> {
+fn decode_attention_check(device: &Device, dtype: DType, d: usize, lanes: bool, rng: &mut Rng) -> Result<Check> {
     let (b, h, h_kv, p, s_own, capacity) = (6, 4, 2, 13, 9, 16);
     let rows = [0u32, 1, 1, 0, 1, 0];
     let q = randn(rng, &[b, h, 1, d], 0.0, 1.0);
@@ -575,8 +582,11 @@ fn decode_attention_check(device: &Device, dtype: DType, d: usize, rng: &mut Rng
             return kernels::decode_attention(&q, &kv, &mask, 0.125);
         }
         let key_mask = Tensor::from_slice(&mask, (b, width), device)?;
-        if let Some(out) = kernels::decode_attention_cuda(&q, &kv, &key_mask, 0.125)? {
+        if let Some(out) = kernels::decode_attention_cuda_kernel(&q, &kv, &key_mask, 0.125, lanes)? {
             return out.to_dtype(DType::F32)?.to_device(&Device::Cpu);
+        }
+        if lanes {
+            candle_core::bail!("the kernel with a lane per key did not run");
         }
         let (keys, values) = kv.whole()?;
         let bias = ((key_mask.narrow(1, 0, s)? - 1.0)? * 1e30)?.reshape((b, 1, 1, s))?;
@@ -586,7 +596,8 @@ fn decode_attention_check(device: &Device, dtype: DType, d: usize, rng: &mut Rng
     let want = run(&Device::Cpu, DType::F32, false)?;
     let error =
         relative_error(&run(device, dtype, false)?, &want)?.max(relative_error(&run(device, dtype, true)?, &want)?);
-    let label = format!("decode_attention, head size {d} ({})", path("decode_attention", device, dtype));
+    let per = if lanes { ", a lane per key" } else { "" };
+    let label = format!("decode_attention, head size {d}{per} ({})", path("decode_attention", device, dtype));
     Ok(Check::new("kernel", &label, dtype, error, None, tolerance(dtype)))
 }
 

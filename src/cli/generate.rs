@@ -138,7 +138,7 @@ pub fn run(args: GenerateArgs) -> Result<()> {
         stop: StopCriteria { token_ids: stop_ids, strings: args.stop.clone() },
         batch_size: args.batch_size as usize,
         sampler: Sampler::from_env(&model.device())?,
-        stepping: Stepping::from_env()?,
+        stepping: Stepping::from_env(&model.device())?,
         seed: args.seed,
         prompt_offset: 0,
         max_positions: model.config().max_positions(),

@@ -13,11 +13,12 @@ use candle_core::{DType, Device, Tensor};
 use crate::error::{Error, Result};
 use crate::model::{Inputs, KvCache, Network};
 
-/// Picks how a closed batch steps: `shrink` (the default: a finished row
-/// leaves the batch at once, and each step's work is launched anew),
-/// `fixed` (this module, launched from the host) or `graph` (fixed, each
-/// step a replay of a CUDA graph recorded at the batch's size; on the CPU,
-/// where there is nothing to record, the same as `fixed`).
+/// Picks how a closed batch steps: `shrink` (the CPU's default: a finished
+/// row leaves the batch at once, and each step's work is launched anew),
+/// `fixed` (this module, launched from the host) or `graph` (the GPU's
+/// default: fixed, each step a replay of a CUDA graph recorded at the
+/// batch's size; on the CPU, where there is nothing to record, the same as
+/// `fixed`; where a step cannot be recorded, it is launched from the host).
 pub const DECODE_STEP_VAR: &str = "RLOO_DECODE_STEP";
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -28,10 +29,14 @@ pub enum Stepping {
 }
 
 impl Stepping {
-    /// `RLOO_DECODE_STEP`, `shrink` when unset; any other value is an error.
-    pub fn from_env() -> Result<Self> {
-        let chosen = crate::model::device::variant(DECODE_STEP_VAR, &["shrink", "fixed", "graph"]);
-        Ok(match chosen.map_err(Error::Invalid)? {
+    /// `RLOO_DECODE_STEP`, when unset `graph` on a GPU and `shrink`
+    /// elsewhere; any other value is an error.
+    pub fn from_env(device: &Device) -> Result<Self> {
+        let choices = match device.is_cuda() {
+            true => ["graph", "shrink", "fixed"],
+            false => ["shrink", "fixed", "graph"],
+        };
+        Ok(match crate::model::device::variant(DECODE_STEP_VAR, &choices).map_err(Error::Invalid)? {
             "fixed" => Self::Fixed,
             "graph" => Self::Graph,
             _ => Self::Shrink,
@@ -152,11 +157,20 @@ impl FixedBatch {
             #[cfg(feature = "cuda")]
             Launch::Record => {
                 let shape = (self.rows(), self.vocab);
-                let graph =
-                    super::graph::StepGraph::record(self.staging.device(), shape, || launched(&self.inputs, cache))?;
-                let logits = graph.replay()?;
-                self.launch = Launch::Replay(graph);
-                Ok(logits)
+                match super::graph::StepGraph::record(self.staging.device(), shape, || launched(&self.inputs, cache)) {
+                    Ok(graph) => {
+                        let logits = graph.replay()?;
+                        self.launch = Launch::Replay(graph);
+                        Ok(logits)
+                    }
+                    // A step that cannot be recorded (a head size the decoding kernels do
+                    // not take, say) counted no slot: it runs from the host, as do the rest.
+                    Err(e) => {
+                        super::graph::unrecorded(&e);
+                        self.launch = Launch::Host;
+                        launched(&self.inputs, cache)
+                    }
+                }
             }
             #[cfg(feature = "cuda")]
             Launch::Replay(graph) => {

@@ -19,6 +19,14 @@ pub fn keeping_uploads<T>(device: &Device, f: impl FnOnce() -> Result<T>) -> Res
     f()
 }
 
+/// Says once per run that decoding steps are launched from the host, and why.
+pub fn unrecorded(cause: &crate::error::Error) {
+    static SAID: std::sync::Once = std::sync::Once::new();
+    SAID.call_once(|| {
+        tracing::warn!("decoding steps are launched from the host, not recorded as a CUDA graph: {cause}")
+    });
+}
+
 /// A recorded step and the buffer its logits are written to.
 pub struct StepGraph {
     graph: CudaGraph,

@@ -13,13 +13,19 @@ use crate::model::cache::{KvCache, LayerKv};
 use crate::model::device::variant;
 
 /// Picks how a decoding step attends: `fused` (the default: the kernels
-/// here) or `composed` (the cache copied out whole, then the attention
-/// every forward pass uses), to compare the two.
+/// here; on a GPU, a warp per key), `lanes` (the kernels here; on a GPU, a
+/// lane per key, any head size of whole 16-byte loads up to 256) or
+/// `composed` (the cache copied out whole, then the attention every
+/// forward pass uses), to compare them.
 pub const DECODE_ATTENTION_VAR: &str = "RLOO_DECODE_ATTENTION";
 
-/// Whether the fused kernels are chosen; an unknown choice is an error.
+fn decode_attention_choice() -> Result<&'static str> {
+    variant(DECODE_ATTENTION_VAR, &["fused", "lanes", "composed"]).map_err(candle_core::Error::msg)
+}
+
+/// Whether the kernels are chosen; an unknown choice is an error.
 pub fn decode_attention_fused() -> Result<bool> {
-    Ok(variant(DECODE_ATTENTION_VAR, &["fused", "composed"]).map_err(candle_core::Error::msg)? == "fused")
+    Ok(decode_attention_choice()? != "composed")
 }
 
 /// Picks how a decoding step on a GPU rotates its new queries and keys and
@@ -59,24 +65,63 @@ pub fn rotary_append_cuda<'c>(
     }
 }
 
-/// The head sizes the CUDA kernel takes: 32 lanes of 1, 2, 4 or 8 features.
+/// The head sizes the CUDA kernel with a warp per key takes: 32 lanes of 1,
+/// 2, 4 or 8 features.
 const CUDA_HEAD_SIZES: [usize; 4] = [32, 64, 128, 256];
 
 /// [`decode_attention`] on a GPU, with the key mask (B, S) on the device;
-/// `None` where the CUDA kernel does not run (another device or dtype, or
-/// another head size), and the caller composes the attention.
+/// `None` where the CUDA kernel does not run (another device or dtype,
+/// another head size, or with a lane per key a cache not laid out in whole
+/// 16-byte loads), and the caller composes the attention.
 pub fn decode_attention_cuda(q: &Tensor, kv: &LayerKv, key_mask: &Tensor, scale: f64) -> Result<Option<Tensor>> {
+    decode_attention_cuda_kernel(q, kv, key_mask, scale, decode_attention_choice()? == "lanes")
+}
+
+/// [`decode_attention_cuda`] with the kernel named: `lanes`, a lane per
+/// key, else a warp per key.
+pub fn decode_attention_cuda_kernel(
+    q: &Tensor,
+    kv: &LayerKv,
+    key_mask: &Tensor,
+    scale: f64,
+    lanes: bool,
+) -> Result<Option<Tensor>> {
     let [_, _, t, d] = *q.dims() else { candle_core::bail!("decode-attention: q must be 4-d") };
-    if t != 1 || !CUDA_HEAD_SIZES.contains(&d) || !super::on_cuda(&[q, &kv.keys, &kv.values]) {
+    let takes = match lanes {
+        true => d <= 256 && in_whole_loads(kv),
+        false => CUDA_HEAD_SIZES.contains(&d),
+    };
+    if t != 1 || !takes || !super::on_cuda(&[q, &kv.keys, &kv.values]) {
         return Ok(None);
     }
     #[cfg(feature = "cuda")]
-    return cuda::run(q, kv, key_mask, scale).map(Some);
+    return cuda::run(q, kv, key_mask, scale, lanes).map(Some);
     #[cfg(not(feature = "cuda"))]
     {
         let _ = (key_mask, scale);
         Ok(None)
     }
+}
+
+/// Whether the cache's key and value rows all start on 16 bytes and are
+/// whole 16-byte loads long, as the kernel with a lane per key reads them.
+fn in_whole_loads(kv: &LayerKv) -> bool {
+    let mut views = vec![&kv.keys, &kv.values];
+    if let Some(s) = &kv.shared {
+        views.extend([s.keys, s.values]);
+    }
+    views.into_iter().all(|t| {
+        let size = t.dtype().size_in_bytes();
+        let on_16 = |elements: usize| (elements * size) % 16 == 0;
+        let l = t.layout();
+        match l.stride().split_last() {
+            // Rows of contiguous elements: their length and every stride between them.
+            Some((1, between)) => {
+                on_16(l.start_offset()) && on_16(*l.dims().last().unwrap_or(&0)) && between.iter().all(|&s| on_16(s))
+            }
+            _ => false,
+        }
+    })
 }
 
 #[cfg(feature = "cuda")]
@@ -169,7 +214,8 @@ mod cuda {
         Ok((q, cache.layer(layer, slot + 1)?))
     }
 
-    pub fn run(q: &Tensor, kv: &LayerKv, key_mask: &Tensor, scale: f64) -> Result<Tensor> {
+    /// `lanes`: the kernel with a lane per key.
+    pub fn run(q: &Tensor, kv: &LayerKv, key_mask: &Tensor, scale: f64, lanes: bool) -> Result<Tensor> {
         let q = q.contiguous()?;
         let mask = key_mask.to_dtype(DType::F32)?.contiguous()?;
         let (b, h, _, d) = q.dims4()?;
@@ -232,6 +278,7 @@ mod cuda {
             on_gpu(&m_g.0, m_g.1)?,
             slot_at,
             dims,
+            lanes,
         )?;
         Ok(Tensor::from_storage(Storage::Cuda(out), (b, h, 1, d), BackpropOp::none(), false))
     }
@@ -508,7 +555,7 @@ mod tests {
     use super::*;
     use crate::model::cache::SharedKv;
     use crate::model::ops;
-    use candle_core::Device;
+    use candle_core::{DType, Device};
 
     /// The composed attention over every slot of `kv`.
     fn composed(q: &Tensor, kv: &LayerKv, mask: &[f32], scale: f64) -> Tensor {
@@ -573,5 +620,35 @@ mod tests {
         let wide: Vec<f32> = mask.chunks(s).flat_map(|row| row.iter().copied().chain([1.0; 3])).collect();
         let flat = |t: Tensor| t.flatten_all().unwrap().to_vec1::<f32>().unwrap();
         assert_eq!(flat(decode_attention(&q, &kv, &wide, 0.3).unwrap()), flat(got));
+    }
+
+    #[test]
+    fn the_lane_kernel_takes_caches_of_whole_16_byte_rows() {
+        let dev = Device::Cpu;
+        let cache = |d: usize, dtype: DType| Tensor::zeros((2, 2, 6, d), dtype, &dev).unwrap();
+        let own = |keys: Tensor, values: Tensor| LayerKv { keys, values, shared: None, slot_at: None };
+        let (bf16, f32) = (cache(8, DType::BF16), cache(4, DType::F32));
+        // A cache's filled slots, and the slots past a trimmed front.
+        assert!(in_whole_loads(&own(bf16.narrow(2, 0, 3).unwrap(), bf16.narrow(2, 0, 3).unwrap())));
+        assert!(in_whole_loads(&own(f32.narrow(2, 2, 3).unwrap(), f32.narrow(2, 2, 3).unwrap())));
+        // Rows of 12 bytes, a view starting 8 bytes in, rows cut from a wider one.
+        let f32_3 = cache(3, DType::F32);
+        assert!(!in_whole_loads(&own(f32_3.clone(), f32_3)));
+        let flat = Tensor::zeros(2 + 2 * 2 * 6 * 4, DType::F32, &dev).unwrap();
+        let shifted = flat.narrow(0, 2, 2 * 2 * 6 * 4).unwrap().reshape((2, 2, 6, 4)).unwrap();
+        assert!(!in_whole_loads(&own(shifted, f32.clone())));
+        let cut = cache(16, DType::BF16).narrow(3, 4, 8).unwrap();
+        assert!(!in_whole_loads(&own(cut, bf16.clone())));
+        // A shared part counts too.
+        let shared = Tensor::zeros((1, 2, 5, 3), DType::F32, &dev).unwrap();
+        let rows = [0u32; 2];
+        let device_rows = Tensor::new(&rows, &dev).unwrap();
+        let kv = LayerKv {
+            keys: f32.clone(),
+            values: f32.clone(),
+            shared: Some(SharedKv { keys: &shared, values: &shared, rows: &rows, device_rows: &device_rows }),
+            slot_at: None,
+        };
+        assert!(!in_whole_loads(&kv));
     }
 }

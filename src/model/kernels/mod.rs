@@ -26,7 +26,8 @@ mod token_logprobs;
 pub use adamw::{adamw, adamw_many, AdamWParam, AdamWStep, ADAMW_VAR};
 pub use attention::{attention, attention_packed, AttentionInputs, Packing};
 pub use decode_attention::{
-    decode_append_fused, decode_attention, decode_attention_cuda, decode_attention_fused, rotary_append_cuda,
+    decode_append_fused, decode_attention, decode_attention_cuda, decode_attention_cuda_kernel, decode_attention_fused,
+    rotary_append_cuda,
 };
 pub use elementwise::activation;
 pub use linear::{activation_linear, linear};

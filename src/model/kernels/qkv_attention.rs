@@ -23,13 +23,14 @@ use super::{AttentionKernels, Packing};
 use crate::model::device::variant;
 
 /// Picks how attention over whole sequences gets its heads from a fused
-/// projection on a GPU: `composed` (the default: transposed copies and
-/// rotations, op by op) or `fused` ([`qkv_attention`]), to compare the two.
+/// projection on a GPU: `fused` (the default: [`qkv_attention`]) or
+/// `composed` (transposed copies and rotations, op by op), to compare the
+/// two.
 pub const ATTENTION_HEADS_VAR: &str = "RLOO_ATTENTION_HEADS";
 
 /// Whether the fused heads are chosen; an unknown choice is an error.
 pub fn attention_heads_fused() -> Result<bool> {
-    Ok(variant(ATTENTION_HEADS_VAR, &["composed", "fused"]).map_err(candle_core::Error::msg)? == "fused")
+    Ok(variant(ATTENTION_HEADS_VAR, &["fused", "composed"]).map_err(candle_core::Error::msg)? == "fused")
 }
 
 /// Attention (B, T, heads * d) over the fused projection `fused` (B, T, W)

@@ -17,11 +17,12 @@ use crate::model::ops;
 /// less the scratch); longer ones take the composition.
 const MAX_KEYS: usize = 11_000;
 
-/// Picks the GPU's kernels for whole sequences: `tensor` (the default:
-/// tiles on tensor cores through WMMA, scores staged in shared memory, in
-/// bf16 at head sizes 64, 128 and 256; the rows kernels elsewhere), `flash`
-/// (the same tiles with the scores in registers as mma.sync fragments) or
-/// `rows` (a block per query row, and per key row for d k and d v).
+/// Picks the GPU's kernels for whole sequences: `flash` (the default:
+/// tiles on tensor cores with the scores in registers as mma.sync
+/// fragments, in bf16 at head sizes 64, 128 and 256; the rows kernels
+/// elsewhere), `tensor` (the same tiles through WMMA, scores staged in
+/// shared memory) or `rows` (a block per query row, and per key row for
+/// d k and d v).
 pub const ATTENTION_VAR: &str = "RLOO_ATTENTION";
 
 /// The GPU kernels [`ATTENTION_VAR`] picks.
@@ -41,10 +42,10 @@ impl AttentionKernels {
 
 /// The kernels chosen; an unknown choice is an error.
 pub fn attention_kernels() -> Result<AttentionKernels> {
-    match variant(ATTENTION_VAR, &["tensor", "flash", "rows"]).map_err(candle_core::Error::msg)? {
+    match variant(ATTENTION_VAR, &["flash", "tensor", "rows"]).map_err(candle_core::Error::msg)? {
         "rows" => Ok(AttentionKernels::Rows),
-        "flash" => Ok(AttentionKernels::Flash),
-        _ => Ok(AttentionKernels::Tensor),
+        "tensor" => Ok(AttentionKernels::Tensor),
+        _ => Ok(AttentionKernels::Flash),
     }
 }
 

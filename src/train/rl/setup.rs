@@ -293,7 +293,7 @@ fn generation_options(
         stop: StopCriteria { token_ids: stop_ids, strings: vec![] },
         batch_size: g.local_rollout_forward_batch_size,
         sampler: Sampler::from_env(&policy.device())?,
-        stepping: Stepping::from_env()?,
+        stepping: Stepping::from_env(&policy.device())?,
         seed: cfg.train.seed,
         prompt_offset: 0,
         max_positions: policy.config().max_positions(),

@@ -1,5 +1,5 @@
-// Runs the register-resident attention kernels of flash.cuh, and the heads
-// kernels of heads.cuh, on the host and compares them with a reference, so
+// Runs the register-resident attention kernels of flash.cuh, the heads
+// kernels of heads.cuh and the decoding-attention kernels of decode.cuh on the host and compares them with a reference, so
 // their fragment and index logic is checked where no GPU is: every CUDA thread is a host thread, the
 // warp-level primitives (ldmatrix, mma.sync, shuffles) exchange lane values
 // through per-warp slots between barriers, as the PTX ISA lays the
@@ -191,12 +191,35 @@ template <> bf16 from_f32<bf16>(float x) { return __float2bfloat16(x); }
 
 #include "heads.cuh"
 
+inline float __shfl_xor_sync(unsigned, float x, int mask) { return fa::shfl_xor(x, mask); }
+inline float __shfl_sync(unsigned, float x, int from) {
+    Warp& w = fa::my_warp();
+    w.f[fa::my_lane()] = x;
+    w.bar.arrive(0);
+    const float y = w.f[from];
+    w.bar.arrive(0);
+    return y;
+}
+using std::min;
+inline float __uint_as_float(uint32_t u) {
+    float f;
+    std::memcpy(&f, &u, 4);
+    return f;
+}
+
+// A block's __shared__ arrays: one per kernel, shared by its threads (blocks run one at a time).
+#undef __shared__
+#define __shared__ static
+#include "decode.cuh"
+#undef __shared__
+#define __shared__
+
 // ---- Launching: blocks in turn, each a host thread per CUDA thread.
 
-void launch(Dim3 grid, size_t smem_bytes, const std::function<void()>& kernel) {
+void launch(Dim3 grid, size_t smem_bytes, const std::function<void()>& kernel, unsigned threads = 32 * fa::WARPS) {
     if (smem_bytes > sizeof fa::smem) std::abort();
-    gridDim = grid, blockDim = {32 * fa::WARPS, 1, 1}, launched_smem = smem_bytes;
-    warps = std::vector<Warp>(fa::WARPS);
+    gridDim = grid, blockDim = {threads, 1, 1}, launched_smem = smem_bytes;
+    warps = std::vector<Warp>(threads / 32);
     for (Warp& w : warps) w.bar.n = 32;
     block_bar.n = blockDim.x;
     for (unsigned z = 0; z < grid.z; ++z)
@@ -427,6 +450,105 @@ bool heads_case(const char* name, bool per_head, int r) {
     return ok;
 }
 
+
+// ---- One decoding step's attention over shared and own slots (decode.cuh),
+// both ways of splitting the keys, against an f64 reference. Spare and
+// masked slots hold NaN: a kernel that reads them into a sum fails.
+
+template <typename T>
+T nan_of() {
+    if constexpr (std::is_same_v<T, bf16>)
+        return bf16{0x7fc0};
+    else
+        return NAN;
+}
+
+template <typename T, int E>
+bool decode_case(int d, bool lanes, bool fixed) {
+    // 290 keys: more than one pass of the lanes kernel's 8 x 32.
+    const int b = 5, h = 4, h_kv = 2, p = 200, s_own = 90, capacity = 100, s = p + s_own;
+    const uint32_t rows[b] = {0, 1, 1, 0, 1};
+    const int width = fixed ? p + capacity : s;
+    std::mt19937 rng(11);
+    auto fill = [&](std::vector<T>& x, size_t n) {
+        x.resize(n);
+        for (auto& e : x) e = from_f32<T>(std::normal_distribution<float>(0.f, 1.f)(rng));
+    };
+    std::vector<T> q, shared_k, shared_v, own_k, own_v;
+    fill(q, (size_t)b * h * d);
+    fill(shared_k, (size_t)2 * h_kv * p * d), fill(shared_v, shared_k.size());
+    fill(own_k, (size_t)b * h_kv * capacity * d), fill(own_v, own_k.size());
+    // Padding where a row's prompt is short, a padded own slot, and in row 2 a whole warp's 32 keys.
+    auto masked = [&](int r, int j) {
+        return (rows[r] == 1 && j < 4) || (r == 4 && j == p + 7) || (r == 2 && j >= 32 && j < 64);
+    };
+    std::vector<float> mask((size_t)b * width);
+    for (int r = 0; r < b; ++r)
+        for (int j = 0; j < width; ++j) mask[(size_t)r * width + j] = masked(r, j) ? 0.f : 1.f;
+    for (int r = 0; r < b; ++r)
+        for (int kh = 0; kh < h_kv; ++kh)
+            for (int j = 0; j < p + capacity; ++j) {
+                const bool spare = j >= s;
+                if (!spare && !masked(r, j)) continue;
+                for (int e = 0; e < d; ++e) {
+                    if (j >= p) {
+                        const size_t at = (((size_t)r * h_kv + kh) * capacity + (j - p)) * d + e;
+                        own_k[at] = own_v[at] = nan_of<T>();
+                    } else if (rows[r] == 1 && j < 4) {  // only prompt 1's padding is masked in every row that reads it
+                        const size_t at = (((size_t)1 * h_kv + kh) * p + j) * d + e;
+                        shared_k[at] = shared_v[at] = nan_of<T>();
+                    }
+                }
+            }
+    DecodeDims a{h, h_kv, d, p, fixed ? 1 : s_own, width, (long long)h_kv * capacity * d, (long long)capacity * d,
+                 (long long)h_kv * p * d, (long long)p * d, 1.f / std::sqrt(float(d))};
+    const uint32_t slot_at = s_own - 1;
+    std::vector<T> o((size_t)b * h * d, nan_of<T>());
+    launch({unsigned(b * h), 1, 1}, 0, [&] {
+        const uint32_t* at = fixed ? &slot_at : nullptr;
+        if (lanes)
+            decode_attention_lanes<T, E>(q.data(), own_k.data(), own_v.data(), shared_k.data(), shared_v.data(), rows,
+                                         mask.data(), at, o.data(), a);
+        else
+            decode_attention<T, E>(q.data(), own_k.data(), own_v.data(), shared_k.data(), shared_v.data(), rows,
+                                   mask.data(), at, o.data(), a);
+    }, 32 * DECODE_WARPS);
+    std::vector<double> want(o.size());
+    for (int r = 0; r < b; ++r)
+        for (int hh = 0; hh < h; ++hh) {
+            const int kh = hh / (h / h_kv);
+            auto key = [&](int j, int e) -> double {
+                return to_f32(j < p ? shared_k[(((size_t)rows[r] * h_kv + kh) * p + j) * d + e]
+                                    : own_k[(((size_t)r * h_kv + kh) * capacity + (j - p)) * d + e]);
+            };
+            auto value = [&](int j, int e) -> double {
+                return to_f32(j < p ? shared_v[(((size_t)rows[r] * h_kv + kh) * p + j) * d + e]
+                                    : own_v[(((size_t)r * h_kv + kh) * capacity + (j - p)) * d + e]);
+            };
+            std::vector<double> w(s, 0);
+            double top = -INFINITY, total = 0;
+            for (int j = 0; j < s; ++j) {
+                if (masked(r, j)) continue;
+                double dot = 0;
+                for (int e = 0; e < d; ++e) dot += to_f32(q[((size_t)r * h + hh) * d + e]) * key(j, e);
+                w[j] = dot * a.scale, top = std::max(top, w[j]);
+            }
+            for (int j = 0; j < s; ++j) total += masked(r, j) ? 0 : (w[j] = std::exp(w[j] - top));
+            for (int e = 0; e < d; ++e) {
+                double out = 0;
+                for (int j = 0; j < s; ++j)
+                    if (!masked(r, j)) out += w[j] / total * value(j, e);
+                want[((size_t)r * h + hh) * d + e] = out;
+            }
+        }
+    const double err = relative_error(o, want);
+    const bool ok = err < (std::is_same_v<T, bf16> ? 1e-2 : 1e-5);
+    std::printf("%-4s decode: %-28s d %3d %-5s %s  %.1e\n", ok ? "ok" : "FAIL", lanes ? "a key per lane" : "a key per warp",
+                d, std::is_same_v<T, bf16> ? "bf16" : "f32", fixed ? "fixed slots" : "own slots  ", err);
+    std::fflush(stdout);
+    return ok;
+}
+
 int main(int argc, char** argv) {
     std::mt19937 rng(7);
     bool ok = true;
@@ -435,8 +557,17 @@ int main(int argc, char** argv) {
     if (argc > 1 && std::strcmp(argv[1], "races") == 0) {
         ok &= run<64>({"d64 causal, padding", 2, 2, 1, 70, 70, 64, 70, Case::CAUSAL}, rng);
         ok &= run<256>({"d256 past slots in a cache", 1, 1, 1, 20, 40, 256, 48, Case::CAUSAL}, rng);
+        ok &= decode_case<bf16, 2>(64, false, true);
+        ok &= decode_case<bf16, 2>(64, true, true);
         std::printf(ok ? "all match\n" : "MISMATCH\n");
         return ok ? 0 : 1;
+    }
+    for (bool fixed : {false, true}) {
+        ok &= decode_case<bf16, 2>(64, false, fixed);
+        ok &= decode_case<bf16, 2>(64, true, fixed);
+        ok &= decode_case<float, 4>(128, true, fixed);
+        ok &= decode_case<bf16, 1>(8, true, fixed);
+        ok &= decode_case<float, 1>(16, true, fixed);
     }
     ok &= heads_case("per head [q | k | v], rotary", true, 4);
     ok &= heads_case("[Q | K | V], rotary", false, 8);

@@ -891,30 +891,7 @@ ATTENTION_FA(64)
 ATTENTION_FA(128)
 ATTENTION_FA(256)
 
-// ---- Attention of one decoding step over a KV cache read where it lies:
-// each row's shared slots (row `shared_rows[b]` of the shared buffers, the
-// prompt its k completions share) and then its own. One block per (row,
-// query head) of DECODE_WARPS warps; warp w takes keys w, w + DECODE_WARPS,
-// ..., a lane holding E = D / 32 features, so each key and value row is
-// read once and whole by one warp. Each warp keeps an online softmax; the
-// warps are combined in a fixed order. Keys whose mask is 0 are skipped.
-// The mask's rows are mask_row apart; with slot_at given, a row's own slots
-// are the first *slot_at + 1 (a step replayed from a CUDA graph), else s_own.
-
-#define DECODE_WARPS 8
-
-struct DecodeDims {
-    int h, h_kv, d, p, s_own;              // query heads, key/value heads, head size, shared and own slots
-    long long mask_row;                    // the key mask's row stride, at least p + own slots
-    long long own_row, own_head;           // strides of the own buffers between rows and heads
-    long long shared_row, shared_head;     // the same of the shared buffers; slots are d apart in both
-    float scale;
-};
-
-__device__ __forceinline__ float warp_sum(float v) {
-    for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffff, v, o);
-    return v;
-}
+#include "decode.cuh"
 
 // ---- out[r] = sum_e a[r, e] b[r, e] in f32 over rows of d: a warp per row,
 // lanes in a fixed order (the attention backward's rowsum(d out * out)).
@@ -932,61 +909,17 @@ __device__ __forceinline__ float warp_sum(float v) {
 ROW_DOTS(float, f32)
 ROW_DOTS(bf16, bf16)
 
-template <typename T, int E>
-__device__ void decode_attention(const T* q, const T* k, const T* v, const T* shared_k, const T* shared_v,
-                                 const uint32_t* shared_rows, const float* mask, const uint32_t* slot_at, T* o,
-                                 DecodeDims a) {
-    __shared__ float part_max[DECODE_WARPS], part_sum[DECODE_WARPS];
-    __shared__ float part_acc[DECODE_WARPS][32 * E];
-    const int row = blockIdx.x, b = row / a.h, kv_head = row % a.h / (a.h / a.h_kv);
-    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
-    const int s = a.p + (slot_at ? (int)*slot_at + 1 : a.s_own);
-    float qv[E], acc[E];
-    for (int e = 0; e < E; e++) qv[e] = to_f32(q[(size_t)row * a.d + lane * E + e]) * a.scale, acc[e] = 0.f;
-    const float* row_mask = mask + (size_t)b * a.mask_row;
-    const size_t shared_at = a.p ? (size_t)shared_rows[b] * a.shared_row + (size_t)kv_head * a.shared_head : 0;
-    const size_t own_at = (size_t)b * a.own_row + (size_t)kv_head * a.own_head;
-    float run_max = -INFINITY, run_sum = 0.f;
-    for (int j = warp; j < s; j += DECODE_WARPS) {
-        if (row_mask[j] == 0.f) continue;
-        const bool shared = j < a.p;
-        const size_t at = (shared ? shared_at + (size_t)j * a.d : own_at + (size_t)(j - a.p) * a.d) + lane * E;
-        const T* kj = (shared ? shared_k : k) + at;
-        const T* vj = (shared ? shared_v : v) + at;
-        float dot = 0.f;
-        for (int e = 0; e < E; e++) dot += qv[e] * to_f32(kj[e]);
-        const float score = warp_sum(dot);
-        const float new_max = fmaxf(run_max, score);
-        const float keep = expf(run_max - new_max), p = expf(score - new_max);
-        run_sum = run_sum * keep + p;
-        for (int e = 0; e < E; e++) acc[e] = acc[e] * keep + p * to_f32(vj[e]);
-        run_max = new_max;
-    }
-    if (lane == 0) part_max[warp] = run_max, part_sum[warp] = run_sum;
-    for (int e = 0; e < E; e++) part_acc[warp][lane * E + e] = acc[e];
-    __syncthreads();
-    for (int f = threadIdx.x; f < a.d; f += blockDim.x) {
-        float top = -INFINITY;
-        for (int w = 0; w < DECODE_WARPS; w++) top = fmaxf(top, part_max[w]);
-        float total = 0.f, out = 0.f;
-        if (top != -INFINITY) {  // else no real key (cannot happen for a real token): output 0
-            for (int w = 0; w < DECODE_WARPS; w++) {
-                const float c = part_max[w] == -INFINITY ? 0.f : expf(part_max[w] - top);
-                total += part_sum[w] * c;
-                out += part_acc[w][f] * c;
-            }
-            out /= total;
-        }
-        o[(size_t)row * a.d + f] = from_f32<T>(out);
-    }
-}
-
 #define DECODE_ATTENTION(T, S, E)                                                                              \
     extern "C" __global__ void decode_attention_##E##_##S(const T* q, const T* k, const T* v, const T* shared_k, \
                                                           const T* shared_v, const uint32_t* shared_rows,       \
                                                           const float* mask, const uint32_t* slot_at, T* o,     \
                                                           DecodeDims a) {                                       \
         decode_attention<T, E>(q, k, v, shared_k, shared_v, shared_rows, mask, slot_at, o, a);                  \
+    }                                                                                                          \
+    extern "C" __global__ void decode_attention_lanes_##E##_##S(                                               \
+        const T* q, const T* k, const T* v, const T* shared_k, const T* shared_v, const uint32_t* shared_rows,   \
+        const float* mask, const uint32_t* slot_at, T* o, DecodeDims a) {                                      \
+        decode_attention_lanes<T, E>(q, k, v, shared_k, shared_v, shared_rows, mask, slot_at, o, a);            \
     }
 DECODE_ATTENTION(float, f32, 1)
 DECODE_ATTENTION(float, f32, 2)

@@ -943,7 +943,7 @@ const DECODE_THREADS: u32 = 8 * 32;
 /// values (views into the cache's buffers), the shared keys, values and
 /// each row's shared row, if any, and the key mask (B, S) f32. With
 /// `slot_at`, (1,) u32, each row's own slots are the first `slot_at + 1`
-/// rather than `a.s_own`.
+/// rather than `a.s_own`. `lanes`: the kernel with a lane per key.
 pub fn decode_attention(
     q: In,
     (k, v): (In, In),
@@ -951,6 +951,7 @@ pub fn decode_attention(
     mask: In,
     slot_at: Option<In>,
     a: DecodeDims,
+    lanes: bool,
 ) -> Result<CudaStorage> {
     fn run<T: CudaDType + DeviceRepr>(
         name: &str,
@@ -995,6 +996,11 @@ pub fn decode_attention(
         Ok(CudaStorage::wrap_cuda_slice(out, dev))
     }
     let dtype = q.0.dtype();
-    let name = typed(&format!("decode_attention_{}", a.d / 32), dtype)?;
+    let name = match lanes {
+        // 32 lanes of 1, 2, 4 or 8 features cover the head.
+        true => format!("decode_attention_lanes_{}", (a.d as usize).div_ceil(32).next_power_of_two()),
+        false => format!("decode_attention_{}", a.d / 32),
+    };
+    let name = typed(&name, dtype)?;
     by_dtype!(dtype, run(&name, q, (k, v), shared, mask, slot_at, a))
 }

@@ -1,0 +1,178 @@
+// ---- Attention of one decoding step over a KV cache read where it lies:
+// each row's shared slots (row `shared_rows[b]` of the shared buffers, the
+// prompt its k completions share) and then its own. One block per (row,
+// query head) of DECODE_WARPS warps. Each warp keeps an online softmax over
+// its keys; the warps are combined in a fixed order. Keys whose mask is 0
+// are skipped. The mask's rows are mask_row apart; with slot_at given, a
+// row's own slots are the first *slot_at + 1 (a step replayed from a CUDA
+// graph), else s_own. Included by kernels.cu and by the host emulator.
+//
+// Two ways to split the keys (RLOO_DECODE_ATTENTION, decode_attention.rs):
+// - decode_attention: warp w takes keys w, w + DECODE_WARPS, ..., a lane
+//   holding E = D / 32 features, so each key and value row is read whole by
+//   one warp; each key costs a warp-wide sum, one key after another.
+// - decode_attention_lanes: lane i of warp w scores key 32 w + i (then
+//   32 (w + DECODE_WARPS) + i, ...), reading its key row in 16-byte loads,
+//   so a warp has 32 keys in flight; then the warp takes those keys' values
+//   one after another, a lane holding E features. Any head size of whole
+//   16-byte loads up to 32 E.
+
+#define DECODE_WARPS 8
+
+struct DecodeDims {
+    int h, h_kv, d, p, s_own;              // query heads, key/value heads, head size, shared and own slots
+    long long mask_row;                    // the key mask's row stride, at least p + own slots
+    long long own_row, own_head;           // strides of the own buffers between rows and heads
+    long long shared_row, shared_head;     // the same of the shared buffers; slots are d apart in both
+    float scale;
+};
+
+__device__ __forceinline__ float warp_sum(float v) {
+    for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffff, v, o);
+    return v;
+}
+
+__device__ __forceinline__ float warp_max(float v) {
+    for (int o = 16; o > 0; o >>= 1) v = fmaxf(v, __shfl_xor_sync(0xffffffff, v, o));
+    return v;
+}
+
+// Where slot j of one (row, key/value head) lies: the shared slots first, then the row's own.
+template <typename T>
+struct DecodeSlots {
+    const T *k, *v, *shared_k, *shared_v;
+    size_t own_at, shared_at;
+    int p, d;
+
+    __device__ __forceinline__ DecodeSlots(const T* k, const T* v, const T* shared_k, const T* shared_v,
+                                           const uint32_t* shared_rows, int b, int kv_head, const DecodeDims& a)
+        : k(k), v(v), shared_k(shared_k), shared_v(shared_v),
+          own_at((size_t)b * a.own_row + (size_t)kv_head * a.own_head),
+          shared_at(a.p ? (size_t)shared_rows[b] * a.shared_row + (size_t)kv_head * a.shared_head : 0), p(a.p), d(a.d) {}
+    __device__ __forceinline__ size_t at(int j) const {
+        return j < p ? shared_at + (size_t)j * d : own_at + (size_t)(j - p) * d;
+    }
+    __device__ __forceinline__ const T* key(int j) const { return (j < p ? shared_k : k) + at(j); }
+    __device__ __forceinline__ const T* value(int j) const { return (j < p ? shared_v : v) + at(j); }
+};
+
+// The 16 bytes of one load as the f32 values of the elements they hold.
+__device__ __forceinline__ void unpack(uint4 raw, float (&x)[4]) {
+    x[0] = __uint_as_float(raw.x), x[1] = __uint_as_float(raw.y);
+    x[2] = __uint_as_float(raw.z), x[3] = __uint_as_float(raw.w);
+}
+
+__device__ __forceinline__ void unpack(uint4 raw, float (&x)[8]) {  // bf16: the high half of an f32
+    const uint32_t words[4] = {raw.x, raw.y, raw.z, raw.w};
+    for (int i = 0; i < 4; i++) x[2 * i] = __uint_as_float(words[i] << 16), x[2 * i + 1] = __uint_as_float(words[i] & 0xffff0000u);
+}
+
+// The warps' partial softmaxes, combined in a fixed order into the row's output.
+template <typename T, int E>
+__device__ __forceinline__ void decode_combine(const float* part_max, const float* part_sum,
+                                               const float (*part_acc)[32 * E], int d, T* o) {
+    for (int f = threadIdx.x; f < d; f += blockDim.x) {
+        float top = -INFINITY;
+        for (int w = 0; w < DECODE_WARPS; w++) top = fmaxf(top, part_max[w]);
+        float total = 0.f, out = 0.f;
+        if (top != -INFINITY) {  // else no real key (cannot happen for a real token): output 0
+            for (int w = 0; w < DECODE_WARPS; w++) {
+                const float c = part_max[w] == -INFINITY ? 0.f : expf(part_max[w] - top);
+                total += part_sum[w] * c;
+                out += part_acc[w][f] * c;
+            }
+            out /= total;
+        }
+        o[f] = from_f32<T>(out);
+    }
+}
+
+template <typename T, int E>
+__device__ void decode_attention(const T* q, const T* k, const T* v, const T* shared_k, const T* shared_v,
+                                 const uint32_t* shared_rows, const float* mask, const uint32_t* slot_at, T* o,
+                                 DecodeDims a) {
+    __shared__ float part_max[DECODE_WARPS], part_sum[DECODE_WARPS];
+    __shared__ float part_acc[DECODE_WARPS][32 * E];
+    const int row = blockIdx.x, b = row / a.h, kv_head = row % a.h / (a.h / a.h_kv);
+    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+    const int s = a.p + (slot_at ? (int)*slot_at + 1 : a.s_own);
+    const DecodeSlots<T> slots(k, v, shared_k, shared_v, shared_rows, b, kv_head, a);
+    float qv[E], acc[E];
+    for (int e = 0; e < E; e++) qv[e] = to_f32(q[(size_t)row * a.d + lane * E + e]) * a.scale, acc[e] = 0.f;
+    const float* row_mask = mask + (size_t)b * a.mask_row;
+    float run_max = -INFINITY, run_sum = 0.f;
+    for (int j = warp; j < s; j += DECODE_WARPS) {
+        if (row_mask[j] == 0.f) continue;
+        const T* kj = slots.key(j) + lane * E;
+        const T* vj = slots.value(j) + lane * E;
+        float dot = 0.f;
+        for (int e = 0; e < E; e++) dot += qv[e] * to_f32(kj[e]);
+        const float score = warp_sum(dot);
+        const float new_max = fmaxf(run_max, score);
+        const float keep = expf(run_max - new_max), p = expf(score - new_max);
+        run_sum = run_sum * keep + p;
+        for (int e = 0; e < E; e++) acc[e] = acc[e] * keep + p * to_f32(vj[e]);
+        run_max = new_max;
+    }
+    if (lane == 0) part_max[warp] = run_max, part_sum[warp] = run_sum;
+    for (int e = 0; e < E; e++) part_acc[warp][lane * E + e] = acc[e];
+    __syncthreads();
+    decode_combine<T, E>(part_max, part_sum, part_acc, a.d, o + (size_t)row * a.d);
+}
+
+template <typename T, int E>
+__device__ void decode_attention_lanes(const T* q, const T* k, const T* v, const T* shared_k, const T* shared_v,
+                                       const uint32_t* shared_rows, const float* mask, const uint32_t* slot_at, T* o,
+                                       DecodeDims a) {
+    constexpr int VEC = 16 / sizeof(T);  // elements in one 16-byte load
+    __shared__ float q_row[32 * E];
+    __shared__ float part_max[DECODE_WARPS], part_sum[DECODE_WARPS];
+    __shared__ float part_acc[DECODE_WARPS][32 * E];
+    const int row = blockIdx.x, b = row / a.h, kv_head = row % a.h / (a.h / a.h_kv);
+    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+    const int s = a.p + (slot_at ? (int)*slot_at + 1 : a.s_own);
+    const DecodeSlots<T> slots(k, v, shared_k, shared_v, shared_rows, b, kv_head, a);
+    for (int f = threadIdx.x; f < a.d; f += blockDim.x) q_row[f] = to_f32(q[(size_t)row * a.d + f]) * a.scale;
+    __syncthreads();
+    const float* row_mask = mask + (size_t)b * a.mask_row;
+    float acc[E];
+    for (int e = 0; e < E; e++) acc[e] = 0.f;
+    float run_max = -INFINITY, run_sum = 0.f;
+    for (int first = warp * 32; first < s; first += DECODE_WARPS * 32) {
+        const int j = first + lane;
+        float score = -INFINITY;
+        if (j < s && row_mask[j] != 0.f) {
+            const uint4* kj = reinterpret_cast<const uint4*>(slots.key(j));
+            float dot = 0.f;
+            for (int c = 0; c < a.d / VEC; c++) {
+                float x[VEC];
+                unpack(kj[c], x);
+#pragma unroll
+                for (int e = 0; e < VEC; e++) dot += q_row[c * VEC + e] * x[e];
+            }
+            score = dot;
+        }
+        const float top = warp_max(score);
+        if (top == -INFINITY) continue;  // all 32 keys masked: the same for the whole warp
+        const float new_max = fmaxf(run_max, top);
+        const float keep = expf(run_max - new_max), p = expf(score - new_max);  // p = 0 where masked
+        run_sum = run_sum * keep + warp_sum(p);
+        for (int e = 0; e < E; e++) acc[e] *= keep;
+        const int n = min(32, s - first);
+#pragma unroll 8
+        for (int i = 0; i < n; i++) {
+            const float pi = __shfl_sync(0xffffffff, p, i);
+            const T* vj = slots.value(first + i);
+            for (int e = 0; e < E; e++) {
+                const int f = lane * E + e;
+                // A masked slot's value is never read into the sum, whatever it holds.
+                if (f < a.d) acc[e] += pi != 0.f ? pi * to_f32(vj[f]) : 0.f;
+            }
+        }
+        run_max = new_max;
+    }
+    if (lane == 0) part_max[warp] = run_max, part_sum[warp] = run_sum;
+    for (int e = 0; e < E; e++) part_acc[warp][lane * E + e] = acc[e];
+    __syncthreads();
+    decode_combine<T, E>(part_max, part_sum, part_acc, a.d, o + (size_t)row * a.d);
+}
