@@ -58,7 +58,7 @@ def prompt_lengths(models, size):
 
 def generation(out, peaks, models):
     print("Generation: 64 prompts x 4 samples x 128 new tokens, bf16, batch 256")
-    print(f"{'model':<6} {'side':<30} {'tokens/s':>9} {'ms/step':>8} {'floor ms':>9} {'x floor':>8}  runs")
+    print(f"{'model':<6} {'side':<38} {'tokens/s':>9} {'ms/step':>8} {'floor ms':>9} {'x floor':>8}  runs")
     for size in sorted({p.name.split("-")[1] for p in out.glob("gen-*-rloo_*.log")}):
         shape = load(Path(models) / size / "shape.json")
         lengths = prompt_lengths(models, size)
@@ -83,7 +83,7 @@ def generation(out, peaks, models):
             step_ms = median([s / NEW * 1e3 for _, s in done])
             rates[side] = rate
             ratio = step_ms / floor if step_ms and floor else None
-            print(f"{size:<6} {side:<30} {fmt(rate, '9.0f')} {fmt(step_ms, '8.2f')} {fmt(floor, '9.2f')} "
+            print(f"{size:<6} {side:<38} {fmt(rate, '9.0f')} {fmt(step_ms, '8.2f')} {fmt(floor, '9.2f')} "
                   f"{fmt(ratio, '8.1f')}  {len(done)}/{len(runs)}")
         for side in decoders:
             if rates[side] and rates["transformers"]:
@@ -113,7 +113,7 @@ def train_flops(shape, lengths, lora):
 def training(out, peaks, models):
     print()
     print("RLOO step: 64 prompts x k = 4, 128 new tokens, bf16, reward model, medians of the steady steps")
-    print(f"{'arm':<14} {'side':<18} {'compl/s':>8} {'gen s':>6} {'score s':>7} {'ref s':>6} {'train s':>7} "
+    print(f"{'arm':<14} {'side':<38} {'compl/s':>8} {'gen s':>6} {'score s':>7} {'ref s':>6} {'train s':>7} "
           f"{'peak GiB':>8} {'MFU':>6}  runs")
     named = [re.match(r"^train-(.*)-(rloo[\w+]*|trl)-\d+\.json$", p.name) for p in out.glob("train-*-*-*.json")]
     arms = sorted({m.group(1) for m in named if m})
@@ -133,7 +133,7 @@ def training(out, peaks, models):
             rate, peak, train = median([r["completions_per_s"] for r in done]), median([r.get("peak_gpu_gib") for r in done]), part("training")
             mfu = flops / (train * peaks["bf16_tflops"] * 1e12) if flops and train and peaks else None
             med[side] = (rate, peak)
-            print(f"{arm:<14} {side:<18} {fmt(rate, '8.1f')} {fmt(part('generation'), '6.2f')} {fmt(part('scoring'), '7.2f')} "
+            print(f"{arm:<14} {side:<38} {fmt(rate, '8.1f')} {fmt(part('generation'), '6.2f')} {fmt(part('scoring'), '7.2f')} "
                   f"{fmt(part('reference'), '6.2f')} {fmt(train, '7.2f')} {fmt(peak, '8.1f')} "
                   f"{fmt(mfu and 100 * mfu, '5.1f')}%  {len(done)}/{len(runs)}")
         for side in [s for s in med if s != "trl"]:

@@ -24,21 +24,24 @@
 #      SIZES       generation models: 410m 1b (default both)
 #      ARMS        training arms: 410m-full 1b-full 1b-lora qwen3-8b-lora
 #                  (default the first three; the 8B arm makes a 16 GB model)
-#      DECODERS    rloo's decoding variants, SAMPLER+ATTENTION[+APPEND[+STEP]]: how tokens
+#      DECODERS    rloo's decoding variants, SAMPLER+ATTENTION[+APPEND[+STEP[+BIAS]]]: how tokens
 #                  are picked (RLOO_SAMPLER: race, host), how a step attends over the cache
 #                  (RLOO_DECODE_ATTENTION: fused, a key per warp, lanes, a key per lane, or
 #                  composed), how it rotates and appends its keys (RLOO_DECODE_APPEND:
 #                  composed when left out, or fused) and how the batch's steps are launched
 #                  (RLOO_DECODE_STEP: shrink when left out, fixed, or graph: one CUDA graph
-#                  replayed per step); default
+#                  replayed per step) and how dense layers add their biases (RLOO_DENSE_BIAS:
+#                  pass when left out, or epilogue); default
 #                  race+fused+fused+graph race+fused+fused+fixed race+fused+fused host+composed
-#      ATTENTION   rloo's variants in the training runs, KERNELS[+HEADS[+STEP[+DECODE]]]:
+#      ATTENTION   rloo's variants in the training runs, KERNELS[+HEADS[+STEP[+DECODE[+BIAS]]]]:
 #                  the attention kernels for whole sequences (RLOO_ATTENTION: flash, tensor,
 #                  rows), how they get their heads from a fused projection
 #                  (RLOO_ATTENTION_HEADS: composed when left out, or fused), how the
 #                  rollouts' decoding steps are launched (RLOO_DECODE_STEP: shrink when left
 #                  out, fixed or graph) and attend (RLOO_DECODE_ATTENTION: fused when left
-#                  out, lanes, composed); default flash+fused+graph flash+fused tensor
+#                  out, lanes, composed), and how dense layers add their biases
+#                  (RLOO_DENSE_BIAS: pass when left out, or epilogue); default
+#                  flash+fused+graph flash+fused tensor
 #      PEER        on (default), or off: rloo's runs alone, without transformers' generate
 #                  and TRL (for a short call whose peer figures an earlier one on the card gave)
 #      RUNS        generation runs of each side (default 3)
@@ -110,9 +113,9 @@ if part generate; then
             for decoder in $DECODERS; do
                 # The same seed every run: the runs must give the same tokens.
                 run=$OUT/gen-$size-rloo_$decoder-$i
-                IFS=+ read -r sampler attention append step <<<"$decoder"
+                IFS=+ read -r sampler attention append step bias <<<"$decoder"
                 RLOO_SAMPLER=$sampler RLOO_DECODE_ATTENTION=$attention RLOO_DECODE_APPEND=${append:-composed} \
-                    RLOO_DECODE_STEP=${step:-shrink} \
+                    RLOO_DECODE_STEP=${step:-shrink} RLOO_DENSE_BIAS=${bias:-pass} \
                     "${rloo[@]}" generate --device "$DEVICE" --bf16 --model "$dir/policy" \
                     --prompts "$dir/prompts.jsonl" --output "$run.jsonl" --num-return-sequences $K \
                     --max-new-tokens $NEW --temperature 1.0 --batch-size $((PROMPTS * K)) --ignore-eos --seed 1 \
@@ -153,7 +156,7 @@ if part train; then
             fi
             for attention in $ATTENTION; do
                 log "train $arm run $i: rloo, $attention attention"
-                IFS=+ read -r kernels heads step decode <<<"$attention"
+                IFS=+ read -r kernels heads step decode bias <<<"$attention"
                 run=$OUT/train-$arm-rloo_$attention-$i
                 sed -e "s|@MODELS@|$dir|" -e "s|@DEVICE@|$DEVICE|" -e "s|@OUT@|$run|" -e "s|@MICRO@|$MICRO|" \
                     -e "s|@ACCUMULATION@|$((COMPLETIONS_PER_STEP / MICRO))|" \
@@ -161,7 +164,7 @@ if part train; then
                     bench/gpu/rloo.toml.in >"$run.toml"
                 printf '\n%s\n' "$lora" >>"$run.toml"
                 RLOO_ATTENTION=$kernels RLOO_ATTENTION_HEADS=${heads:-composed} RLOO_DECODE_STEP=${step:-shrink} \
-                    RLOO_DECODE_ATTENTION=${decode:-fused} \
+                    RLOO_DECODE_ATTENTION=${decode:-fused} RLOO_DENSE_BIAS=${bias:-pass} \
                     RLOO_OUT=$run \
                     "$PY" bench/train/measure.py rloo "$run.json" -- \
                     timeout "$LIMIT" "${rloo_cmd[@]}" train "$run.toml" >"$run.log" 2>&1 || tail -5 "$run.log"

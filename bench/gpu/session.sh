@@ -7,11 +7,13 @@
 #      fixtures against transformers (greedy tokens from shrinking batches
 #      and from steps recorded with the decoding kernel that takes their
 #      head size, a key per lane);
-#   2. generation at 410m: recorded steps attending a key per lane and a
-#      key per warp, beside shrinking batches;
+#   2. generation at 410m: recorded steps attending a key per warp, a key
+#      per lane, and a key per lane with the biases added in cuBLASLt's
+#      epilogues, beside shrinking batches;
 #   3. the RLOO step at 410m against TRL: the defaults (flash attention
 #      from the fused projection, recorded decoding steps), the same with
-#      a key per lane in decoding, and the WMMA kernels;
+#      a key per lane in decoding and the biases in the epilogues, and the
+#      WMMA kernels;
 #   4. the same three at 1B.
 # Logs stay in OUT; the benchmark's table (bench/gpu/report.py) prints last.
 #
@@ -36,11 +38,11 @@ part() {
 
 part check 60 env RLOO_DECODE_ATTENTION=lanes scripts/cuda/run.sh check --device cuda
 grep -sE "checks on|FAIL" "$OUT/check.log" >&2
-part generate-410m 90 env SIZES=410m RUNS=2 DECODERS="race+lanes+fused+graph race+fused+fused+graph race+fused+fused" \
+part generate-410m 90 env SIZES=410m RUNS=2 DECODERS="race+fused+fused+graph race+lanes+fused+graph race+lanes+fused+graph+epilogue race+fused+fused" \
     bench/gpu/run.sh peaks generate
 for size in 410m 1b; do
     part "train-$size" 150 env ARMS="$size-full" TRAIN_RUNS=1 STEPS=3 \
-        ATTENTION="flash+fused+graph flash+fused+graph+lanes tensor" \
+        ATTENTION="flash+fused+graph flash+fused+graph+lanes+epilogue tensor" \
         bench/gpu/run.sh train
 done
 "$PY" bench/gpu/report.py "$OUT" | tee "$OUT/table.txt"

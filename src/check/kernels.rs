@@ -127,13 +127,35 @@ pub fn check_kernels(device: &Device, dtypes: &[DType]) -> Vec<Check> {
             (randn(rng, &[3, 40, 96], 0.3, 1.0), randn(rng, &[80, 96], 0.0, 0.1), randn(rng, &[80], 0.0, 1.0));
         out.push(compare(
             "linear",
-            &[x.clone(), w, b],
+            &[x.clone(), w.clone(), b.clone()],
             &|t| kernels::linear(&t[0], &t[1], Some(&t[2])),
-            &|t| kernels::linear(&t[0], &t[1], Some(&t[2])),
+            &|t| kernels::linear_with(&t[0], &t[1], Some(&t[2]), false),
             device,
             dtype,
             rng,
         ));
+        // On a GPU in bf16, also the bias added in cuBLASLt's epilogue, with the
+        // weight as given and as the transposed view of an (in, out) tensor.
+        if device.is_cuda() && dtype == DType::BF16 {
+            let labels =
+                [("linear with the bias in the epilogue", false), ("linear with the bias in the epilogue, w^T", true)];
+            for (label, transposed) in labels {
+                // Transposed: the input is (in, out), and the op gets its transposed view.
+                let w = match transposed {
+                    true => w.t().and_then(|t| t.contiguous()).unwrap_or_else(|_| w.clone()),
+                    false => w.clone(),
+                };
+                out.push(compare(
+                    label,
+                    &[x.clone(), w, b.clone()],
+                    &|t| kernels::linear(&t[0], &maybe_t(&t[1], transposed)?, Some(&t[2])),
+                    &|t| kernels::linear_with(&t[0], &maybe_t(&t[1], transposed)?, Some(&t[2]), true),
+                    device,
+                    dtype,
+                    rng,
+                ));
+            }
+        }
         let (g, beta) = (randn(rng, &[96], 1.0, 0.2), randn(rng, &[96], 0.0, 0.2));
         out.push(compare(
             "layer_norm",
@@ -529,6 +551,15 @@ fn qkv_attention_check(
         DType::BF16,
         rng,
     ))
+}
+
+/// `w`, or its transposed view where the check's input is the weight transposed.
+fn maybe_t(w: &Tensor, transposed: bool) -> Result<Tensor> {
+    if transposed {
+        w.t()
+    } else {
+        Ok(w.clone())
+    }
 }
 
 /// One decoding step's attention over a cache whose rows continue shared

@@ -17,8 +17,28 @@ use crate::model::ops::{self, Activation};
 /// `b` (out,). `w` may also be the transposed view of an (in, out) tensor,
 /// which the product reads in place.
 pub fn linear(x: &Tensor, w: &Tensor, b: Option<&Tensor>) -> Result<Tensor> {
+    let on_gpu = b.is_some_and(|b| cuda_linear_runs(x, w, b));
+    linear_with(x, w, b, on_gpu && dense_bias_epilogue()?)
+}
+
+/// Picks how a dense layer with a bias adds it on a GPU: `pass` (the
+/// default: cuBLAS's product, then one pass over its output) or `epilogue`
+/// (in bf16, cuBLASLt's product adds it as it writes the output), to
+/// compare the two.
+pub const DENSE_BIAS_VAR: &str = "RLOO_DENSE_BIAS";
+
+/// Whether the epilogue is chosen; an unknown choice is an error.
+pub fn dense_bias_epilogue() -> Result<bool> {
+    let chosen = crate::model::device::variant(DENSE_BIAS_VAR, &["pass", "epilogue"]);
+    Ok(chosen.map_err(candle_core::Error::msg)? == "epilogue")
+}
+
+/// [`linear`] with the way a GPU adds the bias named: `epilogue`, in the
+/// product's epilogue (bf16 only), else a pass of its own.
+pub fn linear_with(x: &Tensor, w: &Tensor, b: Option<&Tensor>, epilogue: bool) -> Result<Tensor> {
     if let Some(b) = b.filter(|b| cuda_linear_runs(x, w, b)) {
-        return x.contiguous()?.apply_op3(&weight_layout(w)?, &b.contiguous()?, CudaLinear);
+        let epilogue = epilogue && x.dtype() == candle_core::DType::BF16;
+        return x.contiguous()?.apply_op3(&weight_layout(w)?, &b.contiguous()?, CudaLinear { epilogue });
     }
     if !(super::fused(x) && super::fused(w) && b.is_none_or(super::fused)) {
         return ops::linear(x, w, b);
@@ -60,8 +80,12 @@ fn cuda_linear_runs(x: &Tensor, w: &Tensor, b: &Tensor) -> bool {
 /// where the composition also kept the product before its bias (an
 /// activation of the output's size), and its backward writes d x, d w and
 /// d b without the composition's reshape and transpose nodes, each of which
-/// added its gradient into a zeroed buffer.
-struct CudaLinear;
+/// added its gradient into a zeroed buffer. `epilogue`: the product adds the
+/// bias itself (cuBLASLt, bf16).
+struct CudaLinear {
+    #[cfg_attr(not(feature = "cuda"), allow(dead_code))]
+    epilogue: bool,
+}
 
 impl CustomOp3 for CudaLinear {
     fn name(&self) -> &'static str {
@@ -84,6 +108,10 @@ impl CustomOp3 for CudaLinear {
         let (rows, k, n) = sizes(self.name(), x_l, w_l)?;
         // x is contiguous (the caller made it so): one (rows, k) matrix whatever its rank.
         let x_rows = Layout::contiguous_with_offset((rows, k), x_l.start_offset());
+        if self.epilogue {
+            let out = super::cuda::linear_bias_epilogue((x, &x_rows), (w, w_l), (b, b_l), (rows, k, n))?;
+            return Ok((out, out_shape(x_l, n)));
+        }
         let product = x.matmul(w, (1, rows, n, k), &x_rows, &w_l.transpose(0, 1)?)?;
         let out = super::cuda::bias_rows((&product, &Layout::contiguous((rows, n))), (b, b_l))?;
         Ok((out, out_shape(x_l, n)))

@@ -30,7 +30,7 @@ pub use decode_attention::{
     rotary_append_cuda,
 };
 pub use elementwise::activation;
-pub use linear::{activation_linear, linear};
+pub use linear::{activation_linear, dense_bias_epilogue, linear, linear_with, DENSE_BIAS_VAR};
 pub use lora::{lora_linear, lora_runs, LoraLayer, Mask};
 pub use norm::{layer_norm, rms_norm};
 pub use qkv_attention::{attention_heads_fused, qkv_attention, ATTENTION_HEADS_VAR};

@@ -24,25 +24,35 @@ struct HeadsDims {
 
 namespace heads {
 
-// Element i of the heads: where its head's row of D features starts in the
-// projection, its table row, its feature and its part.
+// Head row `row` of the heads (3 B H T rows of D features): where it starts
+// in the projection, its table row and its part. Worked out once a row, in
+// 32-bit arithmetic (3 B H T fits), not once an element in 64-bit, whose
+// divisions are long sequences of instructions on a GPU.
 struct At {
     size_t row, table;
-    int e, part;
+    int part;
 };
 
-__device__ __forceinline__ At locate(size_t i, const HeadsDims& a) {
-    const int e = (int)(i % a.d);
-    size_t rest = i / a.d;
-    const int ti = (int)(rest % a.t);
-    rest /= a.t;
-    const int hh = (int)(rest % a.h);
+__device__ __forceinline__ At locate(int row, const HeadsDims& a) {
+    const int ti = row % a.t;
+    int rest = row / a.t;
+    const int hh = rest % a.h;
     rest /= a.h;
-    const int bi = (int)(rest % a.batch), part = (int)(rest / a.batch);
+    const int bi = rest % a.batch, part = rest / a.batch;
     const size_t token = (size_t)bi * a.t + ti;
     // Selected, not indexed: an indexed parameter array goes to local memory.
     const int64_t offset = part == 0 ? a.offset[0] : part == 1 ? a.offset[1] : a.offset[2];
-    return {token * a.width + hh * a.head_stride + offset, token * a.r, e, part};
+    return {token * a.width + hh * a.head_stride + offset, token * a.r, part};
+}
+
+// The head rows this thread's warp takes (a warp a row, in turn), and its lane.
+struct WarpRows {
+    int first, step, lane;
+};
+
+__device__ __forceinline__ WarpRows warp_rows() {
+    const size_t thread = blockIdx.x * (size_t)blockDim.x + threadIdx.x;
+    return {(int)(thread / 32), (int)((size_t)gridDim.x * blockDim.x / 32), (int)(threadIdx.x % 32)};
 }
 
 // Feature e of the head row `x` rotated over its first r features (sign 1),
@@ -57,14 +67,18 @@ __device__ __forceinline__ float turn(const T* x, int e, int r, const float* cos
 
 }  // namespace heads
 
-// fused (B, T, W) -> heads (3, B, H, T, D), n = 3 B H T D.
+// fused (B, T, W) -> heads (3, B, H, T, D), n = 3 B H T D: a warp a head
+// row, a lane a feature (and the features 32 on).
 template <typename T>
 __device__ void heads_split(const T* fused, const float* cos, const float* sin, T* heads_out, HeadsDims a,
                             size_t n) {
-    for (size_t i = blockIdx.x * (size_t)blockDim.x + threadIdx.x; i < n; i += (size_t)gridDim.x * blockDim.x) {
-        const heads::At at = heads::locate(i, a);
+    const heads::WarpRows w = heads::warp_rows();
+    for (int row = w.first; row < (int)(n / a.d); row += w.step) {
+        const heads::At at = heads::locate(row, a);
         const int r = at.part < 2 ? a.r : 0;
-        heads_out[i] = from_f32<T>(heads::turn(fused + at.row, at.e, r, cos + at.table, sin + at.table, 1.f));
+        for (int e = w.lane; e < a.d; e += 32)
+            heads_out[(size_t)row * a.d + e] =
+                from_f32<T>(heads::turn(fused + at.row, e, r, cos + at.table, sin + at.table, 1.f));
     }
 }
 
@@ -74,11 +88,13 @@ __device__ void heads_split(const T* fused, const float* cos, const float* sin, 
 template <typename T>
 __device__ void heads_merge(const T* dq, const T* dkv, const float* cos, const float* sin, T* fused, HeadsDims a,
                             size_t n) {
-    const size_t part_len = n / 3;
-    for (size_t i = blockIdx.x * (size_t)blockDim.x + threadIdx.x; i < n; i += (size_t)gridDim.x * blockDim.x) {
-        const heads::At at = heads::locate(i, a);
-        const T* g = (at.part == 0 ? dq + i : dkv + (i - part_len)) - at.e;
+    const int rows = (int)(n / a.d), part_rows = rows / 3;
+    const heads::WarpRows w = heads::warp_rows();
+    for (int row = w.first; row < rows; row += w.step) {
+        const heads::At at = heads::locate(row, a);
+        const T* g = at.part == 0 ? dq + (size_t)row * a.d : dkv + (size_t)(row - part_rows) * a.d;
         const int r = at.part < 2 ? a.r : 0;
-        fused[at.row + at.e] = from_f32<T>(heads::turn(g, at.e, r, cos + at.table, sin + at.table, -1.f));
+        for (int e = w.lane; e < a.d; e += 32)
+            fused[at.row + e] = from_f32<T>(heads::turn(g, e, r, cos + at.table, sin + at.table, -1.f));
     }
 }

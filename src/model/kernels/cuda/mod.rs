@@ -534,8 +534,10 @@ fn heads(kernel: &str, inputs: &[In], tables: Option<(In, In)>, a: HeadsDims) ->
             None => args.arg(&views[0]).arg(&views[0]),
         };
         args.arg(&mut out).arg(&a).arg(&n);
+        // A warp per head row of d features.
+        let warps = n / a.d as usize;
         // Safety: the argument list matches the kernel's signature.
-        unsafe { args.launch(elementwise(n)) }.w()?;
+        unsafe { args.launch(elementwise(32 * warps)) }.w()?;
         Ok(CudaStorage::wrap_cuda_slice(out, dev))
     }
     let dtype = inputs[0].0.dtype();
@@ -911,6 +913,67 @@ pub fn attention_bwd(x: &AttnInputs, a: AttnDims, keys: bool, kernels: Attention
         Ok(CudaStorage::wrap_cuda_slice(out, dev))
     }
     by_dtype!(x.q.0.dtype(), run(x, a, keys, kernels))
+}
+
+/// `x @ w^T + b` in bf16 for x (rows, k) contiguous, w (n, k) row-major or
+/// the transposed view of a row-major (k, n), and b (n,): one cuBLASLt
+/// product that adds the bias in its epilogue, where cuBLAS's product and
+/// [`bias_rows`] are two launches and a round trip of the output through
+/// memory.
+pub fn linear_bias_epilogue(x: In, w: In, b: In, (rows, k, n): (usize, usize, usize)) -> Result<CudaStorage> {
+    use candle_core::cuda_backend::cudarc::cublaslt::{Matmul, MatmulConfig};
+    let dev = x.0.device.clone();
+    // cuBLASLt's matrices are column-major: the output (rows, n) row-major is
+    // (n, rows) with rows n apart, = w (n, k) times x^T (k, rows).
+    let (transa, lda) = match w.1.stride() {
+        [s, 1] if *s == k => (true, k as i64),
+        [1, s] if *s == n => (false, n as i64),
+        other => candle_core::bail!("linear: a weight with strides {other:?}"),
+    };
+    let (xs, ws, bs) = (view::<bf16>(x.0, x.1)?, from_first::<bf16>(w)?, view::<bf16>(b.0, b.1)?);
+    // Safety: the product writes every element.
+    let mut out = unsafe { dev.alloc::<bf16>(rows * n) }?;
+    let cfg = MatmulConfig {
+        transa,
+        transb: false,
+        transc: false,
+        m: n as u64,
+        n: rows as u64,
+        k: k as u64,
+        alpha: 1.0,
+        lda,
+        ldb: k as i64,
+        beta: 0.0,
+        ldc: n as i64,
+        stride_a: None,
+        stride_b: None,
+        stride_c: None,
+        stride_bias: None,
+        batch_size: None,
+    };
+    let blas = blas_lt(&dev)?;
+    // Safety: the sizes and leading dimensions above describe the buffers.
+    unsafe { blas.matmul(cfg, &ws, &xs, &mut out, Some(&bs), None) }
+        .map_err(|e| candle_core::Error::msg(format!("cuBLASLt product: {e:?}")))?;
+    Ok(CudaStorage::wrap_cuda_slice(out, dev))
+}
+
+/// One cuBLASLt handle (and its workspace) per device, made on first use.
+fn blas_lt(
+    dev: &candle_core::CudaDevice,
+) -> Result<std::sync::Arc<candle_core::cuda_backend::cudarc::cublaslt::CudaBlasLT>> {
+    use candle_core::cuda_backend::cudarc::cublaslt::CudaBlasLT;
+    use candle_core::cuda_backend::DeviceId;
+    use std::sync::{Arc, Mutex};
+    static HANDLES: Mutex<Vec<(DeviceId, Arc<CudaBlasLT>)>> = Mutex::new(Vec::new());
+    let mut handles = HANDLES.lock().unwrap_or_else(|e| e.into_inner());
+    if let Some((_, blas)) = handles.iter().find(|(id, _)| *id == dev.id()) {
+        return Ok(blas.clone());
+    }
+    let blas =
+        Arc::new(CudaBlasLT::new(dev.cuda_stream()).map_err(|e| candle_core::Error::msg(format!("cuBLASLt: {e:?}")))?);
+    handles.push((dev.id(), blas.clone()));
+    Ok(blas)
 }
 
 /// The sizes and strides of [`decode_attention`], as `DecodeDims` in
