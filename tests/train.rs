@@ -131,6 +131,8 @@ fn a_rule_reward_rises_within_a_short_run() {
         "time/training_backward",
         "time/training_forward_queued",
         "time/training_backward_queued",
+        "time/advantages",
+        "time/metrics",
     ] {
         assert!(rows[0].contains_key(key), "metric {key} missing");
     }

@@ -156,6 +156,11 @@ def training(out, peaks, models):
             if peaks:
                 print(" " * 31 + "most GPU memory held (GiB): "
                       + ", ".join(f"{k} {v:.1f}" for k, v in sorted(peaks.items())))
+            phases = ("generation", "scoring_and_reference", "advantages", "training", "metrics")
+            if all(k in b for k in phases + ("step",)):
+                rest = b["step"] - sum(b[k] for k in phases)
+                print(" " * 31 + f"the step's other parts (s): advantages {b['advantages']:.2f}, "
+                      f"metrics {b['metrics']:.2f}, the rest {rest:.2f}")
             held = [b.get(f"held_{k}_gib") for k in ("before_training", "after_forward")]
             if None not in held:
                 print(" " * 31 + f"training held {held[0]:.1f} GiB as it began, "

@@ -23,7 +23,7 @@ def rloo_steps(out_dir):
     rows = [json.loads(l) for l in open(os.path.join(out_dir, "metrics.jsonl")) if l.strip()]
     keys = ["generation", "scoring", "reference", "scoring_and_reference", "training",
             "training_forward", "training_backward", "training_update",
-            "training_forward_queued", "training_backward_queued"]
+            "training_forward_queued", "training_backward_queued", "advantages", "metrics", "step"]
     breakdown = {k: sum(r.get(f"time/{k}", 0.0) for r in rows[1:]) / max(len(rows) - 1, 1) for k in keys}
     # The most memory each phase held at once, and what the training phase
     # held as it began and after a micro-batch's forward, over the steps.

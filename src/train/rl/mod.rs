@@ -333,26 +333,30 @@ impl Run {
         phases.record("scoring_and_reference", both);
         let shaped = self.shaping.apply(&scores.total, &ended);
 
-        // 4. KL, and the algorithm's advantages.
+        // 4. KL, and the algorithm's advantages (the first read of the
+        // forward passes' results: on a GPU, it waits for what they queued).
         let beta = cfg.rloo.kl_coef;
         let (old, reference) = (&forward.old, forward.reference.as_ref());
-        let kl = match reference {
-            Some(lp_ref) => Some(algo::kl_per_token(&old.logprobs, lp_ref, cfg.rloo.kl_estimator)?),
-            None => None,
-        };
-        let seq_kl: Vec<f32> = match &kl {
-            Some(kl) => algo::sequence_kl(kl, &old.mask)?.to_vec1()?,
-            None => vec![0.0; seqs.len()],
-        };
-        let batch = Batch {
-            k: self.sizes.k,
-            scores: &shaped,
-            token_kl: kl.as_ref(),
-            seq_kl: &seq_kl,
-            mask: &old.mask,
-            values: forward.values.as_ref(),
-        };
-        let targets = self.algorithm.targets(&batch, metrics)?;
+        let (seq_kl, targets) = phases.time("advantages", || -> Result<_> {
+            let kl = match reference {
+                Some(lp_ref) => Some(algo::kl_per_token(&old.logprobs, lp_ref, cfg.rloo.kl_estimator)?),
+                None => None,
+            };
+            let seq_kl: Vec<f32> = match &kl {
+                Some(kl) => algo::sequence_kl(kl, &old.mask)?.to_vec1()?,
+                None => vec![0.0; seqs.len()],
+            };
+            let batch = Batch {
+                k: self.sizes.k,
+                scores: &shaped,
+                token_kl: kl.as_ref(),
+                seq_kl: &seq_kl,
+                mask: &old.mask,
+                values: forward.values.as_ref(),
+            };
+            let targets = self.algorithm.targets(&batch, metrics)?;
+            Ok((seq_kl, targets))
+        })?;
 
         // 5. Optimise: epochs x shuffled mini-batches, accumulated over micro-batches.
         let train_stats = phases.time("training", || -> Result<TrainStats> {
@@ -374,13 +378,16 @@ impl Run {
         phases.record("training_backward_queued", parts.backward_queued);
 
         // 6. Metrics.
-        report::rollout_metrics(metrics, rollout, &shaped, &seq_kl, beta, old, &ended)?;
-        for (name, value) in scores.metrics() {
-            metrics.set(name, value as f64);
-        }
-        metrics.set("rloo/unscorable", shaped.iter().filter(|s| s.is_none()).count() as f64);
-        train_stats.record(metrics);
-        self.algorithm.record(&train_stats.extra, metrics);
+        phases.time("metrics", || -> Result<()> {
+            report::rollout_metrics(metrics, rollout, &shaped, &seq_kl, beta, old, &ended)?;
+            for (name, value) in scores.metrics() {
+                metrics.set(name, value as f64);
+            }
+            metrics.set("rloo/unscorable", shaped.iter().filter(|s| s.is_none()).count() as f64);
+            train_stats.record(metrics);
+            self.algorithm.record(&train_stats.extra, metrics);
+            Ok(())
+        })?;
         Ok((whole.unwrap_or(local), shaped))
     }
 
