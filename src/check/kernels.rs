@@ -142,7 +142,7 @@ pub fn check_kernels(device: &Device, dtypes: &[DType]) -> Vec<Check> {
             for (label, transposed) in labels {
                 // Transposed: the input is (in, out), and the op gets its transposed view.
                 let w = match transposed {
-                    true => w.t().and_then(|t| t.contiguous()).unwrap_or_else(|_| w.clone()),
+                    true => w.t().and_then(|t| t.contiguous()).expect("a 2-d weight transposes"),
                     false => w.clone(),
                 };
                 out.push(compare(
@@ -613,7 +613,7 @@ fn decode_attention_check(device: &Device, dtype: DType, d: usize, lanes: bool, 
             return kernels::decode_attention(&q, &kv, &mask, 0.125);
         }
         let key_mask = Tensor::from_slice(&mask, (b, width), device)?;
-        if let Some(out) = kernels::decode_attention_cuda_kernel(&q, &kv, &key_mask, 0.125, lanes)? {
+        if let Some(out) = kernels::decode_attention_cuda(&q, &kv, &key_mask, 0.125, lanes)? {
             return out.to_dtype(DType::F32)?.to_device(&Device::Cpu);
         }
         if lanes {

@@ -40,11 +40,11 @@ pub struct Context {
     /// Rotary tables on the host, for the rotary kernel (with a cache, on
     /// the CPU).
     rotary_host: Option<kernels::RotaryTables>,
-    /// For a decoding step (a cache, one new token per row): whether it
-    /// attends with the fused kernels, and whether a GPU rotates and
+    /// For a decoding step (a cache, one new token per row): how it
+    /// attends (`Composed` otherwise), and whether a GPU rotates and
     /// appends its heads in one launch (`RLOO_DECODE_ATTENTION`,
     /// `RLOO_DECODE_APPEND`, read once per pass).
-    fused_decode_attention: bool,
+    decode_attention: kernels::DecodeAttention,
     fused_append: bool,
     /// For whole sequences on a GPU: whether attention takes its heads
     /// straight from a fused projection (`RLOO_ATTENTION_HEADS`).
@@ -79,7 +79,10 @@ impl Context {
             _ => None,
         };
         let decoding = cache.is_some() && inputs.seq_len() == 1;
-        let fused_decode_attention = decoding && kernels::decode_attention_fused()?;
+        let decode_attention = match decoding {
+            true => kernels::decode_attention_choice()?,
+            false => kernels::DecodeAttention::Composed,
+        };
         let fused_append = decoding && kernels::decode_append_fused()?;
         let fused_heads = cache.is_none() && kernels::attention_heads_fused()?;
         Ok(Self {
@@ -91,7 +94,7 @@ impl Context {
             decode_mask,
             whole,
             rotary_host,
-            fused_decode_attention,
+            decode_attention,
             fused_append,
             fused_heads,
         })
@@ -166,10 +169,11 @@ pub fn self_attention(
                     (q, cache.append(layer, &k, &v)?)
                 }
             };
-            if ctx.fused_decode_attention {
+            if ctx.decode_attention != kernels::DecodeAttention::Composed {
+                let lanes = ctx.decode_attention == kernels::DecodeAttention::Lanes;
                 let out = match &ctx.decode_mask {
                     Some(mask) if kernels::fused(&q) => Some(decode_attention(&q, &kv, mask, scale)?),
-                    _ => kernels::decode_attention_cuda(&q, &kv, &ctx.key_mask, scale)?,
+                    _ => kernels::decode_attention_cuda(&q, &kv, &ctx.key_mask, scale, lanes)?,
                 };
                 if let Some(out) = out {
                     return out.transpose(1, 2)?.reshape((b, t, n_heads * d));

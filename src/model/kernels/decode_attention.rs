@@ -19,13 +19,23 @@ use crate::model::device::variant;
 /// forward pass uses), to compare them.
 pub const DECODE_ATTENTION_VAR: &str = "RLOO_DECODE_ATTENTION";
 
-fn decode_attention_choice() -> Result<&'static str> {
-    variant(DECODE_ATTENTION_VAR, &["fused", "lanes", "composed"]).map_err(candle_core::Error::msg)
+/// The ways [`DECODE_ATTENTION_VAR`] names.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum DecodeAttention {
+    /// The kernels, a warp per key on a GPU.
+    Fused,
+    /// The kernels, a lane per key on a GPU.
+    Lanes,
+    Composed,
 }
 
-/// Whether the kernels are chosen; an unknown choice is an error.
-pub fn decode_attention_fused() -> Result<bool> {
-    Ok(decode_attention_choice()? != "composed")
+/// The way chosen; an unknown choice is an error.
+pub fn decode_attention_choice() -> Result<DecodeAttention> {
+    match variant(DECODE_ATTENTION_VAR, &["fused", "lanes", "composed"]).map_err(candle_core::Error::msg)? {
+        "lanes" => Ok(DecodeAttention::Lanes),
+        "composed" => Ok(DecodeAttention::Composed),
+        _ => Ok(DecodeAttention::Fused),
+    }
 }
 
 /// Picks how a decoding step on a GPU rotates its new queries and keys and
@@ -69,17 +79,12 @@ pub fn rotary_append_cuda<'c>(
 /// 2, 4 or 8 features.
 const CUDA_HEAD_SIZES: [usize; 4] = [32, 64, 128, 256];
 
-/// [`decode_attention`] on a GPU, with the key mask (B, S) on the device;
-/// `None` where the CUDA kernel does not run (another device or dtype,
-/// another head size, or with a lane per key a cache not laid out in whole
-/// 16-byte loads), and the caller composes the attention.
-pub fn decode_attention_cuda(q: &Tensor, kv: &LayerKv, key_mask: &Tensor, scale: f64) -> Result<Option<Tensor>> {
-    decode_attention_cuda_kernel(q, kv, key_mask, scale, decode_attention_choice()? == "lanes")
-}
-
-/// [`decode_attention_cuda`] with the kernel named: `lanes`, a lane per
-/// key, else a warp per key.
-pub fn decode_attention_cuda_kernel(
+/// [`decode_attention`] on a GPU, with the key mask (B, S) on the device,
+/// by the kernel with a lane per key (`lanes`) or a warp per key; `None`
+/// where the CUDA kernel does not run (another device or dtype, another
+/// head size, or with a lane per key a cache not laid out in whole 16-byte
+/// loads), and the caller composes the attention.
+pub fn decode_attention_cuda(
     q: &Tensor,
     kv: &LayerKv,
     key_mask: &Tensor,

@@ -26,8 +26,8 @@ mod token_logprobs;
 pub use adamw::{adamw, adamw_many, AdamWParam, AdamWStep, ADAMW_VAR};
 pub use attention::{attention, attention_packed, AttentionInputs, Packing};
 pub use decode_attention::{
-    decode_append_fused, decode_attention, decode_attention_cuda, decode_attention_cuda_kernel, decode_attention_fused,
-    rotary_append_cuda,
+    decode_append_fused, decode_attention, decode_attention_choice, decode_attention_cuda, rotary_append_cuda,
+    DecodeAttention,
 };
 pub use elementwise::activation;
 pub use linear::{activation_linear, dense_bias_epilogue, linear, linear_with, DENSE_BIAS_VAR};
@@ -43,35 +43,14 @@ use candle_core::{CpuStorage, DType, Layout, Result, Tensor};
 
 /// The `cpu_fwd` of an op of 1, 2 or 3 inputs that runs on CUDA only.
 macro_rules! cuda_only_cpu_fwd {
-    (1) => {
+    (1) => { super::cuda_only_cpu_fwd!(_a); };
+    (2) => { super::cuda_only_cpu_fwd!(_a _b); };
+    (3) => { super::cuda_only_cpu_fwd!(_a _b _c); };
+    // One storage and its layout per input.
+    ($($input:ident)+) => {
         fn cpu_fwd(
             &self,
-            _: &candle_core::CpuStorage,
-            _: &candle_core::Layout,
-        ) -> candle_core::Result<(candle_core::CpuStorage, candle_core::Shape)> {
-            candle_core::bail!("{} runs on CUDA only", self.name())
-        }
-    };
-    (2) => {
-        fn cpu_fwd(
-            &self,
-            _: &candle_core::CpuStorage,
-            _: &candle_core::Layout,
-            _: &candle_core::CpuStorage,
-            _: &candle_core::Layout,
-        ) -> candle_core::Result<(candle_core::CpuStorage, candle_core::Shape)> {
-            candle_core::bail!("{} runs on CUDA only", self.name())
-        }
-    };
-    (3) => {
-        fn cpu_fwd(
-            &self,
-            _: &candle_core::CpuStorage,
-            _: &candle_core::Layout,
-            _: &candle_core::CpuStorage,
-            _: &candle_core::Layout,
-            _: &candle_core::CpuStorage,
-            _: &candle_core::Layout,
+            $($input: &candle_core::CpuStorage, _: &candle_core::Layout,)+
         ) -> candle_core::Result<(candle_core::CpuStorage, candle_core::Shape)> {
             candle_core::bail!("{} runs on CUDA only", self.name())
         }

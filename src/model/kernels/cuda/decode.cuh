@@ -37,18 +37,25 @@ __device__ __forceinline__ float warp_max(float v) {
     return v;
 }
 
-// Where slot j of one (row, key/value head) lies: the shared slots first, then the row's own.
+// The slots the block's (row, query head) attends over: `count` of them,
+// the shared ones first, then the row's own, with the row's key mask.
 template <typename T>
 struct DecodeSlots {
     const T *k, *v, *shared_k, *shared_v;
+    const float* mask;
     size_t own_at, shared_at;
-    int p, d;
+    int p, d, count;
 
     __device__ __forceinline__ DecodeSlots(const T* k, const T* v, const T* shared_k, const T* shared_v,
-                                           const uint32_t* shared_rows, int b, int kv_head, const DecodeDims& a)
-        : k(k), v(v), shared_k(shared_k), shared_v(shared_v),
-          own_at((size_t)b * a.own_row + (size_t)kv_head * a.own_head),
-          shared_at(a.p ? (size_t)shared_rows[b] * a.shared_row + (size_t)kv_head * a.shared_head : 0), p(a.p), d(a.d) {}
+                                           const uint32_t* shared_rows, const float* mask,
+                                           const uint32_t* slot_at, const DecodeDims& a) {
+        const int b = blockIdx.x / a.h, kv_head = blockIdx.x % a.h / (a.h / a.h_kv);
+        this->k = k, this->v = v, this->shared_k = shared_k, this->shared_v = shared_v;
+        this->mask = mask + (size_t)b * a.mask_row;
+        own_at = (size_t)b * a.own_row + (size_t)kv_head * a.own_head;
+        shared_at = a.p ? (size_t)shared_rows[b] * a.shared_row + (size_t)kv_head * a.shared_head : 0;
+        p = a.p, d = a.d, count = a.p + (slot_at ? (int)*slot_at + 1 : a.s_own);
+    }
     __device__ __forceinline__ size_t at(int j) const {
         return j < p ? shared_at + (size_t)j * d : own_at + (size_t)(j - p) * d;
     }
@@ -93,16 +100,13 @@ __device__ void decode_attention(const T* q, const T* k, const T* v, const T* sh
                                  DecodeDims a) {
     __shared__ float part_max[DECODE_WARPS], part_sum[DECODE_WARPS];
     __shared__ float part_acc[DECODE_WARPS][32 * E];
-    const int row = blockIdx.x, b = row / a.h, kv_head = row % a.h / (a.h / a.h_kv);
-    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
-    const int s = a.p + (slot_at ? (int)*slot_at + 1 : a.s_own);
-    const DecodeSlots<T> slots(k, v, shared_k, shared_v, shared_rows, b, kv_head, a);
+    const int row = blockIdx.x, lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+    const DecodeSlots<T> slots(k, v, shared_k, shared_v, shared_rows, mask, slot_at, a);
     float qv[E], acc[E];
     for (int e = 0; e < E; e++) qv[e] = to_f32(q[(size_t)row * a.d + lane * E + e]) * a.scale, acc[e] = 0.f;
-    const float* row_mask = mask + (size_t)b * a.mask_row;
     float run_max = -INFINITY, run_sum = 0.f;
-    for (int j = warp; j < s; j += DECODE_WARPS) {
-        if (row_mask[j] == 0.f) continue;
+    for (int j = warp; j < slots.count; j += DECODE_WARPS) {
+        if (slots.mask[j] == 0.f) continue;
         const T* kj = slots.key(j) + lane * E;
         const T* vj = slots.value(j) + lane * E;
         float dot = 0.f;
@@ -128,20 +132,18 @@ __device__ void decode_attention_lanes(const T* q, const T* k, const T* v, const
     __shared__ float q_row[32 * E];
     __shared__ float part_max[DECODE_WARPS], part_sum[DECODE_WARPS];
     __shared__ float part_acc[DECODE_WARPS][32 * E];
-    const int row = blockIdx.x, b = row / a.h, kv_head = row % a.h / (a.h / a.h_kv);
-    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
-    const int s = a.p + (slot_at ? (int)*slot_at + 1 : a.s_own);
-    const DecodeSlots<T> slots(k, v, shared_k, shared_v, shared_rows, b, kv_head, a);
+    const int row = blockIdx.x, lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+    const DecodeSlots<T> slots(k, v, shared_k, shared_v, shared_rows, mask, slot_at, a);
+    const int s = slots.count;
     for (int f = threadIdx.x; f < a.d; f += blockDim.x) q_row[f] = to_f32(q[(size_t)row * a.d + f]) * a.scale;
     __syncthreads();
-    const float* row_mask = mask + (size_t)b * a.mask_row;
     float acc[E];
     for (int e = 0; e < E; e++) acc[e] = 0.f;
     float run_max = -INFINITY, run_sum = 0.f;
     for (int first = warp * 32; first < s; first += DECODE_WARPS * 32) {
         const int j = first + lane;
         float score = -INFINITY;
-        if (j < s && row_mask[j] != 0.f) {
+        if (j < s && slots.mask[j] != 0.f) {
             const uint4* kj = reinterpret_cast<const uint4*>(slots.key(j));
             float dot = 0.f;
             for (int c = 0; c < a.d / VEC; c++) {
