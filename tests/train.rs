@@ -142,6 +142,11 @@ fn a_rule_reward_rises_within_a_short_run() {
             (seconds(format!("time/training_{part}_queued")), seconds(format!("time/training_{part}")));
         assert!(queued <= whole, "{part}: queued {queued} of {whole} s");
     }
+    // The first micro-batch's forward kept its activations, at most what the forwards held.
+    let gib = |key: &str| rows[0][key].as_f64().unwrap_or_else(|| panic!("metric {key} missing"));
+    let kept = gib("memory/activations_gib");
+    assert!(kept > 0.0, "the forward kept {kept} GiB");
+    assert!(gib("memory/held_before_training_gib") + kept <= gib("memory/held_after_forward_gib") + 1e-9);
 }
 
 /// PPO learns the same reward with one completion per prompt, logs TRL's

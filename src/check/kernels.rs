@@ -10,7 +10,7 @@ use crate::generate::sampling::Pick;
 use crate::generate::Sampling;
 use crate::model::batch::{attention_bias, Inputs, PadSide, SharedPrefix};
 use crate::model::cache::{KvCache, LayerKv, SharedKv};
-use crate::model::kernels::{self, AdamWParam, AdamWStep, AttentionInputs, RotaryTables};
+use crate::model::kernels::{self, AdamWParam, AdamWStep, AttentionInputs, LoraLayer, Mask, RotaryTables};
 use crate::model::ops::Activation;
 use crate::rng::Rng;
 
@@ -18,9 +18,12 @@ use crate::rng::Rng;
 /// compositions of candle ops, and the table says so.
 const CUDA_KERNELS: &[&str] = &[
     "linear",
+    "activation_linear",
+    "lora",
     "layer_norm",
     "rms_norm",
     "activation",
+    "sum3",
     "rotary",
     "attention",
     "qkv_attention",
@@ -156,6 +159,36 @@ pub fn check_kernels(device: &Device, dtypes: &[DType]) -> Vec<Check> {
                 ));
             }
         }
+        // An MLP's second layer on its activated input, which the backward makes again.
+        for act in [Activation::Gelu, Activation::GeluTanh, Activation::Silu, Activation::Relu] {
+            out.push(compare(
+                &format!("activation_linear {act:?}"),
+                &[x.clone(), w.clone(), b.clone()],
+                &|t| kernels::linear(&kernels::activation(&t[0], act)?, &t[1], Some(&t[2])),
+                &|t| kernels::activation_linear(&t[0], act, &t[1], Some(&t[2])),
+                device,
+                dtype,
+                rng,
+            ));
+        }
+        // A LoRA adapter over a frozen base (its weight and bias no inputs),
+        // with its input dropped out by one mask on both sides; also on an
+        // activated input.
+        let (a, lora_b, mask) =
+            (randn(rng, &[8, 96], 0.0, 0.2), randn(rng, &[80, 8], 0.0, 0.2), Mask::new([3, 5], 0.1));
+        for act in [None, Some(Activation::Gelu)] {
+            let lora = |t: &[Tensor]| {
+                let frozen = |x: &Tensor| x.to_device(t[0].device())?.to_dtype(t[0].dtype());
+                let (w, b) = (frozen(&w)?, frozen(&b)?);
+                let layer = LoraLayer { weight: &w, bias: Some(&b), a: &t[1], b: &t[2], scale: 2.0 };
+                kernels::lora_forward(&t[0], act, &layer, Some(mask))
+            };
+            let name = match act {
+                Some(act) => format!("lora on {act:?}, with dropout"),
+                None => "lora with dropout".into(),
+            };
+            out.push(compare(&name, &[x.clone(), a.clone(), lora_b.clone()], &lora, &lora, device, dtype, rng));
+        }
         let (g, beta) = (randn(rng, &[96], 1.0, 0.2), randn(rng, &[96], 0.0, 0.2));
         out.push(compare(
             "layer_norm",
@@ -186,6 +219,16 @@ pub fn check_kernels(device: &Device, dtypes: &[DType]) -> Vec<Check> {
                 rng,
             ));
         }
+        let (a, m) = (randn(rng, x.dims(), 0.0, 1.0), randn(rng, x.dims(), 0.0, 1.0));
+        out.push(compare(
+            "sum3",
+            &[x.clone(), a, m],
+            &|t| (&t[0] + &t[1])? + &t[2],
+            &|t| kernels::sum3(&t[0], &t[1], &t[2]),
+            device,
+            dtype,
+            rng,
+        ));
         match attention_checks(device, dtype, rng) {
             Ok(checks) => out.extend(checks),
             Err(e) => out.push(Check::failed("kernel", "attention", dtype, e)),

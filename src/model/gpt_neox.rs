@@ -227,7 +227,7 @@ impl super::Decoder for Decoder {
         let attn = self.attention(blk, &blk.input_layernorm.forward(x)?, ctx, cache, layer)?;
         if self.cfg.use_parallel_residual {
             let mlp = self.mlp(blk, &blk.post_attention_layernorm.forward(x)?)?;
-            (x + attn)? + mlp
+            kernels::sum3(x, &attn, &mlp)
         } else {
             let x = (x + attn)?;
             let mlp = self.mlp(blk, &blk.post_attention_layernorm.forward(&x)?)?;

@@ -141,11 +141,10 @@ impl Dropout {
         std::mem::replace(&mut *self.rng.lock().unwrap_or_else(PoisonError::into_inner), state)
     }
 
-    /// The next mask for `len` elements.
-    fn mask(&self, len: usize) -> Mask {
-        let keep = 1.0 - self.p;
-        let mut rng = self.rng.lock().unwrap_or_else(PoisonError::into_inner);
-        Mask { keep: (0..len).map(|_| rng.uniform() < keep).collect(), scale: (1.0 / keep) as f32 }
+    /// The next mask: its key is the stream's next word.
+    fn mask(&self) -> Mask {
+        let word = self.rng.lock().unwrap_or_else(PoisonError::into_inner).next_u64();
+        Mask::new([word as u32, (word >> 32) as u32], self.p)
     }
 }
 
@@ -229,21 +228,9 @@ impl Adapter {
         weight: &Tensor,
         bias: Option<&Tensor>,
     ) -> TResult<Tensor> {
-        let mask = self.dropout.as_ref().map(|d| d.mask(x.elem_count()));
+        let mask = self.dropout.as_ref().map(Dropout::mask);
         let layer = LoraLayer { weight, bias, a: &self.a, b: &self.b, scale: self.scale };
-        if kernels::lora_runs(x, &layer) {
-            return kernels::lora_linear(x, act, &layer, mask);
-        }
-        let h = match act {
-            Some(act) => kernels::activation(x, act)?,
-            None => x.clone(),
-        };
-        let dropped = match &mask {
-            Some(mask) => (&h * mask.to_tensor(&h)?)?,
-            None => h.clone(),
-        };
-        let delta = (kernels::linear(&kernels::linear(&dropped, &self.a, None)?, &self.b, None)? * self.scale)?;
-        kernels::linear(&h, weight, bias)? + delta
+        kernels::lora_forward(x, act, &layer, mask)
     }
 }
 
@@ -354,7 +341,7 @@ mod tests {
     fn dropout_zeroes_a_share_p_and_scales_the_rest_reproducibly() {
         let x = Tensor::ones(10_000, candle_core::DType::F32, &Device::Cpu).unwrap();
         let draw = || {
-            let mask = Dropout::new(0.25, 7).mask(x.elem_count());
+            let mask = Dropout::new(0.25, 7).mask();
             (&x * mask.to_tensor(&x).unwrap()).unwrap().to_vec1::<f32>().unwrap()
         };
         let y = draw();
@@ -362,6 +349,21 @@ mod tests {
         assert!((zeros - 0.25).abs() < 0.02, "{zeros}");
         assert!(y.iter().all(|&v| v == 0.0 || (v - 1.0 / 0.75).abs() < 1e-6));
         assert_eq!(y, draw(), "the same seed draws the same masks");
+        let dropout = Dropout::new(0.25, 7);
+        assert_ne!(dropout.mask().kept(64), dropout.mask().kept(64), "each mask is drawn anew");
+    }
+
+    /// Element i's fate is its own Philox word's, whatever the mask's length
+    /// (the rule the GPU's kernel follows).
+    #[test]
+    fn a_mask_keeps_each_element_by_its_own_counter() {
+        let mask = kernels::Mask::new([0xdead_beef, 42], 0.1);
+        let long = mask.kept(70_001);
+        assert_eq!(&long[..37], &mask.kept(37)[..]);
+        for i in [0usize, 1, 5, 16_383, 16_384, 16_390, 70_000] {
+            let word = crate::rng::philox([(i / 4) as u32, 0, 0, 0], mask.key)[i % 4];
+            assert_eq!(long[i], (word as u64) < mask.threshold, "element {i}");
+        }
     }
 
     #[test]

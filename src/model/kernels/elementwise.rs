@@ -1,7 +1,7 @@
 //! Activations with their backward passes: candle's activation gradients
 //! are chains of five to ten whole-tensor ops.
 
-use candle_core::{CpuStorage, CustomOp1, CustomOp2, Layout, Result, Shape, Tensor};
+use candle_core::{CpuStorage, CustomOp1, CustomOp2, CustomOp3, Layout, Result, Shape, Tensor};
 use rayon::prelude::*;
 
 use super::contiguous_f32;
@@ -14,6 +14,16 @@ pub fn activation(x: &Tensor, act: Activation) -> Result<Tensor> {
         return act.apply(x);
     }
     x.contiguous()?.apply_op1(Act(act))
+}
+
+/// `(x + a) + b` as one node, where two additions keep `x + a` for the
+/// backward too (a parallel residual: the block's input, its attention's
+/// and its MLP's outputs). The same values as the two additions, to the bit.
+pub fn sum3(x: &Tensor, a: &Tensor, b: &Tensor) -> Result<Tensor> {
+    if !(super::runs(&[x, a, b]) && x.shape() == a.shape() && x.shape() == b.shape()) {
+        return (x + a)? + b;
+    }
+    x.contiguous()?.apply_op3(&a.contiguous()?, &b.contiguous()?, Sum3)
 }
 
 /// `act` applied to each of `x`.
@@ -143,6 +153,60 @@ impl CustomOp1 for Act {
 
     fn bwd(&self, x: &Tensor, _y: &Tensor, grad: &Tensor) -> Result<Option<Tensor>> {
         Ok(Some(grad_without_graph(x, grad, self.0)?))
+    }
+}
+
+struct Sum3;
+
+impl CustomOp3 for Sum3 {
+    fn name(&self) -> &'static str {
+        "sum3"
+    }
+
+    fn cpu_fwd(
+        &self,
+        x: &CpuStorage,
+        x_l: &Layout,
+        a: &CpuStorage,
+        a_l: &Layout,
+        b: &CpuStorage,
+        b_l: &Layout,
+    ) -> Result<(CpuStorage, Shape)> {
+        let (x, a, b) = (contiguous_f32(x, x_l)?, contiguous_f32(a, a_l)?, contiguous_f32(b, b_l)?);
+        let mut out = map2(
+            x,
+            a,
+            #[inline(always)]
+            |x, a| x + a,
+        );
+        out.par_chunks_mut(CHUNK)
+            .zip(b.par_chunks(CHUNK))
+            .for_each(|(o, b)| o.iter_mut().zip(b).for_each(|(o, b)| *o += b));
+        Ok((CpuStorage::F32(out), x_l.shape().clone()))
+    }
+
+    #[cfg(feature = "cuda")]
+    fn cuda_fwd(
+        &self,
+        x: &candle_core::CudaStorage,
+        x_l: &Layout,
+        a: &candle_core::CudaStorage,
+        a_l: &Layout,
+        b: &candle_core::CudaStorage,
+        b_l: &Layout,
+    ) -> Result<(candle_core::CudaStorage, Shape)> {
+        Ok((super::cuda::sum3((x, x_l), (a, a_l), (b, b_l))?, x_l.shape().clone()))
+    }
+
+    fn bwd(
+        &self,
+        _: &Tensor,
+        _: &Tensor,
+        _: &Tensor,
+        _: &Tensor,
+        grad: &Tensor,
+    ) -> Result<(Option<Tensor>, Option<Tensor>, Option<Tensor>)> {
+        Ok((Some(grad.clone()), Some(grad.clone()), Some(grad.clone())))
     }
 }
 

@@ -37,8 +37,7 @@ pub fn dense_bias_epilogue() -> Result<bool> {
 /// product's epilogue (bf16 only), else a pass of its own.
 pub fn linear_with(x: &Tensor, w: &Tensor, b: Option<&Tensor>, epilogue: bool) -> Result<Tensor> {
     if let Some(b) = b.filter(|b| cuda_linear_runs(x, w, b)) {
-        let epilogue = epilogue && x.dtype() == candle_core::DType::BF16;
-        return x.contiguous()?.apply_op3(&weight_layout(w)?, &b.contiguous()?, CudaLinear { epilogue });
+        return cuda_linear(x, None, w, b, epilogue);
     }
     if !(super::fused(x) && super::fused(w) && b.is_none_or(super::fused)) {
         return ops::linear(x, w, b);
@@ -53,6 +52,9 @@ pub fn linear_with(x: &Tensor, w: &Tensor, b: Option<&Tensor>, epilogue: bool) -
 /// `act(u) @ w^T (+ b)`, keeping only `u` for the backward, which
 /// recomputes `act(u)`: an MLP's widest activation is never stored.
 pub fn activation_linear(u: &Tensor, act: Activation, w: &Tensor, b: Option<&Tensor>) -> Result<Tensor> {
+    if let Some(b) = b.filter(|b| cuda_linear_runs(u, w, b)) {
+        return cuda_linear(u, Some(act), w, b, dense_bias_epilogue()?);
+    }
     if !(super::fused(u) && super::fused(w) && b.is_none_or(super::fused)) {
         return linear(&super::activation(u, act)?, w, b);
     }
@@ -61,6 +63,13 @@ pub fn activation_linear(u: &Tensor, act: Activation, w: &Tensor, b: Option<&Ten
         Some(b) => u.apply_op3(&w, &b.contiguous()?, ActivationLinear(act)),
         None => u.apply_op2(&w, ActivationLinear(act)),
     }
+}
+
+/// [`CudaLinear`] on `act(x)` when `act` is given, the bias in the
+/// product's epilogue when `epilogue` (bf16 only).
+fn cuda_linear(x: &Tensor, act: Option<Activation>, w: &Tensor, b: &Tensor, epilogue: bool) -> Result<Tensor> {
+    let epilogue = epilogue && x.dtype() == candle_core::DType::BF16;
+    x.contiguous()?.apply_op3(&weight_layout(w)?, &b.contiguous()?, CudaLinear { epilogue, act })
 }
 
 /// Whether [`CudaLinear`] takes these operands: on a GPU, a bias (n,)
@@ -81,10 +90,13 @@ fn cuda_linear_runs(x: &Tensor, w: &Tensor, b: &Tensor) -> bool {
 /// activation of the output's size), and its backward writes d x, d w and
 /// d b without the composition's reshape and transpose nodes, each of which
 /// added its gradient into a zeroed buffer. `epilogue`: the product adds the
-/// bias itself (cuBLASLt, bf16).
+/// bias itself (cuBLASLt, bf16). `act`: the product is of `act(x)`, made in
+/// the forward and again in the backward and never kept: an MLP's widest
+/// activation (four times the hidden size) is not stored.
 struct CudaLinear {
     #[cfg_attr(not(feature = "cuda"), allow(dead_code))]
     epilogue: bool,
+    act: Option<Activation>,
 }
 
 impl CustomOp3 for CudaLinear {
@@ -107,7 +119,16 @@ impl CustomOp3 for CudaLinear {
         use candle_core::backend::BackendStorage;
         let (rows, k, n) = sizes(self.name(), x_l, w_l)?;
         // x is contiguous (the caller made it so): one (rows, k) matrix whatever its rank.
-        let x_rows = Layout::contiguous_with_offset((rows, k), x_l.start_offset());
+        let mut x_rows = Layout::contiguous_with_offset((rows, k), x_l.start_offset());
+        let activated;
+        let x = match self.act {
+            Some(act) => {
+                activated = super::cuda::activation((x, &x_rows), None, act as i32)?;
+                x_rows = Layout::contiguous((rows, k));
+                &activated
+            }
+            None => x,
+        };
         if self.epilogue {
             let out = super::cuda::linear_bias_epilogue((x, &x_rows), (w, w_l), (b, b_l), (rows, k, n))?;
             return Ok((out, out_shape(x_l, n)));
@@ -121,26 +142,44 @@ impl CustomOp3 for CudaLinear {
         &self,
         x: &Tensor,
         w: &Tensor,
-        _: &Tensor,
+        b: &Tensor,
         _: &Tensor,
         grad: &Tensor,
     ) -> Result<(Option<Tensor>, Option<Tensor>, Option<Tensor>)> {
         let (n, k) = w.dims2()?;
         let rows = x.elem_count() / k;
         let g = grad.reshape((rows, n))?;
+        // A frozen weight (a base weight under LoRA) records no graph and
+        // gets no gradient: a product as large as the forward's saved.
+        let dw = match w.track_op() {
+            true => {
+                let input = match self.act {
+                    Some(act) => elementwise::without_graph(x, act)?,
+                    None => x.clone(),
+                };
+                Some(g.t()?.matmul(&input.reshape((rows, k))?)?)
+            }
+            false => None,
+        };
         let dx = g.matmul(w)?.reshape(x.shape())?;
-        let dw = g.t()?.matmul(&x.reshape((rows, k))?)?;
+        let dx = match self.act {
+            Some(act) => elementwise::grad_without_graph(x, &dx, act)?,
+            None => dx,
+        };
         // The sum over rows as a product with a row of ones: cuBLAS reads the
         // rows in order, where candle's sum over the first dimension strides
         // across them.
-        let db = Tensor::ones((1, rows), g.dtype(), g.device())?.matmul(&g)?.reshape(n)?;
-        Ok((Some(dx), Some(dw), Some(db)))
+        let db = match b.track_op() {
+            true => Some(Tensor::ones((1, rows), g.dtype(), g.device())?.matmul(&g)?.reshape(n)?),
+            false => None,
+        };
+        Ok((Some(dx), dw, db))
     }
 }
 
 /// `w` row-major or the transposed view of a row-major tensor, which the
 /// products read in place.
-fn weight_layout(w: &Tensor) -> Result<Tensor> {
+pub(super) fn weight_layout(w: &Tensor) -> Result<Tensor> {
     if w.is_contiguous() || w.t()?.is_contiguous() {
         Ok(w.clone())
     } else {

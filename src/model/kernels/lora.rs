@@ -2,35 +2,69 @@
 //! `h W^T + b + s (dropout(h) A^T) B^T` with `h = act(x)` or `x`. The
 //! composition keeps, for each layer, the dropped-out input and its mask,
 //! the base's output, the adapter's output and its scaled copy; this op
-//! keeps `x` and a byte per element of mask, and its backward makes the
-//! rest again (the adapter's products are only r wide).
+//! keeps `x` and the mask's key, and its backward makes the rest again (the
+//! adapter's products are only r wide). On the CPU in f32 through `gemm`; on
+//! a GPU through cuBLAS, the mask drawn there by the same counter.
 
 use std::borrow::Cow;
 use std::sync::Arc;
+
+use rayon::prelude::*;
 
 use candle_core::{CpuStorage, CustomOp3, Layout, Result, Shape, Storage, Tensor};
 
 use super::contiguous_f32;
 use super::elementwise;
-use super::linear::{dense, matmul, out_shape, Operand};
+use super::linear::{dense, matmul, out_shape, weight_layout, Operand};
 use crate::model::ops::Activation;
+use crate::rng::philox;
 
-/// A dropout mask: which elements are kept, and the factor they are
-/// scaled by (1 / keep probability).
+/// A dropout mask: element i is kept when the word Philox4x32-10 gives it
+/// (counter (i / 4, 0, 0, 0) under `key`, word i % 4) falls below the keep
+/// probability's share of 2^32, and scaled by 1 / keep probability. The CPU
+/// and a GPU make the same mask from the key, element by element and in
+/// any order, and a backward makes it again instead of keeping it.
+#[derive(Debug, Clone, Copy)]
 pub struct Mask {
-    pub keep: Vec<bool>,
+    pub key: [u32; 2],
+    /// Words below this are kept: round(keep probability x 2^32).
+    pub threshold: u64,
     pub scale: f32,
 }
 
 impl Mask {
-    /// The mask as a tensor of factors (0 or `scale`).
+    /// The mask under `key` that drops elements with probability `p`.
+    pub fn new(key: [u32; 2], p: f64) -> Self {
+        let keep = 1.0 - p;
+        Self { key, threshold: (keep * 4_294_967_296.0).round() as u64, scale: (1.0 / keep) as f32 }
+    }
+
+    /// Whether each of `len` elements is kept.
+    pub fn kept(&self, len: usize) -> Vec<bool> {
+        let mut kept = vec![false; len];
+        kept.par_chunks_mut(1 << 14).enumerate().for_each(|(chunk, out)| {
+            let first = chunk << 14;
+            for (j, group) in out.chunks_mut(4).enumerate() {
+                let block = ((first >> 2) + j) as u64;
+                let words = philox([block as u32, (block >> 32) as u32, 0, 0], self.key);
+                for (k, w) in group.iter_mut().zip(words) {
+                    *k = (w as u64) < self.threshold;
+                }
+            }
+        });
+        kept
+    }
+
+    /// The mask as a tensor of factors (0 or `scale`) shaped like `like`.
     pub fn to_tensor(&self, like: &Tensor) -> Result<Tensor> {
-        let factors: Vec<f32> = self.keep.iter().map(|&k| if k { self.scale } else { 0.0 }).collect();
+        let factors: Vec<f32> =
+            self.kept(like.elem_count()).into_iter().map(|k| if k { self.scale } else { 0.0 }).collect();
         Tensor::from_vec(factors, like.shape(), like.device())?.to_dtype(like.dtype())
     }
 
     fn apply<'a>(&self, h: &'a [f32]) -> Cow<'a, [f32]> {
-        Cow::Owned(h.iter().zip(&self.keep).map(|(&h, &k)| if k { h * self.scale } else { 0.0 }).collect())
+        let kept = self.kept(h.len());
+        Cow::Owned(h.iter().zip(kept).map(|(&h, k)| if k { h * self.scale } else { 0.0 }).collect())
     }
 }
 
@@ -44,24 +78,38 @@ pub struct LoraLayer<'a> {
     pub scale: f64,
 }
 
-/// Whether [`lora_linear`] runs: f32 on the CPU, with the base frozen.
+/// Whether [`lora_linear`] runs: f32 on the CPU, or on a GPU, with the
+/// base frozen.
 pub fn lora_runs(x: &Tensor, layer: &LoraLayer) -> bool {
-    let frozen = |t: &Tensor| super::fused(t) && !t.track_op();
-    super::fused(x)
-        && super::fused(layer.a)
-        && super::fused(layer.b)
-        && frozen(layer.weight)
-        && layer.bias.is_none_or(frozen)
+    let mut all = vec![x, layer.a, layer.b, layer.weight];
+    all.extend(layer.bias);
+    let device = all.iter().all(|t| super::fused(t)) || super::on_cuda(&all);
+    device && !layer.weight.track_op() && layer.bias.is_none_or(|b| !b.track_op())
+}
+
+/// The layer's output for `x` (..., in), applying `act` first when given:
+/// [`lora_linear`] where it runs, else candle's ops.
+pub fn lora_forward(x: &Tensor, act: Option<Activation>, layer: &LoraLayer, mask: Option<Mask>) -> Result<Tensor> {
+    if lora_runs(x, layer) {
+        return lora_linear(x, act, layer, mask);
+    }
+    let h = match act {
+        Some(act) => super::activation(x, act)?,
+        None => x.clone(),
+    };
+    let dropped = match &mask {
+        Some(mask) => (&h * mask.to_tensor(&h)?)?,
+        None => h.clone(),
+    };
+    let delta = (super::linear(&super::linear(&dropped, layer.a, None)?, layer.b, None)? * layer.scale)?;
+    super::linear(&h, layer.weight, layer.bias)? + delta
 }
 
 /// The layer's output for `x` (..., in), applying `act` first when given.
 /// Only for inputs where [`lora_runs`].
 pub fn lora_linear(x: &Tensor, act: Option<Activation>, layer: &LoraLayer, mask: Option<Mask>) -> Result<Tensor> {
-    if mask.as_ref().is_some_and(|m| m.keep.len() != x.elem_count()) {
-        candle_core::bail!("lora: a dropout mask of another size than the input {:?}", x.dims());
-    }
     let op = LoraLinear(Arc::new(Frozen {
-        weight: layer.weight.clone(),
+        weight: weight_layout(layer.weight)?,
         bias: layer.bias.map(|b| b.contiguous()).transpose()?,
         scale: layer.scale as f32,
         act,
@@ -92,6 +140,43 @@ impl Frozen {
             Some(mask) => mask.apply(h),
             None => Cow::Borrowed(h),
         }
+    }
+
+    /// d x, d A and d B by candle's products (on a GPU, cuBLAS's), with
+    /// `act(x)` and its dropped-out copy made again:
+    /// d down = s g B; d h = g W + dropout(d down A); d A = d down^T dropout(h);
+    /// d B = g^T (s dropout(h) A^T).
+    fn grads_by_products(&self, x: &Tensor, a: &Tensor, b: &Tensor, grad: &Tensor) -> Result<(Tensor, Tensor, Tensor)> {
+        let (a, b) = (a.detach(), b.detach());
+        let (k, n) = (a.dim(1)?, b.dim(0)?);
+        let m = x.elem_count() / k.max(1);
+        let x_rows = x.detach().reshape((m, k))?;
+        let g = grad.contiguous()?.reshape((m, n))?;
+        let h = match self.act {
+            Some(act) => elementwise::without_graph(&x_rows, act)?,
+            None => x_rows.clone(),
+        };
+        let dropped = match &self.mask {
+            Some(mask) => h.apply_op1_no_bwd(&Dropped(*mask))?,
+            None => h,
+        };
+        let scale = self.scale as f64;
+        let down = (dropped.matmul(&a.t()?)? * scale)?;
+        let d_down = (g.matmul(&b)? * scale)?;
+        let db = g.t()?.matmul(&down)?;
+        let da = d_down.t()?.matmul(&dropped)?;
+        drop(dropped);
+        let through = d_down.matmul(&a)?;
+        let through = match &self.mask {
+            Some(mask) => through.apply_op1_no_bwd(&Dropped(*mask))?,
+            None => through,
+        };
+        let dh = (g.matmul(&self.weight)? + through)?;
+        let dx = match self.act {
+            Some(act) => elementwise::grad_without_graph(&x_rows, &dh, act)?,
+            None => dh,
+        };
+        Ok((dx.reshape(x.shape())?, da, db))
     }
 
     /// `s dropout(h) A^T` (m, r).
@@ -158,6 +243,49 @@ impl CustomOp3 for LoraLinear {
         Ok((CpuStorage::F32(y), out_shape(x_l, n)))
     }
 
+    /// The same products through cuBLAS; the activated and dropped-out
+    /// inputs, the base's output and the adapter's live only in here.
+    #[cfg(feature = "cuda")]
+    fn cuda_fwd(
+        &self,
+        x: &candle_core::CudaStorage,
+        x_l: &Layout,
+        a: &candle_core::CudaStorage,
+        a_l: &Layout,
+        b: &candle_core::CudaStorage,
+        b_l: &Layout,
+    ) -> Result<(candle_core::CudaStorage, Shape)> {
+        use candle_core::backend::BackendStorage;
+        let f = &self.0;
+        let (m, k, n, r) = sizes(x_l, a_l, b_l)?;
+        let (x_rows, rows_of) =
+            (Layout::contiguous_with_offset((m, k), x_l.start_offset()), Layout::contiguous((m, k)));
+        let activated = f.act.map(|act| super::cuda::activation((x, &x_rows), None, act as i32)).transpose()?;
+        let (h, h_l) = match &activated {
+            Some(h) => (h, &rows_of),
+            None => (x, &x_rows),
+        };
+        let (w, w_l) = f.weight.storage_and_layout();
+        let Storage::Cuda(w) = &*w else { candle_core::bail!("lora: the frozen weight is not on the GPU") };
+        let out_l = Layout::contiguous((m, n));
+        let mut y = h.matmul(w, (1, m, n, k), h_l, &w_l.transpose(0, 1)?)?;
+        if let Some(bias) = &f.bias {
+            let (bias, bias_l) = bias.storage_and_layout();
+            let Storage::Cuda(bias) = &*bias else { candle_core::bail!("lora: the frozen bias is not on the GPU") };
+            y = super::cuda::bias_rows((&y, &out_l), (bias, bias_l))?;
+        }
+        let dropped = f.mask.as_ref().map(|mask| super::cuda::dropout((h, h_l), mask)).transpose()?;
+        let (dropped, dropped_l) = match &dropped {
+            Some(d) => (d, &rows_of),
+            None => (h, h_l),
+        };
+        let down_l = Layout::contiguous((m, r));
+        let down = dropped.matmul(a, (1, m, r, k), dropped_l, &a_l.transpose(0, 1)?)?;
+        let down = down.affine(&down_l, f.scale as f64, 0.0)?;
+        let delta = down.matmul(b, (1, m, n, r), &down_l, &b_l.transpose(0, 1)?)?;
+        Ok((y.binary_impl::<candle_core::op::Add>(&delta, &out_l, &out_l)?, out_shape(x_l, n)))
+    }
+
     fn bwd(
         &self,
         x: &Tensor,
@@ -166,6 +294,10 @@ impl CustomOp3 for LoraLinear {
         _y: &Tensor,
         grad: &Tensor,
     ) -> Result<(Option<Tensor>, Option<Tensor>, Option<Tensor>)> {
+        if x.device().is_cuda() {
+            let (dx, da, db) = self.0.grads_by_products(x, a, b, grad)?;
+            return Ok((Some(dx), Some(da), Some(db)));
+        }
         let (r, k) = a.dims2()?;
         let n = b.dim(0)?;
         let m = x.elem_count() / k.max(1);
@@ -174,6 +306,25 @@ impl CustomOp3 for LoraLinear {
         let da = grads.narrow(0, m * k, r * k)?.reshape((r, k))?;
         let db = grads.narrow(0, m * k + r * k, n * r)?.reshape((n, r))?;
         Ok((Some(dx), Some(da), Some(db)))
+    }
+}
+
+/// A dropout mask applied, recording no backward (a backward applies it
+/// to the gradient itself).
+struct Dropped(Mask);
+
+impl candle_core::CustomOp1 for Dropped {
+    fn name(&self) -> &'static str {
+        "dropout"
+    }
+
+    fn cpu_fwd(&self, x: &CpuStorage, l: &Layout) -> Result<(CpuStorage, Shape)> {
+        Ok((CpuStorage::F32(self.0.apply(contiguous_f32(x, l)?).into_owned()), l.shape().clone()))
+    }
+
+    #[cfg(feature = "cuda")]
+    fn cuda_fwd(&self, x: &candle_core::CudaStorage, l: &Layout) -> Result<(candle_core::CudaStorage, Shape)> {
+        Ok((super::cuda::dropout((x, l), &self.0)?, l.shape().clone()))
     }
 }
 
@@ -220,8 +371,8 @@ impl CustomOp3 for LoraGrad {
             Some(mask) => {
                 let mut through = Vec::with_capacity(m * k);
                 matmul(&mut through, false, m, k, r, Operand::rows(&d_down, r), a);
-                for ((o, t), keep) in out.iter_mut().zip(through).zip(&mask.keep) {
-                    if *keep {
+                for ((o, t), keep) in out.iter_mut().zip(through).zip(mask.kept(m * k)) {
+                    if keep {
                         *o += t * mask.scale;
                     }
                 }
@@ -236,5 +387,47 @@ impl CustomOp3 for LoraGrad {
         matmul(&mut out, false, n, r, m, Operand { data: g, row: 1, col: n }, Operand::rows(&down, r));
         let len = out.len();
         Ok((CpuStorage::F32(out), Shape::from(len)))
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use candle_core::{Device, Var};
+
+    use super::*;
+
+    fn randn(shape: &[usize], seed: u64) -> Tensor {
+        let mut rng = crate::rng::Rng::new(seed);
+        let values: Vec<f32> = (0..shape.iter().product()).map(|_| rng.normal() as f32).collect();
+        Tensor::from_vec(values, shape, &Device::Cpu).unwrap()
+    }
+
+    /// The backward a GPU runs (candle's products, the mask applied by
+    /// `Dropped`) gives the CPU kernel's gradients.
+    #[test]
+    fn the_backward_by_products_gives_the_kernels_gradients() {
+        let (w, bias) = (randn(&[24, 40], 1), randn(&[24], 2));
+        let var = |shape: &[usize], seed| Var::from_tensor(&randn(shape, seed)).unwrap();
+        let (x, a, b) = (var(&[2, 30, 40], 3), var(&[4, 40], 4), var(&[24, 4], 5));
+        let grad = randn(&[2, 30, 24], 6);
+        for act in [None, Some(Activation::Gelu)] {
+            let frozen = Frozen {
+                weight: w.clone(),
+                bias: Some(bias.clone()),
+                scale: 2.0,
+                act,
+                mask: Some(Mask::new([9, 1], 0.3)),
+            };
+            let layer = LoraLayer { weight: &w, bias: Some(&bias), a: a.as_tensor(), b: b.as_tensor(), scale: 2.0 };
+            let y = lora_linear(x.as_tensor(), act, &layer, frozen.mask).unwrap();
+            let grads = (y * &grad).unwrap().sum_all().unwrap().backward().unwrap();
+            let (dx, da, db) = frozen.grads_by_products(x.as_tensor(), a.as_tensor(), b.as_tensor(), &grad).unwrap();
+            for (name, got, var) in [("x", dx, &x), ("A", da, &a), ("B", db, &b)] {
+                let want = grads.get(var).unwrap();
+                let err = (got - want).unwrap().abs().unwrap().max_all().unwrap().to_scalar::<f32>().unwrap();
+                let scale = want.abs().unwrap().max_all().unwrap().to_scalar::<f32>().unwrap();
+                assert!(err <= 1e-5 * scale, "{act:?}: d {name} off by {err} of {scale}");
+            }
+        }
     }
 }

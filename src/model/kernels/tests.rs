@@ -124,7 +124,7 @@ fn activation_linear_matches_the_composition() {
 fn lora_linear_matches_the_composition() {
     let (x, a, b) = (randn(&[2, 30, 40], 0.0), randn(&[4, 40], 0.0), randn(&[24, 4], 0.0));
     let (w, bias) = (randn(&[24, 40], 0.0), randn(&[24], 0.0));
-    let mask = || Mask { keep: (0..x.elem_count()).map(|i| i % 3 != 1).collect(), scale: 1.5 };
+    let mask = || Mask::new([7, 11], 1.0 / 3.0);
     for act in [None, Some(Activation::Gelu)] {
         for dropout in [false, true] {
             for bias in [None, Some(&bias)] {
@@ -142,7 +142,7 @@ fn lora_linear_matches_the_composition() {
                     &[x.clone(), a.clone(), b.clone()],
                     |t| {
                         let layer = LoraLayer { weight: &w, bias, a: &t[1], b: &t[2], scale: 2.0 };
-                        lora_linear(&t[0], act, &layer, dropout.then(mask))
+                        super::lora::lora_linear(&t[0], act, &layer, dropout.then(mask))
                     },
                     composed,
                     1e-5,
@@ -244,4 +244,25 @@ fn adamw_matches_the_composition_over_steps() {
     }
     assert!(max_abs_diff(&m, &m_ref) < 1e-6 && max_abs_diff(&v, &v_ref) < 1e-6, "moments differ");
     assert!(max_abs_diff(&w, &w_ref) < 1e-6, "weights differ by {}", max_abs_diff(&w, &w_ref));
+}
+
+/// The residual sum as one node gives two additions' values and
+/// gradients, to the bit.
+#[test]
+fn sum3_is_two_additions_to_the_bit() {
+    let (x, a, b) = (randn(&[3, 7, 40], 0.5), randn(&[3, 7, 40], 0.0), randn(&[3, 7, 40], -0.5));
+    let vars: Vec<Var> = [&x, &a, &b].iter().map(|t| Var::from_tensor(t).unwrap()).collect();
+    let weights = randn(&[3, 7, 40], 0.0);
+    let run = |f: &dyn Fn(&[Tensor]) -> Result<Tensor>| {
+        let ts: Vec<Tensor> = vars.iter().map(|v| v.as_tensor().clone()).collect();
+        let y = f(&ts).unwrap();
+        let grads = (&y * &weights).unwrap().sum_all().unwrap().backward().unwrap();
+        let mut all = vec![y.flatten_all().unwrap().to_vec1::<f32>().unwrap()];
+        all.extend(vars.iter().map(|v| grads.get(v).unwrap().flatten_all().unwrap().to_vec1::<f32>().unwrap()));
+        all
+    };
+    let bits = |all: Vec<Vec<f32>>| {
+        all.into_iter().map(|v| v.iter().map(|x| x.to_bits()).collect::<Vec<_>>()).collect::<Vec<_>>()
+    };
+    assert_eq!(bits(run(&|t| sum3(&t[0], &t[1], &t[2]))), bits(run(&|t| (&t[0] + &t[1])? + &t[2])));
 }

@@ -39,11 +39,30 @@ pub(super) struct TrainStats {
     /// device work: forward passes and losses, backward passes (with the
     /// gradients' accumulation), and updates (exchange, clipping, optimizer).
     pub seconds: TrainSeconds,
-    /// Memory held as the phase began, and the most held at the end of a
-    /// micro-batch's forward: the difference is what a forward keeps for
-    /// its backward (activations, and the gradients of the micro-batches
-    /// before it).
-    pub held: Option<(u64, u64)>,
+    /// Memory held through the phase, where the device can say.
+    pub held: Option<Held>,
+}
+
+/// Memory held as the training phase began, at the end of its first
+/// micro-batch's forward (the difference is the activations a forward keeps
+/// for its backward) and at most at the end of any micro-batch's forward
+/// (the gradients summed so far on top).
+#[derive(Debug, Clone, Copy)]
+pub struct Held {
+    before: u64,
+    first_forward: Option<u64>,
+    after_forward: u64,
+}
+
+impl Held {
+    fn new(before: u64) -> Self {
+        Self { before, first_forward: None, after_forward: before }
+    }
+
+    fn forward_ended(&mut self, now: u64) {
+        self.first_forward.get_or_insert(now);
+        self.after_forward = self.after_forward.max(now);
+    }
 }
 
 #[derive(Default, Clone, Copy)]
@@ -122,9 +141,12 @@ impl TrainStats {
         m.set("policy/entropy_avg", self.entropy_sum / self.tokens.max(1.0));
         m.set("grad_norm", self.grad_norm);
         m.set("train/skipped_steps", self.skipped_steps as f64);
-        if let Some((before, after_forward)) = self.held {
-            m.set("memory/held_before_training_gib", in_gib(before));
-            m.set("memory/held_after_forward_gib", in_gib(after_forward));
+        if let Some(held) = self.held {
+            m.set("memory/held_before_training_gib", in_gib(held.before));
+            m.set("memory/held_after_forward_gib", in_gib(held.after_forward));
+            if let Some(first) = held.first_forward {
+                m.set("memory/activations_gib", in_gib(first.saturating_sub(held.before)));
+            }
         }
     }
 }
@@ -155,7 +177,7 @@ impl Run {
         let mut readback = Readback::default();
         // Each completion's loss tokens, read once: the mini-batches' denominators.
         let lengths: Vec<f32> = loss_mask.sum(1)?.to_vec1()?;
-        stats.held = in_use_bytes(&self.device).map(|b| (b, b));
+        stats.held = in_use_bytes(&self.device).map(Held::new);
         let world = self.comm.world();
         for epoch in 0..cfg.rloo.num_ppo_epochs {
             let order = Rng::stream(cfg.train.seed, &[streams::MINIBATCH_ORDER, step as u64, epoch as u64])
@@ -218,8 +240,8 @@ impl Run {
                     stats.seconds.forward_queued += started.elapsed().as_secs_f64();
                     self.device.synchronize()?;
                     stats.seconds.forward += started.elapsed().as_secs_f64();
-                    if let (Some((_, most)), Some(now)) = (&mut stats.held, in_use_bytes(&self.device)) {
-                        *most = (*most).max(now);
+                    if let (Some(held), Some(now)) = (&mut stats.held, in_use_bytes(&self.device)) {
+                        held.forward_ended(now);
                     }
                     let started = Instant::now();
                     let backward = crate::model::backward(&loss, &models)?;

@@ -310,6 +310,20 @@ __device__ __forceinline__ float activation_slope(float x, int act) {
 ACTIVATIONS(float, f32)
 ACTIVATIONS(bf16, bf16)
 
+// ---- (x + a) + b, rounded to T after each addition as two of candle's
+// additions would be: a parallel residual's sum as one node.
+
+#define SUM3(T, S)                                                                                          \
+    extern "C" __global__ void sum3_##S(const T* x, const T* a, const T* b, T* y, size_t n) {               \
+        for (size_t i = blockIdx.x * (size_t)blockDim.x + threadIdx.x; i < n; i += (size_t)gridDim.x * blockDim.x) { \
+            const T xa = from_f32<T>(to_f32(x[i]) + to_f32(a[i]));                                          \
+            y[i] = from_f32<T>(to_f32(xa) + to_f32(b[i]));                                                  \
+        }                                                                                                   \
+    }
+
+SUM3(float, f32)
+SUM3(bf16, bf16)
+
 // ---- A dense layer's bias added to every row of its product y (rows, n):
 // a block of columns, each thread one column down a stride of rows, so the
 // bias is read once per thread and no index goes through a division.
@@ -958,6 +972,26 @@ __device__ __forceinline__ void philox4x32_10(uint32_t c[4], uint32_t k0, uint32
         c[3] = lo0;
     }
 }
+
+// ---- Dropout by counter (LoRA's inputs): element i is kept when word i % 4
+// of Philox at counter (i / 4, i / 2^34, 0, 0) is below `threshold`, and then
+// scaled; as `Mask::kept` on the CPU. A thread takes four elements, one draw.
+
+#define DROPOUT(T, S)                                                                                       \
+    extern "C" __global__ void dropout_##S(const T* x, T* y, size_t n, uint32_t k0, uint32_t k1,            \
+                                           unsigned long long threshold, float scale) {                     \
+        const size_t blocks = (n + 3) / 4;                                                                  \
+        for (size_t b = blockIdx.x * (size_t)blockDim.x + threadIdx.x; b < blocks;                          \
+             b += (size_t)gridDim.x * blockDim.x) {                                                         \
+            uint32_t c[4] = {(uint32_t)b, (uint32_t)(b >> 32), 0u, 0u};                                     \
+            philox4x32_10(c, k0, k1);                                                                       \
+            for (int j = 0; j < 4 && 4 * b + j < n; j++)                                                    \
+                y[4 * b + j] = from_f32<T>((unsigned long long)c[j] < threshold ? to_f32(x[4 * b + j]) * scale : 0.f); \
+        }                                                                                                   \
+    }
+
+DROPOUT(float, f32)
+DROPOUT(bf16, bf16)
 
 // Above every -ln E (E >= 2^-33): entries this far below the best score
 // cannot win.

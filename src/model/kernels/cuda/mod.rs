@@ -390,6 +390,46 @@ pub fn activation((x, x_l): In, grad: Option<In>, act: i32) -> Result<CudaStorag
     by_dtype!(x.dtype(), run(&name, (x, x_l), grad, act))
 }
 
+/// `(x + a) + b` of three contiguous inputs of one size.
+pub fn sum3((x, x_l): In, (a, a_l): In, (b, b_l): In) -> Result<CudaStorage> {
+    fn run<T: CudaDType + DeviceRepr>(name: &str, (x, x_l): In, (a, a_l): In, (b, b_l): In) -> Result<CudaStorage> {
+        let dev = x.device.clone();
+        let (xs, as_, bs) = (view::<T>(x, x_l)?, view::<T>(a, a_l)?, view::<T>(b, b_l)?);
+        let n = xs.len();
+        if as_.len() != n || bs.len() != n {
+            candle_core::bail!("sum3: inputs of {n}, {} and {} elements", as_.len(), bs.len());
+        }
+        // Safety: every element is written by the kernel.
+        let mut out = unsafe { dev.alloc::<T>(n) }?;
+        let func = dev.get_or_load_custom_func(name, "rloo", PTX)?;
+        let mut args = func.builder();
+        args.arg(&xs).arg(&as_).arg(&bs).arg(&mut out).arg(&n);
+        // Safety: the argument list matches the kernel's signature.
+        unsafe { args.launch(elementwise(n)) }.w()?;
+        Ok(CudaStorage::wrap_cuda_slice(out, dev))
+    }
+    by_dtype!(x.dtype(), run(&typed("sum3", x.dtype())?, (x, x_l), (a, a_l), (b, b_l)))
+}
+
+/// `x` with `mask` applied: its kept elements scaled, the others 0.
+pub fn dropout((x, x_l): In, mask: &super::Mask) -> Result<CudaStorage> {
+    fn run<T: CudaDType + DeviceRepr>(name: &str, (x, x_l): In, mask: &super::Mask) -> Result<CudaStorage> {
+        let dev = x.device.clone();
+        let xs = view::<T>(x, x_l)?;
+        let n = xs.len();
+        // Safety: every element is written by the kernel.
+        let mut out = unsafe { dev.alloc::<T>(n) }?;
+        let func = dev.get_or_load_custom_func(name, "rloo", PTX)?;
+        let mut args = func.builder();
+        args.arg(&xs).arg(&mut out).arg(&n).arg(&mask.key[0]).arg(&mask.key[1]);
+        args.arg(&mask.threshold).arg(&mask.scale);
+        // Safety: the argument list matches the kernel's signature.
+        unsafe { args.launch(elementwise(n.div_ceil(4))) }.w()?;
+        Ok(CudaStorage::wrap_cuda_slice(out, dev))
+    }
+    by_dtype!(x.dtype(), run(&typed("dropout", x.dtype())?, (x, x_l), mask))
+}
+
 /// `y` (rows, n) with `b` (n,) added to every row, in y's dtype.
 pub fn bias_rows((y, y_l): In, (b, b_l): In) -> Result<CudaStorage> {
     fn run<T: CudaDType + DeviceRepr>(name: &str, (y, y_l): In, (b, b_l): In) -> Result<CudaStorage> {
