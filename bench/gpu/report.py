@@ -18,12 +18,15 @@ as missing.
 """
 
 import json
+import os
 import re
 import statistics
 import sys
 from pathlib import Path
 
 K, NEW = 4, 128
+# Completions per training forward, as run.sh ran them.
+MICRO = int(os.environ.get("MICRO", 64))
 
 
 def load(path):
@@ -165,6 +168,17 @@ def training(out, peaks, models):
             if None not in held:
                 print(" " * 31 + f"training held {held[0]:.1f} GiB as it began, "
                       f"{held[1]:.1f} after a micro-batch's forward")
+            kept = b.get("activations_gib")
+            arm = re.match(r"^train-(.*)-rloo", p.stem)
+            shape = arm and load(Path(models) / arm.group(1).rsplit("-", 1)[0] / "shape.json")
+            if kept is not None and shape:
+                # A micro-batch packs MICRO / K prompts, each followed by its K completions.
+                lengths = prompt_lengths(models, arm.group(1).rsplit("-", 1)[0])
+                slots = MICRO // K * (sum(lengths) / len(lengths) + K * NEW)
+                hidden = shape["attention_heads"] * shape["head_dim"]
+                units = kept * 2**30 / (slots * shape["layers"] * hidden * 2)
+                print(" " * 31 + f"the first micro-batch's forward kept {kept:.2f} GiB: about {units:.1f} "
+                      f"bf16 tensors of the hidden size per layer and token")
 
 
 def nccl(out):

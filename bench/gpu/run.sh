@@ -234,4 +234,4 @@ if part profile && [[ $DEVICE == cuda ]]; then
     fi
 fi
 
-MODELS=$MODELS "$PY" bench/gpu/report.py "$OUT" | tee "$OUT/table.txt"
+MODELS=$MODELS MICRO=$MICRO "$PY" bench/gpu/report.py "$OUT" | tee "$OUT/table.txt"

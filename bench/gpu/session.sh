@@ -3,18 +3,20 @@
 # (default 540), with the CUDA build (.cuda/bin) and the peer's wheels
 # (bench/.cache/wheels) carried there. In order, each part only while time
 # remains for it:
-#   1. `rloo check --device cuda`: every kernel against the CPU's, the
-#      fixtures against transformers (greedy tokens from shrinking batches
-#      and from steps recorded with the decoding kernel that takes their
-#      head size, a key per lane);
+#   1. `rloo check --device cuda`: every kernel against the CPU's (LoRA and
+#      the activated dense layer among them), the fixtures against
+#      transformers (greedy tokens from shrinking batches and from steps
+#      recorded with the decoding kernel that takes their head size, a key
+#      per lane);
 #   2. generation at 410m: recorded steps attending a key per warp, a key
 #      per lane, and a key per lane with the biases added in cuBLASLt's
-#      epilogues, beside shrinking batches;
+#      epilogues;
 #   3. the RLOO step at 410m against TRL: the defaults (flash attention
-#      from the fused projection, recorded decoding steps), the same with
-#      a key per lane in decoding and the biases in the epilogues, and the
-#      WMMA kernels;
-#   4. the same three at 1B.
+#      from the fused projection, recorded decoding steps) and the same
+#      with a key per lane in decoding and the biases in the epilogues;
+#   4. the same two at 1B;
+#   5. LoRA (r = 16, all linear layers, dropout 0.05) at 1B against TRL
+#      with PEFT, the defaults.
 # Logs stay in OUT; the benchmark's table (bench/gpu/report.py) prints last.
 #
 #   bench/gpu/session.sh                 # OUT=/tmp/rloo-gpu-session
@@ -38,11 +40,11 @@ part() {
 
 part check 60 env RLOO_DECODE_ATTENTION=lanes scripts/cuda/run.sh check --device cuda
 grep -sE "checks on|FAIL" "$OUT/check.log" >&2
-part generate-410m 90 env SIZES=410m RUNS=2 DECODERS="race+fused+fused+graph race+lanes+fused+graph race+lanes+fused+graph+epilogue race+fused+fused" \
+part generate-410m 90 env SIZES=410m RUNS=2 DECODERS="race+fused+fused+graph race+lanes+fused+graph race+lanes+fused+graph+epilogue" \
     bench/gpu/run.sh peaks generate
 for size in 410m 1b; do
-    part "train-$size" 150 env ARMS="$size-full" TRAIN_RUNS=1 STEPS=3 \
-        ATTENTION="flash+fused+graph flash+fused+graph+lanes+epilogue tensor" \
-        bench/gpu/run.sh train
+    part "train-$size" 120 env ARMS="$size-full" TRAIN_RUNS=1 STEPS=3 \
+        ATTENTION="flash+fused+graph flash+fused+graph+lanes+epilogue" bench/gpu/run.sh train
 done
+part train-1b-lora 120 env ARMS=1b-lora TRAIN_RUNS=1 STEPS=3 ATTENTION=flash+fused+graph bench/gpu/run.sh train
 "$PY" bench/gpu/report.py "$OUT" | tee "$OUT/table.txt"

@@ -27,7 +27,7 @@ def rloo_steps(out_dir):
     breakdown = {k: sum(r.get(f"time/{k}", 0.0) for r in rows[1:]) / max(len(rows) - 1, 1) for k in keys}
     # The most memory each phase held at once, and what the training phase
     # held as it began and after a micro-batch's forward, over the steps.
-    for name in {k for r in rows for k in r if k.startswith(("memory/peak_", "memory/held_"))}:
+    for name in {k for r in rows for k in r if k.startswith(("memory/peak_", "memory/held_", "memory/activations"))}:
         breakdown[name.removeprefix("memory/")] = max(r.get(name, 0.0) for r in rows)
     return [r["time/step"] for r in rows], sum(r["completions/mean_length"] for r in rows) / len(rows), breakdown
 
