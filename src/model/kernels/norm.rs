@@ -4,13 +4,14 @@
 //!
 //! The backward kernel returns d input, d weight (and d bias) stacked in
 //! one (N + 2, H) tensor, split by views: candle's custom ops have one
-//! output. The CUDA kernels (f32 and bf16, arithmetic in f32) return d input
-//! and each row's part of d weight, (2N, H), summed over rows afterwards.
+//! output. The CUDA kernels (f32 and bf16, arithmetic in f32) write d input
+//! in the input's dtype and each row's part of d weight in f32, summed over
+//! rows afterwards.
 //! The statistics of each row are recomputed rather than stored.
 
 #[cfg(feature = "cuda")]
 use candle_core::CudaStorage;
-use candle_core::{CpuStorage, CustomOp2, CustomOp3, DType, Layout, Result, Shape, Tensor};
+use candle_core::{CpuStorage, CustomOp2, CustomOp3, Layout, Result, Shape, Tensor};
 use rayon::prelude::*;
 
 use super::math::{sum_of, with_avx2};
@@ -142,20 +143,54 @@ impl CustomOp3 for LayerNorm {
     }
 
     fn bwd(&self, x: &Tensor, w: &Tensor, _b: &Tensor, _y: &Tensor, grad: &Tensor) -> Result<BwdOut3> {
+        if x.device().is_cuda() {
+            let (dx, dw, db) = gpu_grads("layer_norm_bwd", x, w, grad, self.eps, true)?;
+            return Ok((Some(dx), Some(dw), db));
+        }
         let n = x.dim(0)?;
         let all = x.apply_op3_no_bwd(w, &grad.contiguous()?, &LayerNormGrad { eps: self.eps })?;
-        if x.device().is_cpu() {
-            return Ok((Some(all.narrow(0, 0, n)?), Some(all.get(n)?), Some(all.get(n + 1)?)));
-        }
-        // The CUDA kernel's rows: d x, then each row's part of d weight.
-        let dx = all.narrow(0, 0, n)?.to_dtype(x.dtype())?;
-        let dw = all.narrow(0, n, n)?.sum(0)?.to_dtype(w.dtype())?;
-        let db = grad.to_dtype(DType::F32)?.sum(0)?.to_dtype(w.dtype())?;
-        Ok((Some(dx), Some(dw), Some(db)))
+        Ok((Some(all.narrow(0, 0, n)?), Some(all.get(n)?), Some(all.get(n + 1)?)))
     }
 }
 
 type BwdOut3 = (Option<Tensor>, Option<Tensor>, Option<Tensor>);
+
+/// A norm's gradients on a GPU: the kernel writes d x in the input's dtype
+/// and each row's part of d weight in f32, which a product with a row of
+/// ones sums (cuBLAS reads the rows in order; candle's sum over the first
+/// dimension strides across them); d bias, when asked, is d y's sum the
+/// same way.
+fn gpu_grads(kernel: &str, x: &Tensor, w: &Tensor, grad: &Tensor, eps: f32, bias: bool) -> Result<BwdOut3Some> {
+    #[cfg(feature = "cuda")]
+    {
+        use candle_core::{op::BackpropOp, Storage};
+        let grad = grad.contiguous()?;
+        let (dx, rows) = {
+            let ((xs, x_l), (ws, w_l), (gs, g_l)) =
+                (x.storage_and_layout(), w.storage_and_layout(), grad.storage_and_layout());
+            let (Storage::Cuda(xs), Storage::Cuda(ws), Storage::Cuda(gs)) = (&*xs, &*ws, &*gs) else {
+                candle_core::bail!("{kernel}: an input is not on the GPU")
+            };
+            super::cuda::norm_bwd(kernel, (xs, x_l), (ws, w_l), (gs, g_l), eps)?
+        };
+        let (n, h) = (x.dim(0)?, w.elem_count());
+        let dx = Tensor::from_storage(Storage::Cuda(dx), x.shape(), BackpropOp::none(), false);
+        let rows = Tensor::from_storage(Storage::Cuda(rows), (n, h), BackpropOp::none(), false);
+        let column_sums = |t: &Tensor| -> Result<Tensor> {
+            Tensor::ones((1, n), t.dtype(), t.device())?.matmul(t)?.reshape(h)?.to_dtype(w.dtype())
+        };
+        let db = if bias { Some(column_sums(&grad)?) } else { None };
+        Ok((dx, column_sums(&rows)?, db))
+    }
+    #[cfg(not(feature = "cuda"))]
+    {
+        let _ = (x, w, grad, eps, bias);
+        candle_core::bail!("{kernel} runs on CUDA only")
+    }
+}
+
+/// d x, d weight and d bias (when asked).
+type BwdOut3Some = (Tensor, Tensor, Option<Tensor>);
 
 /// (x, weight, d y) -> [d x; d weight; d bias].
 struct LayerNormGrad {
@@ -201,19 +236,6 @@ impl CustomOp3 for LayerNormGrad {
         });
         Ok((CpuStorage::F32(out), Shape::from((n + 2, h))))
     }
-
-    #[cfg(feature = "cuda")]
-    fn cuda_fwd(
-        &self,
-        x: &CudaStorage,
-        x_l: &Layout,
-        w: &CudaStorage,
-        w_l: &Layout,
-        g: &CudaStorage,
-        g_l: &Layout,
-    ) -> Result<(CudaStorage, Shape)> {
-        super::cuda::norm_bwd("layer_norm_bwd", (x, x_l), (w, w_l), (g, g_l), self.eps)
-    }
 }
 
 struct RmsNorm {
@@ -242,11 +264,13 @@ impl CustomOp2 for RmsNorm {
     }
 
     fn bwd(&self, x: &Tensor, w: &Tensor, _y: &Tensor, grad: &Tensor) -> Result<(Option<Tensor>, Option<Tensor>)> {
+        if x.device().is_cuda() {
+            let (dx, dw, _) = gpu_grads("rms_norm_bwd", x, w, grad, self.eps, false)?;
+            return Ok((Some(dx), Some(dw)));
+        }
         let n = x.dim(0)?;
         let all = x.apply_op3_no_bwd(w, &grad.contiguous()?, &RmsNormGrad { eps: self.eps })?;
-        // d x, then d weight (CPU) or each row's part of it (CUDA).
-        let dw = all.narrow(0, n, all.dim(0)? - n)?.sum(0)?.to_dtype(w.dtype())?;
-        Ok((Some(all.narrow(0, 0, n)?.to_dtype(x.dtype())?), Some(dw)))
+        Ok((Some(all.narrow(0, 0, n)?), Some(all.get(n)?)))
     }
 }
 
@@ -287,18 +311,5 @@ impl CustomOp3 for RmsNormGrad {
             }
         });
         Ok((CpuStorage::F32(out), Shape::from((n + 1, h))))
-    }
-
-    #[cfg(feature = "cuda")]
-    fn cuda_fwd(
-        &self,
-        x: &CudaStorage,
-        x_l: &Layout,
-        w: &CudaStorage,
-        w_l: &Layout,
-        g: &CudaStorage,
-        g_l: &Layout,
-    ) -> Result<(CudaStorage, Shape)> {
-        super::cuda::norm_bwd("rms_norm_bwd", (x, x_l), (w, w_l), (g, g_l), self.eps)
     }
 }

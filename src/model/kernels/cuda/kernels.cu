@@ -60,16 +60,16 @@ __device__ void rms_norm_fwd(const T* x, const T* w, T* y, int h, float eps) {
     for (int j = threadIdx.x; j < h; j += blockDim.x) yr[j] = from_f32<T>(to_f32(xr[j]) * r * to_f32(w[j]));
 }
 
-// out (2N, H) f32: rows [0, N) d x; rows [N, 2N) each row's part of d w,
-// g x r (summed over rows by the caller).
+// d x (N, H) in T, and each row's part of d w in f32 (N, H), g x r (summed
+// over rows by the caller).
 template <typename T>
-__device__ void rms_norm_bwd(const T* x, const T* w, const T* g, float* out, int n, int h, float eps) {
+__device__ void rms_norm_bwd(const T* x, const T* w, const T* g, T* dx_out, float* dw_out, int h, float eps) {
     __shared__ float scratch[32];
     const size_t row = blockIdx.x;
     const T* xr = x + row * h;
     const T* gr = g + row * h;
-    float* dx = out + row * h;
-    float* dw = out + ((size_t)n + row) * h;
+    T* dx = dx_out + row * h;
+    float* dw = dw_out + row * h;
     float sq = 0.f;
     for (int j = threadIdx.x; j < h; j += blockDim.x) {
         float v = to_f32(xr[j]);
@@ -81,7 +81,7 @@ __device__ void rms_norm_bwd(const T* x, const T* w, const T* g, float* out, int
     const float mean_gx = block_sum(gx, scratch) / h;
     for (int j = threadIdx.x; j < h; j += blockDim.x) {
         const float xv = to_f32(xr[j]), gv = to_f32(gr[j]);
-        dx[j] = r * (gv * to_f32(w[j]) - xv * r * mean_gx);
+        dx[j] = from_f32<T>(r * (gv * to_f32(w[j]) - xv * r * mean_gx));
         dw[j] = gv * xv * r;
     }
 }
@@ -113,15 +113,16 @@ __device__ void layer_norm_fwd(const T* x, const T* w, const T* b, T* y, int h, 
         yr[j] = from_f32<T>((to_f32(xr[j]) - mean) * rstd * to_f32(w[j]) + to_f32(b[j]));
 }
 
-// out (2N, H) f32: d x, then each row's part of d w, g x^ (d b is the sum of g).
+// d x (N, H) in T, and each row's part of d w in f32 (N, H), g x^ (d b is
+// the sum of g).
 template <typename T>
-__device__ void layer_norm_bwd(const T* x, const T* w, const T* g, float* out, int n, int h, float eps) {
+__device__ void layer_norm_bwd(const T* x, const T* w, const T* g, T* dx_out, float* dw_out, int h, float eps) {
     __shared__ float scratch[32];
     const size_t row = blockIdx.x;
     const T* xr = x + row * h;
     const T* gr = g + row * h;
-    float* dx = out + row * h;
-    float* dw = out + ((size_t)n + row) * h;
+    T* dx = dx_out + row * h;
+    float* dw = dw_out + row * h;
     float mean, rstd;
     row_moments(xr, h, eps, scratch, &mean, &rstd);
     float sg = 0.f, sgx = 0.f;
@@ -134,7 +135,7 @@ __device__ void layer_norm_bwd(const T* x, const T* w, const T* g, float* out, i
     const float mean_gx = block_sum(sgx, scratch) / h;
     for (int j = threadIdx.x; j < h; j += blockDim.x) {
         const float xh = (to_f32(xr[j]) - mean) * rstd, gv = to_f32(gr[j]);
-        dx[j] = rstd * (gv * to_f32(w[j]) - mean_g - xh * mean_gx);
+        dx[j] = from_f32<T>(rstd * (gv * to_f32(w[j]) - mean_g - xh * mean_gx));
         dw[j] = gv * xh;
     }
 }
@@ -143,17 +144,17 @@ __device__ void layer_norm_bwd(const T* x, const T* w, const T* g, float* out, i
     extern "C" __global__ void rms_norm_fwd_##S(const T* x, const T* w, T* y, int h, float eps) {          \
         rms_norm_fwd<T>(x, w, y, h, eps);                                                                  \
     }                                                                                                      \
-    extern "C" __global__ void rms_norm_bwd_##S(const T* x, const T* w, const T* g, float* out, int n,      \
+    extern "C" __global__ void rms_norm_bwd_##S(const T* x, const T* w, const T* g, T* dx, float* dw,       \
                                                 int h, float eps) {                                        \
-        rms_norm_bwd<T>(x, w, g, out, n, h, eps);                                                          \
+        rms_norm_bwd<T>(x, w, g, dx, dw, h, eps);                                                          \
     }                                                                                                      \
     extern "C" __global__ void layer_norm_fwd_##S(const T* x, const T* w, const T* b, T* y, int h,         \
                                                   float eps) {                                             \
         layer_norm_fwd<T>(x, w, b, y, h, eps);                                                             \
     }                                                                                                      \
-    extern "C" __global__ void layer_norm_bwd_##S(const T* x, const T* w, const T* g, float* out, int n,    \
+    extern "C" __global__ void layer_norm_bwd_##S(const T* x, const T* w, const T* g, T* dx, float* dw,     \
                                                   int h, float eps) {                                      \
-        layer_norm_bwd<T>(x, w, g, out, n, h, eps);                                                        \
+        layer_norm_bwd<T>(x, w, g, dx, dw, h, eps);                                                        \
     }
 
 NORMS(float, f32)

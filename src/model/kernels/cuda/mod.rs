@@ -99,31 +99,39 @@ fn norm_fwd_as<T: CudaDType + DeviceRepr>(
     Ok(CudaStorage::wrap_cuda_slice(y, dev))
 }
 
-/// A norm's backward from x, weight and d y (N, H): f32 (2N, H), d x then
-/// each row's part of d weight.
-pub fn norm_bwd(kernel: &str, (x, x_l): In, (w, w_l): In, (g, g_l): In, eps: f32) -> Result<(CudaStorage, Shape)> {
+/// A norm's backward from x, weight and d y (N, H): d x (N, H) in x's
+/// dtype, and each row's part of d weight, f32 (N, H).
+pub fn norm_bwd(
+    kernel: &str,
+    (x, x_l): In,
+    (w, w_l): In,
+    (g, g_l): In,
+    eps: f32,
+) -> Result<(CudaStorage, CudaStorage)> {
     fn run<T: CudaDType + DeviceRepr>(
         name: &str,
         (x, x_l): In,
         (w, w_l): In,
         (g, g_l): In,
         eps: f32,
-    ) -> Result<CudaStorage> {
+    ) -> Result<(CudaStorage, CudaStorage)> {
         let dev = x.device.clone();
         let (xs, ws, gs) = (view::<T>(x, x_l)?, view::<T>(w, w_l)?, view::<T>(g, g_l)?);
         let (h, n) = (ws.len(), xs.len() / ws.len());
-        // Safety: every element is written by the kernel.
-        let mut out = unsafe { dev.alloc::<f32>(2 * n * h) }?;
+        if gs.len() != n * h {
+            candle_core::bail!("{name}: a gradient of {} elements for {n} rows of {h}", gs.len());
+        }
+        // Safety: every element of both is written by the kernel.
+        let (mut dx, mut dw) = unsafe { (dev.alloc::<T>(n * h)?, dev.alloc::<f32>(n * h)?) };
         let func = dev.get_or_load_custom_func(name, "rloo", PTX)?;
-        let (n32, h32) = (n as i32, h as i32);
+        let h32 = h as i32;
         let mut args = func.builder();
-        args.arg(&xs).arg(&ws).arg(&gs).arg(&mut out).arg(&n32).arg(&h32).arg(&eps);
+        args.arg(&xs).arg(&ws).arg(&gs).arg(&mut dx).arg(&mut dw).arg(&h32).arg(&eps);
         // Safety: the argument list matches the kernel's signature.
         unsafe { args.launch(per_row(n, h)) }.w()?;
-        Ok(CudaStorage::wrap_cuda_slice(out, dev))
+        Ok((CudaStorage::wrap_cuda_slice(dx, dev.clone()), CudaStorage::wrap_cuda_slice(dw, dev)))
     }
-    let out = by_dtype!(x.dtype(), run(&typed(kernel, x.dtype())?, (x, x_l), (w, w_l), (g, g_l), eps))?;
-    Ok((out, Shape::from((2 * x_l.dims()[0], w_l.shape().elem_count()))))
+    by_dtype!(x.dtype(), run(&typed(kernel, x.dtype())?, (x, x_l), (w, w_l), (g, g_l), eps))
 }
 
 /// (N, 2) [log-prob of the target, entropy] per row of f32 logits (N, V)
