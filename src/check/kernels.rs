@@ -24,6 +24,7 @@ const CUDA_KERNELS: &[&str] = &[
     "rms_norm",
     "activation",
     "sum3",
+    "embedding",
     "rotary",
     "attention",
     "qkv_attention",
@@ -225,6 +226,17 @@ pub fn check_kernels(device: &Device, dtypes: &[DType]) -> Vec<Check> {
             &[x.clone(), a, m],
             &|t| (&t[0] + &t[1])? + &t[2],
             &|t| kernels::sum3(&t[0], &t[1], &t[2]),
+            device,
+            dtype,
+            rng,
+        ));
+        // Ids that repeat, and rows of the table that none reads.
+        let ids: Vec<u32> = (0..130).map(|i| (i * 7 % 33) as u32).collect();
+        out.push(compare(
+            "embedding",
+            &[randn(rng, &[40, 96], 0.0, 1.0)],
+            &|t| t[0].index_select(&Tensor::new(ids.as_slice(), t[0].device())?, 0),
+            &|t| kernels::embedding(&t[0], &Tensor::new(ids.as_slice(), t[0].device())?),
             device,
             dtype,
             rng,

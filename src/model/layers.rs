@@ -215,7 +215,7 @@ fn rotated_heads(qkv: &Qkv, ctx: &Context) -> Result<(Tensor, Tensor, Tensor)> {
 pub fn embed(table: &Tensor, ids: &Tensor) -> Result<Tensor> {
     let (b, t) = ids.dims2()?;
     let hidden = table.dim(1)?;
-    table.index_select(&ids.flatten_all()?, 0)?.reshape((b, t, hidden))
+    kernels::embedding(table, &ids.flatten_all()?)?.reshape((b, t, hidden))
 }
 
 /// A dense layer with a PyTorch-layout weight (out, in), and optionally a

@@ -974,6 +974,18 @@ __device__ __forceinline__ void philox4x32_10(uint32_t c[4], uint32_t k0, uint32
     }
 }
 
+// ---- An embedding table's gradient, a block per row (embedding.cuh).
+
+#include "embedding.cuh"
+
+#define EMBEDDING(T, S)                                                                                     \
+    extern "C" __global__ void embedding_grad_##S(const T* grad, const uint32_t* ids, T* out, int n, int h) { \
+        embedding_grad<T>(grad, ids, out, n, h);                                                            \
+    }
+
+EMBEDDING(float, f32)
+EMBEDDING(bf16, bf16)
+
 // ---- Dropout by counter (LoRA's inputs): element i is kept when word i % 4
 // of Philox at counter (i / 4, i / 2^34, 0, 0) is below `threshold`, and then
 // scaled; as `Mask::kept` on the CPU. A thread takes four elements, one draw.

@@ -398,6 +398,35 @@ pub fn activation((x, x_l): In, grad: Option<In>, act: i32) -> Result<CudaStorag
     by_dtype!(x.dtype(), run(&name, (x, x_l), grad, act))
 }
 
+/// The gradient (V, H) of an embedding table of `v` rows from its lookups'
+/// gradient (N, H) at `ids` (N, u32), a block per row (embedding.cuh).
+pub fn embedding_grad((g, g_l): In, (ids, ids_l): In, v: usize) -> Result<CudaStorage> {
+    fn run<T: CudaDType + DeviceRepr>(name: &str, (g, g_l): In, (ids, ids_l): In, v: usize) -> Result<CudaStorage> {
+        let dev = g.device.clone();
+        let (gs, is) = (view::<T>(g, g_l)?, view::<u32>(ids, ids_l)?);
+        let n = is.len();
+        let h = gs.len() / n.max(1);
+        if gs.len() != n * h {
+            candle_core::bail!("embedding_grad: a gradient of {} elements for {n} ids", gs.len());
+        }
+        // Safety: every element is written by the kernel (each row's slabs cover its columns).
+        let mut out = unsafe { dev.alloc::<T>(v * h) }?;
+        let func = dev.get_or_load_custom_func(name, "rloo", PTX)?;
+        let (n32, h32) = (n as i32, h as i32);
+        let mut args = func.builder();
+        args.arg(&gs).arg(&is).arg(&mut out).arg(&n32).arg(&h32);
+        const THREADS: usize = 256;
+        const COLUMNS: usize = 4; // EMBEDDING_COLUMNS
+        let slabs = h.div_ceil(THREADS * COLUMNS).max(1) as u32;
+        let cfg =
+            LaunchConfig { grid_dim: (v as u32, slabs, 1), block_dim: (THREADS as u32, 1, 1), shared_mem_bytes: 0 };
+        // Safety: the argument list matches the kernel's signature.
+        unsafe { args.launch(cfg) }.w()?;
+        Ok(CudaStorage::wrap_cuda_slice(out, dev))
+    }
+    by_dtype!(g.dtype(), run(&typed("embedding_grad", g.dtype())?, (g, g_l), (ids, ids_l), v))
+}
+
 /// `(x + a) + b` of three contiguous inputs of one size.
 pub fn sum3((x, x_l): In, (a, a_l): In, (b, b_l): In) -> Result<CudaStorage> {
     fn run<T: CudaDType + DeviceRepr>(name: &str, (x, x_l): In, (a, a_l): In, (b, b_l): In) -> Result<CudaStorage> {
