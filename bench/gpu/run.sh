@@ -16,9 +16,11 @@
 #   nccl      one RLOO run on the GPU through every collective of a job
 #             (RLOO_DIST_BACKEND=nccl, one rank) beside the same run alone
 #   profile   the kernels of a short generation (16 new tokens) and of one
-#             short RLOO step at the first of SIZES, by total time, with the
-#             host's CUDA calls, from Nsight Systems (else Nsight Compute,
-#             bench/gpu/kernels.py); not in the default parts
+#             RLOO step's training phase over one micro-batch (16 prompts x 4
+#             x 128 tokens, the benchmark's micro-batch) at the first of
+#             SIZES, by total time, with the host's CUDA calls, from Nsight
+#             Systems (else Nsight Compute, bench/gpu/kernels.py); not in the
+#             default parts
 #
 # Env: OUT         results and logs (default $OUT, else /tmp/rloo-gpu-bench)
 #      SIZES       generation models: 410m 1b (default both)
@@ -42,6 +44,7 @@
 #                  out, lanes, composed), and how dense layers add their biases
 #                  (RLOO_DENSE_BIAS: pass when left out, or epilogue); default
 #                  flash+fused+graph flash+fused tensor
+#      PROFILED    what `profile` profiles: generate train (default both)
 #      PEER        on (default), or off: rloo's runs alone, without transformers' generate
 #                  and TRL (for a short call whose peer figures an earlier one on the card gave)
 #      RUNS        generation runs of each side (default 3)
@@ -71,6 +74,7 @@ MODELS=${MODELS:-/tmp/rloo-gpu-models}
 DEVICE=${DEVICE:-cuda}
 PY=${PY:-python3}
 PEER=${PEER:-on}
+PROFILED=${PROFILED:-generate train}
 PARTS=${*:-peaks generate train nccl}
 PROMPTS=64 K=4 NEW=128
 export RLOO=${RLOO:-$ROOT/.cuda/bin/rloo} PYTHONUNBUFFERED=1 TOKENIZERS_PARALLELISM=false
@@ -222,15 +226,15 @@ if part profile && [[ $DEVICE == cuda ]]; then
                 "$PY" bench/gpu/kernels.py "$OUT/profile-$name.csv" >"$OUT/profile-$name.txt" && cat "$OUT/profile-$name.txt"
             fi
         }
-        profiled generate - "${rloo_cmd[@]}" generate --device cuda --bf16 --model "$dir/policy" \
+        [[ " $PROFILED " != *" generate "* ]] || profiled generate - "${rloo_cmd[@]}" generate --device cuda --bf16 --model "$dir/policy" \
             --prompts "$OUT/profile-prompts.jsonl" --output "$OUT/profile-generate.jsonl" --num-return-sequences $K \
             --max-new-tokens 16 --temperature 1.0 --batch-size $((16 * K)) --ignore-eos --seed 1
         run=$OUT/profile-train
         sed -e "s|@MODELS@|$dir|" -e "s|@DEVICE@|cuda|" -e "s|@OUT@|$run|" -e "s|@MICRO@|$((16 * K))|" \
             -e "s|@ACCUMULATION@|1|" -e "s|@EPISODES@|$((16 * K))|" -e "s|@CHECKPOINTING@|false|" \
             -e "s|^path = \"$dir/prompts.jsonl\"|path = \"$OUT/profile-prompts.jsonl\"|" \
-            -e "s|^response_length = .*|response_length = 32|" bench/gpu/rloo.toml.in >"$run.toml"
-        profiled train training "${rloo_cmd[@]}" train "$run.toml"
+            bench/gpu/rloo.toml.in >"$run.toml"
+        [[ " $PROFILED " != *" train "* ]] || profiled train training "${rloo_cmd[@]}" train "$run.toml"
     fi
 fi
 

@@ -16,7 +16,8 @@
 #      with a key per lane in decoding and the biases in the epilogues;
 #   4. the same two at 1B;
 #   5. LoRA (r = 16, all linear layers, dropout 0.05) at 1B against TRL
-#      with PEFT, the defaults.
+#      with PEFT, the defaults;
+#   6. the kernels of the training phase over one micro-batch at 410m.
 # Logs stay in OUT; the benchmark's table (bench/gpu/report.py) prints last.
 #
 #   bench/gpu/session.sh                 # OUT=/tmp/rloo-gpu-session
@@ -47,4 +48,5 @@ for size in 410m 1b; do
         ATTENTION="flash+fused+graph flash+fused+graph+lanes+epilogue" bench/gpu/run.sh train
 done
 part train-1b-lora 120 env ARMS=1b-lora TRAIN_RUNS=1 STEPS=3 ATTENTION=flash+fused+graph bench/gpu/run.sh train
+part profile 60 env SIZES=410m PROFILED=train bench/gpu/run.sh profile
 "$PY" bench/gpu/report.py "$OUT" | tee "$OUT/table.txt"
