@@ -15,8 +15,8 @@
 #      from the fused projection, recorded decoding steps) and the same
 #      with a key per lane in decoding and the biases in the epilogues;
 #   4. the same two at 1B;
-#   5. LoRA (r = 16, all linear layers, dropout 0.05) at 1B against TRL
-#      with PEFT, the defaults;
+#   5. LoRA (r = 16, all linear layers) at 1B against TRL with PEFT, the
+#      defaults;
 #   6. the kernels of the training phase over one micro-batch at 410m.
 # Logs stay in OUT; the benchmark's table (bench/gpu/report.py) prints last.
 #
