@@ -21,6 +21,7 @@ const CUDA_KERNELS: &[&str] = &[
     "activation_linear",
     "lora",
     "layer_norm",
+    "norm_linear",
     "rms_norm",
     "activation",
     "sum3",
@@ -196,6 +197,17 @@ pub fn check_kernels(device: &Device, dtypes: &[DType]) -> Vec<Check> {
             &[x.clone(), g.clone(), beta],
             &|t| kernels::layer_norm(&t[0], &t[1], &t[2], 1e-5),
             &|t| kernels::layer_norm(&t[0], &t[1], &t[2], 1e-5),
+            device,
+            dtype,
+            rng,
+        ));
+        // A norm and the dense layer it feeds, as one op.
+        let (norm_w, norm_b) = (randn(rng, &[96], 1.0, 0.2), randn(rng, &[96], 0.0, 0.2));
+        out.push(compare(
+            "norm_linear",
+            &[x.clone(), norm_w, norm_b, w.clone(), b.clone()],
+            &|t| kernels::linear(&kernels::layer_norm(&t[0], &t[1], &t[2], 1e-5)?, &t[3], Some(&t[4])),
+            &|t| kernels::norm_linear(&t[0], (&t[1], &t[2], 1e-5), &t[3], &t[4]),
             device,
             dtype,
             rng,

@@ -185,6 +185,7 @@ impl Decoder {
         })
     }
 
+    /// Attention on the input norm of `x`.
     fn attention(
         &self,
         blk: &Block,
@@ -196,7 +197,7 @@ impl Decoder {
         let (b, t, _) = x.dims3()?;
         let (heads, d) = (self.cfg.num_heads, self.cfg.head_dim);
         // The fused projection is laid out per head: (B, T, H, 3 * D) = [q | k | v].
-        let fused = blk.query_key_value.forward(x)?;
+        let fused = blk.query_key_value.forward_normed(&blk.input_layernorm, x)?;
         let qkv = fused.reshape((b, t, heads, 3 * d))?;
         let qkv = Qkv {
             q: qkv.narrow(D::Minus1, 0, d)?,
@@ -208,8 +209,10 @@ impl Decoder {
         blk.dense.forward(&out)
     }
 
+    /// The MLP on the post-attention norm of `x`.
     fn mlp(&self, blk: &Block, x: &Tensor) -> TResult<Tensor> {
-        blk.dense_4h_to_h.forward_activated(&blk.dense_h_to_4h.forward(x)?, self.cfg.act)
+        let wide = blk.dense_h_to_4h.forward_normed(&blk.post_attention_layernorm, x)?;
+        blk.dense_4h_to_h.forward_activated(&wide, self.cfg.act)
     }
 }
 
@@ -224,13 +227,13 @@ impl super::Decoder for Decoder {
 
     fn block(&self, layer: usize, x: &Tensor, ctx: &Context, cache: Option<&mut KvCache>) -> TResult<Tensor> {
         let blk = &self.layers[layer];
-        let attn = self.attention(blk, &blk.input_layernorm.forward(x)?, ctx, cache, layer)?;
+        let attn = self.attention(blk, x, ctx, cache, layer)?;
         if self.cfg.use_parallel_residual {
-            let mlp = self.mlp(blk, &blk.post_attention_layernorm.forward(x)?)?;
+            let mlp = self.mlp(blk, x)?;
             kernels::sum3(x, &attn, &mlp)
         } else {
             let x = (x + attn)?;
-            let mlp = self.mlp(blk, &blk.post_attention_layernorm.forward(&x)?)?;
+            let mlp = self.mlp(blk, &x)?;
             x + mlp
         }
     }

@@ -252,6 +252,15 @@ impl Linear {
         }
     }
 
+    /// `forward(norm(x))`, where the training graph keeps `x` alone (a
+    /// layer with a bias and no adapter).
+    pub fn forward_normed(&self, norm: &LayerNorm, x: &Tensor) -> Result<Tensor> {
+        match (&self.adapter, &self.bias) {
+            (None, Some(b)) => kernels::norm_linear(x, (&norm.weight, &norm.bias, norm.eps), &self.weight, b),
+            _ => self.forward(&norm.forward(x)?),
+        }
+    }
+
     /// `forward(act(u))`, where the training graph keeps `u` alone.
     pub fn forward_activated(&self, u: &Tensor, act: Activation) -> Result<Tensor> {
         match &self.adapter {

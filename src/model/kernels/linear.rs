@@ -166,15 +166,19 @@ impl CustomOp3 for CudaLinear {
             Some(act) => elementwise::grad_without_graph(x, &dx, act)?,
             None => dx,
         };
-        // The sum over rows as a product with a row of ones: cuBLAS reads the
-        // rows in order, where candle's sum over the first dimension strides
-        // across them.
         let db = match b.track_op() {
-            true => Some(Tensor::ones((1, rows), g.dtype(), g.device())?.matmul(&g)?.reshape(n)?),
+            true => Some(row_sums(&g)?.reshape(n)?),
             false => None,
         };
         Ok((Some(dx), dw, db))
     }
+}
+
+/// The sum over the rows of `g` (rows, n), as (1, n): a product with a row
+/// of ones, which cuBLAS reads in order, where candle's sum over the first
+/// dimension strides across them.
+pub(super) fn row_sums(g: &Tensor) -> Result<Tensor> {
+    Tensor::ones((1, g.dim(0)?), g.dtype(), g.device())?.matmul(g)
 }
 
 /// `w` row-major or the transposed view of a row-major tensor, which the
@@ -190,7 +194,7 @@ pub(super) fn weight_layout(w: &Tensor) -> Result<Tensor> {
 struct Linear;
 
 /// Rows, input and output widths of `x` (..., in) against `w` (out, in).
-fn sizes(op: &str, x_l: &Layout, w_l: &Layout) -> Result<(usize, usize, usize)> {
+pub(super) fn sizes(op: &str, x_l: &Layout, w_l: &Layout) -> Result<(usize, usize, usize)> {
     let (&k, lead) = x_l.dims().split_last().unwrap_or((&0, &[]));
     let [n, w_k] = w_l.dims() else { candle_core::bail!("{op}: the weight must be 2-d, got {:?}", w_l.dims()) };
     if *w_k != k {
@@ -360,7 +364,12 @@ type FwdResult = Result<(CpuStorage, Shape)>;
 /// views of it. A frozen weight (one that records no graph, such as a base
 /// weight under LoRA) gets no d w, which saves a product as large as the
 /// forward's.
-fn grads(x: &Tensor, w: &Tensor, grad: &Tensor, bias: bool) -> Result<(Tensor, Option<Tensor>, Option<Tensor>)> {
+pub(super) fn grads(
+    x: &Tensor,
+    w: &Tensor,
+    grad: &Tensor,
+    bias: bool,
+) -> Result<(Tensor, Option<Tensor>, Option<Tensor>)> {
     let (n, k) = w.dims2()?;
     let m = x.elem_count() / k.max(1);
     let weight = w.track_op();

@@ -119,14 +119,7 @@ impl CustomOp3 for LayerNorm {
         b_l: &Layout,
     ) -> Result<(CpuStorage, Shape)> {
         let (x, w, b) = (contiguous_f32(x, x_l)?, contiguous_f32(w, w_l)?, contiguous_f32(b, b_l)?);
-        let h = w.len();
-        let y = map_rows(x, h, |x, y| {
-            let (mean, rstd) = moments(x, self.eps);
-            for (((y, x), w), b) in y.iter_mut().zip(x).zip(w).zip(b) {
-                *y = (x - mean) * rstd * w + b;
-            }
-        });
-        Ok((CpuStorage::F32(y), x_l.shape().clone()))
+        Ok((CpuStorage::F32(layer_norm_rows(x, w, b, self.eps)), x_l.shape().clone()))
     }
 
     #[cfg(feature = "cuda")]
@@ -143,23 +136,44 @@ impl CustomOp3 for LayerNorm {
     }
 
     fn bwd(&self, x: &Tensor, w: &Tensor, _b: &Tensor, _y: &Tensor, grad: &Tensor) -> Result<BwdOut3> {
-        if x.device().is_cuda() {
-            let (dx, dw, db) = gpu_grads("layer_norm_bwd", x, w, grad, self.eps, true)?;
-            return Ok((Some(dx), Some(dw), db));
-        }
-        let n = x.dim(0)?;
-        let all = x.apply_op3_no_bwd(w, &grad.contiguous()?, &LayerNormGrad { eps: self.eps })?;
-        Ok((Some(all.narrow(0, 0, n)?), Some(all.get(n)?), Some(all.get(n + 1)?)))
+        let (dx, dw, db) = layer_norm_grads(x, w, grad, self.eps)?;
+        Ok((Some(dx), Some(dw), Some(db)))
     }
+}
+
+/// The layer norm of each row of `x` (rows of `w.len()`), in f32.
+pub(super) fn layer_norm_rows(x: &[f32], w: &[f32], b: &[f32], eps: f32) -> Vec<f32> {
+    map_rows(x, w.len(), |x, y| {
+        let (mean, rstd) = moments(x, eps);
+        for (((y, x), w), b) in y.iter_mut().zip(x).zip(w).zip(b) {
+            *y = (x - mean) * rstd * w + b;
+        }
+    })
+}
+
+/// [`layer_norm`] of rows `x` (N, H), recording no backward: for a
+/// backward that makes the norm's output again.
+pub(super) fn layer_norm_without_graph(x: &Tensor, w: &Tensor, b: &Tensor, eps: f32) -> Result<Tensor> {
+    x.apply_op3_no_bwd(w, b, &LayerNorm { eps })
+}
+
+/// d x, d weight and d bias of a layer norm of rows `x` (N, H) for d y.
+pub(super) fn layer_norm_grads(x: &Tensor, w: &Tensor, grad: &Tensor, eps: f32) -> Result<(Tensor, Tensor, Tensor)> {
+    if x.device().is_cuda() {
+        let (dx, dw, db) = gpu_grads("layer_norm_bwd", x, w, grad, eps, true)?;
+        let db = db.ok_or_else(|| candle_core::Error::Msg("layer-norm: no bias gradient".into()))?;
+        return Ok((dx, dw, db));
+    }
+    let n = x.dim(0)?;
+    let all = x.apply_op3_no_bwd(w, &grad.contiguous()?, &LayerNormGrad { eps })?;
+    Ok((all.narrow(0, 0, n)?, all.get(n)?, all.get(n + 1)?))
 }
 
 type BwdOut3 = (Option<Tensor>, Option<Tensor>, Option<Tensor>);
 
 /// A norm's gradients on a GPU: the kernel writes d x in the input's dtype
-/// and each row's part of d weight in f32, which a product with a row of
-/// ones sums (cuBLAS reads the rows in order; candle's sum over the first
-/// dimension strides across them); d bias, when asked, is d y's sum the
-/// same way.
+/// and each row's part of d weight in f32, summed by a product with a row
+/// of ones (`row_sums`); d bias, when asked, is d y's sum the same way.
 fn gpu_grads(kernel: &str, x: &Tensor, w: &Tensor, grad: &Tensor, eps: f32, bias: bool) -> Result<BwdOut3Some> {
     #[cfg(feature = "cuda")]
     {
@@ -176,9 +190,7 @@ fn gpu_grads(kernel: &str, x: &Tensor, w: &Tensor, grad: &Tensor, eps: f32, bias
         let (n, h) = (x.dim(0)?, w.elem_count());
         let dx = Tensor::from_storage(Storage::Cuda(dx), x.shape(), BackpropOp::none(), false);
         let rows = Tensor::from_storage(Storage::Cuda(rows), (n, h), BackpropOp::none(), false);
-        let column_sums = |t: &Tensor| -> Result<Tensor> {
-            Tensor::ones((1, n), t.dtype(), t.device())?.matmul(t)?.reshape(h)?.to_dtype(w.dtype())
-        };
+        let column_sums = |t: &Tensor| super::linear::row_sums(t)?.reshape(h)?.to_dtype(w.dtype());
         let db = if bias { Some(column_sums(&grad)?) } else { None };
         Ok((dx, column_sums(&rows)?, db))
     }

@@ -1,0 +1,122 @@
+//! A layer norm and the dense layer it feeds, as one op while the layer
+//! trains: `LN(x) W^T + b` keeps only `x` (which a block keeps anyway, for
+//! its residual), where the two ops also kept the norm's output, a tensor
+//! of the layer's size per norm; the backward makes it again (one pass over
+//! x). The norm's weight and bias and the layer's bias reach the op as one
+//! vector, their concatenation in the graph, since a candle op takes three
+//! inputs; the backward hands each its part. On the CPU the values and
+//! gradients are the two ops', to the bit.
+
+use candle_core::{CpuStorage, CustomOp3, DType, Layout, Result, Shape, Tensor, D};
+
+use super::linear::{dense, dense_bias_epilogue, grads, out_shape, sizes, weight_layout, Operand};
+use super::norm::{layer_norm_grads, layer_norm_rows, layer_norm_without_graph};
+use super::{contiguous_f32, fused, on_cuda};
+
+/// `layer_norm(x, norm weight, norm bias, eps) @ w^T + b` for `x` (..., in)
+/// and a PyTorch-layout `w` (out, in): one op where `w` trains (on the CPU
+/// in f32, or on a GPU), else the two.
+pub fn norm_linear(x: &Tensor, norm: (&Tensor, &Tensor, f64), w: &Tensor, b: &Tensor) -> Result<Tensor> {
+    let (norm_w, norm_b, eps) = norm;
+    let k = x.dim(D::Minus1)?;
+    let fits = w.rank() == 2
+        && w.dim(1)? == k
+        && norm_w.dims() == [k]
+        && norm_b.dims() == [k]
+        && b.dims() == [w.dim(0)?]
+        && x.elem_count() > 0;
+    let all = [x, norm_w, norm_b, w, b];
+    if !(fits && w.track_op() && (all.iter().all(|t| fused(t)) || on_cuda(&all))) {
+        return super::linear(&super::layer_norm(x, norm_w, norm_b, eps)?, w, Some(b));
+    }
+    let epilogue = x.device().is_cuda() && x.dtype() == DType::BF16 && dense_bias_epilogue()?;
+    let rows = x.contiguous()?.reshape(((), k))?;
+    let vectors = Tensor::cat(&[norm_w, norm_b, b], 0)?;
+    let out = rows.apply_op3(&weight_layout(w)?, &vectors, NormLinear { eps: eps as f32, epilogue })?;
+    let mut dims = x.dims().to_vec();
+    *dims.last_mut().expect("x has a last dimension") = w.dim(0)?;
+    out.reshape(dims)
+}
+
+/// Rows (N, in), the weight, and [norm weight; norm bias; bias].
+struct NormLinear {
+    eps: f32,
+    #[cfg_attr(not(feature = "cuda"), allow(dead_code))]
+    epilogue: bool,
+}
+
+impl CustomOp3 for NormLinear {
+    fn name(&self) -> &'static str {
+        "norm-linear"
+    }
+
+    fn cpu_fwd(
+        &self,
+        x: &CpuStorage,
+        x_l: &Layout,
+        w: &CpuStorage,
+        w_l: &Layout,
+        v: &CpuStorage,
+        v_l: &Layout,
+    ) -> Result<(CpuStorage, Shape)> {
+        let (_, k, n) = sizes(self.name(), x_l, w_l)?;
+        let v = contiguous_f32(v, v_l)?;
+        let y = layer_norm_rows(contiguous_f32(x, x_l)?, &v[..k], &v[k..2 * k], self.eps);
+        let out = dense(&y, x_l, Operand::weight(w, w_l)?, w_l, Some(&v[2 * k..2 * k + n]))?;
+        Ok((CpuStorage::F32(out), out_shape(x_l, n)))
+    }
+
+    #[cfg(feature = "cuda")]
+    fn cuda_fwd(
+        &self,
+        x: &candle_core::CudaStorage,
+        x_l: &Layout,
+        w: &candle_core::CudaStorage,
+        w_l: &Layout,
+        v: &candle_core::CudaStorage,
+        v_l: &Layout,
+    ) -> Result<(candle_core::CudaStorage, Shape)> {
+        use candle_core::backend::BackendStorage;
+        let (m, k, n) = sizes(self.name(), x_l, w_l)?;
+        let at = v_l.start_offset();
+        let part = |offset: usize, len: usize| Layout::contiguous_with_offset(len, at + offset);
+        let norm = [(v, &part(0, k)), (v, &part(k, k))];
+        let y = super::cuda::norm_fwd("layer_norm_fwd", x, x_l, &norm, self.eps)?;
+        let (y_l, bias_l) = (Layout::contiguous((m, k)), part(2 * k, n));
+        let out = match self.epilogue {
+            true => super::cuda::linear_bias_epilogue((&y, &y_l), (w, w_l), (v, &bias_l), (m, k, n))?,
+            false => {
+                let product = y.matmul(w, (1, m, n, k), &y_l, &w_l.transpose(0, 1)?)?;
+                super::cuda::bias_rows((&product, &Layout::contiguous((m, n))), (v, &bias_l))?
+            }
+        };
+        Ok((out, out_shape(x_l, n)))
+    }
+
+    fn bwd(
+        &self,
+        x: &Tensor,
+        w: &Tensor,
+        v: &Tensor,
+        _: &Tensor,
+        grad: &Tensor,
+    ) -> Result<(Option<Tensor>, Option<Tensor>, Option<Tensor>)> {
+        let (k, n) = (x.dim(1)?, w.dim(0)?);
+        let (x, v) = (x.detach(), v.detach());
+        let (norm_w, norm_b) = (v.narrow(0, 0, k)?, v.narrow(0, k, k)?);
+        let y = layer_norm_without_graph(&x, &norm_w, &norm_b, self.eps)?;
+        let (dy, dw, db) = match x.device().is_cpu() {
+            true => grads(&y, w, grad, true)?,
+            false => {
+                let g = grad.contiguous()?;
+                let dw = g.t()?.matmul(&y)?;
+                drop(y);
+                let db = super::linear::row_sums(&g)?.reshape(n)?;
+                (g.matmul(w)?, Some(dw), Some(db))
+            }
+        };
+        let db = db.ok_or_else(|| candle_core::Error::Msg("norm-linear: no bias gradient".into()))?;
+        let (dx, d_norm_w, d_norm_b) = layer_norm_grads(&x, &norm_w, &dy, self.eps)?;
+        Ok((Some(dx), dw, Some(Tensor::cat(&[&d_norm_w, &d_norm_b, &db], 0)?)))
+    }
+}
