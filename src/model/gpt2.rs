@@ -219,6 +219,7 @@ impl Decoder {
         })
     }
 
+    /// Attention on the first norm of `x`.
     fn attention(
         &self,
         blk: &Block,
@@ -231,7 +232,7 @@ impl Decoder {
         let heads = self.cfg.num_heads;
         let d = h / heads;
         // c_attn gives [q | k | v] along the feature axis, each (B, T, H * D).
-        let qkv = blk.c_attn.forward(x)?;
+        let qkv = blk.c_attn.forward_normed(&blk.ln_1, x)?;
         let split = |i: usize| qkv.narrow(D::Minus1, i * h, h)?.reshape((b, t, heads, d));
         let mut scale = if self.cfg.scale_attn_weights { 1.0 / (d as f64).sqrt() } else { 1.0 };
         if self.cfg.scale_attn_by_inverse_layer_idx {
@@ -255,8 +256,8 @@ impl super::Decoder for Decoder {
 
     fn block(&self, layer: usize, x: &Tensor, ctx: &Context, cache: Option<&mut KvCache>) -> TResult<Tensor> {
         let blk = &self.layers[layer];
-        let x = (x + self.attention(blk, &blk.ln_1.forward(x)?, ctx, cache, layer)?)?;
-        let mlp = blk.mlp_proj.forward_activated(&blk.c_fc.forward(&blk.ln_2.forward(&x)?)?, self.cfg.act)?;
+        let x = (x + self.attention(blk, x, ctx, cache, layer)?)?;
+        let mlp = blk.mlp_proj.forward_activated(&blk.c_fc.forward_normed(&blk.ln_2, &x)?, self.cfg.act)?;
         x + mlp
     }
 
