@@ -116,7 +116,6 @@ impl CustomOp3 for CudaLinear {
         b: &candle_core::CudaStorage,
         b_l: &Layout,
     ) -> Result<(candle_core::CudaStorage, Shape)> {
-        use candle_core::backend::BackendStorage;
         let (rows, k, n) = sizes(self.name(), x_l, w_l)?;
         // x is contiguous (the caller made it so): one (rows, k) matrix whatever its rank.
         let mut x_rows = Layout::contiguous_with_offset((rows, k), x_l.start_offset());
@@ -129,12 +128,7 @@ impl CustomOp3 for CudaLinear {
             }
             None => x,
         };
-        if self.epilogue {
-            let out = super::cuda::linear_bias_epilogue((x, &x_rows), (w, w_l), (b, b_l), (rows, k, n))?;
-            return Ok((out, out_shape(x_l, n)));
-        }
-        let product = x.matmul(w, (1, rows, n, k), &x_rows, &w_l.transpose(0, 1)?)?;
-        let out = super::cuda::bias_rows((&product, &Layout::contiguous((rows, n))), (b, b_l))?;
+        let out = cuda_dense((x, &x_rows), (w, w_l), (b, b_l), (rows, k, n), self.epilogue)?;
         Ok((out, out_shape(x_l, n)))
     }
 
@@ -172,6 +166,24 @@ impl CustomOp3 for CudaLinear {
         };
         Ok((Some(dx), dw, db))
     }
+}
+
+/// `x (rows, k) @ w^T + b` on a GPU: cuBLAS's product, then the bias in a
+/// pass of its own, or in cuBLASLt's epilogue when `epilogue` (bf16).
+#[cfg(feature = "cuda")]
+pub(super) fn cuda_dense(
+    (x, x_l): (&candle_core::CudaStorage, &Layout),
+    (w, w_l): (&candle_core::CudaStorage, &Layout),
+    (b, b_l): (&candle_core::CudaStorage, &Layout),
+    (rows, k, n): (usize, usize, usize),
+    epilogue: bool,
+) -> Result<candle_core::CudaStorage> {
+    use candle_core::backend::BackendStorage;
+    if epilogue {
+        return super::cuda::linear_bias_epilogue((x, x_l), (w, w_l), (b, b_l), (rows, k, n));
+    }
+    let product = x.matmul(w, (1, rows, n, k), x_l, &w_l.transpose(0, 1)?)?;
+    super::cuda::bias_rows((&product, &Layout::contiguous((rows, n))), (b, b_l))
 }
 
 /// The sum over the rows of `g` (rows, n), as (1, n): a product with a row

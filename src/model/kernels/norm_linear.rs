@@ -76,20 +76,13 @@ impl CustomOp3 for NormLinear {
         v: &candle_core::CudaStorage,
         v_l: &Layout,
     ) -> Result<(candle_core::CudaStorage, Shape)> {
-        use candle_core::backend::BackendStorage;
         let (m, k, n) = sizes(self.name(), x_l, w_l)?;
         let at = v_l.start_offset();
         let part = |offset: usize, len: usize| Layout::contiguous_with_offset(len, at + offset);
         let norm = [(v, &part(0, k)), (v, &part(k, k))];
         let y = super::cuda::norm_fwd("layer_norm_fwd", x, x_l, &norm, self.eps)?;
         let (y_l, bias_l) = (Layout::contiguous((m, k)), part(2 * k, n));
-        let out = match self.epilogue {
-            true => super::cuda::linear_bias_epilogue((&y, &y_l), (w, w_l), (v, &bias_l), (m, k, n))?,
-            false => {
-                let product = y.matmul(w, (1, m, n, k), &y_l, &w_l.transpose(0, 1)?)?;
-                super::cuda::bias_rows((&product, &Layout::contiguous((m, n))), (v, &bias_l))?
-            }
-        };
+        let out = super::linear::cuda_dense((&y, &y_l), (w, w_l), (v, &bias_l), (m, k, n), self.epilogue)?;
         Ok((out, out_shape(x_l, n)))
     }
 
