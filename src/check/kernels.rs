@@ -19,6 +19,7 @@ use crate::rng::Rng;
 const CUDA_KERNELS: &[&str] = &[
     "linear",
     "activation_linear",
+    "gated_linear",
     "lora",
     "layer_norm",
     "norm_linear",
@@ -173,6 +174,18 @@ pub fn check_kernels(device: &Device, dtypes: &[DType]) -> Vec<Check> {
                 rng,
             ));
         }
+        // A gated MLP's output layer on its two inputs, which the backward
+        // multiplies again.
+        let up = randn(rng, x.dims(), 0.0, 1.0);
+        out.push(compare(
+            "gated_linear",
+            &[x.clone(), up, w.clone()],
+            &|t| kernels::linear(&(kernels::activation(&t[0], Activation::Silu)? * &t[1])?, &t[2], None),
+            &|t| kernels::gated_linear(&t[0], &t[1], Activation::Silu, &t[2]),
+            device,
+            dtype,
+            rng,
+        ));
         // A LoRA adapter over a frozen base (its weight and bias no inputs),
         // with its input dropped out by one mask on both sides; also on an
         // activated input.

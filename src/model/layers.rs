@@ -261,6 +261,15 @@ impl Linear {
         }
     }
 
+    /// `forward(act(gate) * up)`, where the training graph keeps `gate` and
+    /// `up` alone (a layer with no bias and no adapter).
+    pub fn forward_gated(&self, gate: &Tensor, up: &Tensor, act: Activation) -> Result<Tensor> {
+        match (&self.adapter, &self.bias) {
+            (None, None) => kernels::gated_linear(gate, up, act, &self.weight),
+            _ => self.forward(&(kernels::activation(gate, act)? * up)?),
+        }
+    }
+
     /// `forward(act(u))`, where the training graph keeps `u` alone.
     pub fn forward_activated(&self, u: &Tensor, act: Activation) -> Result<Tensor> {
         match &self.adapter {

@@ -276,8 +276,7 @@ impl Decoder {
     }
 
     fn mlp(&self, m: &Mlp, x: &Tensor) -> TResult<Tensor> {
-        let gate = kernels::activation(&m.gate_proj.forward(x)?, self.cfg.act)?;
-        m.down_proj.forward(&(gate * m.up_proj.forward(x)?)?)
+        m.down_proj.forward_gated(&m.gate_proj.forward(x)?, &m.up_proj.forward(x)?, self.cfg.act)
     }
 }
 

@@ -13,6 +13,7 @@ mod attention;
 pub(crate) mod cuda;
 mod decode_attention;
 mod elementwise;
+mod gated;
 mod linear;
 mod lora;
 pub(crate) mod math;
@@ -31,6 +32,7 @@ pub use decode_attention::{
     DecodeAttention,
 };
 pub use elementwise::{activation, embedding, sum3};
+pub use gated::gated_linear;
 pub use linear::{activation_linear, dense_bias_epilogue, linear, linear_with, DENSE_BIAS_VAR};
 pub use lora::{lora_forward, LoraLayer, Mask};
 pub use norm::{layer_norm, rms_norm};

@@ -1,0 +1,98 @@
+//! A gated MLP's output layer, `(act(gate) * up) @ w^T`, as one op
+//! (Llama, Qwen, Mistral: `down_proj` without a bias): it keeps `gate` and
+//! `up`, where the composition also kept `act(gate)` and the product, two
+//! more tensors of the MLP's width; the backward makes them again. On the
+//! CPU the values and gradients are the composition's, to the bit.
+
+use candle_core::{CpuStorage, CustomOp3, Layout, Result, Shape, Tensor};
+
+use super::elementwise::{self, apply, grad_without_graph, without_graph};
+use super::linear::{dense, grads, out_shape, sizes, weight_layout, Operand};
+use super::{contiguous_f32, fused, on_cuda};
+use crate::model::ops::Activation;
+
+/// `(act(gate) * up) @ w^T` for `gate`, `up` (..., in) and a PyTorch-layout
+/// `w` (out, in).
+pub fn gated_linear(gate: &Tensor, up: &Tensor, act: Activation, w: &Tensor) -> Result<Tensor> {
+    let all = [gate, up, w];
+    let fits = gate.shape() == up.shape() && w.rank() == 2 && gate.dims().last() == Some(&w.dim(1)?);
+    if !(fits && gate.elem_count() > 0 && (all.iter().all(|t| fused(t)) || on_cuda(&all))) {
+        return super::linear(&(elementwise::activation(gate, act)? * up)?, w, None);
+    }
+    gate.contiguous()?.apply_op3(&up.contiguous()?, &weight_layout(w)?, Gated(act))
+}
+
+struct Gated(Activation);
+
+impl CustomOp3 for Gated {
+    fn name(&self) -> &'static str {
+        "gated-linear"
+    }
+
+    fn cpu_fwd(
+        &self,
+        gate: &CpuStorage,
+        gate_l: &Layout,
+        up: &CpuStorage,
+        up_l: &Layout,
+        w: &CpuStorage,
+        w_l: &Layout,
+    ) -> Result<(CpuStorage, Shape)> {
+        let (_, _, n) = sizes(self.name(), gate_l, w_l)?;
+        let mut h = apply(self.0, contiguous_f32(gate, gate_l)?);
+        h.iter_mut().zip(contiguous_f32(up, up_l)?).for_each(|(h, u)| *h *= u);
+        let out = dense(&h, gate_l, Operand::weight(w, w_l)?, w_l, None)?;
+        Ok((CpuStorage::F32(out), out_shape(gate_l, n)))
+    }
+
+    #[cfg(feature = "cuda")]
+    fn cuda_fwd(
+        &self,
+        gate: &candle_core::CudaStorage,
+        gate_l: &Layout,
+        up: &candle_core::CudaStorage,
+        up_l: &Layout,
+        w: &candle_core::CudaStorage,
+        w_l: &Layout,
+    ) -> Result<(candle_core::CudaStorage, Shape)> {
+        use candle_core::backend::BackendStorage;
+        let (m, k, n) = sizes(self.name(), gate_l, w_l)?;
+        let rows = Layout::contiguous((m, k));
+        let activated = super::cuda::activation((gate, gate_l), None, self.0 as i32)?;
+        let h = activated.binary_impl::<candle_core::op::Mul>(up, &rows, up_l)?;
+        drop(activated);
+        Ok((h.matmul(w, (1, m, n, k), &rows, &w_l.transpose(0, 1)?)?, out_shape(gate_l, n)))
+    }
+
+    fn bwd(
+        &self,
+        gate: &Tensor,
+        up: &Tensor,
+        w: &Tensor,
+        _: &Tensor,
+        grad: &Tensor,
+    ) -> Result<(Option<Tensor>, Option<Tensor>, Option<Tensor>)> {
+        let (gate, up) = (gate.detach(), up.detach());
+        let activated = without_graph(&gate, self.0)?;
+        let h = (&activated * &up)?;
+        let (dh, dw) = match gate.device().is_cpu() {
+            true => {
+                let (dh, dw, _) = grads(&h, w, grad, false)?;
+                (dh, dw)
+            }
+            false => {
+                let k = w.dim(1)?;
+                let g = grad.contiguous()?.reshape(((), w.dim(0)?))?;
+                let dw = match w.track_op() {
+                    true => Some(g.t()?.matmul(&h.reshape(((), k))?)?),
+                    false => None,
+                };
+                (g.matmul(w)?.reshape(gate.shape())?, dw)
+            }
+        };
+        drop(h);
+        let d_up = (&dh * &activated)?;
+        let d_gate = grad_without_graph(&gate, &(&dh * &up)?, self.0)?;
+        Ok((Some(d_gate), Some(d_up), dw))
+    }
+}
