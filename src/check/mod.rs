@@ -65,9 +65,8 @@ impl Check {
         Self { group, name: name.into(), dtype, value, gradient, tolerance, error: None }
     }
 
-    /// A comparison that failed to run: it fails, and the table shows why.
-    /// A check that could not run, with the first line of its error: a
-    /// row of the table, without the backtrace candle may add below it.
+    /// A check that could not run: it fails, and its row shows the first
+    /// line of the error, without the backtrace candle may add below it.
     pub fn failed(group: &'static str, name: &str, dtype: DType, error: impl std::fmt::Display) -> Self {
         let error = error.to_string().lines().next().unwrap_or_default().to_string();
         Self { error: Some(error), ..Self::new(group, name, dtype, f32::NAN, None, 0.0) }

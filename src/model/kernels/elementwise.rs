@@ -1,5 +1,6 @@
-//! Activations with their backward passes: candle's activation gradients
-//! are chains of five to ten whole-tensor ops.
+//! Activations with their backward passes (candle's activation gradients
+//! are chains of five to ten whole-tensor ops), and a residual's sum of
+//! three tensors as one node.
 
 use candle_core::{CpuStorage, CustomOp1, CustomOp2, CustomOp3, Layout, Result, Shape, Tensor};
 use rayon::prelude::*;
@@ -24,17 +25,6 @@ pub fn sum3(x: &Tensor, a: &Tensor, b: &Tensor) -> Result<Tensor> {
         return (x + a)? + b;
     }
     x.contiguous()?.apply_op3(&a.contiguous()?, &b.contiguous()?, Sum3)
-}
-
-/// Rows `ids` (N,) of `table` (V, H). On a GPU, for a table that trains,
-/// one op whose backward writes the table's gradient a row per block
-/// (`embedding.cuh`), where candle's index_add walks every position for
-/// every column on one thread each.
-pub fn embedding(table: &Tensor, ids: &Tensor) -> Result<Tensor> {
-    if !(super::on_cuda(&[table]) && table.track_op() && ids.dtype() == candle_core::DType::U32) {
-        return table.index_select(ids, 0);
-    }
-    table.contiguous()?.apply_op2(&ids.contiguous()?, Embedding)
 }
 
 /// `act` applied to each of `x`.
@@ -164,60 +154,6 @@ impl CustomOp1 for Act {
 
     fn bwd(&self, x: &Tensor, _y: &Tensor, grad: &Tensor) -> Result<Option<Tensor>> {
         Ok(Some(grad_without_graph(x, grad, self.0)?))
-    }
-}
-
-struct Embedding;
-
-impl CustomOp2 for Embedding {
-    fn name(&self) -> &'static str {
-        "embedding"
-    }
-
-    super::cuda_only_cpu_fwd!(2);
-
-    #[cfg(feature = "cuda")]
-    fn cuda_fwd(
-        &self,
-        table: &candle_core::CudaStorage,
-        table_l: &Layout,
-        ids: &candle_core::CudaStorage,
-        ids_l: &Layout,
-    ) -> Result<(candle_core::CudaStorage, Shape)> {
-        use candle_core::backend::BackendStorage;
-        let h = table_l.dims()[1];
-        Ok((table.index_select(ids, table_l, ids_l, 0)?, Shape::from((ids_l.shape().elem_count(), h))))
-    }
-
-    fn bwd(&self, table: &Tensor, ids: &Tensor, _: &Tensor, grad: &Tensor) -> Result<(Option<Tensor>, Option<Tensor>)> {
-        let grad = grad.contiguous()?;
-        Ok((Some(grad.apply_op2_no_bwd(ids, &EmbeddingGrad { rows: table.dim(0)? })?), None))
-    }
-}
-
-/// (d lookups (N, H), ids (N,)) -> d table (V, H).
-struct EmbeddingGrad {
-    #[cfg_attr(not(feature = "cuda"), allow(dead_code))]
-    rows: usize,
-}
-
-impl CustomOp2 for EmbeddingGrad {
-    fn name(&self) -> &'static str {
-        "embedding-grad"
-    }
-
-    super::cuda_only_cpu_fwd!(2);
-
-    #[cfg(feature = "cuda")]
-    fn cuda_fwd(
-        &self,
-        g: &candle_core::CudaStorage,
-        g_l: &Layout,
-        ids: &candle_core::CudaStorage,
-        ids_l: &Layout,
-    ) -> Result<(candle_core::CudaStorage, Shape)> {
-        let h = g_l.dims().last().copied().unwrap_or(0);
-        Ok((super::cuda::embedding_grad((g, g_l), (ids, ids_l), self.rows)?, Shape::from((self.rows, h))))
     }
 }
 

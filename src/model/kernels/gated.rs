@@ -7,7 +7,7 @@
 use candle_core::{CpuStorage, CustomOp3, Layout, Result, Shape, Tensor};
 
 use super::elementwise::{self, apply, grad_without_graph, without_graph};
-use super::linear::{dense, grads, out_shape, sizes, weight_layout, Operand};
+use super::linear::{dense, out_shape, product_grads, sizes, weight_layout, Operand};
 use super::{contiguous_f32, fused, on_cuda};
 use crate::model::ops::Activation;
 
@@ -75,21 +75,7 @@ impl CustomOp3 for Gated {
         let (gate, up) = (gate.detach(), up.detach());
         let activated = without_graph(&gate, self.0)?;
         let h = (&activated * &up)?;
-        let (dh, dw) = match gate.device().is_cpu() {
-            true => {
-                let (dh, dw, _) = grads(&h, w, grad, false)?;
-                (dh, dw)
-            }
-            false => {
-                let k = w.dim(1)?;
-                let g = grad.contiguous()?.reshape(((), w.dim(0)?))?;
-                let dw = match w.track_op() {
-                    true => Some(g.t()?.matmul(&h.reshape(((), k))?)?),
-                    false => None,
-                };
-                (g.matmul(w)?.reshape(gate.shape())?, dw)
-            }
-        };
+        let (dh, dw, _) = product_grads(&h, w, grad, false)?;
         drop(h);
         let d_up = (&dh * &activated)?;
         let d_gate = grad_without_graph(&gate, &(&dh * &up)?, self.0)?;

@@ -186,6 +186,31 @@ pub(super) fn cuda_dense(
     super::cuda::bias_rows((&product, &Layout::contiguous((rows, n))), (b, b_l))
 }
 
+/// d input, d w (where `w` trains) and d b (when `bias`) of
+/// `input @ w^T (+ b)` for d y `grad`: the CPU kernel's products on the
+/// CPU (f32), candle's (on a GPU, cuBLAS's) elsewhere.
+pub(super) fn product_grads(
+    input: &Tensor,
+    w: &Tensor,
+    grad: &Tensor,
+    bias: bool,
+) -> Result<(Tensor, Option<Tensor>, Option<Tensor>)> {
+    if input.device().is_cpu() {
+        return grads(input, w, grad, bias);
+    }
+    let (n, k) = w.dims2()?;
+    let g = grad.contiguous()?.reshape(((), n))?;
+    let dw = match w.track_op() {
+        true => Some(g.t()?.matmul(&input.reshape(((), k))?)?),
+        false => None,
+    };
+    let db = match bias {
+        true => Some(row_sums(&g)?.reshape(n)?),
+        false => None,
+    };
+    Ok((g.matmul(w)?.reshape(input.shape())?, dw, db))
+}
+
 /// The sum over the rows of `g` (rows, n), as (1, n): a product with a row
 /// of ones, which cuBLAS reads in order, where candle's sum over the first
 /// dimension strides across them.

@@ -63,8 +63,12 @@ impl Mask {
     }
 
     fn apply<'a>(&self, h: &'a [f32]) -> Cow<'a, [f32]> {
-        let kept = self.kept(h.len());
-        Cow::Owned(h.iter().zip(kept).map(|(&h, k)| if k { h * self.scale } else { 0.0 }).collect())
+        Cow::Owned(self.scaled(h, &self.kept(h.len())))
+    }
+
+    /// `h` with the elements `kept` says kept, scaled, and the others 0.
+    fn scaled(&self, h: &[f32], kept: &[bool]) -> Vec<f32> {
+        h.iter().zip(kept).map(|(&h, &k)| if k { h * self.scale } else { 0.0 }).collect()
     }
 }
 
@@ -356,7 +360,12 @@ impl CustomOp3 for LoraGrad {
         let (w, w_l) = cpu(&f.weight)?;
         let w = Operand::weight(cpu_storage(&w), w_l)?;
         let h = f.activated(x);
-        let dropped = f.dropped(&h);
+        // The mask, drawn once for the input and for its gradient.
+        let drawn = f.mask.map(|mask| (mask, mask.kept(m * k)));
+        let dropped = match &drawn {
+            Some((mask, kept)) => Cow::Owned(mask.scaled(&h, kept)),
+            None => Cow::Borrowed(&*h),
+        };
         let down = f.down(&dropped, (m, k, r), a);
         // d down (m, r) = s g B
         let mut d_down = Vec::with_capacity(m * r);
@@ -366,12 +375,12 @@ impl CustomOp3 for LoraGrad {
         let mut out = Vec::with_capacity(m * k + r * k + n * r);
         // d h (m, k) = g W + mask * (d down A)
         matmul(&mut out, false, m, k, n, Operand::rows(g, n), w);
-        match &f.mask {
+        match &drawn {
             None => matmul(&mut out, true, m, k, r, Operand::rows(&d_down, r), a),
-            Some(mask) => {
+            Some((mask, kept)) => {
                 let mut through = Vec::with_capacity(m * k);
                 matmul(&mut through, false, m, k, r, Operand::rows(&d_down, r), a);
-                for ((o, t), keep) in out.iter_mut().zip(through).zip(mask.kept(m * k)) {
+                for ((o, t), &keep) in out.iter_mut().zip(through).zip(kept) {
                     if keep {
                         *o += t * mask.scale;
                     }

@@ -13,6 +13,7 @@ mod attention;
 pub(crate) mod cuda;
 mod decode_attention;
 mod elementwise;
+mod embedding;
 mod gated;
 mod linear;
 mod lora;
@@ -31,7 +32,8 @@ pub use decode_attention::{
     decode_append_fused, decode_attention, decode_attention_choice, decode_attention_cuda, rotary_append_cuda,
     DecodeAttention,
 };
-pub use elementwise::{activation, embedding, sum3};
+pub use elementwise::{activation, sum3};
+pub use embedding::embedding;
 pub use gated::gated_linear;
 pub use linear::{activation_linear, dense_bias_epilogue, linear, linear_with, DENSE_BIAS_VAR};
 pub use lora::{lora_forward, LoraLayer, Mask};

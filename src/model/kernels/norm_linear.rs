@@ -9,7 +9,7 @@
 
 use candle_core::{CpuStorage, CustomOp3, DType, Layout, Result, Shape, Tensor, D};
 
-use super::linear::{dense, dense_bias_epilogue, grads, out_shape, sizes, weight_layout, Operand};
+use super::linear::{dense, dense_bias_epilogue, out_shape, product_grads, sizes, weight_layout, Operand};
 use super::norm::{layer_norm_grads, layer_norm_rows, layer_norm_without_graph};
 use super::{contiguous_f32, fused, on_cuda};
 
@@ -94,21 +94,14 @@ impl CustomOp3 for NormLinear {
         _: &Tensor,
         grad: &Tensor,
     ) -> Result<(Option<Tensor>, Option<Tensor>, Option<Tensor>)> {
-        let (k, n) = (x.dim(1)?, w.dim(0)?);
+        let k = x.dim(1)?;
         let (x, v) = (x.detach(), v.detach());
         let (norm_w, norm_b) = (v.narrow(0, 0, k)?, v.narrow(0, k, k)?);
         let y = layer_norm_without_graph(&x, &norm_w, &norm_b, self.eps)?;
-        let (dy, dw, db) = match x.device().is_cpu() {
-            true => grads(&y, w, grad, true)?,
-            false => {
-                let g = grad.contiguous()?;
-                let dw = g.t()?.matmul(&y)?;
-                drop(y);
-                let db = super::linear::row_sums(&g)?.reshape(n)?;
-                (g.matmul(w)?, Some(dw), Some(db))
-            }
+        let (dy, dw, Some(db)) = product_grads(&y, w, grad, true)? else {
+            candle_core::bail!("norm-linear: no bias gradient")
         };
-        let db = db.ok_or_else(|| candle_core::Error::Msg("norm-linear: no bias gradient".into()))?;
+        drop(y);
         let (dx, d_norm_w, d_norm_b) = layer_norm_grads(&x, &norm_w, &dy, self.eps)?;
         Ok((Some(dx), dw, Some(Tensor::cat(&[&d_norm_w, &d_norm_b, &db], 0)?)))
     }
