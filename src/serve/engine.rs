@@ -166,7 +166,8 @@ type Batch<'m> = Decoding<'m, Row>;
 /// What became of a row after its newest token.
 enum Outcome {
     Continues,
-    Finished,
+    /// With the event that tells its client, sent once the row is counted out.
+    Finished(Event),
     /// Nobody listens any more.
     Abandoned,
 }
@@ -241,17 +242,25 @@ impl EngineLoop<'_> {
     fn step(&self, batch: &mut Batch, admitted: Vec<GenRequest>) -> Result<()> {
         if !admitted.is_empty() {
             self.prefill(batch, admitted)?;
+            self.stats.running_rows.store(batch.len(), Ordering::Relaxed);
         }
-        let produced = batch.step(|row, pick, logits, i| {
-            let counter = match self.advance(row, pick, logits, i)? {
+        batch.step(|row, pick, logits, i| {
+            self.stats.generated_tokens.fetch_add(1, Ordering::Relaxed);
+            let outcome = self.advance(row, pick, logits, i)?;
+            let counter = match outcome {
                 Outcome::Continues => return Ok(Verdict::Continues),
-                Outcome::Finished => &self.stats.completed,
+                Outcome::Finished(_) => &self.stats.completed,
                 Outcome::Abandoned => &self.stats.cancelled,
             };
+            // Counted out before its client hears that it is done, so that
+            // `/health` read after the answer never shows the row running.
             counter.fetch_add(1, Ordering::Relaxed);
+            self.stats.running_rows.fetch_sub(1, Ordering::Relaxed);
+            if let Outcome::Finished(done) = outcome {
+                let _ = row.client.request.events.send(done);
+            }
             Ok(Verdict::Leaves)
         })?;
-        self.stats.generated_tokens.fetch_add(produced as u64, Ordering::Relaxed);
         Ok(())
     }
 
@@ -321,10 +330,7 @@ impl EngineLoop<'_> {
         let sent = request.events.send(Event::Token { choice, text, logprob }).is_ok();
         Ok(match finish {
             _ if !sent => Outcome::Abandoned,
-            Some(finish_reason) => {
-                let _ = request.events.send(Event::Done { choice, finish_reason, tokens: row.tokens.len() });
-                Outcome::Finished
-            }
+            Some(finish_reason) => Outcome::Finished(Event::Done { choice, finish_reason, tokens: row.tokens.len() }),
             None => Outcome::Continues,
         })
     }
