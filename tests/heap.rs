@@ -2,10 +2,18 @@
 //! test's allocations, or its reading of the peak (a training run's phases
 //! read it), would move them.
 
+use std::sync::Mutex;
+
+use candle_core::{DType, Device, Tensor, Var};
 use rloo::heap;
+use rloo::model::kernels;
+
+/// The tests here, one at a time.
+static ONE: Mutex<()> = Mutex::new(());
 
 #[test]
 fn the_peak_keeps_what_was_held_after_it_is_freed_and_starts_again_when_read() {
+    let _one = ONE.lock().unwrap_or_else(|e| e.into_inner());
     heap::take_peak();
     let before = heap::in_use();
     let big = vec![1u8; 64 << 20];
@@ -16,4 +24,37 @@ fn the_peak_keeps_what_was_held_after_it_is_freed_and_starts_again_when_read() {
     assert_eq!(heap::in_use(), before);
     assert!(heap::take_peak() >= before + (64 << 20), "the peak keeps the 64 MiB once they are freed");
     assert!(heap::take_peak() < before + (64 << 20), "and starts again from what is held");
+}
+
+/// What a training graph holds of a residual's sum `x + branch`: a plain
+/// addition keeps the branch's output until the backward; the residual sums
+/// free it once the sum is made, unless the op that made it reads it in its
+/// own backward (exp). The gradients are the same.
+#[test]
+fn residual_sums_keep_no_branch_output_the_backward_does_not_read() {
+    let _one = ONE.lock().unwrap_or_else(|e| e.into_inner());
+    let size = (1usize << 20) * 4;
+    let x = Var::ones(1 << 20, DType::F32, &Device::Cpu).unwrap();
+    let held = |branch: &dyn Fn(&Tensor) -> candle_core::Result<Tensor>,
+                sum: &dyn Fn(&Tensor, &Tensor) -> candle_core::Result<Tensor>| {
+        let before = heap::in_use();
+        let y = sum(x.as_tensor(), &branch(x.as_tensor()).unwrap()).unwrap();
+        let held = (heap::in_use() - before) as usize;
+        let grad = y.sum_all().unwrap().backward().unwrap().remove(x.as_tensor()).unwrap();
+        (held, grad.to_vec1::<f32>().unwrap()[0])
+    };
+    let affine = |x: &Tensor| x.affine(3.0, 1.0);
+    let exp = |x: &Tensor| x.exp();
+    let plain = |x: &Tensor, a: &Tensor| x + a;
+    let residual = |x: &Tensor, a: &Tensor| kernels::residual(x, a);
+    let sum3 = |x: &Tensor, a: &Tensor| kernels::sum3(x, a, &x.zeros_like()?);
+
+    let (kept, grad) = held(&affine, &plain);
+    assert!(kept >= 2 * size && grad == 4.0, "a plain addition keeps the sum and the branch");
+    for (name, sum) in [("residual", &residual as &dyn Fn(&Tensor, &Tensor) -> _), ("sum3", &sum3)] {
+        let (kept, grad) = held(&affine, sum);
+        assert!(kept < size + size / 2 && grad == 4.0, "{name} keeps the sum alone ({kept} bytes)");
+        let (kept, grad) = held(&exp, sum);
+        assert!(kept >= 2 * size && grad == 1.0 + 1f32.exp(), "{name} keeps exp's output for its backward");
+    }
 }

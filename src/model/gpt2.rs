@@ -256,9 +256,9 @@ impl super::Decoder for Decoder {
 
     fn block(&self, layer: usize, x: &Tensor, ctx: &Context, cache: Option<&mut KvCache>) -> TResult<Tensor> {
         let blk = &self.layers[layer];
-        let x = (x + self.attention(blk, x, ctx, cache, layer)?)?;
+        let x = kernels::residual(x, &self.attention(blk, x, ctx, cache, layer)?)?;
         let mlp = blk.mlp_proj.forward_activated(&blk.c_fc.forward_normed(&blk.ln_2, &x)?, self.cfg.act)?;
-        x + mlp
+        kernels::residual(&x, &mlp)
     }
 
     fn final_norm(&self, x: &Tensor) -> TResult<Tensor> {

@@ -232,9 +232,9 @@ impl super::Decoder for Decoder {
             let mlp = self.mlp(blk, x)?;
             kernels::sum3(x, &attn, &mlp)
         } else {
-            let x = (x + attn)?;
+            let x = kernels::residual(x, &attn)?;
             let mlp = self.mlp(blk, &x)?;
-            x + mlp
+            kernels::residual(&x, &mlp)
         }
     }
 

@@ -17,6 +17,7 @@
 use std::sync::{Arc, Mutex, PoisonError};
 
 use candle_core::backprop::GradStore;
+use candle_core::op::Op;
 use candle_core::{CpuStorage, CustomOp1, CustomOp2, Layout, Result, Shape, Tensor, TensorId, Var};
 
 use super::lora::Dropout;
@@ -72,32 +73,25 @@ impl LayerCuts {
 
     /// `layer(x)` as one op whose backward goes through the layer.
     pub fn apply(&self, x: &Tensor, layer: Layer) -> Result<Tensor> {
-        let cut = if self.recompute {
+        // The op is recorded only on an input that tracks gradients; the
+        // first layer's input does not when the embedding is frozen (LoRA),
+        // while the layer's own parameters still train.
+        let x = if x.track_op() { x.clone() } else { x.share_as_var() };
+        let (y, cut) = if self.recompute {
             let dropout = self.dropout.as_ref().map(Dropout::state);
             // Detached: the layer's graph, and every intermediate it holds,
             // is dropped here.
             let y = layer(&x.detach())?.contiguous()?.detach();
-            Cut {
-                output: Mutex::new(Some(y)),
-                kept: Mutex::new(None),
-                layer: Some((layer, dropout)),
-                cuts: self.clone(),
-            }
+            (y, Cut { kept: Mutex::new(None), layer: Some((layer, dropout)), cuts: self.clone() })
         } else {
-            let input = Var::from_tensor(&x.detach())?;
+            let input = Var::from_tensor(&x.share_as_var())?;
             let y = layer(input.as_tensor())?.contiguous()?;
-            Cut {
-                output: Mutex::new(Some(y.detach())),
-                kept: Mutex::new(Some((input, y))),
-                layer: None,
-                cuts: self.clone(),
-            }
+            let kept = Mutex::new(Some((input, y.clone())));
+            (y, Cut { kept, layer: None, cuts: self.clone() })
         };
-        // The op is recorded only on an input that tracks gradients; the
-        // first layer's input does not when the embedding is frozen (LoRA),
-        // while the layer's own parameters still train.
-        let x = if x.track_op() { x.clone() } else { Var::from_tensor(x)?.into_inner() };
-        x.apply_op1(cut)
+        // The op's output, the kept graph's and the next layer's input are
+        // one storage: a layer's output is held once, not copied.
+        Ok(y.share_as_op(Op::CustomOp1(x, Arc::new(Box::new(cut)))))
     }
 
     /// Adds the parameter gradients gathered since the last call to `grads`.
@@ -109,11 +103,9 @@ impl LayerCuts {
     }
 }
 
-/// One cut layer: the op's forward hands over the output computed
-/// beforehand; its backward goes through the kept graph, or a recomputed one.
+/// One cut layer: an op whose output was computed beforehand, and whose
+/// backward goes through the kept graph, or a recomputed one.
 struct Cut {
-    /// The layer's output without its graph, until the op's forward takes it.
-    output: Mutex<Option<Tensor>>,
     /// Per layer: the input leaf and the output with its graph, until the backward.
     kept: Mutex<Option<(Var, Tensor)>>,
     /// Recomputed: the layer, and the dropout stream where its forward started.
@@ -122,17 +114,6 @@ struct Cut {
 }
 
 impl Cut {
-    /// The stored output's storage, taken so that it lives only in the op's result.
-    fn take_output(&self) -> Result<(candle_core::Storage, Shape)> {
-        let y = self.output.lock().unwrap_or_else(PoisonError::into_inner).take();
-        let Some(y) = y else { candle_core::bail!("layer cut: the layer's output was already taken") };
-        let (storage, layout) = y.storage_and_layout();
-        if !layout.is_contiguous() || layout.start_offset() != 0 {
-            candle_core::bail!("layer cut: the layer's output is not a compact tensor");
-        }
-        Ok((storage.try_clone(layout)?, layout.shape().clone()))
-    }
-
     /// The layer's input leaf and output with its graph: kept, or recomputed
     /// on `x` with the dropout masks its forward drew.
     fn graph(&self, x: &Tensor) -> Result<(Var, Tensor)> {
@@ -141,7 +122,7 @@ impl Cut {
             return kept
                 .ok_or_else(|| candle_core::Error::Msg("layer cut: a second backward through one graph".into()));
         };
-        let input = Var::from_tensor(&x.detach())?;
+        let input = Var::from_tensor(&x.share_as_var())?;
         // The stream moves on from where the whole forward left it, not
         // from this replay.
         let resume = self.cuts.dropout.as_ref().zip(start.clone()).map(|(d, start)| (d, d.replace_state(start)));
@@ -159,18 +140,7 @@ impl CustomOp1 for Cut {
     }
 
     fn cpu_fwd(&self, _: &CpuStorage, _: &Layout) -> Result<(CpuStorage, Shape)> {
-        match self.take_output()? {
-            (candle_core::Storage::Cpu(s), shape) => Ok((s, shape)),
-            _ => candle_core::bail!("layer cut: the layer's output is not on the CPU"),
-        }
-    }
-
-    #[cfg(feature = "cuda")]
-    fn cuda_fwd(&self, _: &candle_core::CudaStorage, _: &Layout) -> Result<(candle_core::CudaStorage, Shape)> {
-        match self.take_output()? {
-            (candle_core::Storage::Cuda(s), shape) => Ok((s, shape)),
-            _ => candle_core::bail!("layer cut: the layer's output is not on the GPU"),
-        }
+        candle_core::bail!("layer cut: the output is the layer's, made before the op")
     }
 
     fn bwd(&self, x: &Tensor, _y: &Tensor, grad: &Tensor) -> Result<Option<Tensor>> {
@@ -225,5 +195,58 @@ impl CustomOp2 for Seed {
 
     fn bwd(&self, _: &Tensor, grad: &Tensor, _: &Tensor, _: &Tensor) -> Result<(Option<Tensor>, Option<Tensor>)> {
         Ok((Some(grad.clone()), None))
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use candle_core::{Device, Storage};
+
+    use super::*;
+
+    /// Where a CPU tensor's values start.
+    fn address(t: &Tensor) -> usize {
+        let (storage, layout) = t.storage_and_layout();
+        match &*storage {
+            Storage::Cpu(s) => s.as_slice::<f32>().unwrap()[layout.start_offset()..].as_ptr() as usize,
+            _ => unreachable!("a CPU tensor"),
+        }
+    }
+
+    /// A cut holds a layer's input and output once: the layer reads the
+    /// previous output's storage, and the op hands on the layer's own, in
+    /// both kinds of cut; the gradients are the uncut graph's.
+    #[test]
+    fn cut_layers_share_their_inputs_and_outputs_storage() {
+        let w = Var::new(&[1.5f32, -2.0, 0.5], &Device::Cpu).unwrap();
+        for graphs in [LayerGraphs::PerLayer, LayerGraphs::Recomputed] {
+            let cuts = LayerCuts::new(graphs, None).unwrap();
+            let seen = Arc::new(Mutex::new(Vec::new()));
+            let layer: Layer = {
+                let (w, seen) = (w.clone(), seen.clone());
+                Arc::new(move |x: &Tensor| {
+                    let y = x.broadcast_mul(w.as_tensor())?.tanh()?;
+                    seen.lock().unwrap().push((address(x), address(&y)));
+                    Ok(y)
+                })
+            };
+            let x = Tensor::new(&[[0.3f32, -0.7, 1.1], [2.0, 0.1, -0.4]], &Device::Cpu).unwrap();
+            let h = cuts.apply(&x, layer.clone()).unwrap();
+            let out = cuts.apply(&h, layer.clone()).unwrap();
+            let (first, second) = {
+                let seen = seen.lock().unwrap();
+                (seen[0], seen[1])
+            };
+            assert_eq!(first.0, address(&x), "{graphs:?}: the first layer's input was copied");
+            assert_eq!(first.1, address(&h), "{graphs:?}: the first layer's output was copied");
+            assert_eq!(second.0, address(&h), "{graphs:?}: the second layer's input was copied");
+            assert_eq!(second.1, address(&out), "{graphs:?}: the second layer's output was copied");
+
+            let mut grads = out.sum_all().unwrap().backward().unwrap();
+            cuts.collect(&mut grads).unwrap();
+            let whole = layer(&layer(&x).unwrap()).unwrap().sum_all().unwrap().backward().unwrap();
+            let (cut, uncut) = (grads.get(w.as_tensor()).unwrap(), whole.get(w.as_tensor()).unwrap());
+            assert_eq!(cut.to_vec1::<f32>().unwrap(), uncut.to_vec1::<f32>().unwrap(), "{graphs:?}");
+        }
     }
 }

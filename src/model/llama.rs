@@ -292,9 +292,9 @@ impl super::Decoder for Decoder {
     fn block(&self, layer: usize, x: &Tensor, ctx: &Context, cache: Option<&mut KvCache>) -> TResult<Tensor> {
         let (block, eps) = (&self.layers[layer], self.cfg.rms_norm_eps);
         let h = kernels::rms_norm(x, &block.input_layernorm, eps)?;
-        let x = (x + self.attention(&block.self_attn, &h, ctx, cache, layer)?)?;
+        let x = kernels::residual(x, &self.attention(&block.self_attn, &h, ctx, cache, layer)?)?;
         let h = kernels::rms_norm(&x, &block.post_attention_layernorm, eps)?;
-        x + self.mlp(&block.mlp, &h)?
+        kernels::residual(&x, &self.mlp(&block.mlp, &h)?)
     }
 
     fn final_norm(&self, x: &Tensor) -> TResult<Tensor> {

@@ -19,6 +19,7 @@ use serde_json::Value;
 use super::arch::{raw_config, ArchConfig, Architecture, Dims};
 use super::batch::Inputs;
 use super::cache::KvCache;
+use super::kernels;
 use super::layers::{embed, self_attention, Context, LayerNorm, Linear, Qkv};
 use super::ops::Activation;
 use super::weights::Weights;
@@ -272,11 +273,14 @@ impl super::Decoder for Decoder {
     fn block(&self, layer: usize, x: &Tensor, ctx: &Context, cache: Option<&mut KvCache>) -> TResult<Tensor> {
         let blk = &self.layers[layer];
         if self.cfg.pre_norm {
-            let x = (x + self.attention(blk, &blk.self_attn_layer_norm.forward(x)?, ctx, cache, layer)?)?;
-            &x + self.mlp(blk, &blk.final_layer_norm.forward(&x)?)?
+            let x =
+                kernels::residual(x, &self.attention(blk, &blk.self_attn_layer_norm.forward(x)?, ctx, cache, layer)?)?;
+            kernels::residual(&x, &self.mlp(blk, &blk.final_layer_norm.forward(&x)?)?)
         } else {
-            let x = blk.self_attn_layer_norm.forward(&(x + self.attention(blk, x, ctx, cache, layer)?)?)?;
-            blk.final_layer_norm.forward(&(&x + self.mlp(blk, &x)?)?)
+            let x = blk
+                .self_attn_layer_norm
+                .forward(&kernels::residual(x, &self.attention(blk, x, ctx, cache, layer)?)?)?;
+            blk.final_layer_norm.forward(&kernels::residual(&x, &self.mlp(blk, &x)?)?)
         }
     }
 

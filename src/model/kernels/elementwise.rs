@@ -1,7 +1,10 @@
 //! Activations with their backward passes (candle's activation gradients
-//! are chains of five to ten whole-tensor ops), and a residual's sum of
-//! three tensors as one node.
+//! are chains of five to ten whole-tensor ops), and residual sums whose
+//! nodes keep none of their inputs.
 
+use std::sync::Arc;
+
+use candle_core::op::{BinaryOp, Op};
 use candle_core::{CpuStorage, CustomOp1, CustomOp2, CustomOp3, Layout, Result, Shape, Tensor};
 use rayon::prelude::*;
 
@@ -17,14 +20,36 @@ pub fn activation(x: &Tensor, act: Activation) -> Result<Tensor> {
     x.contiguous()?.apply_op1(Act(act))
 }
 
-/// `(x + a) + b` as one node, where two additions keep `x + a` for the
-/// backward too (a parallel residual: the block's input, its attention's
-/// and its MLP's outputs). The same values as the two additions, to the bit.
+/// `x + a`, a residual's sum (a block's input or running sum, and a
+/// branch's output). An addition's backward reads no value, so the node
+/// records its inputs' places in the graph without their values: the
+/// branch's output is not kept for the backward, as in PyTorch.
+pub fn residual(x: &Tensor, a: &Tensor) -> Result<Tensor> {
+    let sum = (x.detach() + a.detach())?;
+    on_places(sum, &[x, a], |p| Op::Binary(p[0].clone(), p[1].clone(), BinaryOp::Add))
+}
+
+/// `(x + a) + b` as one node (a parallel residual: the block's input, its
+/// attention's and its MLP's outputs), the same values as the two
+/// additions, to the bit; like [`residual`], it keeps none of them.
 pub fn sum3(x: &Tensor, a: &Tensor, b: &Tensor) -> Result<Tensor> {
     if !(super::runs(&[x, a, b]) && x.shape() == a.shape() && x.shape() == b.shape()) {
-        return (x + a)? + b;
+        return residual(&residual(x, a)?, b);
     }
-    x.contiguous()?.apply_op3(&a.contiguous()?, &b.contiguous()?, Sum3)
+    let [xc, ac, bc] = [x, a, b].map(|t| t.detach().contiguous());
+    let sum = xc?.apply_op3(&ac?, &bc?, Sum3)?;
+    on_places(sum, &[x, a, b], |p| Op::CustomOp3(p[0].clone(), p[1].clone(), p[2].clone(), Arc::new(Box::new(Sum3))))
+}
+
+/// `values`, computed without a graph, as the output of `op` on the places
+/// of `args` (see [`Tensor::without_values`]), for an op whose backward
+/// reads none of their values; without a graph when no argument has one.
+fn on_places(values: Tensor, args: &[&Tensor], op: impl FnOnce(&[Tensor]) -> Op) -> Result<Tensor> {
+    if !args.iter().any(|t| t.track_op()) {
+        return Ok(values);
+    }
+    let places = args.iter().map(|t| t.without_values()).collect::<Result<Vec<_>>>()?;
+    Ok(values.share_as_op(op(&places)))
 }
 
 /// `act` applied to each of `x`.
@@ -162,6 +187,10 @@ struct Sum3;
 impl CustomOp3 for Sum3 {
     fn name(&self) -> &'static str {
         "sum3"
+    }
+
+    fn bwd_reads_res(&self) -> bool {
+        false
     }
 
     fn cpu_fwd(

@@ -29,6 +29,10 @@ impl CustomOp3 for Gated {
         "gated-linear"
     }
 
+    fn bwd_reads_res(&self) -> bool {
+        false
+    }
+
     fn cpu_fwd(
         &self,
         gate: &CpuStorage,

@@ -104,6 +104,10 @@ impl CustomOp3 for CudaLinear {
         "cuda-linear"
     }
 
+    fn bwd_reads_res(&self) -> bool {
+        false
+    }
+
     super::cuda_only_cpu_fwd!(3);
 
     #[cfg(feature = "cuda")]
@@ -286,6 +290,10 @@ impl CustomOp2 for Linear {
         "linear"
     }
 
+    fn bwd_reads_res(&self) -> bool {
+        false
+    }
+
     fn cpu_fwd(&self, x: &CpuStorage, x_l: &Layout, w: &CpuStorage, w_l: &Layout) -> Result<(CpuStorage, Shape)> {
         self.forward(contiguous_f32(x, x_l)?, x_l, Operand::weight(w, w_l)?, w_l, None)
     }
@@ -299,6 +307,10 @@ impl CustomOp2 for Linear {
 impl CustomOp3 for Linear {
     fn name(&self) -> &'static str {
         "linear"
+    }
+
+    fn bwd_reads_res(&self) -> bool {
+        false
     }
 
     fn cpu_fwd(
@@ -355,6 +367,10 @@ impl CustomOp2 for ActivationLinear {
         "activation-linear"
     }
 
+    fn bwd_reads_res(&self) -> bool {
+        false
+    }
+
     fn cpu_fwd(&self, u: &CpuStorage, u_l: &Layout, w: &CpuStorage, w_l: &Layout) -> FwdResult {
         self.forward(u, u_l, w, w_l, None)
     }
@@ -368,6 +384,10 @@ impl CustomOp2 for ActivationLinear {
 impl CustomOp3 for ActivationLinear {
     fn name(&self) -> &'static str {
         "activation-linear"
+    }
+
+    fn bwd_reads_res(&self) -> bool {
+        false
     }
 
     fn cpu_fwd(

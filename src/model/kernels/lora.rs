@@ -226,6 +226,10 @@ impl CustomOp3 for LoraLinear {
         "lora-linear"
     }
 
+    fn bwd_reads_res(&self) -> bool {
+        false
+    }
+
     fn cpu_fwd(
         &self,
         x: &CpuStorage,

@@ -32,7 +32,7 @@ pub use decode_attention::{
     decode_append_fused, decode_attention, decode_attention_choice, decode_attention_cuda, rotary_append_cuda,
     DecodeAttention,
 };
-pub use elementwise::{activation, sum3};
+pub use elementwise::{activation, residual, sum3};
 pub use embedding::embedding;
 pub use gated::gated_linear;
 pub use linear::{activation_linear, dense_bias_epilogue, linear, linear_with, DENSE_BIAS_VAR};

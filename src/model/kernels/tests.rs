@@ -246,10 +246,10 @@ fn adamw_matches_the_composition_over_steps() {
     assert!(max_abs_diff(&w, &w_ref) < 1e-6, "weights differ by {}", max_abs_diff(&w, &w_ref));
 }
 
-/// The residual sum as one node gives two additions' values and
-/// gradients, to the bit.
+/// The residual sums give the additions' values and gradients, to the
+/// bit (`tests/heap.rs` shows what they keep).
 #[test]
-fn sum3_is_two_additions_to_the_bit() {
+fn residual_sums_are_additions_to_the_bit() {
     let (x, a, b) = (randn(&[3, 7, 40], 0.5), randn(&[3, 7, 40], 0.0), randn(&[3, 7, 40], -0.5));
     let vars: Vec<Var> = [&x, &a, &b].iter().map(|t| Var::from_tensor(t).unwrap()).collect();
     let weights = randn(&[3, 7, 40], 0.0);
@@ -264,5 +264,7 @@ fn sum3_is_two_additions_to_the_bit() {
     let bits = |all: Vec<Vec<f32>>| {
         all.into_iter().map(|v| v.iter().map(|x| x.to_bits()).collect::<Vec<_>>()).collect::<Vec<_>>()
     };
-    assert_eq!(bits(run(&|t| sum3(&t[0], &t[1], &t[2]))), bits(run(&|t| (&t[0] + &t[1])? + &t[2])));
+    let additions = bits(run(&|t| (&t[0] + &t[1])? + &t[2]));
+    assert_eq!(bits(run(&|t| sum3(&t[0], &t[1], &t[2]))), additions);
+    assert_eq!(bits(run(&|t| residual(&residual(&t[0], &t[1])?, &t[2]))), additions);
 }

@@ -39,6 +39,13 @@ pub trait CustomOp1 {
     fn bwd(&self, _arg: &Tensor, _res: &Tensor, _grad_res: &Tensor) -> Result<Option<Tensor>> {
         Err(crate::Error::BackwardNotSupported { op: self.name() })
     }
+
+    /// Whether `bwd` reads `res`: when it does not, a consumer whose own
+    /// backward reads no values may let the result's values go (see
+    /// `Tensor::without_values`). Not in candle: see vendor/README.md.
+    fn bwd_reads_res(&self) -> bool {
+        true
+    }
 }
 
 pub trait CustomOp2 {
@@ -90,6 +97,13 @@ pub trait CustomOp2 {
         _grad_res: &Tensor,
     ) -> Result<(Option<Tensor>, Option<Tensor>)> {
         Err(crate::Error::BackwardNotSupported { op: self.name() })
+    }
+
+    /// Whether `bwd` reads `res`: when it does not, a consumer whose own
+    /// backward reads no values may let the result's values go (see
+    /// `Tensor::without_values`). Not in candle: see vendor/README.md.
+    fn bwd_reads_res(&self) -> bool {
+        true
     }
 }
 
@@ -149,6 +163,13 @@ pub trait CustomOp3 {
         _grad_res: &Tensor,
     ) -> Result<(Option<Tensor>, Option<Tensor>, Option<Tensor>)> {
         Err(crate::Error::BackwardNotSupported { op: self.name() })
+    }
+
+    /// Whether `bwd` reads `res`: when it does not, a consumer whose own
+    /// backward reads no values may let the result's values go (see
+    /// `Tensor::without_values`). Not in candle: see vendor/README.md.
+    fn bwd_reads_res(&self) -> bool {
+        true
     }
 }
 

@@ -1092,7 +1092,31 @@ impl UnaryOpT for Relu {
 #[derive(Clone)]
 pub struct BackpropOp(Option<Op>);
 
+impl Op {
+    /// Whether the backward of this op reads the values of the tensor it
+    /// made (`node` in `Tensor::backward`). Not in candle: see
+    /// vendor/README.md.
+    pub(crate) fn backward_reads_output(&self) -> bool {
+        match self {
+            Op::Binary(_, _, BinaryOp::Minimum | BinaryOp::Maximum)
+            | Op::Reduce(_, ReduceOp::Max | ReduceOp::Min, _)
+            | Op::Unary(_, UnaryOp::Exp | UnaryOp::Tanh | UnaryOp::Silu | UnaryOp::Sqrt)
+            | Op::Elu(..)
+            | Op::MaxPool2D { .. } => true,
+            Op::CustomOp1(_, c) => c.bwd_reads_res(),
+            Op::CustomOp2(_, _, c) => c.bwd_reads_res(),
+            Op::CustomOp3(_, _, _, c) => c.bwd_reads_res(),
+            _ => false,
+        }
+    }
+}
+
 impl BackpropOp {
+    /// `op`, recorded as it is (for `Tensor::share_as_op`, not in candle).
+    pub(crate) fn recorded(op: Op) -> Self {
+        BackpropOp(Some(op))
+    }
+
     pub fn none() -> Self {
         BackpropOp(None)
     }

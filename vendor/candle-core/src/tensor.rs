@@ -2392,6 +2392,59 @@ impl Tensor {
         }
     }
 
+    /// A leaf variable (the backward gives it a gradient) that shares this
+    /// tensor's storage, where `Var::from_tensor` copies it. Not in candle:
+    /// see vendor/README.md.
+    pub fn share_as_var(&self) -> Tensor {
+        self.share(BackpropOp::none(), true)
+    }
+
+    /// This tensor's values, shared, as the output of `op`: the backward
+    /// goes from it through `op` to its arguments. For values computed
+    /// beforehand, which recording the op through `apply_op*` would copy or
+    /// compute again. Not in candle: see vendor/README.md.
+    pub fn share_as_op(&self, op: Op) -> Tensor {
+        self.share(BackpropOp::recorded(op), false)
+    }
+
+    /// This tensor's place in the graph (its id, shape and the op that made
+    /// it) without its values (a storage of one element): the argument to
+    /// record, with `share_as_op`, for an op whose backward reads no value
+    /// of it (an addition), so that the graph does not keep the values
+    /// alive, as PyTorch's does not. The tensor itself where the op that
+    /// made it reads them in its own backward. Not in candle: see
+    /// vendor/README.md.
+    pub fn without_values(&self) -> Result<Tensor> {
+        if self.op.as_ref().is_some_and(Op::backward_reads_output) {
+            return Ok(self.clone());
+        }
+        // One element, not none: a GPU allocation of no bytes may fail.
+        let empty = self.device.zeros(&Shape::from(1), self.dtype)?;
+        let tensor_ = Tensor_ {
+            id: self.id,
+            storage: Arc::new(RwLock::new(empty)),
+            layout: self.layout.clone(),
+            op: self.op.clone(),
+            is_variable: self.is_variable,
+            dtype: self.dtype,
+            device: self.device.clone(),
+        };
+        Ok(Tensor(Arc::new(tensor_)))
+    }
+
+    fn share(&self, op: BackpropOp, is_variable: bool) -> Tensor {
+        let tensor_ = Tensor_ {
+            id: TensorId::new(),
+            storage: self.storage.clone(),
+            layout: self.layout.clone(),
+            op,
+            is_variable,
+            dtype: self.dtype,
+            device: self.device.clone(),
+        };
+        Tensor(Arc::new(tensor_))
+    }
+
     /// If the target device is the same as the tensor device, only a shallow copy is performed.
     pub fn to_device(&self, device: &Device) -> Result<Tensor> {
         if self.device().same_device(device) {
