@@ -7,6 +7,7 @@ use std::sync::Mutex;
 use candle_core::{DType, Device, Tensor, Var};
 use rloo::heap;
 use rloo::model::kernels;
+use rloo::model::ops::Activation;
 
 /// The tests here, one at a time.
 static ONE: Mutex<()> = Mutex::new(());
@@ -57,4 +58,34 @@ fn residual_sums_keep_no_branch_output_the_backward_does_not_read() {
         let (kept, grad) = held(&exp, sum);
         assert!(kept >= 2 * size && grad == 1.0 + 1f32.exp(), "{name} keeps exp's output for its backward");
     }
+}
+
+/// What a training forward holds of an MLP after its norm: its output, and
+/// the wide input (four times as large) unless the backward makes it again.
+#[test]
+fn a_remade_mlp_input_is_not_held_after_the_forward() {
+    let _one = ONE.lock().unwrap_or_else(|e| e.into_inner());
+    let (rows, h) = (4096, 64);
+    let var = |shape: &[usize]| Var::from_tensor(&Tensor::randn(0f32, 0.5, shape, &Device::Cpu).unwrap()).unwrap();
+    let (x, norm_w, norm_b, up_w, up_b, down_w, down_b) =
+        (var(&[rows, h]), var(&[h]), var(&[h]), var(&[4 * h, h]), var(&[4 * h]), var(&[h, 4 * h]), var(&[h]));
+    let held = |remade: bool| {
+        let before = heap::in_use();
+        let norm = (norm_w.as_tensor(), norm_b.as_tensor(), 1e-5);
+        let wide = kernels::norm_linear(&x, norm, &up_w, &up_b).unwrap();
+        let y = match remade {
+            true => {
+                let remake = kernels::norm_linear_remake(&x, norm, &up_w, &up_b).unwrap().expect("one op");
+                kernels::activation_linear_remade(&wide, Activation::Gelu, &down_w, &down_b, remake).unwrap()
+            }
+            false => kernels::activation_linear(&wide, Activation::Gelu, &down_w, Some(&down_b)).unwrap(),
+        };
+        drop(wide);
+        let held = (heap::in_use() - before) as usize;
+        drop(y);
+        held
+    };
+    let (output, wide) = (rows * h * 4, rows * 4 * h * 4);
+    assert!(held(false) >= output + wide, "kept: the output and the wide input");
+    assert!(held(true) < output + wide / 4, "remade: the output alone");
 }

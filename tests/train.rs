@@ -246,7 +246,9 @@ fn bf16_mixed_precision_learns_a_rule_reward() {
 /// With a given thread count a run is bit-identical: two runs of the same
 /// command, and two steps, a stop and two more against four steps straight,
 /// give the same weight bytes, metrics and samples (no reduction whose split
-/// depends on scheduling). Two threads, so that work is shared.
+/// depends on scheduling). Two threads, so that work is shared. The second
+/// run makes the MLPs' wide inputs again in the backward
+/// (`RLOO_MLP_INPUT=remade`), which must not change a bit either.
 #[test]
 fn the_same_seed_gives_a_bit_identical_run_and_resume() {
     bit_identical_runs_and_resume(&[], &["model.safetensors"]);
@@ -276,7 +278,7 @@ fn ppo_runs_and_resumes_bit_identically() {
 fn bit_identical_runs_and_resume(algo: &[&str], weights: &[&str]) {
     let tmp = tempfile::tempdir().unwrap();
     let prompts = write_prompts(tmp.path());
-    let run = |out: &Path, extra: &[&str]| {
+    let run_with = |out: &Path, extra: &[&str], mlp_input: &str| {
         let mut args = vec![
             "train",
             "--sft_model_path",
@@ -312,13 +314,18 @@ fn bit_identical_runs_and_resume(algo: &[&str], weights: &[&str]) {
         args[2] = &p;
         args.extend_from_slice(algo);
         args.extend_from_slice(extra);
-        let out = Command::new(env!("CARGO_BIN_EXE_rloo")).args(&args).env("RAYON_NUM_THREADS", "2").output().unwrap();
-        ok(out);
+        let command = Command::new(env!("CARGO_BIN_EXE_rloo"))
+            .args(&args)
+            .env("RAYON_NUM_THREADS", "2")
+            .env("RLOO_MLP_INPUT", mlp_input)
+            .output();
+        ok(command.unwrap());
     };
+    let run = |out: &Path, extra: &[&str]| run_with(out, extra, "kept");
     let straight = tmp.path().join("straight");
     run(&straight, &[]);
     let again = tmp.path().join("again");
-    run(&again, &[]);
+    run_with(&again, &[], "remade");
     let resumed = tmp.path().join("resumed");
     run(&resumed, &["--stop_after", "2"]);
     assert!(resumed.join("checkpoint-2").is_dir() && !resumed.join("model.safetensors").exists());

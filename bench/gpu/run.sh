@@ -35,14 +35,16 @@
 #                  replayed per step) and how dense layers add their biases (RLOO_DENSE_BIAS:
 #                  pass when left out, or epilogue); default
 #                  race+fused+fused+graph race+fused+fused+fixed race+fused+fused host+composed
-#      ATTENTION   rloo's variants in the training runs, KERNELS[+HEADS[+STEP[+DECODE[+BIAS]]]]:
+#      ATTENTION   rloo's variants in the training runs, KERNELS[+HEADS[+STEP[+DECODE[+BIAS[+MLP]]]]]:
 #                  the attention kernels for whole sequences (RLOO_ATTENTION: flash, tensor,
 #                  rows), how they get their heads from a fused projection
 #                  (RLOO_ATTENTION_HEADS: composed when left out, or fused), how the
 #                  rollouts' decoding steps are launched (RLOO_DECODE_STEP: shrink when left
 #                  out, fixed or graph) and attend (RLOO_DECODE_ATTENTION: fused when left
-#                  out, lanes, composed), and how dense layers add their biases
-#                  (RLOO_DENSE_BIAS: pass when left out, or epilogue); default
+#                  out, lanes, composed), how dense layers add their biases
+#                  (RLOO_DENSE_BIAS: pass when left out, or epilogue), and whether the
+#                  MLP's wide input is kept for the backward or made again there
+#                  (RLOO_MLP_INPUT: kept when left out, or remade); default
 #                  flash+fused+graph flash+fused tensor
 #      PROFILED    what `profile` profiles: generate train (default both)
 #      PEER        on (default), or off: rloo's runs alone, without transformers' generate
@@ -160,7 +162,7 @@ if part train; then
             fi
             for attention in $ATTENTION; do
                 log "train $arm run $i: rloo, $attention attention"
-                IFS=+ read -r kernels heads step decode bias <<<"$attention"
+                IFS=+ read -r kernels heads step decode bias mlp <<<"$attention"
                 run=$OUT/train-$arm-rloo_$attention-$i
                 sed -e "s|@MODELS@|$dir|" -e "s|@DEVICE@|$DEVICE|" -e "s|@OUT@|$run|" -e "s|@MICRO@|$MICRO|" \
                     -e "s|@ACCUMULATION@|$((COMPLETIONS_PER_STEP / MICRO))|" \
@@ -169,7 +171,7 @@ if part train; then
                 printf '\n%s\n' "$lora" >>"$run.toml"
                 RLOO_ATTENTION=$kernels RLOO_ATTENTION_HEADS=${heads:-composed} RLOO_DECODE_STEP=${step:-shrink} \
                     RLOO_DECODE_ATTENTION=${decode:-fused} RLOO_DENSE_BIAS=${bias:-pass} \
-                    RLOO_OUT=$run \
+                    RLOO_MLP_INPUT=${mlp:-kept} RLOO_OUT=$run \
                     "$PY" bench/train/measure.py rloo "$run.json" -- \
                     timeout "$LIMIT" "${rloo_cmd[@]}" train "$run.toml" >"$run.log" 2>&1 || tail -5 "$run.log"
                 # The trained model is of no further use, and would travel back with OUT.

@@ -23,6 +23,7 @@ const CUDA_KERNELS: &[&str] = &[
     "lora",
     "layer_norm",
     "norm_linear",
+    "mlp_remade",
     "rms_norm",
     "activation",
     "sum3",
@@ -221,6 +222,30 @@ pub fn check_kernels(device: &Device, dtypes: &[DType]) -> Vec<Check> {
             &[x.clone(), norm_w, norm_b, w.clone(), b.clone()],
             &|t| kernels::linear(&kernels::layer_norm(&t[0], &t[1], &t[2], 1e-5)?, &t[3], Some(&t[4])),
             &|t| kernels::norm_linear(&t[0], (&t[1], &t[2], 1e-5), &t[3], &t[4]),
+            device,
+            dtype,
+            rng,
+        ));
+        // An MLP after its norm whose backward makes the wide input again
+        // (where the norm and its dense layer run as one op).
+        let (down_w, down_b) = (randn(rng, &[96, 80], 0.0, 0.1), randn(rng, &[96], 0.0, 1.0));
+        let (norm_w, norm_b) = (randn(rng, &[96], 1.0, 0.2), randn(rng, &[96], 0.0, 0.2));
+        let act = Activation::Gelu;
+        out.push(compare(
+            "mlp_remade",
+            &[x.clone(), norm_w, norm_b, w.clone(), b.clone(), down_w, down_b],
+            &|t| {
+                let wide = kernels::linear(&kernels::layer_norm(&t[0], &t[1], &t[2], 1e-5)?, &t[3], Some(&t[4]))?;
+                kernels::activation_linear(&wide, act, &t[5], Some(&t[6]))
+            },
+            &|t| {
+                let norm = (&t[1], &t[2], 1e-5);
+                let wide = kernels::norm_linear(&t[0], norm, &t[3], &t[4])?;
+                match kernels::norm_linear_remake(&t[0], norm, &t[3], &t[4])? {
+                    Some(remake) => kernels::activation_linear_remade(&wide, act, &t[5], &t[6], remake),
+                    None => kernels::activation_linear(&wide, act, &t[5], Some(&t[6])),
+                }
+            },
             device,
             dtype,
             rng,

@@ -257,7 +257,7 @@ impl super::Decoder for Decoder {
     fn block(&self, layer: usize, x: &Tensor, ctx: &Context, cache: Option<&mut KvCache>) -> TResult<Tensor> {
         let blk = &self.layers[layer];
         let x = kernels::residual(x, &self.attention(blk, x, ctx, cache, layer)?)?;
-        let mlp = blk.mlp_proj.forward_activated(&blk.c_fc.forward_normed(&blk.ln_2, &x)?, self.cfg.act)?;
+        let mlp = blk.c_fc.forward_normed_mlp(&blk.ln_2, &x, &blk.mlp_proj, self.cfg.act)?;
         kernels::residual(&x, &mlp)
     }
 

@@ -211,8 +211,7 @@ impl Decoder {
 
     /// The MLP on the post-attention norm of `x`.
     fn mlp(&self, blk: &Block, x: &Tensor) -> TResult<Tensor> {
-        let wide = blk.dense_h_to_4h.forward_normed(&blk.post_attention_layernorm, x)?;
-        blk.dense_4h_to_h.forward_activated(&wide, self.cfg.act)
+        blk.dense_h_to_4h.forward_normed_mlp(&blk.post_attention_layernorm, x, &blk.dense_4h_to_h, self.cfg.act)
     }
 }
 

@@ -261,6 +261,24 @@ impl Linear {
         }
     }
 
+    /// `down.forward_activated(self.forward_normed(norm, x), act)`: an MLP
+    /// after its norm. With `RLOO_MLP_INPUT=remade` the training graph keeps
+    /// neither the norm's output nor the wide input (layers with biases
+    /// and no adapters): the backward makes the wide input again from `x`.
+    pub fn forward_normed_mlp(&self, norm: &LayerNorm, x: &Tensor, down: &Linear, act: Activation) -> Result<Tensor> {
+        let wide = self.forward_normed(norm, x)?;
+        let (None, None, Some(b), Some(down_b)) = (&self.adapter, &down.adapter, &self.bias, &down.bias) else {
+            return down.forward_activated(&wide, act);
+        };
+        let norm = (&norm.weight, &norm.bias, norm.eps);
+        match kernels::norm_linear_remake(x, norm, &self.weight, b)? {
+            Some(remake) if kernels::mlp_input_remade()? => {
+                kernels::activation_linear_remade(&wide, act, &down.weight, down_b, remake)
+            }
+            _ => down.forward_activated(&wide, act),
+        }
+    }
+
     /// `forward(act(gate) * up)`, where the training graph keeps `gate` and
     /// `up` alone (a layer with no bias and no adapter).
     pub fn forward_gated(&self, gate: &Tensor, up: &Tensor, act: Activation) -> Result<Tensor> {

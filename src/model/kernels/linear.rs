@@ -10,6 +10,7 @@ use candle_core::{CpuStorage, CustomOp2, CustomOp3, Layout, Result, Shape, Tenso
 use gemm::Parallelism;
 use rayon::prelude::*;
 
+use super::remade::{on_remade_input, Remake};
 use super::{contiguous_f32, elementwise, rows_per_task};
 use crate::model::ops::{self, Activation};
 
@@ -63,6 +64,27 @@ pub fn activation_linear(u: &Tensor, act: Activation, w: &Tensor, b: Option<&Ten
         Some(b) => u.apply_op3(&w, &b.contiguous()?, ActivationLinear(act)),
         None => u.apply_op2(&w, ActivationLinear(act)),
     }
+}
+
+/// [`activation_linear`] with a bias, where the training graph keeps only
+/// `u`'s place and the backward makes `u` again with `remake` (an MLP's
+/// wide input, see [`super::remade`]): the same values and gradients. As
+/// [`activation_linear`] where `u` has no graph or the op does not run.
+pub fn activation_linear_remade(u: &Tensor, act: Activation, w: &Tensor, b: &Tensor, remake: Remake) -> Result<Tensor> {
+    let (w_l, b) = (weight_layout(w)?, b.contiguous()?);
+    let inputs = || Ok::<_, candle_core::Error>((u.detach().contiguous()?, w_l.detach(), b.detach()));
+    if u.track_op() && cuda_linear_runs(u, w, &b) {
+        let epilogue = dense_bias_epilogue()? && u.dtype() == candle_core::DType::BF16;
+        let op = || CudaLinear { epilogue, act: Some(act) };
+        let (x, w_v, b_v) = inputs()?;
+        return on_remade_input(x.apply_op3(&w_v, &b_v, op())?, op(), [u, &w_l, &b], remake);
+    }
+    if u.track_op() && super::fused(u) && super::fused(w) && super::fused(&b) {
+        let (x, w_v, b_v) = inputs()?;
+        let values = x.apply_op3(&w_v, &b_v, ActivationLinear(act))?;
+        return on_remade_input(values, ActivationLinear(act), [u, &w_l, &b], remake);
+    }
+    activation_linear(u, act, w, Some(&b))
 }
 
 /// [`CudaLinear`] on `act(x)` when `act` is given, the bias in the

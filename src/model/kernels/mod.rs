@@ -21,6 +21,7 @@ pub(crate) mod math;
 mod norm;
 mod norm_linear;
 mod qkv_attention;
+mod remade;
 mod rotary;
 mod sdpa;
 mod squares;
@@ -35,11 +36,14 @@ pub use decode_attention::{
 pub use elementwise::{activation, residual, sum3};
 pub use embedding::embedding;
 pub use gated::gated_linear;
-pub use linear::{activation_linear, dense_bias_epilogue, linear, linear_with, DENSE_BIAS_VAR};
+pub use linear::{
+    activation_linear, activation_linear_remade, dense_bias_epilogue, linear, linear_with, DENSE_BIAS_VAR,
+};
 pub use lora::{lora_forward, LoraLayer, Mask};
 pub use norm::{layer_norm, rms_norm};
-pub use norm_linear::norm_linear;
+pub use norm_linear::{norm_linear, norm_linear_remake};
 pub use qkv_attention::{attention_heads_fused, qkv_attention, ATTENTION_HEADS_VAR};
+pub use remade::{mlp_input_remade, Remake, MLP_INPUT_VAR};
 pub use rotary::{rotary, rotate, RotaryTables};
 pub use sdpa::{attention_kernels, sdpa, sdpa_with, AttentionKernels, ATTENTION_VAR};
 pub use squares::sums_of_squares;

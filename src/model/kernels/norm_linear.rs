@@ -7,17 +7,40 @@
 //! inputs; the backward hands each its part. On the CPU the values and
 //! gradients are the two ops', to the bit.
 
+use std::sync::Arc;
+
 use candle_core::{CpuStorage, CustomOp3, DType, Layout, Result, Shape, Tensor, D};
 
 use super::linear::{dense, dense_bias_epilogue, out_shape, product_grads, sizes, weight_layout, Operand};
 use super::norm::{layer_norm_grads, layer_norm_rows, layer_norm_without_graph};
+use super::remade::Remake;
 use super::{contiguous_f32, fused, on_cuda};
 
 /// `layer_norm(x, norm weight, norm bias, eps) @ w^T + b` for `x` (..., in)
 /// and a PyTorch-layout `w` (out, in): one op where `w` trains (on the CPU
 /// in f32, or on a GPU), else the two.
 pub fn norm_linear(x: &Tensor, norm: (&Tensor, &Tensor, f64), w: &Tensor, b: &Tensor) -> Result<Tensor> {
-    let (norm_w, norm_b, eps) = norm;
+    if !(runs_as_op(x, norm, w, b)? && w.track_op()) {
+        let (norm_w, norm_b, eps) = norm;
+        return super::linear(&super::layer_norm(x, norm_w, norm_b, eps)?, w, Some(b));
+    }
+    apply(x, norm, w, b)
+}
+
+/// What makes [`norm_linear`]'s values again, without a graph, for a
+/// backward that did not keep them (see `kernels::activation_linear_remade`):
+/// None where it does not run as one op.
+pub fn norm_linear_remake(x: &Tensor, norm: (&Tensor, &Tensor, f64), w: &Tensor, b: &Tensor) -> Result<Option<Remake>> {
+    if !(runs_as_op(x, norm, w, b)? && w.track_op()) {
+        return Ok(None);
+    }
+    let (x, norm_w, norm_b, w, b) = (x.detach(), norm.0.detach(), norm.1.detach(), w.detach(), b.detach());
+    let eps = norm.2;
+    Ok(Some(Arc::new(move || apply(&x, (&norm_w, &norm_b, eps), &w, &b))))
+}
+
+fn runs_as_op(x: &Tensor, norm: (&Tensor, &Tensor, f64), w: &Tensor, b: &Tensor) -> Result<bool> {
+    let (norm_w, norm_b, _) = norm;
     let k = x.dim(D::Minus1)?;
     let fits = w.rank() == 2
         && w.dim(1)? == k
@@ -26,19 +49,20 @@ pub fn norm_linear(x: &Tensor, norm: (&Tensor, &Tensor, f64), w: &Tensor, b: &Te
         && b.dims() == [w.dim(0)?]
         && x.elem_count() > 0;
     let all = [x, norm_w, norm_b, w, b];
-    if !(fits && w.track_op() && (all.iter().all(|t| fused(t)) || on_cuda(&all))) {
-        return super::linear(&super::layer_norm(x, norm_w, norm_b, eps)?, w, Some(b));
-    }
-    let epilogue = x.device().is_cuda() && x.dtype() == DType::BF16 && dense_bias_epilogue()?;
-    let rows = x.contiguous()?.reshape(((), k))?;
-    let vectors = Tensor::cat(&[norm_w, norm_b, b], 0)?;
-    let out = rows.apply_op3(&weight_layout(w)?, &vectors, NormLinear { eps: eps as f32, epilogue })?;
-    let mut dims = x.dims().to_vec();
-    *dims.last_mut().expect("x has a last dimension") = w.dim(0)?;
-    out.reshape(dims)
+    Ok(fits && (all.iter().all(|t| fused(t)) || on_cuda(&all)))
 }
 
-/// Rows (N, in), the weight, and [norm weight; norm bias; bias].
+/// The op on `x` as it is shaped: its output has no reshape node, whose
+/// argument would keep the values for a graph that records only their
+/// place (`Tensor::without_values`).
+fn apply(x: &Tensor, norm: (&Tensor, &Tensor, f64), w: &Tensor, b: &Tensor) -> Result<Tensor> {
+    let (norm_w, norm_b, eps) = norm;
+    let epilogue = x.device().is_cuda() && x.dtype() == DType::BF16 && dense_bias_epilogue()?;
+    let vectors = Tensor::cat(&[norm_w, norm_b, b], 0)?;
+    x.contiguous()?.apply_op3(&weight_layout(w)?, &vectors, NormLinear { eps: eps as f32, epilogue })
+}
+
+/// x (..., in), the weight, and [norm weight; norm bias; bias].
 struct NormLinear {
     eps: f32,
     #[cfg_attr(not(feature = "cuda"), allow(dead_code))]
@@ -48,6 +72,10 @@ struct NormLinear {
 impl CustomOp3 for NormLinear {
     fn name(&self) -> &'static str {
         "norm-linear"
+    }
+
+    fn bwd_reads_res(&self) -> bool {
+        false
     }
 
     fn cpu_fwd(
@@ -94,15 +122,15 @@ impl CustomOp3 for NormLinear {
         _: &Tensor,
         grad: &Tensor,
     ) -> Result<(Option<Tensor>, Option<Tensor>, Option<Tensor>)> {
-        let k = x.dim(1)?;
-        let (x, v) = (x.detach(), v.detach());
+        let (k, n) = (x.dim(D::Minus1)?, w.dim(0)?);
+        let (x_rows, v) = (x.detach().reshape(((), k))?, v.detach());
         let (norm_w, norm_b) = (v.narrow(0, 0, k)?, v.narrow(0, k, k)?);
-        let y = layer_norm_without_graph(&x, &norm_w, &norm_b, self.eps)?;
-        let (dy, dw, Some(db)) = product_grads(&y, w, grad, true)? else {
+        let y = layer_norm_without_graph(&x_rows, &norm_w, &norm_b, self.eps)?;
+        let (dy, dw, Some(db)) = product_grads(&y, w, &grad.reshape(((), n))?, true)? else {
             candle_core::bail!("norm-linear: no bias gradient")
         };
         drop(y);
-        let (dx, d_norm_w, d_norm_b) = layer_norm_grads(&x, &norm_w, &dy, self.eps)?;
-        Ok((Some(dx), dw, Some(Tensor::cat(&[&d_norm_w, &d_norm_b, &db], 0)?)))
+        let (dx, d_norm_w, d_norm_b) = layer_norm_grads(&x_rows, &norm_w, &dy, self.eps)?;
+        Ok((Some(dx.reshape(x.shape())?), dw, Some(Tensor::cat(&[&d_norm_w, &d_norm_b, &db], 0)?)))
     }
 }

@@ -268,3 +268,31 @@ fn residual_sums_are_additions_to_the_bit() {
     assert_eq!(bits(run(&|t| sum3(&t[0], &t[1], &t[2]))), additions);
     assert_eq!(bits(run(&|t| residual(&residual(&t[0], &t[1])?, &t[2]))), additions);
 }
+
+/// An MLP whose wide input the backward makes again gives the values and
+/// gradients of one that keeps it, to the bit (`tests/heap.rs` shows what
+/// each keeps).
+#[test]
+fn a_remade_mlp_input_changes_no_bit() {
+    let shapes: [&[usize]; 7] = [&[2, 5, 16], &[16], &[16], &[64, 16], &[64], &[16, 64], &[16]];
+    let inputs = shapes.map(|s| Var::from_tensor(&randn(s, 0.1)).unwrap());
+    let weights = randn(&[2, 5, 16], 0.0);
+    let bits = |t: &Tensor| t.flatten_all().unwrap().to_vec1::<f32>().unwrap().iter().map(|x| x.to_bits()).collect();
+    let run = |remade: bool| -> Vec<Vec<u32>> {
+        let t: Vec<Tensor> = inputs.iter().map(|v| v.as_tensor().clone()).collect();
+        let norm = (&t[1], &t[2], 1e-5);
+        let wide = norm_linear(&t[0], norm, &t[3], &t[4]).unwrap();
+        let y = match remade {
+            true => {
+                let remake = norm_linear_remake(&t[0], norm, &t[3], &t[4]).unwrap().expect("one op");
+                activation_linear_remade(&wide, Activation::Gelu, &t[5], &t[6], remake).unwrap()
+            }
+            false => activation_linear(&wide, Activation::Gelu, &t[5], Some(&t[6])).unwrap(),
+        };
+        let grads = (&y * &weights).unwrap().sum_all().unwrap().backward().unwrap();
+        let mut all = vec![bits(&y)];
+        all.extend(inputs.iter().map(|v| bits(grads.get(v).expect("a gradient"))));
+        all
+    };
+    assert_eq!(run(true), run(false));
+}
