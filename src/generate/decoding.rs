@@ -178,7 +178,8 @@ impl<'n, R: Send> Decoding<'n, R> {
     /// appends it, and asks `verdict` (given the row, the pick and the
     /// step's (rows, V) logits with the row's index in them) whether the row
     /// goes on; then computes the next logits of those that do. Returns how
-    /// many tokens were picked.
+    /// many tokens were picked. If `verdict` fails, the rows that had not
+    /// left are still in the batch, for `drain`.
     pub fn step(
         &mut self,
         mut verdict: impl FnMut(&mut DecodeRow<R>, &Pick, &Tensor, usize) -> Result<Verdict>,
@@ -198,11 +199,23 @@ impl<'n, R: Send> Decoding<'n, R> {
         let produced = picks.len();
         let mut keep: Vec<u32> = Vec::with_capacity(produced);
         let mut still = Vec::with_capacity(produced);
-        for (i, (mut row, pick)) in std::mem::take(&mut self.rows).into_iter().zip(picks).enumerate() {
+        let mut rows = std::mem::take(&mut self.rows).into_iter().zip(picks).enumerate();
+        while let Some((i, (mut row, pick))) = rows.next() {
             row.tokens.push(pick.token);
-            if let Verdict::Continues = verdict(&mut row, &pick, &logits, i)? {
-                keep.push(i as u32);
-                still.push(row);
+            match verdict(&mut row, &pick, &logits, i) {
+                Ok(Verdict::Continues) => {
+                    keep.push(i as u32);
+                    still.push(row);
+                }
+                Ok(Verdict::Leaves) => {}
+                // The rows that have not left stay, so that the caller can
+                // tell their clients (`drain`); the batch cannot step again.
+                Err(e) => {
+                    still.push(row);
+                    still.extend(rows.map(|(_, (row, _))| row));
+                    self.rows = still;
+                    return Err(e);
+                }
             }
         }
         self.rows = still;
@@ -274,4 +287,43 @@ fn pick_rows<R: Send>(
         .zip(host.par_chunks(vocab))
         .map_init(Scratch::default, |scratch, (row, row_logits)| pick(row, row_logits, scratch))
         .collect())
+}
+
+#[cfg(test)]
+mod tests {
+    use std::path::Path;
+
+    use super::*;
+
+    /// A verdict that fails leaves the rows that had not left in the
+    /// batch, so that the caller can tell their clients; the rows after it
+    /// are not asked.
+    #[test]
+    fn a_failing_verdict_keeps_the_rows_that_had_not_left() {
+        let dir = Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/fixtures/models/gpt_neox-causal");
+        let model = crate::model::Model::load(&dir, &Device::Cpu).unwrap();
+        let mut batch = Decoding::open(model.frozen(), &Device::Cpu, Sampler::Host);
+        let prompt: Arc<[u32]> = Arc::from(vec![1u32, 2, 3]);
+        let row = |client: usize| DecodeRow {
+            prompt: prompt.clone(),
+            sampling: Sampling::Greedy,
+            repetition_penalty: 1.0,
+            rng: Rng::new(client as u64),
+            max_tokens: 8,
+            tokens: Vec::new(),
+            client,
+        };
+        let rows: Vec<DecodeRow<usize>> = (0..4).map(row).collect();
+        let prefilled = batch.prefill(&rows).unwrap();
+        batch.join(rows, prefilled).unwrap();
+        let stepped = batch.step(|row, _, _, _| match row.client {
+            0 => Ok(Verdict::Continues),
+            1 => Ok(Verdict::Leaves),
+            2 => Err(Error::Invalid("the client's text could not be decoded".into())),
+            _ => panic!("a row after the failed one was asked"),
+        });
+        assert!(stepped.is_err());
+        let kept: Vec<usize> = batch.drain().iter().map(|r| r.client).collect();
+        assert_eq!(kept, [0, 2, 3]);
+    }
 }
