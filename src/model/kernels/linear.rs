@@ -72,17 +72,12 @@ pub fn activation_linear(u: &Tensor, act: Activation, w: &Tensor, b: Option<&Ten
 /// [`activation_linear`] where `u` has no graph or the op does not run.
 pub fn activation_linear_remade(u: &Tensor, act: Activation, w: &Tensor, b: &Tensor, remake: Remake) -> Result<Tensor> {
     let (w_l, b) = (weight_layout(w)?, b.contiguous()?);
-    let inputs = || Ok::<_, candle_core::Error>((u.detach().contiguous()?, w_l.detach(), b.detach()));
     if u.track_op() && cuda_linear_runs(u, w, &b) {
-        let epilogue = dense_bias_epilogue()? && u.dtype() == candle_core::DType::BF16;
-        let op = || CudaLinear { epilogue, act: Some(act) };
-        let (x, w_v, b_v) = inputs()?;
-        return on_remade_input(x.apply_op3(&w_v, &b_v, op())?, op(), [u, &w_l, &b], remake);
+        let op = CudaLinear::new(u, Some(act), dense_bias_epilogue()?);
+        return on_remade_input(|| op, [u, &w_l, &b], remake);
     }
     if u.track_op() && super::fused(u) && super::fused(w) && super::fused(&b) {
-        let (x, w_v, b_v) = inputs()?;
-        let values = x.apply_op3(&w_v, &b_v, ActivationLinear(act))?;
-        return on_remade_input(values, ActivationLinear(act), [u, &w_l, &b], remake);
+        return on_remade_input(|| ActivationLinear(act), [u, &w_l, &b], remake);
     }
     activation_linear(u, act, w, Some(&b))
 }
@@ -90,8 +85,7 @@ pub fn activation_linear_remade(u: &Tensor, act: Activation, w: &Tensor, b: &Ten
 /// [`CudaLinear`] on `act(x)` when `act` is given, the bias in the
 /// product's epilogue when `epilogue` (bf16 only).
 fn cuda_linear(x: &Tensor, act: Option<Activation>, w: &Tensor, b: &Tensor, epilogue: bool) -> Result<Tensor> {
-    let epilogue = epilogue && x.dtype() == candle_core::DType::BF16;
-    x.contiguous()?.apply_op3(&weight_layout(w)?, &b.contiguous()?, CudaLinear { epilogue, act })
+    x.contiguous()?.apply_op3(&weight_layout(w)?, &b.contiguous()?, CudaLinear::new(x, act, epilogue))
 }
 
 /// Whether [`CudaLinear`] takes these operands: on a GPU, a bias (n,)
@@ -115,10 +109,18 @@ fn cuda_linear_runs(x: &Tensor, w: &Tensor, b: &Tensor) -> bool {
 /// bias itself (cuBLASLt, bf16). `act`: the product is of `act(x)`, made in
 /// the forward and again in the backward and never kept: an MLP's widest
 /// activation (four times the hidden size) is not stored.
+#[derive(Clone, Copy)]
 struct CudaLinear {
     #[cfg_attr(not(feature = "cuda"), allow(dead_code))]
     epilogue: bool,
     act: Option<Activation>,
+}
+
+impl CudaLinear {
+    /// The epilogue only where it is asked for and `x` is bf16.
+    fn new(x: &Tensor, act: Option<Activation>, epilogue: bool) -> Self {
+        Self { epilogue: epilogue && x.dtype() == candle_core::DType::BF16, act }
+    }
 }
 
 impl CustomOp3 for CudaLinear {
@@ -361,6 +363,7 @@ impl CustomOp3 for Linear {
     }
 }
 
+#[derive(Clone, Copy)]
 struct ActivationLinear(Activation);
 
 impl ActivationLinear {

@@ -20,7 +20,7 @@ use super::{contiguous_f32, fused, on_cuda};
 /// and a PyTorch-layout `w` (out, in): one op where `w` trains (on the CPU
 /// in f32, or on a GPU), else the two.
 pub fn norm_linear(x: &Tensor, norm: (&Tensor, &Tensor, f64), w: &Tensor, b: &Tensor) -> Result<Tensor> {
-    if !(runs_as_op(x, norm, w, b)? && w.track_op()) {
+    if !runs_as_op(x, norm, w, b)? {
         let (norm_w, norm_b, eps) = norm;
         return super::linear(&super::layer_norm(x, norm_w, norm_b, eps)?, w, Some(b));
     }
@@ -31,7 +31,7 @@ pub fn norm_linear(x: &Tensor, norm: (&Tensor, &Tensor, f64), w: &Tensor, b: &Te
 /// backward that did not keep them (see `kernels::activation_linear_remade`):
 /// None where it does not run as one op.
 pub fn norm_linear_remake(x: &Tensor, norm: (&Tensor, &Tensor, f64), w: &Tensor, b: &Tensor) -> Result<Option<Remake>> {
-    if !(runs_as_op(x, norm, w, b)? && w.track_op()) {
+    if !runs_as_op(x, norm, w, b)? {
         return Ok(None);
     }
     let (x, norm_w, norm_b, w, b) = (x.detach(), norm.0.detach(), norm.1.detach(), w.detach(), b.detach());
@@ -39,6 +39,8 @@ pub fn norm_linear_remake(x: &Tensor, norm: (&Tensor, &Tensor, f64), w: &Tensor,
     Ok(Some(Arc::new(move || apply(&x, (&norm_w, &norm_b, eps), &w, &b))))
 }
 
+/// Whether the two run as one op: where `w` trains, on the CPU in f32 or
+/// on a GPU.
 fn runs_as_op(x: &Tensor, norm: (&Tensor, &Tensor, f64), w: &Tensor, b: &Tensor) -> Result<bool> {
     let (norm_w, norm_b, _) = norm;
     let k = x.dim(D::Minus1)?;
@@ -49,7 +51,7 @@ fn runs_as_op(x: &Tensor, norm: (&Tensor, &Tensor, f64), w: &Tensor, b: &Tensor)
         && b.dims() == [w.dim(0)?]
         && x.elem_count() > 0;
     let all = [x, norm_w, norm_b, w, b];
-    Ok(fits && (all.iter().all(|t| fused(t)) || on_cuda(&all)))
+    Ok(fits && w.track_op() && (all.iter().all(|t| fused(t)) || on_cuda(&all)))
 }
 
 /// The op on `x` as it is shaped: its output has no reshape node, whose

@@ -23,15 +23,16 @@ pub fn mlp_input_remade() -> Result<bool> {
 /// What makes an input's values again, without a graph, the same to the bit.
 pub type Remake = Arc<dyn Fn() -> Result<Tensor> + Send + Sync>;
 
-/// `values`, which `op` made of `args` without a graph, as `op`'s output
-/// where the graph keeps only the place of `args[0]`; `op`'s backward gets
-/// that input from `remake`.
-pub(super) fn on_remade_input<O>(values: Tensor, op: O, args: [&Tensor; 3], remake: Remake) -> Result<Tensor>
+/// `op` on `args`, where the graph keeps only the place of `args[0]`;
+/// `op`'s backward gets that input from `remake`.
+pub(super) fn on_remade_input<O>(op: impl Fn() -> O, args: [&Tensor; 3], remake: Remake) -> Result<Tensor>
 where
     O: CustomOp3 + Send + Sync + 'static,
 {
     let [input, a, b] = args;
-    let node = Op::CustomOp3(input.without_values()?, a.clone(), b.clone(), Arc::new(Box::new(Remade { op, remake })));
+    let values = input.detach().contiguous()?.apply_op3(&a.detach(), &b.detach(), op())?;
+    let node =
+        Op::CustomOp3(input.without_values()?, a.clone(), b.clone(), Arc::new(Box::new(Remade { op: op(), remake })));
     Ok(values.share_as_op(node))
 }
 

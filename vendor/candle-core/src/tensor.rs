@@ -2396,7 +2396,7 @@ impl Tensor {
     /// tensor's storage, where `Var::from_tensor` copies it. Not in candle:
     /// see vendor/README.md.
     pub fn share_as_var(&self) -> Tensor {
-        self.share(BackpropOp::none(), true)
+        self.rebuilt(TensorId::new(), self.storage.clone(), BackpropOp::none(), true)
     }
 
     /// This tensor's values, shared, as the output of `op`: the backward
@@ -2404,7 +2404,7 @@ impl Tensor {
     /// beforehand, which recording the op through `apply_op*` would copy or
     /// compute again. Not in candle: see vendor/README.md.
     pub fn share_as_op(&self, op: Op) -> Tensor {
-        self.share(BackpropOp::recorded(op), false)
+        self.rebuilt(TensorId::new(), self.storage.clone(), BackpropOp::recorded(op), false)
     }
 
     /// This tensor's place in the graph (its id, shape and the op that made
@@ -2418,24 +2418,24 @@ impl Tensor {
         if self.op.as_ref().is_some_and(Op::backward_reads_output) {
             return Ok(self.clone());
         }
-        // One element, not none: a GPU allocation of no bytes may fail.
-        let empty = self.device.zeros(&Shape::from(1), self.dtype)?;
-        let tensor_ = Tensor_ {
-            id: self.id,
-            storage: Arc::new(RwLock::new(empty)),
-            layout: self.layout.clone(),
-            op: self.op.clone(),
-            is_variable: self.is_variable,
-            dtype: self.dtype,
-            device: self.device.clone(),
-        };
-        Ok(Tensor(Arc::new(tensor_)))
+        // One element, not none (a GPU allocation of no bytes may fail), and
+        // not filled (no launch on a GPU). Safety: nothing reads it.
+        let unread = unsafe { self.device.alloc_uninit(&Shape::from(1), self.dtype)? };
+        let storage = Arc::new(RwLock::new(unread));
+        Ok(self.rebuilt(self.id, storage, self.op.clone(), self.is_variable))
     }
 
-    fn share(&self, op: BackpropOp, is_variable: bool) -> Tensor {
+    /// This tensor's dtype, device and layout with the rest given.
+    fn rebuilt(
+        &self,
+        id: TensorId,
+        storage: Arc<RwLock<Storage>>,
+        op: BackpropOp,
+        is_variable: bool,
+    ) -> Tensor {
         let tensor_ = Tensor_ {
-            id: TensorId::new(),
-            storage: self.storage.clone(),
+            id,
+            storage,
             layout: self.layout.clone(),
             op,
             is_variable,
