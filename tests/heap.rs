@@ -89,3 +89,121 @@ fn a_remade_mlp_input_is_not_held_after_the_forward() {
     assert!(held(false) >= output + wide, "kept: the output and the wide input");
     assert!(held(true) < output + wide / 4, "remade: the output alone");
 }
+
+/// Each architecture's count of what a training forward keeps per layer
+/// and token (`kept_per_layer`, the memory plan's), against what the heap
+/// holds once a forward over packed completions ends: the difference between
+/// two models that differ only in their number of layers, per layer between
+/// them. And the plan's activations, masks and logits within 5% of the
+/// whole forward's.
+#[test]
+fn each_architecture_keeps_per_layer_what_the_memory_plan_counts() {
+    use rloo::model::arch::Keeping;
+    use rloo::model::layer_graphs::LayerGraphs;
+    use rloo::model::scoring::{completion_logprobs, Sequences};
+    use rloo::model::{lora::LoraConfig, HeadKind, Model, ModelConfig};
+    use rloo::train::memory::{activation_bytes, MicroTokens};
+    use serde_json::{json, Value};
+
+    let _one = ONE.lock().unwrap_or_else(|e| e.into_inner());
+    let root = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/fixtures/models");
+    let tmp = tempfile::tempdir().unwrap();
+    // 8 prompts of 8 tokens, each with 4 completions of 100: packed, 8 rows of 408.
+    let (groups, k, prompt, completion) = (8, 4, 8, 100);
+    let prompts: Vec<Vec<u32>> =
+        (0..groups * k).map(|i| (0..prompt).map(|j| (i / k * 10 + j) as u32 + 2).collect()).collect();
+    let completions: Vec<Vec<u32>> =
+        (0..groups * k).map(|i| (0..completion).map(|j| ((i * 7 + j) % 100) as u32 + 2).collect()).collect();
+    let seqs =
+        Sequences::new(prompts.iter().map(Vec::as_slice).collect(), completions.iter().map(Vec::as_slice).collect());
+    let micro = MicroTokens {
+        tokens: (groups * prompt + groups * k * completion) as u64,
+        row: (prompt + k * completion) as u64,
+    };
+
+    // A fixture widened to a hidden size of 128 (its heads wider), an MLP of 4 times that, `layers` layers.
+    let config = |fixture: &str, patch: &[(&str, Value)], layers: usize| {
+        let dir = root.join(fixture);
+        let mut raw: Value = serde_json::from_str(&std::fs::read_to_string(dir.join("config.json")).unwrap()).unwrap();
+        let keys = raw.as_object_mut().unwrap();
+        let mut set = |names: &[&str], value: Value| {
+            for name in names {
+                if keys.contains_key(*name) {
+                    keys.insert(name.to_string(), value.clone());
+                }
+            }
+        };
+        set(&["hidden_size", "n_embd", "word_embed_proj_dim"], json!(128));
+        set(&["intermediate_size", "n_inner", "ffn_dim"], json!(512));
+        set(&["num_hidden_layers", "n_layer"], json!(layers));
+        set(&["head_dim"], json!(32));
+        for (key, value) in patch {
+            keys.insert(key.to_string(), value.clone());
+        }
+        (ModelConfig::from_value(raw, &dir).unwrap(), dir)
+    };
+    // The bytes a training forward holds at its end, the plan's for them, the config.
+    let held = |fixture: &str, patch: &[(&str, Value)], keeping: Keeping, layers: usize| {
+        std::env::set_var("RLOO_MLP_INPUT", if keeping.mlp_input_remade { "remade" } else { "kept" });
+        let (cfg, dir) = config(fixture, patch, layers);
+        let mut model = Model::init_random(cfg.clone(), &Device::Cpu, 1, &dir).unwrap();
+        if keeping.lora {
+            let saved = tmp.path().join(format!("{fixture}-{layers}"));
+            model.save(&saved).unwrap();
+            let lora = LoraConfig {
+                r: 8,
+                alpha: 16.0,
+                dropout: 0.0,
+                targets: vec!["all-linear".into()],
+                modules_to_save: vec![],
+            };
+            model = Model::load_with_new_adapters(&saved, &Device::Cpu, HeadKind::CausalLm, lora, 1).unwrap();
+        }
+        let model = model.with_layer_graphs(LayerGraphs::PerLayer);
+        let before = heap::in_use();
+        let out = completion_logprobs(model.network(), &seqs, 1.0, &Device::Cpu).unwrap();
+        let held = heap::in_use() - before;
+        drop(out);
+        let (activations, masks) = activation_bytes(&cfg, keeping, micro, 4, false);
+        // The f32 kernel keeps the completions' logits for the backward when they fit one chunk, as here.
+        let logits = (groups * k * completion * cfg.vocab_size() * 4) as u64;
+        (held as f64, (activations + masks + logits) as f64, cfg)
+    };
+    let kept = Keeping::default();
+    let remade = Keeping { mlp_input_remade: true, ..kept };
+    let lora = Keeping { lora: true, ..kept };
+    let sequential = [("use_parallel_residual", json!(false)), ("attention_bias", json!(false))];
+    let no_bias = [("enable_bias", json!(false))];
+    let cases: &[(&str, &[(&str, Value)], Keeping)] = &[
+        ("gpt_neox-causal", &[], kept),
+        ("gpt_neox-causal", &[], remade),
+        ("gpt_neox-causal", &[], lora),
+        ("gpt_neox-causal", &sequential, kept),
+        ("gpt2-causal", &[], kept),
+        ("gpt2-causal", &[], remade),
+        ("gpt2-causal", &[], lora),
+        ("opt-causal", &[], kept),
+        ("opt-causal", &[], remade),
+        ("opt-causal", &no_bias, kept),
+        ("opt-postnorm-causal", &[], kept),
+        ("opt-causal", &no_bias, lora),
+        ("llama-causal", &[], kept),
+        ("llama-causal", &[], remade),
+        ("llama-causal", &[], lora),
+        ("qwen2-causal", &[], kept),
+        ("qwen3-causal", &[], kept),
+        ("qwen3-causal", &[], remade),
+        ("qwen3-causal", &[], lora),
+    ];
+    held("gpt_neox-causal", &[], kept, 2); // the first forward's one-off allocations
+    for &(fixture, patch, keeping) in cases {
+        let (two, planned, cfg) = held(fixture, patch, keeping, 2);
+        let (six, ..) = held(fixture, patch, keeping, 6);
+        let per_layer = (six - two) / 4.0 / (micro.tokens as f64 * 128.0 * 4.0);
+        let counted = cfg.kept_per_layer(keeping);
+        let case = format!("{fixture} {patch:?} {keeping:?}");
+        assert!((per_layer - counted).abs() < 0.01, "{case}: {per_layer:.3} kept a layer, {counted} counted");
+        let ratio = planned / two;
+        assert!((0.95..1.05).contains(&ratio), "{case}: planned {planned} bytes, held {two}");
+    }
+}

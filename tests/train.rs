@@ -251,31 +251,39 @@ fn bf16_mixed_precision_learns_a_rule_reward() {
 /// (`RLOO_MLP_INPUT=remade`), which must not change a bit either.
 #[test]
 fn the_same_seed_gives_a_bit_identical_run_and_resume() {
-    bit_identical_runs_and_resume(&[], &["model.safetensors"]);
+    bit_identical_runs_and_resume("gpt_neox-causal", &[], &["model.safetensors"]);
+}
+
+/// The same for a Llama policy, whose norms' outputs the backward makes
+/// again, and with `RLOO_MLP_INPUT=remade` its MLPs' gate and up projections.
+#[test]
+fn a_llama_policy_runs_and_resumes_bit_identically() {
+    bit_identical_runs_and_resume("llama-causal", &[], &["model.safetensors"]);
 }
 
 /// The same for LoRA adapters and their optimizer state.
 #[test]
 fn lora_runs_and_resumes_bit_identically() {
-    bit_identical_runs_and_resume(&["--use_peft", "--lora_r", "4"], &["adapter_model.safetensors"]);
+    bit_identical_runs_and_resume("gpt_neox-causal", &["--use_peft", "--lora_r", "4"], &["adapter_model.safetensors"]);
 }
 
 /// The same in bf16: a resume rebuilds the bf16 copies from the f32 masters.
 #[test]
 fn bf16_runs_and_resumes_bit_identically() {
-    bit_identical_runs_and_resume(&["--bf16"], &["model.safetensors"]);
+    bit_identical_runs_and_resume("gpt_neox-causal", &["--bf16"], &["model.safetensors"]);
 }
 
 /// The same for PPO, whose critic and its optimizer state resume too.
 #[test]
 fn ppo_runs_and_resumes_bit_identically() {
     bit_identical_runs_and_resume(
+        "gpt_neox-causal",
         &["--algo", "ppo", "--rloo_k", "1", "--vf_coef", "0.5"],
         &["model.safetensors", "critic/model.safetensors"],
     );
 }
 
-fn bit_identical_runs_and_resume(algo: &[&str], weights: &[&str]) {
+fn bit_identical_runs_and_resume(fixture: &str, algo: &[&str], weights: &[&str]) {
     let tmp = tempfile::tempdir().unwrap();
     let prompts = write_prompts(tmp.path());
     let run_with = |out: &Path, extra: &[&str], mlp_input: &str| {
@@ -310,8 +318,8 @@ fn bit_identical_runs_and_resume(algo: &[&str], weights: &[&str]) {
             "--warmup_steps",
             "2",
         ];
-        let p = policy();
-        args[2] = &p;
+        let p = model_dir(fixture);
+        args[2] = p.to_str().unwrap();
         args.extend_from_slice(algo);
         args.extend_from_slice(extra);
         let command = Command::new(env!("CARGO_BIN_EXE_rloo"))

@@ -20,6 +20,7 @@ const CUDA_KERNELS: &[&str] = &[
     "linear",
     "activation_linear",
     "gated_linear",
+    "gated_mlp_remade",
     "lora",
     "layer_norm",
     "norm_linear",
@@ -141,6 +142,15 @@ pub fn check_kernels(device: &Device, dtypes: &[DType]) -> Vec<Check> {
             dtype,
             rng,
         ));
+        out.push(compare(
+            "linear without a bias",
+            &[x.clone(), w.clone()],
+            &|t| kernels::linear(&t[0], &t[1], None),
+            &|t| kernels::linear(&t[0], &t[1], None),
+            device,
+            dtype,
+            rng,
+        ));
         // On a GPU in bf16, also the bias added in cuBLASLt's epilogue, with the
         // weight as given and as the transposed view of an (in, out) tensor.
         if device.is_cuda() && dtype == DType::BF16 {
@@ -183,6 +193,36 @@ pub fn check_kernels(device: &Device, dtypes: &[DType]) -> Vec<Check> {
             &[x.clone(), up, w.clone()],
             &|t| kernels::linear(&(kernels::activation(&t[0], Activation::Silu)? * &t[1])?, &t[2], None),
             &|t| kernels::gated_linear(&t[0], &t[1], Activation::Silu, &t[2]),
+            device,
+            dtype,
+            rng,
+        ));
+        // A gated MLP after its RMS norm, whose backward makes the norm's
+        // output and the gate and up projections again (Llama, Qwen with
+        // RLOO_MLP_INPUT=remade); its dense layers have no bias.
+        let (gate_w, up_w, down_w) =
+            (randn(rng, &[80, 96], 0.0, 0.1), randn(rng, &[80, 96], 0.0, 0.1), randn(rng, &[96, 80], 0.0, 0.1));
+        let gated_mlp = |t: &[Tensor]| {
+            let h = kernels::rms_norm(&t[0], &t[1], 1e-6)?;
+            let (gate, up) = (kernels::linear(&h, &t[2], None)?, kernels::linear(&h, &t[3], None)?);
+            kernels::gated_linear(&gate, &up, Activation::Silu, &t[4])
+        };
+        out.push(compare(
+            "gated_mlp_remade",
+            &[x.clone(), randn(rng, &[96], 1.0, 0.2), gate_w, up_w, down_w],
+            &gated_mlp,
+            &|t| {
+                let h = kernels::rms_norm(&t[0], &t[1], 1e-6)?;
+                // None where the norm is a composition (bf16 on the CPU).
+                let Some(normed) = kernels::rms_norm_remake(&t[0], &t[1], 1e-6) else { return gated_mlp(t) };
+                let dense = |w: &Tensor| kernels::linear_remade(&h, w, None, normed.clone());
+                let again = |w: &Tensor| -> kernels::Remake {
+                    let (normed, w) = (normed.clone(), w.detach());
+                    std::sync::Arc::new(move || kernels::linear(&normed()?, &w, None))
+                };
+                let remakes = (again(&t[2]), again(&t[3]));
+                kernels::gated_linear_remade(&dense(&t[2])?, &dense(&t[3])?, Activation::Silu, &t[4], remakes)
+            },
             device,
             dtype,
             rng,

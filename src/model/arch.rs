@@ -63,6 +63,33 @@ pub trait ArchConfig: Send + Sync + Debug {
     fn dims(&self) -> Dims;
     /// Builds the decoder from the tensors under the base prefix.
     fn load_decoder(&self, base: &Weights) -> Result<Arc<dyn Decoder>>;
+    /// Per layer and token, what a training forward keeps for its backward,
+    /// in tensors of the hidden size (the memory plan's activations;
+    /// `tests/heap.rs` measures each architecture's).
+    fn kept_per_layer(&self, keeping: Keeping) -> f64;
+}
+
+/// What decides how much a training forward keeps, beside the shapes.
+#[derive(Debug, Clone, Copy, Default)]
+pub struct Keeping {
+    /// The dense layers have LoRA adapters (counted as if all had: an
+    /// adapted layer is not one op with the norm before it or the
+    /// activation after it, so more is kept).
+    pub lora: bool,
+    /// `RLOO_MLP_INPUT=remade`: the backward makes an MLP's wide input again.
+    pub mlp_input_remade: bool,
+}
+
+impl Keeping {
+    /// The outputs of a layer's `norms` that its adapters keep (each feeds
+    /// an adapted layer): all of them with adapters, else none.
+    pub fn norm_outputs(&self, norms: usize) -> f64 {
+        if self.lora {
+            norms as f64
+        } else {
+            0.0
+        }
+    }
 }
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]

@@ -72,6 +72,12 @@ impl ModelConfig {
         self.dims().num_layers
     }
 
+    /// Per layer and token, what a training forward keeps, in tensors of
+    /// the hidden size ([`ArchConfig::kept_per_layer`]).
+    pub fn kept_per_layer(&self, keeping: arch::Keeping) -> f64 {
+        self.resolved.kept_per_layer(keeping)
+    }
+
     pub fn tie_word_embeddings(&self) -> bool {
         self.dims().tie_word_embeddings
     }

@@ -14,11 +14,11 @@ use candle_core::{Result as TResult, Tensor, D};
 use serde::Deserialize;
 use serde_json::Value;
 
-use super::arch::{raw_config, ArchConfig, Architecture, Dims};
+use super::arch::{raw_config, ArchConfig, Architecture, Dims, Keeping};
 use super::batch::Inputs;
 use super::cache::KvCache;
 use super::kernels;
-use super::layers::{embed, self_attention, Context, LayerNorm, Linear, Qkv};
+use super::layers::{embed_flat, self_attention, Context, LayerNorm, Linear, Qkv};
 use super::ops::Activation;
 use super::weights::Weights;
 use crate::error::Result;
@@ -134,6 +134,14 @@ impl ArchConfig for Config {
     }
     fn load_decoder(&self, base: &Weights) -> Result<Arc<dyn super::Decoder>> {
         Ok(Arc::new(Decoder::load(self, base)?))
+    }
+    fn kept_per_layer(&self, keeping: Keeping) -> f64 {
+        let wide = self.inner_size as f64 / self.hidden_size as f64;
+        let remade = keeping.mlp_input_remade && !keeping.lora;
+        // The input, the fused projection, attention's output, the first
+        // residual sum and the MLP's wide input (each norm is one op with
+        // its dense layer).
+        1.0 + 3.0 + 1.0 + 1.0 + if remade { 0.0 } else { wide } + keeping.norm_outputs(2)
     }
 }
 
@@ -251,7 +259,9 @@ impl super::Decoder for Decoder {
     }
 
     fn embed(&self, inputs: &Inputs) -> TResult<Tensor> {
-        embed(&self.wte, &inputs.ids)? + embed(&self.wpe, &inputs.positions)?
+        let (b, t) = inputs.ids.dims2()?;
+        let sum = kernels::residual(&embed_flat(&self.wte, &inputs.ids)?, &embed_flat(&self.wpe, &inputs.positions)?)?;
+        sum.reshape((b, t, self.cfg.hidden_size))
     }
 
     fn block(&self, layer: usize, x: &Tensor, ctx: &Context, cache: Option<&mut KvCache>) -> TResult<Tensor> {

@@ -11,7 +11,7 @@ use candle_core::{Result as TResult, Tensor, D};
 use serde::Deserialize;
 use serde_json::Value;
 
-use super::arch::{raw_config, ArchConfig, Architecture, Dims};
+use super::arch::{raw_config, ArchConfig, Architecture, Dims, Keeping};
 use super::batch::Inputs;
 use super::cache::KvCache;
 use super::kernels;
@@ -109,6 +109,21 @@ impl ArchConfig for Config {
     }
     fn load_decoder(&self, base: &Weights) -> Result<Arc<dyn super::Decoder>> {
         Ok(Arc::new(Decoder::load(self, base)?))
+    }
+    fn kept_per_layer(&self, keeping: Keeping) -> f64 {
+        let wide = self.intermediate_size as f64 / self.hidden_size as f64;
+        let remade = keeping.mlp_input_remade && !keeping.lora;
+        // The input, the fused projection, attention's output and the MLP's
+        // wide input (each norm is one op with its dense layer, and keeps
+        // nothing of its own, unless the layer has an adapter or, before
+        // attention, no bias); a sequential residual's first sum.
+        let sequential = if self.use_parallel_residual { 0.0 } else { 1.0 };
+        let norm_outputs = match (keeping.lora, self.attention_bias) {
+            (true, _) => 2.0,
+            (false, true) => 0.0,
+            (false, false) => 1.0,
+        };
+        1.0 + 3.0 + 1.0 + if remade { 0.0 } else { wide } + sequential + norm_outputs
     }
 }
 

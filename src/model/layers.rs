@@ -2,13 +2,13 @@
 //! (mask bias, rotary tables), multi-head self-attention over a cache, and
 //! the embedding lookup.
 
-use std::sync::OnceLock;
+use std::sync::{Arc, OnceLock};
 
 use candle_core::{DType, Result, Tensor};
 
 use super::batch::{attention_bias, causal_bias, key_mask, Inputs};
 use super::cache::KvCache;
-use super::kernels::{self, decode_attention};
+use super::kernels::{self, decode_attention, Remake};
 use super::lora::Adapter;
 use super::ops::Activation;
 use super::rope::Rope;
@@ -214,8 +214,13 @@ fn rotated_heads(qkv: &Qkv, ctx: &Context) -> Result<(Tensor, Tensor, Tensor)> {
 /// Looks up token embeddings: ids (B, T) -> (B, T, H).
 pub fn embed(table: &Tensor, ids: &Tensor) -> Result<Tensor> {
     let (b, t) = ids.dims2()?;
-    let hidden = table.dim(1)?;
-    kernels::embedding(table, &ids.flatten_all()?)?.reshape((b, t, hidden))
+    embed_flat(table, ids)?.reshape((b, t, table.dim(1)?))
+}
+
+/// [`embed`] as (B * T, H): before the reshape, whose node keeps the
+/// lookup's values, a residual sum of lookups keeps none.
+pub fn embed_flat(table: &Tensor, ids: &Tensor) -> Result<Tensor> {
+    kernels::embedding(table, &ids.flatten_all()?)
 }
 
 /// A dense layer with a PyTorch-layout weight (out, in), and optionally a
@@ -279,11 +284,36 @@ impl Linear {
         }
     }
 
+    /// `forward(x)` for `x` a norm's output that `normed` makes again: the
+    /// training graph keeps only its place (a layer without an adapter).
+    pub fn forward_remade(&self, x: &Tensor, normed: Option<&Remake>) -> Result<Tensor> {
+        match (&self.adapter, normed) {
+            (None, Some(normed)) => kernels::linear_remade(x, &self.weight, self.bias.as_ref(), normed.clone()),
+            _ => self.forward(x),
+        }
+    }
+
+    /// What makes [`Self::forward_remade`]'s values again, without a graph
+    /// (a layer without an adapter, on an input that `normed` makes again).
+    pub fn remake(&self, normed: Option<&Remake>) -> Option<Remake> {
+        let (None, Some(normed)) = (&self.adapter, normed) else { return None };
+        let (normed, w, b) = (normed.clone(), self.weight.detach(), self.bias.as_ref().map(Tensor::detach));
+        Some(Arc::new(move || kernels::linear(&normed()?, &w, b.as_ref())))
+    }
+
     /// `forward(act(gate) * up)`, where the training graph keeps `gate` and
-    /// `up` alone (a layer with no bias and no adapter).
-    pub fn forward_gated(&self, gate: &Tensor, up: &Tensor, act: Activation) -> Result<Tensor> {
-        match (&self.adapter, &self.bias) {
-            (None, None) => kernels::gated_linear(gate, up, act, &self.weight),
+    /// `up` alone (a layer with no bias and no adapter), or with `remakes`
+    /// only their places, the backward making them again.
+    pub fn forward_gated(
+        &self,
+        gate: &Tensor,
+        up: &Tensor,
+        act: Activation,
+        remakes: Option<(Remake, Remake)>,
+    ) -> Result<Tensor> {
+        match (&self.adapter, &self.bias, remakes) {
+            (None, None, Some(remakes)) => kernels::gated_linear_remade(gate, up, act, &self.weight, remakes),
+            (None, None, None) => kernels::gated_linear(gate, up, act, &self.weight),
             _ => self.forward(&(kernels::activation(gate, act)? * up)?),
         }
     }
@@ -312,5 +342,11 @@ impl LayerNorm {
 
     pub fn forward(&self, x: &Tensor) -> Result<Tensor> {
         kernels::layer_norm(x, &self.weight, &self.bias, self.eps)
+    }
+
+    /// What makes `forward(x)` again for a backward that keeps only its
+    /// place (see [`Linear::forward_remade`]); None without a graph.
+    pub fn remake(&self, x: &Tensor) -> Option<Remake> {
+        kernels::layer_norm_remake(x, &self.weight, &self.bias, self.eps)
     }
 }

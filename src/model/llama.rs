@@ -14,10 +14,10 @@ use candle_core::{Result as TResult, Tensor};
 use serde::Deserialize;
 use serde_json::Value;
 
-use super::arch::{raw_config, ArchConfig, Architecture, Dims};
+use super::arch::{raw_config, ArchConfig, Architecture, Dims, Keeping};
 use super::batch::Inputs;
 use super::cache::KvCache;
-use super::kernels;
+use super::kernels::{self, Remake};
 use super::layers::{embed, self_attention, Context, Linear, Qkv};
 use super::ops::Activation;
 use super::rope::{RawRope, Rope};
@@ -132,6 +132,26 @@ impl ArchConfig for Config {
     }
     fn load_decoder(&self, base: &Weights) -> Result<Arc<dyn super::Decoder>> {
         Ok(Arc::new(Decoder::load(self, base)?))
+    }
+    fn kept_per_layer(&self, keeping: Keeping) -> f64 {
+        let h = self.hidden_size as f64;
+        let (q, kv, wide) = (
+            (self.num_heads * self.head_dim) as f64 / h,
+            (self.num_kv_heads * self.head_dim) as f64 / h,
+            self.intermediate_size as f64 / h,
+        );
+        // The input, q, k and v, attention's output, the first residual sum,
+        // and the MLP's gate and up projections unless the backward makes
+        // them again (the activation and its product it makes again in any
+        // case); Qwen3's q and k before their norms. Adapters keep the norms'
+        // outputs, and the MLP's activation and product.
+        let gated = match (keeping.lora, keeping.mlp_input_remade) {
+            (true, _) => 4.0 * wide,
+            (false, true) => 0.0,
+            (false, false) => 2.0 * wide,
+        };
+        let qk_norm = if self.qk_norm { q + kv } else { 0.0 };
+        1.0 + q + 2.0 * kv + q + 1.0 + gated + qk_norm + keeping.norm_outputs(2)
     }
 }
 
@@ -253,10 +273,11 @@ impl Decoder {
         })
     }
 
+    /// Attention on `x`, a norm's output that `normed` makes again.
     fn attention(
         &self,
         a: &Attention,
-        x: &Tensor,
+        (x, normed): (&Tensor, Option<&Remake>),
         ctx: &Context,
         cache: Option<&mut KvCache>,
         layer: usize,
@@ -264,9 +285,9 @@ impl Decoder {
         let c = &self.cfg;
         let (b, t, _) = x.dims3()?;
         // (B, T, heads * D) -> (B, T, heads, D)
-        let mut q = a.q_proj.forward(x)?.reshape((b, t, c.num_heads, c.head_dim))?;
-        let mut k = a.k_proj.forward(x)?.reshape((b, t, c.num_kv_heads, c.head_dim))?;
-        let v = a.v_proj.forward(x)?.reshape((b, t, c.num_kv_heads, c.head_dim))?;
+        let mut q = a.q_proj.forward_remade(x, normed)?.reshape((b, t, c.num_heads, c.head_dim))?;
+        let mut k = a.k_proj.forward_remade(x, normed)?.reshape((b, t, c.num_kv_heads, c.head_dim))?;
+        let v = a.v_proj.forward_remade(x, normed)?.reshape((b, t, c.num_kv_heads, c.head_dim))?;
         if let Some((qn, kn)) = &a.qk_norm {
             q = kernels::rms_norm(&q, qn, c.rms_norm_eps)?;
             k = kernels::rms_norm(&k, kn, c.rms_norm_eps)?;
@@ -275,8 +296,16 @@ impl Decoder {
         a.o_proj.forward(&out)
     }
 
-    fn mlp(&self, m: &Mlp, x: &Tensor) -> TResult<Tensor> {
-        m.down_proj.forward_gated(&m.gate_proj.forward(x)?, &m.up_proj.forward(x)?, self.cfg.act)
+    /// The MLP on `x`, a norm's output that `normed` makes again. With
+    /// `RLOO_MLP_INPUT=remade` the training graph keeps neither the gate nor
+    /// the up projection: the backward makes them again from the norm's input.
+    fn mlp(&self, m: &Mlp, (x, normed): (&Tensor, Option<&Remake>)) -> TResult<Tensor> {
+        let (gate, up) = (m.gate_proj.forward_remade(x, normed)?, m.up_proj.forward_remade(x, normed)?);
+        let remakes = match (m.gate_proj.remake(normed), m.up_proj.remake(normed)) {
+            (Some(gate), Some(up)) if kernels::mlp_input_remade()? => Some((gate, up)),
+            _ => None,
+        };
+        m.down_proj.forward_gated(&gate, &up, self.cfg.act, remakes)
     }
 }
 
@@ -291,10 +320,14 @@ impl super::Decoder for Decoder {
 
     fn block(&self, layer: usize, x: &Tensor, ctx: &Context, cache: Option<&mut KvCache>) -> TResult<Tensor> {
         let (block, eps) = (&self.layers[layer], self.cfg.rms_norm_eps);
-        let h = kernels::rms_norm(x, &block.input_layernorm, eps)?;
-        let x = kernels::residual(x, &self.attention(&block.self_attn, &h, ctx, cache, layer)?)?;
-        let h = kernels::rms_norm(&x, &block.post_attention_layernorm, eps)?;
-        kernels::residual(&x, &self.mlp(&block.mlp, &h)?)
+        // Each norm's output, and what makes it again for the backward.
+        let normed = |x: &Tensor, w: &Tensor| -> TResult<_> {
+            Ok((kernels::rms_norm(x, w, eps)?, kernels::rms_norm_remake(x, w, eps)))
+        };
+        let (h, remake) = normed(x, &block.input_layernorm)?;
+        let x = kernels::residual(x, &self.attention(&block.self_attn, (&h, remake.as_ref()), ctx, cache, layer)?)?;
+        let (h, remake) = normed(&x, &block.post_attention_layernorm)?;
+        kernels::residual(&x, &self.mlp(&block.mlp, (&h, remake.as_ref()))?)
     }
 
     fn final_norm(&self, x: &Tensor) -> TResult<Tensor> {

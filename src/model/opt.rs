@@ -16,11 +16,11 @@ use candle_core::{Result as TResult, Tensor};
 use serde::Deserialize;
 use serde_json::Value;
 
-use super::arch::{raw_config, ArchConfig, Architecture, Dims};
+use super::arch::{raw_config, ArchConfig, Architecture, Dims, Keeping};
 use super::batch::Inputs;
 use super::cache::KvCache;
-use super::kernels;
-use super::layers::{embed, self_attention, Context, LayerNorm, Linear, Qkv};
+use super::kernels::{self, Remake};
+use super::layers::{embed_flat, self_attention, Context, LayerNorm, Linear, Qkv};
 use super::ops::Activation;
 use super::weights::Weights;
 use crate::error::Result;
@@ -174,6 +174,23 @@ impl ArchConfig for Config {
     fn load_decoder(&self, base: &Weights) -> Result<Arc<dyn super::Decoder>> {
         Ok(Arc::new(Decoder::load(self, base)?))
     }
+    fn kept_per_layer(&self, keeping: Keeping) -> f64 {
+        let wide = self.ffn_dim as f64 / self.hidden_size as f64;
+        if !self.pre_norm {
+            // The input, q, k and v, attention's output, the two residual
+            // sums the norms read, the first norm's output (the MLP's input
+            // and the second sum's) and the MLP's wide input.
+            return 8.0 + wide;
+        }
+        // The input, q, k and v, attention's output, the first residual
+        // sum and the MLP's wide input, unless the backward makes it again;
+        // the norms' outputs where adapters keep them, or where the MLP's
+        // norm is not one op with its dense layer (no bias).
+        let mlp_norm_fused = !keeping.lora && self.bias;
+        let wide = if keeping.mlp_input_remade && mlp_norm_fused { 0.0 } else { wide };
+        let mlp_norm = if mlp_norm_fused { 0.0 } else { 1.0 };
+        1.0 + 3.0 + 1.0 + 1.0 + wide + keeping.norm_outputs(1) + mlp_norm
+    }
 }
 
 struct Block {
@@ -235,10 +252,11 @@ impl Decoder {
         })
     }
 
+    /// Attention on `x`, a norm's output that `normed` makes again, if any.
     fn attention(
         &self,
         blk: &Block,
-        x: &Tensor,
+        (x, normed): (&Tensor, Option<&Remake>),
         ctx: &Context,
         cache: Option<&mut KvCache>,
         layer: usize,
@@ -246,11 +264,12 @@ impl Decoder {
         let (b, t, h) = x.dims3()?;
         let heads = self.cfg.num_heads;
         let d = h / heads;
-        let split = |proj: &Linear| proj.forward(x)?.reshape((b, t, heads, d));
+        let split = |proj: &Linear| proj.forward_remade(x, normed)?.reshape((b, t, heads, d));
         let qkv = Qkv { q: split(&blk.q_proj)?, k: split(&blk.k_proj)?, v: split(&blk.v_proj)?, packed: None };
         blk.out_proj.forward(&self_attention(qkv, ctx, cache, layer, 1.0 / (d as f64).sqrt())?)
     }
 
+    /// The MLP on the residual stream `x` (post-norm).
     fn mlp(&self, blk: &Block, x: &Tensor) -> TResult<Tensor> {
         blk.fc2.forward_activated(&blk.fc1.forward(x)?, self.cfg.act)
     }
@@ -262,24 +281,28 @@ impl super::Decoder for Decoder {
     }
 
     fn embed(&self, inputs: &Inputs) -> TResult<Tensor> {
-        let tokens = embed(&self.embed_tokens, &inputs.ids)?;
+        let (b, t) = inputs.ids.dims2()?;
+        let tokens = embed_flat(&self.embed_tokens, &inputs.ids)?;
         let tokens = match &self.project_in {
             Some(p) => p.forward(&tokens)?,
             None => tokens,
         };
-        tokens + embed(&self.positions, &inputs.positions)?
+        let sum = kernels::residual(&tokens, &embed_flat(&self.positions, &inputs.positions)?)?;
+        sum.reshape((b, t, self.cfg.hidden_size))
     }
 
     fn block(&self, layer: usize, x: &Tensor, ctx: &Context, cache: Option<&mut KvCache>) -> TResult<Tensor> {
         let blk = &self.layers[layer];
         if self.cfg.pre_norm {
-            let x =
-                kernels::residual(x, &self.attention(blk, &blk.self_attn_layer_norm.forward(x)?, ctx, cache, layer)?)?;
-            kernels::residual(&x, &self.mlp(blk, &blk.final_layer_norm.forward(&x)?)?)
+            let norm = &blk.self_attn_layer_norm;
+            let (h, normed) = (norm.forward(x)?, norm.remake(x));
+            let x = kernels::residual(x, &self.attention(blk, (&h, normed.as_ref()), ctx, cache, layer)?)?;
+            let mlp = blk.fc1.forward_normed_mlp(&blk.final_layer_norm, &x, &blk.fc2, self.cfg.act)?;
+            kernels::residual(&x, &mlp)
         } else {
             let x = blk
                 .self_attn_layer_norm
-                .forward(&kernels::residual(x, &self.attention(blk, x, ctx, cache, layer)?)?)?;
+                .forward(&kernels::residual(x, &self.attention(blk, (x, None), ctx, cache, layer)?)?)?;
             blk.final_layer_norm.forward(&kernels::residual(&x, &self.mlp(blk, &x)?)?)
         }
     }

@@ -149,7 +149,7 @@ impl<'a> Sequences<'a> {
 }
 
 /// The most tokens a packed row takes once it holds one completion.
-const PACKED_ROW_TOKENS: usize = 2048;
+pub const PACKED_ROW_TOKENS: usize = 2048;
 
 /// [`Sequences`] packed by prompt, and where each row's tokens went.
 struct Packed {

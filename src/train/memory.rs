@@ -1,24 +1,80 @@
 //! A start-up estimate of a run's peak memory, so that a batch that cannot
 //! fit is reported before the machine starts swapping or kills the run.
-//! Sizes are upper bounds: every row as long as the longest prompt plus a
-//! full completion, in the compute dtype's bytes (optimizer state,
-//! gradients and logits in f32).
+//! Sizes are upper bounds: every prompt as long as the longest and every
+//! completion full, in the compute dtype's bytes (optimizer state,
+//! gradients, logits and attention masks in f32).
 
 use candle_core::DType;
 
 use super::config::{BatchSizes, TrainConfig};
+use crate::model::arch::Keeping;
+use crate::model::scoring::PACKED_ROW_TOKENS;
 use crate::model::ModelConfig;
 
 const F32: u64 = 4;
-/// Per layer and token, the hidden-size activations a training forward
-/// keeps for its backward (norm inputs and outputs, q/k/v, attention
-/// output, the MLP's 4x-wide input, whose activation the backward makes
-/// again, residuals).
-const SAVED_PER_LAYER: u64 = 14;
+/// Per token, what a training forward keeps beside its layers', in tensors
+/// of the hidden size: the last layer's output, the final norm's (which
+/// the selection of the completions' tokens keeps) and the LM head's input.
+const KEPT_OUTSIDE_LAYERS: f64 = 3.0;
+
+/// A training micro-batch as it is packed (each prompt once, its
+/// completions behind it, [`crate::model::scoring::Sequences`]).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct MicroTokens {
+    /// Every token of the packed rows.
+    pub tokens: u64,
+    /// The longest packed row.
+    pub row: u64,
+}
+
+impl MicroTokens {
+    /// At most: `micro` completions of `completion` tokens after prompts of
+    /// `prompt` tokens. The k completions of a prompt stand together when
+    /// a mini-batch is the whole batch; then a micro-batch holds whole
+    /// groups of them, or a part of one, or else may cut one at each end. A
+    /// shuffled mini-batch's rows need not share a prompt.
+    pub fn at_most(sizes: &BatchSizes, prompt: usize, completion: usize) -> Self {
+        let (micro, k) = (sizes.micro.max(1), sizes.k.max(1));
+        let share = sizes.mini / sizes.world.max(1);
+        let prompts = match sizes.mini < sizes.batch {
+            true => micro,
+            false if micro % k == 0 && share % k == 0 => micro / k,
+            false if k % micro == 0 => 1,
+            false => (micro.div_ceil(k) + 1).min(micro),
+        };
+        let per_row = micro.div_ceil(prompts.max(1)).min(k);
+        let row = (prompt + per_row * completion).min(PACKED_ROW_TOKENS.max(prompt + completion));
+        Self { tokens: (prompts * prompt + micro * completion) as u64, row: row as u64 }
+    }
+}
+
+/// What a training forward over `micro` keeps for its backward, in bytes:
+/// each layer's share ([`ModelConfig::kept_per_layer`]), or with gradient
+/// checkpointing each layer's input and one layer's share, in `compute`
+/// bytes; and, in f32, the attention mask of each packed row (at most the
+/// longest row's length per token).
+pub fn activation_bytes(
+    model: &ModelConfig,
+    keeping: Keeping,
+    micro: MicroTokens,
+    compute: u64,
+    checkpointing: bool,
+) -> (u64, u64) {
+    let (h, layers) = (model.hidden_size() as f64, model.num_layers() as f64);
+    let per_layer = model.kept_per_layer(keeping);
+    let kept = match checkpointing {
+        true => layers + per_layer,
+        false => layers * per_layer,
+    } + KEPT_OUTSIDE_LAYERS;
+    let activations = (micro.tokens as f64 * h * kept).ceil() as u64 * compute;
+    (activations, micro.tokens * micro.row * F32)
+}
 
 #[derive(Debug)]
 pub struct Estimate {
     pub parts: Vec<(&'static str, u64)>,
+    /// How the activations were counted.
+    pub activations: String,
 }
 
 impl Estimate {
@@ -28,7 +84,7 @@ impl Estimate {
 
     pub fn describe(&self) -> String {
         let parts: Vec<String> = self.parts.iter().map(|(name, b)| format!("{name} {}", gib(*b))).collect();
-        format!("{} ({})", gib(self.total()), parts.join(", "))
+        format!("{} ({}); {}", gib(self.total()), parts.join(", "), self.activations)
     }
 }
 
@@ -38,7 +94,7 @@ impl Estimate {
 pub fn rloo_estimate(
     cfg: &TrainConfig,
     sizes: &BatchSizes,
-    model: &ModelConfig,
+    (model, keeping): (&ModelConfig, Keeping),
     params: usize,
     trainable: usize,
     longest_prompt: usize,
@@ -56,12 +112,14 @@ pub fn rloo_estimate(
     let completion = cfg.generation.response_length as u64;
     let logits_rows =
         |rows: u64| (rows * completion).min(crate::model::kernels::logits_chunk_rows(vocab as usize) as u64);
-    // With gradient checkpointing a forward keeps one hidden state per layer,
-    // and the backward one layer's activations at a time.
-    let saved = match cfg.train.gradient_checkpointing {
-        true => micro * tokens * (layers + SAVED_PER_LAYER) * h * compute,
-        false => micro * tokens * layers * SAVED_PER_LAYER * h * compute,
-    };
+    let packed = MicroTokens::at_most(sizes, longest_prompt, cfg.generation.response_length);
+    let (saved, masks) = activation_bytes(model, keeping, packed, compute, cfg.train.gradient_checkpointing);
+    let activations = format!(
+        "activations: {:.1} tensors of the hidden size a layer and token{}, {} tokens a micro-batch",
+        model.kept_per_layer(keeping),
+        if cfg.train.gradient_checkpointing { " (one layer at a time)" } else { "" },
+        packed.tokens
+    );
     // In bf16 the trained parameters keep f32 masters beside the copies the networks compute with.
     let masters = if compute < F32 { trainable * F32 } else { 0 };
     Estimate {
@@ -75,11 +133,13 @@ pub fn rloo_estimate(
             ("critic", 4 * critic * F32 + if critic > 0 { saved } else { 0 }),
             ("KV cache", chunk * tokens * layers * 2 * h * compute),
             ("activations", saved),
+            ("attention masks", masks),
             // Over completion tokens, a chunk of rows at a time: a training
             // micro-batch's (kept when they fit one chunk) and their
             // gradient's, and a scoring pass's.
             ("logits", (2 * logits_rows(micro) + logits_rows(chunk)) * vocab * F32),
         ],
+        activations,
     }
 }
 
@@ -296,6 +356,29 @@ mod tests {
     use super::*;
     use std::path::Path;
 
+    /// A micro-batch holds each prompt once: k completions to a prompt when
+    /// the mini-batch is the whole batch (a prompt more where a micro-batch
+    /// cuts the completions of one), one each when it is shuffled.
+    #[test]
+    fn a_micro_batch_packs_each_prompt_once() {
+        let sizes = |micro: usize, mini: usize| BatchSizes {
+            micro,
+            mini,
+            batch: 256,
+            prompts_per_batch: 64,
+            k: 4,
+            total_episodes: 256,
+            world: 1,
+            steps: 1,
+            optimizer_steps: 1,
+        };
+        let packed = |micro, mini| MicroTokens::at_most(&sizes(micro, mini), 10, 100);
+        assert_eq!(packed(64, 256), MicroTokens { tokens: 16 * 10 + 64 * 100, row: 410 });
+        assert_eq!(packed(6, 256), MicroTokens { tokens: 3 * 10 + 6 * 100, row: 210 });
+        assert_eq!(packed(2, 256), MicroTokens { tokens: 10 + 2 * 100, row: 210 });
+        assert_eq!(packed(64, 128), MicroTokens { tokens: 64 * 10 + 64 * 100, row: 110 });
+    }
+
     #[test]
     fn bf16_halves_what_the_networks_hold_and_keeps_f32_masters() {
         let root = Path::new(env!("CARGO_MANIFEST_DIR"));
@@ -303,7 +386,7 @@ mod tests {
         let sizes = BatchSizes::for_world(&cfg, Some(64), 1).unwrap();
         let model = ModelConfig::from_dir(&root.join("tests/fixtures/models/gpt_neox-causal")).unwrap();
         let plan = |dtype: DType| {
-            let estimate = rloo_estimate(&cfg, &sizes, &model, 1000, 400, 20, true, 0, dtype);
+            let estimate = rloo_estimate(&cfg, &sizes, (&model, Keeping::default()), 1000, 400, 20, true, 0, dtype);
             move |part: &str| estimate.parts.iter().find(|(name, _)| *name == part).unwrap().1
         };
         let (f32, bf16) = (plan(DType::F32), plan(DType::BF16));
@@ -312,7 +395,7 @@ mod tests {
         for halved in ["KV cache", "activations"] {
             assert_eq!(f32(halved), 2 * bf16(halved), "{halved}");
         }
-        for same in ["gradients", "optimizer state", "logits"] {
+        for same in ["gradients", "optimizer state", "logits", "attention masks"] {
             assert_eq!(f32(same), bf16(same), "{same}");
         }
     }

@@ -8,18 +8,44 @@ use candle_core::{CpuStorage, CustomOp3, Layout, Result, Shape, Tensor};
 
 use super::elementwise::{self, apply, grad_without_graph, without_graph};
 use super::linear::{dense, out_shape, product_grads, sizes, weight_layout, Operand};
+use super::remade::{on_remade_inputs3, Remake};
 use super::{contiguous_f32, fused, on_cuda};
 use crate::model::ops::Activation;
 
 /// `(act(gate) * up) @ w^T` for `gate`, `up` (..., in) and a PyTorch-layout
 /// `w` (out, in).
 pub fn gated_linear(gate: &Tensor, up: &Tensor, act: Activation, w: &Tensor) -> Result<Tensor> {
-    let all = [gate, up, w];
-    let fits = gate.shape() == up.shape() && w.rank() == 2 && gate.dims().last() == Some(&w.dim(1)?);
-    if !(fits && gate.elem_count() > 0 && (all.iter().all(|t| fused(t)) || on_cuda(&all))) {
+    if !runs(gate, up, w)? {
         return super::linear(&(elementwise::activation(gate, act)? * up)?, w, None);
     }
     gate.contiguous()?.apply_op3(&up.contiguous()?, &weight_layout(w)?, Gated(act))
+}
+
+/// [`gated_linear`] where the training graph keeps only the places of
+/// `gate` and `up`, which the backward makes again with `remakes` (from
+/// the MLP's input, `RLOO_MLP_INPUT=remade`): the same values and
+/// gradients. As [`gated_linear`] where neither has a graph or the op does
+/// not run.
+pub fn gated_linear_remade(
+    gate: &Tensor,
+    up: &Tensor,
+    act: Activation,
+    w: &Tensor,
+    (remake_gate, remake_up): (Remake, Remake),
+) -> Result<Tensor> {
+    if !((gate.track_op() || up.track_op()) && runs(gate, up, w)?) {
+        return gated_linear(gate, up, act, w);
+    }
+    let args = [gate, &up.contiguous()?, &weight_layout(w)?];
+    on_remade_inputs3(|| Gated(act), args, [Some(remake_gate), Some(remake_up), None])
+}
+
+/// Whether the op runs: on the CPU in f32 or on a GPU, for a gate and an
+/// up projection of one shape that `w` takes.
+fn runs(gate: &Tensor, up: &Tensor, w: &Tensor) -> Result<bool> {
+    let all = [gate, up, w];
+    let fits = gate.shape() == up.shape() && w.rank() == 2 && gate.dims().last() == Some(&w.dim(1)?);
+    Ok(fits && gate.elem_count() > 0 && (all.iter().all(|t| fused(t)) || on_cuda(&all)))
 }
 
 struct Gated(Activation);

@@ -10,16 +10,16 @@ use candle_core::{CpuStorage, CustomOp2, CustomOp3, Layout, Result, Shape, Tenso
 use gemm::Parallelism;
 use rayon::prelude::*;
 
-use super::remade::{on_remade_input, Remake};
-use super::{contiguous_f32, elementwise, rows_per_task};
+use super::remade::{on_remade_input, on_remade_inputs2, on_remade_inputs3, Remake};
+use super::{contiguous_f32, elementwise, rows_per_task, BwdOut3};
 use crate::model::ops::{self, Activation};
 
 /// `x @ w^T (+ b)` for `x` (..., in), a PyTorch-layout `w` (out, in) and
 /// `b` (out,). `w` may also be the transposed view of an (in, out) tensor,
 /// which the product reads in place.
 pub fn linear(x: &Tensor, w: &Tensor, b: Option<&Tensor>) -> Result<Tensor> {
-    let on_gpu = b.is_some_and(|b| cuda_linear_runs(x, w, b));
-    linear_with(x, w, b, on_gpu && dense_bias_epilogue()?)
+    let epilogue = b.is_some() && cuda_linear_runs(x, w, b) && dense_bias_epilogue()?;
+    linear_with(x, w, b, epilogue)
 }
 
 /// Picks how a dense layer with a bias adds it on a GPU: `pass` (the
@@ -37,7 +37,7 @@ pub fn dense_bias_epilogue() -> Result<bool> {
 /// [`linear`] with the way a GPU adds the bias named: `epilogue`, in the
 /// product's epilogue (bf16 only), else a pass of its own.
 pub fn linear_with(x: &Tensor, w: &Tensor, b: Option<&Tensor>, epilogue: bool) -> Result<Tensor> {
-    if let Some(b) = b.filter(|b| cuda_linear_runs(x, w, b)) {
+    if cuda_linear_runs(x, w, b) {
         return cuda_linear(x, None, w, b, epilogue);
     }
     if !(super::fused(x) && super::fused(w) && b.is_none_or(super::fused)) {
@@ -53,7 +53,7 @@ pub fn linear_with(x: &Tensor, w: &Tensor, b: Option<&Tensor>, epilogue: bool) -
 /// `act(u) @ w^T (+ b)`, keeping only `u` for the backward, which
 /// recomputes `act(u)`: an MLP's widest activation is never stored.
 pub fn activation_linear(u: &Tensor, act: Activation, w: &Tensor, b: Option<&Tensor>) -> Result<Tensor> {
-    if let Some(b) = b.filter(|b| cuda_linear_runs(u, w, b)) {
+    if cuda_linear_runs(u, w, b) {
         return cuda_linear(u, Some(act), w, b, dense_bias_epilogue()?);
     }
     if !(super::fused(u) && super::fused(w) && b.is_none_or(super::fused)) {
@@ -66,13 +66,37 @@ pub fn activation_linear(u: &Tensor, act: Activation, w: &Tensor, b: Option<&Ten
     }
 }
 
+/// [`linear`] where the training graph keeps only `x`'s place and the
+/// backward makes `x` again with `remake` (a norm's output, see
+/// [`super::rms_norm_remake`]): the same values and gradients. As
+/// [`linear`] where `x` has no graph or the op does not run.
+pub fn linear_remade(x: &Tensor, w: &Tensor, b: Option<&Tensor>, remake: Remake) -> Result<Tensor> {
+    let w_l = weight_layout(w)?;
+    let b = b.map(Tensor::contiguous).transpose()?;
+    let (b, remade) = (b.as_ref(), Some(remake));
+    if x.track_op() && cuda_linear_runs(x, w, b) {
+        let op = CudaLinear::new(x, None, b.is_some() && dense_bias_epilogue()?);
+        return match b {
+            Some(b) => on_remade_inputs3(|| op, [x, &w_l, b], [remade, None, None]),
+            None => on_remade_inputs2(|| op, [x, &w_l], [remade, None]),
+        };
+    }
+    if x.track_op() && super::fused(x) && super::fused(w) && b.is_none_or(super::fused) {
+        return match b {
+            Some(b) => on_remade_inputs3(|| Linear, [x, &w_l, b], [remade, None, None]),
+            None => on_remade_inputs2(|| Linear, [x, &w_l], [remade, None]),
+        };
+    }
+    linear(x, w, b)
+}
+
 /// [`activation_linear`] with a bias, where the training graph keeps only
 /// `u`'s place and the backward makes `u` again with `remake` (an MLP's
 /// wide input, see [`super::remade`]): the same values and gradients. As
 /// [`activation_linear`] where `u` has no graph or the op does not run.
 pub fn activation_linear_remade(u: &Tensor, act: Activation, w: &Tensor, b: &Tensor, remake: Remake) -> Result<Tensor> {
     let (w_l, b) = (weight_layout(w)?, b.contiguous()?);
-    if u.track_op() && cuda_linear_runs(u, w, &b) {
+    if u.track_op() && cuda_linear_runs(u, w, Some(&b)) {
         let op = CudaLinear::new(u, Some(act), dense_bias_epilogue()?);
         return on_remade_input(|| op, [u, &w_l, &b], remake);
     }
@@ -84,30 +108,35 @@ pub fn activation_linear_remade(u: &Tensor, act: Activation, w: &Tensor, b: &Ten
 
 /// [`CudaLinear`] on `act(x)` when `act` is given, the bias in the
 /// product's epilogue when `epilogue` (bf16 only).
-fn cuda_linear(x: &Tensor, act: Option<Activation>, w: &Tensor, b: &Tensor, epilogue: bool) -> Result<Tensor> {
-    x.contiguous()?.apply_op3(&weight_layout(w)?, &b.contiguous()?, CudaLinear::new(x, act, epilogue))
+fn cuda_linear(x: &Tensor, act: Option<Activation>, w: &Tensor, b: Option<&Tensor>, epilogue: bool) -> Result<Tensor> {
+    let (x, w, op) = (x.contiguous()?, weight_layout(w)?, CudaLinear::new(x, act, epilogue));
+    match b {
+        Some(b) => x.apply_op3(&w, &b.contiguous()?, op),
+        None => x.apply_op2(&w, op),
+    }
 }
 
-/// Whether [`CudaLinear`] takes these operands: on a GPU, a bias (n,)
-/// for a weight (n, k), rows to multiply.
-fn cuda_linear_runs(x: &Tensor, w: &Tensor, b: &Tensor) -> bool {
-    super::on_cuda(&[x, w, b])
-        && w.rank() == 2
-        && b.dims() == [w.dims()[0]]
-        && x.dims().last() == Some(&w.dims()[1])
-        && x.elem_count() > 0
+/// Whether [`CudaLinear`] takes these operands: on a GPU, a weight (n, k),
+/// a bias (n,) if any, rows to multiply.
+fn cuda_linear_runs(x: &Tensor, w: &Tensor, b: Option<&Tensor>) -> bool {
+    let on_gpu = match b {
+        Some(b) => super::on_cuda(&[x, w, b]) && w.rank() == 2 && b.dims() == [w.dims()[0]],
+        None => super::on_cuda(&[x, w]) && w.rank() == 2,
+    };
+    on_gpu && x.dims().last() == Some(&w.dims()[1]) && x.elem_count() > 0
 }
 
-/// A dense layer with a bias on a GPU, as one op: cuBLAS's product, then
-/// the bias added to every row in one pass (candle's broadcast add works
-/// each element's index out through the broadcast strides, 4 to 5 times a
+/// A dense layer on a GPU, as one op: cuBLAS's product, then any bias
+/// added to every row in one pass (candle's broadcast add works each
+/// element's index out through the broadcast strides, 4 to 5 times a
 /// plain add's time there). One node keeps only x and w for the backward,
 /// where the composition also kept the product before its bias (an
 /// activation of the output's size), and its backward writes d x, d w and
 /// d b without the composition's reshape and transpose nodes, each of which
-/// added its gradient into a zeroed buffer. `epilogue`: the product adds the
-/// bias itself (cuBLASLt, bf16). `act`: the product is of `act(x)`, made in
-/// the forward and again in the backward and never kept: an MLP's widest
+/// added its gradient into a zeroed buffer (and, without a bias, took d w
+/// through a transposed copy). `epilogue`: the product adds the bias
+/// itself (cuBLASLt, bf16). `act`: the product is of `act(x)`, made in the
+/// forward and again in the backward and never kept: an MLP's widest
 /// activation (four times the hidden size) is not stored.
 #[derive(Clone, Copy)]
 struct CudaLinear {
@@ -120,6 +149,86 @@ impl CudaLinear {
     /// The epilogue only where it is asked for and `x` is bf16.
     fn new(x: &Tensor, act: Option<Activation>, epilogue: bool) -> Self {
         Self { epilogue: epilogue && x.dtype() == candle_core::DType::BF16, act }
+    }
+
+    #[cfg(feature = "cuda")]
+    fn forward(
+        &self,
+        (x, x_l): (&candle_core::CudaStorage, &Layout),
+        (w, w_l): (&candle_core::CudaStorage, &Layout),
+        b: Option<(&candle_core::CudaStorage, &Layout)>,
+    ) -> Result<(candle_core::CudaStorage, Shape)> {
+        let (rows, k, n) = sizes("cuda-linear", x_l, w_l)?;
+        // x is contiguous (the caller made it so): one (rows, k) matrix whatever its rank.
+        let mut x_rows = Layout::contiguous_with_offset((rows, k), x_l.start_offset());
+        let activated;
+        let x = match self.act {
+            Some(act) => {
+                activated = super::cuda::activation((x, &x_rows), None, act as i32)?;
+                x_rows = Layout::contiguous((rows, k));
+                &activated
+            }
+            None => x,
+        };
+        let out = cuda_dense((x, &x_rows), (w, w_l), b, (rows, k, n), self.epilogue)?;
+        Ok((out, out_shape(x_l, n)))
+    }
+
+    /// d x, d w (where `w` trains) and d b (where a bias trains).
+    fn grads(&self, x: &Tensor, w: &Tensor, b: Option<&Tensor>, grad: &Tensor) -> Result<BwdOut3> {
+        let (n, k) = w.dims2()?;
+        let rows = x.elem_count() / k;
+        let g = grad.reshape((rows, n))?;
+        // A frozen weight (a base weight under LoRA) records no graph and
+        // gets no gradient: a product as large as the forward's saved.
+        let dw = match w.track_op() {
+            true => {
+                let input = match self.act {
+                    Some(act) => elementwise::without_graph(x, act)?,
+                    None => x.clone(),
+                };
+                Some(g.t()?.matmul(&input.reshape((rows, k))?)?)
+            }
+            false => None,
+        };
+        let dx = g.matmul(w)?.reshape(x.shape())?;
+        let dx = match self.act {
+            Some(act) => elementwise::grad_without_graph(x, &dx, act)?,
+            None => dx,
+        };
+        let db = match b.filter(|b| b.track_op()) {
+            Some(_) => Some(row_sums(&g)?.reshape(n)?),
+            None => None,
+        };
+        Ok((Some(dx), dw, db))
+    }
+}
+
+impl CustomOp2 for CudaLinear {
+    fn name(&self) -> &'static str {
+        "cuda-linear"
+    }
+
+    fn bwd_reads_res(&self) -> bool {
+        false
+    }
+
+    super::cuda_only_cpu_fwd!(2);
+
+    #[cfg(feature = "cuda")]
+    fn cuda_fwd(
+        &self,
+        x: &candle_core::CudaStorage,
+        x_l: &Layout,
+        w: &candle_core::CudaStorage,
+        w_l: &Layout,
+    ) -> Result<(candle_core::CudaStorage, Shape)> {
+        self.forward((x, x_l), (w, w_l), None)
+    }
+
+    fn bwd(&self, x: &Tensor, w: &Tensor, _: &Tensor, grad: &Tensor) -> Result<(Option<Tensor>, Option<Tensor>)> {
+        let (dx, dw, _) = self.grads(x, w, None, grad)?;
+        Ok((dx, dw))
     }
 }
 
@@ -144,74 +253,33 @@ impl CustomOp3 for CudaLinear {
         b: &candle_core::CudaStorage,
         b_l: &Layout,
     ) -> Result<(candle_core::CudaStorage, Shape)> {
-        let (rows, k, n) = sizes(self.name(), x_l, w_l)?;
-        // x is contiguous (the caller made it so): one (rows, k) matrix whatever its rank.
-        let mut x_rows = Layout::contiguous_with_offset((rows, k), x_l.start_offset());
-        let activated;
-        let x = match self.act {
-            Some(act) => {
-                activated = super::cuda::activation((x, &x_rows), None, act as i32)?;
-                x_rows = Layout::contiguous((rows, k));
-                &activated
-            }
-            None => x,
-        };
-        let out = cuda_dense((x, &x_rows), (w, w_l), (b, b_l), (rows, k, n), self.epilogue)?;
-        Ok((out, out_shape(x_l, n)))
+        self.forward((x, x_l), (w, w_l), Some((b, b_l)))
     }
 
-    fn bwd(
-        &self,
-        x: &Tensor,
-        w: &Tensor,
-        b: &Tensor,
-        _: &Tensor,
-        grad: &Tensor,
-    ) -> Result<(Option<Tensor>, Option<Tensor>, Option<Tensor>)> {
-        let (n, k) = w.dims2()?;
-        let rows = x.elem_count() / k;
-        let g = grad.reshape((rows, n))?;
-        // A frozen weight (a base weight under LoRA) records no graph and
-        // gets no gradient: a product as large as the forward's saved.
-        let dw = match w.track_op() {
-            true => {
-                let input = match self.act {
-                    Some(act) => elementwise::without_graph(x, act)?,
-                    None => x.clone(),
-                };
-                Some(g.t()?.matmul(&input.reshape((rows, k))?)?)
-            }
-            false => None,
-        };
-        let dx = g.matmul(w)?.reshape(x.shape())?;
-        let dx = match self.act {
-            Some(act) => elementwise::grad_without_graph(x, &dx, act)?,
-            None => dx,
-        };
-        let db = match b.track_op() {
-            true => Some(row_sums(&g)?.reshape(n)?),
-            false => None,
-        };
-        Ok((Some(dx), dw, db))
+    fn bwd(&self, x: &Tensor, w: &Tensor, b: &Tensor, _: &Tensor, grad: &Tensor) -> Result<BwdOut3> {
+        self.grads(x, w, Some(b), grad)
     }
 }
 
-/// `x (rows, k) @ w^T + b` on a GPU: cuBLAS's product, then the bias in a
+/// `x (rows, k) @ w^T (+ b)` on a GPU: cuBLAS's product, then any bias in a
 /// pass of its own, or in cuBLASLt's epilogue when `epilogue` (bf16).
 #[cfg(feature = "cuda")]
 pub(super) fn cuda_dense(
     (x, x_l): (&candle_core::CudaStorage, &Layout),
     (w, w_l): (&candle_core::CudaStorage, &Layout),
-    (b, b_l): (&candle_core::CudaStorage, &Layout),
+    b: Option<(&candle_core::CudaStorage, &Layout)>,
     (rows, k, n): (usize, usize, usize),
     epilogue: bool,
 ) -> Result<candle_core::CudaStorage> {
     use candle_core::backend::BackendStorage;
-    if epilogue {
-        return super::cuda::linear_bias_epilogue((x, x_l), (w, w_l), (b, b_l), (rows, k, n));
+    match b {
+        Some(b) if epilogue => super::cuda::linear_bias_epilogue((x, x_l), (w, w_l), b, (rows, k, n)),
+        Some(b) => {
+            let product = x.matmul(w, (1, rows, n, k), x_l, &w_l.transpose(0, 1)?)?;
+            super::cuda::bias_rows((&product, &Layout::contiguous((rows, n))), b)
+        }
+        None => x.matmul(w, (1, rows, n, k), x_l, &w_l.transpose(0, 1)?),
     }
-    let product = x.matmul(w, (1, rows, n, k), x_l, &w_l.transpose(0, 1)?)?;
-    super::cuda::bias_rows((&product, &Layout::contiguous((rows, n))), (b, b_l))
 }
 
 /// d input, d w (where `w` trains) and d b (when `bias`) of

@@ -35,12 +35,13 @@ pub use decode_attention::{
 };
 pub use elementwise::{activation, residual, sum3};
 pub use embedding::embedding;
-pub use gated::gated_linear;
+pub use gated::{gated_linear, gated_linear_remade};
 pub use linear::{
-    activation_linear, activation_linear_remade, dense_bias_epilogue, linear, linear_with, DENSE_BIAS_VAR,
+    activation_linear, activation_linear_remade, dense_bias_epilogue, linear, linear_remade, linear_with,
+    DENSE_BIAS_VAR,
 };
 pub use lora::{lora_forward, LoraLayer, Mask};
-pub use norm::{layer_norm, rms_norm};
+pub use norm::{layer_norm, layer_norm_remake, rms_norm, rms_norm_remake};
 pub use norm_linear::{norm_linear, norm_linear_remake};
 pub use qkv_attention::{attention_heads_fused, qkv_attention, ATTENTION_HEADS_VAR};
 pub use remade::{mlp_input_remade, Remake, MLP_INPUT_VAR};
@@ -51,18 +52,21 @@ pub use token_logprobs::{logits_chunk_rows, token_logprobs};
 
 use candle_core::{CpuStorage, DType, Layout, Result, Tensor};
 
+/// What the backward of an op of three inputs gives: each input's gradient, if any.
+type BwdOut3 = (Option<Tensor>, Option<Tensor>, Option<Tensor>);
+
 /// The `cpu_fwd` of an op of 1, 2 or 3 inputs that runs on CUDA only.
 macro_rules! cuda_only_cpu_fwd {
-    (1) => { super::cuda_only_cpu_fwd!(_a); };
-    (2) => { super::cuda_only_cpu_fwd!(_a _b); };
-    (3) => { super::cuda_only_cpu_fwd!(_a _b _c); };
+    (1) => { super::cuda_only_cpu_fwd!(candle_core::CustomOp1: _a); };
+    (2) => { super::cuda_only_cpu_fwd!(candle_core::CustomOp2: _a _b); };
+    (3) => { super::cuda_only_cpu_fwd!(candle_core::CustomOp3: _a _b _c); };
     // One storage and its layout per input.
-    ($($input:ident)+) => {
+    ($op:path: $($input:ident)+) => {
         fn cpu_fwd(
             &self,
             $($input: &candle_core::CpuStorage, _: &candle_core::Layout,)+
         ) -> candle_core::Result<(candle_core::CpuStorage, candle_core::Shape)> {
-            candle_core::bail!("{} runs on CUDA only", self.name())
+            candle_core::bail!("{} runs on CUDA only", <Self as $op>::name(self))
         }
     };
 }

@@ -11,36 +11,55 @@
 
 #[cfg(feature = "cuda")]
 use candle_core::CudaStorage;
+use std::sync::Arc;
+
 use candle_core::{CpuStorage, CustomOp2, CustomOp3, Layout, Result, Shape, Tensor};
 use rayon::prelude::*;
 
+use super::remade::Remake;
+
 use super::math::{sum_of, with_avx2};
-use super::{contiguous_f32, rows_per_task};
+use super::{contiguous_f32, rows_per_task, BwdOut3};
 use crate::model::ops;
 
-/// `(x - mean) / sqrt(var + eps) * weight + bias` over the last dimension.
+/// `(x - mean) / sqrt(var + eps) * weight + bias` over the last dimension,
+/// as `x` is shaped (see [`rms_norm`]).
 pub fn layer_norm(x: &Tensor, weight: &Tensor, bias: &Tensor, eps: f64) -> Result<Tensor> {
     if !super::runs(&[x, weight, bias]) {
         return ops::layernorm(x, weight, bias, eps);
     }
-    let (rows, shape) = as_rows(x)?;
-    rows.apply_op3(&weight.contiguous()?, &bias.contiguous()?, LayerNorm { eps: eps as f32 })?.reshape(shape)
+    x.contiguous()?.apply_op3(&weight.contiguous()?, &bias.contiguous()?, LayerNorm { eps: eps as f32 })
 }
 
-/// `x / sqrt(mean(x^2) + eps) * weight` over the last dimension.
+/// What makes [`layer_norm`]'s values again, as [`rms_norm_remake`] does.
+pub fn layer_norm_remake(x: &Tensor, weight: &Tensor, bias: &Tensor, eps: f64) -> Option<Remake> {
+    let all = [x, weight, bias];
+    if !(super::runs(&all) && all.iter().any(|t| t.track_op())) {
+        return None;
+    }
+    let [x, weight, bias] = all.map(Tensor::detach);
+    Some(Arc::new(move || layer_norm(&x, &weight, &bias, eps)))
+}
+
+/// `x / sqrt(mean(x^2) + eps) * weight` over the last dimension, as `x` is
+/// shaped: no reshape node keeps the output, so that the ops it feeds may
+/// keep only its place and make it again ([`rms_norm_remake`]).
 pub fn rms_norm(x: &Tensor, weight: &Tensor, eps: f64) -> Result<Tensor> {
     if !super::runs(&[x, weight]) {
         return ops::rmsnorm(x, weight, eps);
     }
-    let (rows, shape) = as_rows(x)?;
-    rows.apply_op2(&weight.contiguous()?, RmsNorm { eps: eps as f32 })?.reshape(shape)
+    x.contiguous()?.apply_op2(&weight.contiguous()?, RmsNorm { eps: eps as f32 })
 }
 
-/// (..., H) -> (N, H), contiguous, and the original shape.
-fn as_rows(x: &Tensor) -> Result<(Tensor, Shape)> {
-    let shape = x.shape().clone();
-    let h = *shape.dims().last().unwrap_or(&1);
-    Ok((x.contiguous()?.reshape(((), h))?, shape))
+/// What makes [`rms_norm`]'s values again, without a graph, for a backward
+/// that did not keep them (see `kernels::linear_remade`): None where
+/// neither input records a graph, or the op does not run.
+pub fn rms_norm_remake(x: &Tensor, weight: &Tensor, eps: f64) -> Option<Remake> {
+    if !(super::runs(&[x, weight]) && (x.track_op() || weight.track_op())) {
+        return None;
+    }
+    let (x, weight) = (x.detach(), weight.detach());
+    Some(Arc::new(move || rms_norm(&x, &weight, eps)))
 }
 
 /// Mean and 1 / std of a row.
@@ -109,6 +128,10 @@ impl CustomOp3 for LayerNorm {
         "layer-norm"
     }
 
+    fn bwd_reads_res(&self) -> bool {
+        false
+    }
+
     fn cpu_fwd(
         &self,
         x: &CpuStorage,
@@ -136,8 +159,10 @@ impl CustomOp3 for LayerNorm {
     }
 
     fn bwd(&self, x: &Tensor, w: &Tensor, _b: &Tensor, _y: &Tensor, grad: &Tensor) -> Result<BwdOut3> {
-        let (dx, dw, db) = layer_norm_grads(x, w, grad, self.eps)?;
-        Ok((Some(dx), Some(dw), Some(db)))
+        let h = w.elem_count();
+        let (rows, grad) = (x.reshape(((), h))?, grad.contiguous()?.reshape(((), h))?);
+        let (dx, dw, db) = layer_norm_grads(&rows, w, &grad, self.eps)?;
+        Ok((Some(dx.reshape(x.shape())?), Some(dw), Some(db)))
     }
 }
 
@@ -168,8 +193,6 @@ pub(super) fn layer_norm_grads(x: &Tensor, w: &Tensor, grad: &Tensor, eps: f32) 
     let all = x.apply_op3_no_bwd(w, &grad.contiguous()?, &LayerNormGrad { eps })?;
     Ok((all.narrow(0, 0, n)?, all.get(n)?, all.get(n + 1)?))
 }
-
-type BwdOut3 = (Option<Tensor>, Option<Tensor>, Option<Tensor>);
 
 /// A norm's gradients on a GPU: the kernel writes d x in the input's dtype
 /// and each row's part of d weight in f32, summed by a product with a row
@@ -259,6 +282,10 @@ impl CustomOp2 for RmsNorm {
         "rms-norm"
     }
 
+    fn bwd_reads_res(&self) -> bool {
+        false
+    }
+
     fn cpu_fwd(&self, x: &CpuStorage, x_l: &Layout, w: &CpuStorage, w_l: &Layout) -> Result<(CpuStorage, Shape)> {
         let (x, w) = (contiguous_f32(x, x_l)?, contiguous_f32(w, w_l)?);
         let y = map_rows(x, w.len(), |x, y| {
@@ -276,13 +303,15 @@ impl CustomOp2 for RmsNorm {
     }
 
     fn bwd(&self, x: &Tensor, w: &Tensor, _y: &Tensor, grad: &Tensor) -> Result<(Option<Tensor>, Option<Tensor>)> {
+        let h = w.elem_count();
+        let (rows, grad) = (x.reshape(((), h))?, grad.contiguous()?.reshape(((), h))?);
         if x.device().is_cuda() {
-            let (dx, dw, _) = gpu_grads("rms_norm_bwd", x, w, grad, self.eps, false)?;
-            return Ok((Some(dx), Some(dw)));
+            let (dx, dw, _) = gpu_grads("rms_norm_bwd", &rows, w, &grad, self.eps, false)?;
+            return Ok((Some(dx.reshape(x.shape())?), Some(dw)));
         }
-        let n = x.dim(0)?;
-        let all = x.apply_op3_no_bwd(w, &grad.contiguous()?, &RmsNormGrad { eps: self.eps })?;
-        Ok((Some(all.narrow(0, 0, n)?), Some(all.get(n)?)))
+        let n = rows.dim(0)?;
+        let all = rows.apply_op3_no_bwd(w, &grad, &RmsNormGrad { eps: self.eps })?;
+        Ok((Some(all.narrow(0, 0, n)?.reshape(x.shape())?), Some(all.get(n)?)))
     }
 }
 

@@ -296,3 +296,48 @@ fn a_remade_mlp_input_changes_no_bit() {
     };
     assert_eq!(run(true), run(false));
 }
+
+/// A gated MLP after its RMS norm (Llama, Qwen): the dense layers on the
+/// norm's output keeping only its place, and with `remade` the output layer
+/// keeping only its inputs' places too, give the values and gradients of
+/// the ops that keep them all, to the bit. The norm's output feeds two
+/// layers, whose gradients meet at one node as before.
+#[test]
+fn remade_norm_outputs_and_gated_inputs_change_no_bit() {
+    let shapes: [&[usize]; 5] = [&[2, 5, 16], &[16], &[48, 16], &[48, 16], &[16, 48]];
+    let inputs = shapes.map(|s| Var::from_tensor(&randn(s, 0.1)).unwrap());
+    let weights = randn(&[2, 5, 16], 0.0);
+    let bits = |t: &Tensor| t.flatten_all().unwrap().to_vec1::<f32>().unwrap().iter().map(|x| x.to_bits()).collect();
+    let run = |remade: &dyn Fn(&[Tensor]) -> Result<Tensor>| -> Vec<Vec<u32>> {
+        let t: Vec<Tensor> = inputs.iter().map(|v| v.as_tensor().clone()).collect();
+        let y = remade(&t).unwrap();
+        let grads = (&y * &weights).unwrap().sum_all().unwrap().backward().unwrap();
+        let mut all = vec![bits(&y)];
+        all.extend(inputs.iter().map(|v| bits(grads.get(v).expect("a gradient"))));
+        all
+    };
+    let kept = run(&|t| {
+        let h = rms_norm(&t[0], &t[1], 1e-6)?;
+        gated_linear(&linear(&h, &t[2], None)?, &linear(&h, &t[3], None)?, Activation::Silu, &t[4])
+    });
+    let normed = |t: &[Tensor]| -> Result<(Tensor, Remake)> {
+        Ok((rms_norm(&t[0], &t[1], 1e-6)?, rms_norm_remake(&t[0], &t[1], 1e-6).expect("a graph")))
+    };
+    let norm_remade = run(&|t| {
+        let (h, remake) = normed(t)?;
+        let (gate, up) = (linear_remade(&h, &t[2], None, remake.clone())?, linear_remade(&h, &t[3], None, remake)?);
+        gated_linear(&gate, &up, Activation::Silu, &t[4])
+    });
+    assert_eq!(norm_remade, kept);
+    let all_remade = run(&|t| {
+        let (h, remake) = normed(t)?;
+        let (gate, up) =
+            (linear_remade(&h, &t[2], None, remake.clone())?, linear_remade(&h, &t[3], None, remake.clone())?);
+        let again = |w: &Tensor| -> Remake {
+            let (remake, w) = (remake.clone(), w.detach());
+            std::sync::Arc::new(move || linear(&remake()?, &w, None))
+        };
+        gated_linear_remade(&gate, &up, Activation::Silu, &t[4], (again(&t[2]), again(&t[3])))
+    });
+    assert_eq!(all_remade, kept);
+}

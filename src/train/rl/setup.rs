@@ -11,7 +11,9 @@ use crate::data::{DatasetSpec, Tokenizer};
 use crate::dist::{self, Communicator};
 use crate::error::{Error, Result};
 use crate::generate::{GenerateOptions, Sampler, Sampling, Stepping, StopCriteria};
+use crate::model::arch::Keeping;
 use crate::model::hub::resolve_model;
+use crate::model::kernels;
 use crate::model::layer_graphs::LayerGraphs;
 use crate::model::{HeadKind, Model, ModelConfig};
 use crate::reward;
@@ -116,10 +118,11 @@ impl Run {
             let params = policy.params().numel();
             let trainable = policy.params().trainable_numel();
             let critic_params = algorithm.trained().iter().map(|t| t.model.params().numel()).sum();
+            let keeping = Keeping { lora: policy.lora().is_some(), mlp_input_remade: kernels::mlp_input_remade()? };
             let estimate = memory::rloo_estimate(
                 cfg,
                 &sizes,
-                policy.config(),
+                (policy.config(), keeping),
                 params,
                 trainable,
                 longest,
