@@ -30,7 +30,8 @@ fn the_peak_keeps_what_was_held_after_it_is_freed_and_starts_again_when_read() {
 /// What a training graph holds of a residual's sum `x + branch`: a plain
 /// addition keeps the branch's output until the backward; the residual sums
 /// free it once the sum is made, unless the op that made it reads it in its
-/// own backward (exp). The gradients are the same.
+/// own backward (exp), and free the tensors that views and copies of it
+/// were made from too. The gradients are the same.
 #[test]
 fn residual_sums_keep_no_branch_output_the_backward_does_not_read() {
     let _one = ONE.lock().unwrap_or_else(|e| e.into_inner());
@@ -45,6 +46,10 @@ fn residual_sums_keep_no_branch_output_the_backward_does_not_read() {
         (held, grad.to_vec1::<f32>().unwrap()[0])
     };
     let affine = |x: &Tensor| x.affine(3.0, 1.0);
+    let viewed = |x: &Tensor| {
+        let square = x.affine(3.0, 1.0)?.reshape((1 << 10, 1 << 10))?;
+        square.t()?.contiguous()?.t()?.to_dtype(DType::F32)?.reshape(1 << 20)
+    };
     let exp = |x: &Tensor| x.exp();
     let plain = |x: &Tensor, a: &Tensor| x + a;
     let residual = |x: &Tensor, a: &Tensor| kernels::residual(x, a);
@@ -55,6 +60,8 @@ fn residual_sums_keep_no_branch_output_the_backward_does_not_read() {
     for (name, sum) in [("residual", &residual as &dyn Fn(&Tensor, &Tensor) -> _), ("sum3", &sum3)] {
         let (kept, grad) = held(&affine, sum);
         assert!(kept < size + size / 2 && grad == 4.0, "{name} keeps the sum alone ({kept} bytes)");
+        let (kept, grad) = held(&viewed, sum);
+        assert!(kept < size + size / 2 && grad == 4.0, "{name} keeps no view or copy ({kept} bytes)");
         let (kept, grad) = held(&exp, sum);
         assert!(kept >= 2 * size && grad == 1.0 + 1f32.exp(), "{name} keeps exp's output for its backward");
     }

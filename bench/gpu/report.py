@@ -177,8 +177,12 @@ def training(out, peaks, models):
                 slots = MICRO // K * (sum(lengths) / len(lengths) + K * NEW)
                 hidden = shape["attention_heads"] * shape["head_dim"]
                 units = kept * 2**30 / (slots * shape["layers"] * hidden * 2)
+                # The start-up plan's count (src/train/memory.rs), from the run's log.
+                log = Path(f"{p}.stderr")
+                planned = log.exists() and re.search(r"activations: ([\d.]+) tensors of the hidden size", log.read_text())
                 print(" " * 31 + f"the first micro-batch's forward kept {kept:.2f} GiB: about {units:.1f} "
-                      f"bf16 tensors of the hidden size per layer and token")
+                      f"bf16 tensors of the hidden size per layer and token"
+                      + (f" (planned: {planned.group(1)} a layer, 3 more outside them)" if planned else ""))
 
 
 def nccl(out):

@@ -18,7 +18,7 @@ use super::arch::{raw_config, ArchConfig, Architecture, Dims, Keeping};
 use super::batch::Inputs;
 use super::cache::KvCache;
 use super::kernels;
-use super::layers::{embed_flat, self_attention, Context, LayerNorm, Linear, Qkv};
+use super::layers::{embed, self_attention, Context, LayerNorm, Linear, Qkv};
 use super::ops::Activation;
 use super::weights::Weights;
 use crate::error::Result;
@@ -259,9 +259,8 @@ impl super::Decoder for Decoder {
     }
 
     fn embed(&self, inputs: &Inputs) -> TResult<Tensor> {
-        let (b, t) = inputs.ids.dims2()?;
-        let sum = kernels::residual(&embed_flat(&self.wte, &inputs.ids)?, &embed_flat(&self.wpe, &inputs.positions)?)?;
-        sum.reshape((b, t, self.cfg.hidden_size))
+        // A residual sum: the graph keeps neither lookup.
+        kernels::residual(&embed(&self.wte, &inputs.ids)?, &embed(&self.wpe, &inputs.positions)?)
     }
 
     fn block(&self, layer: usize, x: &Tensor, ctx: &Context, cache: Option<&mut KvCache>) -> TResult<Tensor> {

@@ -197,10 +197,10 @@ pub fn self_attention(
 
 /// q, k and v as (B, H, T, D), q and k rotated.
 fn rotated_heads(qkv: &Qkv, ctx: &Context) -> Result<(Tensor, Tensor, Tensor)> {
-    // (B, T, H, D) -> (B, H, T, D)
-    let mut q = qkv.q.transpose(1, 2)?.contiguous()?;
-    let mut k = qkv.k.transpose(1, 2)?.contiguous()?;
-    let v = qkv.v.transpose(1, 2)?.contiguous()?;
+    // (B, T, H, D) -> (B, H, T, D), keeping nothing of the projections.
+    let mut q = kernels::contiguous(&qkv.q.transpose(1, 2)?)?;
+    let mut k = kernels::contiguous(&qkv.k.transpose(1, 2)?)?;
+    let v = kernels::contiguous(&qkv.v.transpose(1, 2)?)?;
     if let (Some(tables), true) = (&ctx.rotary_host, kernels::fused(&q)) {
         q = kernels::rotary(&q, tables)?;
         k = kernels::rotary(&k, tables)?;
@@ -214,13 +214,8 @@ fn rotated_heads(qkv: &Qkv, ctx: &Context) -> Result<(Tensor, Tensor, Tensor)> {
 /// Looks up token embeddings: ids (B, T) -> (B, T, H).
 pub fn embed(table: &Tensor, ids: &Tensor) -> Result<Tensor> {
     let (b, t) = ids.dims2()?;
-    embed_flat(table, ids)?.reshape((b, t, table.dim(1)?))
-}
-
-/// [`embed`] as (B * T, H): before the reshape, whose node keeps the
-/// lookup's values, a residual sum of lookups keeps none.
-pub fn embed_flat(table: &Tensor, ids: &Tensor) -> Result<Tensor> {
-    kernels::embedding(table, &ids.flatten_all()?)
+    let hidden = table.dim(1)?;
+    kernels::embedding(table, &ids.flatten_all()?)?.reshape((b, t, hidden))
 }
 
 /// A dense layer with a PyTorch-layout weight (out, in), and optionally a

@@ -20,7 +20,7 @@ use super::arch::{raw_config, ArchConfig, Architecture, Dims, Keeping};
 use super::batch::Inputs;
 use super::cache::KvCache;
 use super::kernels::{self, Remake};
-use super::layers::{embed_flat, self_attention, Context, LayerNorm, Linear, Qkv};
+use super::layers::{embed, self_attention, Context, LayerNorm, Linear, Qkv};
 use super::ops::Activation;
 use super::weights::Weights;
 use crate::error::Result;
@@ -281,14 +281,13 @@ impl super::Decoder for Decoder {
     }
 
     fn embed(&self, inputs: &Inputs) -> TResult<Tensor> {
-        let (b, t) = inputs.ids.dims2()?;
-        let tokens = embed_flat(&self.embed_tokens, &inputs.ids)?;
+        let tokens = embed(&self.embed_tokens, &inputs.ids)?;
         let tokens = match &self.project_in {
             Some(p) => p.forward(&tokens)?,
             None => tokens,
         };
-        let sum = kernels::residual(&tokens, &embed_flat(&self.positions, &inputs.positions)?)?;
-        sum.reshape((b, t, self.cfg.hidden_size))
+        // A residual sum: the graph keeps neither lookup.
+        kernels::residual(&tokens, &embed(&self.positions, &inputs.positions)?)
     }
 
     fn block(&self, layer: usize, x: &Tensor, ctx: &Context, cache: Option<&mut KvCache>) -> TResult<Tensor> {

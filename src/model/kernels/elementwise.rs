@@ -1,6 +1,6 @@
 //! Activations with their backward passes (candle's activation gradients
-//! are chains of five to ten whole-tensor ops), and residual sums whose
-//! nodes keep none of their inputs.
+//! are chains of five to ten whole-tensor ops), and residual sums and
+//! copies whose nodes keep none of their inputs.
 
 use std::sync::Arc;
 
@@ -29,6 +29,17 @@ pub fn residual(x: &Tensor, a: &Tensor) -> Result<Tensor> {
     on_places(sum, &[x, a], |p| Op::Binary(p[0].clone(), p[1].clone(), BinaryOp::Add))
 }
 
+/// `t` laid out contiguously, where the node keeps none of `t`'s values (a
+/// copy's backward reads none; candle's copy keeps them, and with them
+/// whatever `t` is a view of): heads transposed out of a projection's
+/// output do not keep it.
+pub fn contiguous(t: &Tensor) -> Result<Tensor> {
+    if t.is_contiguous() {
+        return Ok(t.clone());
+    }
+    on_places(t.detach().contiguous()?, &[t], |p| Op::Copy(p[0].clone()))
+}
+
 /// `(x + a) + b` as one node (a parallel residual: the block's input, its
 /// attention's and its MLP's outputs), the same values as the two
 /// additions, to the bit; like [`residual`], it keeps none of them.
@@ -44,7 +55,7 @@ pub fn sum3(x: &Tensor, a: &Tensor, b: &Tensor) -> Result<Tensor> {
 /// `values`, computed without a graph, as the output of `op` on the places
 /// of `args` (see [`Tensor::without_values`]), for an op whose backward
 /// reads none of their values; without a graph when no argument has one.
-fn on_places(values: Tensor, args: &[&Tensor], op: impl FnOnce(&[Tensor]) -> Op) -> Result<Tensor> {
+pub(super) fn on_places(values: Tensor, args: &[&Tensor], op: impl FnOnce(&[Tensor]) -> Op) -> Result<Tensor> {
     if !args.iter().any(|t| t.track_op()) {
         return Ok(values);
     }

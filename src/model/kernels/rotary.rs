@@ -5,6 +5,7 @@
 
 use std::sync::Arc;
 
+use candle_core::op::Op;
 use candle_core::{CpuStorage, CustomOp1, Layout, Result, Shape, Tensor};
 use rayon::prelude::*;
 
@@ -58,7 +59,12 @@ pub fn rotate(x: &Tensor, cos: &Tensor, sin: &Tensor) -> Result<Tensor> {
         return crate::model::ops::apply_rotary(x, cos, sin);
     }
     let table = |t: &Tensor| t.to_dtype(candle_core::DType::F32)?.contiguous();
-    x.contiguous()?.apply_op3(&table(cos)?, &table(sin)?, RotaryOnDevice { sign: 1.0 })
+    let (cos, sin) = (table(cos)?, table(sin)?);
+    // The backward rotates the gradient back and reads no value of x: the
+    // node keeps only its place.
+    let values = x.detach().contiguous()?.apply_op3(&cos, &sin, RotaryOnDevice { sign: 1.0 })?;
+    let op = |p: &[Tensor]| Op::CustomOp3(p[0].clone(), cos, sin, Arc::new(Box::new(RotaryOnDevice { sign: 1.0 })));
+    super::elementwise::on_places(values, &[x], op)
 }
 
 /// The CUDA kernel's op: x, cos, sin -> x rotated; `sign` -1 rotates back.
@@ -70,6 +76,10 @@ struct RotaryOnDevice {
 impl candle_core::CustomOp3 for RotaryOnDevice {
     fn name(&self) -> &'static str {
         "rotary-on-device"
+    }
+
+    fn bwd_reads_res(&self) -> bool {
+        false
     }
 
     super::cuda_only_cpu_fwd!(3);

@@ -1111,6 +1111,27 @@ impl Op {
     }
 }
 
+impl Op {
+    /// This op on its argument's place (`Tensor::without_values`), for an
+    /// op whose backward reads no values of its argument or of its output
+    /// (a view, a copy, a cast); None for other ops. The place of a view is
+    /// the same view of its argument's place: the view shares the
+    /// argument's storage, which the argument itself would keep alive. Not
+    /// in candle: see vendor/README.md.
+    pub(crate) fn on_place(&self) -> crate::Result<Option<Op>> {
+        Ok(Some(match self {
+            Op::Copy(arg) => Op::Copy(arg.without_values()?),
+            Op::ToDType(arg) => Op::ToDType(arg.without_values()?),
+            Op::Reshape(arg) => Op::Reshape(arg.without_values()?),
+            Op::Broadcast(arg) => Op::Broadcast(arg.without_values()?),
+            Op::Narrow(arg, dim, start, len) => Op::Narrow(arg.without_values()?, *dim, *start, *len),
+            Op::Transpose(arg, dim1, dim2) => Op::Transpose(arg.without_values()?, *dim1, *dim2),
+            Op::Permute(arg, dims) => Op::Permute(arg.without_values()?, dims.clone()),
+            _ => return Ok(None),
+        }))
+    }
+}
+
 impl BackpropOp {
     /// `op`, recorded as it is (for `Tensor::share_as_op`, not in candle).
     pub(crate) fn recorded(op: Op) -> Self {

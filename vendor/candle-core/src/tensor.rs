@@ -2412,17 +2412,22 @@ impl Tensor {
     /// record, with `share_as_op`, for an op whose backward reads no value
     /// of it (an addition), so that the graph does not keep the values
     /// alive, as PyTorch's does not. The tensor itself where the op that
-    /// made it reads them in its own backward. Not in candle: see
-    /// vendor/README.md.
+    /// made it reads them in its own backward; where that op is a view, a
+    /// copy or a cast, its place records it on its argument's place. Not in
+    /// candle: see vendor/README.md.
     pub fn without_values(&self) -> Result<Tensor> {
         if self.op.as_ref().is_some_and(Op::backward_reads_output) {
             return Ok(self.clone());
         }
+        let op = match self.op.as_ref().map(Op::on_place).transpose()?.flatten() {
+            Some(op) => BackpropOp::recorded(op),
+            None => self.op.clone(),
+        };
         // One element, not none (a GPU allocation of no bytes may fail), and
         // not filled (no launch on a GPU). Safety: nothing reads it.
         let unread = unsafe { self.device.alloc_uninit(&Shape::from(1), self.dtype)? };
         let storage = Arc::new(RwLock::new(unread));
-        Ok(self.rebuilt(self.id, storage, self.op.clone(), self.is_variable))
+        Ok(self.rebuilt(self.id, storage, op, self.is_variable))
     }
 
     /// This tensor's dtype, device and layout with the rest given.
