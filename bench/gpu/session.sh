@@ -14,10 +14,11 @@
 #   3. the RLOO step at 410m against TRL: the defaults (flash attention
 #      from the fused projection, recorded decoding steps) and the same
 #      with a key per lane in decoding and the biases in the epilogues;
-#   4. the same two at 1B, and the second with the MLP's wide input made
-#      again in the backward (RLOO_MLP_INPUT=remade);
-#   5. LoRA (r = 16, all linear layers) at 1B against TRL with PEFT, the
-#      defaults;
+#   4. LoRA (r = 16, all linear layers) at 1B against TRL with PEFT, with
+#      a key per lane and the epilogues;
+#   5. full fine-tuning at 1B with a key per lane and the epilogues, and
+#      the same with the MLP's wide input made again in the backward
+#      (RLOO_MLP_INPUT=remade);
 #   6. the kernels of the training phase over one micro-batch at 410m.
 # Logs stay in OUT; the benchmark's table (bench/gpu/report.py) prints last.
 #
@@ -44,11 +45,10 @@ part check 60 env RLOO_DECODE_ATTENTION=lanes scripts/cuda/run.sh check --device
 grep -sE "checks on|FAIL" "$OUT/check.log" >&2
 part generate-410m 90 env SIZES=410m RUNS=2 DECODERS="race+fused+fused+graph race+lanes+fused+graph race+lanes+fused+graph+epilogue" \
     bench/gpu/run.sh peaks generate
-for size in 410m 1b; do
-    variants="flash+fused+graph flash+fused+graph+lanes+epilogue"
-    [[ $size == 1b ]] && variants+=" flash+fused+graph+lanes+epilogue+remade"
-    part "train-$size" 120 env ARMS="$size-full" TRAIN_RUNS=1 STEPS=3 ATTENTION="$variants" bench/gpu/run.sh train
-done
-part train-1b-lora 120 env ARMS=1b-lora TRAIN_RUNS=1 STEPS=3 ATTENTION=flash+fused+graph bench/gpu/run.sh train
+part train-410m 120 env ARMS=410m-full TRAIN_RUNS=1 STEPS=3 \
+    ATTENTION="flash+fused+graph flash+fused+graph+lanes+epilogue" bench/gpu/run.sh train
+part train-1b-lora 100 env ARMS=1b-lora TRAIN_RUNS=1 STEPS=3 ATTENTION=flash+fused+graph+lanes+epilogue bench/gpu/run.sh train
+part train-1b 120 env ARMS=1b-full TRAIN_RUNS=1 STEPS=3 \
+    ATTENTION="flash+fused+graph+lanes+epilogue flash+fused+graph+lanes+epilogue+remade" bench/gpu/run.sh train
 part profile 60 env SIZES=410m PROFILED=train bench/gpu/run.sh profile
 "$PY" bench/gpu/report.py "$OUT" | tee "$OUT/table.txt"
