@@ -105,6 +105,25 @@ def generation(out, peaks, models):
                           "cannot be carried there"))
 
 
+def long_prompts(out):
+    """run.sh's `long` part: a few rows over 1,600-token prompts, keys split across blocks or not."""
+    logs = sorted(out.glob("long-*-*-*.log"))
+    if not logs:
+        return
+    print()
+    print("Decoding over long prompts: 1,600 tokens x 1 sample, 256 new tokens, bf16")
+    print(f"{'model':<6} {'keys split':<11} {'tokens/s':>9} {'ms/step':>8}  runs")
+    for size, split in sorted({tuple(p.name.split("-")[1:3]) for p in logs}):
+        runs = []
+        for log in sorted(out.glob(f"long-{size}-{split}-*.log")):
+            m = re.search(r"generated (\d+) tokens in ([\d.]+) s", log.read_text())
+            runs.append(m and (int(m.group(1)), float(m.group(2))))
+        done = [r for r in runs if r]
+        rate = median([t / s for t, s in done])
+        step_ms = median([s / 256 * 1e3 for _, s in done])
+        print(f"{size:<6} {split:<11} {fmt(rate, '9.0f')} {fmt(step_ms, '8.2f')}  {len(done)}/{len(runs)}")
+
+
 def train_flops(shape, lengths, lora):
     tokens = K * sum(n + NEW for n in lengths)
     keys = K * sum((n + NEW) * (n + NEW + 1) / 2 for n in lengths)
@@ -212,6 +231,7 @@ def main():
                                     if peaks else "no peaks"))
     if list(out.glob("gen-*")):
         generation(out, peaks, models)
+    long_prompts(out)
     if list(out.glob("train-*.json")):
         training(out, peaks, models)
     nccl(out)

@@ -4,12 +4,17 @@
 # (bench/gpu/wheels.sh: bench/.cache/wheels) carried there. Prints a short
 # table last (bench/gpu/report.py); logs and results stay in OUT.
 #
-#   bench/gpu/run.sh [PART...]   PART: peaks generate train nccl profile (default: the first four)
+#   bench/gpu/run.sh [PART...]   PART: peaks generate long train nccl profile
+#                                (default: peaks generate train nccl)
 #
 #   peaks     bf16 matrix product rate and copy bandwidth (bench/gpu/peaks.py)
 #   generate  rloo generate --device cuda --bf16 (with each of DECODERS)
 #             against transformers' generate: 64 prompts x 4 x 128 new
 #             tokens, batch 256, per SIZES
+#   long      rloo generate over long prompts: LONG_ROWS prompts of 1,600
+#             tokens x 1 sample, 256 new tokens, at the first of SIZES, with
+#             the keys split across blocks and not (RLOO_DECODE_SPLIT: auto,
+#             off), as a server's few requests over long contexts decode
 #   train     rloo train against TRL's RLOOTrainer: 64 prompts x k = 4, 128
 #             new tokens, bf16, reward-model scoring, one epoch, one
 #             mini-batch, per ARMS
@@ -50,6 +55,7 @@
 #      PEER        on (default), or off: rloo's runs alone, without transformers' generate
 #                  and TRL (for a short call whose peer figures an earlier one on the card gave)
 #      RUNS        generation runs of each side (default 3)
+#      LONG_ROWS   rows of the long prompts' decoding (default 4)
 #      TRAIN_RUNS  training runs of each side per arm (default 2)
 #      STEPS       optimizer steps per training run, the first not counted (default 4)
 #      MICRO       completions per forward and backward, both sides (default 64)
@@ -77,6 +83,7 @@ DEVICE=${DEVICE:-cuda}
 PY=${PY:-python3}
 PEER=${PEER:-on}
 PROFILED=${PROFILED:-generate train}
+LONG_ROWS=${LONG_ROWS:-4}
 PARTS=${*:-peaks generate train nccl}
 PROMPTS=64 K=4 NEW=128
 export RLOO=${RLOO:-$ROOT/.cuda/bin/rloo} PYTHONUNBUFFERED=1 TOKENIZERS_PARALLELISM=false
@@ -133,6 +140,31 @@ if part generate; then
         done
     done
     "$PY" -c 'import vllm' 2>/dev/null && echo yes >"$OUT/vllm.txt" || echo no >"$OUT/vllm.txt"
+fi
+
+if part long; then
+    size=${SIZES%% *}
+    if models "$size"; then
+        dir=$MODELS/$size
+        # Prompts of 1,600 words from the benchmark's (the synthetic tokenizer makes a token of each word).
+        "$PY" - "$dir/prompts.jsonl" "$OUT/long-prompts.jsonl" "$LONG_ROWS" <<'EOF'
+import json, sys
+words = " ".join(json.loads(l)["prompt"] for l in open(sys.argv[1]) if l.strip()).split()
+with open(sys.argv[2], "w") as f:
+    for i in range(int(sys.argv[3])):
+        f.write(json.dumps({"prompt": " ".join(words[(97 * i + j) % len(words)] for j in range(1600))}) + "\n")
+EOF
+        for i in $(seq 1 "$RUNS"); do
+            for split in auto off; do
+                log "long prompts $size, keys split $split, run $i"
+                run=$OUT/long-$size-$split-$i
+                RLOO_DECODE_SPLIT=$split RLOO_DECODE_ATTENTION=lanes RLOO_DECODE_APPEND=fused RLOO_DECODE_STEP=graph \
+                    "${rloo[@]}" generate --device "$DEVICE" --bf16 --model "$dir/policy" \
+                    --prompts "$OUT/long-prompts.jsonl" --output "$run.jsonl" --max-new-tokens 256 \
+                    --temperature 1.0 --batch-size "$LONG_ROWS" --ignore-eos --seed 1 2>"$run.log" || tail -5 "$run.log"
+            done
+        done
+    fi
 fi
 
 if part train; then

@@ -19,7 +19,9 @@
 #   5. full fine-tuning at 1B with a key per lane and the epilogues, and
 #      the same with the MLP's wide input made again in the backward
 #      (RLOO_MLP_INPUT=remade);
-#   6. the kernels of the training phase over one micro-batch at 410m.
+#   6. decoding 4 rows over 1,600-token prompts at 410m, with the keys
+#      split across blocks and not;
+#   7. the kernels of the training phase over one micro-batch at 410m.
 # Logs stay in OUT; the benchmark's table (bench/gpu/report.py) prints last.
 #
 #   bench/gpu/session.sh                 # OUT=/tmp/rloo-gpu-session
@@ -50,5 +52,6 @@ part train-410m 120 env ARMS=410m-full TRAIN_RUNS=1 STEPS=3 \
 part train-1b-lora 100 env ARMS=1b-lora TRAIN_RUNS=1 STEPS=3 ATTENTION=flash+fused+graph+lanes+epilogue bench/gpu/run.sh train
 part train-1b 120 env ARMS=1b-full TRAIN_RUNS=1 STEPS=3 \
     ATTENTION="flash+fused+graph+lanes+epilogue flash+fused+graph+lanes+epilogue+remade" bench/gpu/run.sh train
+part long-410m 40 env SIZES=410m RUNS=2 bench/gpu/run.sh long
 part profile 60 env SIZES=410m PROFILED=train bench/gpu/run.sh profile
 "$PY" bench/gpu/report.py "$OUT" | tee "$OUT/table.txt"

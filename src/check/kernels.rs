@@ -340,10 +340,12 @@ pub fn check_kernels(device: &Device, dtypes: &[DType]) -> Vec<Check> {
             true => &[16, 64, 128][..],
             false => &[],
         };
-        let kernels = [64, 128].iter().map(|&d| (d, false)).chain(lanes.iter().map(|&d| (d, true)));
-        for (d, lanes) in kernels {
+        // And a cache long enough that a few rows split their keys across blocks.
+        let kernels = [64, 128].iter().map(|&d| (d, false, false)).chain(lanes.iter().map(|&d| (d, true, false)));
+        let split = device.is_cuda().then_some([(64, false, true), (64, true, true)]);
+        for (d, lanes, long) in kernels.chain(split.into_iter().flatten()) {
             out.push(
-                decode_attention_check(device, dtype, d, lanes, rng)
+                decode_attention_check(device, dtype, d, lanes, long, rng)
                     .unwrap_or_else(|e| Check::failed("kernel", &format!("decode_attention, head size {d}"), dtype, e)),
             );
         }
@@ -714,8 +716,17 @@ fn maybe_t(w: &Tensor, transposed: bool) -> Result<Tensor> {
 /// the composition over the cache copied out) against
 /// the CPU kernel; and again as over fixed slots, the mask covering every
 /// slot and the own slots' count read from the device (the views show one).
-fn decode_attention_check(device: &Device, dtype: DType, d: usize, lanes: bool, rng: &mut Rng) -> Result<Check> {
-    let (b, h, h_kv, p, s_own, capacity) = (6, 4, 2, 13, 9, 16);
+/// `long`: 700 slots, which a GPU splits across blocks (RLOO_DECODE_SPLIT).
+fn decode_attention_check(
+    device: &Device,
+    dtype: DType,
+    d: usize,
+    lanes: bool,
+    long: bool,
+    rng: &mut Rng,
+) -> Result<Check> {
+    let (b, h, h_kv) = (6, 4, 2);
+    let (p, s_own, capacity) = if long { (300, 400, 420) } else { (13, 9, 16) };
     let rows = [0u32, 1, 1, 0, 1, 0];
     let q = randn(rng, &[b, h, 1, d], 0.0, 1.0);
     let (shared_k, shared_v) = (randn(rng, &[2, h_kv, p, d], 0.0, 1.0), randn(rng, &[2, h_kv, p, d], 0.0, 1.0));
@@ -773,7 +784,12 @@ fn decode_attention_check(device: &Device, dtype: DType, d: usize, lanes: bool, 
     let error =
         relative_error(&run(device, dtype, false)?, &want)?.max(relative_error(&run(device, dtype, true)?, &want)?);
     let per = if lanes { ", a lane per key" } else { "" };
-    let label = format!("decode_attention, head size {d}{per} ({})", path("decode_attention", device, dtype));
+    let split = match (long, kernels::decode_split_keys()?) {
+        (true, true) => format!(", {} slots, keys split", p + s_own),
+        (true, false) => format!(", {} slots", p + s_own),
+        (false, _) => String::new(),
+    };
+    let label = format!("decode_attention, head size {d}{per}{split} ({})", path("decode_attention", device, dtype));
     Ok(Check::new("kernel", &label, dtype, error, None, tolerance(dtype)))
 }
 

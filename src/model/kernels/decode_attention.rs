@@ -38,6 +38,41 @@ pub fn decode_attention_choice() -> Result<DecodeAttention> {
     }
 }
 
+/// Picks whether a decoding step on a GPU splits each (row, head)'s keys
+/// over several blocks: `auto` (the default: where a block per (row, head)
+/// would leave the GPU idle and the cache is long enough, as with a few
+/// rows served over a long context) or `off`, to compare them.
+pub const DECODE_SPLIT_VAR: &str = "RLOO_DECODE_SPLIT";
+
+/// Whether keys may be split; an unknown choice is an error.
+pub fn decode_split_keys() -> Result<bool> {
+    Ok(variant(DECODE_SPLIT_VAR, &["auto", "off"]).map_err(candle_core::Error::msg)? == "auto")
+}
+
+/// The fewest slots a split takes: one pass of a block's 8 warps of 32.
+#[cfg_attr(not(feature = "cuda"), allow(dead_code))]
+const MIN_SPLIT_SLOTS: usize = 256;
+
+/// Blocks of 256 threads a multiprocessor runs at once (2,048 threads).
+#[cfg_attr(not(feature = "cuda"), allow(dead_code))]
+const BLOCKS_PER_MULTIPROCESSOR: usize = 8;
+
+/// How a step's `slots` (the most a row can have) are split for `blocks`
+/// (row, head) blocks on `multiprocessors`: (slots per split, splits), or
+/// (0, 1) unsplit. Splits are added until the blocks fill the GPU once,
+/// each of at least [`MIN_SPLIT_SLOTS`]; the split depends on the shapes
+/// alone, so a step gives the same bits every time it runs.
+#[cfg_attr(not(feature = "cuda"), allow(dead_code))]
+fn key_splits(blocks: usize, slots: usize, multiprocessors: usize) -> (usize, usize) {
+    let wanted = (multiprocessors * BLOCKS_PER_MULTIPROCESSOR).div_ceil(blocks.max(1));
+    let splits = wanted.min(slots / MIN_SPLIT_SLOTS);
+    if splits <= 1 {
+        return (0, 1);
+    }
+    let chunk = slots.div_ceil(splits).next_multiple_of(32);
+    (chunk, slots.div_ceil(chunk))
+}
+
 /// Picks how a decoding step on a GPU rotates its new queries and keys and
 /// writes keys and values to the cache: `fused` (the default: one launch,
 /// [`rotary_append_cuda`]) or `composed` (the heads transposed, the rotary
@@ -100,7 +135,7 @@ pub fn decode_attention_cuda(
         return Ok(None);
     }
     #[cfg(feature = "cuda")]
-    return cuda::run(q, kv, key_mask, scale, lanes).map(Some);
+    return cuda::run(q, kv, key_mask, scale, lanes, decode_split_keys()?).map(Some);
     #[cfg(not(feature = "cuda"))]
     {
         let _ = (key_mask, scale);
@@ -219,8 +254,9 @@ mod cuda {
         Ok((q, cache.layer(layer, slot + 1)?))
     }
 
-    /// `lanes`: the kernel with a lane per key.
-    pub fn run(q: &Tensor, kv: &LayerKv, key_mask: &Tensor, scale: f64, lanes: bool) -> Result<Tensor> {
+    /// `lanes`: the kernel with a lane per key; `split`: the keys split
+    /// where [`super::key_splits`] says.
+    pub fn run(q: &Tensor, kv: &LayerKv, key_mask: &Tensor, scale: f64, lanes: bool, split: bool) -> Result<Tensor> {
         let q = q.contiguous()?;
         let mask = key_mask.to_dtype(DType::F32)?.contiguous()?;
         let (b, h, _, d) = q.dims4()?;
@@ -244,6 +280,15 @@ mod cuda {
         if mask_rows != b || mask_row < p + s_own {
             candle_core::bail!("decode-attention: key mask {:?} for {b} rows of {} slots", mask.dims(), p + s_own);
         }
+        // With fixed slots a replayed step may read up to every one of them.
+        let slots = match kv.slot_at {
+            Some(_) => mask_row,
+            None => p + s_own,
+        };
+        let (chunk, splits) = match split {
+            true => super::key_splits(b * h, slots, launch::multiprocessors(q.device().as_cuda_device()?)?),
+            false => (0, 1),
+        };
         let dims = DecodeDims {
             h: h as i32,
             h_kv: h_kv as i32,
@@ -256,6 +301,7 @@ mod cuda {
             shared_row,
             shared_head,
             scale: scale as f32,
+            chunk: chunk as i32,
         };
         let (q_g, k_g, v_g, m_g) = (
             q.storage_and_layout(),
@@ -282,7 +328,7 @@ mod cuda {
             shared,
             on_gpu(&m_g.0, m_g.1)?,
             slot_at,
-            dims,
+            (dims, splits as u32),
             lanes,
         )?;
         Ok(Tensor::from_storage(Storage::Cuda(out), (b, h, 1, d), BackpropOp::none(), false))
@@ -576,6 +622,24 @@ mod tests {
 
     fn max_diff(a: &Tensor, b: &Tensor) -> f32 {
         (a - b).unwrap().abs().unwrap().flatten_all().unwrap().max(0).unwrap().to_scalar::<f32>().unwrap()
+    }
+
+    #[test]
+    fn keys_are_split_only_where_the_blocks_do_not_fill_the_gpu() {
+        // The benchmark's batch: 256 rows x 16 heads fill 132 multiprocessors.
+        assert_eq!(key_splits(256 * 16, 320, 132), (0, 1));
+        // One row of 16 heads over 4,096 slots: 16 splits of 256.
+        assert_eq!(key_splits(16, 4096, 132), (256, 16));
+        // 8 rows of 32 heads over 3,000 slots: 5 splits (1,056 / 256 blocks), whole warps of slots.
+        assert_eq!(key_splits(8 * 32, 3000, 132), (608, 5));
+        // Too few slots for two splits of 256.
+        assert_eq!(key_splits(16, 511, 132), (0, 1));
+        // The splits cover every slot, none empty.
+        for (blocks, slots) in [(1, 600), (3, 1000), (16, 2049), (64, 100_000)] {
+            let (chunk, splits) = key_splits(blocks, slots, 132);
+            assert!(chunk * splits >= slots && chunk * (splits - 1) < slots, "{blocks} {slots}: {chunk} x {splits}");
+            assert!(chunk >= MIN_SPLIT_SLOTS && chunk % 32 == 0);
+        }
     }
 
     #[test]

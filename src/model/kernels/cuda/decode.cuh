@@ -7,6 +7,12 @@
 // row's own slots are the first *slot_at + 1 (a step replayed from a CUDA
 // graph), else s_own. Included by kernels.cu and by the host emulator.
 //
+// With chunk > 0 the keys are split too: block (x, y) takes slots
+// [y chunk, (y + 1) chunk) and writes its part of the softmax (maximum, sum
+// and the unnormalised sums of values, d + 2 floats) to `parts`, which
+// decode_splits combines in split order. A few rows over a long cache then
+// fill the GPU, where a block per (row, head) would leave most of it idle.
+//
 // Two ways to split the keys (RLOO_DECODE_ATTENTION, decode_attention.rs):
 // - decode_attention: warp w takes keys w, w + DECODE_WARPS, ..., a lane
 //   holding E = D / 32 features, so each key and value row is read whole by
@@ -25,6 +31,7 @@ struct DecodeDims {
     long long own_row, own_head;           // strides of the own buffers between rows and heads
     long long shared_row, shared_head;     // the same of the shared buffers; slots are d apart in both
     float scale;
+    int chunk;                             // slots per split of the keys (blockIdx.y); 0: not split
 };
 
 __device__ __forceinline__ float warp_sum(float v) {
@@ -38,13 +45,14 @@ __device__ __forceinline__ float warp_max(float v) {
 }
 
 // The slots the block's (row, query head) attends over: `count` of them,
-// the shared ones first, then the row's own, with the row's key mask.
+// the shared ones first, then the row's own, with the row's key mask; the
+// block takes [begin, end) of them.
 template <typename T>
 struct DecodeSlots {
     const T *k, *v, *shared_k, *shared_v;
     const float* mask;
     size_t own_at, shared_at;
-    int p, d, count;
+    int p, d, count, begin, end;
 
     __device__ __forceinline__ DecodeSlots(const T* k, const T* v, const T* shared_k, const T* shared_v,
                                            const uint32_t* shared_rows, const float* mask,
@@ -55,6 +63,8 @@ struct DecodeSlots {
         own_at = (size_t)b * a.own_row + (size_t)kv_head * a.own_head;
         shared_at = a.p ? (size_t)shared_rows[b] * a.shared_row + (size_t)kv_head * a.shared_head : 0;
         p = a.p, d = a.d, count = a.p + (slot_at ? (int)*slot_at + 1 : a.s_own);
+        begin = a.chunk ? (int)blockIdx.y * a.chunk : 0;
+        end = a.chunk ? min(count, begin + a.chunk) : count;
     }
     __device__ __forceinline__ size_t at(int j) const {
         return j < p ? shared_at + (size_t)j * d : own_at + (size_t)(j - p) * d;
@@ -74,10 +84,11 @@ __device__ __forceinline__ void unpack(uint4 raw, float (&x)[8]) {  // bf16: the
     for (int i = 0; i < 4; i++) x[2 * i] = __uint_as_float(words[i] << 16), x[2 * i + 1] = __uint_as_float(words[i] & 0xffff0000u);
 }
 
-// The warps' partial softmaxes, combined in a fixed order into the row's output.
+// The warps' partial softmaxes, combined in a fixed order into the row's
+// output, or with the keys split into the block's part at `split`.
 template <typename T, int E>
 __device__ __forceinline__ void decode_combine(const float* part_max, const float* part_sum,
-                                               const float (*part_acc)[32 * E], int d, T* o) {
+                                               const float (*part_acc)[32 * E], int d, T* o, float* split) {
     for (int f = threadIdx.x; f < d; f += blockDim.x) {
         float top = -INFINITY;
         for (int w = 0; w < DECODE_WARPS; w++) top = fmaxf(top, part_max[w]);
@@ -88,16 +99,48 @@ __device__ __forceinline__ void decode_combine(const float* part_max, const floa
                 total += part_sum[w] * c;
                 out += part_acc[w][f] * c;
             }
+            if (!split) out /= total;
+        }
+        if (!split) {
+            o[f] = from_f32<T>(out);
+            continue;
+        }
+        if (f == 0) split[0] = top, split[1] = total;
+        split[2 + f] = out;
+    }
+}
+
+// Where block (x, y)'s part goes with the keys split, else null.
+__device__ __forceinline__ float* decode_part(float* parts, int d) {
+    return parts ? parts + ((size_t)blockIdx.x * gridDim.y + blockIdx.y) * (d + 2) : nullptr;
+}
+
+// The parts of each (row, query head), `splits` of them, combined in split
+// order into its output: a block per (row, head).
+template <typename T>
+__device__ void decode_splits(const float* parts, int splits, int d, T* o) {
+    const float* part = parts + (size_t)blockIdx.x * splits * (d + 2);
+    float top = -INFINITY;
+    for (int y = 0; y < splits; y++) top = fmaxf(top, part[(size_t)y * (d + 2)]);
+    for (int f = threadIdx.x; f < d; f += blockDim.x) {
+        float total = 0.f, out = 0.f;
+        if (top != -INFINITY) {
+            for (int y = 0; y < splits; y++) {
+                const float* at = part + (size_t)y * (d + 2);
+                const float c = at[0] == -INFINITY ? 0.f : expf(at[0] - top);
+                total += at[1] * c;
+                out += at[2 + f] * c;
+            }
             out /= total;
         }
-        o[f] = from_f32<T>(out);
+        o[(size_t)blockIdx.x * d + f] = from_f32<T>(out);
     }
 }
 
 template <typename T, int E>
 __device__ void decode_attention(const T* q, const T* k, const T* v, const T* shared_k, const T* shared_v,
                                  const uint32_t* shared_rows, const float* mask, const uint32_t* slot_at, T* o,
-                                 DecodeDims a) {
+                                 float* parts, DecodeDims a) {
     __shared__ float part_max[DECODE_WARPS], part_sum[DECODE_WARPS];
     __shared__ float part_acc[DECODE_WARPS][32 * E];
     const int row = blockIdx.x, lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
@@ -105,7 +148,7 @@ __device__ void decode_attention(const T* q, const T* k, const T* v, const T* sh
     float qv[E], acc[E];
     for (int e = 0; e < E; e++) qv[e] = to_f32(q[(size_t)row * a.d + lane * E + e]) * a.scale, acc[e] = 0.f;
     float run_max = -INFINITY, run_sum = 0.f;
-    for (int j = warp; j < slots.count; j += DECODE_WARPS) {
+    for (int j = slots.begin + warp; j < slots.end; j += DECODE_WARPS) {
         if (slots.mask[j] == 0.f) continue;
         const T* kj = slots.key(j) + lane * E;
         const T* vj = slots.value(j) + lane * E;
@@ -121,26 +164,26 @@ __device__ void decode_attention(const T* q, const T* k, const T* v, const T* sh
     if (lane == 0) part_max[warp] = run_max, part_sum[warp] = run_sum;
     for (int e = 0; e < E; e++) part_acc[warp][lane * E + e] = acc[e];
     __syncthreads();
-    decode_combine<T, E>(part_max, part_sum, part_acc, a.d, o + (size_t)row * a.d);
+    decode_combine<T, E>(part_max, part_sum, part_acc, a.d, o + (size_t)row * a.d, decode_part(parts, a.d));
 }
 
 template <typename T, int E>
 __device__ void decode_attention_lanes(const T* q, const T* k, const T* v, const T* shared_k, const T* shared_v,
                                        const uint32_t* shared_rows, const float* mask, const uint32_t* slot_at, T* o,
-                                       DecodeDims a) {
+                                       float* parts, DecodeDims a) {
     constexpr int VEC = 16 / sizeof(T);  // elements in one 16-byte load
     __shared__ float q_row[32 * E];
     __shared__ float part_max[DECODE_WARPS], part_sum[DECODE_WARPS];
     __shared__ float part_acc[DECODE_WARPS][32 * E];
     const int row = blockIdx.x, lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
     const DecodeSlots<T> slots(k, v, shared_k, shared_v, shared_rows, mask, slot_at, a);
-    const int s = slots.count;
+    const int s = slots.end;
     for (int f = threadIdx.x; f < a.d; f += blockDim.x) q_row[f] = to_f32(q[(size_t)row * a.d + f]) * a.scale;
     __syncthreads();
     float acc[E];
     for (int e = 0; e < E; e++) acc[e] = 0.f;
     float run_max = -INFINITY, run_sum = 0.f;
-    for (int first = warp * 32; first < s; first += DECODE_WARPS * 32) {
+    for (int first = slots.begin + warp * 32; first < s; first += DECODE_WARPS * 32) {
         const int j = first + lane;
         float score = -INFINITY;
         if (j < s && slots.mask[j] != 0.f) {
@@ -176,5 +219,5 @@ __device__ void decode_attention_lanes(const T* q, const T* k, const T* v, const
     if (lane == 0) part_max[warp] = run_max, part_sum[warp] = run_sum;
     for (int e = 0; e < E; e++) part_acc[warp][lane * E + e] = acc[e];
     __syncthreads();
-    decode_combine<T, E>(part_max, part_sum, part_acc, a.d, o + (size_t)row * a.d);
+    decode_combine<T, E>(part_max, part_sum, part_acc, a.d, o + (size_t)row * a.d, decode_part(parts, a.d));
 }

@@ -463,8 +463,9 @@ bool heads_case(const char* name, bool per_head, int r, int d = 8) {
 
 
 // ---- One decoding step's attention over shared and own slots (decode.cuh),
-// both ways of splitting the keys, against an f64 reference. Spare and
-// masked slots hold NaN: a kernel that reads them into a sum fails.
+// both ways of dividing the keys among a block's warps, whole or split in
+// `chunk` slots across blocks, against an f64 reference. Spare and masked
+// slots hold NaN: a kernel that reads them into a sum fails.
 
 template <typename T>
 T nan_of() {
@@ -475,7 +476,7 @@ T nan_of() {
 }
 
 template <typename T, int E>
-bool decode_case(int d, bool lanes, bool fixed) {
+bool decode_case(int d, bool lanes, bool fixed, int chunk = 0) {
     // 290 keys: more than one pass of the lanes kernel's 8 x 32.
     const int b = 5, h = 4, h_kv = 2, p = 200, s_own = 90, capacity = 100, s = p + s_own;
     const uint32_t rows[b] = {0, 1, 1, 0, 1};
@@ -512,18 +513,23 @@ bool decode_case(int d, bool lanes, bool fixed) {
                 }
             }
     DecodeDims a{h, h_kv, d, p, fixed ? 1 : s_own, width, (long long)h_kv * capacity * d, (long long)capacity * d,
-                 (long long)h_kv * p * d, (long long)p * d, 1.f / std::sqrt(float(d))};
+                 (long long)h_kv * p * d, (long long)p * d, 1.f / std::sqrt(float(d)), chunk};
     const uint32_t slot_at = s_own - 1;
+    // Split over every slot a replayed step could read: with fixed slots the last splits hold none.
+    const int splits = chunk ? (width + chunk - 1) / chunk : 1;
     std::vector<T> o((size_t)b * h * d, nan_of<T>());
-    launch({unsigned(b * h), 1, 1}, 0, [&] {
+    std::vector<float> parts(chunk ? (size_t)b * h * splits * (d + 2) : 0, NAN);
+    float* part_at = chunk ? parts.data() : nullptr;
+    launch({unsigned(b * h), unsigned(splits), 1}, 0, [&] {
         const uint32_t* at = fixed ? &slot_at : nullptr;
         if (lanes)
             decode_attention_lanes<T, E>(q.data(), own_k.data(), own_v.data(), shared_k.data(), shared_v.data(), rows,
-                                         mask.data(), at, o.data(), a);
+                                         mask.data(), at, o.data(), part_at, a);
         else
             decode_attention<T, E>(q.data(), own_k.data(), own_v.data(), shared_k.data(), shared_v.data(), rows,
-                                   mask.data(), at, o.data(), a);
+                                   mask.data(), at, o.data(), part_at, a);
     }, 32 * DECODE_WARPS);
+    if (chunk) launch({unsigned(b * h), 1, 1}, 0, [&] { decode_splits<T>(parts.data(), splits, d, o.data()); }, 128);
     std::vector<double> want(o.size());
     for (int r = 0; r < b; ++r)
         for (int hh = 0; hh < h; ++hh) {
@@ -554,8 +560,9 @@ bool decode_case(int d, bool lanes, bool fixed) {
         }
     const double err = relative_error(o, want);
     const bool ok = err < (std::is_same_v<T, bf16> ? 1e-2 : 1e-5);
-    std::printf("%-4s decode: %-28s d %3d %-5s %s  %.1e\n", ok ? "ok" : "FAIL", lanes ? "a key per lane" : "a key per warp",
-                d, std::is_same_v<T, bf16> ? "bf16" : "f32", fixed ? "fixed slots" : "own slots  ", err);
+    std::printf("%-4s decode: %-28s d %3d %-5s %s %s  %.1e\n", ok ? "ok" : "FAIL", lanes ? "a key per lane" : "a key per warp",
+                d, std::is_same_v<T, bf16> ? "bf16" : "f32", fixed ? "fixed slots" : "own slots  ",
+                chunk ? "split" : "whole", err);
     std::fflush(stdout);
     return ok;
 }
@@ -596,6 +603,7 @@ int main(int argc, char** argv) {
         ok &= run<256>({"d256 past slots in a cache", 1, 1, 1, 20, 40, 256, 48, Case::CAUSAL}, rng);
         ok &= decode_case<bf16, 2>(64, false, true);
         ok &= decode_case<bf16, 2>(64, true, true);
+        ok &= decode_case<bf16, 2>(64, true, true, 96);
         std::printf(ok ? "all match\n" : "MISMATCH\n");
         return ok ? 0 : 1;
     }
@@ -605,6 +613,12 @@ int main(int argc, char** argv) {
         ok &= decode_case<float, 4>(128, true, fixed);
         ok &= decode_case<bf16, 1>(8, true, fixed);
         ok &= decode_case<float, 1>(16, true, fixed);
+        // Splits of 96 slots: a split that starts in the shared slots and ends in the own, the first
+        // lanes pass of a split past its start, and with fixed slots splits past the filled ones.
+        ok &= decode_case<bf16, 2>(64, false, fixed, 96);
+        ok &= decode_case<bf16, 2>(64, true, fixed, 96);
+        ok &= decode_case<float, 4>(128, true, fixed, 64);
+        ok &= decode_case<bf16, 1>(8, true, fixed, 288);
     }
     ok &= embedding_case();
     ok &= heads_case("per head [q | k | v], rotary", true, 4);

@@ -928,13 +928,13 @@ ROW_DOTS(bf16, bf16)
     extern "C" __global__ void decode_attention_##E##_##S(const T* q, const T* k, const T* v, const T* shared_k, \
                                                           const T* shared_v, const uint32_t* shared_rows,       \
                                                           const float* mask, const uint32_t* slot_at, T* o,     \
-                                                          DecodeDims a) {                                       \
-        decode_attention<T, E>(q, k, v, shared_k, shared_v, shared_rows, mask, slot_at, o, a);                  \
+                                                          float* parts, DecodeDims a) {                         \
+        decode_attention<T, E>(q, k, v, shared_k, shared_v, shared_rows, mask, slot_at, o, parts, a);           \
     }                                                                                                          \
     extern "C" __global__ void decode_attention_lanes_##E##_##S(                                               \
         const T* q, const T* k, const T* v, const T* shared_k, const T* shared_v, const uint32_t* shared_rows,   \
-        const float* mask, const uint32_t* slot_at, T* o, DecodeDims a) {                                      \
-        decode_attention_lanes<T, E>(q, k, v, shared_k, shared_v, shared_rows, mask, slot_at, o, a);            \
+        const float* mask, const uint32_t* slot_at, T* o, float* parts, DecodeDims a) {                        \
+        decode_attention_lanes<T, E>(q, k, v, shared_k, shared_v, shared_rows, mask, slot_at, o, parts, a);     \
     }
 DECODE_ATTENTION(float, f32, 1)
 DECODE_ATTENTION(float, f32, 2)
@@ -944,6 +944,13 @@ DECODE_ATTENTION(bf16, bf16, 1)
 DECODE_ATTENTION(bf16, bf16, 2)
 DECODE_ATTENTION(bf16, bf16, 4)
 DECODE_ATTENTION(bf16, bf16, 8)
+
+#define DECODE_SPLITS(T, S)                                                                                    \
+    extern "C" __global__ void decode_splits_##S(const float* parts, int splits, int d, T* o) {              \
+        decode_splits<T>(parts, splits, d, o);                                                                 \
+    }
+DECODE_SPLITS(float, f32)
+DECODE_SPLITS(bf16, bf16)
 
 // ---- Sampling by an exponential race (generate/race.rs states the rule and
 // holds its CPU reference): one block per row of f32 logits (R, V). `params`

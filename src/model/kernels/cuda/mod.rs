@@ -1071,10 +1071,19 @@ pub struct DecodeDims {
     pub shared_row: i64,
     pub shared_head: i64,
     pub scale: f32,
+    /// Slots per split of the keys, 0 when they are not split.
+    pub chunk: i32,
 }
 
 // Safety: a plain C struct of numbers, passed by value.
 unsafe impl DeviceRepr for DecodeDims {}
+
+/// The GPU's multiprocessors, which a launch needs blocks enough to fill.
+pub fn multiprocessors(dev: &candle_core::CudaDevice) -> Result<usize> {
+    use candle_core::cuda_backend::cudarc::driver::sys::CUdevice_attribute;
+    let count = dev.cuda_stream().context().attribute(CUdevice_attribute::CU_DEVICE_ATTRIBUTE_MULTIPROCESSOR_COUNT);
+    Ok(count.w()? as usize)
+}
 
 /// Threads per (row, head) block: `DECODE_WARPS` warps in `kernels.cu`.
 const DECODE_THREADS: u32 = 8 * 32;
@@ -1083,24 +1092,26 @@ const DECODE_THREADS: u32 = 8 * 32;
 /// values (views into the cache's buffers), the shared keys, values and
 /// each row's shared row, if any, and the key mask (B, S) f32. With
 /// `slot_at`, (1,) u32, each row's own slots are the first `slot_at + 1`
-/// rather than `a.s_own`. `lanes`: the kernel with a lane per key.
+/// rather than `a.s_own`. `lanes`: the kernel with a lane per key. With
+/// `splits` > 1 each (row, head)'s keys are split in `a.chunk` slots, a
+/// block each, and their parts combined by a second launch.
 pub fn decode_attention(
     q: In,
     (k, v): (In, In),
     shared: Option<(In, In, In)>,
     mask: In,
     slot_at: Option<In>,
-    a: DecodeDims,
+    (a, splits): (DecodeDims, u32),
     lanes: bool,
 ) -> Result<CudaStorage> {
     fn run<T: CudaDType + DeviceRepr>(
-        name: &str,
+        (name, combine): (&str, &str),
         q: In,
         (k, v): (In, In),
         shared: Option<(In, In, In)>,
         mask: In,
         slot_at: Option<In>,
-        a: DecodeDims,
+        (a, splits): (DecodeDims, u32),
     ) -> Result<CudaStorage> {
         let dev = q.0.device.clone();
         let qs = view::<T>(q.0, q.1)?;
@@ -1112,8 +1123,13 @@ pub fn decode_attention(
             }
             None => None,
         };
-        // Safety: every element is written by the kernel.
+        let blocks = (qs.len() / a.d as usize) as u32;
+        // Safety: every element is written by the kernels.
         let mut out = unsafe { dev.alloc::<T>(qs.len()) }?;
+        let mut parts = match splits > 1 {
+            true => Some(unsafe { dev.alloc::<f32>((blocks * splits) as usize * (a.d as usize + 2)) }?),
+            false => None,
+        };
         let func = dev.get_or_load_custom_func(name, "rloo", PTX)?;
         let mut args = func.builder();
         args.arg(&qs).arg(&ks).arg(&vs);
@@ -1128,11 +1144,25 @@ pub fn decode_attention(
             Some(slot) => args.arg(slot),
             None => args.arg(&NULL),
         };
-        args.arg(&mut out).arg(&a);
-        let blocks = (qs.len() / a.d as usize) as u32;
-        let cfg = LaunchConfig { grid_dim: (blocks, 1, 1), block_dim: (DECODE_THREADS, 1, 1), shared_mem_bytes: 0 };
+        args.arg(&mut out);
+        match &mut parts {
+            Some(parts) => args.arg(parts),
+            None => args.arg(&NULL),
+        };
+        args.arg(&a);
+        let cfg =
+            LaunchConfig { grid_dim: (blocks, splits, 1), block_dim: (DECODE_THREADS, 1, 1), shared_mem_bytes: 0 };
         // Safety: the argument list matches the kernel's signature.
         unsafe { args.launch(cfg) }.w()?;
+        if let Some(parts) = &parts {
+            let func = dev.get_or_load_custom_func(combine, "rloo", PTX)?;
+            let mut args = func.builder();
+            let (splits, d) = (splits as i32, a.d);
+            args.arg(parts).arg(&splits).arg(&d).arg(&mut out);
+            let cfg = LaunchConfig { grid_dim: (blocks, 1, 1), block_dim: (128, 1, 1), shared_mem_bytes: 0 };
+            // Safety: the argument list matches the kernel's signature.
+            unsafe { args.launch(cfg) }.w()?;
+        }
         Ok(CudaStorage::wrap_cuda_slice(out, dev))
     }
     let dtype = q.0.dtype();
@@ -1141,6 +1171,6 @@ pub fn decode_attention(
         true => format!("decode_attention_lanes_{}", (a.d as usize).div_ceil(32).next_power_of_two()),
         false => format!("decode_attention_{}", a.d / 32),
     };
-    let name = typed(&name, dtype)?;
-    by_dtype!(dtype, run(&name, q, (k, v), shared, mask, slot_at, a))
+    let (name, combine) = (typed(&name, dtype)?, typed("decode_splits", dtype)?);
+    by_dtype!(dtype, run((&name, &combine), q, (k, v), shared, mask, slot_at, (a, splits)))
 }
