@@ -2,8 +2,10 @@
 """Random-weight policy and reward model with a real config's shape.
 
   make_models.py SIZE OUT_DIR   SIZE: 410m or 1b (EleutherAI/pythia-*-deduped),
-                                      qwen3-8b (Qwen/Qwen3-8B), or tiny (a
-                                      Pythia of hidden 128, for dry runs)
+                                      qwen3-8b (Qwen/Qwen3-8B), qwen3-0.6b
+                                      (Qwen/Qwen3-0.6B: two query heads a
+                                      key/value head), or tiny (a Pythia of
+                                      hidden 128, for dry runs)
 
 Writes OUT_DIR/policy (a causal LM) and OUT_DIR/reward (a sequence
 classifier, one label) with a WordLevel tokenizer of exactly the config's
@@ -13,7 +15,8 @@ completion runs to full length), OUT_DIR/prompts.jsonl (64 prompts of 64 to
 for FLOP and byte counts). Pythia shapes: both models GPT-NeoX of that
 shape, f32. qwen3-8b: the policy Qwen3-8B's config, the reward model the
 same family at Qwen3-0.6B's shape, both bf16, made on the GPU when there is
-one. Deterministic for a given torch build.
+one; qwen3-0.6b: both of Qwen3-0.6B's shape, bf16. Deterministic for a
+given torch build.
 """
 
 import json
@@ -76,11 +79,12 @@ def models_of(size):
         reward = GPTNeoXConfig(**PYTHIA, **SHAPES[size], num_labels=1)
         return [("policy", GPTNeoXForCausalLM, policy, torch.float32),
                 ("reward", GPTNeoXForSequenceClassification, reward, torch.float32)]
-    if size == "qwen3-8b":
-        return [("policy", Qwen3ForCausalLM, Qwen3Config(**QWEN3, **QWEN3_8B), torch.bfloat16),
+    qwen3 = {"qwen3-8b": QWEN3_8B, "qwen3-0.6b": QWEN3_06B}
+    if size in qwen3:
+        return [("policy", Qwen3ForCausalLM, Qwen3Config(**QWEN3, **qwen3[size]), torch.bfloat16),
                 ("reward", Qwen3ForSequenceClassification, Qwen3Config(**QWEN3, **QWEN3_06B, num_labels=1),
                  torch.bfloat16)]
-    sys.exit(f"unknown size {size}: 410m, 1b, qwen3-8b or tiny")
+    sys.exit(f"unknown size {size}: 410m, 1b, qwen3-8b, qwen3-0.6b or tiny")
 
 
 def shape_of(model, config):
@@ -116,7 +120,7 @@ def main():
     )
     torch.manual_seed(SEED)
     # An 8B model initialised on the CPU takes minutes: on the GPU, seconds.
-    device = "cuda" if torch.cuda.is_available() and size == "qwen3-8b" else "cpu"
+    device = "cuda" if torch.cuda.is_available() and size.startswith("qwen3") else "cpu"
     for name, cls, config, dtype in specs:
         torch.set_default_dtype(dtype)
         with torch.device(device):

@@ -61,8 +61,10 @@ def prompt_lengths(models, size):
 
 def generation(out, peaks, models):
     print("Generation: 64 prompts x 4 samples x 128 new tokens, bf16, batch 256")
-    print(f"{'model':<6} {'side':<38} {'tokens/s':>9} {'ms/step':>8} {'floor ms':>9} {'x floor':>8}  runs")
-    for size in sorted({p.name.split("-")[1] for p in out.glob("gen-*-rloo_*.log")}):
+    print(f"{'model':<10} {'side':<38} {'tokens/s':>9} {'ms/step':>8} {'floor ms':>9} {'x floor':>8}  runs")
+    # gen-SIZE-rloo_DECODER-RUN.log (a size may hold dashes, a decoder none)
+    named = [re.match(r"^gen-(.+)-(rloo_[^-]+)-\d+\.log$", p.name) for p in out.glob("gen-*-rloo_*.log")]
+    for size in sorted({m.group(1) for m in named if m}):
         shape = load(Path(models) / size / "shape.json")
         lengths = prompt_lengths(models, size)
         floor = None
@@ -72,7 +74,7 @@ def generation(out, peaks, models):
             kv = per_token * (sum(lengths) + len(lengths) * K * (NEW - 1) / 2)
             floor = (weights + kv) / (peaks["bandwidth_gbs"] * 1e9) * 1e3
         rates = {}
-        decoders = sorted({p.name.split("-")[2] for p in out.glob(f"gen-{size}-rloo_*.log")})
+        decoders = sorted({m.group(2) for m in named if m and m.group(1) == size})
         for side in decoders + ["transformers"]:
             if side != "transformers":
                 runs = []
@@ -86,18 +88,18 @@ def generation(out, peaks, models):
             step_ms = median([s / NEW * 1e3 for _, s in done])
             rates[side] = rate
             ratio = step_ms / floor if step_ms and floor else None
-            print(f"{size:<6} {side:<38} {fmt(rate, '9.0f')} {fmt(step_ms, '8.2f')} {fmt(floor, '9.2f')} "
+            print(f"{size:<10} {side:<38} {fmt(rate, '9.0f')} {fmt(step_ms, '8.2f')} {fmt(floor, '9.2f')} "
                   f"{fmt(ratio, '8.1f')}  {len(done)}/{len(runs)}")
         for side in decoders:
             if rates[side] and rates["transformers"]:
-                print(f"{size:<6} {side} / transformers: {rates[side] / rates['transformers']:.2f}x")
+                print(f"{size:<10} {side} / transformers: {rates[side] / rates['transformers']:.2f}x")
             outputs = sorted(out.glob(f"gen-{size}-{side}-*.jsonl"))
             if len(outputs) >= 2:
                 def tokens(path):
                     rows = [json.loads(l) for l in path.read_text().splitlines() if l.strip()]
                     return sorted((r["prompt_index"], r["sample_index"], r["completion"]) for r in rows)
                 same = all(tokens(p) == tokens(outputs[0]) for p in outputs[1:])
-                print(f"{size:<6} {side}, same seed, same completions in {len(outputs)} runs: {'yes' if same else 'NO'}")
+                print(f"{size:<10} {side}, same seed, same completions in {len(outputs)} runs: {'yes' if same else 'NO'}")
     vllm = (out / "vllm.txt")
     if vllm.exists():
         print("vLLM: " + ("installed, not run by this script" if vllm.read_text().strip() == "yes" else
@@ -112,8 +114,9 @@ def long_prompts(out):
         return
     print()
     print("Decoding over long prompts: 1,600 tokens x 1 sample, 256 new tokens, bf16")
-    print(f"{'model':<6} {'keys split':<11} {'tokens/s':>9} {'ms/step':>8}  runs")
-    for size, split in sorted({tuple(p.name.split("-")[1:3]) for p in logs}):
+    print(f"{'model':<10} {'keys split':<11} {'tokens/s':>9} {'ms/step':>8}  runs")
+    named = [re.match(r"^long-(.+)-(auto|off)-\d+\.log$", p.name) for p in logs]
+    for size, split in sorted({m.groups() for m in named if m}):
         runs = []
         for log in sorted(out.glob(f"long-{size}-{split}-*.log")):
             m = re.search(r"generated (\d+) tokens in ([\d.]+) s", log.read_text())
@@ -121,7 +124,7 @@ def long_prompts(out):
         done = [r for r in runs if r]
         rate = median([t / s for t, s in done])
         step_ms = median([s / 256 * 1e3 for _, s in done])
-        print(f"{size:<6} {split:<11} {fmt(rate, '9.0f')} {fmt(step_ms, '8.2f')}  {len(done)}/{len(runs)}")
+        print(f"{size:<10} {split:<11} {fmt(rate, '9.0f')} {fmt(step_ms, '8.2f')}  {len(done)}/{len(runs)}")
 
 
 def train_flops(shape, lengths, lora):

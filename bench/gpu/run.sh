@@ -31,14 +31,16 @@
 #      SIZES       generation models: 410m 1b (default both)
 #      ARMS        training arms: 410m-full 1b-full 1b-lora qwen3-8b-lora
 #                  (default the first three; the 8B arm makes a 16 GB model)
-#      DECODERS    rloo's decoding variants, SAMPLER+ATTENTION[+APPEND[+STEP[+BIAS]]]: how tokens
+#      DECODERS    rloo's decoding variants, SAMPLER+ATTENTION[+APPEND[+STEP[+BIAS[+HEADS]]]]: how tokens
 #                  are picked (RLOO_SAMPLER: race, host), how a step attends over the cache
 #                  (RLOO_DECODE_ATTENTION: fused, a key per warp, lanes, a key per lane, or
 #                  composed), how it rotates and appends its keys (RLOO_DECODE_APPEND:
 #                  composed when left out, or fused) and how the batch's steps are launched
 #                  (RLOO_DECODE_STEP: shrink when left out, fixed, or graph: one CUDA graph
 #                  replayed per step) and how dense layers add their biases (RLOO_DENSE_BIAS:
-#                  pass when left out, or epilogue); default
+#                  pass when left out, or epilogue) and how many query heads a block of the
+#                  kernel with a lane per key takes (RLOO_DECODE_HEADS: grouped when left out,
+#                  those of a key/value head, or each); default
 #                  race+fused+fused+graph race+fused+fused+fixed race+fused+fused host+composed
 #      ATTENTION   rloo's variants in the training runs, KERNELS[+HEADS[+STEP[+DECODE[+BIAS[+MLP]]]]]:
 #                  the attention kernels for whole sequences (RLOO_ATTENTION: flash, tensor,
@@ -126,9 +128,9 @@ if part generate; then
             for decoder in $DECODERS; do
                 # The same seed every run: the runs must give the same tokens.
                 run=$OUT/gen-$size-rloo_$decoder-$i
-                IFS=+ read -r sampler attention append step bias <<<"$decoder"
+                IFS=+ read -r sampler attention append step bias heads <<<"$decoder"
                 RLOO_SAMPLER=$sampler RLOO_DECODE_ATTENTION=$attention RLOO_DECODE_APPEND=${append:-composed} \
-                    RLOO_DECODE_STEP=${step:-shrink} RLOO_DENSE_BIAS=${bias:-pass} \
+                    RLOO_DECODE_STEP=${step:-shrink} RLOO_DENSE_BIAS=${bias:-pass} RLOO_DECODE_HEADS=${heads:-grouped} \
                     "${rloo[@]}" generate --device "$DEVICE" --bf16 --model "$dir/policy" \
                     --prompts "$dir/prompts.jsonl" --output "$run.jsonl" --num-return-sequences $K \
                     --max-new-tokens $NEW --temperature 1.0 --batch-size $((PROMPTS * K)) --ignore-eos --seed 1 \

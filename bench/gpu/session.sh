@@ -21,7 +21,10 @@
 #      (RLOO_MLP_INPUT=remade);
 #   6. decoding 4 rows over 1,600-token prompts at 410m, with the keys
 #      split across blocks and not;
-#   7. the kernels of the training phase over one micro-batch at 410m.
+#   7. generation at Qwen3-0.6B's shape (two query heads a key/value
+#      head): a key per warp, and a key per lane with a block per key/value
+#      head and per query head;
+#   8. the kernels of the training phase over one micro-batch at 410m.
 # Logs stay in OUT; the benchmark's table (bench/gpu/report.py) prints last.
 #
 #   bench/gpu/session.sh                 # OUT=/tmp/rloo-gpu-session
@@ -53,5 +56,8 @@ part train-1b-lora 100 env ARMS=1b-lora TRAIN_RUNS=1 STEPS=3 ATTENTION=flash+fus
 part train-1b 120 env ARMS=1b-full TRAIN_RUNS=1 STEPS=3 \
     ATTENTION="flash+fused+graph+lanes+epilogue flash+fused+graph+lanes+epilogue+remade" bench/gpu/run.sh train
 part long-410m 40 env SIZES=410m RUNS=2 bench/gpu/run.sh long
+part generate-qwen3 60 env SIZES=qwen3-0.6b RUNS=1 PEER=off \
+    DECODERS="race+fused+fused+graph race+lanes+fused+graph+pass+grouped race+lanes+fused+graph+pass+each" \
+    bench/gpu/run.sh generate
 part profile 60 env SIZES=410m PROFILED=train bench/gpu/run.sh profile
 "$PY" bench/gpu/report.py "$OUT" | tee "$OUT/table.txt"

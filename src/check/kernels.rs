@@ -716,7 +716,9 @@ fn maybe_t(w: &Tensor, transposed: bool) -> Result<Tensor> {
 /// the composition over the cache copied out) against
 /// the CPU kernel; and again as over fixed slots, the mask covering every
 /// slot and the own slots' count read from the device (the views show one).
-/// `long`: 700 slots, which a GPU splits across blocks (RLOO_DECODE_SPLIT).
+/// `long`: 700 slots, which a GPU splits across blocks (RLOO_DECODE_SPLIT),
+/// and 4 query heads a key/value head, which the kernel with a lane per
+/// key takes in one block (RLOO_DECODE_HEADS).
 fn decode_attention_check(
     device: &Device,
     dtype: DType,
@@ -725,7 +727,7 @@ fn decode_attention_check(
     long: bool,
     rng: &mut Rng,
 ) -> Result<Check> {
-    let (b, h, h_kv) = (6, 4, 2);
+    let (b, h, h_kv) = (6, if long { 8 } else { 4 }, 2);
     let (p, s_own, capacity) = if long { (300, 400, 420) } else { (13, 9, 16) };
     let rows = [0u32, 1, 1, 0, 1, 0];
     let q = randn(rng, &[b, h, 1, d], 0.0, 1.0);
@@ -785,8 +787,8 @@ fn decode_attention_check(
         relative_error(&run(device, dtype, false)?, &want)?.max(relative_error(&run(device, dtype, true)?, &want)?);
     let per = if lanes { ", a lane per key" } else { "" };
     let split = match (long, kernels::decode_split_keys()?) {
-        (true, true) => format!(", {} slots, keys split", p + s_own),
-        (true, false) => format!(", {} slots", p + s_own),
+        (true, true) => format!(", {} slots, {} heads a key/value head, keys split", p + s_own, h / h_kv),
+        (true, false) => format!(", {} slots, {} heads a key/value head", p + s_own, h / h_kv),
         (false, _) => String::new(),
     };
     let label = format!("decode_attention, head size {d}{per}{split} ({})", path("decode_attention", device, dtype));

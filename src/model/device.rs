@@ -31,6 +31,7 @@ pub fn parse_device(name: &str) -> Result<Device> {
     crate::model::kernels::decode_attention_choice().map_err(invalid)?;
     crate::model::kernels::decode_append_fused().map_err(invalid)?;
     crate::model::kernels::decode_split_keys().map_err(invalid)?;
+    crate::model::kernels::decode_heads_grouped().map_err(invalid)?;
     crate::model::kernels::dense_bias_epilogue().map_err(invalid)?;
     #[cfg(feature = "cuda")]
     if let Device::Cuda(dev) = &device {

@@ -38,6 +38,27 @@ pub fn decode_attention_choice() -> Result<DecodeAttention> {
     }
 }
 
+/// Picks how many query heads a block of the kernel with a lane per key
+/// takes on a GPU: `grouped` (the default: those of one key/value head, as
+/// many as its partial sums allow, so that each key and value read serves
+/// them all) or `each` (a block per query head), to compare them.
+pub const DECODE_HEADS_VAR: &str = "RLOO_DECODE_HEADS";
+
+/// Whether query heads are grouped; an unknown choice is an error.
+pub fn decode_heads_grouped() -> Result<bool> {
+    Ok(variant(DECODE_HEADS_VAR, &["grouped", "each"]).map_err(candle_core::Error::msg)? == "grouped")
+}
+
+/// The query heads a block of the kernel with a lane per key takes: the
+/// most of 8, 4, 2 or 1 that divides the `group` of query heads sharing a
+/// key/value head and keeps the block's partial sums (heads x 32 lanes x
+/// features per lane) within 512 floats per warp.
+#[cfg_attr(not(feature = "cuda"), allow(dead_code))]
+fn heads_per_block(group: usize, head_size: usize) -> usize {
+    let per_lane = head_size.div_ceil(32).next_power_of_two();
+    [8, 4, 2].into_iter().find(|&g| group % g == 0 && g * 32 * per_lane <= 512).unwrap_or(1)
+}
+
 /// Picks whether a decoding step on a GPU splits each (row, head)'s keys
 /// over several blocks: `auto` (the default: where a block per (row, head)
 /// would leave the GPU idle and the cache is long enough, as with a few
@@ -135,7 +156,7 @@ pub fn decode_attention_cuda(
         return Ok(None);
     }
     #[cfg(feature = "cuda")]
-    return cuda::run(q, kv, key_mask, scale, lanes, decode_split_keys()?).map(Some);
+    return cuda::run(q, kv, key_mask, scale, (lanes, decode_heads_grouped()?), decode_split_keys()?).map(Some);
     #[cfg(not(feature = "cuda"))]
     {
         let _ = (key_mask, scale);
@@ -254,9 +275,17 @@ mod cuda {
         Ok((q, cache.layer(layer, slot + 1)?))
     }
 
-    /// `lanes`: the kernel with a lane per key; `split`: the keys split
-    /// where [`super::key_splits`] says.
-    pub fn run(q: &Tensor, kv: &LayerKv, key_mask: &Tensor, scale: f64, lanes: bool, split: bool) -> Result<Tensor> {
+    /// `lanes`: the kernel with a lane per key, and whether its blocks
+    /// take the query heads of a key/value head together; `split`: the
+    /// keys split where [`super::key_splits`] says.
+    pub fn run(
+        q: &Tensor,
+        kv: &LayerKv,
+        key_mask: &Tensor,
+        scale: f64,
+        (lanes, grouped): (bool, bool),
+        split: bool,
+    ) -> Result<Tensor> {
         let q = q.contiguous()?;
         let mask = key_mask.to_dtype(DType::F32)?.contiguous()?;
         let (b, h, _, d) = q.dims4()?;
@@ -285,8 +314,15 @@ mod cuda {
             Some(_) => mask_row,
             None => p + s_own,
         };
+        let heads_per_block = match (lanes, grouped) {
+            (true, true) => super::heads_per_block(h / h_kv, d),
+            _ => 1,
+        };
         let (chunk, splits) = match split {
-            true => super::key_splits(b * h, slots, launch::multiprocessors(q.device().as_cuda_device()?)?),
+            true => {
+                let multiprocessors = launch::multiprocessors(q.device().as_cuda_device()?)?;
+                super::key_splits(b * h / heads_per_block, slots, multiprocessors)
+            }
             false => (0, 1),
         };
         let dims = DecodeDims {
@@ -329,7 +365,7 @@ mod cuda {
             on_gpu(&m_g.0, m_g.1)?,
             slot_at,
             (dims, splits as u32),
-            lanes,
+            lanes.then_some(heads_per_block as u32),
         )?;
         Ok(Tensor::from_storage(Storage::Cuda(out), (b, h, 1, d), BackpropOp::none(), false))
     }
@@ -622,6 +658,16 @@ mod tests {
 
     fn max_diff(a: &Tensor, b: &Tensor) -> f32 {
         (a - b).unwrap().abs().unwrap().flatten_all().unwrap().max(0).unwrap().to_scalar::<f32>().unwrap()
+    }
+
+    #[test]
+    fn a_block_takes_the_query_heads_of_a_key_value_head_that_fit() {
+        // Pythia: no grouped heads. Qwen3-8B: 4 of 128 features. Llama-3-70B: 8 of 128, 4 fit.
+        assert_eq!((heads_per_block(1, 64), heads_per_block(4, 128), heads_per_block(8, 128)), (1, 4, 4));
+        // Qwen2.5-7B's 7 query heads a key/value head share no power of two; 6 do.
+        assert_eq!((heads_per_block(7, 128), heads_per_block(6, 128)), (1, 2));
+        // The widest heads fit two; the narrowest eight.
+        assert_eq!((heads_per_block(8, 256), heads_per_block(16, 8)), (2, 8));
     }
 
     #[test]

@@ -30,8 +30,8 @@ mod token_logprobs;
 pub use adamw::{adamw, adamw_many, AdamWParam, AdamWStep, ADAMW_VAR};
 pub use attention::{attention, attention_packed, AttentionInputs, Packing};
 pub use decode_attention::{
-    decode_append_fused, decode_attention, decode_attention_choice, decode_attention_cuda, decode_split_keys,
-    rotary_append_cuda, DecodeAttention,
+    decode_append_fused, decode_attention, decode_attention_choice, decode_attention_cuda, decode_heads_grouped,
+    decode_split_keys, rotary_append_cuda, DecodeAttention,
 };
 pub use elementwise::{activation, contiguous, residual, sum3};
 pub use embedding::embedding;

@@ -21,7 +21,9 @@
 //   32 (w + DECODE_WARPS) + i, ...), reading its key row in 16-byte loads,
 //   so a warp has 32 keys in flight; then the warp takes those keys' values
 //   one after another, a lane holding E features. Any head size of whole
-//   16-byte loads up to 32 E.
+//   16-byte loads up to 32 E. A block takes G query heads of one key/value
+//   head (grouped-query attention), so that each key and value it reads
+//   serves all G: the cache is read once per step, not once per query head.
 
 #define DECODE_WARPS 8
 
@@ -46,7 +48,8 @@ __device__ __forceinline__ float warp_max(float v) {
 
 // The slots the block's (row, query head) attends over: `count` of them,
 // the shared ones first, then the row's own, with the row's key mask; the
-// block takes [begin, end) of them.
+// block takes [begin, end) of them. `first`: the (row, query head) the
+// block starts at, b h + head (its other query heads share the key/value head).
 template <typename T>
 struct DecodeSlots {
     const T *k, *v, *shared_k, *shared_v;
@@ -56,8 +59,8 @@ struct DecodeSlots {
 
     __device__ __forceinline__ DecodeSlots(const T* k, const T* v, const T* shared_k, const T* shared_v,
                                            const uint32_t* shared_rows, const float* mask,
-                                           const uint32_t* slot_at, const DecodeDims& a) {
-        const int b = blockIdx.x / a.h, kv_head = blockIdx.x % a.h / (a.h / a.h_kv);
+                                           const uint32_t* slot_at, int first, const DecodeDims& a) {
+        const int b = first / a.h, kv_head = first % a.h / (a.h / a.h_kv);
         this->k = k, this->v = v, this->shared_k = shared_k, this->shared_v = shared_v;
         this->mask = mask + (size_t)b * a.mask_row;
         own_at = (size_t)b * a.own_row + (size_t)kv_head * a.own_head;
@@ -110,9 +113,10 @@ __device__ __forceinline__ void decode_combine(const float* part_max, const floa
     }
 }
 
-// Where block (x, y)'s part goes with the keys split, else null.
-__device__ __forceinline__ float* decode_part(float* parts, int d) {
-    return parts ? parts + ((size_t)blockIdx.x * gridDim.y + blockIdx.y) * (d + 2) : nullptr;
+// Where the part of (row, query head) `at` from split blockIdx.y goes with
+// the keys split, else null.
+__device__ __forceinline__ float* decode_part(float* parts, int at, int d) {
+    return parts ? parts + ((size_t)at * gridDim.y + blockIdx.y) * (d + 2) : nullptr;
 }
 
 // The parts of each (row, query head), `splits` of them, combined in split
@@ -144,7 +148,7 @@ __device__ void decode_attention(const T* q, const T* k, const T* v, const T* sh
     __shared__ float part_max[DECODE_WARPS], part_sum[DECODE_WARPS];
     __shared__ float part_acc[DECODE_WARPS][32 * E];
     const int row = blockIdx.x, lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
-    const DecodeSlots<T> slots(k, v, shared_k, shared_v, shared_rows, mask, slot_at, a);
+    const DecodeSlots<T> slots(k, v, shared_k, shared_v, shared_rows, mask, slot_at, row, a);
     float qv[E], acc[E];
     for (int e = 0; e < E; e++) qv[e] = to_f32(q[(size_t)row * a.d + lane * E + e]) * a.scale, acc[e] = 0.f;
     float run_max = -INFINITY, run_sum = 0.f;
@@ -164,60 +168,81 @@ __device__ void decode_attention(const T* q, const T* k, const T* v, const T* sh
     if (lane == 0) part_max[warp] = run_max, part_sum[warp] = run_sum;
     for (int e = 0; e < E; e++) part_acc[warp][lane * E + e] = acc[e];
     __syncthreads();
-    decode_combine<T, E>(part_max, part_sum, part_acc, a.d, o + (size_t)row * a.d, decode_part(parts, a.d));
+    decode_combine<T, E>(part_max, part_sum, part_acc, a.d, o + (size_t)row * a.d, decode_part(parts, row, a.d));
 }
 
-template <typename T, int E>
+template <typename T, int E, int G>
 __device__ void decode_attention_lanes(const T* q, const T* k, const T* v, const T* shared_k, const T* shared_v,
                                        const uint32_t* shared_rows, const float* mask, const uint32_t* slot_at, T* o,
                                        float* parts, DecodeDims a) {
     constexpr int VEC = 16 / sizeof(T);  // elements in one 16-byte load
-    __shared__ float q_row[32 * E];
-    __shared__ float part_max[DECODE_WARPS], part_sum[DECODE_WARPS];
-    __shared__ float part_acc[DECODE_WARPS][32 * E];
-    const int row = blockIdx.x, lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
-    const DecodeSlots<T> slots(k, v, shared_k, shared_v, shared_rows, mask, slot_at, a);
+    static_assert(G * 32 * E <= 512, "a block's shared partial sums stay within 16 KB");
+    __shared__ float q_row[G][32 * E];
+    __shared__ float part_max[G][DECODE_WARPS], part_sum[G][DECODE_WARPS];
+    __shared__ float part_acc[G][DECODE_WARPS][32 * E];
+    const int first = blockIdx.x * G, lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+    const DecodeSlots<T> slots(k, v, shared_k, shared_v, shared_rows, mask, slot_at, first, a);
     const int s = slots.end;
-    for (int f = threadIdx.x; f < a.d; f += blockDim.x) q_row[f] = to_f32(q[(size_t)row * a.d + f]) * a.scale;
+    // The G query rows are adjacent in q (B, H, 1, D).
+    for (int i = threadIdx.x; i < G * a.d; i += blockDim.x)
+        q_row[i / a.d][i % a.d] = to_f32(q[(size_t)first * a.d + i]) * a.scale;
     __syncthreads();
-    float acc[E];
-    for (int e = 0; e < E; e++) acc[e] = 0.f;
-    float run_max = -INFINITY, run_sum = 0.f;
-    for (int first = slots.begin + warp * 32; first < s; first += DECODE_WARPS * 32) {
-        const int j = first + lane;
-        float score = -INFINITY;
+    float acc[G][E], run_max[G], run_sum[G];
+    for (int g = 0; g < G; g++) {
+        run_max[g] = -INFINITY, run_sum[g] = 0.f;
+        for (int e = 0; e < E; e++) acc[g][e] = 0.f;
+    }
+    for (int start = slots.begin + warp * 32; start < s; start += DECODE_WARPS * 32) {
+        const int j = start + lane;
+        float score[G];
+        for (int g = 0; g < G; g++) score[g] = -INFINITY;
         if (j < s && slots.mask[j] != 0.f) {
             const uint4* kj = reinterpret_cast<const uint4*>(slots.key(j));
-            float dot = 0.f;
+            float dot[G];
+            for (int g = 0; g < G; g++) dot[g] = 0.f;
             for (int c = 0; c < a.d / VEC; c++) {
                 float x[VEC];
                 unpack(kj[c], x);
 #pragma unroll
-                for (int e = 0; e < VEC; e++) dot += q_row[c * VEC + e] * x[e];
+                for (int g = 0; g < G; g++)
+#pragma unroll
+                    for (int e = 0; e < VEC; e++) dot[g] += q_row[g][c * VEC + e] * x[e];
             }
-            score = dot;
+            for (int g = 0; g < G; g++) score[g] = dot[g];
         }
-        const float top = warp_max(score);
-        if (top == -INFINITY) continue;  // all 32 keys masked: the same for the whole warp
-        const float new_max = fmaxf(run_max, top);
-        const float keep = expf(run_max - new_max), p = expf(score - new_max);  // p = 0 where masked
-        run_sum = run_sum * keep + warp_sum(p);
-        for (int e = 0; e < E; e++) acc[e] *= keep;
-        const int n = min(32, s - first);
+        float top[G], p[G];
+        for (int g = 0; g < G; g++) top[g] = warp_max(score[g]);
+        // All 32 keys masked: the same for the whole warp and every head.
+        if (top[0] == -INFINITY) continue;
+        for (int g = 0; g < G; g++) {
+            const float new_max = fmaxf(run_max[g], top[g]);
+            const float keep = expf(run_max[g] - new_max);
+            p[g] = expf(score[g] - new_max);  // 0 where masked
+            run_sum[g] = run_sum[g] * keep + warp_sum(p[g]);
+            for (int e = 0; e < E; e++) acc[g][e] *= keep;
+            run_max[g] = new_max;
+        }
+        const int n = min(32, s - start);
 #pragma unroll 8
         for (int i = 0; i < n; i++) {
-            const float pi = __shfl_sync(0xffffffff, p, i);
-            const T* vj = slots.value(first + i);
+            float pi[G];
+            for (int g = 0; g < G; g++) pi[g] = __shfl_sync(0xffffffff, p[g], i);
+            const T* vj = slots.value(start + i);
             for (int e = 0; e < E; e++) {
                 const int f = lane * E + e;
+                if (f >= a.d) continue;
+                const float x = to_f32(vj[f]);
                 // A masked slot's value is never read into the sum, whatever it holds.
-                if (f < a.d) acc[e] += pi != 0.f ? pi * to_f32(vj[f]) : 0.f;
+                for (int g = 0; g < G; g++) acc[g][e] += pi[g] != 0.f ? pi[g] * x : 0.f;
             }
         }
-        run_max = new_max;
     }
-    if (lane == 0) part_max[warp] = run_max, part_sum[warp] = run_sum;
-    for (int e = 0; e < E; e++) part_acc[warp][lane * E + e] = acc[e];
+    for (int g = 0; g < G; g++) {
+        if (lane == 0) part_max[g][warp] = run_max[g], part_sum[g][warp] = run_sum[g];
+        for (int e = 0; e < E; e++) part_acc[g][warp][lane * E + e] = acc[g][e];
+    }
     __syncthreads();
-    decode_combine<T, E>(part_max, part_sum, part_acc, a.d, o + (size_t)row * a.d, decode_part(parts, a.d));
+    for (int g = 0; g < G; g++)
+        decode_combine<T, E>(part_max[g], part_sum[g], part_acc[g], a.d, o + (size_t)(first + g) * a.d,
+                             decode_part(parts, first + g, a.d));
 }

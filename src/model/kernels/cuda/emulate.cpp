@@ -464,8 +464,10 @@ bool heads_case(const char* name, bool per_head, int r, int d = 8) {
 
 // ---- One decoding step's attention over shared and own slots (decode.cuh),
 // both ways of dividing the keys among a block's warps, whole or split in
-// `chunk` slots across blocks, against an f64 reference. Spare and masked
-// slots hold NaN: a kernel that reads them into a sum fails.
+// `chunk` slots across blocks, with a key per lane G query heads of a
+// key/value head per block (of h query heads over 2), against an f64
+// reference. Spare and masked slots hold NaN: a kernel that reads them
+// into a sum fails.
 
 template <typename T>
 T nan_of() {
@@ -475,10 +477,10 @@ T nan_of() {
         return NAN;
 }
 
-template <typename T, int E>
-bool decode_case(int d, bool lanes, bool fixed, int chunk = 0) {
+template <typename T, int E, int G = 1>
+bool decode_case(int d, bool lanes, bool fixed, int chunk = 0, int h = 4) {
     // 290 keys: more than one pass of the lanes kernel's 8 x 32.
-    const int b = 5, h = 4, h_kv = 2, p = 200, s_own = 90, capacity = 100, s = p + s_own;
+    const int b = 5, h_kv = 2, p = 200, s_own = 90, capacity = 100, s = p + s_own;
     const uint32_t rows[b] = {0, 1, 1, 0, 1};
     const int width = fixed ? p + capacity : s;
     std::mt19937 rng(11);
@@ -520,10 +522,10 @@ bool decode_case(int d, bool lanes, bool fixed, int chunk = 0) {
     std::vector<T> o((size_t)b * h * d, nan_of<T>());
     std::vector<float> parts(chunk ? (size_t)b * h * splits * (d + 2) : 0, NAN);
     float* part_at = chunk ? parts.data() : nullptr;
-    launch({unsigned(b * h), unsigned(splits), 1}, 0, [&] {
+    launch({unsigned(b * h / (lanes ? G : 1)), unsigned(splits), 1}, 0, [&] {
         const uint32_t* at = fixed ? &slot_at : nullptr;
         if (lanes)
-            decode_attention_lanes<T, E>(q.data(), own_k.data(), own_v.data(), shared_k.data(), shared_v.data(), rows,
+            decode_attention_lanes<T, E, G>(q.data(), own_k.data(), own_v.data(), shared_k.data(), shared_v.data(), rows,
                                          mask.data(), at, o.data(), part_at, a);
         else
             decode_attention<T, E>(q.data(), own_k.data(), own_v.data(), shared_k.data(), shared_v.data(), rows,
@@ -560,9 +562,10 @@ bool decode_case(int d, bool lanes, bool fixed, int chunk = 0) {
         }
     const double err = relative_error(o, want);
     const bool ok = err < (std::is_same_v<T, bf16> ? 1e-2 : 1e-5);
-    std::printf("%-4s decode: %-28s d %3d %-5s %s %s  %.1e\n", ok ? "ok" : "FAIL", lanes ? "a key per lane" : "a key per warp",
-                d, std::is_same_v<T, bf16> ? "bf16" : "f32", fixed ? "fixed slots" : "own slots  ",
-                chunk ? "split" : "whole", err);
+    std::printf("%-4s decode: %-16s %d of %d heads  d %3d %-5s %s %s  %.1e\n", ok ? "ok" : "FAIL",
+                lanes ? "a key per lane" : "a key per warp", lanes ? G : 1, h, d,
+                std::is_same_v<T, bf16> ? "bf16" : "f32", fixed ? "fixed slots" : "own slots  ", chunk ? "split" : "whole",
+                err);
     std::fflush(stdout);
     return ok;
 }
@@ -604,6 +607,7 @@ int main(int argc, char** argv) {
         ok &= decode_case<bf16, 2>(64, false, true);
         ok &= decode_case<bf16, 2>(64, true, true);
         ok &= decode_case<bf16, 2>(64, true, true, 96);
+        ok &= decode_case<bf16, 2, 4>(64, true, true, 96, 8);
         std::printf(ok ? "all match\n" : "MISMATCH\n");
         return ok ? 0 : 1;
     }
@@ -619,6 +623,12 @@ int main(int argc, char** argv) {
         ok &= decode_case<bf16, 2>(64, true, fixed, 96);
         ok &= decode_case<float, 4>(128, true, fixed, 64);
         ok &= decode_case<bf16, 1>(8, true, fixed, 288);
+        // A block per key/value head (2 or 4 query heads), and half of one (2 of 4), whole and split.
+        ok &= decode_case<bf16, 2, 2>(64, true, fixed);
+        ok &= decode_case<float, 4, 4>(128, true, fixed, 0, 8);
+        ok &= decode_case<bf16, 8, 2>(256, true, fixed, 0, 8);
+        ok &= decode_case<bf16, 1, 8>(8, true, fixed, 96, 16);
+        ok &= decode_case<bf16, 2, 4>(64, true, fixed, 96, 8);
     }
     ok &= embedding_case();
     ok &= heads_case("per head [q | k | v], rotary", true, 4);

@@ -930,11 +930,6 @@ ROW_DOTS(bf16, bf16)
                                                           const float* mask, const uint32_t* slot_at, T* o,     \
                                                           float* parts, DecodeDims a) {                         \
         decode_attention<T, E>(q, k, v, shared_k, shared_v, shared_rows, mask, slot_at, o, parts, a);           \
-    }                                                                                                          \
-    extern "C" __global__ void decode_attention_lanes_##E##_##S(                                               \
-        const T* q, const T* k, const T* v, const T* shared_k, const T* shared_v, const uint32_t* shared_rows,   \
-        const float* mask, const uint32_t* slot_at, T* o, float* parts, DecodeDims a) {                        \
-        decode_attention_lanes<T, E>(q, k, v, shared_k, shared_v, shared_rows, mask, slot_at, o, parts, a);     \
     }
 DECODE_ATTENTION(float, f32, 1)
 DECODE_ATTENTION(float, f32, 2)
@@ -944,6 +939,22 @@ DECODE_ATTENTION(bf16, bf16, 1)
 DECODE_ATTENTION(bf16, bf16, 2)
 DECODE_ATTENTION(bf16, bf16, 4)
 DECODE_ATTENTION(bf16, bf16, 8)
+
+// A key per lane, G query heads of a key/value head per block: every G
+// that keeps a block's partial sums within 16 KB (G x 32 E <= 512).
+#define DECODE_LANES(T, S, E, G)                                                                               \
+    extern "C" __global__ void decode_attention_lanes_##E##_g##G##_##S(                                        \
+        const T* q, const T* k, const T* v, const T* shared_k, const T* shared_v, const uint32_t* shared_rows,   \
+        const float* mask, const uint32_t* slot_at, T* o, float* parts, DecodeDims a) {                        \
+        decode_attention_lanes<T, E, G>(q, k, v, shared_k, shared_v, shared_rows, mask, slot_at, o, parts, a);  \
+    }
+#define DECODE_LANES_ALL(T, S)                                                                                 \
+    DECODE_LANES(T, S, 1, 1) DECODE_LANES(T, S, 1, 2) DECODE_LANES(T, S, 1, 4) DECODE_LANES(T, S, 1, 8)         \
+    DECODE_LANES(T, S, 2, 1) DECODE_LANES(T, S, 2, 2) DECODE_LANES(T, S, 2, 4) DECODE_LANES(T, S, 2, 8)         \
+    DECODE_LANES(T, S, 4, 1) DECODE_LANES(T, S, 4, 2) DECODE_LANES(T, S, 4, 4)                                 \
+    DECODE_LANES(T, S, 8, 1) DECODE_LANES(T, S, 8, 2)
+DECODE_LANES_ALL(float, f32)
+DECODE_LANES_ALL(bf16, bf16)
 
 #define DECODE_SPLITS(T, S)                                                                                    \
     extern "C" __global__ void decode_splits_##S(const float* parts, int splits, int d, T* o) {              \

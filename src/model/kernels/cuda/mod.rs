@@ -1092,9 +1092,11 @@ const DECODE_THREADS: u32 = 8 * 32;
 /// values (views into the cache's buffers), the shared keys, values and
 /// each row's shared row, if any, and the key mask (B, S) f32. With
 /// `slot_at`, (1,) u32, each row's own slots are the first `slot_at + 1`
-/// rather than `a.s_own`. `lanes`: the kernel with a lane per key. With
-/// `splits` > 1 each (row, head)'s keys are split in `a.chunk` slots, a
-/// block each, and their parts combined by a second launch.
+/// rather than `a.s_own`. `lanes`: the kernel with a lane per key, taking
+/// that many query heads of a key/value head per block (else a warp per
+/// key, a block per query head). With `splits` > 1 each (row, head)'s keys
+/// are split in `a.chunk` slots, a block each, and their parts combined by
+/// a second launch.
 pub fn decode_attention(
     q: In,
     (k, v): (In, In),
@@ -1102,7 +1104,7 @@ pub fn decode_attention(
     mask: In,
     slot_at: Option<In>,
     (a, splits): (DecodeDims, u32),
-    lanes: bool,
+    lanes: Option<u32>,
 ) -> Result<CudaStorage> {
     fn run<T: CudaDType + DeviceRepr>(
         (name, combine): (&str, &str),
@@ -1112,6 +1114,7 @@ pub fn decode_attention(
         mask: In,
         slot_at: Option<In>,
         (a, splits): (DecodeDims, u32),
+        heads_per_block: u32,
     ) -> Result<CudaStorage> {
         let dev = q.0.device.clone();
         let qs = view::<T>(q.0, q.1)?;
@@ -1150,8 +1153,8 @@ pub fn decode_attention(
             None => args.arg(&NULL),
         };
         args.arg(&a);
-        let cfg =
-            LaunchConfig { grid_dim: (blocks, splits, 1), block_dim: (DECODE_THREADS, 1, 1), shared_mem_bytes: 0 };
+        let grid_dim = (blocks / heads_per_block, splits, 1);
+        let cfg = LaunchConfig { grid_dim, block_dim: (DECODE_THREADS, 1, 1), shared_mem_bytes: 0 };
         // Safety: the argument list matches the kernel's signature.
         unsafe { args.launch(cfg) }.w()?;
         if let Some(parts) = &parts {
@@ -1168,9 +1171,10 @@ pub fn decode_attention(
     let dtype = q.0.dtype();
     let name = match lanes {
         // 32 lanes of 1, 2, 4 or 8 features cover the head.
-        true => format!("decode_attention_lanes_{}", (a.d as usize).div_ceil(32).next_power_of_two()),
-        false => format!("decode_attention_{}", a.d / 32),
+        Some(g) => format!("decode_attention_lanes_{}_g{g}", (a.d as usize).div_ceil(32).next_power_of_two()),
+        None => format!("decode_attention_{}", a.d / 32),
     };
     let (name, combine) = (typed(&name, dtype)?, typed("decode_splits", dtype)?);
-    by_dtype!(dtype, run((&name, &combine), q, (k, v), shared, mask, slot_at, (a, splits)))
+    let heads_per_block = lanes.unwrap_or(1);
+    by_dtype!(dtype, run((&name, &combine), q, (k, v), shared, mask, slot_at, (a, splits), heads_per_block))
 }
