@@ -74,18 +74,15 @@ pub fn decode_split_keys() -> Result<bool> {
 #[cfg_attr(not(feature = "cuda"), allow(dead_code))]
 const MIN_SPLIT_SLOTS: usize = 256;
 
-/// Blocks of 256 threads a multiprocessor runs at once (2,048 threads).
-#[cfg_attr(not(feature = "cuda"), allow(dead_code))]
-const BLOCKS_PER_MULTIPROCESSOR: usize = 8;
-
 /// How a step's `slots` (the most a row can have) are split for `blocks`
-/// (row, head) blocks on `multiprocessors`: (slots per split, splits), or
-/// (0, 1) unsplit. Splits are added until the blocks fill the GPU once,
-/// each of at least [`MIN_SPLIT_SLOTS`]; the split depends on the shapes
-/// alone, so a step gives the same bits every time it runs.
+/// blocks of (row, heads) on a GPU that runs `at_once` of them at a time:
+/// (slots per split, splits), or (0, 1) unsplit. Splits are added until the
+/// blocks fill the GPU once, each of at least [`MIN_SPLIT_SLOTS`]; the
+/// split depends on the shapes and the kernel alone, so a step gives the
+/// same bits every time it runs.
 #[cfg_attr(not(feature = "cuda"), allow(dead_code))]
-fn key_splits(blocks: usize, slots: usize, multiprocessors: usize) -> (usize, usize) {
-    let wanted = (multiprocessors * BLOCKS_PER_MULTIPROCESSOR).div_ceil(blocks.max(1));
+fn key_splits(blocks: usize, slots: usize, at_once: usize) -> (usize, usize) {
+    let wanted = at_once.div_ceil(blocks.max(1));
     let splits = wanted.min(slots / MIN_SPLIT_SLOTS);
     if splits <= 1 {
         return (0, 1);
@@ -318,10 +315,11 @@ mod cuda {
             (true, true) => super::heads_per_block(h / h_kv, d),
             _ => 1,
         };
+        let lanes = lanes.then_some(heads_per_block as u32);
         let (chunk, splits) = match split {
             true => {
-                let multiprocessors = launch::multiprocessors(q.device().as_cuda_device()?)?;
-                super::key_splits(b * h / heads_per_block, slots, multiprocessors)
+                let at_once = launch::decode_blocks_at_once(q.device().as_cuda_device()?, q.dtype(), d, lanes)?;
+                super::key_splits(b * h / heads_per_block, slots, at_once)
             }
             false => (0, 1),
         };
@@ -365,7 +363,7 @@ mod cuda {
             on_gpu(&m_g.0, m_g.1)?,
             slot_at,
             (dims, splits as u32),
-            lanes.then_some(heads_per_block as u32),
+            lanes,
         )?;
         Ok(Tensor::from_storage(Storage::Cuda(out), (b, h, 1, d), BackpropOp::none(), false))
     }
@@ -672,17 +670,19 @@ mod tests {
 
     #[test]
     fn keys_are_split_only_where_the_blocks_do_not_fill_the_gpu() {
-        // The benchmark's batch: 256 rows x 16 heads fill 132 multiprocessors.
-        assert_eq!(key_splits(256 * 16, 320, 132), (0, 1));
+        // An H100's 132 multiprocessors, 5 blocks of a key per lane each (51 registers a thread).
+        let at_once = 132 * 5;
+        // The benchmark's batch: 256 rows x 16 heads fill them.
+        assert_eq!(key_splits(256 * 16, 320, at_once), (0, 1));
         // One row of 16 heads over 4,096 slots: 16 splits of 256.
-        assert_eq!(key_splits(16, 4096, 132), (256, 16));
-        // 8 rows of 32 heads over 3,000 slots: 5 splits (1,056 / 256 blocks), whole warps of slots.
-        assert_eq!(key_splits(8 * 32, 3000, 132), (608, 5));
+        assert_eq!(key_splits(16, 4096, at_once), (256, 16));
+        // 8 rows of 32 heads over 3,000 slots: 3 splits (660 / 256 blocks), whole warps of slots.
+        assert_eq!(key_splits(8 * 32, 3000, at_once), (1024, 3));
         // Too few slots for two splits of 256.
-        assert_eq!(key_splits(16, 511, 132), (0, 1));
+        assert_eq!(key_splits(16, 511, at_once), (0, 1));
         // The splits cover every slot, none empty.
         for (blocks, slots) in [(1, 600), (3, 1000), (16, 2049), (64, 100_000)] {
-            let (chunk, splits) = key_splits(blocks, slots, 132);
+            let (chunk, splits) = key_splits(blocks, slots, at_once);
             assert!(chunk * splits >= slots && chunk * (splits - 1) < slots, "{blocks} {slots}: {chunk} x {splits}");
             assert!(chunk >= MIN_SPLIT_SLOTS && chunk % 32 == 0);
         }

@@ -1078,11 +1078,32 @@ pub struct DecodeDims {
 // Safety: a plain C struct of numbers, passed by value.
 unsafe impl DeviceRepr for DecodeDims {}
 
-/// The GPU's multiprocessors, which a launch needs blocks enough to fill.
-pub fn multiprocessors(dev: &candle_core::CudaDevice) -> Result<usize> {
+/// The blocks of the decoding kernel that [`decode_attention`] launches
+/// (for `dtype`, `d` and `lanes`) which the GPU runs at once: its
+/// multiprocessors times the blocks each holds, by the kernel's registers
+/// and shared memory.
+pub fn decode_blocks_at_once(
+    dev: &candle_core::CudaDevice,
+    dtype: DType,
+    d: usize,
+    lanes: Option<u32>,
+) -> Result<usize> {
     use candle_core::cuda_backend::cudarc::driver::sys::CUdevice_attribute;
-    let count = dev.cuda_stream().context().attribute(CUdevice_attribute::CU_DEVICE_ATTRIBUTE_MULTIPROCESSOR_COUNT);
-    Ok(count.w()? as usize)
+    let context = dev.cuda_stream().context().clone();
+    let multiprocessors = context.attribute(CUdevice_attribute::CU_DEVICE_ATTRIBUTE_MULTIPROCESSOR_COUNT).w()?;
+    let func = dev.get_or_load_custom_func(&decode_kernel(dtype, d, lanes)?, "rloo", PTX)?;
+    let per_multiprocessor = func.occupancy_max_active_blocks_per_multiprocessor(DECODE_THREADS, 0, None).w()?;
+    Ok(multiprocessors as usize * per_multiprocessor as usize)
+}
+
+/// The name of [`decode_attention`]'s kernel.
+fn decode_kernel(dtype: DType, d: usize, lanes: Option<u32>) -> Result<String> {
+    let name = match lanes {
+        // 32 lanes of 1, 2, 4 or 8 features cover the head.
+        Some(g) => format!("decode_attention_lanes_{}_g{g}", d.div_ceil(32).next_power_of_two()),
+        None => format!("decode_attention_{}", d / 32),
+    };
+    typed(&name, dtype)
 }
 
 /// Threads per (row, head) block: `DECODE_WARPS` warps in `kernels.cu`.
@@ -1169,12 +1190,7 @@ pub fn decode_attention(
         Ok(CudaStorage::wrap_cuda_slice(out, dev))
     }
     let dtype = q.0.dtype();
-    let name = match lanes {
-        // 32 lanes of 1, 2, 4 or 8 features cover the head.
-        Some(g) => format!("decode_attention_lanes_{}_g{g}", (a.d as usize).div_ceil(32).next_power_of_two()),
-        None => format!("decode_attention_{}", a.d / 32),
-    };
-    let (name, combine) = (typed(&name, dtype)?, typed("decode_splits", dtype)?);
+    let (name, combine) = (decode_kernel(dtype, a.d as usize, lanes)?, typed("decode_splits", dtype)?);
     let heads_per_block = lanes.unwrap_or(1);
     by_dtype!(dtype, run((&name, &combine), q, (k, v), shared, mask, slot_at, (a, splits), heads_per_block))
 }
