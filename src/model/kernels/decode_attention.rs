@@ -316,7 +316,8 @@ mod cuda {
             _ => 1,
         };
         let lanes = lanes.then_some(heads_per_block as u32);
-        let (chunk, splits) = match split {
+        // Fewer slots than two splits take: no split, and no occupancy query in the step.
+        let (chunk, splits) = match split && slots >= 2 * super::MIN_SPLIT_SLOTS {
             true => {
                 let at_once = launch::decode_blocks_at_once(q.device().as_cuda_device()?, q.dtype(), d, lanes)?;
                 super::key_splits(b * h / heads_per_block, slots, at_once)

@@ -73,21 +73,27 @@ pub fn activation_linear(u: &Tensor, act: Activation, w: &Tensor, b: Option<&Ten
 pub fn linear_remade(x: &Tensor, w: &Tensor, b: Option<&Tensor>, remake: Remake) -> Result<Tensor> {
     let w_l = weight_layout(w)?;
     let b = b.map(Tensor::contiguous).transpose()?;
-    let (b, remade) = (b.as_ref(), Some(remake));
+    let b = b.as_ref();
     if x.track_op() && cuda_linear_runs(x, w, b) {
         let op = CudaLinear::new(x, None, b.is_some() && dense_bias_epilogue()?);
-        return match b {
-            Some(b) => on_remade_inputs3(|| op, [x, &w_l, b], [remade, None, None]),
-            None => on_remade_inputs2(|| op, [x, &w_l], [remade, None]),
-        };
+        return on_remade_x(|| op, (x, &w_l, b), remake);
     }
     if x.track_op() && super::fused(x) && super::fused(w) && b.is_none_or(super::fused) {
-        return match b {
-            Some(b) => on_remade_inputs3(|| Linear, [x, &w_l, b], [remade, None, None]),
-            None => on_remade_inputs2(|| Linear, [x, &w_l], [remade, None]),
-        };
+        return on_remade_x(|| Linear, (x, &w_l, b), remake);
     }
     linear(x, w, b)
+}
+
+/// A dense layer's `op` on x, w and any bias, the graph keeping only x's
+/// place, which `remake` makes again.
+fn on_remade_x<O>(op: impl Fn() -> O, (x, w, b): (&Tensor, &Tensor, Option<&Tensor>), remake: Remake) -> Result<Tensor>
+where
+    O: CustomOp2 + CustomOp3 + Send + Sync + 'static,
+{
+    match b {
+        Some(b) => on_remade_inputs3(op, [x, w, b], [Some(remake), None, None]),
+        None => on_remade_inputs2(op, [x, w], [Some(remake), None]),
+    }
 }
 
 /// [`activation_linear`] with a bias, where the training graph keeps only
