@@ -182,7 +182,7 @@ pub fn self_attention(
             if super::device::recording(q.device()) {
                 candle_core::bail!(
                     "a recorded decoding step would attend over the slots it was recorded with: \
-                     recording needs the decoding attention kernel (RLOO_DECODE_ATTENTION=fused)"
+                     recording needs a decoding attention kernel (RLOO_DECODE_ATTENTION=lanes or fused)"
                 );
             }
             let (k, v) = kv.whole()?;

@@ -12,11 +12,11 @@ use super::math::{axpy, dot, exp, max, with_avx2};
 use crate::model::cache::{KvCache, LayerKv};
 use crate::model::device::variant;
 
-/// Picks how a decoding step attends: `fused` (the default: the kernels
-/// here; on a GPU, a warp per key), `lanes` (the kernels here; on a GPU, a
-/// lane per key, any head size of whole 16-byte loads up to 256) or
-/// `composed` (the cache copied out whole, then the attention every
-/// forward pass uses), to compare them.
+/// Picks how a decoding step attends: `lanes` (the default: the kernels
+/// here; on a GPU, a lane per key, any head size of whole 16-byte loads up
+/// to 256, else a warp per key), `fused` (the kernels here; on a GPU, a
+/// warp per key) or `composed` (the cache copied out whole, then the
+/// attention every forward pass uses), to compare them.
 pub const DECODE_ATTENTION_VAR: &str = "RLOO_DECODE_ATTENTION";
 
 /// The ways [`DECODE_ATTENTION_VAR`] names.
@@ -31,10 +31,10 @@ pub enum DecodeAttention {
 
 /// The way chosen; an unknown choice is an error.
 pub fn decode_attention_choice() -> Result<DecodeAttention> {
-    match variant(DECODE_ATTENTION_VAR, &["fused", "lanes", "composed"]).map_err(candle_core::Error::msg)? {
-        "lanes" => Ok(DecodeAttention::Lanes),
+    match variant(DECODE_ATTENTION_VAR, &["lanes", "fused", "composed"]).map_err(candle_core::Error::msg)? {
+        "fused" => Ok(DecodeAttention::Fused),
         "composed" => Ok(DecodeAttention::Composed),
-        _ => Ok(DecodeAttention::Fused),
+        _ => Ok(DecodeAttention::Lanes),
     }
 }
 
@@ -145,10 +145,9 @@ pub fn decode_attention_cuda(
     lanes: bool,
 ) -> Result<Option<Tensor>> {
     let [_, _, t, d] = *q.dims() else { candle_core::bail!("decode-attention: q must be 4-d") };
-    let takes = match lanes {
-        true => d <= 256 && in_whole_loads(kv),
-        false => CUDA_HEAD_SIZES.contains(&d),
-    };
+    // A cache the lanes cannot read in whole loads goes to a warp per key.
+    let lanes = lanes && d <= 256 && in_whole_loads(kv);
+    let takes = lanes || CUDA_HEAD_SIZES.contains(&d);
     if t != 1 || !takes || !super::on_cuda(&[q, &kv.keys, &kv.values]) {
         return Ok(None);
     }

@@ -22,15 +22,15 @@ pub fn linear(x: &Tensor, w: &Tensor, b: Option<&Tensor>) -> Result<Tensor> {
     linear_with(x, w, b, epilogue)
 }
 
-/// Picks how a dense layer with a bias adds it on a GPU: `pass` (the
-/// default: cuBLAS's product, then one pass over its output) or `epilogue`
-/// (in bf16, cuBLASLt's product adds it as it writes the output), to
-/// compare the two.
+/// Picks how a dense layer with a bias adds it on a GPU: `epilogue` (the
+/// default; in bf16, cuBLASLt's product adds it as it writes the output)
+/// or `pass` (cuBLAS's product, then one pass over its output; f32 always
+/// takes this way), to compare the two.
 pub const DENSE_BIAS_VAR: &str = "RLOO_DENSE_BIAS";
 
 /// Whether the epilogue is chosen; an unknown choice is an error.
 pub fn dense_bias_epilogue() -> Result<bool> {
-    let chosen = crate::model::device::variant(DENSE_BIAS_VAR, &["pass", "epilogue"]);
+    let chosen = crate::model::device::variant(DENSE_BIAS_VAR, &["epilogue", "pass"]);
     Ok(chosen.map_err(candle_core::Error::msg)? == "epilogue")
 }
 
