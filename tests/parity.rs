@@ -142,6 +142,7 @@ fn rows_sharing_cached_slots_decode_as_the_full_forward() {
             mask: columns(&full.mask, start, n, rows),
             positions: columns(&full.positions, start, n, rows),
             segments: None,
+            real_runs: None,
         };
         let all: Vec<u32> = (0..b as u32).collect();
         net.logits(&chunk(0, prefill, &all), Some(&mut cache)).unwrap();

@@ -661,6 +661,10 @@ fn the_gpu_variables_are_checked_on_every_device() {
     ok(generate("RLOO_ATTENTION_HEADS", "fused"));
     let e = err(generate("RLOO_ATTENTION_HEADS", "copied"));
     assert!(e.contains("RLOO_ATTENTION_HEADS=copied: expected fused or composed"), "{e}");
+    ok(generate("RLOO_ATTENTION_MASK", "bias"));
+    ok(generate("RLOO_ATTENTION_MASK", "spans"));
+    let e = err(generate("RLOO_ATTENTION_MASK", "runs"));
+    assert!(e.contains("RLOO_ATTENTION_MASK=runs: expected spans or bias"), "{e}");
     let completions = |choice: &str| {
         ok(generate("RLOO_DECODE_STEP", choice));
         std::fs::read_to_string(tmp.path().join("out.jsonl")).unwrap()

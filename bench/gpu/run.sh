@@ -42,7 +42,7 @@
 #                  kernel with a lane per key takes (RLOO_DECODE_HEADS: grouped when left out,
 #                  those of a key/value head, or each); default
 #                  race+fused+fused+graph race+fused+fused+fixed race+fused+fused host+composed
-#      ATTENTION   rloo's variants in the training runs, KERNELS[+HEADS[+STEP[+DECODE[+BIAS[+MLP]]]]]:
+#      ATTENTION   rloo's variants in the training runs, KERNELS[+HEADS[+STEP[+DECODE[+BIAS[+MLP[+MASK]]]]]]:
 #                  the attention kernels for whole sequences (RLOO_ATTENTION: flash, tensor,
 #                  rows), how they get their heads from a fused projection
 #                  (RLOO_ATTENTION_HEADS: composed when left out, or fused), how the
@@ -51,7 +51,8 @@
 #                  out, lanes, composed), how dense layers add their biases
 #                  (RLOO_DENSE_BIAS: pass when left out, or epilogue), and whether the
 #                  MLP's wide input is kept for the backward or made again there
-#                  (RLOO_MLP_INPUT: kept when left out, or remade); default
+#                  (RLOO_MLP_INPUT: kept when left out, or remade), and what masks the flash
+#                  kernels (RLOO_ATTENTION_MASK: bias when left out, or spans); default
 #                  flash+fused+graph flash+fused tensor
 #      PROFILED    what `profile` profiles: generate train (default both)
 #      PEER        on (default), or off: rloo's runs alone, without transformers' generate
@@ -196,7 +197,7 @@ if part train; then
             fi
             for attention in $ATTENTION; do
                 log "train $arm run $i: rloo, $attention attention"
-                IFS=+ read -r kernels heads step decode bias mlp <<<"$attention"
+                IFS=+ read -r kernels heads step decode bias mlp mask <<<"$attention"
                 run=$OUT/train-$arm-rloo_$attention-$i
                 sed -e "s|@MODELS@|$dir|" -e "s|@DEVICE@|$DEVICE|" -e "s|@OUT@|$run|" -e "s|@MICRO@|$MICRO|" \
                     -e "s|@ACCUMULATION@|$((COMPLETIONS_PER_STEP / MICRO))|" \
@@ -205,7 +206,7 @@ if part train; then
                 printf '\n%s\n' "$lora" >>"$run.toml"
                 RLOO_ATTENTION=$kernels RLOO_ATTENTION_HEADS=${heads:-composed} RLOO_DECODE_STEP=${step:-shrink} \
                     RLOO_DECODE_ATTENTION=${decode:-fused} RLOO_DENSE_BIAS=${bias:-pass} \
-                    RLOO_MLP_INPUT=${mlp:-kept} RLOO_OUT=$run \
+                    RLOO_MLP_INPUT=${mlp:-kept} RLOO_ATTENTION_MASK=${mask:-bias} RLOO_OUT=$run \
                     "$PY" bench/train/measure.py rloo "$run.json" -- \
                     timeout "$LIMIT" "${rloo_cmd[@]}" train "$run.toml" >"$run.log" 2>&1 || tail -5 "$run.log"
                 # The trained model is of no further use, and would travel back with OUT.

@@ -8,7 +8,7 @@ use super::{relative_error, Check};
 use crate::generate::race::{self, RaceRow};
 use crate::generate::sampling::Pick;
 use crate::generate::Sampling;
-use crate::model::batch::{attention_bias, Inputs, PadSide, SharedPrefix};
+use crate::model::batch::{attention_bias, attention_spans, AttentionSpans, Inputs, PadSide, SharedPrefix};
 use crate::model::cache::{KvCache, LayerKv, SharedKv};
 use crate::model::kernels::{self, AdamWParam, AdamWStep, AttentionInputs, LoraLayer, Mask, RotaryTables};
 use crate::model::ops::Activation;
@@ -395,21 +395,22 @@ pub fn check_tensor_attention(device: &Device, dtypes: &[DType]) -> Vec<Check> {
         return out;
     }
     let mut rng = Rng::new(7);
-    for (choice, name) in [
-        (kernels::AttentionKernels::Tensor, "attention on tensor cores"),
-        (kernels::AttentionKernels::Flash, "flash attention on tensor cores"),
+    for (choice, spans, name) in [
+        (kernels::AttentionKernels::Tensor, false, "attention on tensor cores"),
+        (kernels::AttentionKernels::Flash, false, "flash attention on tensor cores"),
+        (kernels::AttentionKernels::Flash, true, "flash attention on tensor cores over spans"),
     ] {
         for d in [64, 128, 256] {
             let name = format!("{name}, head size {d}");
             out.push(
-                tensor_attention_check(device, d, choice, &name, &mut rng)
+                tensor_attention_check(device, d, (choice, spans), &name, &mut rng)
                     .unwrap_or_else(|e| Check::failed("kernel", &name, DType::BF16, e)),
             );
         }
         for d in [64, 128] {
             let name = format!("qkv_attention, {name}, head size {d}");
             out.push(
-                qkv_attention_check(device, d, choice, &name, &mut rng)
+                qkv_attention_check(device, d, (choice, spans), &name, &mut rng)
                     .unwrap_or_else(|e| Check::failed("kernel", &name, DType::BF16, e)),
             );
         }
@@ -589,7 +590,8 @@ fn attention_checks(device: &Device, dtype: DType, rng: &mut Rng) -> Result<Vec<
         &|x| {
             let rotary = Some(&(dcos.clone(), dsin.clone()));
             let kernels = kernels::AttentionKernels::Rows;
-            match kernels::qkv_attention(&x[0], neox(d), h, d, rotary, &dbias, 0.25, kernels)? {
+            let mask = kernels::AttentionMask::Bias(dbias.clone());
+            match kernels::qkv_attention(&x[0], neox(d), h, d, rotary, &mask, 0.25, kernels)? {
                 Some(out) => Ok(out),
                 None => qkv_composed(&x[0], h, d, (&dcos, &dsin), &dbias, 0.25),
             }
@@ -627,16 +629,16 @@ fn qkv_composed(
 /// CPU's composition, value and gradients: grouped-query heads, 70 queries
 /// and keys (so the last tiles are cut short), a right-padded row and one
 /// packed as training packs them, a prompt then completions that each see
-/// it and themselves.
+/// it and themselves; masked by the bias or (`spans`) each query's runs.
 fn tensor_attention_check(
     device: &Device,
     d: usize,
-    choice: kernels::AttentionKernels,
+    (choice, spans): (kernels::AttentionKernels, bool),
     name: &str,
     rng: &mut Rng,
 ) -> Result<Check> {
     let (b, t, h, h_kv) = (2, 70, 4, 2);
-    let (host, on_device) = (two_rows_bias(&Device::Cpu)?, two_rows_bias(device)?);
+    let (host, on_device) = (two_rows_bias(&Device::Cpu)?, two_rows_mask(device, spans)?);
     let scale = 1.0 / (d as f64).sqrt();
     let inputs = [
         randn(rng, &[b, h, t, d], 0.0, 1.0),
@@ -654,10 +656,11 @@ fn tensor_attention_check(
     ))
 }
 
-/// The (2, 1, 70, 70) attention bias of the tensor-core checks: a row
-/// right-padded after 41 tokens, and one packed as training packs it (a
-/// prompt of 20 tokens, then completions that each see it and themselves).
-fn two_rows_bias(dev: &Device) -> Result<Tensor> {
+/// The two rows of the tensor-core checks: a row right-padded after 41
+/// tokens (the second of a padded pair), and one packed as training packs
+/// it (a prompt of 20 tokens, then completions that each see it and
+/// themselves).
+fn two_rows(dev: &Device) -> Result<[Inputs; 2]> {
     let ids: Vec<u32> = (1..=70).collect();
     let padded = Inputs::from_rows(&[ids.clone(), ids[..41].to_vec()], 0, PadSide::Right, dev)?;
     let packed = Inputs::shared_prefix(
@@ -665,18 +668,42 @@ fn two_rows_bias(dev: &Device) -> Result<Tensor> {
         0,
         dev,
     )?;
+    Ok([padded, packed])
+}
+
+/// The (2, 1, 70, 70) attention bias of [`two_rows`].
+fn two_rows_bias(dev: &Device) -> Result<Tensor> {
+    let [padded, packed] = two_rows(dev)?;
     let padded = attention_bias(&padded, &padded.mask)?.narrow(0, 1, 1)?;
     Tensor::cat(&[&padded, &attention_bias(&packed, &packed.mask)?], 0)
 }
 
+/// What masks [`two_rows`] on `dev`: the bias, or (`spans`) each query's runs.
+fn two_rows_mask(dev: &Device, spans: bool) -> Result<kernels::AttentionMask> {
+    if !spans {
+        return Ok(kernels::AttentionMask::Bias(two_rows_bias(dev)?));
+    }
+    let [padded, packed] = two_rows(dev)?;
+    let missing = || candle_core::Error::Msg("the check's rows have no spans".into());
+    let (padded, packed) =
+        (attention_spans(&padded).ok_or_else(missing)?, attention_spans(&packed).ok_or_else(missing)?);
+    // Rows are laid out one after another: the padded pair's second row, then the packed one.
+    let (t, blocks) = (padded.spans.len() / 2, padded.key_blocks.len() / 2);
+    let both = AttentionSpans {
+        spans: [&padded.spans[t..], &packed.spans[..]].concat(),
+        key_blocks: [&padded.key_blocks[blocks..], &packed.key_blocks[..]].concat(),
+    };
+    Ok(kernels::AttentionMask::Spans(kernels::DeviceSpans::new(&both, dev)?))
+}
+
 /// Attention over a GPT-NeoX fused projection of head size `d` on
-/// tensor cores (`choice`) against the CPU kernel, value and gradient: the
-/// rows of [`two_rows_bias`], rotary over a quarter of each head, as
-/// Pythia's. Where the kernels do not take it, an error.
+/// tensor cores (`choice`, over spans where `spans`) against the CPU
+/// kernel, value and gradient: [`two_rows`], rotary over a quarter of each
+/// head, as Pythia's. Where the kernels do not take it, an error.
 fn qkv_attention_check(
     device: &Device,
     d: usize,
-    choice: kernels::AttentionKernels,
+    (choice, spans): (kernels::AttentionKernels, bool),
     name: &str,
     rng: &mut Rng,
 ) -> Result<Check> {
@@ -684,14 +711,14 @@ fn qkv_attention_check(
     let (cos, sin) = rotary_tables(rng, &[b, 1, t, r / 2], 1.0)?;
     let host = AttentionInputs::new(&two_rows_bias(&Device::Cpu)?, Some(&(cos.clone(), sin.clone())))?;
     let rotary = (cos.to_device(device)?, sin.to_device(device)?);
-    let bias = two_rows_bias(device)?;
+    let mask = two_rows_mask(device, spans)?;
     let scale = 1.0 / (d as f64).sqrt();
     Ok(compare(
         name,
         &[randn(rng, &[b, t, 3 * h * d], 0.0, 1.0)],
         &|x| kernels::attention_packed(&x[0], neox(d), h, d, &host, scale),
         &|x| {
-            kernels::qkv_attention(&x[0], neox(d), h, d, Some(&rotary), &bias, scale, choice)?
+            kernels::qkv_attention(&x[0], neox(d), h, d, Some(&rotary), &mask, scale, choice)?
                 .ok_or_else(|| candle_core::Error::Msg("the kernels do not take these inputs".into()))
         },
         device,

@@ -72,6 +72,7 @@ impl Fixture {
                 mask: full.mask.narrow(1, start, n)?,
                 positions: full.positions.narrow(1, start, n)?,
                 segments: None,
+                real_runs: None,
             })
         };
         let mut outputs = vec![net.logits(&columns(0, prefill)?, Some(&mut cache))?];

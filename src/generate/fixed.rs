@@ -87,6 +87,7 @@ impl FixedBatch {
             mask: Tensor::ones((rows, 1), DType::F32, device)?,
             positions: staging.narrow(0, rows, rows)?.reshape((rows, 1))?,
             segments: None,
+            real_runs: None,
         };
         cache.fix_slots(staging.narrow(0, 2 * rows, 1)?)?;
         let launch = match graph && device.is_cuda() {

@@ -78,6 +78,9 @@ pub struct Keeping {
     pub lora: bool,
     /// `RLOO_MLP_INPUT=remade`: the backward makes an MLP's wide input again.
     pub mlp_input_remade: bool,
+    /// The attention kernels read each query's runs of keys (16 bytes a
+    /// token) in place of the packed rows' f32 bias (a row's length a token).
+    pub mask_spans: bool,
 }
 
 impl Keeping {
@@ -100,6 +103,8 @@ pub struct Dims {
     /// The width the heads read: the hidden size, or OPT's `word_embed_proj_dim`.
     pub head_width: usize,
     pub num_layers: usize,
+    /// Features of an attention head.
+    pub head_dim: usize,
     pub tie_word_embeddings: bool,
     /// Longest sequence learned positions allow (`None`: rotary, unbounded).
     pub max_positions: Option<usize>,

@@ -28,6 +28,9 @@ pub struct Inputs {
     /// continuation c. A token sees the prompt and the earlier tokens of its
     /// own part only.
     pub segments: Option<Vec<u32>>,
+    /// Each row's real tokens as one run `[start, end)`, where every row's
+    /// are one (None: unknown, or a row's padding lies between them).
+    pub real_runs: Option<Vec<(u32, u32)>>,
 }
 
 impl Inputs {
@@ -37,8 +40,13 @@ impl Inputs {
         let b = rows.len();
         let mut ids = Vec::with_capacity(b * t);
         let mut mask = Vec::with_capacity(b * t);
+        let mut real_runs = Vec::with_capacity(b);
         for row in rows {
             let pad = t - row.len();
+            real_runs.push(match side {
+                PadSide::Left => (pad as u32, t as u32),
+                PadSide::Right => (0, row.len() as u32),
+            });
             let (real, fill) = (row.iter().copied(), std::iter::repeat_n(pad_id, pad));
             let (m_real, m_fill) = (std::iter::repeat_n(1f32, row.len()), std::iter::repeat_n(0f32, pad));
             match side {
@@ -58,6 +66,7 @@ impl Inputs {
             mask: Tensor::from_vec(mask, (b, t), device)?,
             positions: Tensor::from_vec(positions, (b, t), device)?,
             segments: None,
+            real_runs: Some(real_runs),
         })
     }
 
@@ -91,6 +100,7 @@ impl Inputs {
             mask: Tensor::from_vec(mask, (b, t), device)?,
             positions: Tensor::from_vec(positions, (b, t), device)?,
             segments: Some(segments),
+            real_runs: None,
         })
     }
 
@@ -100,7 +110,8 @@ impl Inputs {
         let mask = mask.to_dtype(DType::F32)?;
         let host: Vec<f32> = mask.flatten_all()?.to_vec1()?;
         let positions = Tensor::from_vec(positions_from_mask(&host, b, t), (b, t), ids.device())?;
-        Ok(Self { ids: ids.to_dtype(DType::U32)?, mask, positions, segments: None })
+        let real_runs = host.chunks(t.max(1)).map(one_run).collect();
+        Ok(Self { ids: ids.to_dtype(DType::U32)?, mask, positions, segments: None, real_runs })
     }
 
     /// One new token per row at the given positions (a decoding step).
@@ -111,6 +122,7 @@ impl Inputs {
             mask: Tensor::ones((b, 1), DType::F32, device)?,
             positions: Tensor::from_slice(positions, (b, 1), device)?,
             segments: None,
+            real_runs: None,
         })
     }
 
@@ -150,6 +162,13 @@ impl SharedPrefix<'_> {
     pub fn start(&self, c: usize) -> usize {
         self.prompt.len() + self.continuations[..c].iter().map(|c| c.len()).sum::<usize>()
     }
+}
+
+/// A row's real tokens (mask above 0) as one run `[start, end)`, if they are one.
+fn one_run(mask: &[f32]) -> Option<(u32, u32)> {
+    let start = mask.iter().position(|&m| m > 0.0).unwrap_or(0);
+    let end = mask.iter().rposition(|&m| m > 0.0).map_or(start, |e| e + 1);
+    mask[start..end].iter().all(|&m| m > 0.0).then_some((start as u32, end as u32))
 }
 
 /// `max(cumsum(mask) - 1, 0)` per row.
@@ -215,7 +234,7 @@ pub fn causal_bias(key_mask: &Tensor, t: usize) -> Result<Tensor> {
 /// The (B, 1, T, T) bias of shared-prefix rows: query i sees key j <= i
 /// when j is in the prompt or in i's own part (padding is its own part,
 /// which no real token shares).
-fn shared_prefix_bias(segments: &[u32], b: usize, t: usize, dev: &Device) -> Result<Tensor> {
+pub(crate) fn shared_prefix_bias(segments: &[u32], b: usize, t: usize, dev: &Device) -> Result<Tensor> {
     let mut bias = Vec::with_capacity(b * t * t);
     for row in segments.chunks(t) {
         for (i, &si) in row.iter().enumerate() {
@@ -231,6 +250,73 @@ fn shared_prefix_bias(segments: &[u32], b: usize, t: usize, dev: &Device) -> Res
         }
     }
     Tensor::from_vec(bias, (b, 1, t, t), dev)
+}
+
+/// Keys in a block of [`AttentionSpans::key_blocks`]: the rows of a block
+/// of the flash attention's d k, d v kernel.
+pub const SPAN_KEY_BLOCK: usize = 64;
+
+/// The keys each query of a whole-sequence pass sees, where they are at
+/// most two runs, as the flash attention kernels read them in place of the
+/// (B, 1, T, T) bias: a prompt and the query's own part, or one causal run.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct AttentionSpans {
+    /// Per (row, query): the runs `[a0, a1)` and `[b0, b1)`, `[0, 0)` empty.
+    pub spans: Vec<[u32; 4]>,
+    /// Per (row, block of [`SPAN_KEY_BLOCK`] keys): the queries `[first,
+    /// end)` between which lie all that see one of them (`[0, 0)`: none).
+    pub key_blocks: Vec<[u32; 2]>,
+}
+
+/// The spans of a whole-sequence pass over `inputs` (no cache), which see
+/// what [`attention_bias`] lets them: None where a row's real tokens are
+/// not one run.
+pub fn attention_spans(inputs: &Inputs) -> Option<AttentionSpans> {
+    let (b, t) = (inputs.batch_size(), inputs.seq_len());
+    let mut spans = Vec::with_capacity(b * t);
+    match (&inputs.segments, &inputs.real_runs) {
+        (Some(segments), _) => {
+            for row in segments.chunks(t.max(1)) {
+                // The prompt (part 0) comes first; each other part is one run after it.
+                let prompt = row.iter().take_while(|&&s| s == 0).count() as u32;
+                let mut start = 0;
+                for (i, &s) in row.iter().enumerate() {
+                    if i > 0 && s != row[i - 1] {
+                        start = i as u32;
+                    }
+                    let end = i as u32 + 1;
+                    spans.push(if s == 0 { [0, end, 0, 0] } else { [0, prompt, start, end] });
+                }
+            }
+        }
+        (None, Some(runs)) => {
+            for &(first, end) in runs {
+                // Causal over the real keys: [first, min(end, i + 1)).
+                spans.extend((1..=t as u32).map(|i| match end.min(i) {
+                    last if first < last => [first, last, 0, 0],
+                    _ => [0; 4],
+                }));
+            }
+        }
+        (None, None) => return None,
+    }
+    let blocks = t.div_ceil(SPAN_KEY_BLOCK);
+    let mut key_blocks = vec![[0u32; 2]; b * blocks];
+    for (row, per_query) in spans.chunks(t.max(1)).enumerate() {
+        let row_blocks = &mut key_blocks[row * blocks..(row + 1) * blocks];
+        for (i, span) in per_query.iter().enumerate() {
+            for (x, y) in [(span[0], span[1]), (span[2], span[3])].into_iter().filter(|(x, y)| x < y) {
+                for block in &mut row_blocks[x as usize / SPAN_KEY_BLOCK..=(y as usize - 1) / SPAN_KEY_BLOCK] {
+                    // Queries come in order: the first to see the block starts it.
+                    if block[1] == 0 {
+                        block[0] = i as u32;
+                    }
+                    block[1] = i as u32 + 1;
+                }
+            }
+        }
+    }
+    Some(AttentionSpans { spans, key_blocks })
 }
 
 #[cfg(test)]
@@ -262,5 +348,53 @@ mod tests {
         assert!(ok(0, 1, 0) && ok(0, 1, 1));
         // Row 1 is left-padded: key 0 is padding for every query.
         assert!(!ok(1, 1, 0) && ok(1, 1, 1));
+    }
+
+    /// Every (row, query, key) the spans let through is one the bias does,
+    /// and each key block's queries lie in its range, which is tight.
+    fn assert_spans_see_what_the_bias_does(inputs: &Inputs) {
+        let (b, t) = (inputs.batch_size(), inputs.seq_len());
+        let spans = attention_spans(inputs).expect("spans");
+        let bias: Vec<f32> = attention_bias(inputs, &inputs.mask).unwrap().flatten_all().unwrap().to_vec1().unwrap();
+        let blocks = t.div_ceil(SPAN_KEY_BLOCK);
+        for row in 0..b {
+            let mut seen = vec![(usize::MAX, 0); blocks];
+            for i in 0..t {
+                let [a0, a1, b0, b1] = spans.spans[row * t + i].map(|x| x as usize);
+                for j in 0..t {
+                    let visible = (a0..a1).contains(&j) || (b0..b1).contains(&j);
+                    assert_eq!(visible, bias[(row * t + i) * t + j] == 0.0, "row {row} query {i} key {j}");
+                    if visible {
+                        let block = &mut seen[j / SPAN_KEY_BLOCK];
+                        *block = (block.0.min(i), i + 1);
+                    }
+                }
+            }
+            for (k, &(first, end)) in seen.iter().enumerate() {
+                let want = if end == 0 { [0, 0] } else { [first as u32, end as u32] };
+                assert_eq!(spans.key_blocks[row * blocks + k], want, "row {row} key block {k}");
+            }
+        }
+    }
+
+    #[test]
+    fn spans_see_what_the_bias_does() {
+        let dev = Device::Cpu;
+        let ids: Vec<u32> = (1..=200).collect();
+        // Prompts of 70 and 3, parts across key blocks, and padding at the end.
+        let groups = [
+            SharedPrefix { prompt: &ids[..70], continuations: vec![&ids[70..140], &ids[140..141], &ids[141..200]] },
+            SharedPrefix { prompt: &ids[..3], continuations: vec![&ids[3..90], &ids[90..100]] },
+        ];
+        assert_spans_see_what_the_bias_does(&Inputs::shared_prefix(&groups, 0, &dev).unwrap());
+        let rows = [ids[..150].to_vec(), ids[..1].to_vec(), ids[..66].to_vec()];
+        for side in [PadSide::Left, PadSide::Right] {
+            assert_spans_see_what_the_bias_does(&Inputs::from_rows(&rows, 0, side, &dev).unwrap());
+        }
+        // A mask given whole: one run per row has spans, a hole has none.
+        let id = Tensor::zeros((2, 4), DType::U32, &dev).unwrap();
+        let mask = |m: &[f32]| Tensor::from_slice(m, (2, 4), &dev).unwrap();
+        assert_spans_see_what_the_bias_does(&Inputs::new(&id, &mask(&[0., 1., 1., 1., 1., 1., 0., 0.])).unwrap());
+        assert_eq!(attention_spans(&Inputs::new(&id, &mask(&[1., 0., 1., 1., 1., 1., 1., 1.])).unwrap()), None);
     }
 }

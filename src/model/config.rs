@@ -72,6 +72,10 @@ impl ModelConfig {
         self.dims().num_layers
     }
 
+    pub fn head_dim(&self) -> usize {
+        self.dims().head_dim
+    }
+
     /// Per layer and token, what a training forward keeps, in tensors of
     /// the hidden size ([`ArchConfig::kept_per_layer`]).
     pub fn kept_per_layer(&self, keeping: arch::Keeping) -> f64 {

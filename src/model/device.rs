@@ -28,6 +28,7 @@ pub fn parse_device(name: &str) -> Result<Device> {
     let invalid = |e: candle_core::Error| Error::Invalid(e.to_string());
     crate::model::kernels::attention_kernels().map_err(invalid)?;
     crate::model::kernels::attention_heads_fused().map_err(invalid)?;
+    crate::model::kernels::attention_spans_chosen().map_err(invalid)?;
     crate::model::kernels::decode_attention_choice().map_err(invalid)?;
     crate::model::kernels::decode_append_fused().map_err(invalid)?;
     crate::model::kernels::decode_split_keys().map_err(invalid)?;

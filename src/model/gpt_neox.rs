@@ -103,6 +103,7 @@ impl ArchConfig for Config {
             hidden_size: self.hidden_size,
             head_width: self.hidden_size,
             num_layers: self.num_layers,
+            head_dim: self.head_dim,
             tie_word_embeddings: self.tie_word_embeddings,
             max_positions: None,
         }

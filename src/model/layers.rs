@@ -6,7 +6,7 @@ use std::sync::{Arc, OnceLock};
 
 use candle_core::{DType, Result, Tensor};
 
-use super::batch::{attention_bias, causal_bias, key_mask, Inputs};
+use super::batch::{attention_spans, causal_bias, key_mask, shared_prefix_bias, Inputs};
 use super::cache::KvCache;
 use super::kernels::{self, decode_attention, Remake};
 use super::lora::Adapter;
@@ -17,10 +17,16 @@ use crate::error::Result as LoadResult;
 
 /// Computed once per forward pass and shared by all layers.
 pub struct Context {
-    /// (B, 1, T, S) additive attention bias: made at once for whole
-    /// sequences, and with a cache only if a layer asks for it (the
-    /// decoding kernels read the key mask instead).
+    /// (B, 1, T, S) additive attention bias, made when a layer asks for it
+    /// (on a GPU, the flash kernels read spans instead, and the decoding
+    /// kernels the key mask).
     bias: OnceLock<Tensor>,
+    /// The inputs' shared-prefix parts, which the bias is made from.
+    segments: Option<Vec<u32>>,
+    /// For whole sequences on a GPU, each query's runs of keys, where they
+    /// are at most two and the flash kernels are to read them
+    /// (`RLOO_ATTENTION_MASK`).
+    spans: Option<kernels::DeviceSpans>,
     /// T.
     queries: usize,
     /// The slots the pass attends over: with a cache whose slots are fixed,
@@ -58,10 +64,12 @@ impl Context {
             Some(cache) if cache.fixed_slot().is_some() => cache.len() + inputs.seq_len(),
             _ => key_mask.dim(1)?,
         };
-        let bias = OnceLock::new();
-        if cache.is_none() {
-            let _ = bias.set(attention_bias(inputs, &key_mask)?);
-        }
+        let spans = match cache {
+            None if key_mask.device().is_cuda() && kernels::attention_spans_chosen()? => {
+                attention_spans(inputs).map(|s| kernels::DeviceSpans::new(&s, key_mask.device())).transpose()?
+            }
+            _ => None,
+        };
         let rotary = match rope {
             Some((rope, inv_freq)) => Some(rope.cos_sin(inv_freq, &inputs.positions)?),
             None => None,
@@ -70,8 +78,15 @@ impl Context {
             Some(_) if inputs.seq_len() == 1 && key_mask.device().is_cpu() => Some(key_mask.flatten_all()?.to_vec1()?),
             _ => None,
         };
-        let whole = match bias.get() {
-            Some(bias) if kernels::fused(bias) => Some(kernels::AttentionInputs::new(bias, rotary.as_ref())?),
+        // The CPU's attention kernel reads the bias at once.
+        let bias = OnceLock::new();
+        let whole = match cache {
+            None if kernels::fused(&key_mask) => {
+                let made = make_bias(inputs.segments.as_deref(), &key_mask, slots, inputs.seq_len())?;
+                let whole = kernels::AttentionInputs::new(&made, rotary.as_ref())?;
+                let _ = bias.set(made);
+                Some(whole)
+            }
             _ => None,
         };
         let rotary_host = match (&rotary, cache) {
@@ -87,6 +102,8 @@ impl Context {
         let fused_heads = cache.is_none() && kernels::attention_heads_fused()?;
         Ok(Self {
             bias,
+            segments: inputs.segments.clone(),
+            spans,
             queries: inputs.seq_len(),
             slots,
             rotary,
@@ -105,9 +122,18 @@ impl Context {
         if let Some(bias) = self.bias.get() {
             return Ok(bias);
         }
-        // Only a pass with a cache gets here, and it has no shared-prefix rows.
-        let bias = causal_bias(&self.key_mask.narrow(1, 0, self.slots)?, self.queries)?;
+        let bias = make_bias(self.segments.as_deref(), &self.key_mask, self.slots, self.queries)?;
         Ok(self.bias.get_or_init(|| bias))
+    }
+
+    /// What masks whole-sequence attention by the `chosen` kernels at head
+    /// size `d` in `dtype`: the spans where those kernels read them, else
+    /// the bias.
+    fn mask(&self, chosen: kernels::AttentionKernels, dtype: DType, d: usize) -> Result<kernels::AttentionMask> {
+        Ok(match &self.spans {
+            Some(spans) if kernels::spans_taken(chosen, dtype, d) => kernels::AttentionMask::Spans(spans.clone()),
+            _ => kernels::AttentionMask::Bias(self.bias()?.clone()),
+        })
     }
 
     /// Hands the key mask to the cache once every layer has appended.
@@ -115,6 +141,15 @@ impl Context {
         if let Some(cache) = cache {
             cache.finish_pass(self.key_mask.clone(), self.queries);
         }
+    }
+}
+
+/// The (B, 1, T, S) bias of `queries` over the first `slots` of the key
+/// mask, or of shared-prefix rows by their parts (`segments`).
+fn make_bias(segments: Option<&[u32]>, key_mask: &Tensor, slots: usize, queries: usize) -> Result<Tensor> {
+    match segments {
+        Some(segments) => shared_prefix_bias(segments, key_mask.dim(0)?, queries, key_mask.device()),
+        None => causal_bias(&key_mask.narrow(1, 0, slots)?, queries),
     }
 }
 
@@ -151,7 +186,8 @@ pub fn self_attention(
     }
     if let (Some((fused, packing)), None, true) = (&qkv.packed, &cache, ctx.fused_heads) {
         let (rotary, chosen) = (ctx.rotary.as_ref(), kernels::attention_kernels()?);
-        if let Some(out) = kernels::qkv_attention(fused, *packing, n_heads, d, rotary, ctx.bias()?, scale, chosen)? {
+        let mask = ctx.mask(chosen, fused.dtype(), d)?;
+        if let Some(out) = kernels::qkv_attention(fused, *packing, n_heads, d, rotary, &mask, scale, chosen)? {
             return Ok(out);
         }
     }
@@ -190,7 +226,8 @@ pub fn self_attention(
         }
         None => rotated_heads(&qkv, ctx)?,
     };
-    let out = kernels::sdpa(&q, &k, &v, ctx.bias()?, scale)?;
+    let chosen = kernels::attention_kernels()?;
+    let out = kernels::sdpa_with(&q, &k, &v, &ctx.mask(chosen, q.dtype(), d)?, scale, chosen)?;
     // (B, H, T, D) -> (B, T, H * D)
     out.transpose(1, 2)?.reshape((b, t, n_heads * d))
 }

@@ -167,6 +167,7 @@ impl ArchConfig for Config {
             hidden_size: self.hidden_size,
             head_width: self.embed_dim,
             num_layers: self.num_layers,
+            head_dim: self.hidden_size / self.num_heads,
             tie_word_embeddings: self.tie_word_embeddings,
             max_positions: Some(self.max_positions),
         }

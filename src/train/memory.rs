@@ -51,8 +51,9 @@ impl MicroTokens {
 /// What a training forward over `micro` keeps for its backward, in bytes:
 /// each layer's share ([`ModelConfig::kept_per_layer`]), or with gradient
 /// checkpointing each layer's input and one layer's share, in `compute`
-/// bytes; and, in f32, the attention mask of each packed row (at most the
-/// longest row's length per token).
+/// bytes; and the attention mask of each packed row: in f32, at most the
+/// longest row's length per token, or each query's runs of keys, 16 bytes
+/// a token (where `keeping.mask_spans`).
 pub fn activation_bytes(
     model: &ModelConfig,
     keeping: Keeping,
@@ -67,7 +68,11 @@ pub fn activation_bytes(
         false => layers * per_layer,
     } + KEPT_OUTSIDE_LAYERS;
     let activations = (micro.tokens as f64 * h * kept).ceil() as u64 * compute;
-    (activations, micro.tokens * micro.row * F32)
+    let mask = match keeping.mask_spans {
+        true => micro.tokens * 16,
+        false => micro.tokens * micro.row * F32,
+    };
+    (activations, mask)
 }
 
 #[derive(Debug)]

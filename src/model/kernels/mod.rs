@@ -46,7 +46,10 @@ pub use norm_linear::{norm_linear, norm_linear_remake};
 pub use qkv_attention::{attention_heads_fused, qkv_attention, ATTENTION_HEADS_VAR};
 pub use remade::{mlp_input_remade, Remake, MLP_INPUT_VAR};
 pub use rotary::{rotary, rotate, RotaryTables};
-pub use sdpa::{attention_kernels, sdpa, sdpa_with, AttentionKernels, ATTENTION_VAR};
+pub use sdpa::{
+    attention_kernels, attention_spans_chosen, sdpa, sdpa_with, spans_taken, AttentionKernels, AttentionMask,
+    DeviceSpans, ATTENTION_MASK_VAR, ATTENTION_VAR,
+};
 pub use squares::sums_of_squares;
 pub use token_logprobs::{logits_chunk_rows, token_logprobs};
 

@@ -19,7 +19,7 @@ use candle_core::{CustomOp1, CustomOp2, DType, Result, Tensor};
 use candle_core::{Layout, Shape};
 
 use super::sdpa::{kernels_taking, row_dots, GradState};
-use super::{AttentionKernels, Packing};
+use super::{AttentionKernels, AttentionMask, Packing};
 use crate::model::device::variant;
 
 /// Picks how attention over whole sequences gets its heads from a fused
@@ -35,10 +35,11 @@ pub fn attention_heads_fused() -> Result<bool> {
 
 /// Attention (B, T, heads * d) over the fused projection `fused` (B, T, W)
 /// laid out by `packing`, q and k rotated by `rotary`'s (B, 1, T, R)
-/// tables, under the additive `bias` (B, 1, T, T), by the `chosen` kernels
-/// where they take it (else the rows ones, as [`super::sdpa_with`]). None
-/// where it does not run: off a GPU, a projection that is not exactly the
-/// three parts, or sizes no attention kernel takes.
+/// tables, under `mask` (a bias (B, 1, T, T), or spans), by the `chosen`
+/// kernels where they take it (else the rows ones, as
+/// [`super::sdpa_with`]). None where it does not run: off a GPU, a
+/// projection that is not exactly the three parts, sizes no attention
+/// kernel takes, or spans the kernels that take it do not read.
 #[allow(clippy::too_many_arguments)]
 pub fn qkv_attention(
     fused: &Tensor,
@@ -46,7 +47,7 @@ pub fn qkv_attention(
     heads: usize,
     d: usize,
     rotary: Option<&(Tensor, Tensor)>,
-    bias: &Tensor,
+    mask: &AttentionMask,
     scale: f64,
     chosen: AttentionKernels,
 ) -> Result<Option<Tensor>> {
@@ -57,20 +58,17 @@ pub fn qkv_attention(
     let r = rotary.map_or(Ok(0), |(cos, _)| cos.dim(3))?;
     let tiled = tiles_the_row(packing, heads, d, width) && r <= d && r % 2 == 0;
     let (Some(kernels), true) = (kernels_taking(chosen, fused.dtype(), d, t, t), tiled) else { return Ok(None) };
+    if matches!(mask, AttentionMask::Spans(_)) && kernels != AttentionKernels::Flash {
+        return Ok(None);
+    }
     let dims = Dims { b, t, heads, d, r, width, packing };
     let table = |x: &Tensor| x.to_dtype(DType::F32)?.contiguous();
     let tables = match rotary {
         Some((cos, sin)) if r > 0 => Some((table(cos)?, table(sin)?)),
         _ => None,
     };
-    let op = QkvAttention {
-        dims,
-        tables,
-        bias: bias.to_dtype(DType::F32)?.contiguous()?,
-        scale: scale as f32,
-        kernels,
-        lse: Mutex::new(None),
-    };
+    let op =
+        QkvAttention { dims, tables, mask: mask.for_kernels()?, scale: scale as f32, kernels, lse: Mutex::new(None) };
     Ok(Some(fused.contiguous()?.apply_op1(op)?))
 }
 
@@ -140,7 +138,7 @@ struct QkvAttention {
     #[cfg_attr(not(feature = "cuda"), allow(dead_code))]
     dims: Dims,
     tables: Option<(Tensor, Tensor)>,
-    bias: Tensor,
+    mask: AttentionMask,
     scale: f32,
     kernels: AttentionKernels,
     /// Each row's log-sum-exp (B, H, T), kept by the forward for the backward.
@@ -157,19 +155,10 @@ impl CustomOp1 for QkvAttention {
     #[cfg(feature = "cuda")]
     fn cuda_fwd(&self, fused: &candle_core::CudaStorage, l: &Layout) -> Result<(candle_core::CudaStorage, Shape)> {
         let Dims { b, t, heads, d, .. } = self.dims;
-        let (bias, bias_l) = self.bias.storage_and_layout();
-        let candle_core::Storage::Cuda(bias) = &*bias else {
-            candle_core::bail!("qkv-attention: the bias is not on the GPU")
-        };
-        let (out, lse) = with_tables(&self.tables, |tables| {
-            super::cuda::qkv_attention_fwd(
-                (fused, l),
-                tables,
-                (bias, bias_l),
-                self.dims.kernel(),
-                self.scale,
-                self.kernels,
-            )
+        let (out, lse) = self.mask.on_gpu(|mask| {
+            with_tables(&self.tables, |tables| {
+                super::cuda::qkv_attention_fwd((fused, l), tables, mask, self.dims.kernel(), self.scale, self.kernels)
+            })
         })?;
         let lse = Tensor::from_storage(
             candle_core::Storage::Cuda(lse),
@@ -193,7 +182,7 @@ impl CustomOp1 for QkvAttention {
         // Over the (B, T, H) rows as they lie, then in the kernels' (B, H, T) order.
         let di = row_dots(&grad, &by_head(out)?)?.transpose(1, 2)?.contiguous()?;
         let grad = grad.transpose(1, 2)?.contiguous()?;
-        let state = GradState { bias: self.bias.clone(), lse, grad, di, scale: self.scale, kernels: self.kernels };
+        let state = GradState { mask: self.mask.clone(), lse, grad, di, scale: self.scale, kernels: self.kernels };
         let (dq, dkv) = state.grads(&q, &k, &v)?;
         Ok(Some(dq.apply_op2_no_bwd(&dkv, &Merge { dims: self.dims, tables: self.tables.clone() })?))
     }

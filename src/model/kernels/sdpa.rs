@@ -6,7 +6,7 @@
 
 use std::sync::Mutex;
 
-use candle_core::{CustomOp3, DType, Layout, Result, Tensor};
+use candle_core::{CustomOp3, DType, Device, Layout, Result, Tensor};
 
 #[cfg(feature = "cuda")]
 use super::cuda::tensor_attention_fits;
@@ -49,29 +49,107 @@ pub fn attention_kernels() -> Result<AttentionKernels> {
     }
 }
 
-/// Returns (B, H, T, D).
-pub fn sdpa(q: &Tensor, k: &Tensor, v: &Tensor, bias: &Tensor, scale: f64) -> Result<Tensor> {
-    sdpa_with(q, k, v, bias, scale, attention_kernels()?)
+/// Picks what masks the flash kernels where each query sees at most two
+/// runs of keys (a prompt and its own part, or one causal run): `spans`
+/// (the default: the runs, 16 bytes a query, and only the tiles they
+/// cover are visited) or `bias` (the (T, S) bias, every tile considered),
+/// to compare them.
+pub const ATTENTION_MASK_VAR: &str = "RLOO_ATTENTION_MASK";
+
+/// Whether spans are chosen; an unknown choice is an error.
+pub fn attention_spans_chosen() -> Result<bool> {
+    Ok(variant(ATTENTION_MASK_VAR, &["spans", "bias"]).map_err(candle_core::Error::msg)? == "spans")
 }
 
-/// [`sdpa`] with the GPU kernels given.
+/// What masks attention over whole sequences: the additive bias (B, 1, T,
+/// S), or, for the flash kernels, each query's runs of keys on the GPU.
+#[derive(Clone)]
+pub enum AttentionMask {
+    Bias(Tensor),
+    Spans(DeviceSpans),
+}
+
+/// [`crate::model::batch::AttentionSpans`] on a device: (B T, 4) and
+/// (B blocks, 2) u32.
+#[derive(Clone)]
+#[cfg_attr(not(feature = "cuda"), allow(dead_code))]
+pub struct DeviceSpans {
+    spans: Tensor,
+    key_blocks: Tensor,
+}
+
+impl DeviceSpans {
+    pub fn new(s: &crate::model::batch::AttentionSpans, device: &Device) -> Result<Self> {
+        let flat = |rows: &[u32], width: usize| Tensor::from_slice(rows, (rows.len() / width, width), device);
+        Ok(Self { spans: flat(s.spans.as_flattened(), 4)?, key_blocks: flat(s.key_blocks.as_flattened(), 2)? })
+    }
+}
+
+impl AttentionMask {
+    /// The mask as the kernels read it: a bias in f32, contiguous.
+    pub(super) fn for_kernels(&self) -> Result<Self> {
+        Ok(match self {
+            Self::Bias(bias) => Self::Bias(bias.to_dtype(DType::F32)?.contiguous()?),
+            spans => spans.clone(),
+        })
+    }
+
+    /// `f` over the mask's GPU storages.
+    #[cfg(feature = "cuda")]
+    pub(super) fn on_gpu<R>(&self, f: impl FnOnce(super::cuda::MaskIn) -> Result<R>) -> Result<R> {
+        use candle_core::Storage::Cuda;
+        match self {
+            Self::Bias(bias) => {
+                let (storage, l) = bias.storage_and_layout();
+                match &*storage {
+                    Cuda(b) => f(super::cuda::MaskIn::Bias((b, l))),
+                    _ => candle_core::bail!("attention: the bias is not on the GPU"),
+                }
+            }
+            Self::Spans(s) => {
+                let ((sg, sl), (kg, kl)) = (s.spans.storage_and_layout(), s.key_blocks.storage_and_layout());
+                match (&*sg, &*kg) {
+                    (Cuda(spans), Cuda(blocks)) => {
+                        f(super::cuda::MaskIn::Spans { spans: (spans, sl), key_blocks: (blocks, kl) })
+                    }
+                    _ => candle_core::bail!("attention: the spans are not on the GPU"),
+                }
+            }
+        }
+    }
+}
+
+/// Whether the `chosen` kernels read spans for head size `d` in `dtype`
+/// (on a GPU): the flash ones, where they take the inputs.
+pub fn spans_taken(chosen: AttentionKernels, dtype: DType, d: usize) -> bool {
+    chosen == AttentionKernels::Flash && dtype == DType::BF16 && tensor_attention_fits(d)
+}
+
+/// Returns (B, H, T, D).
+pub fn sdpa(q: &Tensor, k: &Tensor, v: &Tensor, bias: &Tensor, scale: f64) -> Result<Tensor> {
+    sdpa_with(q, k, v, &AttentionMask::Bias(bias.clone()), scale, attention_kernels()?)
+}
+
+/// [`sdpa`] under `mask` with the GPU kernels given (spans: the flash ones).
 pub fn sdpa_with(
     q: &Tensor,
     k: &Tensor,
     v: &Tensor,
-    bias: &Tensor,
+    mask: &AttentionMask,
     scale: f64,
     kernels: AttentionKernels,
 ) -> Result<Tensor> {
     let (_, h, t, d) = q.dims4()?;
     let (_, h_kv, s, _) = k.dims4()?;
     let Some(kernels) = kernels_taking(kernels, q.dtype(), d, t, s).filter(|_| super::on_cuda(&[q, k, v])) else {
+        let AttentionMask::Bias(bias) = mask else {
+            candle_core::bail!("sdpa: attention over spans runs on a GPU's flash kernels only")
+        };
         let n_rep = h / h_kv;
         return ops::attention(q, &ops::repeat_kv(k, n_rep)?, &ops::repeat_kv(v, n_rep)?, bias, scale);
     };
     let (k, v) = (cache_layout(k)?, cache_layout(v)?);
-    let bias = bias.to_dtype(DType::F32)?.contiguous()?;
-    let op = Sdpa { bias, scale: scale as f32, kernels, lse: Mutex::new(None) };
+    let op = Sdpa { mask: mask.for_kernels()?, scale: scale as f32, kernels, lse: Mutex::new(None) };
     q.contiguous()?.apply_op3(&k, &v, op)
 }
 
@@ -118,7 +196,7 @@ fn head_stride(l: &Layout) -> Option<usize> {
 }
 
 struct Sdpa {
-    bias: Tensor,
+    mask: AttentionMask,
     scale: f32,
     /// The rows kernels where the tiled ones do not take the inputs.
     #[cfg_attr(not(feature = "cuda"), allow(dead_code))]
@@ -145,9 +223,9 @@ impl CustomOp3 for Sdpa {
         v_l: &Layout,
     ) -> Result<(candle_core::CudaStorage, candle_core::Shape)> {
         let dims = attn_dims(q_l, k_l, v_l, self.scale)?;
-        let (bias, bias_l) = self.bias.storage_and_layout();
-        let candle_core::Storage::Cuda(bias) = &*bias else { candle_core::bail!("sdpa: the bias is not on the GPU") };
-        let (out, lse) = super::cuda::attention_fwd((q, q_l), (k, k_l), (v, v_l), (bias, bias_l), dims, self.kernels)?;
+        let (out, lse) = self
+            .mask
+            .on_gpu(|mask| super::cuda::attention_fwd((q, q_l), (k, k_l), (v, v_l), mask, dims, self.kernels))?;
         let (b, h, t) = (q_l.dims()[0], q_l.dims()[1], q_l.dims()[2]);
         let lse = Tensor::from_storage(
             candle_core::Storage::Cuda(lse),
@@ -172,7 +250,7 @@ impl CustomOp3 for Sdpa {
         };
         let grad = grad.contiguous()?;
         let di = row_dots(&grad, &out.contiguous()?)?;
-        let state = GradState { bias: self.bias.clone(), lse, grad, di, scale: self.scale, kernels: self.kernels };
+        let state = GradState { mask: self.mask.clone(), lse, grad, di, scale: self.scale, kernels: self.kernels };
         let (dq, dkv) = state.grads(q, k, v)?;
         Ok((Some(dq), Some(dkv.get(0)?), Some(dkv.get(1)?)))
     }
@@ -211,7 +289,7 @@ impl candle_core::CustomOp2 for RowDots {
 /// What the backward kernels read beside q, k and v.
 #[cfg_attr(not(feature = "cuda"), allow(dead_code))]
 pub(super) struct GradState {
-    pub bias: Tensor,
+    pub mask: AttentionMask,
     pub lse: Tensor,
     pub grad: Tensor,
     pub di: Tensor,
@@ -255,7 +333,7 @@ impl CustomOp3 for SdpaGrad<'_> {
     ) -> Result<(candle_core::CudaStorage, candle_core::Shape)> {
         let s = self.state;
         let dims = attn_dims(q_l, k_l, v_l, s.scale)?;
-        let guards = [&s.bias, &s.lse, &s.grad, &s.di].map(|t| t.storage_and_layout());
+        let guards = [&s.lse, &s.grad, &s.di].map(|t| t.storage_and_layout());
         let on_gpu = guards
             .iter()
             .map(|(storage, layout)| match &**storage {
@@ -263,16 +341,18 @@ impl CustomOp3 for SdpaGrad<'_> {
                 _ => candle_core::bail!("sdpa-grad: an input is not on the GPU"),
             })
             .collect::<Result<Vec<_>>>()?;
-        let inputs = super::cuda::AttnInputs {
-            q: (q, q_l),
-            k: (k, k_l),
-            v: (v, v_l),
-            bias: on_gpu[0],
-            lse: on_gpu[1],
-            grad: on_gpu[2],
-            di: on_gpu[3],
-        };
-        let out = super::cuda::attention_bwd(&inputs, dims, self.keys, s.kernels)?;
+        let out = s.mask.on_gpu(|mask| {
+            let inputs = super::cuda::AttnInputs {
+                q: (q, q_l),
+                k: (k, k_l),
+                v: (v, v_l),
+                mask,
+                lse: on_gpu[0],
+                grad: on_gpu[1],
+                di: on_gpu[2],
+            };
+            super::cuda::attention_bwd(&inputs, dims, self.keys, s.kernels)
+        })?;
         let shape = match self.keys {
             true => candle_core::Shape::from([&[2][..], k_l.dims()].concat()),
             false => q_l.shape().clone(),

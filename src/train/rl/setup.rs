@@ -118,11 +118,18 @@ impl Run {
             let params = policy.params().numel();
             let trainable = policy.params().trainable_numel();
             let critic_params = algorithm.trained().iter().map(|t| t.model.params().numel()).sum();
-            let keeping = Keeping { lora: policy.lora().is_some(), mlp_input_remade: kernels::mlp_input_remade()? };
+            let config = policy.config();
+            let keeping = Keeping {
+                lora: policy.lora().is_some(),
+                mlp_input_remade: kernels::mlp_input_remade()?,
+                mask_spans: device.is_cuda()
+                    && kernels::attention_spans_chosen()?
+                    && kernels::spans_taken(kernels::attention_kernels()?, dtype, config.head_dim()),
+            };
             let estimate = memory::rloo_estimate(
                 cfg,
                 &sizes,
-                (policy.config(), keeping),
+                (config, keeping),
                 params,
                 trainable,
                 longest,

@@ -906,6 +906,31 @@ ATTENTION_FA(64)
 ATTENTION_FA(128)
 ATTENTION_FA(256)
 
+// The same over each query's runs of keys (fa::Span, batch.rs's
+// attention_spans), pipelined.
+#define ATTENTION_FS(D)                                                                                         \
+    extern "C" __global__ void __launch_bounds__(32 * fa::WARPS)                                               \
+        attention_fs_fwd_##D(const bf16* q, const bf16* k, const bf16* v, const fa::Span* spans, bf16* o,      \
+                             float* lse, AttnDims a) {                                                         \
+        fa::fwd_spans<D, fa::Tiles<D>::KEYS>(q, k, v, spans, o, lse, a);                                       \
+    }                                                                                                          \
+    extern "C" __global__ void __launch_bounds__(32 * fa::WARPS)                                               \
+        attention_fs_bwd_q_##D(const bf16* q, const bf16* k, const bf16* v, const fa::Span* spans,             \
+                               const float* lse, const bf16* dout, const float* di, bf16* dq, AttnDims a) {    \
+        fa::bwd_q_spans<D, fa::Tiles<D>::KEYS>(q, k, v, spans, lse, dout, di, dq, a);                          \
+    }                                                                                                          \
+    extern "C" __global__ void __launch_bounds__(32 * fa::WARPS)                                               \
+        attention_fs_bwd_kv_##D(const bf16* q, const bf16* k, const bf16* v, const fa::Span* spans,            \
+                                const fa::QueryRange* ranges, const float* lse, const bf16* dout,              \
+                                const float* di, bf16* out, AttnDims a) {                                      \
+        fa::bwd_kv_spans<D, fa::Tiles<D>::QUERIES, fa::Tiles<D>::SPLIT>(q, k, v, spans, ranges, lse, dout, di, \
+                                                                        out, a);                               \
+    }
+
+ATTENTION_FS(64)
+ATTENTION_FS(128)
+ATTENTION_FS(256)
+
 #include "decode.cuh"
 
 // ---- out[r] = sum_e a[r, e] b[r, e] in f32 over rows of d: a warp per row,

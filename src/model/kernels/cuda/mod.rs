@@ -14,7 +14,7 @@ use super::AttentionKernels;
 const PTX: &str = include_str!(concat!(env!("OUT_DIR"), "/kernels.ptx"));
 
 /// An input: its storage and where its elements lie.
-type In<'a> = (&'a CudaStorage, &'a Layout);
+pub(crate) type In<'a> = (&'a CudaStorage, &'a Layout);
 
 /// The contiguous elements of an input.
 fn view<'a, T: CudaDType>(s: &'a CudaStorage, l: &Layout) -> Result<CudaView<'a, T>> {
@@ -638,7 +638,7 @@ pub fn heads_merge(dq: In, dkv: In, tables: Option<(In, In)>, a: HeadsDims) -> R
 pub fn qkv_attention_fwd(
     fused: In,
     tables: Option<(In, In)>,
-    bias: In,
+    mask: MaskIn,
     a: HeadsDims,
     scale: f32,
     kernels: AttentionKernels,
@@ -649,7 +649,7 @@ pub fn qkv_attention_fwd(
     let part = |p: usize| Layout::contiguous_with_offset((b, h, t, d), p * b * h * t * d);
     let (q_l, k_l, v_l) = (part(0), part(1), part(2));
     let dims = AttnDims { h: a.h, h_kv: a.h, t: a.t, s: a.t, d: a.d, kv_stride: (t * d) as i64, scale };
-    let (out, lse) = attention_fwd((&qkv, &q_l), (&qkv, &k_l), (&qkv, &v_l), bias, dims, kernels)?;
+    let (out, lse) = attention_fwd((&qkv, &q_l), (&qkv, &k_l), (&qkv, &v_l), mask, dims, kernels)?;
     // (B, H, T, D) -> (B, T, H, D), the output projection's input.
     // Safety: the copy below writes every element.
     let mut rows = unsafe { out.device().alloc_uninit(&Shape::from((b, t, h, d)), out.dtype()) }?;
@@ -836,15 +836,67 @@ fn flash_bytes(pass: Pass, d: usize, tile: usize) -> usize {
     }
 }
 
+/// The shared memory a flash kernel over spans lays out:
+/// `fa::fwd_spans_bytes`, `fa::bwd_q_spans_bytes` and
+/// `fa::bwd_kv_spans_bytes` in `flash.cuh` (a span is 16 bytes).
+fn flash_spans_bytes(pass: Pass, d: usize, tile: usize) -> usize {
+    let row = 2 * (d + 8);
+    match pass {
+        Pass::Forward => (64 + 4 * tile) * row + 64 * 16,
+        Pass::Queries => (2 * 64 + 4 * tile) * row + 64 * 16,
+        Pass::Keys => (2 * 64 + 4 * tile) * row + 2 * tile * (8 + 16),
+    }
+}
+
+/// What masks the attention kernels: the (B, T, S) f32 bias, or each
+/// query's runs of keys and each block of 64 keys' queries (u32, as
+/// `batch::AttentionSpans` holds them), which the flash kernels over spans read.
+#[derive(Clone, Copy)]
+pub enum MaskIn<'a> {
+    Bias(In<'a>),
+    Spans { spans: In<'a>, key_blocks: In<'a> },
+}
+
+/// A mask's device views.
+enum MaskViews<'a> {
+    Bias(CudaView<'a, f32>),
+    Spans(CudaView<'a, u32>, CudaView<'a, u32>),
+}
+
+impl<'a> MaskIn<'a> {
+    fn views(self) -> Result<MaskViews<'a>> {
+        Ok(match self {
+            MaskIn::Bias(b) => MaskViews::Bias(view(b.0, b.1)?),
+            MaskIn::Spans { spans, key_blocks } => {
+                MaskViews::Spans(view(spans.0, spans.1)?, view(key_blocks.0, key_blocks.1)?)
+            }
+        })
+    }
+}
+
+impl MaskViews<'_> {
+    /// The kernel's mask arguments of `pass`: the bias, or the spans (and,
+    /// for d k and d v, the key blocks' queries).
+    fn args<'b>(&'b self, args: &mut candle_core::cuda_backend::cudarc::driver::LaunchArgs<'b>, pass: Pass) {
+        match self {
+            MaskViews::Bias(bias) => args.arg(bias),
+            MaskViews::Spans(spans, _) if pass != Pass::Keys => args.arg(spans),
+            MaskViews::Spans(spans, key_blocks) => args.arg(spans).arg(key_blocks),
+        };
+    }
+}
+
 /// The kernel of `pass` and its launch over `batch` sequences: a tiled one
 /// on tensor cores (bf16, a head size of [`tensor_attention_fits`]) unless
-/// `kernels` are the rows ones, which take a block per query (or key) row.
+/// `kernels` are the rows ones, which take a block per query (or key) row;
+/// the flash ones over spans where `spans`.
 fn attention_kernel(
     pass: Pass,
     a: &AttnDims,
     batch: usize,
     dtype: DType,
     kernels: AttentionKernels,
+    spans: bool,
 ) -> Result<(String, LaunchConfig)> {
     let (h, h_kv, t, s, d) = (a.h as usize, a.h_kv as usize, a.t as usize, a.s as usize, a.d as usize);
     let stem = match pass {
@@ -852,6 +904,9 @@ fn attention_kernel(
         Pass::Queries => "bwd_q",
         Pass::Keys => "bwd_kv",
     };
+    if spans && kernels != AttentionKernels::Flash {
+        candle_core::bail!("attention over spans runs on the flash kernels only, not {kernels:?}")
+    }
     if kernels == AttentionKernels::Rows {
         let (blocks, floats) = match pass {
             Pass::Forward | Pass::Queries => (batch * h * t, s + 32),
@@ -877,12 +932,16 @@ fn attention_kernel(
             Pass::Forward | Pass::Queries => (key_tile, 1),
             Pass::Keys => (query_tile, if split { 2 } else { 1 }),
         };
+        let (family, bytes) = match spans {
+            true => ("fs", flash_spans_bytes(pass, d, tile)),
+            false => ("fa", flash_bytes(pass, d, tile)),
+        };
         let cfg = LaunchConfig {
             grid_dim: (rows.div_ceil(64) as u32, (batch * heads) as u32, parts),
             block_dim: (128, 1, 1),
-            shared_mem_bytes: flash_bytes(pass, d, tile) as u32,
+            shared_mem_bytes: bytes as u32,
         };
-        return Ok((format!("attention_fa_{stem}_{d}"), cfg));
+        return Ok((format!("attention_{family}_{stem}_{d}"), cfg));
     }
     let (warps, tile) = match pass {
         Pass::Forward | Pass::Queries => tiles[0],
@@ -913,7 +972,7 @@ pub fn attention_fwd(
     q: In,
     k: In,
     v: In,
-    bias: In,
+    mask: MaskIn,
     a: AttnDims,
     kernels: AttentionKernels,
 ) -> Result<(CudaStorage, CudaStorage)> {
@@ -921,27 +980,31 @@ pub fn attention_fwd(
         q: In,
         k: In,
         v: In,
-        bias: In,
+        mask: MaskIn,
         a: AttnDims,
         kernels: AttentionKernels,
     ) -> Result<(CudaStorage, CudaStorage)> {
         let dev = q.0.device.clone();
         let qs = view::<T>(q.0, q.1)?;
         let (ks, vs) = (from_first::<T>(k)?, from_first::<T>(v)?);
-        let bs = view::<f32>(bias.0, bias.1)?;
         let rows = qs.len() / a.d as usize;
-        let (name, cfg) = attention_kernel(Pass::Forward, &a, rows / (a.h * a.t) as usize, q.0.dtype(), kernels)?;
+        let spans = matches!(mask, MaskIn::Spans { .. });
+        let batch = rows / (a.h * a.t) as usize;
+        let (name, cfg) = attention_kernel(Pass::Forward, &a, batch, q.0.dtype(), kernels, spans)?;
         // Safety: every element is written by the kernel.
         let (mut out, mut lse) = unsafe { (dev.alloc::<T>(qs.len())?, dev.alloc::<f32>(rows)?) };
         let func = dev.get_or_load_custom_func(&name, "rloo", PTX)?;
         allow_shared_memory(&func, &cfg)?;
+        let masks = mask.views()?;
         let mut args = func.builder();
-        args.arg(&qs).arg(&ks).arg(&vs).arg(&bs).arg(&mut out).arg(&mut lse).arg(&a);
+        args.arg(&qs).arg(&ks).arg(&vs);
+        masks.args(&mut args, Pass::Forward);
+        args.arg(&mut out).arg(&mut lse).arg(&a);
         // Safety: the argument list matches the kernel's signature.
         unsafe { args.launch(cfg) }.w()?;
         Ok((CudaStorage::wrap_cuda_slice(out, dev.clone()), CudaStorage::wrap_cuda_slice(lse, dev)))
     }
-    by_dtype!(q.0.dtype(), run(q, k, v, bias, a, kernels))
+    by_dtype!(q.0.dtype(), run(q, k, v, mask, a, kernels))
 }
 
 /// Everything the attention backward kernels read.
@@ -949,7 +1012,7 @@ pub struct AttnInputs<'a> {
     pub q: In<'a>,
     pub k: In<'a>,
     pub v: In<'a>,
-    pub bias: In<'a>,
+    pub mask: MaskIn<'a>,
     pub lse: In<'a>,
     pub grad: In<'a>,
     pub di: In<'a>,
@@ -967,8 +1030,8 @@ pub fn attention_bwd(x: &AttnInputs, a: AttnDims, keys: bool, kernels: Attention
         let dev = x.q.0.device.clone();
         let qs = view::<T>(x.q.0, x.q.1)?;
         let (ks, vs) = (from_first::<T>(x.k)?, from_first::<T>(x.v)?);
-        let (bs, ls, gs, ds) = (
-            view::<f32>(x.bias.0, x.bias.1)?,
+        let (masks, ls, gs, ds) = (
+            x.mask.views()?,
             view::<f32>(x.lse.0, x.lse.1)?,
             view::<T>(x.grad.0, x.grad.1)?,
             view::<f32>(x.di.0, x.di.1)?,
@@ -978,13 +1041,16 @@ pub fn attention_bwd(x: &AttnInputs, a: AttnDims, keys: bool, kernels: Attention
             true => (Pass::Keys, 2 * b * (a.h_kv * a.s) as usize * d),
             false => (Pass::Queries, qs.len()),
         };
-        let (name, cfg) = attention_kernel(pass, &a, b, x.q.0.dtype(), kernels)?;
+        let spans = matches!(x.mask, MaskIn::Spans { .. });
+        let (name, cfg) = attention_kernel(pass, &a, b, x.q.0.dtype(), kernels, spans)?;
         // Safety: every element is written by the kernel.
         let mut out = unsafe { dev.alloc::<T>(len) }?;
         let func = dev.get_or_load_custom_func(&name, "rloo", PTX)?;
         allow_shared_memory(&func, &cfg)?;
         let mut args = func.builder();
-        args.arg(&qs).arg(&ks).arg(&vs).arg(&bs).arg(&ls).arg(&gs).arg(&ds).arg(&mut out).arg(&a);
+        args.arg(&qs).arg(&ks).arg(&vs);
+        masks.args(&mut args, pass);
+        args.arg(&ls).arg(&gs).arg(&ds).arg(&mut out).arg(&a);
         // Safety: the argument list matches the kernel's signature.
         unsafe { args.launch(cfg) }.w()?;
         Ok(CudaStorage::wrap_cuda_slice(out, dev))
