@@ -83,7 +83,7 @@ fn new_adapters_start_as_the_base_train_alone_and_save_as_peft_does() {
         let grads = loss.backward().unwrap();
         let mut trained = 0;
         for p in model.params().iter() {
-            let g = grads.get(p.var.as_tensor());
+            let g = grads.get(p.compute());
             if p.frozen {
                 assert!(g.is_none(), "{name}: frozen `{}` got a gradient", p.name);
                 continue;

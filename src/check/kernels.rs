@@ -28,6 +28,7 @@ const CUDA_KERNELS: &[&str] = &[
     "rms_norm",
     "activation",
     "sum3",
+    "add_cast",
     "embedding",
     "rotary",
     "attention",
@@ -320,6 +321,7 @@ pub fn check_kernels(device: &Device, dtypes: &[DType]) -> Vec<Check> {
             dtype,
             rng,
         ));
+        out.push(add_cast_check(device, dtype, rng).unwrap_or_else(|e| Check::failed("kernel", "add_cast", dtype, e)));
         // Ids that repeat, and rows of the table that none reads.
         let ids: Vec<u32> = (0..130).map(|i| (i * 7 % 33) as u32).collect();
         out.push(compare(
@@ -537,6 +539,18 @@ fn race_checks(device: &Device) -> Result<Vec<Check>> {
         Check::new("kernel", &label("log-probs, entropies"), DType::F32, stats, None, 1e-4),
         Check::new("kernel", &label("run twice"), DType::F32, (got != again) as u8 as f32, None, 0.0),
     ])
+}
+
+/// A gradient in `dtype` added into an f32 sum on `device`, against the
+/// CPU's cast and addition: the same bits (the largest difference, which
+/// must be 0).
+fn add_cast_check(device: &Device, dtype: DType, rng: &mut Rng) -> Result<Check> {
+    let (sum, g) = (randn(rng, &[37, 129], 0.0, 1.0), randn(rng, &[37, 129], 0.0, 1.0).to_dtype(dtype)?);
+    let want = (&sum + g.to_dtype(DType::F32)?)?;
+    let got = kernels::add_cast(&sum.to_device(device)?, &g.to_device(device)?)?.to_device(&Device::Cpu)?;
+    let differ = (got - want)?.abs()?.max_all()?.to_scalar::<f32>()?;
+    let label = format!("add_cast, a gradient into its f32 sum ({})", path("add_cast", device, dtype));
+    Ok(Check::new("kernel", &label, dtype, differ, None, 0.0))
 }
 
 /// Rotary and self-attention (grouped-query heads, partial rotary, a

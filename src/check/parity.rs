@@ -111,7 +111,7 @@ impl Fixture {
         let mut worst = 0f32;
         for p in params.iter() {
             let want = self.tensor(&format!("grad.{}", p.name))?;
-            let Some(got) = grads.get(&p.var) else {
+            let Some(got) = grads.get(p.compute()) else {
                 candle_core::bail!("{}: no gradient for `{}`", self.name, p.name)
             };
             worst = worst.max(relative_error(got, want)?);

@@ -148,9 +148,11 @@ pub struct Param {
     /// optimizer state, and an adapter save leaves it out.
     pub frozen: bool,
     /// The copy the networks compute with when it differs from the master
-    /// (bf16 compute): derived from the master, so gradients reach the
-    /// master in f32; refreshed in place after every optimizer step.
-    compute: Option<Tensor>,
+    /// (bf16 compute): a variable of its own, whose gradient a backward
+    /// gives in its dtype, to be added into the master's f32 sum in one
+    /// pass (`kernels::add_cast`); refreshed in place after every
+    /// optimizer step.
+    compute: Option<Var>,
 }
 
 impl Param {
@@ -159,9 +161,10 @@ impl Param {
         Self { name: name.to_string(), var, stored_dtype, frozen: false, compute: None }
     }
 
-    /// The tensor the networks compute with.
+    /// The tensor the networks compute with, and that a backward gives the
+    /// parameter's gradient for.
     pub fn compute(&self) -> &Tensor {
-        self.compute.as_ref().unwrap_or_else(|| self.var.as_tensor())
+        self.compute.as_ref().unwrap_or(&self.var).as_tensor()
     }
 }
 
@@ -248,7 +251,10 @@ impl ParamStore {
                 } else {
                     Var::from_tensor(&p.var.to_dtype(DType::F32)?)?
                 };
-                p.compute = (dtype != DType::F32).then(|| master.to_dtype(dtype)).transpose()?;
+                p.compute = match dtype {
+                    DType::F32 => None,
+                    _ => Some(Var::from_tensor(&master.to_dtype(dtype)?.detach())?),
+                };
                 p.var = master;
             } else {
                 p.var = Var::from_tensor(&p.compute().to_dtype(dtype)?.detach())?;

@@ -22,14 +22,15 @@ pub struct GradAccumulator {
 }
 
 impl GradAccumulator {
-    /// Adds one backward pass's gradients of `params`.
+    /// Adds one backward pass's gradients of `params` (those of the copies
+    /// they compute with) into sums in their masters' dtype.
     pub fn add(&mut self, params: &ParamStore, grads: &GradStore) -> Result<()> {
         for p in params.iter() {
-            if let Some(g) = grads.get(&p.var) {
+            if let Some(g) = grads.get(p.compute()) {
                 let id = p.var.as_tensor().id();
                 match self.sums.iter_mut().find(|(i, _)| *i == id) {
-                    Some((_, sum)) => *sum = (&*sum + g)?,
-                    None => self.sums.push((id, g.clone())),
+                    Some((_, sum)) => *sum = kernels::add_cast(sum, g)?,
+                    None => self.sums.push((id, g.to_dtype(p.var.dtype())?)),
                 }
             }
         }
@@ -430,6 +431,47 @@ mod tests {
         let want = 1.0 * (1.0 - 0.01 * 0.1) - 0.01 * 0.5 / (0.5 + 1e-8);
         let got = var.as_tensor().to_vec1::<f32>().unwrap()[0] as f64;
         assert!((got - want).abs() < 1e-7, "{got} vs {want}");
+    }
+
+    /// Over three micro-batches, a bf16 compute copy that is a variable of
+    /// its own (its gradient added into the f32 sum by `add_cast`) gives
+    /// the sums that a copy derived from the master in the graph gave (its
+    /// backward casting the gradient up, then the sums adding), to the
+    /// bit; the weight is used twice, so its gradient first sums in bf16.
+    #[test]
+    fn a_compute_copy_of_its_own_sums_gradients_as_the_cast_in_the_graph_did() {
+        let dev = Device::Cpu;
+        let mut rng = crate::rng::Rng::new(3);
+        let mut randn = |n: usize| Tensor::from_vec((0..n).map(|_| rng.normal() as f32).collect(), n, &dev).unwrap();
+        let w = randn(64);
+        let inputs: Vec<Tensor> = (0..3).map(|_| randn(64).to_dtype(DType::BF16).unwrap()).collect();
+        let loss = |w: &Tensor, x: &Tensor| -> Tensor {
+            let y = (w * x).unwrap().tanh().unwrap();
+            ((&y * w).unwrap() + y).unwrap().to_dtype(DType::F32).unwrap().sum_all().unwrap()
+        };
+        // As the graph had it: the copy made from the master, summed with `+`.
+        let master = Var::from_tensor(&w).unwrap();
+        let mut want: Option<Tensor> = None;
+        for x in &inputs {
+            let grads = loss(&master.to_dtype(DType::BF16).unwrap(), x).backward().unwrap();
+            let g = grads.get(&master).unwrap().clone();
+            want = Some(match want {
+                Some(sum) => (sum + g).unwrap(),
+                None => g,
+            });
+        }
+        // As the store has it now.
+        let mut store = ParamStore::from_vars(vec![("w".into(), Var::from_tensor(&w).unwrap())]);
+        store.set_compute_dtype(DType::BF16, true).unwrap();
+        let mut acc = GradAccumulator::default();
+        let p = store.iter().next().unwrap();
+        for x in &inputs {
+            acc.add(&store, &loss(p.compute(), x).backward().unwrap()).unwrap();
+        }
+        let bits = |t: &Tensor| t.to_vec1::<f32>().unwrap().iter().map(|x| x.to_bits()).collect::<Vec<_>>();
+        let got = acc.get(&p.var).unwrap();
+        assert_eq!(got.dtype(), DType::F32);
+        assert_eq!(bits(got), bits(&want.unwrap()));
     }
 
     #[test]

@@ -5,7 +5,7 @@
 use std::sync::Arc;
 
 use candle_core::op::{BinaryOp, Op};
-use candle_core::{CpuStorage, CustomOp1, CustomOp2, CustomOp3, Layout, Result, Shape, Tensor};
+use candle_core::{CpuStorage, CustomOp1, CustomOp2, CustomOp3, DType, Layout, Result, Shape, Tensor};
 use rayon::prelude::*;
 
 use super::contiguous_f32;
@@ -50,6 +50,22 @@ pub fn sum3(x: &Tensor, a: &Tensor, b: &Tensor) -> Result<Tensor> {
     let [xc, ac, bc] = [x, a, b].map(|t| t.detach().contiguous());
     let sum = xc?.apply_op3(&ac?, &bc?, Sum3)?;
     on_places(sum, &[x, a, b], |p| Op::CustomOp3(p[0].clone(), p[1].clone(), p[2].clone(), Arc::new(Box::new(Sum3))))
+}
+
+/// `sum + g` in f32 for an f32 `sum` and `g` of its shape, `g` cast up
+/// first: a gradient added into its f32 sum in one pass and one tensor
+/// (candle's cast, then its addition, take two of each), the same values.
+/// Without a graph; any other dtypes add as candle does.
+pub fn add_cast(sum: &Tensor, g: &Tensor) -> Result<Tensor> {
+    let takes = sum.dtype() == DType::F32
+        && matches!(g.dtype(), DType::F32 | DType::BF16)
+        && sum.shape() == g.shape()
+        && sum.device().same_device(g.device())
+        && (sum.device().is_cpu() || (cfg!(feature = "cuda") && sum.device().is_cuda()));
+    if !takes {
+        return sum + g.to_dtype(sum.dtype())?;
+    }
+    sum.detach().contiguous()?.apply_op2_no_bwd(&g.detach().contiguous()?, &AddCast)
 }
 
 /// `values`, computed without a graph, as the output of `op` on the places
@@ -154,7 +170,7 @@ fn map(x: &[f32], f: impl Fn(f32) -> f32 + Sync) -> Vec<f32> {
 
 /// `f(x, y)` elementwise over two slices of equal length, in parallel
 /// chunks; `f` is `#[inline(always)]` as in [`map`].
-fn map2(x: &[f32], y: &[f32], f: impl Fn(f32, f32) -> f32 + Sync) -> Vec<f32> {
+fn map2<Y: Copy + Sync>(x: &[f32], y: &[Y], f: impl Fn(f32, Y) -> f32 + Sync) -> Vec<f32> {
     let mut out = vec![0f32; x.len()];
     out.par_chunks_mut(CHUNK).zip(x.par_chunks(CHUNK).zip(y.par_chunks(CHUNK))).for_each(|(o, (x, y))| {
         with_avx2(
@@ -248,6 +264,38 @@ impl CustomOp3 for Sum3 {
         grad: &Tensor,
     ) -> Result<(Option<Tensor>, Option<Tensor>, Option<Tensor>)> {
         Ok((Some(grad.clone()), Some(grad.clone()), Some(grad.clone())))
+    }
+}
+
+/// [`add_cast`]'s op: (f32 sum, g) -> sum + f32(g).
+struct AddCast;
+
+impl CustomOp2 for AddCast {
+    fn name(&self) -> &'static str {
+        "add-cast"
+    }
+
+    fn cpu_fwd(&self, s: &CpuStorage, s_l: &Layout, g: &CpuStorage, g_l: &Layout) -> Result<(CpuStorage, Shape)> {
+        let sum = contiguous_f32(s, s_l)?;
+        let (start, end) =
+            g_l.contiguous_offsets().ok_or_else(|| candle_core::Error::Msg("add-cast: g strided".into()))?;
+        let out = match g {
+            CpuStorage::F32(g) => map2(sum, &g[start..end], |s, g| s + g),
+            CpuStorage::BF16(g) => map2(sum, &g[start..end], |s, g| s + g.to_f32()),
+            _ => candle_core::bail!("add-cast: a gradient neither f32 nor bf16"),
+        };
+        Ok((CpuStorage::F32(out), s_l.shape().clone()))
+    }
+
+    #[cfg(feature = "cuda")]
+    fn cuda_fwd(
+        &self,
+        s: &candle_core::CudaStorage,
+        s_l: &Layout,
+        g: &candle_core::CudaStorage,
+        g_l: &Layout,
+    ) -> Result<(candle_core::CudaStorage, Shape)> {
+        Ok((super::cuda::add_cast((s, s_l), (g, g_l))?, s_l.shape().clone()))
     }
 }
 

@@ -33,7 +33,7 @@ pub use decode_attention::{
     decode_append_fused, decode_attention, decode_attention_choice, decode_attention_cuda, decode_heads_grouped,
     decode_split_keys, rotary_append_cuda, DecodeAttention,
 };
-pub use elementwise::{activation, contiguous, residual, sum3};
+pub use elementwise::{activation, add_cast, contiguous, residual, sum3};
 pub use embedding::embedding;
 pub use gated::{gated_linear, gated_linear_remade};
 pub use linear::{

@@ -341,3 +341,21 @@ fn remade_norm_outputs_and_gated_inputs_change_no_bit() {
     });
     assert_eq!(all_remade, kept);
 }
+
+/// A gradient added into its f32 sum gives the bits of candle's cast and
+/// addition, from bf16 and from f32; other dtypes take candle's way.
+#[test]
+fn add_cast_is_the_cast_and_the_addition() {
+    let sum = randn(&[5, 300], 0.0);
+    for dtype in [DType::BF16, DType::F32] {
+        let g = randn(&[5, 300], 1.0).to_dtype(dtype).unwrap();
+        let want = (&sum + g.to_dtype(DType::F32).unwrap()).unwrap();
+        let got = add_cast(&sum, &g).unwrap();
+        let bits = |t: &Tensor| {
+            t.flatten_all().unwrap().to_vec1::<f32>().unwrap().iter().map(|x| x.to_bits()).collect::<Vec<_>>()
+        };
+        assert_eq!(bits(&got), bits(&want), "{dtype:?}");
+    }
+    let wide = sum.to_dtype(DType::F64).unwrap();
+    assert_eq!(add_cast(&wide, &sum).unwrap().dtype(), DType::F64);
+}

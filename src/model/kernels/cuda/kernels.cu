@@ -325,6 +325,19 @@ ACTIVATIONS(bf16, bf16)
 SUM3(float, f32)
 SUM3(bf16, bf16)
 
+// ---- sum + g, g cast up to f32: a gradient added into its f32 sum in one
+// pass (a bf16 one took candle's cast, then its addition, and a tensor
+// between them).
+
+#define ADD_CAST(T, S)                                                                                      \
+    extern "C" __global__ void add_cast_##S(const float* sum, const T* g, float* y, size_t n) {             \
+        for (size_t i = blockIdx.x * (size_t)blockDim.x + threadIdx.x; i < n; i += (size_t)gridDim.x * blockDim.x) \
+            y[i] = sum[i] + to_f32(g[i]);                                                                   \
+    }
+
+ADD_CAST(float, f32)
+ADD_CAST(bf16, bf16)
+
 // ---- A dense layer's bias added to every row of its product y (rows, n):
 // a block of columns, each thread one column down a stride of rows, so the
 // bias is read once per thread and no index goes through a division.

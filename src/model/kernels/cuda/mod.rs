@@ -448,6 +448,27 @@ pub fn sum3((x, x_l): In, (a, a_l): In, (b, b_l): In) -> Result<CudaStorage> {
     by_dtype!(x.dtype(), run(&typed("sum3", x.dtype())?, (x, x_l), (a, a_l), (b, b_l)))
 }
 
+/// The f32 `sum` plus `g` (f32 or bf16) cast up, both contiguous, of one size.
+pub fn add_cast((sum, sum_l): In, (g, g_l): In) -> Result<CudaStorage> {
+    fn run<T: CudaDType + DeviceRepr>(name: &str, (sum, sum_l): In, (g, g_l): In) -> Result<CudaStorage> {
+        let dev = sum.device.clone();
+        let (ss, gs) = (view::<f32>(sum, sum_l)?, view::<T>(g, g_l)?);
+        let n = ss.len();
+        if gs.len() != n {
+            candle_core::bail!("add_cast: a sum of {n} elements and a gradient of {}", gs.len());
+        }
+        // Safety: every element is written by the kernel.
+        let mut out = unsafe { dev.alloc::<f32>(n) }?;
+        let func = dev.get_or_load_custom_func(name, "rloo", PTX)?;
+        let mut args = func.builder();
+        args.arg(&ss).arg(&gs).arg(&mut out).arg(&n);
+        // Safety: the argument list matches the kernel's signature.
+        unsafe { args.launch(elementwise(n)) }.w()?;
+        Ok(CudaStorage::wrap_cuda_slice(out, dev))
+    }
+    by_dtype!(g.dtype(), run(&typed("add_cast", g.dtype())?, (sum, sum_l), (g, g_l)))
+}
+
 /// `x` with `mask` applied: its kept elements scaled, the others 0.
 pub fn dropout((x, x_l): In, mask: &super::Mask) -> Result<CudaStorage> {
     fn run<T: CudaDType + DeviceRepr>(name: &str, (x, x_l): In, mask: &super::Mask) -> Result<CudaStorage> {
