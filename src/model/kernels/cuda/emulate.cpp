@@ -512,7 +512,7 @@ double worse(double err, double diff) { return std::isnan(diff) || diff > err ? 
 
 // Head h's part p of token (b, t), feature e, rotated over r features by
 // angle `theta` (b t r + e) per feature: what heads_split must give.
-bool heads_case(const char* name, bool per_head, int r, int d = 8) {
+bool heads_case(const char* name, bool per_head, int r, int d = 8, bool wide = false) {
     const int b = 2, t = 5, h = 3, width = 3 * h * d;
     HeadsDims a{width, per_head ? 3 * d : d, {0, 0, 0}, b, h, t, d, r};
     for (int p = 0; p < 3; ++p) a.offset[p] = per_head ? p * d : p * h * d;
@@ -532,7 +532,12 @@ bool heads_case(const char* name, bool per_head, int r, int d = 8) {
     auto each_lane = [](const std::function<void()>& kernel) {
         for (unsigned lane = 0; lane < 32; ++lane) threadIdx = {lane, 0, 0}, kernel();
     };
-    each_lane([&] { heads_split<float>(fused.data(), cos.data(), sin.data(), heads_out.data(), a, n); });
+    each_lane([&] {
+        if (wide)
+            heads_split_wide<float>(fused.data(), cos.data(), sin.data(), heads_out.data(), a, n);
+        else
+            heads_split<float>(fused.data(), cos.data(), sin.data(), heads_out.data(), a, n);
+    });
     double err = 0;
     for (int p = 0; p < 3; ++p)
         for (int bi = 0; bi < b; ++bi)
@@ -553,12 +558,17 @@ bool heads_case(const char* name, bool per_head, int r, int d = 8) {
     // The gradients of the heads themselves give back the projection: the
     // rotation's transpose undoes it.
     each_lane([&] {
-        heads_merge<float>(heads_out.data(), heads_out.data() + n / 3, cos.data(), sin.data(), back.data(), a, n);
+        if (wide)
+            heads_merge_wide<float>(heads_out.data(), heads_out.data() + n / 3, cos.data(), sin.data(), back.data(), a,
+                                    n);
+        else
+            heads_merge<float>(heads_out.data(), heads_out.data() + n / 3, cos.data(), sin.data(), back.data(), a, n);
     });
     double round_trip = 0;
     for (size_t i = 0; i < fused.size(); ++i) round_trip = worse(round_trip, std::abs(back[i] - fused[i]));
     const bool ok = err < 1e-5 && round_trip < 1e-5;
-    std::printf("%-4s heads: %-29s split %.1e  merged back %.1e\n", ok ? "ok" : "FAIL", name, err, round_trip);
+    std::printf("%-4s heads: %-29s %s split %.1e  merged back %.1e\n", ok ? "ok" : "FAIL", name,
+                wide ? "8 a thread" : "a lane each", err, round_trip);
     return ok;
 }
 
@@ -738,6 +748,9 @@ int main(int argc, char** argv) {
     ok &= heads_case("[Q | K | V], rotary", false, 8);
     ok &= heads_case("per head, no rotary", true, 0);
     ok &= heads_case("per head, 40 features", true, 16, 40);
+    ok &= heads_case("per head [q | k | v], rotary", true, 16, 32, true);
+    ok &= heads_case("[Q | K | V], rotary", false, 32, 64, true);
+    ok &= heads_case("per head, no rotary", true, 0, 16, true);
     ok &= run<64>({"d64 causal, padding, gqa", 2, 4, 2, 70, 70, 64, 70, Case::CAUSAL}, rng);
     ok &= run<64>({"d64 shared prefix", 2, 2, 2, 100, 100, 64, 100, Case::SHARED_PREFIX}, rng);
     ok &= run<64>({"d64 past slots in a cache", 2, 2, 1, 20, 90, 64, 96, Case::CAUSAL}, rng);

@@ -65,6 +65,41 @@ __device__ __forceinline__ float turn(const T* x, int e, int r, const float* cos
     return rotated(v, to_f32(e < half ? x[e + half] : x[e - half]), e, half, cos[e], sign * sin[e]);
 }
 
+// Eight features of T from (to) `p`, 16 bytes at a time: p on 16 bytes.
+// The registers pass between the two types by memcpy, which the compiler
+// may not reorder as it may a cast pointer's reads.
+template <typename T>
+__device__ __forceinline__ void load8(float (&out)[8], const T* p) {
+    uint4 raw[sizeof(T) / 2];
+    for (int c = 0; c < (int)sizeof(T) / 2; ++c) raw[c] = reinterpret_cast<const uint4*>(p)[c];
+    T x[8];
+    memcpy(x, raw, sizeof x);
+    for (int i = 0; i < 8; ++i) out[i] = to_f32(x[i]);
+}
+
+template <typename T>
+__device__ __forceinline__ void store8(T* p, const float (&in)[8]) {
+    T x[8];
+    for (int i = 0; i < 8; ++i) x[i] = from_f32<T>(in[i]);
+    uint4 raw[sizeof(T) / 2];
+    memcpy(raw, x, sizeof raw);
+    for (int c = 0; c < (int)sizeof(T) / 2; ++c) reinterpret_cast<uint4*>(p)[c] = raw[c];
+}
+
+// Features e .. e + 7 of the head row `x` turned as `turn` turns each (e
+// and r / 2 whole 8s, so the eight lie in one half).
+template <typename T>
+__device__ __forceinline__ void turn8(float (&y)[8], const T* x, int e, int r, const float* cos, const float* sin,
+                                      float sign) {
+    load8(y, x + e);
+    if (e >= r) return;
+    const int half = r / 2;
+    float partner[8], c[8], s[8];
+    load8(partner, x + (e < half ? e + half : e - half));
+    load8(c, cos + e), load8(s, sin + e);
+    for (int i = 0; i < 8; ++i) y[i] = rotated(y[i], partner[i], e + i, half, c[i], sign * s[i]);
+}
+
 }  // namespace heads
 
 // fused (B, T, W) -> heads (3, B, H, T, D), n = 3 B H T D: a warp a head
@@ -96,5 +131,37 @@ __device__ void heads_merge(const T* dq, const T* dkv, const float* cos, const f
         const int r = at.part < 2 ? a.r : 0;
         for (int e = w.lane; e < a.d; e += 32)
             fused[at.row + e] = from_f32<T>(heads::turn(g, e, r, cos + at.table, sin + at.table, -1.f));
+    }
+}
+
+// heads_split and heads_merge eight features a thread, 16 bytes a load and
+// a store, where D and R / 2 are whole 8s and every row of the projection,
+// the heads and the tables starts on 16 bytes (the host checks): a lane a
+// feature kept each warp to one row's few loads at a time, waiting out a
+// memory round trip for each.
+template <typename T>
+__device__ void heads_split_wide(const T* fused, const float* cos, const float* sin, T* heads_out, HeadsDims a,
+                                 size_t n) {
+    const int per_row = a.d / 8;
+    for (size_t c = blockIdx.x * (size_t)blockDim.x + threadIdx.x; c < n / 8; c += (size_t)gridDim.x * blockDim.x) {
+        const int row = (int)(c / per_row), e = (int)(c % per_row) * 8;
+        const heads::At at = heads::locate(row, a);
+        float y[8];
+        heads::turn8(y, fused + at.row, e, at.part < 2 ? a.r : 0, cos + at.table, sin + at.table, 1.f);
+        heads::store8(heads_out + (size_t)row * a.d + e, y);
+    }
+}
+
+template <typename T>
+__device__ void heads_merge_wide(const T* dq, const T* dkv, const float* cos, const float* sin, T* fused,
+                                 HeadsDims a, size_t n) {
+    const int per_row = a.d / 8, part_rows = (int)(n / a.d) / 3;
+    for (size_t c = blockIdx.x * (size_t)blockDim.x + threadIdx.x; c < n / 8; c += (size_t)gridDim.x * blockDim.x) {
+        const int row = (int)(c / per_row), e = (int)(c % per_row) * 8;
+        const heads::At at = heads::locate(row, a);
+        const T* g = at.part == 0 ? dq + (size_t)row * a.d : dkv + (size_t)(row - part_rows) * a.d;
+        float y[8];
+        heads::turn8(y, g, e, at.part < 2 ? a.r : 0, cos + at.table, sin + at.table, -1.f);
+        heads::store8(fused + at.row + e, y);
     }
 }

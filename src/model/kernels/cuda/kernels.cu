@@ -392,6 +392,14 @@ ROTARY(bf16, bf16)
     extern "C" __global__ void heads_merge_##S(const T* dq, const T* dkv, const float* cos, const float* sin, \
                                                T* fused, HeadsDims a, size_t n) {                             \
         heads_merge<T>(dq, dkv, cos, sin, fused, a, n);                                                       \
+    }                                                                                                         \
+    extern "C" __global__ void heads_split_wide_##S(const T* fused, const float* cos, const float* sin,       \
+                                                    T* out, HeadsDims a, size_t n) {                          \
+        heads_split_wide<T>(fused, cos, sin, out, a, n);                                                      \
+    }                                                                                                         \
+    extern "C" __global__ void heads_merge_wide_##S(const T* dq, const T* dkv, const float* cos,              \
+                                                    const float* sin, T* fused, HeadsDims a, size_t n) {      \
+        heads_merge_wide<T>(dq, dkv, cos, sin, fused, a, n);                                                  \
     }
 HEADS(float, f32)
 HEADS(bf16, bf16)

@@ -603,6 +603,17 @@ impl HeadsDims {
     }
 }
 
+/// Whether the heads kernels may move 8 features at a time (`_wide`): D
+/// and R / 2 whole 8s, and every row of `inputs` and the tables on 16 bytes.
+fn heads_wide(a: &HeadsDims, inputs: &[In], tables: Option<(In, In)>) -> bool {
+    let on_16 = |(s, l): In| (l.start_offset() * s.dtype().size_in_bytes()) % 16 == 0;
+    let eights = [a.width, a.head_stride, a.offset[0], a.offset[1], a.offset[2], a.d as i64];
+    eights.iter().all(|x| x % 8 == 0)
+        && a.r % 16 == 0
+        && inputs.iter().all(|&x| on_16(x))
+        && tables.is_none_or(|(cos, sin)| on_16(cos) && on_16(sin))
+}
+
 /// `heads_split` (inputs: the projection) or `heads_merge` (d q, then d k
 /// and d v stacked) over the f32 rotary tables (B, T, R), if any.
 fn heads(kernel: &str, inputs: &[In], tables: Option<(In, In)>, a: HeadsDims) -> Result<CudaStorage> {
@@ -611,6 +622,7 @@ fn heads(kernel: &str, inputs: &[In], tables: Option<(In, In)>, a: HeadsDims) ->
         inputs: &[In],
         tables: Option<(In, In)>,
         a: HeadsDims,
+        wide: bool,
     ) -> Result<CudaStorage> {
         let dev = inputs[0].0.device.clone();
         let views = inputs.iter().map(|&(s, l)| view::<T>(s, l)).collect::<Result<Vec<_>>>()?;
@@ -632,14 +644,15 @@ fn heads(kernel: &str, inputs: &[In], tables: Option<(In, In)>, a: HeadsDims) ->
             None => args.arg(&views[0]).arg(&views[0]),
         };
         args.arg(&mut out).arg(&a).arg(&n);
-        // A warp per head row of d features.
-        let warps = n / a.d as usize;
+        // A thread per 8 features, or a warp per head row of d features.
+        let threads = if wide { n / 8 } else { 32 * (n / a.d as usize) };
         // Safety: the argument list matches the kernel's signature.
-        unsafe { args.launch(elementwise(32 * warps)) }.w()?;
+        unsafe { args.launch(elementwise(threads)) }.w()?;
         Ok(CudaStorage::wrap_cuda_slice(out, dev))
     }
-    let dtype = inputs[0].0.dtype();
-    by_dtype!(dtype, run(&typed(kernel, dtype)?, inputs, tables, a))
+    let (dtype, wide) = (inputs[0].0.dtype(), heads_wide(&a, inputs, tables));
+    let name = typed(&format!("{kernel}{}", if wide { "_wide" } else { "" }), dtype)?;
+    by_dtype!(dtype, run(&name, inputs, tables, a, wide))
 }
 
 /// The heads (3, B, H, T, D) of the projection `fused` (B, T, W), q and k
