@@ -6,13 +6,15 @@ use std::path::PathBuf;
 use std::process::Command;
 
 const SOURCE: &str = "src/model/kernels/cuda/kernels.cu";
-/// Headers `SOURCE` includes.
-const HEADERS: &[&str] = &["src/model/kernels/cuda/flash.cuh", "src/model/kernels/cuda/heads.cuh"];
 
 fn main() {
     println!("cargo:rerun-if-changed={SOURCE}");
-    for header in HEADERS {
-        println!("cargo:rerun-if-changed={header}");
+    // The headers `SOURCE` includes: every `.cuh` beside it.
+    let dir = std::path::Path::new(SOURCE).parent().expect("a directory");
+    for entry in std::fs::read_dir(dir).expect("the CUDA sources").flatten() {
+        if entry.path().extension().is_some_and(|e| e == "cuh") {
+            println!("cargo:rerun-if-changed={}", entry.path().display());
+        }
     }
     println!("cargo:rerun-if-env-changed=CUDA_COMPUTE_CAP");
     if std::env::var_os("CARGO_FEATURE_CUDA").is_none() {
