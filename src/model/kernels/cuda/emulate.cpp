@@ -1,5 +1,6 @@
 // Runs the register-resident attention kernels of flash.cuh, the heads
-// kernels of heads.cuh and the decoding-attention kernels of decode.cuh on the host and compares them with a reference, so
+// kernels of heads.cuh, the norms of norms.cuh and the decoding-attention
+// kernels of decode.cuh on the host and compares them with a reference, so
 // their fragment and index logic is checked where no GPU is: every CUDA thread is a host thread, the
 // warp-level primitives (ldmatrix, mma.sync, shuffles) exchange lane values
 // through per-warp slots between barriers, as the PTX ISA lays the
@@ -246,6 +247,9 @@ inline float __uint_as_float(uint32_t u) {
 }
 
 #include "embedding.cuh"
+
+inline float rsqrtf(float x) { return 1.f / std::sqrt(x); }
+#include "norms.cuh"
 
 // A block's __shared__ arrays: one per kernel, shared by its threads (blocks run one at a time).
 #undef __shared__
@@ -681,6 +685,66 @@ bool decode_case(int d, bool lanes, bool fixed, int chunk = 0, int h = 4) {
     return ok;
 }
 
+// RMSNorm and LayerNorm, forward and backward, a warp a row, against f64:
+// rows that do not fill the last block, a width that is not a whole number
+// of warps, and one narrower than a warp.
+template <typename T>
+bool norms_case(bool layer, int rows, int h) {
+    std::mt19937 rng(13);
+    std::normal_distribution<float> normal;
+    auto fill = [&](std::vector<T>& x, size_t n, float mean) {
+        x.resize(n);
+        for (auto& e : x) e = from_f32<T>(mean + normal(rng));
+    };
+    std::vector<T> x, w, b, g;
+    fill(x, (size_t)rows * h, 0.5f), fill(w, h, 1.f), fill(b, h, 0.f), fill(g, (size_t)rows * h, 0.f);
+    std::vector<T> y(x.size(), nan_of<T>()), dx(x.size(), nan_of<T>());
+    std::vector<float> dw(x.size(), NAN);
+    const float eps = 1e-5f;
+    const Dim3 grid{unsigned((rows + NORM_WARPS - 1) / NORM_WARPS), 1, 1};
+    launch(grid, 0, [&] {
+        if (layer)
+            layer_norm_fwd<T>(x.data(), w.data(), b.data(), y.data(), rows, h, eps);
+        else
+            rms_norm_fwd<T>(x.data(), w.data(), y.data(), rows, h, eps);
+    }, 32 * NORM_WARPS);
+    launch(grid, 0, [&] {
+        if (layer)
+            layer_norm_bwd<T>(x.data(), w.data(), g.data(), dx.data(), dw.data(), rows, h, eps);
+        else
+            rms_norm_bwd<T>(x.data(), w.data(), g.data(), dx.data(), dw.data(), rows, h, eps);
+    }, 32 * NORM_WARPS);
+    std::vector<double> want_y(x.size()), want_dx(x.size()), want_dw(x.size());
+    for (int r = 0; r < rows; ++r) {
+        auto at = [&](const std::vector<T>& v, int j) { return (double)to_f32(v[(size_t)r * h + j]); };
+        double mean = 0, sq = 0;
+        for (int j = 0; j < h; ++j) mean += at(x, j) / h, sq += at(x, j) * at(x, j) / h;
+        double var = 0;
+        for (int j = 0; j < h; ++j) var += (at(x, j) - mean) * (at(x, j) - mean) / h;
+        // x^: the normalised input; the gradient of y = x^ w (+ b) through x^.
+        const double scale = layer ? 1 / std::sqrt(var + eps) : 1 / std::sqrt(sq + eps);
+        auto xh = [&](int j) { return ((layer ? at(x, j) - mean : at(x, j))) * scale; };
+        double mean_g = 0, mean_gx = 0;
+        for (int j = 0; j < h; ++j) {
+            const double gh = at(g, j) * to_f32(w[j]);
+            mean_g += gh / h, mean_gx += gh * xh(j) / h;
+        }
+        for (int j = 0; j < h; ++j) {
+            const size_t i = (size_t)r * h + j;
+            want_y[i] = xh(j) * to_f32(w[j]) + (layer ? to_f32(b[j]) : 0.0);
+            want_dx[i] = scale * (at(g, j) * to_f32(w[j]) - (layer ? mean_g : 0.0) - xh(j) * mean_gx);
+            want_dw[i] = at(g, j) * xh(j);
+        }
+    }
+    const double errs[3] = {relative_error(y, want_y), relative_error(dx, want_dx), relative_error(dw, want_dw)};
+    const double tol = std::is_same_v<T, bf16> ? 1e-2 : 1e-5;
+    const bool ok = errs[0] < tol && errs[1] < tol && errs[2] < tol;
+    std::printf("%-4s norms: %-10s %-5s %3d rows of %4d  y %.1e  dx %.1e  dw %.1e\n", ok ? "ok" : "FAIL",
+                layer ? "LayerNorm" : "RMSNorm", std::is_same_v<T, bf16> ? "bf16" : "f32", rows, h, errs[0], errs[1],
+                errs[2]);
+    return ok;
+}
+
 // An embedding table's gradient against sums in position order in f64:
 // ids that repeat, rows that none reads (zero), a last chunk of ids and a
 // last slab of columns that are partial. Every element starts as NaN.
@@ -744,6 +808,11 @@ int main(int argc, char** argv) {
         ok &= decode_case<bf16, 2, 4>(64, true, fixed, 96, 8);
     }
     ok &= embedding_case();
+    for (bool layer : {false, true}) {
+        ok &= norms_case<float>(layer, 21, 300);
+        ok &= norms_case<bf16>(layer, 21, 1024);
+        ok &= norms_case<float>(layer, 3, 8);
+    }
     ok &= heads_case("per head [q | k | v], rotary", true, 4);
     ok &= heads_case("[Q | K | V], rotary", false, 8);
     ok &= heads_case("per head, no rotary", true, 0);

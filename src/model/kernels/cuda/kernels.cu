@@ -1,6 +1,6 @@
 // CUDA counterparts of the fused CPU kernels (see the op files beside this
-// directory). Rows are reduced by one block each, in a fixed order, so the
-// results do not depend on scheduling. Arithmetic is f32 whatever the
+// directory). Rows are reduced by one block (a norm's by one warp) each, in
+// a fixed order, so the results do not depend on scheduling. Arithmetic is f32 whatever the
 // storage dtype (f32 or bf16).
 
 #include <cuda_bf16.h>
@@ -44,117 +44,25 @@ __device__ float block_max(float v, float* scratch) {
     return v;
 }
 
-// ---- RMSNorm: y = x / sqrt(mean(x^2) + eps) * w, one block per row.
+// ---- RMSNorm and LayerNorm, a warp a row (norms.cuh).
 
-template <typename T>
-__device__ void rms_norm_fwd(const T* x, const T* w, T* y, int h, float eps) {
-    __shared__ float scratch[32];
-    const T* xr = x + (size_t)blockIdx.x * h;
-    T* yr = y + (size_t)blockIdx.x * h;
-    float acc = 0.f;
-    for (int j = threadIdx.x; j < h; j += blockDim.x) {
-        float v = to_f32(xr[j]);
-        acc += v * v;
-    }
-    const float r = rsqrtf(block_sum(acc, scratch) / h + eps);
-    for (int j = threadIdx.x; j < h; j += blockDim.x) yr[j] = from_f32<T>(to_f32(xr[j]) * r * to_f32(w[j]));
-}
-
-// d x (N, H) in T, and each row's part of d w in f32 (N, H), g x r (summed
-// over rows by the caller).
-template <typename T>
-__device__ void rms_norm_bwd(const T* x, const T* w, const T* g, T* dx_out, float* dw_out, int h, float eps) {
-    __shared__ float scratch[32];
-    const size_t row = blockIdx.x;
-    const T* xr = x + row * h;
-    const T* gr = g + row * h;
-    T* dx = dx_out + row * h;
-    float* dw = dw_out + row * h;
-    float sq = 0.f;
-    for (int j = threadIdx.x; j < h; j += blockDim.x) {
-        float v = to_f32(xr[j]);
-        sq += v * v;
-    }
-    const float r = rsqrtf(block_sum(sq, scratch) / h + eps);
-    float gx = 0.f;
-    for (int j = threadIdx.x; j < h; j += blockDim.x) gx += to_f32(gr[j]) * to_f32(w[j]) * to_f32(xr[j]) * r;
-    const float mean_gx = block_sum(gx, scratch) / h;
-    for (int j = threadIdx.x; j < h; j += blockDim.x) {
-        const float xv = to_f32(xr[j]), gv = to_f32(gr[j]);
-        dx[j] = from_f32<T>(r * (gv * to_f32(w[j]) - xv * r * mean_gx));
-        dw[j] = gv * xv * r;
-    }
-}
-
-// ---- LayerNorm: y = (x - mean) / sqrt(var + eps) * w + b, one block per row.
-
-template <typename T>
-__device__ void row_moments(const T* xr, int h, float eps, float* scratch, float* mean, float* rstd) {
-    float s = 0.f;
-    for (int j = threadIdx.x; j < h; j += blockDim.x) s += to_f32(xr[j]);
-    const float m = block_sum(s, scratch) / h;
-    float v = 0.f;
-    for (int j = threadIdx.x; j < h; j += blockDim.x) {
-        const float d = to_f32(xr[j]) - m;
-        v += d * d;
-    }
-    *mean = m;
-    *rstd = rsqrtf(block_sum(v, scratch) / h + eps);
-}
-
-template <typename T>
-__device__ void layer_norm_fwd(const T* x, const T* w, const T* b, T* y, int h, float eps) {
-    __shared__ float scratch[32];
-    const T* xr = x + (size_t)blockIdx.x * h;
-    T* yr = y + (size_t)blockIdx.x * h;
-    float mean, rstd;
-    row_moments(xr, h, eps, scratch, &mean, &rstd);
-    for (int j = threadIdx.x; j < h; j += blockDim.x)
-        yr[j] = from_f32<T>((to_f32(xr[j]) - mean) * rstd * to_f32(w[j]) + to_f32(b[j]));
-}
-
-// d x (N, H) in T, and each row's part of d w in f32 (N, H), g x^ (d b is
-// the sum of g).
-template <typename T>
-__device__ void layer_norm_bwd(const T* x, const T* w, const T* g, T* dx_out, float* dw_out, int h, float eps) {
-    __shared__ float scratch[32];
-    const size_t row = blockIdx.x;
-    const T* xr = x + row * h;
-    const T* gr = g + row * h;
-    T* dx = dx_out + row * h;
-    float* dw = dw_out + row * h;
-    float mean, rstd;
-    row_moments(xr, h, eps, scratch, &mean, &rstd);
-    float sg = 0.f, sgx = 0.f;
-    for (int j = threadIdx.x; j < h; j += blockDim.x) {
-        const float xh = (to_f32(xr[j]) - mean) * rstd, gh = to_f32(gr[j]) * to_f32(w[j]);
-        sg += gh;
-        sgx += gh * xh;
-    }
-    const float mean_g = block_sum(sg, scratch) / h;
-    const float mean_gx = block_sum(sgx, scratch) / h;
-    for (int j = threadIdx.x; j < h; j += blockDim.x) {
-        const float xh = (to_f32(xr[j]) - mean) * rstd, gv = to_f32(gr[j]);
-        dx[j] = from_f32<T>(rstd * (gv * to_f32(w[j]) - mean_g - xh * mean_gx));
-        dw[j] = gv * xh;
-    }
-}
+#include "norms.cuh"
 
 #define NORMS(T, S)                                                                                        \
-    extern "C" __global__ void rms_norm_fwd_##S(const T* x, const T* w, T* y, int h, float eps) {          \
-        rms_norm_fwd<T>(x, w, y, h, eps);                                                                  \
+    extern "C" __global__ void rms_norm_fwd_##S(const T* x, const T* w, T* y, int rows, int h, float eps) { \
+        rms_norm_fwd<T>(x, w, y, rows, h, eps);                                                            \
     }                                                                                                      \
     extern "C" __global__ void rms_norm_bwd_##S(const T* x, const T* w, const T* g, T* dx, float* dw,       \
-                                                int h, float eps) {                                        \
-        rms_norm_bwd<T>(x, w, g, dx, dw, h, eps);                                                          \
+                                                int rows, int h, float eps) {                              \
+        rms_norm_bwd<T>(x, w, g, dx, dw, rows, h, eps);                                                    \
     }                                                                                                      \
-    extern "C" __global__ void layer_norm_fwd_##S(const T* x, const T* w, const T* b, T* y, int h,         \
-                                                  float eps) {                                             \
-        layer_norm_fwd<T>(x, w, b, y, h, eps);                                                             \
+    extern "C" __global__ void layer_norm_fwd_##S(const T* x, const T* w, const T* b, T* y, int rows,      \
+                                                  int h, float eps) {                                      \
+        layer_norm_fwd<T>(x, w, b, y, rows, h, eps);                                                       \
     }                                                                                                      \
     extern "C" __global__ void layer_norm_bwd_##S(const T* x, const T* w, const T* g, T* dx, float* dw,     \
-                                                  int h, float eps) {                                      \
-        layer_norm_bwd<T>(x, w, g, dx, dw, h, eps);                                                        \
+                                                  int rows, int h, float eps) {                            \
+        layer_norm_bwd<T>(x, w, g, dx, dw, rows, h, eps);                                                  \
     }
 
 NORMS(float, f32)

@@ -40,6 +40,16 @@ fn per_row(rows: usize, width: usize) -> LaunchConfig {
     LaunchConfig { grid_dim: (rows as u32, 1, 1), block_dim: (threads, 1, 1), shared_mem_bytes: 0 }
 }
 
+/// A warp a row, `NORM_WARPS` (norms.cuh) rows a block.
+fn warp_rows(rows: usize) -> LaunchConfig {
+    const NORM_WARPS: usize = 8;
+    LaunchConfig {
+        grid_dim: (rows.div_ceil(NORM_WARPS).max(1) as u32, 1, 1),
+        block_dim: (32 * NORM_WARPS as u32, 1, 1),
+        shared_mem_bytes: 0,
+    }
+}
+
 /// Enough blocks of 256 threads for `n` elements, striding beyond 65536 blocks.
 fn elementwise(n: usize) -> LaunchConfig {
     let blocks = n.div_ceil(256).clamp(1, 1 << 16) as u32;
@@ -92,10 +102,10 @@ fn norm_fwd_as<T: CudaDType + DeviceRepr>(
     for p in &ps {
         args.arg(p);
     }
-    let h32 = h as i32;
-    args.arg(&mut y).arg(&h32).arg(&eps);
+    let (n32, h32) = (n as i32, h as i32);
+    args.arg(&mut y).arg(&n32).arg(&h32).arg(&eps);
     // Safety: the argument list matches the kernel's signature.
-    unsafe { args.launch(per_row(n, h)) }.w()?;
+    unsafe { args.launch(warp_rows(n)) }.w()?;
     Ok(CudaStorage::wrap_cuda_slice(y, dev))
 }
 
@@ -124,11 +134,11 @@ pub fn norm_bwd(
         // Safety: every element of both is written by the kernel.
         let (mut dx, mut dw) = unsafe { (dev.alloc::<T>(n * h)?, dev.alloc::<f32>(n * h)?) };
         let func = dev.get_or_load_custom_func(name, "rloo", PTX)?;
-        let h32 = h as i32;
+        let (n32, h32) = (n as i32, h as i32);
         let mut args = func.builder();
-        args.arg(&xs).arg(&ws).arg(&gs).arg(&mut dx).arg(&mut dw).arg(&h32).arg(&eps);
+        args.arg(&xs).arg(&ws).arg(&gs).arg(&mut dx).arg(&mut dw).arg(&n32).arg(&h32).arg(&eps);
         // Safety: the argument list matches the kernel's signature.
-        unsafe { args.launch(per_row(n, h)) }.w()?;
+        unsafe { args.launch(warp_rows(n)) }.w()?;
         Ok((CudaStorage::wrap_cuda_slice(dx, dev.clone()), CudaStorage::wrap_cuda_slice(dw, dev)))
     }
     by_dtype!(x.dtype(), run(&typed(kernel, x.dtype())?, (x, x_l), (w, w_l), (g, g_l), eps))
