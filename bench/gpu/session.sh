@@ -13,11 +13,11 @@
 #      biases in cuBLASLt's epilogues (the defaults);
 #   3. the same at 1B;
 #   4. the kernels of the training phase over one micro-batch at 410m,
-#      under the defaults;
-#   5. LoRA (r = 16, all linear layers) at 1B against TRL with PEFT, over
-#      spans;
-#   6. generation at 410m under the defaults (a key per lane, the
-#      epilogues, recorded steps) against transformers.
+#      and of a short generation, under the defaults;
+#   5. generation at 410m under the defaults (a key per lane, the
+#      epilogues, recorded steps) against transformers;
+#   6. LoRA (r = 16, all linear layers) at 1B against TRL with PEFT, over
+#      spans.
 # Logs stay in OUT; the benchmark's table (bench/gpu/report.py) prints last.
 #
 #   bench/gpu/session.sh                 # OUT=/tmp/rloo-gpu-session
@@ -45,7 +45,7 @@ defaults=flash+fused+graph+lanes+epilogue+kept
 part train-410m 120 env ARMS=410m-full TRAIN_RUNS=1 STEPS=3 ATTENTION="$defaults+bias $defaults+spans" \
     bench/gpu/run.sh train
 part train-1b 120 env ARMS=1b-full TRAIN_RUNS=1 STEPS=3 ATTENTION="$defaults+bias $defaults+spans" bench/gpu/run.sh train
-part profile 60 env SIZES=410m PROFILED=train bench/gpu/run.sh profile
-part train-1b-lora 100 env ARMS=1b-lora TRAIN_RUNS=1 STEPS=3 ATTENTION="$defaults+spans" bench/gpu/run.sh train
+part profile 90 env SIZES=410m bench/gpu/run.sh profile
 part generate-410m 60 env SIZES=410m RUNS=2 DECODERS="race+lanes+fused+graph+epilogue" bench/gpu/run.sh peaks generate
+part train-1b-lora 100 env ARMS=1b-lora TRAIN_RUNS=1 STEPS=3 ATTENTION="$defaults+spans" bench/gpu/run.sh train
 "$PY" bench/gpu/report.py "$OUT" | tee "$OUT/table.txt"
