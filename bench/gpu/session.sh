@@ -18,6 +18,9 @@
 #      epilogues, recorded steps) against transformers;
 #   6. LoRA (r = 16, all linear layers) at 1B against TRL with PEFT, over
 #      spans.
+# Where .cuda/bin/rloo-before.gz is carried too (bench/gpu/baseline.sh REV
+# builds it), the RLOO step at 410m and at 1B runs with it as well, under
+# the same settings, on the same card (OUT/before, its own table).
 # Logs stay in OUT; the benchmark's table (bench/gpu/report.py) prints last.
 #
 #   bench/gpu/session.sh                 # OUT=/tmp/rloo-gpu-session
@@ -45,6 +48,12 @@ defaults=flash+fused+graph+lanes+epilogue+kept
 part train-410m 120 env ARMS=410m-full TRAIN_RUNS=1 STEPS=3 ATTENTION="$defaults+bias $defaults+spans" \
     bench/gpu/run.sh train
 part train-1b 120 env ARMS=1b-full TRAIN_RUNS=1 STEPS=3 ATTENTION="$defaults+bias $defaults+spans" bench/gpu/run.sh train
+if [[ -e .cuda/bin/rloo-before.gz ]]; then
+    gunzip -c .cuda/bin/rloo-before.gz >/tmp/rloo-before && chmod +x /tmp/rloo-before
+    before=$(cat .cuda/bin/rloo-before.rev 2>/dev/null || echo before)
+    part "train-before-$before" 120 env OUT="$OUT/before" RLOO=/tmp/rloo-before PEER=off ARMS="410m-full 1b-full" \
+        TRAIN_RUNS=1 STEPS=3 ATTENTION="$defaults" bench/gpu/run.sh train
+fi
 part profile 90 env SIZES=410m bench/gpu/run.sh profile
 part generate-410m 60 env SIZES=410m RUNS=2 DECODERS="race+lanes+fused+graph+epilogue" bench/gpu/run.sh peaks generate
 part train-1b-lora 100 env ARMS=1b-lora TRAIN_RUNS=1 STEPS=3 ATTENTION="$defaults+spans" bench/gpu/run.sh train
