@@ -21,14 +21,14 @@ pub struct Context {
     /// (on a GPU, the flash kernels read spans instead, and the decoding
     /// kernels the key mask).
     bias: OnceLock<Tensor>,
-    /// The inputs' shared-prefix parts, which the bias is made from.
-    segments: Option<Vec<u32>>,
-    /// For whole sequences on a GPU, each query's runs of keys, where they
-    /// are at most two and the flash kernels are to read them
-    /// (`RLOO_ATTENTION_MASK`).
-    spans: Option<kernels::DeviceSpans>,
-    /// T.
-    queries: usize,
+    /// The pass's inputs, which the bias and the spans are made from.
+    inputs: Inputs,
+    /// Each query's runs of keys on the GPU, made when the flash kernels
+    /// first ask for them (None where they are more than two).
+    spans: OnceLock<Option<kernels::DeviceSpans>>,
+    /// Whether the flash kernels may read spans: whole sequences on a GPU,
+    /// `RLOO_ATTENTION_MASK=spans`.
+    spans_chosen: bool,
     /// The slots the pass attends over: with a cache whose slots are fixed,
     /// fewer than the key mask covers.
     slots: usize,
@@ -64,12 +64,7 @@ impl Context {
             Some(cache) if cache.fixed_slot().is_some() => cache.len() + inputs.seq_len(),
             _ => key_mask.dim(1)?,
         };
-        let spans = match cache {
-            None if key_mask.device().is_cuda() && kernels::attention_spans_chosen()? => {
-                attention_spans(inputs).map(|s| kernels::DeviceSpans::new(&s, key_mask.device())).transpose()?
-            }
-            _ => None,
-        };
+        let spans_chosen = cache.is_none() && key_mask.device().is_cuda() && kernels::attention_spans_chosen()?;
         let rotary = match rope {
             Some((rope, inv_freq)) => Some(rope.cos_sin(inv_freq, &inputs.positions)?),
             None => None,
@@ -102,9 +97,9 @@ impl Context {
         let fused_heads = cache.is_none() && kernels::attention_heads_fused()?;
         Ok(Self {
             bias,
-            segments: inputs.segments.clone(),
-            spans,
-            queries: inputs.seq_len(),
+            inputs: inputs.clone(),
+            spans: OnceLock::new(),
+            spans_chosen,
             slots,
             rotary,
             key_mask,
@@ -122,24 +117,37 @@ impl Context {
         if let Some(bias) = self.bias.get() {
             return Ok(bias);
         }
-        let bias = make_bias(self.segments.as_deref(), &self.key_mask, self.slots, self.queries)?;
+        let bias = make_bias(self.inputs.segments.as_deref(), &self.key_mask, self.slots, self.inputs.seq_len())?;
         Ok(self.bias.get_or_init(|| bias))
+    }
+
+    /// Each query's runs of keys on the device, made on first use; None
+    /// where they are more than two.
+    fn spans(&self) -> Result<Option<&kernels::DeviceSpans>> {
+        if let Some(spans) = self.spans.get() {
+            return Ok(spans.as_ref());
+        }
+        let device = self.key_mask.device();
+        let spans = attention_spans(&self.inputs).map(|s| kernels::DeviceSpans::new(&s, device)).transpose()?;
+        Ok(self.spans.get_or_init(|| spans).as_ref())
     }
 
     /// What masks whole-sequence attention by the `chosen` kernels at head
     /// size `d` in `dtype`: the spans where those kernels read them, else
     /// the bias.
     fn mask(&self, chosen: kernels::AttentionKernels, dtype: DType, d: usize) -> Result<kernels::AttentionMask> {
-        Ok(match &self.spans {
-            Some(spans) if kernels::spans_taken(chosen, dtype, d) => kernels::AttentionMask::Spans(spans.clone()),
-            _ => kernels::AttentionMask::Bias(self.bias()?.clone()),
-        })
+        if self.spans_chosen && kernels::spans_taken(chosen, dtype, d) {
+            if let Some(spans) = self.spans()? {
+                return Ok(kernels::AttentionMask::Spans(spans.clone()));
+            }
+        }
+        Ok(kernels::AttentionMask::Bias(self.bias()?.clone()))
     }
 
     /// Hands the key mask to the cache once every layer has appended.
     pub fn finish(&self, cache: Option<&mut KvCache>) {
         if let Some(cache) = cache {
-            cache.finish_pass(self.key_mask.clone(), self.queries);
+            cache.finish_pass(self.key_mask.clone(), self.inputs.seq_len());
         }
     }
 }

@@ -35,11 +35,11 @@ pub fn attention_heads_fused() -> Result<bool> {
 
 /// Attention (B, T, heads * d) over the fused projection `fused` (B, T, W)
 /// laid out by `packing`, q and k rotated by `rotary`'s (B, 1, T, R)
-/// tables, under `mask` (a bias (B, 1, T, T), or spans), by the `chosen`
-/// kernels where they take it (else the rows ones, as
-/// [`super::sdpa_with`]). None where it does not run: off a GPU, a
-/// projection that is not exactly the three parts, sizes no attention
-/// kernel takes, or spans the kernels that take it do not read.
+/// tables, under `mask` (a bias (B, 1, T, T), or spans for the flash
+/// kernels), by the `chosen` kernels where they take it (else the rows
+/// ones, as [`super::sdpa_with`]). None where it does not run: off a GPU,
+/// a projection that is not exactly the three parts, or sizes no attention
+/// kernel takes.
 #[allow(clippy::too_many_arguments)]
 pub fn qkv_attention(
     fused: &Tensor,
@@ -58,9 +58,6 @@ pub fn qkv_attention(
     let r = rotary.map_or(Ok(0), |(cos, _)| cos.dim(3))?;
     let tiled = tiles_the_row(packing, heads, d, width) && r <= d && r % 2 == 0;
     let (Some(kernels), true) = (kernels_taking(chosen, fused.dtype(), d, t, t), tiled) else { return Ok(None) };
-    if matches!(mask, AttentionMask::Spans(_)) && kernels != AttentionKernels::Flash {
-        return Ok(None);
-    }
     let dims = Dims { b, t, heads, d, r, width, packing };
     let table = |x: &Tensor| x.to_dtype(DType::F32)?.contiguous();
     let tables = match rotary {

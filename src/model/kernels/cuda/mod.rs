@@ -1191,7 +1191,8 @@ unsafe impl DeviceRepr for DecodeDims {}
 /// The blocks of the decoding kernel that [`decode_attention`] launches
 /// (for `dtype`, `d` and `lanes`) which the GPU runs at once: its
 /// multiprocessors times the blocks each holds, by the kernel's registers
-/// and shared memory.
+/// and shared memory. Asked of the driver once per device and kernel, not
+/// at every layer of every step.
 pub fn decode_blocks_at_once(
     dev: &candle_core::CudaDevice,
     dtype: DType,
@@ -1199,11 +1200,20 @@ pub fn decode_blocks_at_once(
     lanes: Option<u32>,
 ) -> Result<usize> {
     use candle_core::cuda_backend::cudarc::driver::sys::CUdevice_attribute;
+    use candle_core::cuda_backend::DeviceId;
+    use std::sync::Mutex;
+    static AT_ONCE: Mutex<Vec<((DeviceId, String), usize)>> = Mutex::new(Vec::new());
+    let key = (dev.id(), decode_kernel(dtype, d, lanes)?);
+    if let Some((_, n)) = AT_ONCE.lock().unwrap_or_else(|e| e.into_inner()).iter().find(|(k, _)| *k == key) {
+        return Ok(*n);
+    }
     let context = dev.cuda_stream().context().clone();
     let multiprocessors = context.attribute(CUdevice_attribute::CU_DEVICE_ATTRIBUTE_MULTIPROCESSOR_COUNT).w()?;
-    let func = dev.get_or_load_custom_func(&decode_kernel(dtype, d, lanes)?, "rloo", PTX)?;
+    let func = dev.get_or_load_custom_func(&key.1, "rloo", PTX)?;
     let per_multiprocessor = func.occupancy_max_active_blocks_per_multiprocessor(DECODE_THREADS, 0, None).w()?;
-    Ok(multiprocessors as usize * per_multiprocessor as usize)
+    let n = multiprocessors as usize * per_multiprocessor as usize;
+    AT_ONCE.lock().unwrap_or_else(|e| e.into_inner()).push((key, n));
+    Ok(n)
 }
 
 /// The name of [`decode_attention`]'s kernel.

@@ -47,6 +47,17 @@ __device__ __forceinline__ BwdRow<T> bwd_row(const T* x, const T* g, T* dx, floa
     return {x + o, g + o, dx + o, dw + o, at.lane, true};
 }
 
+// 1 / sqrt(mean(x^2) + eps) of a row.
+template <typename T>
+__device__ __forceinline__ float inv_rms(const T* xr, int h, int lane, float eps) {
+    float sq = 0.f;
+    for (int j = lane; j < h; j += 32) {
+        const float v = to_f32(xr[j]);
+        sq += v * v;
+    }
+    return rsqrtf(warp_sum(sq) / h + eps);
+}
+
 // A row's mean and 1 / sqrt(variance + eps), two passes.
 template <typename T>
 __device__ __forceinline__ void moments(const T* xr, int h, int lane, float eps, float* mean, float* rstd) {
@@ -71,12 +82,7 @@ __device__ void rms_norm_fwd(const T* x, const T* w, T* y, int rows, int h, floa
     if (at.row >= (size_t)rows) return;
     const T* xr = x + at.row * h;
     T* yr = y + at.row * h;
-    float acc = 0.f;
-    for (int j = at.lane; j < h; j += 32) {
-        const float v = to_f32(xr[j]);
-        acc += v * v;
-    }
-    const float r = rsqrtf(norms::warp_sum(acc) / h + eps);
+    const float r = norms::inv_rms(xr, h, at.lane, eps);
     for (int j = at.lane; j < h; j += 32) yr[j] = from_f32<T>(to_f32(xr[j]) * r * to_f32(w[j]));
 }
 
@@ -87,12 +93,7 @@ __device__ void rms_norm_bwd(const T* x, const T* w, const T* g, T* dx_out, floa
                              float eps) {
     const norms::BwdRow<T> at = norms::bwd_row(x, g, dx_out, dw_out, rows, h);
     if (!at.any) return;
-    float sq = 0.f;
-    for (int j = at.lane; j < h; j += 32) {
-        const float v = to_f32(at.x[j]);
-        sq += v * v;
-    }
-    const float r = rsqrtf(norms::warp_sum(sq) / h + eps);
+    const float r = norms::inv_rms(at.x, h, at.lane, eps);
     float gx = 0.f;
     for (int j = at.lane; j < h; j += 32) gx += to_f32(at.g[j]) * to_f32(w[j]) * to_f32(at.x[j]) * r;
     const float mean_gx = norms::warp_sum(gx) / h;
