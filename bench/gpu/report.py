@@ -107,6 +107,28 @@ def generation(out, peaks, models):
                           "cannot be carried there"))
 
 
+STEP_TIMING = re.compile(r"decoding steps at (\d+) rows, medians of \d+: the picks ([\d.]+) ms and the forward pass "
+                         r"([\d.]+) ms on the GPU, ([\d.]+) ms from the picks to the forward pass.*?; ([\d.]+) ms a step")
+
+
+def step_timing(out):
+    """Where rloo's decoding steps went (RLOO_DECODE_TIMING=on in run.sh's generation runs): medians over runs."""
+    rows = {}
+    for log in sorted(out.glob("gen-*-rloo_*.log")):
+        m = re.match(r"^gen-(.+)-(rloo_[^-]+)-\d+\.log$", log.name)
+        timing = STEP_TIMING.search(log.read_text())
+        if m and timing:
+            rows.setdefault(m.groups(), []).append([float(x) for x in timing.groups()[1:]])
+    if not rows:
+        return
+    print()
+    print("Decoding steps on the GPU's clock (CUDA events), ms, medians of each run's steps, then of runs")
+    print(f"{'model':<10} {'side':<52} {'picks':>6} {'forward':>8} {'host':>6} {'step':>6}  runs")
+    for (size, side), runs in sorted(rows.items()):
+        picks, forward, host, step = (median([r[i] for r in runs]) for i in range(4))
+        print(f"{size:<10} {side:<52} {picks:6.3f} {forward:8.3f} {host:6.3f} {step:6.3f}  {len(runs)}")
+
+
 def long_prompts(out):
     """run.sh's `long` part: a few rows over 1,600-token prompts, keys split across blocks or not."""
     logs = sorted(out.glob("long-*-*-*.log"))
@@ -234,6 +256,7 @@ def main():
                                     if peaks else "no peaks"))
     if list(out.glob("gen-*")):
         generation(out, peaks, models)
+        step_timing(out)
     long_prompts(out)
     if list(out.glob("train-*.json")):
         training(out, peaks, models)

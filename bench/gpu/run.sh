@@ -20,7 +20,8 @@
 #             mini-batch, per ARMS
 #   nccl      one RLOO run on the GPU through every collective of a job
 #             (RLOO_DIST_BACKEND=nccl, one rank) beside the same run alone
-#   profile   the kernels of a short generation (16 new tokens) and of one
+#   profile   the kernels of a short generation (the benchmark's 256 rows, 16 new
+#             tokens; each kernel of a recorded step on its own) and of one
 #             RLOO step's training phase over one micro-batch (16 prompts x 4
 #             x 128 tokens, the benchmark's micro-batch) at the first of
 #             SIZES, by total time, with the host's CUDA calls, from Nsight
@@ -31,7 +32,7 @@
 #      SIZES       generation models: 410m 1b (default both)
 #      ARMS        training arms: 410m-full 1b-full 1b-lora qwen3-8b-lora
 #                  (default the first three; the 8B arm makes a 16 GB model)
-#      DECODERS    rloo's decoding variants, SAMPLER+ATTENTION[+APPEND[+STEP[+BIAS[+HEADS]]]]: how tokens
+#      DECODERS    rloo's decoding variants, SAMPLER+ATTENTION[+APPEND[+STEP[+BIAS[+HEADS[+ROWS]]]]]: how tokens
 #                  are picked (RLOO_SAMPLER: race, host), how a step attends over the cache
 #                  (RLOO_DECODE_ATTENTION: fused, a key per warp, lanes, a key per lane, or
 #                  composed), how it rotates and appends its keys (RLOO_DECODE_APPEND:
@@ -40,9 +41,11 @@
 #                  replayed per step) and how dense layers add their biases (RLOO_DENSE_BIAS:
 #                  pass when left out, or epilogue) and how many query heads a block of the
 #                  kernel with a lane per key takes (RLOO_DECODE_HEADS: grouped when left out,
-#                  those of a key/value head, or each); default
+#                  those of a key/value head, or each) and how many rows (RLOO_DECODE_ROWS: each
+#                  when left out, a block per row, or prompt, the rows of a prompt); each run
+#                  logs where its steps' time goes (RLOO_DECODE_TIMING=on); default
 #                  race+fused+fused+graph race+fused+fused+fixed race+fused+fused host+composed
-#      ATTENTION   rloo's variants in the training runs, KERNELS[+HEADS[+STEP[+DECODE[+BIAS[+MLP[+MASK]]]]]]:
+#      ATTENTION   rloo's variants in the training runs, KERNELS[+HEADS[+STEP[+DECODE[+BIAS[+MLP[+MASK[+ROWS]]]]]]]:
 #                  the attention kernels for whole sequences (RLOO_ATTENTION: flash, tensor,
 #                  rows), how they get their heads from a fused projection
 #                  (RLOO_ATTENTION_HEADS: composed when left out, or fused), how the
@@ -51,8 +54,10 @@
 #                  out, lanes, composed), how dense layers add their biases
 #                  (RLOO_DENSE_BIAS: pass when left out, or epilogue), and whether the
 #                  MLP's wide input is kept for the backward or made again there
-#                  (RLOO_MLP_INPUT: kept when left out, or remade), and what masks the flash
-#                  kernels (RLOO_ATTENTION_MASK: bias when left out, or spans); default
+#                  (RLOO_MLP_INPUT: kept when left out, or remade), what masks the flash
+#                  kernels (RLOO_ATTENTION_MASK: bias when left out, or spans), and how many
+#                  rows a block of the decoding kernel takes (RLOO_DECODE_ROWS: each when
+#                  left out, or prompt); default
 #                  flash+fused+graph flash+fused tensor
 #      PROFILED    what `profile` profiles: generate train (default both)
 #      PEER        on (default), or off: rloo's runs alone, without transformers' generate
@@ -129,10 +134,10 @@ if part generate; then
             for decoder in $DECODERS; do
                 # The same seed every run: the runs must give the same tokens.
                 run=$OUT/gen-$size-rloo_$decoder-$i
-                IFS=+ read -r sampler attention append step bias heads <<<"$decoder"
+                IFS=+ read -r sampler attention append step bias heads rows <<<"$decoder"
                 RLOO_SAMPLER=$sampler RLOO_DECODE_ATTENTION=$attention RLOO_DECODE_APPEND=${append:-composed} \
                     RLOO_DECODE_STEP=${step:-shrink} RLOO_DENSE_BIAS=${bias:-pass} RLOO_DECODE_HEADS=${heads:-grouped} \
-                    "${rloo[@]}" generate --device "$DEVICE" --bf16 --model "$dir/policy" \
+                    RLOO_DECODE_ROWS=${rows:-each} RLOO_DECODE_TIMING=on "${rloo[@]}" generate --device "$DEVICE" --bf16 --model "$dir/policy" \
                     --prompts "$dir/prompts.jsonl" --output "$run.jsonl" --num-return-sequences $K \
                     --max-new-tokens $NEW --temperature 1.0 --batch-size $((PROMPTS * K)) --ignore-eos --seed 1 \
                     2>"$run.log" || tail -5 "$run.log"
@@ -197,7 +202,7 @@ if part train; then
             fi
             for attention in $ATTENTION; do
                 log "train $arm run $i: rloo, $attention attention"
-                IFS=+ read -r kernels heads step decode bias mlp mask <<<"$attention"
+                IFS=+ read -r kernels heads step decode bias mlp mask rows <<<"$attention"
                 run=$OUT/train-$arm-rloo_$attention-$i
                 sed -e "s|@MODELS@|$dir|" -e "s|@DEVICE@|$DEVICE|" -e "s|@OUT@|$run|" -e "s|@MICRO@|$MICRO|" \
                     -e "s|@ACCUMULATION@|$((COMPLETIONS_PER_STEP / MICRO))|" \
@@ -206,7 +211,8 @@ if part train; then
                 printf '\n%s\n' "$lora" >>"$run.toml"
                 RLOO_ATTENTION=$kernels RLOO_ATTENTION_HEADS=${heads:-composed} RLOO_DECODE_STEP=${step:-shrink} \
                     RLOO_DECODE_ATTENTION=${decode:-fused} RLOO_DENSE_BIAS=${bias:-pass} \
-                    RLOO_MLP_INPUT=${mlp:-kept} RLOO_ATTENTION_MASK=${mask:-bias} RLOO_OUT=$run \
+                    RLOO_MLP_INPUT=${mlp:-kept} RLOO_ATTENTION_MASK=${mask:-bias} RLOO_DECODE_ROWS=${rows:-each} \
+                    RLOO_OUT=$run \
                     "$PY" bench/train/measure.py rloo "$run.json" -- \
                     timeout "$LIMIT" "${rloo_cmd[@]}" train "$run.toml" >"$run.log" 2>&1 || tail -5 "$run.log"
                 # The trained model is of no further use, and would travel back with OUT.
@@ -249,7 +255,7 @@ if part profile && [[ $DEVICE == cuda ]]; then
             if [[ -n $nsys ]]; then
                 # Nsight Systems: kernels and driver calls as they ran, without replay.
                 [[ $phase == - ]] || window=(--capture-range cudaProfilerApi)
-                RLOO_CUDA_PROFILE=${phase/#-/off} timeout "$LIMIT" "$nsys" profile --trace cuda --sample none \
+                RLOO_CUDA_PROFILE=${phase/#-/off} timeout "$LIMIT" "$nsys" profile --trace cuda --cuda-graph-trace node --sample none \
                     --cpuctxsw none --force-overwrite true "${window[@]}" -o "/tmp/profile-$name" "$@" \
                     >"$OUT/profile-$name.log" 2>&1 || tail -5 "$OUT/profile-$name.log"
                 "$nsys" stats --report cuda_gpu_kern_sum --report cuda_api_sum --format table \
@@ -263,9 +269,10 @@ if part profile && [[ $DEVICE == cuda ]]; then
                 "$PY" bench/gpu/kernels.py "$OUT/profile-$name.csv" >"$OUT/profile-$name.txt" && cat "$OUT/profile-$name.txt"
             fi
         }
+        # Generation at the benchmark's 256 rows; training over one micro-batch of 16 prompts.
         [[ " $PROFILED " != *" generate "* ]] || profiled generate - "${rloo_cmd[@]}" generate --device cuda --bf16 --model "$dir/policy" \
-            --prompts "$OUT/profile-prompts.jsonl" --output "$OUT/profile-generate.jsonl" --num-return-sequences $K \
-            --max-new-tokens 16 --temperature 1.0 --batch-size $((16 * K)) --ignore-eos --seed 1
+            --prompts "$dir/prompts.jsonl" --output "$OUT/profile-generate.jsonl" --num-return-sequences $K \
+            --max-new-tokens 16 --temperature 1.0 --batch-size $((PROMPTS * K)) --ignore-eos --seed 1
         run=$OUT/profile-train
         sed -e "s|@MODELS@|$dir|" -e "s|@DEVICE@|cuda|" -e "s|@OUT@|$run|" -e "s|@MICRO@|$((16 * K))|" \
             -e "s|@ACCUMULATION@|1|" -e "s|@EPISODES@|$((16 * K))|" -e "s|@CHECKPOINTING@|false|" \

@@ -4,23 +4,27 @@
 # (bench/.cache/wheels) carried there. In order, each part only while time
 # remains for it:
 #   1. `rloo check --device cuda`: every kernel against the CPU's (the
-#      flash attention over the bias and over spans among them), the
-#      fixtures against transformers (greedy tokens from shrinking batches
-#      and from recorded steps);
+#      flash attention over the bias and over spans, the decoding kernel
+#      with the rows of a prompt in a block among them), the fixtures
+#      against transformers (greedy tokens from shrinking batches and from
+#      recorded steps);
 #   2. the RLOO step at 410m against TRL, with the flash kernels reading
 #      the bias and reading each query's runs of keys
 #      (RLOO_ATTENTION_MASK=bias, spans), decoding a key per lane with the
 #      biases in cuBLASLt's epilogues (the defaults);
 #   3. the same at 1B;
-#   4. the kernels of the training phase over one micro-batch at 410m,
-#      and of a short generation, under the defaults;
-#   5. generation at 410m under the defaults (a key per lane, the
-#      epilogues, recorded steps) against transformers;
-#   6. LoRA (r = 16, all linear layers) at 1B against TRL with PEFT, over
+#   4. generation at 410m against transformers, a block of the decoding
+#      kernel per row and per prompt's rows (RLOO_DECODE_ROWS=each,
+#      prompt), each step's time split between the GPU and the host;
+#   5. the kernels of the training phase over one micro-batch at 410m,
+#      and of a short generation at the benchmark's 256 rows, under the
+#      defaults;
+#   6. generation at 1B, per row and per prompt's rows;
+#   7. LoRA (r = 16, all linear layers) at 1B against TRL with PEFT, over
 #      spans.
 # Where .cuda/bin/rloo-before.gz is carried too (bench/gpu/baseline.sh REV
 # builds it), the RLOO step at 410m and at 1B runs with it as well, under
-# the same settings, on the same card (OUT/before, its own table).
+# the same settings, on the same card (OUT/before, its own table), after 4.
 # Logs stay in OUT; the benchmark's table (bench/gpu/report.py) prints last.
 #
 #   bench/gpu/session.sh                 # OUT=/tmp/rloo-gpu-session
@@ -48,6 +52,8 @@ defaults=flash+fused+graph+lanes+epilogue+kept
 part train-410m 120 env ARMS=410m-full TRAIN_RUNS=1 STEPS=3 ATTENTION="$defaults+bias $defaults+spans" \
     bench/gpu/run.sh train
 part train-1b 120 env ARMS=1b-full TRAIN_RUNS=1 STEPS=3 ATTENTION="$defaults+bias $defaults+spans" bench/gpu/run.sh train
+decoders="race+lanes+fused+graph+epilogue race+lanes+fused+graph+epilogue+grouped+prompt"
+part generate-410m 60 env SIZES=410m RUNS=2 DECODERS="$decoders" bench/gpu/run.sh peaks generate
 if [[ -e .cuda/bin/rloo-before.gz ]]; then
     gunzip -c .cuda/bin/rloo-before.gz >/tmp/rloo-before && chmod +x /tmp/rloo-before
     before=$(cat .cuda/bin/rloo-before.rev 2>/dev/null || echo before)
@@ -55,6 +61,6 @@ if [[ -e .cuda/bin/rloo-before.gz ]]; then
         TRAIN_RUNS=1 STEPS=3 ATTENTION="$defaults" bench/gpu/run.sh train
 fi
 part profile 90 env SIZES=410m bench/gpu/run.sh profile
-part generate-410m 60 env SIZES=410m RUNS=2 DECODERS="race+lanes+fused+graph+epilogue" bench/gpu/run.sh peaks generate
+part generate-1b 30 env SIZES=1b RUNS=2 PEER=off DECODERS="$decoders" bench/gpu/run.sh generate
 part train-1b-lora 100 env ARMS=1b-lora TRAIN_RUNS=1 STEPS=3 ATTENTION="$defaults+spans" bench/gpu/run.sh train
 "$PY" bench/gpu/report.py "$OUT" | tee "$OUT/table.txt"

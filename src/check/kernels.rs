@@ -342,12 +342,20 @@ pub fn check_kernels(device: &Device, dtypes: &[DType]) -> Vec<Check> {
             true => &[16, 64, 128][..],
             false => &[],
         };
-        // And a cache long enough that a few rows split their keys across blocks.
-        let kernels = [64, 128].iter().map(|&d| (d, false, false)).chain(lanes.iter().map(|&d| (d, true, false)));
-        let split = device.is_cuda().then_some([(64, false, true), (64, true, true)]);
-        for (d, lanes, long) in kernels.chain(split.into_iter().flatten()) {
+        // And a cache long enough that a few rows split their keys across blocks; and the rows of
+        // a prompt in one block of the lanes.
+        let kernels = [64, 128].iter().map(|&d| (d, false, false, false));
+        let lanes = lanes.iter().map(|&d| (d, true, false, false));
+        let gpu = device.is_cuda().then_some([
+            (64, false, true, false),
+            (64, true, true, false),
+            (64, true, false, true),
+            (128, true, false, true),
+            (64, true, true, true),
+        ]);
+        for (d, lanes, long, by_prompt) in kernels.chain(lanes).chain(gpu.into_iter().flatten()) {
             out.push(
-                decode_attention_check(device, dtype, d, lanes, long, rng)
+                decode_attention_check(device, dtype, d, (lanes, by_prompt), long, rng)
                     .unwrap_or_else(|e| Check::failed("kernel", &format!("decode_attention, head size {d}"), dtype, e)),
             );
         }
@@ -759,18 +767,24 @@ fn maybe_t(w: &Tensor, transposed: bool) -> Result<Tensor> {
 /// slot and the own slots' count read from the device (the views show one).
 /// `long`: 700 slots, which a GPU splits across blocks (RLOO_DECODE_SPLIT),
 /// and 4 query heads a key/value head, which the kernel with a lane per
-/// key takes in one block (RLOO_DECODE_HEADS).
+/// key takes in one block (RLOO_DECODE_HEADS). `by_prompt`: 2 prompts of 4
+/// rows each, which the kernel with a lane per key takes in one block
+/// (what RLOO_DECODE_ROWS=prompt chooses), one row with a masked shared
+/// slot the others see.
 fn decode_attention_check(
     device: &Device,
     dtype: DType,
     d: usize,
-    lanes: bool,
+    (lanes, by_prompt): (bool, bool),
     long: bool,
     rng: &mut Rng,
 ) -> Result<Check> {
-    let (b, h, h_kv) = (6, if long { 8 } else { 4 }, 2);
+    let rows: &[u32] = match by_prompt {
+        true => &[0, 0, 0, 0, 1, 1, 1, 1],
+        false => &[0, 1, 1, 0, 1, 0],
+    };
+    let (b, h, h_kv) = (rows.len(), if long { 8 } else { 4 }, 2);
     let (p, s_own, capacity) = if long { (300, 400, 420) } else { (13, 9, 16) };
-    let rows = [0u32, 1, 1, 0, 1, 0];
     let q = randn(rng, &[b, h, 1, d], 0.0, 1.0);
     let (shared_k, shared_v) = (randn(rng, &[2, h_kv, p, d], 0.0, 1.0), randn(rng, &[2, h_kv, p, d], 0.0, 1.0));
     let (own_k, own_v) = (randn(rng, &[b, h_kv, capacity, d], 0.0, 1.0), randn(rng, &[b, h_kv, capacity, d], 0.0, 1.0));
@@ -780,7 +794,7 @@ fn decode_attention_check(
         (0..b * width)
             .map(|i| {
                 let (row, slot) = (i / width, i % width);
-                let padded = (rows[row] == 1 && slot < 4) || (row == 4 && slot == s - 1);
+                let padded = (rows[row] == 1 && slot < 4) || (row == 4 && slot == s - 1) || (row == 2 && slot == 6);
                 if padded {
                     0.0
                 } else {
@@ -792,7 +806,7 @@ fn decode_attention_check(
     let run = |device: &Device, dtype: DType, fixed: bool| -> Result<Tensor> {
         let on = |t: &Tensor| t.to_device(device)?.to_dtype(dtype);
         let (shared_k, shared_v, own_k, own_v) = (on(&shared_k)?, on(&shared_v)?, on(&own_k)?, on(&own_v)?);
-        let device_rows = Tensor::new(&rows, device)?;
+        let device_rows = Tensor::new(rows, device)?;
         let on_gpu = fixed && device.is_cuda();
         let slot = Tensor::new(&[s_own as u32 - 1], device)?;
         let (shown, width) = match (fixed, on_gpu) {
@@ -803,7 +817,7 @@ fn decode_attention_check(
         let kv = LayerKv {
             keys: own_k.narrow(2, 0, shown)?,
             values: own_v.narrow(2, 0, shown)?,
-            shared: Some(SharedKv { keys: &shared_k, values: &shared_v, rows: &rows, device_rows: &device_rows }),
+            shared: Some(SharedKv { keys: &shared_k, values: &shared_v, rows, device_rows: &device_rows }),
             slot_at: on_gpu.then_some(&slot),
         };
         let q = on(&q)?;
@@ -812,7 +826,8 @@ fn decode_attention_check(
             return kernels::decode_attention(&q, &kv, &mask, 0.125);
         }
         let key_mask = Tensor::from_slice(&mask, (b, width), device)?;
-        if let Some(out) = kernels::decode_attention_cuda(&q, &kv, &key_mask, 0.125, lanes)? {
+        let kernel = kernels::DecodeKernel { rows_by_prompt: by_prompt, ..kernels::DecodeKernel::from_env(lanes)? };
+        if let Some(out) = kernels::decode_attention_cuda(&q, &kv, &key_mask, 0.125, kernel)? {
             return out.to_dtype(DType::F32)?.to_device(&Device::Cpu);
         }
         if lanes {
@@ -826,7 +841,11 @@ fn decode_attention_check(
     let want = run(&Device::Cpu, DType::F32, false)?;
     let error =
         relative_error(&run(device, dtype, false)?, &want)?.max(relative_error(&run(device, dtype, true)?, &want)?);
-    let per = if lanes { ", a lane per key" } else { "" };
+    let per = match (lanes, by_prompt) {
+        (true, true) => ", a lane per key, the rows of a prompt a block",
+        (true, false) => ", a lane per key",
+        (false, _) => "",
+    };
     let split = match (long, kernels::decode_split_keys()?) {
         (true, true) => format!(", {} slots, {} heads a key/value head, keys split", p + s_own, h / h_kv),
         (true, false) => format!(", {} slots, {} heads a key/value head", p + s_own, h / h_kv),

@@ -14,6 +14,7 @@ use std::sync::Arc;
 use candle_core::{CpuStorage, Device, Storage, Tensor};
 use rayon::prelude::*;
 
+use super::clock::{Mark, StepClock};
 use super::fixed::{FixedBatch, Stepping};
 use super::race::{self, RaceRow, Sampler};
 use super::sampling::{Pick, Sampling, Scratch};
@@ -75,6 +76,8 @@ pub struct Decoding<'n, R> {
     logits: Option<Tensor>,
     /// The batch's rows on the device, with fixed stepping.
     fixed: Option<FixedBatch>,
+    /// Where a closed batch's steps spend their time, when asked.
+    clock: Option<StepClock>,
 }
 
 impl<'n, R: Send> Decoding<'n, R> {
@@ -90,7 +93,8 @@ impl<'n, R: Send> Decoding<'n, R> {
 
     fn new(net: &'n Network, device: &Device, sampler: Sampler, open: bool, stepping: Stepping) -> Self {
         let (rows, cache) = (Vec::new(), net.new_cache());
-        Self { net, device: device.clone(), sampler, open, stepping, rows, cache, logits: None, fixed: None }
+        let (logits, fixed, clock) = (None, None, None);
+        Self { net, device: device.clone(), sampler, open, stepping, rows, cache, logits, fixed, clock }
     }
 
     pub fn len(&self) -> usize {
@@ -106,6 +110,7 @@ impl<'n, R: Send> Decoding<'n, R> {
         self.cache = self.net.new_cache();
         self.logits = None;
         self.fixed = None;
+        self.clock = None;
         std::mem::take(&mut self.rows)
     }
 
@@ -155,6 +160,7 @@ impl<'n, R: Send> Decoding<'n, R> {
                 self.fixed = Some(FixedBatch::new(n, vocab, &mut self.cache, &self.device, graph)?);
             }
             self.logits = Some(prefilled.logits);
+            self.clock = StepClock::new(&self.device, rows.len())?;
             self.rows = rows;
             return Ok(());
         }
@@ -189,6 +195,7 @@ impl<'n, R: Send> Decoding<'n, R> {
             Some(fixed) => fixed.live_logits(&logits)?,
             None => logits,
         };
+        self.mark(Mark::PicksStart)?;
         let picks = match self.sampler {
             Sampler::Host => pick_rows(&logits, &mut self.rows, |row, row_logits, scratch| {
                 let seen = row.prompt.iter().chain(&row.tokens).copied();
@@ -196,6 +203,7 @@ impl<'n, R: Send> Decoding<'n, R> {
             })?,
             Sampler::Race => self.race(&logits)?,
         };
+        self.mark(Mark::PicksEnd)?;
         let produced = picks.len();
         let mut keep: Vec<u32> = Vec::with_capacity(produced);
         let mut still = Vec::with_capacity(produced);
@@ -222,12 +230,17 @@ impl<'n, R: Send> Decoding<'n, R> {
         if self.rows.is_empty() {
             self.cache = self.net.new_cache();
             self.fixed = None;
+            if let Some(clock) = self.clock.take() {
+                clock.report()?;
+            }
             return Ok(produced);
         }
         let tokens: Vec<u32> = self.rows.iter().map(|r| *r.tokens.last().unwrap_or(&0)).collect();
         let positions: Vec<u32> = self.rows.iter().map(|r| (r.prompt.len() + r.tokens.len() - 1) as u32).collect();
+        self.mark(Mark::ForwardStart)?;
         if let Some(fixed) = &mut self.fixed {
             self.logits = Some(fixed.step(self.net, &mut self.cache, &keep, &tokens, &positions)?);
+            self.mark(Mark::ForwardEnd)?;
             return Ok(produced);
         }
         if keep.len() < produced {
@@ -238,11 +251,20 @@ impl<'n, R: Send> Decoding<'n, R> {
         }
         let step = Inputs::step(&tokens, &positions, &self.device)?;
         self.logits = Some(self.net.logits(&step, Some(&mut self.cache))?.squeeze(1)?);
+        self.mark(Mark::ForwardEnd)?;
         Ok(produced)
     }
 }
 
 impl<R> Decoding<'_, R> {
+    /// Records `mark` on the batch's clock, if it has one.
+    fn mark(&mut self, mark: Mark) -> Result<()> {
+        match &mut self.clock {
+            Some(clock) => clock.mark(mark),
+            None => Ok(()),
+        }
+    }
+
     /// Every row's pick by the race, where the logits lie; the seen bits
     /// go along only when some row has a repetition penalty.
     fn race(&self, logits: &Tensor) -> Result<Vec<Pick>> {

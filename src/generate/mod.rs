@@ -1,5 +1,6 @@
 //! The generation engine: batched sampling with a KV cache.
 
+pub mod clock;
 pub mod decoding;
 pub mod engine;
 pub mod fixed;

@@ -217,7 +217,10 @@ pub fn self_attention(
                 let lanes = ctx.decode_attention == kernels::DecodeAttention::Lanes;
                 let out = match &ctx.decode_mask {
                     Some(mask) if kernels::fused(&q) => Some(decode_attention(&q, &kv, mask, scale)?),
-                    _ => kernels::decode_attention_cuda(&q, &kv, &ctx.key_mask, scale, lanes)?,
+                    _ => {
+                        let kernel = kernels::DecodeKernel::from_env(lanes)?;
+                        kernels::decode_attention_cuda(&q, &kv, &ctx.key_mask, scale, kernel)?
+                    }
                 };
                 if let Some(out) = out {
                     return out.transpose(1, 2)?.reshape((b, t, n_heads * d));

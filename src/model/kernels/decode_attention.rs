@@ -59,6 +59,30 @@ fn heads_per_block(group: usize, head_size: usize) -> usize {
     [8, 4, 2].into_iter().find(|&g| group % g == 0 && g * 32 * per_lane <= 512).unwrap_or(1)
 }
 
+/// Picks how many rows a block of the kernel with a lane per key takes on
+/// a GPU: `each` (the default: a block per row) or `prompt` (the rows that
+/// continue one shared row, the k completions of a prompt, up to 4 a
+/// block, so that each shared key and value read serves them all), to
+/// compare them.
+pub const DECODE_ROWS_VAR: &str = "RLOO_DECODE_ROWS";
+
+/// Whether a block takes the rows of a prompt; an unknown choice is an error.
+pub fn decode_rows_by_prompt() -> Result<bool> {
+    Ok(variant(DECODE_ROWS_VAR, &["each", "prompt"]).map_err(candle_core::Error::msg)? == "prompt")
+}
+
+/// The rows a block of the kernel with a lane per key takes, beside its
+/// `heads` query heads: the most of 4 or 2 such that every run of that
+/// many rows, from the first, continues one shared row (`shared_rows`, each
+/// row's), and the block's partial sums stay within 512 floats per warp;
+/// else 1.
+#[cfg_attr(not(feature = "cuda"), allow(dead_code))]
+fn rows_per_block(shared_rows: &[u32], heads: usize, head_size: usize) -> usize {
+    let per_lane = head_size.div_ceil(32).next_power_of_two();
+    let one_prompt = |r: usize| shared_rows.chunks(r).all(|run| run.len() == r && run.iter().all(|&x| x == run[0]));
+    [4, 2].into_iter().find(|&r| r * heads * 32 * per_lane <= 512 && one_prompt(r)).unwrap_or(1)
+}
+
 /// Picks whether a decoding step on a GPU splits each (row, head)'s keys
 /// over several blocks: `auto` (the default: where a block per (row, head)
 /// would leave the GPU idle and the cache is long enough, as with a few
@@ -132,27 +156,44 @@ pub fn rotary_append_cuda<'c>(
 /// 2, 4 or 8 features.
 const CUDA_HEAD_SIZES: [usize; 4] = [32, 64, 128, 256];
 
+/// Which CUDA kernel a decoding step attends with, and what its blocks take.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct DecodeKernel {
+    /// A lane per key (else a warp per key).
+    pub lanes: bool,
+    /// A block of the lanes takes the query heads of a key/value head.
+    pub grouped_heads: bool,
+    /// A block of the lanes takes the rows of a prompt.
+    pub rows_by_prompt: bool,
+}
+
+impl DecodeKernel {
+    /// The lanes' blocks as `RLOO_DECODE_HEADS` and `RLOO_DECODE_ROWS` cut them.
+    pub fn from_env(lanes: bool) -> Result<Self> {
+        Ok(Self { lanes, grouped_heads: decode_heads_grouped()?, rows_by_prompt: decode_rows_by_prompt()? })
+    }
+}
+
 /// [`decode_attention`] on a GPU, with the key mask (B, S) on the device,
-/// by the kernel with a lane per key (`lanes`) or a warp per key; `None`
-/// where the CUDA kernel does not run (another device or dtype, another
-/// head size, or with a lane per key a cache not laid out in whole 16-byte
-/// loads), and the caller composes the attention.
+/// by `kernel`; `None` where the CUDA kernel does not run (another device
+/// or dtype, another head size, or with a lane per key a cache not laid
+/// out in whole 16-byte loads), and the caller composes the attention.
 pub fn decode_attention_cuda(
     q: &Tensor,
     kv: &LayerKv,
     key_mask: &Tensor,
     scale: f64,
-    lanes: bool,
+    kernel: DecodeKernel,
 ) -> Result<Option<Tensor>> {
     let [_, _, t, d] = *q.dims() else { candle_core::bail!("decode-attention: q must be 4-d") };
     // A cache the lanes cannot read in whole loads goes to a warp per key.
-    let lanes = lanes && d <= 256 && in_whole_loads(kv);
-    let takes = lanes || CUDA_HEAD_SIZES.contains(&d);
+    let kernel = DecodeKernel { lanes: kernel.lanes && d <= 256 && in_whole_loads(kv), ..kernel };
+    let takes = kernel.lanes || CUDA_HEAD_SIZES.contains(&d);
     if t != 1 || !takes || !super::on_cuda(&[q, &kv.keys, &kv.values]) {
         return Ok(None);
     }
     #[cfg(feature = "cuda")]
-    return cuda::run(q, kv, key_mask, scale, (lanes, decode_heads_grouped()?), decode_split_keys()?).map(Some);
+    return cuda::run(q, kv, key_mask, scale, kernel, decode_split_keys()?).map(Some);
     #[cfg(not(feature = "cuda"))]
     {
         let _ = (key_mask, scale);
@@ -271,15 +312,13 @@ mod cuda {
         Ok((q, cache.layer(layer, slot + 1)?))
     }
 
-    /// `lanes`: the kernel with a lane per key, and whether its blocks
-    /// take the query heads of a key/value head together; `split`: the
-    /// keys split where [`super::key_splits`] says.
+    /// `split`: the keys split where [`super::key_splits`] says.
     pub fn run(
         q: &Tensor,
         kv: &LayerKv,
         key_mask: &Tensor,
         scale: f64,
-        (lanes, grouped): (bool, bool),
+        kernel: super::DecodeKernel,
         split: bool,
     ) -> Result<Tensor> {
         let q = q.contiguous()?;
@@ -310,16 +349,21 @@ mod cuda {
             Some(_) => mask_row,
             None => p + s_own,
         };
-        let heads_per_block = match (lanes, grouped) {
+        let heads_per_block = match (kernel.lanes, kernel.grouped_heads) {
             (true, true) => super::heads_per_block(h / h_kv, d),
             _ => 1,
         };
-        let lanes = lanes.then_some(heads_per_block as u32);
+        let rows_per_block = match (kernel.lanes, kernel.rows_by_prompt, &kv.shared) {
+            (true, true, Some(shared)) => super::rows_per_block(shared.rows, heads_per_block, d),
+            _ => 1,
+        };
+        let lanes =
+            kernel.lanes.then_some(launch::LanesBlock { heads: heads_per_block as u32, rows: rows_per_block as u32 });
         // Fewer slots than two splits take: no split, and no occupancy query in the step.
         let (chunk, splits) = match split && slots >= 2 * super::MIN_SPLIT_SLOTS {
             true => {
                 let at_once = launch::decode_blocks_at_once(q.device().as_cuda_device()?, q.dtype(), d, lanes)?;
-                super::key_splits(b * h / heads_per_block, slots, at_once)
+                super::key_splits(b * h / (heads_per_block * rows_per_block), slots, at_once)
             }
             false => (0, 1),
         };
@@ -666,6 +710,21 @@ mod tests {
         assert_eq!((heads_per_block(7, 128), heads_per_block(6, 128)), (1, 2));
         // The widest heads fit two; the narrowest eight.
         assert_eq!((heads_per_block(8, 256), heads_per_block(16, 8)), (2, 8));
+    }
+
+    #[test]
+    fn a_block_takes_the_rows_of_a_prompt_that_fit() {
+        // 64 prompts x 4 at head size 64 (Pythia-410m), and at 256 (Pythia-1B): 4 rows, then 2.
+        let by_four: Vec<u32> = (0..256).map(|r| r / 4).collect();
+        assert_eq!((rows_per_block(&by_four, 1, 64), rows_per_block(&by_four, 1, 256)), (4, 2));
+        // k = 8 takes 4; grouped heads leave room for fewer rows, or none.
+        let by_eight: Vec<u32> = (0..64).map(|r| r / 8).collect();
+        assert_eq!((rows_per_block(&by_eight, 2, 64), rows_per_block(&by_eight, 4, 128)), (4, 1));
+        // Runs that do not start at a multiple, or a last run cut short, take 2 or 1.
+        assert_eq!(rows_per_block(&[0, 0, 1, 1, 1, 1, 2, 2], 1, 64), 2);
+        assert_eq!(rows_per_block(&[0, 0, 0, 0, 1, 1], 1, 64), 2);
+        assert_eq!(rows_per_block(&[0, 1, 1, 0, 1, 0], 1, 64), 1);
+        assert_eq!(rows_per_block(&[0, 0, 0], 1, 64), 1);
     }
 
     #[test]

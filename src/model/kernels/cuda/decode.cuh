@@ -24,6 +24,10 @@
 //   16-byte loads up to 32 E. A block takes G query heads of one key/value
 //   head (grouped-query attention), so that each key and value it reads
 //   serves all G: the cache is read once per step, not once per query head.
+//   It also takes R rows that continue one shared row (the k completions of
+//   a prompt): each shared key and value it reads serves all R, so that a
+//   prompt's slots are read once per step, not once per completion; each
+//   row's own slots serve that row alone.
 
 #define DECODE_WARPS 8
 
@@ -57,6 +61,7 @@ struct DecodeSlots {
     size_t own_at, shared_at;
     int p, d, count, begin, end;
 
+    __device__ __forceinline__ DecodeSlots() {}
     __device__ __forceinline__ DecodeSlots(const T* k, const T* v, const T* shared_k, const T* shared_v,
                                            const uint32_t* shared_rows, const float* mask,
                                            const uint32_t* slot_at, int first, const DecodeDims& a) {
@@ -171,78 +176,119 @@ __device__ void decode_attention(const T* q, const T* k, const T* v, const T* sh
     decode_combine<T, E>(part_max, part_sum, part_acc, a.d, o + (size_t)row * a.d, decode_part(parts, row, a.d));
 }
 
-template <typename T, int E, int G>
+// A key row's products with N queries (rows of q_row), read in 16-byte loads.
+template <typename T, int N, int W>
+__device__ __forceinline__ void decode_dots(const T* key, const float (*q_row)[W], int d, float (&dot)[N]) {
+    constexpr int VEC = 16 / sizeof(T);
+    const uint4* kj = reinterpret_cast<const uint4*>(key);
+#pragma unroll
+    for (int i = 0; i < N; i++) dot[i] = 0.f;
+    for (int c = 0; c < d / VEC; c++) {
+        float x[VEC];
+        unpack(kj[c], x);
+#pragma unroll
+        for (int i = 0; i < N; i++)
+#pragma unroll
+            for (int e = 0; e < VEC; e++) dot[i] += q_row[i][c * VEC + e] * x[e];
+    }
+}
+
+// A value row's features, E a lane, weighted by pi into N queries' sums.
+template <typename T, int E, int N>
+__device__ __forceinline__ void decode_add_value(const T* vj, const float* pi, float (*acc)[E], int lane, int d) {
+    for (int e = 0; e < E; e++) {
+        const int f = lane * E + e;
+        if (f >= d) continue;
+        const float x = to_f32(vj[f]);
+        // A masked slot's value is never read into the sum, whatever it holds.
+#pragma unroll
+        for (int i = 0; i < N; i++) acc[i][e] += pi[i] != 0.f ? pi[i] * x : 0.f;
+    }
+}
+
+template <typename T, int E, int G, int R>
 __device__ void decode_attention_lanes(const T* q, const T* k, const T* v, const T* shared_k, const T* shared_v,
                                        const uint32_t* shared_rows, const float* mask, const uint32_t* slot_at, T* o,
                                        float* parts, DecodeDims a) {
-    constexpr int VEC = 16 / sizeof(T);  // elements in one 16-byte load
-    static_assert(G * 32 * E <= 512, "a block's shared partial sums stay within 16 KB");
-    __shared__ float q_row[G][32 * E];
-    __shared__ float part_max[G][DECODE_WARPS], part_sum[G][DECODE_WARPS];
-    __shared__ float part_acc[G][DECODE_WARPS][32 * E];
-    const int first = blockIdx.x * G, lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
-    const DecodeSlots<T> slots(k, v, shared_k, shared_v, shared_rows, mask, slot_at, first, a);
-    const int s = slots.end;
-    // The G query rows are adjacent in q (B, H, 1, D).
-    for (int i = threadIdx.x; i < G * a.d; i += blockDim.x)
-        q_row[i / a.d][i % a.d] = to_f32(q[(size_t)first * a.d + i]) * a.scale;
+    constexpr int Q = R * G;             // the block's queries: G heads of each of R rows
+    static_assert(Q * 32 * E <= 512, "a block's shared partial sums stay within 16 KB");
+    __shared__ float q_row[Q][32 * E];
+    __shared__ float part_max[Q][DECODE_WARPS], part_sum[Q][DECODE_WARPS];
+    __shared__ float part_acc[Q][DECODE_WARPS][32 * E];
+    // Query r G + g is row row0 + r's query head head0 + g.
+    const int groups = a.h / G, row0 = blockIdx.x / groups * R, head0 = blockIdx.x % groups * G;
+    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+    auto query = [&](int i) { return (size_t)(row0 + i / G) * a.h + head0 + i % G; };
+    DecodeSlots<T> slots[R];
+#pragma unroll
+    for (int r = 0; r < R; r++)
+        slots[r] = DecodeSlots<T>(k, v, shared_k, shared_v, shared_rows, mask, slot_at, (int)query(r * G), a);
+    // The R rows continue one shared row (the host checks), and have as many own slots.
+    const int s = slots[0].end, p_shared = slots[0].p;
+    for (int i = threadIdx.x; i < Q * a.d; i += blockDim.x)
+        q_row[i / a.d][i % a.d] = to_f32(q[query(i / a.d) * a.d + i % a.d]) * a.scale;
     __syncthreads();
-    float acc[G][E], run_max[G], run_sum[G];
-    for (int g = 0; g < G; g++) {
-        run_max[g] = -INFINITY, run_sum[g] = 0.f;
-        for (int e = 0; e < E; e++) acc[g][e] = 0.f;
+    float acc[Q][E], run_max[Q], run_sum[Q];
+    for (int i = 0; i < Q; i++) {
+        run_max[i] = -INFINITY, run_sum[i] = 0.f;
+        for (int e = 0; e < E; e++) acc[i][e] = 0.f;
     }
-    for (int start = slots.begin + warp * 32; start < s; start += DECODE_WARPS * 32) {
+    for (int start = slots[0].begin + warp * 32; start < s; start += DECODE_WARPS * 32) {
         const int j = start + lane;
-        float score[G];
-        for (int g = 0; g < G; g++) score[g] = -INFINITY;
-        if (j < s && slots.mask[j] != 0.f) {
-            const uint4* kj = reinterpret_cast<const uint4*>(slots.key(j));
-            float dot[G];
-            for (int g = 0; g < G; g++) dot[g] = 0.f;
-            for (int c = 0; c < a.d / VEC; c++) {
-                float x[VEC];
-                unpack(kj[c], x);
-#pragma unroll
-                for (int g = 0; g < G; g++)
-#pragma unroll
-                    for (int e = 0; e < VEC; e++) dot[g] += q_row[g][c * VEC + e] * x[e];
+        float score[Q];
+        for (int i = 0; i < Q; i++) score[i] = -INFINITY;
+        if (j < s && j < p_shared) {  // a shared slot: one key row for all R rows
+            bool seen[R], any = false;
+            for (int r = 0; r < R; r++) seen[r] = slots[r].mask[j] != 0.f, any |= seen[r];
+            if (any) {
+                float dot[Q];
+                decode_dots<T, Q>(slots[0].key(j), q_row, a.d, dot);
+                for (int i = 0; i < Q; i++) score[i] = seen[i / G] ? dot[i] : -INFINITY;
             }
-            for (int g = 0; g < G; g++) score[g] = dot[g];
+        } else if (j < s) {  // an own slot: each row's own key row
+#pragma unroll
+            for (int r = 0; r < R; r++) {
+                if (slots[r].mask[j] == 0.f) continue;
+                float dot[G];
+                decode_dots<T, G>(slots[r].key(j), q_row + r * G, a.d, dot);
+                for (int g = 0; g < G; g++) score[r * G + g] = dot[g];
+            }
         }
-        float top[G], p[G];
-        for (int g = 0; g < G; g++) top[g] = warp_max(score[g]);
-        // All 32 keys masked: the same for the whole warp and every head.
-        if (top[0] == -INFINITY) continue;
-        for (int g = 0; g < G; g++) {
-            const float new_max = fmaxf(run_max[g], top[g]);
-            const float keep = expf(run_max[g] - new_max);
-            p[g] = expf(score[g] - new_max);  // 0 where masked
-            run_sum[g] = run_sum[g] * keep + warp_sum(p[g]);
-            for (int e = 0; e < E; e++) acc[g][e] *= keep;
-            run_max[g] = new_max;
+        float top[Q], p[Q];
+        bool any = false;
+        for (int i = 0; i < Q; i++) top[i] = warp_max(score[i]), any |= top[i] != -INFINITY;
+        // All 32 keys masked for every query: the same for the whole warp.
+        if (!any) continue;
+        for (int i = 0; i < Q; i++) {
+            p[i] = 0.f;
+            if (top[i] == -INFINITY) continue;  // the same for the whole warp
+            const float new_max = fmaxf(run_max[i], top[i]);
+            const float keep = expf(run_max[i] - new_max);
+            p[i] = expf(score[i] - new_max);  // 0 where masked
+            run_sum[i] = run_sum[i] * keep + warp_sum(p[i]);
+            for (int e = 0; e < E; e++) acc[i][e] *= keep;
+            run_max[i] = new_max;
         }
         const int n = min(32, s - start);
 #pragma unroll 8
-        for (int i = 0; i < n; i++) {
-            float pi[G];
-            for (int g = 0; g < G; g++) pi[g] = __shfl_sync(0xffffffff, p[g], i);
-            const T* vj = slots.value(start + i);
-            for (int e = 0; e < E; e++) {
-                const int f = lane * E + e;
-                if (f >= a.d) continue;
-                const float x = to_f32(vj[f]);
-                // A masked slot's value is never read into the sum, whatever it holds.
-                for (int g = 0; g < G; g++) acc[g][e] += pi[g] != 0.f ? pi[g] * x : 0.f;
+        for (int l = 0; l < n; l++) {
+            float pi[Q];
+            for (int i = 0; i < Q; i++) pi[i] = __shfl_sync(0xffffffff, p[i], l);
+            const int slot = start + l;
+            if (slot < p_shared) {
+                decode_add_value<T, E, Q>(slots[0].value(slot), pi, acc, lane, a.d);
+            } else {
+#pragma unroll
+                for (int r = 0; r < R; r++) decode_add_value<T, E, G>(slots[r].value(slot), pi + r * G, acc + r * G, lane, a.d);
             }
         }
     }
-    for (int g = 0; g < G; g++) {
-        if (lane == 0) part_max[g][warp] = run_max[g], part_sum[g][warp] = run_sum[g];
-        for (int e = 0; e < E; e++) part_acc[g][warp][lane * E + e] = acc[g][e];
+    for (int i = 0; i < Q; i++) {
+        if (lane == 0) part_max[i][warp] = run_max[i], part_sum[i][warp] = run_sum[i];
+        for (int e = 0; e < E; e++) part_acc[i][warp][lane * E + e] = acc[i][e];
     }
     __syncthreads();
-    for (int g = 0; g < G; g++)
-        decode_combine<T, E>(part_max[g], part_sum[g], part_acc[g], a.d, o + (size_t)(first + g) * a.d,
-                             decode_part(parts, first + g, a.d));
+    for (int i = 0; i < Q; i++)
+        decode_combine<T, E>(part_max[i], part_sum[i], part_acc[i], a.d, o + query(i) * a.d,
+                             decode_part(parts, (int)query(i), a.d));
 }

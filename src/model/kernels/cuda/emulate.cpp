@@ -592,11 +592,16 @@ T nan_of() {
         return NAN;
 }
 
-template <typename T, int E, int G = 1>
+template <typename T, int E, int G = 1, int R = 1>
 bool decode_case(int d, bool lanes, bool fixed, int chunk = 0, int h = 4) {
-    // 290 keys: more than one pass of the lanes kernel's 8 x 32.
-    const int b = 5, h_kv = 2, p = 200, s_own = 90, capacity = 100, s = p + s_own;
-    const uint32_t rows[b] = {0, 1, 1, 0, 1};
+    // 290 keys: more than one pass of the lanes kernel's 8 x 32. With R rows a
+    // block, the rows of a prompt lie together, R or 2 R of them.
+    const int b = R == 1 ? 5 : 2 * R, h_kv = 2, p = 200, s_own = 90, capacity = 100, s = p + s_own;
+    std::vector<uint32_t> rows = {0, 1, 1, 0, 1};
+    if (R > 1) {
+        rows.assign(b, 1);
+        std::fill(rows.begin(), rows.begin() + R, 0);
+    }
     const int width = fixed ? p + capacity : s;
     std::mt19937 rng(11);
     auto fill = [&](std::vector<T>& x, size_t n) {
@@ -607,7 +612,8 @@ bool decode_case(int d, bool lanes, bool fixed, int chunk = 0, int h = 4) {
     fill(q, (size_t)b * h * d);
     fill(shared_k, (size_t)2 * h_kv * p * d), fill(shared_v, shared_k.size());
     fill(own_k, (size_t)b * h_kv * capacity * d), fill(own_v, own_k.size());
-    // Padding where a row's prompt is short, a padded own slot, and in row 2 a whole warp's 32 keys.
+    // Padding where a row's prompt is short, a padded own slot, and in row 2 a whole warp's 32 keys (its
+    // own shared slots' mask, which the other rows of its prompt do not have).
     auto masked = [&](int r, int j) {
         return (rows[r] == 1 && j < 4) || (r == 4 && j == p + 7) || (r == 2 && j >= 32 && j < 64);
     };
@@ -637,13 +643,13 @@ bool decode_case(int d, bool lanes, bool fixed, int chunk = 0, int h = 4) {
     std::vector<T> o((size_t)b * h * d, nan_of<T>());
     std::vector<float> parts(chunk ? (size_t)b * h * splits * (d + 2) : 0, NAN);
     float* part_at = chunk ? parts.data() : nullptr;
-    launch({unsigned(b * h / (lanes ? G : 1)), unsigned(splits), 1}, 0, [&] {
+    launch({unsigned(b * h / (lanes ? G * R : 1)), unsigned(splits), 1}, 0, [&] {
         const uint32_t* at = fixed ? &slot_at : nullptr;
         if (lanes)
-            decode_attention_lanes<T, E, G>(q.data(), own_k.data(), own_v.data(), shared_k.data(), shared_v.data(), rows,
-                                         mask.data(), at, o.data(), part_at, a);
+            decode_attention_lanes<T, E, G, R>(q.data(), own_k.data(), own_v.data(), shared_k.data(), shared_v.data(),
+                                               rows.data(), mask.data(), at, o.data(), part_at, a);
         else
-            decode_attention<T, E>(q.data(), own_k.data(), own_v.data(), shared_k.data(), shared_v.data(), rows,
+            decode_attention<T, E>(q.data(), own_k.data(), own_v.data(), shared_k.data(), shared_v.data(), rows.data(),
                                    mask.data(), at, o.data(), part_at, a);
     }, 32 * DECODE_WARPS);
     if (chunk) launch({unsigned(b * h), 1, 1}, 0, [&] { decode_splits<T>(parts.data(), splits, d, o.data()); }, 128);
@@ -677,8 +683,8 @@ bool decode_case(int d, bool lanes, bool fixed, int chunk = 0, int h = 4) {
         }
     const double err = relative_error(o, want);
     const bool ok = err < (std::is_same_v<T, bf16> ? 1e-2 : 1e-5);
-    std::printf("%-4s decode: %-16s %d of %d heads  d %3d %-5s %s %s  %.1e\n", ok ? "ok" : "FAIL",
-                lanes ? "a key per lane" : "a key per warp", lanes ? G : 1, h, d,
+    std::printf("%-4s decode: %-16s %d of %d heads, %d rows  d %3d %-5s %s %s  %.1e\n", ok ? "ok" : "FAIL",
+                lanes ? "a key per lane" : "a key per warp", lanes ? G : 1, h, lanes ? R : 1, d,
                 std::is_same_v<T, bf16> ? "bf16" : "f32", fixed ? "fixed slots" : "own slots  ", chunk ? "split" : "whole",
                 err);
     std::fflush(stdout);
@@ -785,6 +791,7 @@ int main(int argc, char** argv) {
         ok &= decode_case<bf16, 2>(64, true, true);
         ok &= decode_case<bf16, 2>(64, true, true, 96);
         ok &= decode_case<bf16, 2, 4>(64, true, true, 96, 8);
+        ok &= decode_case<bf16, 2, 1, 4>(64, true, true, 96);
         std::printf(ok ? "all match\n" : "MISMATCH\n");
         return ok ? 0 : 1;
     }
@@ -806,6 +813,12 @@ int main(int argc, char** argv) {
         ok &= decode_case<bf16, 8, 2>(256, true, fixed, 0, 8);
         ok &= decode_case<bf16, 1, 8>(8, true, fixed, 96, 16);
         ok &= decode_case<bf16, 2, 4>(64, true, fixed, 96, 8);
+        // The rows of a prompt in one block (4 or 2), with grouped heads too, whole and split.
+        ok &= decode_case<bf16, 2, 1, 4>(64, true, fixed);
+        ok &= decode_case<bf16, 2, 1, 4>(64, true, fixed, 96);
+        ok &= decode_case<float, 4, 2, 2>(128, true, fixed, 0, 8);
+        ok &= decode_case<bf16, 8, 1, 2>(256, true, fixed, 64);
+        ok &= decode_case<bf16, 1, 4, 4>(8, true, fixed, 96, 16);
     }
     ok &= embedding_case();
     for (bool layer : {false, true}) {

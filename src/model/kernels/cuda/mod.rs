@@ -1188,6 +1188,14 @@ pub struct DecodeDims {
 // Safety: a plain C struct of numbers, passed by value.
 unsafe impl DeviceRepr for DecodeDims {}
 
+/// What a block of the decoding kernel with a lane per key takes: query
+/// heads of one key/value head, and rows that continue one shared row.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct LanesBlock {
+    pub heads: u32,
+    pub rows: u32,
+}
+
 /// The blocks of the decoding kernel that [`decode_attention`] launches
 /// (for `dtype`, `d` and `lanes`) which the GPU runs at once: its
 /// multiprocessors times the blocks each holds, by the kernel's registers
@@ -1197,7 +1205,7 @@ pub fn decode_blocks_at_once(
     dev: &candle_core::CudaDevice,
     dtype: DType,
     d: usize,
-    lanes: Option<u32>,
+    lanes: Option<LanesBlock>,
 ) -> Result<usize> {
     use candle_core::cuda_backend::cudarc::driver::sys::CUdevice_attribute;
     use candle_core::cuda_backend::DeviceId;
@@ -1217,10 +1225,12 @@ pub fn decode_blocks_at_once(
 }
 
 /// The name of [`decode_attention`]'s kernel.
-fn decode_kernel(dtype: DType, d: usize, lanes: Option<u32>) -> Result<String> {
+fn decode_kernel(dtype: DType, d: usize, lanes: Option<LanesBlock>) -> Result<String> {
     let name = match lanes {
         // 32 lanes of 1, 2, 4 or 8 features cover the head.
-        Some(g) => format!("decode_attention_lanes_{}_g{g}", d.div_ceil(32).next_power_of_two()),
+        Some(LanesBlock { heads, rows }) => {
+            format!("decode_attention_lanes_{}_g{heads}_r{rows}", d.div_ceil(32).next_power_of_two())
+        }
         None => format!("decode_attention_{}", d / 32),
     };
     typed(&name, dtype)
@@ -1234,8 +1244,8 @@ const DECODE_THREADS: u32 = 8 * 32;
 /// each row's shared row, if any, and the key mask (B, S) f32. With
 /// `slot_at`, (1,) u32, each row's own slots are the first `slot_at + 1`
 /// rather than `a.s_own`. `lanes`: the kernel with a lane per key, taking
-/// that many query heads of a key/value head per block (else a warp per
-/// key, a block per query head). With `splits` > 1 each (row, head)'s keys
+/// that many query heads of a key/value head and rows of a prompt per
+/// block (else a warp per key, a block per query head). With `splits` > 1 each (row, head)'s keys
 /// are split in `a.chunk` slots, a block each, and their parts combined by
 /// a second launch.
 pub fn decode_attention(
@@ -1245,7 +1255,7 @@ pub fn decode_attention(
     mask: In,
     slot_at: Option<In>,
     (a, splits): (DecodeDims, u32),
-    lanes: Option<u32>,
+    lanes: Option<LanesBlock>,
 ) -> Result<CudaStorage> {
     fn run<T: CudaDType + DeviceRepr>(
         (name, combine): (&str, &str),
@@ -1255,7 +1265,7 @@ pub fn decode_attention(
         mask: In,
         slot_at: Option<In>,
         (a, splits): (DecodeDims, u32),
-        heads_per_block: u32,
+        queries_per_block: u32,
     ) -> Result<CudaStorage> {
         let dev = q.0.device.clone();
         let qs = view::<T>(q.0, q.1)?;
@@ -1294,7 +1304,7 @@ pub fn decode_attention(
             None => args.arg(&NULL),
         };
         args.arg(&a);
-        let grid_dim = (blocks / heads_per_block, splits, 1);
+        let grid_dim = (blocks / queries_per_block, splits, 1);
         let cfg = LaunchConfig { grid_dim, block_dim: (DECODE_THREADS, 1, 1), shared_mem_bytes: 0 };
         // Safety: the argument list matches the kernel's signature.
         unsafe { args.launch(cfg) }.w()?;
@@ -1311,6 +1321,6 @@ pub fn decode_attention(
     }
     let dtype = q.0.dtype();
     let (name, combine) = (decode_kernel(dtype, a.d as usize, lanes)?, typed("decode_splits", dtype)?);
-    let heads_per_block = lanes.unwrap_or(1);
-    by_dtype!(dtype, run((&name, &combine), q, (k, v), shared, mask, slot_at, (a, splits), heads_per_block))
+    let queries_per_block = lanes.map_or(1, |l| l.heads * l.rows);
+    by_dtype!(dtype, run((&name, &combine), q, (k, v), shared, mask, slot_at, (a, splits), queries_per_block))
 }
