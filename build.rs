@@ -1,6 +1,7 @@
-//! With the `cuda` feature: compiles the CUDA kernels to PTX with nvcc
-//! (`NVCC`, or `nvcc` on PATH) for `CUDA_COMPUTE_CAP` (default 90). The
-//! default build runs nothing here.
+//! With the `cuda` feature: compiles the CUDA kernels with nvcc (`NVCC`, or
+//! `nvcc` on PATH) into a fatbin holding machine code for `CUDA_COMPUTE_CAP`
+//! (default 90), which the driver loads as it is, and PTX for later GPUs,
+//! which it compiles on first use. The default build runs nothing here.
 
 use std::path::PathBuf;
 use std::process::Command;
@@ -20,11 +21,13 @@ fn main() {
     if std::env::var_os("CARGO_FEATURE_CUDA").is_none() {
         return;
     }
-    let out = PathBuf::from(std::env::var("OUT_DIR").expect("OUT_DIR")).join("kernels.ptx");
+    let out = PathBuf::from(std::env::var("OUT_DIR").expect("OUT_DIR")).join("kernels.fatbin");
     let nvcc = std::env::var("NVCC").unwrap_or_else(|_| "nvcc".into());
     let cap = std::env::var("CUDA_COMPUTE_CAP").unwrap_or_else(|_| "90".into());
+    let machine_code = format!("arch=compute_{cap},code=sm_{cap}");
+    let ptx = format!("arch=compute_{cap},code=compute_{cap}");
     let status = Command::new(&nvcc)
-        .args(["--ptx", "-O3", "-std=c++17", &format!("-arch=sm_{cap}"), "-o"])
+        .args(["--fatbin", "-O3", "-std=c++17", "-gencode", &machine_code, "-gencode", &ptx, "-o"])
         .arg(&out)
         .arg(SOURCE)
         .status()

@@ -1,5 +1,6 @@
-//! Launches the CUDA kernels of `kernels.cu` (compiled to PTX by the build
-//! script) for the ops beside this module: their `cuda_fwd` hooks call
+//! Launches the CUDA kernels of `kernels.cu` (compiled by the build script
+//! into a fatbin: machine code for the build's GPU, PTX for later ones) for
+//! the ops beside this module: their `cuda_fwd` hooks call
 //! these. Inputs are read where they lie (contiguous views), outputs are new
 //! buffers on the inputs' stream.
 
@@ -11,7 +12,14 @@ use half::bf16;
 
 use super::AttentionKernels;
 
-const PTX: &str = include_str!(concat!(env!("OUT_DIR"), "/kernels.ptx"));
+const KERNELS: &[u8] = include_bytes!(concat!(env!("OUT_DIR"), "/kernels.fatbin"));
+
+/// The kernel `$name` on device `$dev`, its module loaded once per device.
+macro_rules! kernel {
+    ($dev:expr, $name:expr) => {
+        $dev.get_or_load_custom_func_image($name, "rloo", KERNELS)
+    };
+}
 
 /// An input: its storage and where its elements lie.
 pub(crate) type In<'a> = (&'a CudaStorage, &'a Layout);
@@ -96,7 +104,7 @@ fn norm_fwd_as<T: CudaDType + DeviceRepr>(
     let n = xs.len() / h;
     // Safety: every element is written by the kernel.
     let mut y = unsafe { dev.alloc::<T>(xs.len()) }?;
-    let func = dev.get_or_load_custom_func(name, "rloo", PTX)?;
+    let func = kernel!(dev, name)?;
     let mut args = func.builder();
     args.arg(&xs);
     for p in &ps {
@@ -133,7 +141,7 @@ pub fn norm_bwd(
         }
         // Safety: every element of both is written by the kernel.
         let (mut dx, mut dw) = unsafe { (dev.alloc::<T>(n * h)?, dev.alloc::<f32>(n * h)?) };
-        let func = dev.get_or_load_custom_func(name, "rloo", PTX)?;
+        let func = kernel!(dev, name)?;
         let (n32, h32) = (n as i32, h as i32);
         let mut args = func.builder();
         args.arg(&xs).arg(&ws).arg(&gs).arg(&mut dx).arg(&mut dw).arg(&n32).arg(&h32).arg(&eps);
@@ -152,7 +160,7 @@ pub fn token_logprobs((logits, l_l): In, (targets, t_l): In, inv_t: f32) -> Resu
     let (n, v) = (t.len(), z.len() / t.len().max(1));
     // Safety: every element is written by the kernel.
     let mut out = unsafe { dev.alloc::<f32>(2 * n) }?;
-    let func = dev.get_or_load_custom_func("token_logprobs_fwd", "rloo", PTX)?;
+    let func = kernel!(dev, "token_logprobs_fwd")?;
     let v32 = v as i32;
     let mut args = func.builder();
     args.arg(&z).arg(&t).arg(&mut out).arg(&v32).arg(&inv_t);
@@ -168,7 +176,7 @@ pub fn token_logprobs_grad((logits, l_l): In, (targets, t_l): In, (grad, g_l): I
     let (n, v) = (t.len(), z.len() / t.len().max(1));
     // Safety: every element is written by the kernel.
     let mut out = unsafe { dev.alloc::<f32>(n * v) }?;
-    let func = dev.get_or_load_custom_func("token_logprobs_bwd", "rloo", PTX)?;
+    let func = kernel!(dev, "token_logprobs_bwd")?;
     let v32 = v as i32;
     let mut args = func.builder();
     args.arg(&z).arg(&t).arg(&g).arg(&mut out).arg(&v32).arg(&inv_t);
@@ -186,7 +194,7 @@ pub fn race_pick((logits, l_l): In, (params, p_l): In, (seen, s_l): In) -> Resul
     let (z, p, s) = (view::<f32>(logits, l_l)?, view::<u32>(params, p_l)?, view::<u32>(seen, s_l)?);
     // Safety: every element is written by the kernel.
     let mut out = unsafe { dev.alloc::<u32>(3 * rows) }?;
-    let func = dev.get_or_load_custom_func("race_pick", "rloo", PTX)?;
+    let func = kernel!(dev, "race_pick")?;
     let (width, v32) = (s_l.shape().dims2()?.1 as i32, v as i32);
     let mut args = func.builder();
     args.arg(&z).arg(&p).arg(&s).arg(&width).arg(&mut out).arg(&v32);
@@ -219,7 +227,7 @@ pub fn adamw_moment(
     let gs = view::<f32>(g, g_l)?;
     let n = gs.len();
     let mut xs = view_mut(x, x_l)?;
-    let func = dev.get_or_load_custom_func("adamw_moment", "rloo", PTX)?;
+    let func = kernel!(dev, "adamw_moment")?;
     let sq = squared as i32;
     let mut args = func.builder();
     args.arg(&mut xs).arg(&gs).arg(&n).arg(&beta).arg(&sq);
@@ -240,7 +248,7 @@ pub fn adamw_update(
     let (ms, vs) = (view::<f32>(m, m_l)?, view::<f32>(v, v_l)?);
     let n = ms.len();
     let mut ws = view_mut(w, w_l)?;
-    let func = dev.get_or_load_custom_func("adamw_update", "rloo", PTX)?;
+    let func = kernel!(dev, "adamw_update")?;
     let (lr_step, inv_sqrt_bias2) = (step.lr / step.bias1, 1.0 / step.bias2.sqrt());
     let mut args = func.builder();
     args.arg(&mut ws).arg(&ms).arg(&vs).arg(&n).arg(&lr_step).arg(&inv_sqrt_bias2).arg(&step.eps).arg(&step.decay);
@@ -326,7 +334,7 @@ pub fn adamw_multi(params: &[super::AdamWParam]) -> Result<()> {
         block_dim: (256, 1, 1),
         shared_mem_bytes: 0,
     };
-    let func = dev.get_or_load_custom_func("adamw_multi", "rloo", PTX)?;
+    let func = kernel!(dev, "adamw_multi")?;
     let mut args = func.builder();
     args.arg(&table).arg(&s.beta1).arg(&s.beta2).arg(&lr_step).arg(&inv_sqrt_bias2).arg(&s.eps);
     // Safety: the argument list matches the kernel's signature, and the
@@ -372,7 +380,7 @@ pub fn sum_squares_multi(ts: &[&candle_core::Tensor]) -> Result<Vec<f64>> {
         block_dim: (256, 1, 1),
         shared_mem_bytes: 0,
     };
-    let func = dev.get_or_load_custom_func("sum_squares_multi", "rloo", PTX)?;
+    let func = kernel!(dev, "sum_squares_multi")?;
     let mut args = func.builder();
     args.arg(&table).arg(&mut partial);
     // Safety: the argument list matches the kernel's signature, and the
@@ -393,7 +401,7 @@ pub fn activation((x, x_l): In, grad: Option<In>, act: i32) -> Result<CudaStorag
         let gs = grad.map(|(g, g_l)| view::<T>(g, g_l)).transpose()?;
         // Safety: every element is written by the kernel.
         let mut out = unsafe { dev.alloc::<T>(n) }?;
-        let func = dev.get_or_load_custom_func(name, "rloo", PTX)?;
+        let func = kernel!(dev, name)?;
         let mut args = func.builder();
         args.arg(&xs);
         if let Some(gs) = &gs {
@@ -421,7 +429,7 @@ pub fn embedding_grad((g, g_l): In, (ids, ids_l): In, v: usize) -> Result<CudaSt
         }
         // Safety: every element is written by the kernel (each row's slabs cover its columns).
         let mut out = unsafe { dev.alloc::<T>(v * h) }?;
-        let func = dev.get_or_load_custom_func(name, "rloo", PTX)?;
+        let func = kernel!(dev, name)?;
         let (n32, h32) = (n as i32, h as i32);
         let mut args = func.builder();
         args.arg(&gs).arg(&is).arg(&mut out).arg(&n32).arg(&h32);
@@ -448,7 +456,7 @@ pub fn sum3((x, x_l): In, (a, a_l): In, (b, b_l): In) -> Result<CudaStorage> {
         }
         // Safety: every element is written by the kernel.
         let mut out = unsafe { dev.alloc::<T>(n) }?;
-        let func = dev.get_or_load_custom_func(name, "rloo", PTX)?;
+        let func = kernel!(dev, name)?;
         let mut args = func.builder();
         args.arg(&xs).arg(&as_).arg(&bs).arg(&mut out).arg(&n);
         // Safety: the argument list matches the kernel's signature.
@@ -469,7 +477,7 @@ pub fn add_cast((sum, sum_l): In, (g, g_l): In) -> Result<CudaStorage> {
         }
         // Safety: every element is written by the kernel.
         let mut out = unsafe { dev.alloc::<f32>(n) }?;
-        let func = dev.get_or_load_custom_func(name, "rloo", PTX)?;
+        let func = kernel!(dev, name)?;
         let mut args = func.builder();
         args.arg(&ss).arg(&gs).arg(&mut out).arg(&n);
         // Safety: the argument list matches the kernel's signature.
@@ -487,7 +495,7 @@ pub fn dropout((x, x_l): In, mask: &super::Mask) -> Result<CudaStorage> {
         let n = xs.len();
         // Safety: every element is written by the kernel.
         let mut out = unsafe { dev.alloc::<T>(n) }?;
-        let func = dev.get_or_load_custom_func(name, "rloo", PTX)?;
+        let func = kernel!(dev, name)?;
         let mut args = func.builder();
         args.arg(&xs).arg(&mut out).arg(&n).arg(&mask.key[0]).arg(&mask.key[1]);
         args.arg(&mask.threshold).arg(&mask.scale);
@@ -510,7 +518,7 @@ pub fn bias_rows((y, y_l): In, (b, b_l): In) -> Result<CudaStorage> {
         let rows = len / n;
         // Safety: every element is written by the kernel.
         let mut out = unsafe { dev.alloc::<T>(len) }?;
-        let func = dev.get_or_load_custom_func(name, "rloo", PTX)?;
+        let func = kernel!(dev, name)?;
         let cfg = LaunchConfig {
             grid_dim: (n.div_ceil(256) as u32, rows.clamp(1, 65_535) as u32, 1),
             block_dim: (256, 1, 1),
@@ -538,7 +546,7 @@ pub fn row_dots((a, a_l): In, (b, b_l): In, d: usize) -> Result<CudaStorage> {
         let rows = xs.len() / d;
         // Safety: every element is written by the kernel.
         let mut out = unsafe { dev.alloc::<f32>(rows) }?;
-        let func = dev.get_or_load_custom_func(name, "rloo", PTX)?;
+        let func = kernel!(dev, name)?;
         // 8 warps per block, a warp per row.
         let cfg = LaunchConfig {
             grid_dim: (rows.div_ceil(8).max(1) as u32, 1, 1),
@@ -574,7 +582,7 @@ pub fn rotary((x, x_l): In, (cos, c_l): In, (sin, s_l): In, sign: f32) -> Result
         let n = xs.len();
         // Safety: every element is written by the kernel.
         let mut out = unsafe { dev.alloc::<T>(n) }?;
-        let func = dev.get_or_load_custom_func(name, "rloo", PTX)?;
+        let func = kernel!(dev, name)?;
         let (h, t, d, r) = (h as i32, t as i32, d as i32, r as i32);
         let mut args = func.builder();
         args.arg(&xs).arg(&cs).arg(&ss).arg(&mut out).arg(&h).arg(&t).arg(&d).arg(&r).arg(&sign).arg(&n);
@@ -643,7 +651,7 @@ fn heads(kernel: &str, inputs: &[In], tables: Option<(In, In)>, a: HeadsDims) ->
         let n = a.len();
         // Safety: every element is written by the kernel.
         let mut out = unsafe { dev.alloc::<T>(n) }?;
-        let func = dev.get_or_load_custom_func(name, "rloo", PTX)?;
+        let func = kernel!(dev, name)?;
         let mut args = func.builder();
         for v in &views {
             args.arg(v);
@@ -761,7 +769,7 @@ pub fn rotary_append(
         let n = b * (a.h * a.d) as usize;
         // Safety: every element is written by the kernel.
         let mut out = unsafe { dev.alloc::<T>(n) }?;
-        let func = dev.get_or_load_custom_func(name, "rloo", PTX)?;
+        let func = kernel!(dev, name)?;
         let mut args = func.builder();
         args.arg(&qs).arg(&ks).arg(&vs);
         match &tables {
@@ -1037,7 +1045,7 @@ pub fn attention_fwd(
         let (name, cfg) = attention_kernel(Pass::Forward, &a, batch, q.0.dtype(), kernels, spans)?;
         // Safety: every element is written by the kernel.
         let (mut out, mut lse) = unsafe { (dev.alloc::<T>(qs.len())?, dev.alloc::<f32>(rows)?) };
-        let func = dev.get_or_load_custom_func(&name, "rloo", PTX)?;
+        let func = kernel!(dev, &name)?;
         allow_shared_memory(&func, &cfg)?;
         let masks = mask.views()?;
         let mut args = func.builder();
@@ -1089,7 +1097,7 @@ pub fn attention_bwd(x: &AttnInputs, a: AttnDims, keys: bool, kernels: Attention
         let (name, cfg) = attention_kernel(pass, &a, b, x.q.0.dtype(), kernels, spans)?;
         // Safety: every element is written by the kernel.
         let mut out = unsafe { dev.alloc::<T>(len) }?;
-        let func = dev.get_or_load_custom_func(&name, "rloo", PTX)?;
+        let func = kernel!(dev, &name)?;
         allow_shared_memory(&func, &cfg)?;
         let mut args = func.builder();
         args.arg(&qs).arg(&ks).arg(&vs);
@@ -1217,7 +1225,7 @@ pub fn decode_blocks_at_once(
     }
     let context = dev.cuda_stream().context().clone();
     let multiprocessors = context.attribute(CUdevice_attribute::CU_DEVICE_ATTRIBUTE_MULTIPROCESSOR_COUNT).w()?;
-    let func = dev.get_or_load_custom_func(&key.1, "rloo", PTX)?;
+    let func = kernel!(dev, &key.1)?;
     let per_multiprocessor = func.occupancy_max_active_blocks_per_multiprocessor(DECODE_THREADS, 0, None).w()?;
     let n = multiprocessors as usize * per_multiprocessor as usize;
     AT_ONCE.lock().unwrap_or_else(|e| e.into_inner()).push((key, n));
@@ -1284,7 +1292,7 @@ pub fn decode_attention(
             true => Some(unsafe { dev.alloc::<f32>((blocks * splits) as usize * (a.d as usize + 2)) }?),
             false => None,
         };
-        let func = dev.get_or_load_custom_func(name, "rloo", PTX)?;
+        let func = kernel!(dev, name)?;
         let mut args = func.builder();
         args.arg(&qs).arg(&ks).arg(&vs);
         match &shared {
@@ -1309,7 +1317,7 @@ pub fn decode_attention(
         // Safety: the argument list matches the kernel's signature.
         unsafe { args.launch(cfg) }.w()?;
         if let Some(parts) = &parts {
-            let func = dev.get_or_load_custom_func(combine, "rloo", PTX)?;
+            let func = kernel!(dev, combine)?;
             let mut args = func.builder();
             let (splits, d) = (splits as i32, a.d);
             args.arg(parts).arg(&splits).arg(&d).arg(&mut out);

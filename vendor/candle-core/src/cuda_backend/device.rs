@@ -317,6 +317,30 @@ impl CudaDevice {
         module_name: &str,
         ptx: &str,
     ) -> Result<CudaFunc> {
+        self.get_or_load_custom_func_from(fn_name, module_name, || ptx.into())
+    }
+
+    /// As [`Self::get_or_load_custom_func`], the module loaded from a
+    /// compiled image (a cubin, or a fatbin with code for several
+    /// architectures and PTX) rather than from PTX source, so that the
+    /// driver need not compile it where the image has code for the GPU.
+    pub fn get_or_load_custom_func_image(
+        &self,
+        fn_name: &str,
+        module_name: &str,
+        image: &[u8],
+    ) -> Result<CudaFunc> {
+        self.get_or_load_custom_func_from(fn_name, module_name, || {
+            cudarc::nvrtc::Ptx::from_binary(image.to_vec())
+        })
+    }
+
+    fn get_or_load_custom_func_from(
+        &self,
+        fn_name: &str,
+        module_name: &str,
+        module: impl FnOnce() -> cudarc::nvrtc::Ptx,
+    ) -> Result<CudaFunc> {
         let ms = self.custom_modules.read().unwrap();
         if let Some(mdl) = ms.get(module_name).as_ref() {
             let func = mdl.load_function(fn_name).w()?;
@@ -327,7 +351,7 @@ impl CudaDevice {
         }
         drop(ms);
         let mut ms = self.custom_modules.write().unwrap();
-        let cuda_module = self.context.load_module(ptx.into()).w()?;
+        let cuda_module = self.context.load_module(module()).w()?;
         ms.insert(module_name.to_string(), cuda_module.clone());
         let func = cuda_module.load_function(fn_name).w()?;
         Ok(CudaFunc {
