@@ -246,6 +246,32 @@ pub fn check_kernels(device: &Device, dtypes: &[DType]) -> Vec<Check> {
             };
             out.push(compare(&name, &[x.clone(), a.clone(), lora_b.clone()], &lora, &lora, device, dtype, rng));
         }
+        // The same over a gated MLP's product (Llama, Qwen with an adapter on
+        // down_proj): the product's op keeps the gate and up projections, and
+        // the adapter's op makes the product again; against the composition.
+        let gated_lora = |remade: bool| {
+            let w = w.clone();
+            move |t: &[Tensor]| -> Result<Tensor> {
+                let w = w.to_device(t[0].device())?.to_dtype(t[0].dtype())?;
+                let layer = LoraLayer { weight: &w, bias: None, a: &t[2], b: &t[3], scale: 2.0 };
+                if !remade {
+                    let product = (kernels::activation(&t[0], Activation::Silu)? * &t[1])?;
+                    return kernels::lora_forward(&product, None, &layer, Some(mask));
+                }
+                let (product, remake) = kernels::gated_product(&t[0], &t[1], Activation::Silu)?;
+                kernels::lora_forward_remade(&product, &layer, Some(mask), remake)
+            }
+        };
+        let up = randn(rng, x.dims(), 0.0, 1.0);
+        out.push(compare(
+            "lora over a gated product, with dropout",
+            &[x.clone(), up, a.clone(), lora_b.clone()],
+            &gated_lora(false),
+            &gated_lora(true),
+            device,
+            dtype,
+            rng,
+        ));
         let (g, beta) = (randn(rng, &[96], 1.0, 0.2), randn(rng, &[96], 0.0, 0.2));
         out.push(compare(
             "layer_norm",

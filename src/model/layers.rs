@@ -345,8 +345,8 @@ impl Linear {
     }
 
     /// `forward(act(gate) * up)`, where the training graph keeps `gate` and
-    /// `up` alone (a layer with no bias and no adapter), or with `remakes`
-    /// only their places, the backward making them again.
+    /// `up` alone (a layer with no bias), or with `remakes` only their
+    /// places, the backward making them again (a layer with no adapter).
     pub fn forward_gated(
         &self,
         gate: &Tensor,
@@ -357,6 +357,10 @@ impl Linear {
         match (&self.adapter, &self.bias, remakes) {
             (None, None, Some(remakes)) => kernels::gated_linear_remade(gate, up, act, &self.weight, remakes),
             (None, None, None) => kernels::gated_linear(gate, up, act, &self.weight),
+            (Some(adapter), None, _) => {
+                let (product, remake) = kernels::gated_product(gate, up, act)?;
+                adapter.forward_remade(&product, &self.weight, None, remake)
+            }
             _ => self.forward(&(kernels::activation(gate, act)? * up)?),
         }
     }

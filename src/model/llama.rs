@@ -144,12 +144,12 @@ impl ArchConfig for Config {
         // The input, q, k and v, attention's output, the first residual sum,
         // and the MLP's gate and up projections unless the backward makes
         // them again (the activation and its product it makes again in any
-        // case); Qwen3's q and k before their norms. Adapters keep the norms'
-        // outputs, and the MLP's activation and product.
-        let gated = match (keeping.lora, keeping.mlp_input_remade) {
-            (true, _) => 4.0 * wide,
-            (false, true) => 0.0,
-            (false, false) => 2.0 * wide,
+        // case, with an adapter on the down projection too); Qwen3's q and
+        // k before their norms. Adapters keep the norms' outputs, and their
+        // gate and up projections are not made again.
+        let gated = match keeping.mlp_input_remade && !keeping.lora {
+            true => 0.0,
+            false => 2.0 * wide,
         };
         let qk_norm = if self.qk_norm { q + kv } else { 0.0 };
         1.0 + q + 2.0 * kv + q + 1.0 + gated + qk_norm + keeping.norm_outputs(2)

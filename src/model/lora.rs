@@ -232,6 +232,21 @@ impl Adapter {
         let layer = LoraLayer { weight, bias, a: &self.a, b: &self.b, scale: self.scale };
         kernels::lora_forward(x, act, &layer, mask)
     }
+
+    /// [`Self::forward`] without an activation, where the training graph
+    /// keeps only the place of `x`, which `remake` makes again for the
+    /// backward (where there is one).
+    pub fn forward_remade(
+        &self,
+        x: &Tensor,
+        weight: &Tensor,
+        bias: Option<&Tensor>,
+        remake: Option<kernels::Remake>,
+    ) -> TResult<Tensor> {
+        let mask = self.dropout.as_ref().map(Dropout::mask);
+        let layer = LoraLayer { weight, bias, a: &self.a, b: &self.b, scale: self.scale };
+        kernels::lora_forward_remade(x, &layer, mask, remake)
+    }
 }
 
 /// The files of a PEFT adapter directory.

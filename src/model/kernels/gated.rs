@@ -1,10 +1,14 @@
 //! A gated MLP's output layer, `(act(gate) * up) @ w^T`, as one op
 //! (Llama, Qwen, Mistral: `down_proj` without a bias): it keeps `gate` and
 //! `up`, where the composition also kept `act(gate)` and the product, two
-//! more tensors of the MLP's width; the backward makes them again. On the
-//! CPU the values and gradients are the composition's, to the bit.
+//! more tensors of the MLP's width; the backward makes them again. With an
+//! adapter on `down_proj`, the product alone is one op that keeps `gate`
+//! and `up` ([`gated_product`]), and the adapter's op makes it again. On
+//! the CPU the values and gradients are the composition's, to the bit.
 
-use candle_core::{CpuStorage, CustomOp3, Layout, Result, Shape, Tensor};
+use std::sync::Arc;
+
+use candle_core::{CpuStorage, CustomOp2, CustomOp3, Layout, Result, Shape, Tensor};
 
 use super::elementwise::{self, apply, grad_without_graph, without_graph};
 use super::linear::{dense, out_shape, product_grads, sizes, weight_layout, Operand};
@@ -38,6 +42,69 @@ pub fn gated_linear_remade(
     }
     let args = [gate, &up.contiguous()?, &weight_layout(w)?];
     on_remade_inputs3(|| Gated(act), args, [Some(remake_gate), Some(remake_up), None])
+}
+
+/// `act(gate) * up`, where the training graph keeps `gate` and `up` (the
+/// composition also keeps `act(gate)`), with what makes its values again
+/// from them, without a graph: for an op that would otherwise keep the
+/// product (a `down_proj` with an adapter). Where the op does not run, the
+/// composition, and no remake.
+pub fn gated_product(gate: &Tensor, up: &Tensor, act: Activation) -> Result<(Tensor, Option<Remake>)> {
+    let all = [gate, up];
+    let runs = gate.shape() == up.shape() && (all.iter().all(|t| fused(t)) || on_cuda(&all));
+    if !runs {
+        return Ok(((elementwise::activation(gate, act)? * up)?, None));
+    }
+    let (gate, up) = (gate.contiguous()?, up.contiguous()?);
+    let product = gate.apply_op2(&up, GatedProduct(act))?;
+    let (gate, up) = (gate.detach(), up.detach());
+    let remake: Remake = Arc::new(move || gate.apply_op2_no_bwd(&up, &GatedProduct(act)));
+    Ok((product, Some(remake)))
+}
+
+struct GatedProduct(Activation);
+
+impl CustomOp2 for GatedProduct {
+    fn name(&self) -> &'static str {
+        "gated-product"
+    }
+
+    fn bwd_reads_res(&self) -> bool {
+        false
+    }
+
+    fn cpu_fwd(
+        &self,
+        gate: &CpuStorage,
+        gate_l: &Layout,
+        up: &CpuStorage,
+        up_l: &Layout,
+    ) -> Result<(CpuStorage, Shape)> {
+        let mut h = apply(self.0, contiguous_f32(gate, gate_l)?);
+        h.iter_mut().zip(contiguous_f32(up, up_l)?).for_each(|(h, u)| *h *= u);
+        Ok((CpuStorage::F32(h), gate_l.shape().clone()))
+    }
+
+    #[cfg(feature = "cuda")]
+    fn cuda_fwd(
+        &self,
+        gate: &candle_core::CudaStorage,
+        gate_l: &Layout,
+        up: &candle_core::CudaStorage,
+        up_l: &Layout,
+    ) -> Result<(candle_core::CudaStorage, Shape)> {
+        use candle_core::backend::BackendStorage;
+        let activated = super::cuda::activation((gate, gate_l), None, self.0 as i32)?;
+        let h = activated.binary_impl::<candle_core::op::Mul>(up, &Layout::contiguous(gate_l.shape()), up_l)?;
+        Ok((h, gate_l.shape().clone()))
+    }
+
+    fn bwd(&self, gate: &Tensor, up: &Tensor, _: &Tensor, grad: &Tensor) -> Result<(Option<Tensor>, Option<Tensor>)> {
+        let (gate, up) = (gate.detach(), up.detach());
+        let d_up = (grad * without_graph(&gate, self.0)?)?;
+        let d_gate = grad_without_graph(&gate, &(grad * &up)?, self.0)?;
+        Ok((Some(d_gate), Some(d_up)))
+    }
 }
 
 /// Whether the op runs: on the CPU in f32 or on a GPU, for a gate and an

@@ -16,6 +16,7 @@ use candle_core::{CpuStorage, CustomOp3, Layout, Result, Shape, Storage, Tensor}
 use super::contiguous_f32;
 use super::elementwise;
 use super::linear::{dense, matmul, out_shape, weight_layout, Operand};
+use super::remade::{on_remade_input, Remake};
 use crate::model::ops::Activation;
 use crate::rng::philox;
 
@@ -112,14 +113,28 @@ pub fn lora_forward(x: &Tensor, act: Option<Activation>, layer: &LoraLayer, mask
 /// The layer's output for `x` (..., in), applying `act` first when given.
 /// Only for inputs where [`lora_runs`].
 pub fn lora_linear(x: &Tensor, act: Option<Activation>, layer: &LoraLayer, mask: Option<Mask>) -> Result<Tensor> {
-    let op = LoraLinear(Arc::new(Frozen {
-        weight: weight_layout(layer.weight)?,
-        bias: layer.bias.map(|b| b.contiguous()).transpose()?,
-        scale: layer.scale as f32,
-        act,
-        mask,
-    }));
+    let op = LoraLinear::new(layer, act, mask)?;
     x.contiguous()?.apply_op3(&layer.a.contiguous()?, &layer.b.contiguous()?, op)
+}
+
+/// [`lora_forward`] without an activation, where the training graph keeps
+/// only the place of `x`, which the backward makes again with `remake`
+/// (a gated MLP's product, from the gate and up projections that its own
+/// op keeps): the same values and gradients. [`lora_forward`] where there
+/// is no remake, `x` has no graph or the op does not run.
+pub fn lora_forward_remade(
+    x: &Tensor,
+    layer: &LoraLayer,
+    mask: Option<Mask>,
+    remake: Option<Remake>,
+) -> Result<Tensor> {
+    match remake {
+        Some(remake) if x.track_op() && lora_runs(x, layer) => {
+            let op = LoraLinear::new(layer, None, mask)?;
+            on_remade_input(|| LoraLinear(op.0.clone()), [x, &layer.a.contiguous()?, &layer.b.contiguous()?], remake)
+        }
+        _ => lora_forward(x, None, layer, mask),
+    }
 }
 
 /// What the op holds besides its inputs `x`, `A` and `B`.
@@ -193,6 +208,18 @@ impl Frozen {
 }
 
 struct LoraLinear(Arc<Frozen>);
+
+impl LoraLinear {
+    fn new(layer: &LoraLayer, act: Option<Activation>, mask: Option<Mask>) -> Result<Self> {
+        Ok(Self(Arc::new(Frozen {
+            weight: weight_layout(layer.weight)?,
+            bias: layer.bias.map(|b| b.contiguous()).transpose()?,
+            scale: layer.scale as f32,
+            act,
+            mask,
+        })))
+    }
+}
 
 /// Rows, input, output widths and rank of `x` (..., in) against `A` (r, in), `B` (out, r).
 fn sizes(x_l: &Layout, a_l: &Layout, b_l: &Layout) -> Result<(usize, usize, usize, usize)> {

@@ -35,12 +35,12 @@ pub use decode_attention::{
 };
 pub use elementwise::{activation, add_cast, contiguous, residual, sum3};
 pub use embedding::embedding;
-pub use gated::{gated_linear, gated_linear_remade};
+pub use gated::{gated_linear, gated_linear_remade, gated_product};
 pub use linear::{
     activation_linear, activation_linear_remade, dense_bias_epilogue, linear, linear_remade, linear_with,
     DENSE_BIAS_VAR,
 };
-pub use lora::{lora_forward, LoraLayer, Mask};
+pub use lora::{lora_forward, lora_forward_remade, LoraLayer, Mask};
 pub use norm::{layer_norm, layer_norm_remake, rms_norm, rms_norm_remake};
 pub use norm_linear::{norm_linear, norm_linear_remake};
 pub use qkv_attention::{attention_heads_fused, qkv_attention, ATTENTION_HEADS_VAR};

@@ -342,6 +342,40 @@ fn remade_norm_outputs_and_gated_inputs_change_no_bit() {
     assert_eq!(all_remade, kept);
 }
 
+/// A down projection with an adapter (and dropout) over a gated MLP's
+/// product: the product as one op keeping the gate and up projections, the
+/// adapter's op keeping only its place and making it again, give the
+/// values and gradients of the composition that keeps all four tensors of
+/// the MLP's width, to the bit.
+#[test]
+fn an_adapter_over_a_remade_gated_product_changes_no_bit() {
+    let shapes: [&[usize]; 4] = [&[2, 5, 24], &[2, 5, 24], &[4, 24], &[16, 4]];
+    let inputs = shapes.map(|s| Var::from_tensor(&randn(s, 0.1)).unwrap());
+    let (w, weights) = (randn(&[16, 24], 0.0), randn(&[2, 5, 16], 0.0));
+    let bits = |t: &Tensor| t.flatten_all().unwrap().to_vec1::<f32>().unwrap().iter().map(|x| x.to_bits()).collect();
+    let run = |remade: bool| -> Vec<Vec<u32>> {
+        let t: Vec<Tensor> = inputs.iter().map(|v| v.as_tensor().clone()).collect();
+        let layer = LoraLayer { weight: &w, bias: None, a: &t[2], b: &t[3], scale: 2.0 };
+        let mask = Some(Mask::new([7, 11], 0.25));
+        let y = match remade {
+            true => {
+                let (product, remake) = gated_product(&t[0], &t[1], Activation::Silu).unwrap();
+                assert!(remake.is_some(), "the product's op runs");
+                lora_forward_remade(&product, &layer, mask, remake).unwrap()
+            }
+            false => {
+                let product = (activation(&t[0], Activation::Silu).unwrap() * &t[1]).unwrap();
+                lora_forward(&product, None, &layer, mask).unwrap()
+            }
+        };
+        let grads = (&y * &weights).unwrap().sum_all().unwrap().backward().unwrap();
+        let mut all = vec![bits(&y)];
+        all.extend(inputs.iter().map(|v| bits(grads.get(v).expect("a gradient"))));
+        all
+    };
+    assert_eq!(run(true), run(false));
+}
+
 /// A gradient added into its f32 sum gives the bits of candle's cast and
 /// addition, from bf16 and from f32; other dtypes take candle's way.
 #[test]
