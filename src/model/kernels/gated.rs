@@ -80,9 +80,7 @@ impl CustomOp2 for GatedProduct {
         up: &CpuStorage,
         up_l: &Layout,
     ) -> Result<(CpuStorage, Shape)> {
-        let mut h = apply(self.0, contiguous_f32(gate, gate_l)?);
-        h.iter_mut().zip(contiguous_f32(up, up_l)?).for_each(|(h, u)| *h *= u);
-        Ok((CpuStorage::F32(h), gate_l.shape().clone()))
+        Ok((CpuStorage::F32(product_cpu(self.0, (gate, gate_l), (up, up_l))?), gate_l.shape().clone()))
     }
 
     #[cfg(feature = "cuda")]
@@ -93,18 +91,47 @@ impl CustomOp2 for GatedProduct {
         up: &candle_core::CudaStorage,
         up_l: &Layout,
     ) -> Result<(candle_core::CudaStorage, Shape)> {
-        use candle_core::backend::BackendStorage;
-        let activated = super::cuda::activation((gate, gate_l), None, self.0 as i32)?;
-        let h = activated.binary_impl::<candle_core::op::Mul>(up, &Layout::contiguous(gate_l.shape()), up_l)?;
-        Ok((h, gate_l.shape().clone()))
+        Ok((product_cuda(self.0, (gate, gate_l), (up, up_l))?, gate_l.shape().clone()))
     }
 
     fn bwd(&self, gate: &Tensor, up: &Tensor, _: &Tensor, grad: &Tensor) -> Result<(Option<Tensor>, Option<Tensor>)> {
         let (gate, up) = (gate.detach(), up.detach());
-        let d_up = (grad * without_graph(&gate, self.0)?)?;
-        let d_gate = grad_without_graph(&gate, &(grad * &up)?, self.0)?;
+        let (d_gate, d_up) = gate_and_up_grads(self.0, &gate, &up, &without_graph(&gate, self.0)?, grad)?;
         Ok((Some(d_gate), Some(d_up)))
     }
+}
+
+/// `act(gate) * up` on the CPU.
+fn product_cpu(act: Activation, gate: (&CpuStorage, &Layout), up: (&CpuStorage, &Layout)) -> Result<Vec<f32>> {
+    let mut h = apply(act, contiguous_f32(gate.0, gate.1)?);
+    h.iter_mut().zip(contiguous_f32(up.0, up.1)?).for_each(|(h, u)| *h *= u);
+    Ok(h)
+}
+
+/// `act(gate) * up` on a GPU, for a contiguous `gate`.
+#[cfg(feature = "cuda")]
+fn product_cuda(
+    act: Activation,
+    gate: (&candle_core::CudaStorage, &Layout),
+    up: (&candle_core::CudaStorage, &Layout),
+) -> Result<candle_core::CudaStorage> {
+    use candle_core::backend::BackendStorage;
+    let activated = super::cuda::activation(gate, None, act as i32)?;
+    activated.binary_impl::<candle_core::op::Mul>(up.0, &Layout::contiguous(gate.1.shape()), up.1)
+}
+
+/// The gradients of `gate` and `up` from that of `act(gate) * up`, given
+/// `activated`, `act(gate)`.
+fn gate_and_up_grads(
+    act: Activation,
+    gate: &Tensor,
+    up: &Tensor,
+    activated: &Tensor,
+    grad: &Tensor,
+) -> Result<(Tensor, Tensor)> {
+    let d_up = (grad * activated)?;
+    let d_gate = grad_without_graph(gate, &(grad * up)?, act)?;
+    Ok((d_gate, d_up))
 }
 
 /// Whether the op runs: on the CPU in f32 or on a GPU, for a gate and an
@@ -136,8 +163,7 @@ impl CustomOp3 for Gated {
         w_l: &Layout,
     ) -> Result<(CpuStorage, Shape)> {
         let (_, _, n) = sizes(self.name(), gate_l, w_l)?;
-        let mut h = apply(self.0, contiguous_f32(gate, gate_l)?);
-        h.iter_mut().zip(contiguous_f32(up, up_l)?).for_each(|(h, u)| *h *= u);
+        let h = product_cpu(self.0, (gate, gate_l), (up, up_l))?;
         let out = dense(&h, gate_l, Operand::weight(w, w_l)?, w_l, None)?;
         Ok((CpuStorage::F32(out), out_shape(gate_l, n)))
     }
@@ -154,10 +180,8 @@ impl CustomOp3 for Gated {
     ) -> Result<(candle_core::CudaStorage, Shape)> {
         use candle_core::backend::BackendStorage;
         let (m, k, n) = sizes(self.name(), gate_l, w_l)?;
+        let h = product_cuda(self.0, (gate, gate_l), (up, up_l))?;
         let rows = Layout::contiguous((m, k));
-        let activated = super::cuda::activation((gate, gate_l), None, self.0 as i32)?;
-        let h = activated.binary_impl::<candle_core::op::Mul>(up, &rows, up_l)?;
-        drop(activated);
         Ok((h.matmul(w, (1, m, n, k), &rows, &w_l.transpose(0, 1)?)?, out_shape(gate_l, n)))
     }
 
@@ -174,8 +198,7 @@ impl CustomOp3 for Gated {
         let h = (&activated * &up)?;
         let (dh, dw, _) = product_grads(&h, w, grad, false)?;
         drop(h);
-        let d_up = (&dh * &activated)?;
-        let d_gate = grad_without_graph(&gate, &(&dh * &up)?, self.0)?;
+        let (d_gate, d_up) = gate_and_up_grads(self.0, &gate, &up, &activated, &dh)?;
         Ok((Some(d_gate), Some(d_up), dw))
     }
 }
