@@ -46,11 +46,11 @@ pub struct Context {
     /// Rotary tables on the host, for the rotary kernel (with a cache, on
     /// the CPU).
     rotary_host: Option<kernels::RotaryTables>,
-    /// For a decoding step (a cache, one new token per row): how it
-    /// attends (`Composed` otherwise), and whether a GPU rotates and
-    /// appends its heads in one launch (`RLOO_DECODE_ATTENTION`,
-    /// `RLOO_DECODE_APPEND`, read once per pass).
-    decode_attention: kernels::DecodeAttention,
+    /// For a decoding step (a cache, one new token per row): the kernel it
+    /// attends with (None: the composition), and whether a GPU rotates and
+    /// appends its heads in one launch (`RLOO_DECODE_ATTENTION` and the
+    /// kernel's blocks, `RLOO_DECODE_APPEND`, read once per pass).
+    decode_kernel: Option<kernels::DecodeKernel>,
     fused_append: bool,
     /// For whole sequences on a GPU: whether attention takes its heads
     /// straight from a fused projection (`RLOO_ATTENTION_HEADS`).
@@ -89,9 +89,12 @@ impl Context {
             _ => None,
         };
         let decoding = cache.is_some() && inputs.seq_len() == 1;
-        let decode_attention = match decoding {
-            true => kernels::decode_attention_choice()?,
-            false => kernels::DecodeAttention::Composed,
+        let decode_kernel = match decoding {
+            true => match kernels::decode_attention_choice()? {
+                kernels::DecodeAttention::Composed => None,
+                chosen => Some(kernels::DecodeKernel::from_env(chosen == kernels::DecodeAttention::Lanes)?),
+            },
+            false => None,
         };
         let fused_append = decoding && kernels::decode_append_fused()?;
         let fused_heads = cache.is_none() && kernels::attention_heads_fused()?;
@@ -106,7 +109,7 @@ impl Context {
             decode_mask,
             whole,
             rotary_host,
-            decode_attention,
+            decode_kernel,
             fused_append,
             fused_heads,
         })
@@ -213,14 +216,10 @@ pub fn self_attention(
                     (q, cache.append(layer, &k, &v)?)
                 }
             };
-            if ctx.decode_attention != kernels::DecodeAttention::Composed {
-                let lanes = ctx.decode_attention == kernels::DecodeAttention::Lanes;
+            if let Some(kernel) = ctx.decode_kernel {
                 let out = match &ctx.decode_mask {
                     Some(mask) if kernels::fused(&q) => Some(decode_attention(&q, &kv, mask, scale)?),
-                    _ => {
-                        let kernel = kernels::DecodeKernel::from_env(lanes)?;
-                        kernels::decode_attention_cuda(&q, &kv, &ctx.key_mask, scale, kernel)?
-                    }
+                    _ => kernels::decode_attention_cuda(&q, &kv, &ctx.key_mask, scale, kernel)?,
                 };
                 if let Some(out) = out {
                     return out.transpose(1, 2)?.reshape((b, t, n_heads * d));

@@ -51,12 +51,18 @@ pub fn decode_heads_grouped() -> Result<bool> {
 
 /// The query heads a block of the kernel with a lane per key takes: the
 /// most of 8, 4, 2 or 1 that divides the `group` of query heads sharing a
-/// key/value head and keeps the block's partial sums (heads x 32 lanes x
-/// features per lane) within 512 floats per warp.
+/// key/value head and whose partial sums fit a block ([`sums_fit`]).
 #[cfg_attr(not(feature = "cuda"), allow(dead_code))]
 fn heads_per_block(group: usize, head_size: usize) -> usize {
-    let per_lane = head_size.div_ceil(32).next_power_of_two();
-    [8, 4, 2].into_iter().find(|&g| group % g == 0 && g * 32 * per_lane <= 512).unwrap_or(1)
+    [8, 4, 2].into_iter().find(|&g| group % g == 0 && sums_fit(g, head_size)).unwrap_or(1)
+}
+
+/// Whether a block of the kernel with a lane per key holds the partial
+/// sums of `queries` queries: queries x 32 lanes x features per lane
+/// within 512 floats per warp.
+#[cfg_attr(not(feature = "cuda"), allow(dead_code))]
+fn sums_fit(queries: usize, head_size: usize) -> bool {
+    queries * 32 * head_size.div_ceil(32).next_power_of_two() <= 512
 }
 
 /// Picks how many rows a block of the kernel with a lane per key takes on
@@ -74,13 +80,11 @@ pub fn decode_rows_by_prompt() -> Result<bool> {
 /// The rows a block of the kernel with a lane per key takes, beside its
 /// `heads` query heads: the most of 4 or 2 such that every run of that
 /// many rows, from the first, continues one shared row (`shared_rows`, each
-/// row's), and the block's partial sums stay within 512 floats per warp;
-/// else 1.
+/// row's), and the block's partial sums fit ([`sums_fit`]); else 1.
 #[cfg_attr(not(feature = "cuda"), allow(dead_code))]
 fn rows_per_block(shared_rows: &[u32], heads: usize, head_size: usize) -> usize {
-    let per_lane = head_size.div_ceil(32).next_power_of_two();
     let one_prompt = |r: usize| shared_rows.chunks(r).all(|run| run.len() == r && run.iter().all(|&x| x == run[0]));
-    [4, 2].into_iter().find(|&r| r * heads * 32 * per_lane <= 512 && one_prompt(r)).unwrap_or(1)
+    [4, 2].into_iter().find(|&r| sums_fit(r * heads, head_size) && one_prompt(r)).unwrap_or(1)
 }
 
 /// Picks whether a decoding step on a GPU splits each (row, head)'s keys
@@ -156,7 +160,8 @@ pub fn rotary_append_cuda<'c>(
 /// 2, 4 or 8 features.
 const CUDA_HEAD_SIZES: [usize; 4] = [32, 64, 128, 256];
 
-/// Which CUDA kernel a decoding step attends with, and what its blocks take.
+/// Which CUDA kernel a decoding step attends with, what its blocks take,
+/// and whether it may split the keys.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct DecodeKernel {
     /// A lane per key (else a warp per key).
@@ -165,12 +170,21 @@ pub struct DecodeKernel {
     pub grouped_heads: bool,
     /// A block of the lanes takes the rows of a prompt.
     pub rows_by_prompt: bool,
+    /// Keys may be split across blocks ([`key_splits`]).
+    pub split_keys: bool,
 }
 
 impl DecodeKernel {
-    /// The lanes' blocks as `RLOO_DECODE_HEADS` and `RLOO_DECODE_ROWS` cut them.
+    /// The kernel `lanes` names, its blocks as `RLOO_DECODE_HEADS`,
+    /// `RLOO_DECODE_ROWS` and `RLOO_DECODE_SPLIT` cut them (read once per
+    /// pass, not at every layer).
     pub fn from_env(lanes: bool) -> Result<Self> {
-        Ok(Self { lanes, grouped_heads: decode_heads_grouped()?, rows_by_prompt: decode_rows_by_prompt()? })
+        Ok(Self {
+            lanes,
+            grouped_heads: decode_heads_grouped()?,
+            rows_by_prompt: decode_rows_by_prompt()?,
+            split_keys: decode_split_keys()?,
+        })
     }
 }
 
@@ -193,7 +207,7 @@ pub fn decode_attention_cuda(
         return Ok(None);
     }
     #[cfg(feature = "cuda")]
-    return cuda::run(q, kv, key_mask, scale, kernel, decode_split_keys()?).map(Some);
+    return cuda::run(q, kv, key_mask, scale, kernel).map(Some);
     #[cfg(not(feature = "cuda"))]
     {
         let _ = (key_mask, scale);
@@ -312,15 +326,10 @@ mod cuda {
         Ok((q, cache.layer(layer, slot + 1)?))
     }
 
-    /// `split`: the keys split where [`super::key_splits`] says.
-    pub fn run(
-        q: &Tensor,
-        kv: &LayerKv,
-        key_mask: &Tensor,
-        scale: f64,
-        kernel: super::DecodeKernel,
-        split: bool,
-    ) -> Result<Tensor> {
+    /// [`super::decode_attention_cuda`] once it has checked the inputs;
+    /// with `kernel.split_keys` the keys split where [`super::key_splits`]
+    /// says.
+    pub fn run(q: &Tensor, kv: &LayerKv, key_mask: &Tensor, scale: f64, kernel: super::DecodeKernel) -> Result<Tensor> {
         let q = q.contiguous()?;
         let mask = key_mask.to_dtype(DType::F32)?.contiguous()?;
         let (b, h, _, d) = q.dims4()?;
@@ -360,7 +369,7 @@ mod cuda {
         let lanes =
             kernel.lanes.then_some(launch::LanesBlock { heads: heads_per_block as u32, rows: rows_per_block as u32 });
         // Fewer slots than two splits take: no split, and no occupancy query in the step.
-        let (chunk, splits) = match split && slots >= 2 * super::MIN_SPLIT_SLOTS {
+        let (chunk, splits) = match kernel.split_keys && slots >= 2 * super::MIN_SPLIT_SLOTS {
             true => {
                 let at_once = launch::decode_blocks_at_once(q.device().as_cuda_device()?, q.dtype(), d, lanes)?;
                 super::key_splits(b * h / (heads_per_block * rows_per_block), slots, at_once)

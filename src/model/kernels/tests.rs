@@ -41,6 +41,20 @@ fn check(
     }
 }
 
+/// The bits of an f32 tensor's elements.
+fn bits(t: &Tensor) -> Vec<u32> {
+    t.flatten_all().unwrap().to_vec1::<f32>().unwrap().iter().map(|x| x.to_bits()).collect()
+}
+
+/// The bits of `y`, then of each input's gradient of `y` weighted by
+/// `weights` and summed.
+fn output_and_grad_bits(y: &Tensor, weights: &Tensor, inputs: &[Var]) -> Vec<Vec<u32>> {
+    let grads = (y * weights).unwrap().sum_all().unwrap().backward().unwrap();
+    let mut all = vec![bits(y)];
+    all.extend(inputs.iter().map(|v| bits(grads.get(v).expect("a gradient"))));
+    all
+}
+
 fn randn(shape: &[usize], mean: f32) -> Tensor {
     Tensor::randn(mean, 1.5, shape, &Device::Cpu).unwrap()
 }
@@ -277,7 +291,6 @@ fn a_remade_mlp_input_changes_no_bit() {
     let shapes: [&[usize]; 7] = [&[2, 5, 16], &[16], &[16], &[64, 16], &[64], &[16, 64], &[16]];
     let inputs = shapes.map(|s| Var::from_tensor(&randn(s, 0.1)).unwrap());
     let weights = randn(&[2, 5, 16], 0.0);
-    let bits = |t: &Tensor| t.flatten_all().unwrap().to_vec1::<f32>().unwrap().iter().map(|x| x.to_bits()).collect();
     let run = |remade: bool| -> Vec<Vec<u32>> {
         let t: Vec<Tensor> = inputs.iter().map(|v| v.as_tensor().clone()).collect();
         let norm = (&t[1], &t[2], 1e-5);
@@ -289,10 +302,7 @@ fn a_remade_mlp_input_changes_no_bit() {
             }
             false => activation_linear(&wide, Activation::Gelu, &t[5], Some(&t[6])).unwrap(),
         };
-        let grads = (&y * &weights).unwrap().sum_all().unwrap().backward().unwrap();
-        let mut all = vec![bits(&y)];
-        all.extend(inputs.iter().map(|v| bits(grads.get(v).expect("a gradient"))));
-        all
+        output_and_grad_bits(&y, &weights, &inputs)
     };
     assert_eq!(run(true), run(false));
 }
@@ -307,14 +317,10 @@ fn remade_norm_outputs_and_gated_inputs_change_no_bit() {
     let shapes: [&[usize]; 5] = [&[2, 5, 16], &[16], &[48, 16], &[48, 16], &[16, 48]];
     let inputs = shapes.map(|s| Var::from_tensor(&randn(s, 0.1)).unwrap());
     let weights = randn(&[2, 5, 16], 0.0);
-    let bits = |t: &Tensor| t.flatten_all().unwrap().to_vec1::<f32>().unwrap().iter().map(|x| x.to_bits()).collect();
     let run = |remade: &dyn Fn(&[Tensor]) -> Result<Tensor>| -> Vec<Vec<u32>> {
         let t: Vec<Tensor> = inputs.iter().map(|v| v.as_tensor().clone()).collect();
         let y = remade(&t).unwrap();
-        let grads = (&y * &weights).unwrap().sum_all().unwrap().backward().unwrap();
-        let mut all = vec![bits(&y)];
-        all.extend(inputs.iter().map(|v| bits(grads.get(v).expect("a gradient"))));
-        all
+        output_and_grad_bits(&y, &weights, &inputs)
     };
     let kept = run(&|t| {
         let h = rms_norm(&t[0], &t[1], 1e-6)?;
@@ -352,7 +358,6 @@ fn an_adapter_over_a_remade_gated_product_changes_no_bit() {
     let shapes: [&[usize]; 4] = [&[2, 5, 24], &[2, 5, 24], &[4, 24], &[16, 4]];
     let inputs = shapes.map(|s| Var::from_tensor(&randn(s, 0.1)).unwrap());
     let (w, weights) = (randn(&[16, 24], 0.0), randn(&[2, 5, 16], 0.0));
-    let bits = |t: &Tensor| t.flatten_all().unwrap().to_vec1::<f32>().unwrap().iter().map(|x| x.to_bits()).collect();
     let run = |remade: bool| -> Vec<Vec<u32>> {
         let t: Vec<Tensor> = inputs.iter().map(|v| v.as_tensor().clone()).collect();
         let layer = LoraLayer { weight: &w, bias: None, a: &t[2], b: &t[3], scale: 2.0 };
@@ -368,10 +373,7 @@ fn an_adapter_over_a_remade_gated_product_changes_no_bit() {
                 lora_forward(&product, None, &layer, mask).unwrap()
             }
         };
-        let grads = (&y * &weights).unwrap().sum_all().unwrap().backward().unwrap();
-        let mut all = vec![bits(&y)];
-        all.extend(inputs.iter().map(|v| bits(grads.get(v).expect("a gradient"))));
-        all
+        output_and_grad_bits(&y, &weights, &inputs)
     };
     assert_eq!(run(true), run(false));
 }
@@ -385,9 +387,6 @@ fn add_cast_is_the_cast_and_the_addition() {
         let g = randn(&[5, 300], 1.0).to_dtype(dtype).unwrap();
         let want = (&sum + g.to_dtype(DType::F32).unwrap()).unwrap();
         let got = add_cast(&sum, &g).unwrap();
-        let bits = |t: &Tensor| {
-            t.flatten_all().unwrap().to_vec1::<f32>().unwrap().iter().map(|x| x.to_bits()).collect::<Vec<_>>()
-        };
         assert_eq!(bits(&got), bits(&want), "{dtype:?}");
     }
     let wide = sum.to_dtype(DType::F64).unwrap();
