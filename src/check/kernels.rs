@@ -354,7 +354,7 @@ pub fn check_kernels(device: &Device, dtypes: &[DType]) -> Vec<Check> {
             "embedding",
             &[randn(rng, &[40, 96], 0.0, 1.0)],
             &|t| t[0].index_select(&Tensor::new(ids.as_slice(), t[0].device())?, 0),
-            &|t| kernels::embedding(&t[0], &Tensor::new(ids.as_slice(), t[0].device())?),
+            &|t| kernels::gather_rows(&t[0], &Tensor::new(ids.as_slice(), t[0].device())?),
             device,
             dtype,
             rng,
@@ -439,7 +439,15 @@ pub fn check_tensor_attention(device: &Device, dtypes: &[DType]) -> Vec<Check> {
         for d in [64, 128, 256] {
             let name = format!("{name}, head size {d}");
             out.push(
-                tensor_attention_check(device, d, (choice, spans), &name, &mut rng)
+                tensor_attention_check(device, d, (choice, spans), false, &name, &mut rng)
+                    .unwrap_or_else(|e| Check::failed("kernel", &name, DType::BF16, e)),
+            );
+        }
+        // The output as the output projection takes it (the flash kernels write it so).
+        for d in [64, 128] {
+            let name = format!("{name}, a token's heads side by side, head size {d}");
+            out.push(
+                tensor_attention_check(device, d, (choice, spans), true, &name, &mut rng)
                     .unwrap_or_else(|e| Check::failed("kernel", &name, DType::BF16, e)),
             );
         }
@@ -678,10 +686,12 @@ fn qkv_composed(
 /// and keys (so the last tiles are cut short), a right-padded row and one
 /// packed as training packs them, a prompt then completions that each see
 /// it and themselves; masked by the bias or (`spans`) each query's runs.
+/// `merged`: the output (B, T, H * D), each token's heads side by side.
 fn tensor_attention_check(
     device: &Device,
     d: usize,
     (choice, spans): (kernels::AttentionKernels, bool),
+    merged: bool,
     name: &str,
     rng: &mut Rng,
 ) -> Result<Check> {
@@ -696,8 +706,17 @@ fn tensor_attention_check(
     Ok(compare(
         name,
         &inputs,
-        &|x| kernels::sdpa(&x[0], &x[1], &x[2], &host, scale),
-        &|x| kernels::sdpa_with(&x[0], &x[1], &x[2], &on_device, scale, choice),
+        &|x| {
+            let out = kernels::sdpa(&x[0], &x[1], &x[2], &host, scale)?;
+            match merged {
+                true => out.transpose(1, 2)?.reshape((b, t, h * d)),
+                false => Ok(out),
+            }
+        },
+        &|x| match merged {
+            true => kernels::sdpa_merged(&x[0], &x[1], &x[2], &on_device, scale, choice),
+            false => kernels::sdpa_with(&x[0], &x[1], &x[2], &on_device, scale, choice),
+        },
         device,
         DType::BF16,
         rng,

@@ -237,9 +237,7 @@ pub fn self_attention(
         None => rotated_heads(&qkv, ctx)?,
     };
     let chosen = kernels::attention_kernels()?;
-    let out = kernels::sdpa_with(&q, &k, &v, &ctx.mask(chosen, q.dtype(), d)?, scale, chosen)?;
-    // (B, H, T, D) -> (B, T, H * D)
-    out.transpose(1, 2)?.reshape((b, t, n_heads * d))
+    kernels::sdpa_merged(&q, &k, &v, &ctx.mask(chosen, q.dtype(), d)?, scale, chosen)
 }
 
 /// q, k and v as (B, H, T, D), q and k rotated.
@@ -262,7 +260,7 @@ fn rotated_heads(qkv: &Qkv, ctx: &Context) -> Result<(Tensor, Tensor, Tensor)> {
 pub fn embed(table: &Tensor, ids: &Tensor) -> Result<Tensor> {
     let (b, t) = ids.dims2()?;
     let hidden = table.dim(1)?;
-    kernels::embedding(table, &ids.flatten_all()?)?.reshape((b, t, hidden))
+    kernels::gather_rows(table, &ids.flatten_all()?)?.reshape((b, t, hidden))
 }
 
 /// A dense layer with a PyTorch-layout weight (out, in), and optionally a

@@ -142,7 +142,7 @@ impl Network {
             inputs.last_token_index()?.into_iter().enumerate().map(|(row, i)| (row * t + i) as u32).collect();
         let idx = Tensor::from_vec(last, b, hidden.device())?;
         // (B, T, H) -> (B * T, H) -> (B, H)
-        self.project(&hidden.reshape((b * t, h))?.index_select(&idx, 0)?)
+        self.project(&kernels::gather_rows(&hidden.reshape((b * t, h))?, &idx)?)
     }
 }
 

@@ -7,6 +7,7 @@ use std::collections::HashMap;
 use candle_core::{DType, Device, Tensor};
 
 use super::batch::{Inputs, SharedPrefix};
+use super::kernels;
 use super::network::Network;
 use crate::error::{Error, Result};
 
@@ -215,7 +216,7 @@ fn completion_hidden(net: &Network, seqs: &Sequences, device: &Device) -> Result
         .enumerate()
         .flat_map(|(i, c)| (0..width).map(move |j| if j < c.len() { packed.slot(i, j) as u32 } else { 0 }))
         .collect();
-    Ok(packed.flat(&hidden)?.index_select(&Tensor::from_vec(at, seqs.len() * width, device)?, 0)?)
+    Ok(kernels::gather_rows(&packed.flat(&hidden)?, &Tensor::from_vec(at, seqs.len() * width, device)?)?)
 }
 
 /// A critic's value of the state before each completion token: its score

@@ -1,4 +1,5 @@
-//! An embedding lookup whose table trains on a GPU: one op whose backward
+//! Rows picked from a table that trains on a GPU (an embedding lookup, the
+//! hidden states at the completions' positions): one op whose backward
 //! writes the table's gradient a row per block (`cuda/embedding.cuh`).
 
 use candle_core::{CustomOp2, Result, Tensor};
@@ -8,7 +9,7 @@ use candle_core::{Layout, Shape};
 /// Rows `ids` (N,) of `table` (V, H): the op above on a GPU for a table
 /// that trains, where candle's index_add would walk every position for
 /// every column on one thread each; elsewhere candle's index_select.
-pub fn embedding(table: &Tensor, ids: &Tensor) -> Result<Tensor> {
+pub fn gather_rows(table: &Tensor, ids: &Tensor) -> Result<Tensor> {
     if !(super::on_cuda(&[table]) && table.track_op() && ids.dtype() == candle_core::DType::U32) {
         return table.index_select(ids, 0);
     }

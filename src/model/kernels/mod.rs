@@ -34,7 +34,7 @@ pub use decode_attention::{
     decode_rows_by_prompt, decode_split_keys, rotary_append_cuda, DecodeAttention, DecodeKernel,
 };
 pub use elementwise::{activation, add_cast, contiguous, residual, sum3};
-pub use embedding::embedding;
+pub use embedding::gather_rows;
 pub use gated::{gated_linear, gated_linear_remade, gated_product};
 pub use linear::{
     activation_linear, activation_linear_remade, dense_bias_epilogue, linear, linear_remade, linear_with,
@@ -47,8 +47,8 @@ pub use qkv_attention::{attention_heads_fused, qkv_attention, ATTENTION_HEADS_VA
 pub use remade::{mlp_input_remade, Remake, MLP_INPUT_VAR};
 pub use rotary::{rotary, rotate, RotaryTables};
 pub use sdpa::{
-    attention_kernels, attention_spans_chosen, sdpa, sdpa_with, spans_taken, AttentionKernels, AttentionMask,
-    DeviceSpans, ATTENTION_MASK_VAR, ATTENTION_VAR,
+    attention_kernels, attention_spans_chosen, sdpa, sdpa_merged, sdpa_with, spans_taken, AttentionKernels,
+    AttentionMask, DeviceSpans, ATTENTION_MASK_VAR, ATTENTION_VAR,
 };
 pub use squares::sums_of_squares;
 pub use token_logprobs::{logits_chunk_rows, token_logprobs};

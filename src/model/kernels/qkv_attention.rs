@@ -18,7 +18,7 @@ use candle_core::{CustomOp1, CustomOp2, DType, Result, Tensor};
 #[cfg(feature = "cuda")]
 use candle_core::{Layout, Shape};
 
-use super::sdpa::{kernels_taking, row_dots, GradState};
+use super::sdpa::{kernels_taking, row_dots, GradState, OutRows};
 use super::{AttentionKernels, AttentionMask, Packing};
 use crate::model::device::variant;
 
@@ -178,8 +178,13 @@ impl CustomOp1 for QkvAttention {
         let grad = by_head(&grad.contiguous()?)?;
         // Over the (B, T, H) rows as they lie, then in the kernels' (B, H, T) order.
         let di = row_dots(&grad, &by_head(out)?)?.transpose(1, 2)?.contiguous()?;
-        let grad = grad.transpose(1, 2)?.contiguous()?;
-        let state = GradState { mask: self.mask.clone(), lse, grad, di, scale: self.scale, kernels: self.kernels };
+        let grad_rows = self.kernels.projection_rows();
+        let grad = match grad_rows {
+            OutRows::ByToken => grad,
+            OutRows::ByHead => grad.transpose(1, 2)?.contiguous()?,
+        };
+        let state =
+            GradState { mask: self.mask.clone(), lse, grad, di, scale: self.scale, kernels: self.kernels, grad_rows };
         let (dq, dkv) = state.grads(&q, &k, &v)?;
         Ok(Some(dq.apply_op2_no_bwd(&dkv, &Merge { dims: self.dims, tables: self.tables.clone() })?))
     }

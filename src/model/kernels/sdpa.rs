@@ -38,6 +38,25 @@ impl AttentionKernels {
     pub fn on_tensor_cores(self) -> bool {
         self != Self::Rows
     }
+
+    /// How these kernels lay attention's output and read its gradient when
+    /// the output goes to the output projection: the flash ones as the
+    /// projection takes it, the others by head (transposed after).
+    pub(super) fn projection_rows(self) -> OutRows {
+        match self {
+            Self::Flash => OutRows::ByToken,
+            Self::Rows | Self::Tensor => OutRows::ByHead,
+        }
+    }
+}
+
+/// How attention's output and its gradient lie: (B, H, T, D) rows, which
+/// every kernel takes, or (B, T, H, D), the output projection's input,
+/// which the flash kernels also write and read.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(super) enum OutRows {
+    ByHead,
+    ByToken,
 }
 
 /// The kernels chosen; an unknown choice is an error.
@@ -139,6 +158,38 @@ pub fn sdpa_with(
     scale: f64,
     kernels: AttentionKernels,
 ) -> Result<Tensor> {
+    Ok(sdpa_laid_out(q, k, v, mask, scale, kernels, OutRows::ByHead)?.0)
+}
+
+/// [`sdpa_with`] with each token's heads side by side, (B, T, H * D), as
+/// the output projection takes them: the flash kernels write it so, where
+/// the others' output is transposed after.
+pub fn sdpa_merged(
+    q: &Tensor,
+    k: &Tensor,
+    v: &Tensor,
+    mask: &AttentionMask,
+    scale: f64,
+    kernels: AttentionKernels,
+) -> Result<Tensor> {
+    let (b, h, t, d) = q.dims4()?;
+    match sdpa_laid_out(q, k, v, mask, scale, kernels, OutRows::ByToken)? {
+        (out, OutRows::ByToken) => out.reshape((b, t, h * d)),
+        (out, OutRows::ByHead) => out.transpose(1, 2)?.reshape((b, t, h * d)),
+    }
+}
+
+/// The output as `rows` asks where the kernels that run write it so (the
+/// flash ones), else (B, H, T, D); and how it lies.
+fn sdpa_laid_out(
+    q: &Tensor,
+    k: &Tensor,
+    v: &Tensor,
+    mask: &AttentionMask,
+    scale: f64,
+    kernels: AttentionKernels,
+    rows: OutRows,
+) -> Result<(Tensor, OutRows)> {
     let (_, h, t, d) = q.dims4()?;
     let (_, h_kv, s, _) = k.dims4()?;
     let Some(kernels) = kernels_taking(kernels, q.dtype(), d, t, s).filter(|_| super::on_cuda(&[q, k, v])) else {
@@ -146,11 +197,16 @@ pub fn sdpa_with(
             candle_core::bail!("sdpa: attention over spans runs on a GPU's flash kernels only")
         };
         let n_rep = h / h_kv;
-        return ops::attention(q, &ops::repeat_kv(k, n_rep)?, &ops::repeat_kv(v, n_rep)?, bias, scale);
+        let out = ops::attention(q, &ops::repeat_kv(k, n_rep)?, &ops::repeat_kv(v, n_rep)?, bias, scale)?;
+        return Ok((out, OutRows::ByHead));
     };
     let (k, v) = (cache_layout(k)?, cache_layout(v)?);
-    let op = Sdpa { mask: mask.for_kernels()?, scale: scale as f32, kernels, lse: Mutex::new(None) };
-    q.contiguous()?.apply_op3(&k, &v, op)
+    let rows = match rows {
+        OutRows::ByToken => kernels.projection_rows(),
+        OutRows::ByHead => OutRows::ByHead,
+    };
+    let op = Sdpa { mask: mask.for_kernels()?, scale: scale as f32, kernels, rows, lse: Mutex::new(None) };
+    Ok((q.contiguous()?.apply_op3(&k, &v, op)?, rows))
 }
 
 /// The GPU kernels that take `t` queries over `s` keys of head size `d` in
@@ -201,6 +257,8 @@ struct Sdpa {
     /// The rows kernels where the tiled ones do not take the inputs.
     #[cfg_attr(not(feature = "cuda"), allow(dead_code))]
     kernels: AttentionKernels,
+    /// How the output and its gradient lie.
+    rows: OutRows,
     /// Each row's log-sum-exp (B, H, T), kept by the forward for the backward.
     lse: Mutex<Option<Tensor>>,
 }
@@ -222,7 +280,7 @@ impl CustomOp3 for Sdpa {
         v: &candle_core::CudaStorage,
         v_l: &Layout,
     ) -> Result<(candle_core::CudaStorage, candle_core::Shape)> {
-        let dims = attn_dims(q_l, k_l, v_l, self.scale)?;
+        let dims = attn_dims(q_l, k_l, v_l, self.scale)?.out_rows(self.rows);
         let (out, lse) = self
             .mask
             .on_gpu(|mask| super::cuda::attention_fwd((q, q_l), (k, k_l), (v, v_l), mask, dims, self.kernels))?;
@@ -234,7 +292,12 @@ impl CustomOp3 for Sdpa {
             false,
         );
         *self.lse.lock().unwrap_or_else(std::sync::PoisonError::into_inner) = Some(lse);
-        Ok((out, q_l.shape().clone()))
+        let d = q_l.dims()[3];
+        let shape = match self.rows {
+            OutRows::ByHead => q_l.shape().clone(),
+            OutRows::ByToken => candle_core::Shape::from((b, t, h, d)),
+        };
+        Ok((out, shape))
     }
 
     fn bwd(
@@ -250,7 +313,20 @@ impl CustomOp3 for Sdpa {
         };
         let grad = grad.contiguous()?;
         let di = row_dots(&grad, &out.contiguous()?)?;
-        let state = GradState { mask: self.mask.clone(), lse, grad, di, scale: self.scale, kernels: self.kernels };
+        // The kernels read di in (B, H, T) order.
+        let di = match self.rows {
+            OutRows::ByHead => di,
+            OutRows::ByToken => di.transpose(1, 2)?.contiguous()?,
+        };
+        let state = GradState {
+            mask: self.mask.clone(),
+            lse,
+            grad,
+            di,
+            scale: self.scale,
+            kernels: self.kernels,
+            grad_rows: self.rows,
+        };
         let (dq, dkv) = state.grads(q, k, v)?;
         Ok((Some(dq), Some(dkv.get(0)?), Some(dkv.get(1)?)))
     }
@@ -295,6 +371,8 @@ pub(super) struct GradState {
     pub di: Tensor,
     pub scale: f32,
     pub kernels: AttentionKernels,
+    /// How `grad` lies.
+    pub grad_rows: OutRows,
 }
 
 impl GradState {
@@ -332,7 +410,7 @@ impl CustomOp3 for SdpaGrad<'_> {
         v_l: &Layout,
     ) -> Result<(candle_core::CudaStorage, candle_core::Shape)> {
         let s = self.state;
-        let dims = attn_dims(q_l, k_l, v_l, s.scale)?;
+        let dims = attn_dims(q_l, k_l, v_l, s.scale)?.out_rows(s.grad_rows);
         let guards = [&s.lse, &s.grad, &s.di].map(|t| t.storage_and_layout());
         let on_gpu = guards
             .iter()
@@ -370,13 +448,5 @@ fn attn_dims(q_l: &Layout, k_l: &Layout, v_l: &Layout, scale: f32) -> Result<sup
         (Some(k), Some(v)) if k == v && k_l.dims() == v_l.dims() => k,
         _ => candle_core::bail!("sdpa: keys {k_l:?} and values {v_l:?} are not packed rows of one layout"),
     };
-    Ok(super::cuda::AttnDims {
-        h: h as i32,
-        h_kv: h_kv as i32,
-        t: t as i32,
-        s: s as i32,
-        d: d as i32,
-        kv_stride: kv_stride as i64,
-        scale,
-    })
+    Ok(super::cuda::AttnDims::new([h, h_kv, t, s, d], kv_stride, scale))
 }

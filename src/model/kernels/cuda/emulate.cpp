@@ -309,7 +309,9 @@ struct Problem {
 bf16 random_bf16(std::mt19937& rng) { return __float2bfloat16(std::normal_distribution<float>(0.f, 1.f)(rng)); }
 
 Problem make(const Case& c, std::mt19937& rng) {
-    Problem p{c, {c.h, c.h_kv, c.t, c.s, c.d, (long long)c.capacity * c.d, 1.f / std::sqrt(float(c.d))}, {}, {}, {}, {}, {}};
+    const AttnDims a{c.h, c.h_kv, c.t, c.s, c.d, (long long)c.capacity * c.d, 1.f / std::sqrt(float(c.d)),
+                     c.d, (long long)c.t * c.d};
+    Problem p{c, a, {}, {}, {}, {}, {}};
     for (auto* x : {&p.q, &p.dout}) {
         x->resize((size_t)c.b * c.h * c.t * c.d);
         for (auto& e : *x) e = random_bf16(rng);
@@ -448,10 +450,29 @@ SpanInputs spans_of(const Problem& p) {
     return out;
 }
 
+// (B, H, T, D) rows as (B, T, H, D), or back (`back`).
+template <typename T>
+std::vector<T> by_token(const std::vector<T>& x, const Case& c, bool back = false) {
+    std::vector<T> out(x.size());
+    for (int bi = 0; bi < c.b; ++bi)
+        for (int hi = 0; hi < c.h; ++hi)
+            for (int i = 0; i < c.t; ++i)
+                for (int e = 0; e < c.d; ++e) {
+                    const size_t head_major = (((size_t)bi * c.h + hi) * c.t + i) * c.d + e;
+                    const size_t token_major = (((size_t)bi * c.t + i) * c.h + hi) * c.d + e;
+                    if (back)
+                        out[head_major] = x[token_major];
+                    else
+                        out[token_major] = x[head_major];
+                }
+    return out;
+}
+
 // The kernels over the bias, or (`spans`) over each query's runs of keys,
-// their bias 0 where visible.
+// their bias 0 where visible; the output and its gradient in (B, H, T, D)
+// rows, or in (B, T, H, D) (`token_rows`).
 template <int D>
-bool run(const Case& c, std::mt19937& rng, bool spans = false) {
+bool run(const Case& c, std::mt19937& rng, bool spans = false, bool token_rows = false) {
     constexpr int BK = fa::Tiles<D>::KEYS, BQ_KV = fa::Tiles<D>::QUERIES;
     constexpr bool SPLIT = fa::Tiles<D>::SPLIT;
     Problem p = make(c, rng);
@@ -459,7 +480,10 @@ bool run(const Case& c, std::mt19937& rng, bool spans = false) {
         for (float& x : p.bias) x = x < -1e29f ? x : 0.f;
     Grads want = reference(p);
     const SpanInputs si = spans ? spans_of(p) : SpanInputs{};
-    const AttnDims a = p.a;
+    AttnDims a = p.a;
+    if (token_rows) a.o_row = (long long)c.h * c.d, a.o_head = c.d;
+    // What the kernels read of the output's gradient, as they lay it.
+    const std::vector<bf16> dout = token_rows ? by_token(p.dout, c) : p.dout;
     const int rows = c.b * c.h * c.t;
     std::vector<bf16> o(p.q.size(), bf16{0xffff}), dq(p.q.size(), bf16{0xffff});
     std::vector<float> lse(rows, NAN), di(rows);
@@ -471,6 +495,7 @@ bool run(const Case& c, std::mt19937& rng, bool spans = false) {
     else
         launch(query_blocks, fa::fwd_bytes<D, BK>(),
                [&] { fa::fwd<D, BK>(p.q.data(), p.k.data(), p.v.data(), p.bias.data(), o.data(), lse.data(), a); });
+    if (token_rows) o = by_token(o, c, true);
     for (int r = 0; r < rows; ++r) {
         double x = 0;
         for (int e = 0; e < D; ++e) x += __bfloat162float(o[(size_t)r * D + e]) * __bfloat162float(p.dout[(size_t)r * D + e]);
@@ -478,12 +503,12 @@ bool run(const Case& c, std::mt19937& rng, bool spans = false) {
     }
     if (spans)
         launch(query_blocks, fa::bwd_q_spans_bytes<D, BK>(), [&] {
-            fa::bwd_q_spans<D, BK>(p.q.data(), p.k.data(), p.v.data(), si.spans.data(), lse.data(), p.dout.data(),
+            fa::bwd_q_spans<D, BK>(p.q.data(), p.k.data(), p.v.data(), si.spans.data(), lse.data(), dout.data(),
                                    di.data(), dq.data(), a);
         });
     else
         launch(query_blocks, fa::bwd_q_bytes<D, BK>(), [&] {
-            fa::bwd_q<D, BK>(p.q.data(), p.k.data(), p.v.data(), p.bias.data(), lse.data(), p.dout.data(), di.data(),
+            fa::bwd_q<D, BK>(p.q.data(), p.k.data(), p.v.data(), p.bias.data(), lse.data(), dout.data(), di.data(),
                              dq.data(), a);
         });
     std::vector<bf16> kv(2 * want.dk.size(), bf16{0xffff});
@@ -491,19 +516,20 @@ bool run(const Case& c, std::mt19937& rng, bool spans = false) {
     if (spans)
         launch(key_blocks, fa::bwd_kv_spans_bytes<D, BQ_KV>(), [&] {
             fa::bwd_kv_spans<D, BQ_KV, SPLIT>(p.q.data(), p.k.data(), p.v.data(), si.spans.data(), si.ranges.data(),
-                                              lse.data(), p.dout.data(), di.data(), kv.data(), a);
+                                              lse.data(), dout.data(), di.data(), kv.data(), a);
         });
     else
         launch(key_blocks, fa::bwd_kv_bytes<D, BQ_KV>(), [&] {
-            fa::bwd_kv<D, BQ_KV, SPLIT>(p.q.data(), p.k.data(), p.v.data(), p.bias.data(), lse.data(), p.dout.data(),
+            fa::bwd_kv<D, BQ_KV, SPLIT>(p.q.data(), p.k.data(), p.v.data(), p.bias.data(), lse.data(), dout.data(),
                                         di.data(), kv.data(), a);
         });
     const double errs[5] = {relative_error(o, want.o), relative_error(lse, want.lse), relative_error(dq, want.dq),
                             relative_error(kv, want.dk), relative_error(kv, want.dv, want.dk.size())};
     // The log-sum-exp sums probabilities rounded to bf16: about 1e-4 off in short rows.
     const bool ok = errs[0] < 1e-2 && errs[1] < 2e-4 && errs[2] < 2e-2 && errs[3] < 2e-2 && errs[4] < 2e-2;
-    std::printf("%-4s %-5s %-34s o %.1e  lse %.1e  dq %.1e  dk %.1e  dv %.1e\n", ok ? "ok" : "FAIL",
-                spans ? "spans" : "bias", c.name, errs[0], errs[1], errs[2], errs[3], errs[4]);
+    std::printf("%-4s %-5s %-6s %-34s o %.1e  lse %.1e  dq %.1e  dk %.1e  dv %.1e\n", ok ? "ok" : "FAIL",
+                spans ? "spans" : "bias", token_rows ? "tokens" : "heads", c.name, errs[0], errs[1], errs[2], errs[3],
+                errs[4]);
     std::fflush(stdout);
     return ok;
 }
@@ -787,6 +813,7 @@ int main(int argc, char** argv) {
         ok &= run<256>({"d256 past slots in a cache", 1, 1, 1, 20, 40, 256, 48, Case::CAUSAL}, rng);
         ok &= run<64>({"d64 shared prefix", 1, 2, 1, 150, 150, 64, 150, Case::SHARED_PREFIX}, rng, true);
         ok &= run<256>({"d256 causal, padding", 2, 1, 1, 70, 70, 256, 70, Case::CAUSAL}, rng, true);
+        ok &= run<64>({"d64 shared prefix", 1, 2, 1, 150, 150, 64, 150, Case::SHARED_PREFIX}, rng, true, true);
         ok &= decode_case<bf16, 2>(64, false, true);
         ok &= decode_case<bf16, 2>(64, true, true);
         ok &= decode_case<bf16, 2>(64, true, true, 96);
@@ -846,6 +873,12 @@ int main(int argc, char** argv) {
     ok &= run<128>({"d128 shared prefix, gqa", 1, 4, 2, 200, 200, 128, 200, Case::SHARED_PREFIX}, rng, true);
     ok &= run<128>({"d128 causal, padding", 2, 2, 2, 70, 70, 128, 70, Case::CAUSAL}, rng, true);
     ok &= run<256>({"d256 shared prefix, gqa", 1, 2, 1, 100, 100, 256, 100, Case::SHARED_PREFIX}, rng, true);
+    // The output and its gradient as the output projection has them, (B, T, H, D).
+    for (bool spans : {false, true}) {
+        ok &= run<64>({"d64 shared prefix, gqa", 2, 4, 2, 100, 100, 64, 100, Case::SHARED_PREFIX}, rng, spans, true);
+        ok &= run<128>({"d128 causal, padding", 2, 2, 2, 70, 70, 128, 70, Case::CAUSAL}, rng, spans, true);
+        ok &= run<256>({"d256 causal, padding, gqa", 2, 2, 1, 70, 70, 256, 70, Case::CAUSAL}, rng, spans, true);
+    }
     std::printf(ok ? "all match\n" : "MISMATCH\n");
     return ok ? 0 : 1;
 }

@@ -8,7 +8,8 @@
 // Tiles whose bias masks every pair are skipped before their operands load.
 // d q and (d k, d v) are separate kernels, each summing in a fixed order.
 //
-// Inputs and outputs are the bias-attention kernels' in kernels.cu. The
+// Inputs and outputs are the bias-attention kernels' in kernels.cu, but
+// the output and its gradient may also lie by token (AttnDims::o_row). The
 // warp-level primitives (ldmatrix, mma, shuffles) are defined here for the
 // GPU; emulate.cpp beside this file defines them on the host, one thread
 // per lane, and runs these kernels against a reference
@@ -20,6 +21,11 @@ struct AttnDims {
     int h, h_kv, t, s, d;
     long long kv_stride;
     float scale;
+    // Elements between the output's consecutive queries and heads, its
+    // gradient's too (the flash kernels; the others take the first): D and
+    // T D in (B, H, T, D) rows, or H D and D in (B, T, H, D), the output
+    // projection's input as it lies. A sequence's rows are H T D long in both.
+    long long o_row, o_head;
 };
 
 namespace fa {
@@ -99,25 +105,36 @@ __device__ __forceinline__ void expect_launch(size_t bytes, int threads) {
 // (and a WMMA load) fall in distinct banks.
 __host__ __device__ constexpr int ld_bf(int cols) { return cols + 8; }
 
-// Rows [r0, r0 + n) of a (rows, D) matrix into shared memory, zeros past
-// `rows`: 16 bytes (8 features) per load where the matrix is 16-byte aligned,
-// as its rows then are (D is a multiple of 16), else feature by feature.
+// Whether rows `ld` elements apart from `src` all start on 16 bytes.
+__device__ __forceinline__ bool rows_aligned(const bf16* src, long long ld) {
+    return (reinterpret_cast<size_t>(src) & 15) == 0 && ld % 8 == 0;
+}
+
+// Rows [r0, r0 + n) of a matrix of `rows` rows of D features, `ld` elements
+// apart, into shared memory, zeros past `rows`: 16 bytes (8 features) per
+// load where the rows are 16-byte aligned, else feature by feature.
 template <int D>
-__device__ __forceinline__ void stage(bf16* dst, const bf16* src, int r0, int n, int rows) {
-    if ((reinterpret_cast<size_t>(src) & 15) == 0) {
+__device__ __forceinline__ void stage(bf16* dst, const bf16* src, int r0, int n, int rows, long long ld = D) {
+    if (rows_aligned(src, ld)) {
         constexpr int PER_ROW = D / 8;
         for (int i = threadIdx.x; i < n * PER_ROW; i += blockDim.x) {
             const int r = i / PER_ROW, c = i % PER_ROW * 8;
             uint4 x = make_uint4(0, 0, 0, 0);
-            if (r0 + r < rows) x = *reinterpret_cast<const uint4*>(src + (size_t)(r0 + r) * D + c);
+            if (r0 + r < rows) x = *reinterpret_cast<const uint4*>(src + (r0 + r) * ld + c);
             *reinterpret_cast<uint4*>(dst + r * ld_bf(D) + c) = x;
         }
         return;
     }
     for (int i = threadIdx.x; i < n * D; i += blockDim.x) {
         const int r = i / D, c = i % D;
-        dst[r * ld_bf(D) + c] = r0 + r < rows ? src[(size_t)(r0 + r) * D + c] : __float2bfloat16(0.f);
+        dst[r * ld_bf(D) + c] = r0 + r < rows ? src[(r0 + r) * ld + c] : __float2bfloat16(0.f);
     }
+}
+
+// Where query t of sequence-and-head bh (sequence bh / H, head bh % H)
+// lies in the output and its gradient.
+__device__ __forceinline__ size_t out_at(const AttnDims& a, size_t bh, int t) {
+    return bh / a.h * ((size_t)a.h * a.t * a.d) + bh % a.h * a.o_head + (size_t)t * a.o_row;
 }
 
 constexpr int WARPS = 4, ROWS = 16 * WARPS;
@@ -203,17 +220,18 @@ __device__ __forceinline__ int load_bias(float (&bv)[NT][4], const float* bias, 
 }
 
 // What a block of 64 queries of one head (blockIdx.x the tile, blockIdx.y
-// the sequence and head) reads: its queries' first row of (B, H, T) rows,
-// its sequence and key/value head; and this lane's first query (its second
-// is r + 8).
+// the sequence and head, bh) reads: its queries' first row of (B, H, T)
+// rows, its sequence and key/value head; and this lane's first query (its
+// second is r + 8).
 struct QueryBlock {
-    size_t row0, seq;
+    size_t bh, row0, seq;
     int t0, r;
     const bf16 *k, *v;
 
     __device__ __forceinline__ QueryBlock(const bf16* keys, const bf16* values, const AttnDims& a) {
-        const int bh = blockIdx.y, hk = bh % a.h / (a.h / a.h_kv);
-        seq = bh / a.h, row0 = (size_t)bh * a.t, t0 = blockIdx.x * ROWS;
+        bh = blockIdx.y;
+        const int hk = bh % a.h / (a.h / a.h_kv);
+        seq = bh / a.h, row0 = bh * a.t, t0 = blockIdx.x * ROWS;
         r = t0 + (threadIdx.x >> 5) * 16 + (threadIdx.x & 31) / 4;
         k = keys + (seq * a.h_kv + hk) * a.kv_stride;
         v = values + (seq * a.h_kv + hk) * a.kv_stride;
@@ -265,11 +283,11 @@ __device__ __forceinline__ void fwd_store(const float (&acc)[D / 8][4], const fl
         l[h] += shfl_xor(l[h], 2);
         const int row = blk.r + 8 * h;
         if (row >= a.t) continue;
-        const size_t at = blk.row0 + row;
+        bf16* o_row = o + out_at(a, blk.bh, row);
         const float inv = l[h] > 0.f ? 1.f / l[h] : 0.f;
         for (int n = 0; n < D / 8; ++n)
-            store_pair(o + at * D + n * 8 + (lane & 3) * 2, acc[n][2 * h] * inv, acc[n][2 * h + 1] * inv);
-        if ((lane & 3) == 0) lse[at] = l[h] > 0.f ? (m[h] + log2f(l[h])) / LOG2E : 0.f;
+            store_pair(o_row + n * 8 + (lane & 3) * 2, acc[n][2 * h] * inv, acc[n][2 * h + 1] * inv);
+        if ((lane & 3) == 0) lse[blk.row0 + row] = l[h] > 0.f ? (m[h] + log2f(l[h])) / LOG2E : 0.f;
     }
 }
 
@@ -366,7 +384,7 @@ __device__ void bwd_q(const bf16* q, const bf16* k, const bf16* v, const float* 
     const QueryBlock blk(k, v, a);
     const float* bias_b = bias + blk.seq * a.t * a.s;
     stage<D>(qs, q + blk.row0 * D, blk.t0, ROWS, a.t);
-    stage<D>(dos, dout + blk.row0 * D, blk.t0, ROWS, a.t);
+    stage<D>(dos, dout + out_at(a, blk.bh, 0), blk.t0, ROWS, a.t, a.o_row);
     float row_lse[2], row_di[2];
     row_stats(row_lse, row_di, lse, di, blk, a);
     float acc[ND][4];
@@ -479,7 +497,7 @@ __device__ void bwd_kv_part(const bf16* q, const bf16* k, const bf16* v, const f
             float s[NT][4];
             if (!__syncthreads_or(load_bias(s, bias_b, a, r, t0, lane, true))) continue;
             stage<D>(qs, q + head * a.t * D, t0, BQ, a.t);
-            stage<D>(dos, dout + head * a.t * D, t0, BQ, a.t);
+            stage<D>(dos, dout + out_at(a, head, 0), t0, BQ, a.t, a.o_row);
             for (int i = threadIdx.x; i < BQ; i += blockDim.x) {
                 lse_s[i] = t0 + i < a.t ? lse[head * a.t + t0 + i] * LOG2E : 0.f;
                 di_s[i] = t0 + i < a.t ? di[head * a.t + t0 + i] : 0.f;
@@ -600,13 +618,13 @@ __device__ __forceinline__ TileWalk walk_tiles(const Span* spans) {
 // lays them, zeros past `rows`: copied in the background where the matrix
 // is 16-byte aligned, else at once.
 template <int D>
-__device__ __forceinline__ void stage_async(bf16* dst, const bf16* src, int r0, int n, int rows) {
-    if ((reinterpret_cast<size_t>(src) & 15) != 0) return stage<D>(dst, src, r0, n, rows);
+__device__ __forceinline__ void stage_async(bf16* dst, const bf16* src, int r0, int n, int rows, long long ld = D) {
+    if (!rows_aligned(src, ld)) return stage<D>(dst, src, r0, n, rows, ld);
     constexpr int PER_ROW = D / 8;
     for (int i = threadIdx.x; i < n * PER_ROW; i += blockDim.x) {
         const int r = i / PER_ROW, c = i % PER_ROW * 8;
         const bool in = r0 + r < rows;
-        copy16_async(dst + r * ld_bf(D) + c, src + (size_t)(in ? r0 + r : 0) * D + c, in);
+        copy16_async(dst + r * ld_bf(D) + c, src + (in ? r0 + r : 0) * ld + c, in);
     }
 }
 
@@ -704,7 +722,7 @@ __device__ void bwd_q_spans(const bf16* q, const bf16* k, const bf16* v, const S
     const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
     const QueryBlock blk(k, v, a);
     stage_async<D>(qs, q + blk.row0 * D, blk.t0, ROWS, a.t);
-    stage_async<D>(dos, dout + blk.row0 * D, blk.t0, ROWS, a.t);
+    stage_async<D>(dos, dout + out_at(a, blk.bh, 0), blk.t0, ROWS, a.t, a.o_row);
     float row_lse[2], row_di[2];
     row_stats(row_lse, row_di, lse, di, blk, a);
     float acc[ND][4];
@@ -744,7 +762,7 @@ __device__ void bwd_kv_spans_part(const bf16* q, const bf16* k, const bf16* v, c
         bf16* qs = rows + (it & 1) * 2 * BQ * LD;
         float* side = sides + (it & 1) * 6 * BQ;
         stage_async<D>(qs, q + head * a.t * D, t0, BQ, a.t);
-        stage_async<D>(qs + BQ * LD, dout + head * a.t * D, t0, BQ, a.t);
+        stage_async<D>(qs + BQ * LD, dout + out_at(a, head, 0), t0, BQ, a.t, a.o_row);
         for (int i = threadIdx.x; i < BQ; i += blockDim.x) {
             const bool in = t0 + i < a.t;
             const int query = in ? t0 + i : 0;

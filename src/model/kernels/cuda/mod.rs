@@ -10,6 +10,7 @@ use candle_core::cuda_backend::{CudaDType, WrapErr};
 use candle_core::{CudaStorage, DType, Layout, Result, Shape};
 use half::bf16;
 
+use super::sdpa::OutRows;
 use super::AttentionKernels;
 
 const KERNELS: &[u8] = include_bytes!(concat!(env!("OUT_DIR"), "/kernels.fatbin"));
@@ -700,8 +701,12 @@ pub fn qkv_attention_fwd(
     let (b, h, t, d) = (a.batch as usize, a.h as usize, a.t as usize, a.d as usize);
     let part = |p: usize| Layout::contiguous_with_offset((b, h, t, d), p * b * h * t * d);
     let (q_l, k_l, v_l) = (part(0), part(1), part(2));
-    let dims = AttnDims { h: a.h, h_kv: a.h, t: a.t, s: a.t, d: a.d, kv_stride: (t * d) as i64, scale };
+    let layout = kernels.projection_rows();
+    let dims = AttnDims::new([h, h, t, t, d], t * d, scale).out_rows(layout);
     let (out, lse) = attention_fwd((&qkv, &q_l), (&qkv, &k_l), (&qkv, &v_l), mask, dims, kernels)?;
+    if layout == OutRows::ByToken {
+        return Ok((out, lse));
+    }
     // (B, H, T, D) -> (B, T, H, D), the output projection's input.
     // Safety: the copy below writes every element.
     let mut rows = unsafe { out.device().alloc_uninit(&Shape::from((b, t, h, d)), out.dtype()) }?;
@@ -813,10 +818,38 @@ pub struct AttnDims {
     /// Elements between consecutive key/value heads.
     pub kv_stride: i64,
     pub scale: f32,
+    /// Elements between the output's consecutive queries and heads, and its
+    /// gradient's ([`OutRows`]).
+    pub o_row: i64,
+    pub o_head: i64,
 }
 
 // Safety: a plain C struct of numbers, passed by value.
 unsafe impl DeviceRepr for AttnDims {}
+
+impl AttnDims {
+    /// Heads h (q) and h_kv, queries t, keys s and head size d, keys and
+    /// values `kv_stride` elements a head apart; the output by head.
+    pub fn new([h, h_kv, t, s, d]: [usize; 5], kv_stride: usize, scale: f32) -> Self {
+        let (o_row, o_head) = (d as i64, (t * d) as i64);
+        let [h, h_kv, t, s, d] = [h, h_kv, t, s, d].map(|x| x as i32);
+        Self { h, h_kv, t, s, d, kv_stride: kv_stride as i64, scale, o_row, o_head }
+    }
+
+    /// The same with the output and its gradient laid out as `rows`.
+    pub(super) fn out_rows(self, rows: OutRows) -> Self {
+        let (h, t, d) = (self.h as i64, self.t as i64, self.d as i64);
+        let (o_row, o_head) = match rows {
+            OutRows::ByHead => (d, t * d),
+            OutRows::ByToken => (h * d, d),
+        };
+        Self { o_row, o_head, ..self }
+    }
+
+    fn by_head(&self) -> bool {
+        (self.o_row, self.o_head) == (self.d as i64, self.t as i64 * self.d as i64)
+    }
+}
 
 /// The three attention passes: the forward, d q, and d k with d v.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -958,6 +991,9 @@ fn attention_kernel(
     };
     if spans && kernels != AttentionKernels::Flash {
         candle_core::bail!("attention over spans runs on the flash kernels only, not {kernels:?}")
+    }
+    if !a.by_head() && kernels != AttentionKernels::Flash {
+        candle_core::bail!("an output by token is written by the flash kernels only, not {kernels:?}")
     }
     if kernels == AttentionKernels::Rows {
         let (blocks, floats) = match pass {
