@@ -142,10 +142,10 @@ impl CustomOp2 for Recomputed {
             d_hidden.push(d_logits.matmul(&head)?);
             if head_trains {
                 // Summed over the chunks in f32, in order.
-                let d = d_logits.t()?.matmul(&part)?.to_dtype(candle_core::DType::F32)?;
+                let d = d_logits.t()?.matmul(&part)?;
                 d_head = Some(match d_head {
-                    Some(sum) => (sum + d)?,
-                    None => d,
+                    Some(sum) => super::add_cast(&sum, &d)?,
+                    None => d.to_dtype(candle_core::DType::F32)?,
                 });
             }
         }
