@@ -12,7 +12,9 @@
 #      the bias and reading each query's runs of keys
 #      (RLOO_ATTENTION_MASK=bias, spans), decoding a key per lane with the
 #      biases in cuBLASLt's epilogues (the defaults);
-#   3. the same at 1B;
+#   3. the step at 1B against TRL over spans, with an MLP's wide input kept
+#      and made again in the backward (RLOO_MLP_INPUT=kept, remade: the
+#      peak memory against the time);
 #   4. generation at 410m against transformers, a block of the decoding
 #      kernel per row and per prompt's rows (RLOO_DECODE_ROWS=each,
 #      prompt), each step's time split between the GPU and the host;
@@ -51,7 +53,8 @@ grep -sE "checks on|FAIL" "$OUT/check.log" >&2
 defaults=flash+fused+graph+lanes+epilogue+kept
 part train-410m 120 env ARMS=410m-full TRAIN_RUNS=1 STEPS=3 ATTENTION="$defaults+bias $defaults+spans" \
     bench/gpu/run.sh train
-part train-1b 120 env ARMS=1b-full TRAIN_RUNS=1 STEPS=3 ATTENTION="$defaults+bias $defaults+spans" bench/gpu/run.sh train
+part train-1b 120 env ARMS=1b-full TRAIN_RUNS=1 STEPS=3 ATTENTION="$defaults+spans ${defaults%+kept}+remade+spans" \
+    bench/gpu/run.sh train
 decoders="race+lanes+fused+graph+epilogue race+lanes+fused+graph+epilogue+grouped+prompt"
 part generate-410m 60 env SIZES=410m RUNS=2 DECODERS="$decoders" bench/gpu/run.sh peaks generate
 if [[ -e .cuda/bin/rloo-before.gz ]]; then

@@ -23,9 +23,11 @@ pub fn linear(x: &Tensor, w: &Tensor, b: Option<&Tensor>) -> Result<Tensor> {
 }
 
 /// Picks how a dense layer with a bias adds it on a GPU: `epilogue` (the
-/// default; in bf16, cuBLASLt's product adds it as it writes the output)
-/// or `pass` (cuBLAS's product, then one pass over its output; f32 always
-/// takes this way), to compare the two.
+/// default; in bf16, cuBLASLt's product adds it as it writes the output,
+/// and a LoRA adapter's product adds its part into the base layer's output
+/// the same way) or `pass` (cuBLAS's product, then one pass over its
+/// output, and the adapter's part scaled and added by passes of their own;
+/// f32 always takes this way), to compare the two.
 pub const DENSE_BIAS_VAR: &str = "RLOO_DENSE_BIAS";
 
 /// Whether the epilogue is chosen; an unknown choice is an error.

@@ -302,13 +302,19 @@ impl CustomOp3 for LoraLinear {
         };
         let (w, w_l) = f.weight.storage_and_layout();
         let Storage::Cuda(w) = &*w else { candle_core::bail!("lora: the frozen weight is not on the GPU") };
+        let bias = f.bias.as_ref().map(Tensor::storage_and_layout);
+        let bias = match &bias {
+            Some((storage, layout)) => match &**storage {
+                Storage::Cuda(b) => Some((b, *layout)),
+                _ => candle_core::bail!("lora: the frozen bias is not on the GPU"),
+            },
+            None => None,
+        };
+        // In bf16 with the epilogues chosen, the base product adds the bias
+        // and the adapter's product adds into the base's output.
+        let epilogue = x.dtype() == candle_core::DType::BF16 && super::linear::dense_bias_epilogue()?;
         let out_l = Layout::contiguous((m, n));
-        let mut y = h.matmul(w, (1, m, n, k), h_l, &w_l.transpose(0, 1)?)?;
-        if let Some(bias) = &f.bias {
-            let (bias, bias_l) = bias.storage_and_layout();
-            let Storage::Cuda(bias) = &*bias else { candle_core::bail!("lora: the frozen bias is not on the GPU") };
-            y = super::cuda::bias_rows((&y, &out_l), (bias, bias_l))?;
-        }
+        let mut y = super::linear::cuda_dense((h, h_l), (w, w_l), bias, (m, k, n), epilogue)?;
         let dropped = f.mask.as_ref().map(|mask| super::cuda::dropout((h, h_l), mask)).transpose()?;
         let (dropped, dropped_l) = match &dropped {
             Some(d) => (d, &rows_of),
@@ -316,6 +322,10 @@ impl CustomOp3 for LoraLinear {
         };
         let down_l = Layout::contiguous((m, r));
         let down = dropped.matmul(a, (1, m, r, k), dropped_l, &a_l.transpose(0, 1)?)?;
+        if epilogue {
+            super::cuda::add_product(&mut y, (&down, &down_l), (b, b_l), f.scale, (m, r, n))?;
+            return Ok((y, out_shape(x_l, n)));
+        }
         let down = down.affine(&down_l, f.scale as f64, 0.0)?;
         let delta = down.matmul(b, (1, m, n, r), &down_l, &b_l.transpose(0, 1)?)?;
         Ok((y.binary_impl::<candle_core::op::Add>(&delta, &out_l, &out_l)?, out_shape(x_l, n)))

@@ -1152,6 +1152,42 @@ pub fn attention_bwd(x: &AttnInputs, a: AttnDims, keys: bool, kernels: Attention
 /// [`bias_rows`] are two launches and a round trip of the output through
 /// memory.
 pub fn linear_bias_epilogue(x: In, w: In, b: In, (rows, k, n): (usize, usize, usize)) -> Result<CudaStorage> {
+    let dev = x.0.device.clone();
+    // Safety: the product writes every element.
+    let mut out = unsafe { dev.alloc::<bf16>(rows * n) }?;
+    lt_product(x, w, Some(b), &mut out, (rows, k, n), (1.0, 0.0))?;
+    Ok(CudaStorage::wrap_cuda_slice(out, dev))
+}
+
+/// `y += scale * down @ b^T` in bf16, in place, for y (rows, n) and down
+/// (rows, r) contiguous and b (n, r) row-major: a LoRA adapter's part added
+/// into its base layer's output by the product itself (cuBLASLt reads y as
+/// its C), where a scaling, a product and an addition took three launches
+/// and two tensors of y's size.
+pub fn add_product(
+    y: &mut CudaStorage,
+    down: In,
+    b: In,
+    scale: f32,
+    (rows, r, n): (usize, usize, usize),
+) -> Result<()> {
+    if y.as_cuda_slice::<bf16>()?.len() != rows * n {
+        candle_core::bail!("add_product: an output of {} elements for {rows} x {n}", y.as_cuda_slice::<bf16>()?.len());
+    }
+    lt_product(down, b, None, y.as_cuda_slice_mut::<bf16>()?, (rows, r, n), (scale, 1.0))
+}
+
+/// `out = alpha * x @ w^T (+ b) + beta * out` in bf16 by cuBLASLt, for x
+/// (rows, k) and out (rows, n) contiguous, w (n, k) row-major or the
+/// transposed view of a row-major (k, n), and b (n,).
+fn lt_product(
+    x: In,
+    w: In,
+    b: Option<In>,
+    out: &mut candle_core::cuda_backend::cudarc::driver::CudaSlice<bf16>,
+    (rows, k, n): (usize, usize, usize),
+    (alpha, beta): (f32, f32),
+) -> Result<()> {
     use candle_core::cuda_backend::cudarc::cublaslt::{Matmul, MatmulConfig};
     let dev = x.0.device.clone();
     // cuBLASLt's matrices are column-major: the output (rows, n) row-major is
@@ -1161,9 +1197,8 @@ pub fn linear_bias_epilogue(x: In, w: In, b: In, (rows, k, n): (usize, usize, us
         [1, s] if *s == n => (false, n as i64),
         other => candle_core::bail!("linear: a weight with strides {other:?}"),
     };
-    let (xs, ws, bs) = (view::<bf16>(x.0, x.1)?, from_first::<bf16>(w)?, view::<bf16>(b.0, b.1)?);
-    // Safety: the product writes every element.
-    let mut out = unsafe { dev.alloc::<bf16>(rows * n) }?;
+    let (xs, ws) = (view::<bf16>(x.0, x.1)?, from_first::<bf16>(w)?);
+    let bs = b.map(|b| view::<bf16>(b.0, b.1)).transpose()?;
     let cfg = MatmulConfig {
         transa,
         transb: false,
@@ -1171,10 +1206,10 @@ pub fn linear_bias_epilogue(x: In, w: In, b: In, (rows, k, n): (usize, usize, us
         m: n as u64,
         n: rows as u64,
         k: k as u64,
-        alpha: 1.0,
+        alpha,
         lda,
         ldb: k as i64,
-        beta: 0.0,
+        beta,
         ldc: n as i64,
         stride_a: None,
         stride_b: None,
@@ -1184,9 +1219,8 @@ pub fn linear_bias_epilogue(x: In, w: In, b: In, (rows, k, n): (usize, usize, us
     };
     let blas = blas_lt(&dev)?;
     // Safety: the sizes and leading dimensions above describe the buffers.
-    unsafe { blas.matmul(cfg, &ws, &xs, &mut out, Some(&bs), None) }
-        .map_err(|e| candle_core::Error::msg(format!("cuBLASLt product: {e:?}")))?;
-    Ok(CudaStorage::wrap_cuda_slice(out, dev))
+    unsafe { blas.matmul(cfg, &ws, &xs, out, bs.as_ref(), None) }
+        .map_err(|e| candle_core::Error::msg(format!("cuBLASLt product: {e:?}")))
 }
 
 /// One cuBLASLt handle (and its workspace) per device, made on first use.
