@@ -2,8 +2,8 @@
 # Runs the register-resident attention kernels (src/model/kernels/cuda/
 # flash.cuh) on the host, one thread per CUDA thread, against an f64
 # reference, the kernels that cut attention's heads out of a fused
-# projection (heads.cuh), the norms (norms.cuh) and the decoding-attention
-# kernels (decode.cuh):
+# projection (heads.cuh), the norms (norms.cuh), the elementwise kernels
+# (elementwise.cuh) and the decoding-attention kernels (decode.cuh):
 # their fragment and index logic checked without a GPU. Then a few small
 # cases again under ThreadSanitizer, which reports any read of shared
 # memory that no barrier orders after the write it sees (a missing

@@ -1,7 +1,8 @@
 // Runs the register-resident attention kernels of flash.cuh, the heads
-// kernels of heads.cuh, the norms of norms.cuh and the decoding-attention
-// kernels of decode.cuh on the host and compares them with a reference, so
-// their fragment and index logic is checked where no GPU is: every CUDA thread is a host thread, the
+// kernels of heads.cuh, the norms of norms.cuh, the elementwise kernels of
+// elementwise.cuh and the decoding-attention kernels of decode.cuh on the
+// host and compares them with a reference, so their fragment and index
+// logic is checked where no GPU is: every CUDA thread is a host thread, the
 // warp-level primitives (ldmatrix, mma.sync, shuffles) exchange lane values
 // through per-warp slots between barriers, as the PTX ISA lays the
 // fragments out, and blocks run one after another. Built and run by
@@ -229,6 +230,7 @@ template <> float from_f32<float>(float x) { return x; }
 template <> bf16 from_f32<bf16>(float x) { return __float2bfloat16(x); }
 
 #include "heads.cuh"
+#include "elementwise.cuh"
 
 inline float __shfl_xor_sync(unsigned, float x, int mask) { return fa::shfl_xor(x, mask); }
 inline float __shfl_sync(unsigned, float x, int from) {
@@ -803,6 +805,49 @@ bool embedding_case() {
     return ok;
 }
 
+// The elementwise kernels (elementwise.cuh) over tensors that start on 16
+// bytes (8 elements a thread) and one element past that (element by
+// element), against each element's formula: the same bits, the tail past
+// the last 8 and a thread's several strides included.
+template <typename T>
+bool elementwise_case(size_t offset) {
+    const size_t n = 8 * 250 + 5;
+    std::mt19937 rng(5);
+    std::normal_distribution<float> normal;
+    auto tensor = [&](float scale) {
+        std::vector<T> v(n + offset);
+        for (auto& e : v) e = from_f32<T>(scale * normal(rng));
+        return v;
+    };
+    std::vector<T> x = tensor(2.f), a = tensor(1.f), b = tensor(1.f), y(n + offset), dx(n + offset), s(n + offset);
+    std::vector<float> sum(n + offset), added(n + offset);
+    for (auto& e : sum) e = normal(rng);
+    const T *xs = x.data() + offset, *as = a.data() + offset, *bs = b.data() + offset;
+    const float* sums = sum.data() + offset;
+    auto bits_equal = [](const auto& got, const auto& want) { return std::memcmp(&got, &want, sizeof got) == 0; };
+    bool ok = true;
+    const Dim3 grid{3, 1, 1};
+    for (int act = 0; act < 4; ++act) {
+        launch(grid, 0, [&] { activation_fwd<T>(xs, y.data() + offset, n, act); }, 32);
+        launch(grid, 0, [&] { activation_bwd<T>(xs, as, dx.data() + offset, n, act); }, 32);
+        for (size_t i = 0; i < n; ++i) {
+            const T fwd = from_f32<T>(activate(to_f32(xs[i]), act));
+            const T bwd = from_f32<T>(to_f32(as[i]) * activation_slope(to_f32(xs[i]), act));
+            ok &= bits_equal(y[offset + i], fwd) && bits_equal(dx[offset + i], bwd);
+        }
+    }
+    launch(grid, 0, [&] { sum3<T>(xs, as, bs, s.data() + offset, n); }, 32);
+    launch(grid, 0, [&] { add_cast<T>(sums, xs, added.data() + offset, n); }, 32);
+    for (size_t i = 0; i < n; ++i) {
+        const T xa = from_f32<T>(to_f32(xs[i]) + to_f32(as[i]));
+        ok &= bits_equal(s[offset + i], from_f32<T>(to_f32(xa) + to_f32(bs[i])));
+        ok &= bits_equal(added[offset + i], sums[i] + to_f32(xs[i]));
+    }
+    std::printf("%-4s elementwise %-4s %zu elements from %s: activations, their slopes, sum3, add_cast\n",
+                ok ? "ok" : "FAIL", sizeof(T) == 2 ? "bf16" : "f32", n, offset == 0 ? "16 bytes (8 a thread)" : "off 16 bytes");
+    return ok;
+}
+
 int main(int argc, char** argv) {
     std::mt19937 rng(7);
     bool ok = true;
@@ -848,6 +893,10 @@ int main(int argc, char** argv) {
         ok &= decode_case<bf16, 1, 4, 4>(8, true, fixed, 96, 16);
     }
     ok &= embedding_case();
+    for (size_t offset : {0, 1}) {
+        ok &= elementwise_case<bf16>(offset);
+        ok &= elementwise_case<float>(offset);
+    }
     for (bool layer : {false, true}) {
         ok &= norms_case<float>(layer, 21, 300);
         ok &= norms_case<bf16>(layer, 21, 1024);

@@ -179,72 +179,27 @@ extern "C" __global__ void sum_squares_multi(const SquaresTensor* table, double*
     if (threadIdx.x == 0) out[(size_t)blockIdx.y * gridDim.x + blockIdx.x] = part[0];
 }
 
-// ---- Activations and their derivatives; `act`: 0 GELU (erf), 1 GELU
-// (tanh), 2 SiLU, 3 ReLU, as `Activation`'s order in the op file.
+// ---- Activations and their derivatives, a parallel residual's sum, a
+// gradient added into its f32 sum: 8 elements a thread (elementwise.cuh).
 
-__device__ __forceinline__ float activate(float x, int act) {
-    switch (act) {
-        case 0: return 0.5f * x * (1.f + erff(x * 0.70710678f));
-        case 1: return 0.5f * x * (1.f + tanhf(0.7978846f * x * (1.f + 0.044715f * x * x)));
-        case 2: return x / (1.f + expf(-x));
-        default: return fmaxf(x, 0.f);
-    }
-}
+#include "elementwise.cuh"
 
-__device__ __forceinline__ float activation_slope(float x, int act) {
-    switch (act) {
-        case 0: return 0.5f * (1.f + erff(x * 0.70710678f)) + x * expf(-0.5f * x * x) * 0.3989423f;
-        case 1: {
-            const float t = tanhf(0.7978846f * x * (1.f + 0.044715f * x * x));
-            return 0.5f * (1.f + t) + 0.5f * x * (1.f - t * t) * 0.7978846f * (1.f + 3.f * 0.044715f * x * x);
-        }
-        case 2: {
-            const float s = 1.f / (1.f + expf(-x));
-            return s * (1.f + x * (1.f - s));
-        }
-        default: return x > 0.f ? 1.f : 0.f;
-    }
-}
-
-#define ACTIVATIONS(T, S)                                                                                   \
+#define ELEMENTWISE(T, S)                                                                                   \
     extern "C" __global__ void activation_fwd_##S(const T* x, T* y, size_t n, int act) {                    \
-        for (size_t i = blockIdx.x * (size_t)blockDim.x + threadIdx.x; i < n; i += (size_t)gridDim.x * blockDim.x) \
-            y[i] = from_f32<T>(activate(to_f32(x[i]), act));                                                 \
+        activation_fwd<T>(x, y, n, act);                                                                    \
     }                                                                                                       \
     extern "C" __global__ void activation_bwd_##S(const T* x, const T* g, T* dx, size_t n, int act) {       \
-        for (size_t i = blockIdx.x * (size_t)blockDim.x + threadIdx.x; i < n; i += (size_t)gridDim.x * blockDim.x) \
-            dx[i] = from_f32<T>(to_f32(g[i]) * activation_slope(to_f32(x[i]), act));                        \
-    }
-
-ACTIVATIONS(float, f32)
-ACTIVATIONS(bf16, bf16)
-
-// ---- (x + a) + b, rounded to T after each addition as two of candle's
-// additions would be: a parallel residual's sum as one node.
-
-#define SUM3(T, S)                                                                                          \
+        activation_bwd<T>(x, g, dx, n, act);                                                                \
+    }                                                                                                       \
     extern "C" __global__ void sum3_##S(const T* x, const T* a, const T* b, T* y, size_t n) {               \
-        for (size_t i = blockIdx.x * (size_t)blockDim.x + threadIdx.x; i < n; i += (size_t)gridDim.x * blockDim.x) { \
-            const T xa = from_f32<T>(to_f32(x[i]) + to_f32(a[i]));                                          \
-            y[i] = from_f32<T>(to_f32(xa) + to_f32(b[i]));                                                  \
-        }                                                                                                   \
-    }
-
-SUM3(float, f32)
-SUM3(bf16, bf16)
-
-// ---- sum + g, g cast up to f32: a gradient added into its f32 sum in one
-// pass (a bf16 one took candle's cast, then its addition, and a tensor
-// between them).
-
-#define ADD_CAST(T, S)                                                                                      \
+        sum3<T>(x, a, b, y, n);                                                                             \
+    }                                                                                                       \
     extern "C" __global__ void add_cast_##S(const float* sum, const T* g, float* y, size_t n) {             \
-        for (size_t i = blockIdx.x * (size_t)blockDim.x + threadIdx.x; i < n; i += (size_t)gridDim.x * blockDim.x) \
-            y[i] = sum[i] + to_f32(g[i]);                                                                   \
+        add_cast<T>(sum, g, y, n);                                                                          \
     }
 
-ADD_CAST(float, f32)
-ADD_CAST(bf16, bf16)
+ELEMENTWISE(float, f32)
+ELEMENTWISE(bf16, bf16)
 
 // ---- A dense layer's bias added to every row of its product y (rows, n):
 // a block of columns, each thread one column down a stride of rows, so the

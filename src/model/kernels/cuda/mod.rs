@@ -65,6 +65,11 @@ fn elementwise(n: usize) -> LaunchConfig {
     LaunchConfig { grid_dim: (blocks, 1, 1), block_dim: (256, 1, 1), shared_mem_bytes: 0 }
 }
 
+/// A thread per 8 of `n` elements, for the kernels of `elementwise.cuh`.
+fn by_eight(n: usize) -> LaunchConfig {
+    elementwise(n.div_ceil(8))
+}
+
 /// `$run::<f32>(..)` or `$run::<bf16>(..)` by `$dtype` (after [`typed`]
 /// has refused any other dtype).
 macro_rules! by_dtype {
@@ -410,7 +415,7 @@ pub fn activation((x, x_l): In, grad: Option<In>, act: i32) -> Result<CudaStorag
         }
         args.arg(&mut out).arg(&n).arg(&act);
         // Safety: the argument list matches the kernel's signature.
-        unsafe { args.launch(elementwise(n)) }.w()?;
+        unsafe { args.launch(by_eight(n)) }.w()?;
         Ok(CudaStorage::wrap_cuda_slice(out, dev))
     }
     let name = typed(if grad.is_some() { "activation_bwd" } else { "activation_fwd" }, x.dtype())?;
@@ -461,7 +466,7 @@ pub fn sum3((x, x_l): In, (a, a_l): In, (b, b_l): In) -> Result<CudaStorage> {
         let mut args = func.builder();
         args.arg(&xs).arg(&as_).arg(&bs).arg(&mut out).arg(&n);
         // Safety: the argument list matches the kernel's signature.
-        unsafe { args.launch(elementwise(n)) }.w()?;
+        unsafe { args.launch(by_eight(n)) }.w()?;
         Ok(CudaStorage::wrap_cuda_slice(out, dev))
     }
     by_dtype!(x.dtype(), run(&typed("sum3", x.dtype())?, (x, x_l), (a, a_l), (b, b_l)))
@@ -482,7 +487,7 @@ pub fn add_cast((sum, sum_l): In, (g, g_l): In) -> Result<CudaStorage> {
         let mut args = func.builder();
         args.arg(&ss).arg(&gs).arg(&mut out).arg(&n);
         // Safety: the argument list matches the kernel's signature.
-        unsafe { args.launch(elementwise(n)) }.w()?;
+        unsafe { args.launch(by_eight(n)) }.w()?;
         Ok(CudaStorage::wrap_cuda_slice(out, dev))
     }
     by_dtype!(g.dtype(), run(&typed("add_cast", g.dtype())?, (sum, sum_l), (g, g_l)))
