@@ -836,9 +836,8 @@ impl AttnDims {
     /// Heads h (q) and h_kv, queries t, keys s and head size d, keys and
     /// values `kv_stride` elements a head apart; the output by head.
     pub fn new([h, h_kv, t, s, d]: [usize; 5], kv_stride: usize, scale: f32) -> Self {
-        let (o_row, o_head) = (d as i64, (t * d) as i64);
         let [h, h_kv, t, s, d] = [h, h_kv, t, s, d].map(|x| x as i32);
-        Self { h, h_kv, t, s, d, kv_stride: kv_stride as i64, scale, o_row, o_head }
+        Self { h, h_kv, t, s, d, kv_stride: kv_stride as i64, scale, o_row: 0, o_head: 0 }.out_rows(OutRows::ByHead)
     }
 
     /// The same with the output and its gradient laid out as `rows`.
@@ -852,7 +851,8 @@ impl AttnDims {
     }
 
     fn by_head(&self) -> bool {
-        (self.o_row, self.o_head) == (self.d as i64, self.t as i64 * self.d as i64)
+        let by_head = self.out_rows(OutRows::ByHead);
+        (self.o_row, self.o_head) == (by_head.o_row, by_head.o_head)
     }
 }
 
@@ -1176,9 +1176,6 @@ pub fn add_product(
     scale: f32,
     (rows, r, n): (usize, usize, usize),
 ) -> Result<()> {
-    if y.as_cuda_slice::<bf16>()?.len() != rows * n {
-        candle_core::bail!("add_product: an output of {} elements for {rows} x {n}", y.as_cuda_slice::<bf16>()?.len());
-    }
     lt_product(down, b, None, y.as_cuda_slice_mut::<bf16>()?, (rows, r, n), (scale, 1.0))
 }
 
@@ -1195,6 +1192,9 @@ fn lt_product(
 ) -> Result<()> {
     use candle_core::cuda_backend::cudarc::cublaslt::{Matmul, MatmulConfig};
     let dev = x.0.device.clone();
+    if out.len() != rows * n {
+        candle_core::bail!("cuBLASLt product: an output of {} elements for {rows} x {n}", out.len());
+    }
     // cuBLASLt's matrices are column-major: the output (rows, n) row-major is
     // (n, rows) with rows n apart, = w (n, k) times x^T (k, rows).
     let (transa, lda) = match w.1.stride() {
