@@ -229,3 +229,111 @@ fn sampler_logprobs_agree_with_the_training_forward() {
         assert!(worst < 1e-4, "{name}: {worst}");
     }
 }
+
+/// A server's batch with fixed stepping decodes what a shrinking one
+/// decodes, request by request: rows that join take the places of rows
+/// that left, or the batch is made again when they outgrow its places or
+/// its slots or come with a prompt longer than the slots it has filled,
+/// and it is compacted when few of its rows decode.
+#[test]
+fn a_servers_fixed_batch_decodes_what_a_shrinking_one_decodes() {
+    use std::sync::Arc;
+
+    use rloo::generate::decoding::{DecodeRow, Decoding, Verdict};
+    use rloo::rng::Rng;
+
+    // (the step it arrives before, its prompt, completions, most tokens)
+    let requests: Vec<(usize, Vec<u32>, usize, usize)> = vec![
+        (0, vec![3, 4, 5, 6], 3, 10),
+        (2, vec![7, 8, 9], 1, 5),
+        (3, vec![10, 11], 2, 6),
+        (8, (20..50).collect(), 2, 8),
+        (9, vec![12, 13, 14], 1, 3),
+        (13, vec![15], 1, 4),
+        (14, vec![16, 17], 1, 40),
+    ];
+    // Each request's completions, and the batch's size after each step that admits one.
+    let serve = |model: &Model, stepping: Stepping, sampler: Sampler| {
+        let mut batch = Decoding::open(model.frozen(), &Device::Cpu, sampler, stepping);
+        let mut done: Vec<Vec<(Vec<u32>, Vec<f32>)>> = requests.iter().map(|r| vec![Default::default(); r.2]).collect();
+        let mut sizes = Vec::new();
+        for t in 0.. {
+            let arriving: Vec<usize> = (0..requests.len()).filter(|&r| requests[r].0 == t).collect();
+            if batch.is_empty() && arriving.is_empty() && requests.iter().all(|r| r.0 < t) {
+                break;
+            }
+            for &r in &arriving {
+                let (_, prompt, n, max_tokens) = &requests[r];
+                let prompt: Arc<[u32]> = Arc::from(prompt.as_slice());
+                let rows = (0..*n)
+                    .map(|c| DecodeRow {
+                        prompt: prompt.clone(),
+                        sampling: Sampling::temperature(1.0),
+                        repetition_penalty: 1.0,
+                        rng: Rng::stream(7, &[r as u64, c as u64]),
+                        max_tokens: *max_tokens,
+                        tokens: Vec::new(),
+                        client: (r, c, Vec::new()),
+                    })
+                    .collect();
+                batch.admit(rows).unwrap();
+            }
+            if !arriving.is_empty() {
+                sizes.push((t, batch.fixed_size()));
+            }
+            batch
+                .step(|row, pick, _, _| {
+                    row.client.2.push(pick.logprob);
+                    if row.tokens.len() < row.max_tokens {
+                        return Ok(Verdict::Continues);
+                    }
+                    let (r, c, logprobs) = &mut row.client;
+                    done[*r][*c] = (row.tokens.clone(), std::mem::take(logprobs));
+                    Ok(Verdict::Leaves)
+                })
+                .unwrap();
+            if t == 11 || t == 16 {
+                sizes.push((t, batch.fixed_size()));
+            }
+        }
+        (done, sizes)
+    };
+    let close = |a: &[f32], b: &[f32]| a.iter().zip(b).all(|(x, y)| (x - y).abs() <= 1e-5 * y.abs().max(1.0));
+    for name in ["gpt_neox-causal", "llama-causal"] {
+        let model = Model::load(&model_dir(name), &Device::Cpu).unwrap();
+        for sampler in SAMPLERS {
+            let (want, _) = serve(&model, Stepping::Shrink, sampler);
+            let (got, sizes) = serve(&model, Stepping::Fixed, sampler);
+            for (r, (got, want)) in got.iter().zip(&want).enumerate() {
+                for (c, (got, want)) in got.iter().zip(want).enumerate() {
+                    let what = format!("{name}, {sampler:?}, request {r}, completion {c}");
+                    assert_eq!(got.0, want.0, "{what}");
+                    assert_eq!(got.0.len(), requests[r].3, "{what}");
+                    assert!(close(&got.1, &want.1), "{what}");
+                }
+            }
+            // (rows, steps its slots hold), after each admission and two steps:
+            // made for 3 rows of 4 slots and 9 steps more, twice; the free place
+            // taken 2 steps on; 6 rows need 8, 7 slots filled and 2 x 6 steps; a
+            // prompt of 30 slots past the 12 filled (30 + 2 x 7); a free place
+            // one step on; 3 steps on, compacted to the 2 rows decoding; 3 rows
+            // need 4 (35 + 2 x 3); 39 steps past the 5 left (36 + 2 x 39); 3
+            // steps on, compacted to one row.
+            let (size, want) = (
+                sizes.iter().map(|&(t, s)| (t, s.unwrap())),
+                [
+                    (0, (4, 18)),
+                    (2, (4, 16)),
+                    (3, (8, 12)),
+                    (8, (8, 14)),
+                    (9, (8, 13)),
+                    (11, (2, 10)),
+                    (13, (4, 6)),
+                    (14, (4, 78)),
+                    (16, (1, 75)),
+                ],
+            );
+            assert_eq!(size.collect::<Vec<_>>(), want, "{name}, {sampler:?}");
+        }
+    }
+}

@@ -14,8 +14,13 @@ use common::*;
 use serde_json::{json, Value};
 
 fn serve(models: &[&str], extra: &[&str]) -> Server {
+    serve_stepping(models, extra, "shrink")
+}
+
+/// The server with its decoding steps launched as `RLOO_DECODE_STEP` says.
+fn serve_stepping(models: &[&str], extra: &[&str], stepping: &str) -> Server {
     let mut cmd = Command::new(env!("CARGO_BIN_EXE_rloo"));
-    cmd.args(["serve", "--port", "0", "--device", "cpu"]);
+    cmd.env("RLOO_DECODE_STEP", stepping).args(["serve", "--port", "0", "--device", "cpu"]);
     for m in models {
         cmd.args(["--model", m]);
     }
@@ -206,24 +211,31 @@ fn stop_strings_cut_the_text() {
     assert_eq!(cut["choices"][0]["finish_reason"], "stop");
 }
 
-/// Many clients at once get the answers each would get alone, all of them.
+/// Many clients at once get the answers each would get alone, all of them,
+/// from a batch that shrinks as rows leave and from one whose rows take the
+/// places of rows that left (fixed stepping, as a GPU records its steps).
 #[test]
 fn concurrent_requests_are_batched_without_changing_answers() {
-    let server = serve(&[&named("neox", "gpt_neox-causal")], &["--max-batch-rows", "16"]);
     let prompts: Vec<String> = (0..24).map(|i| format!("Request {i} says{}", " more".repeat(i % 5))).collect();
     let body = |p: &str| json!({"prompt": p, "max_tokens": 6 + p.len() % 7, "temperature": 0, "ignore_eos": true});
-    let alone: Vec<Value> = prompts.iter().map(|p| post(&server.url, "/v1/completions", &body(p)).1).collect();
-    let together: Vec<Value> = std::thread::scope(|s| {
-        let handles: Vec<_> =
-            prompts.iter().map(|p| s.spawn(|| post(&server.url, "/v1/completions", &body(p)).1)).collect();
-        handles.into_iter().map(|h| h.join().unwrap()).collect()
-    });
-    for ((p, a), t) in prompts.iter().zip(&alone).zip(&together) {
-        assert_eq!(a["choices"][0]["text"], t["choices"][0]["text"], "{p}");
+    let mut answers = Vec::new();
+    for stepping in ["shrink", "fixed"] {
+        let server = serve_stepping(&[&named("neox", "gpt_neox-causal")], &["--max-batch-rows", "16"], stepping);
+        let alone: Vec<Value> = prompts.iter().map(|p| post(&server.url, "/v1/completions", &body(p)).1).collect();
+        let together: Vec<Value> = std::thread::scope(|s| {
+            let handles: Vec<_> =
+                prompts.iter().map(|p| s.spawn(|| post(&server.url, "/v1/completions", &body(p)).1)).collect();
+            handles.into_iter().map(|h| h.join().unwrap()).collect()
+        });
+        for ((p, a), t) in prompts.iter().zip(&alone).zip(&together) {
+            assert_eq!(a["choices"][0]["text"], t["choices"][0]["text"], "{stepping}: {p}");
+        }
+        let (_, health) = get(&server.url, "/health");
+        assert_eq!(health["models"]["neox"]["running"], 0);
+        assert_eq!(health["models"]["neox"]["completed"], 48);
+        answers.push(together.iter().map(|t| t["choices"][0]["text"].clone()).collect::<Vec<_>>());
     }
-    let (_, health) = get(&server.url, "/health");
-    assert_eq!(health["models"]["neox"]["running"], 0);
-    assert_eq!(health["models"]["neox"]["completed"], 48);
+    assert_eq!(answers[0], answers[1], "the same answers from either batch");
 }
 
 /// Each bad request gets a 4xx in OpenAI's error shape, and the server

@@ -149,6 +149,22 @@ def long_prompts(out):
         print(f"{size:<10} {split:<11} {fmt(rate, '9.0f')} {fmt(step_ms, '8.2f')}  {len(done)}/{len(runs)}")
 
 
+def serving(out):
+    runs = sorted(out.glob("serve-*.json"))
+    if not runs:
+        return
+    print()
+    print("rloo serve: clients streaming 64 new tokens a request, bf16; steps launched from the host (shrink) "
+          "or replayed (graph)")
+    print(f"{'model':<10} {'steps':<7} {'clients':>7} {'tokens/s':>9} {'failed':>6} {'latency p50 s':>13} "
+          f"{'first token p50 ms':>18}")
+    for path in runs:
+        size, step = path.stem.split("-")[1:3]
+        for level in load(path) or []:
+            print(f"{size:<10} {step:<7} {level['clients']:>7} {level['tokens_per_s']:9.0f} {level['errors']:>6} "
+                  f"{level['latency_p50_s']:13.2f} {level['ttft_p50_s'] * 1000:18.0f}")
+
+
 def train_flops(shape, lengths, lora):
     tokens = K * sum(n + NEW for n in lengths)
     keys = K * sum((n + NEW) * (n + NEW + 1) / 2 for n in lengths)
@@ -258,6 +274,7 @@ def main():
         generation(out, peaks, models)
         step_timing(out)
     long_prompts(out)
+    serving(out)
     if list(out.glob("train-*.json")):
         training(out, peaks, models)
     nccl(out)

@@ -18,6 +18,11 @@
 #   train     rloo train against TRL's RLOOTrainer: 64 prompts x k = 4, 128
 #             new tokens, bf16, reward-model scoring, one epoch, one
 #             mini-batch, per ARMS
+#   serve     rloo serve --device cuda --bf16 at the first of SIZES under
+#             bench/serve/load.py (1, 8 and 32 clients streaming 64 tokens a
+#             request), its steps launched from the host and replayed from
+#             recordings (RLOO_DECODE_STEP: shrink, graph); not in the
+#             default parts
 #   nccl      one RLOO run on the GPU through every collective of a job
 #             (RLOO_DIST_BACKEND=nccl, one rank) beside the same run alone
 #   profile   the kernels of a short generation (the benchmark's 256 rows, 16 new
@@ -220,6 +225,19 @@ if part train; then
             done
         done
     done
+fi
+
+if part serve; then
+    size=${SIZES%% *}
+    if models "$size"; then
+        for step in shrink graph; do
+            log "serve $size, steps $step"
+            RLOO_DECODE_STEP=$step RLOO_CMD="${rloo_cmd[*]}" DEVICE=$DEVICE EXTRA=--bf16 THREADS=4 \
+                MODEL_DIR=$MODELS/$size/policy PROMPTS=$MODELS/$size/prompts.jsonl REQUESTS=4 \
+                JSON=$OUT/serve-$size-$step.json timeout "$LIMIT" bench/serve/run.sh \
+                >"$OUT/serve-$size-$step.log" 2>&1 || tail -5 "$OUT/serve-$size-$step.log"
+        done
+    fi
 fi
 
 if part nccl && [[ $DEVICE == cuda ]]; then

@@ -18,15 +18,18 @@
 #   4. generation at 410m against transformers, a block of the decoding
 #      kernel per row and per prompt's rows (RLOO_DECODE_ROWS=each,
 #      prompt), each step's time split between the GPU and the host;
-#   5. the kernels of the training phase over one micro-batch at 410m,
+#   5. rloo serve at 410m under 1, 8 and 32 streaming clients, its steps
+#      launched from the host and replayed from recordings as rows come and
+#      go (RLOO_DECODE_STEP=shrink, graph);
+#   6. the kernels of the training phase over one micro-batch at 410m,
 #      and of a short generation at the benchmark's 256 rows, under the
 #      defaults;
-#   6. generation at 1B, per row and per prompt's rows;
-#   7. LoRA (r = 16, all linear layers) at 1B against TRL with PEFT, over
+#   7. generation at 1B, per row and per prompt's rows;
+#   8. LoRA (r = 16, all linear layers) at 1B against TRL with PEFT, over
 #      spans.
 # Where .cuda/bin/rloo-before.gz is carried too (bench/gpu/baseline.sh REV
 # builds it), the RLOO step at 410m and at 1B runs with it as well, under
-# the same settings, on the same card (OUT/before, its own table), after 4.
+# the same settings, on the same card (OUT/before, its own table), after 5.
 # Logs stay in OUT; the benchmark's table (bench/gpu/report.py) prints last.
 #
 #   bench/gpu/session.sh                 # OUT=/tmp/rloo-gpu-session
@@ -57,6 +60,7 @@ part train-1b 120 env ARMS=1b-full TRAIN_RUNS=1 STEPS=3 ATTENTION="$defaults+spa
     bench/gpu/run.sh train
 decoders="race+lanes+fused+graph+epilogue race+lanes+fused+graph+epilogue+grouped+prompt"
 part generate-410m 60 env SIZES=410m RUNS=2 DECODERS="$decoders" bench/gpu/run.sh peaks generate
+part serve-410m 45 env SIZES=410m bench/gpu/run.sh serve
 if [[ -e .cuda/bin/rloo-before.gz ]]; then
     gunzip -c .cuda/bin/rloo-before.gz >/tmp/rloo-before && chmod +x /tmp/rloo-before
     before=$(cat .cuda/bin/rloo-before.rev 2>/dev/null || echo before)

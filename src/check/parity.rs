@@ -5,11 +5,14 @@
 
 use std::collections::HashMap;
 use std::path::Path;
+use std::sync::Arc;
 
 use candle_core::{DType, Device, Result, Tensor};
 
+use crate::generate::decoding::{DecodeRow, Decoding, Verdict};
 use crate::generate::{generate, GenerateOptions, Sampler, Sampling, Stepping, StopCriteria};
 use crate::model::{next_token_logprobs, GenerationConfig, Inputs, Model, Network};
+use crate::rng::Rng;
 
 /// A fixture model and the tensors transformers produced for it (on the CPU).
 pub struct Fixture {
@@ -119,10 +122,11 @@ impl Fixture {
         Ok((params.len(), worst))
     }
 
-    /// Greedy completions of the reference prompts, from a shrinking batch
-    /// and from recorded steps (fixed stepping where nothing is recorded);
+    /// Greedy completions of the reference prompts, from a shrinking batch,
+    /// from recorded steps (fixed stepping where nothing is recorded) and
+    /// from a server's batch of recorded steps ([`Self::served_greedy`]);
     /// the number of rows whose tokens differ from transformers' (which pads
-    /// after EOS) in either, out of all rows.
+    /// after EOS) in any, out of all rows.
     pub fn greedy_mismatches(&self) -> crate::Result<(usize, usize)> {
         let u32s = |key: &str| -> Result<Vec<Vec<u32>>> { self.tensor(key)?.to_dtype(DType::U32)?.to_vec2() };
         let (ids, mask, out) = (u32s("greedy.input_ids")?, u32s("greedy.attention_mask")?, u32s("greedy.output_ids")?);
@@ -134,6 +138,12 @@ impl Fixture {
             .collect();
         let t = ids[0].len();
         let mut wrong = vec![false; prompts.len()];
+        let mut compare = |got: &[Vec<u32>]| {
+            for ((row, got), wrong) in out.iter().zip(got).zip(&mut wrong) {
+                let end = row[t..].iter().position(|tok| eos.contains(tok)).map_or(row.len(), |i| t + i + 1);
+                *wrong |= row[t..end] != got[..];
+            }
+        };
         for stepping in [Stepping::Shrink, Stepping::Graph] {
             let opts = GenerateOptions {
                 max_new_tokens: out[0].len() - t,
@@ -153,12 +163,47 @@ impl Fixture {
                 got[c.prompt_index] = c.tokens;
                 Ok(())
             })?;
-            for ((row, got), wrong) in out.iter().zip(&got).zip(&mut wrong) {
-                let end = row[t..].iter().position(|tok| eos.contains(tok)).map_or(row.len(), |i| t + i + 1);
-                *wrong |= row[t..end] != got[..];
-            }
+            compare(&got);
         }
+        compare(&self.served_greedy(&prompts, out[0].len() - t, &eos)?);
         Ok((wrong.iter().filter(|&&w| w).count(), prompts.len()))
+    }
+
+    /// Greedy completions of `prompts` (at least 3) as a server decodes
+    /// them, its steps recorded: the first arrives at step 0, the second a
+    /// step later (the batch made again for both), the rest from the step
+    /// the first row has left on (`max_new` tokens), each taking a place
+    /// rows left while the recording replays.
+    fn served_greedy(&self, prompts: &[Vec<u32>], max_new: usize, eos: &[u32]) -> crate::Result<Vec<Vec<u32>>> {
+        let device = self.model.device();
+        let mut batch = Decoding::open(self.model.frozen(), &device, Sampler::from_env(&device)?, Stepping::Graph);
+        let arrives = |i: usize| if i < 2 { i } else { max_new + i - 2 };
+        let (mut got, mut next) = (vec![Vec::new(); prompts.len()], 0);
+        for step in 0.. {
+            while next < prompts.len() && arrives(next) == step {
+                batch.admit(vec![DecodeRow {
+                    prompt: Arc::from(prompts[next].as_slice()),
+                    sampling: Sampling::greedy(),
+                    repetition_penalty: 1.0,
+                    rng: Rng::new(0),
+                    max_tokens: max_new,
+                    tokens: Vec::new(),
+                    client: next,
+                }])?;
+                next += 1;
+            }
+            if batch.is_empty() && next == prompts.len() {
+                break;
+            }
+            batch.step(|row, pick, _, _| {
+                if !eos.contains(&pick.token) && row.tokens.len() < row.max_tokens {
+                    return Ok(Verdict::Continues);
+                }
+                got[row.client] = std::mem::take(&mut row.tokens);
+                Ok(Verdict::Leaves)
+            })?;
+        }
+        Ok(got)
     }
 }
 

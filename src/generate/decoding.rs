@@ -67,12 +67,11 @@ pub struct Decoding<'n, R> {
     /// Otherwise the rows of a prompt read one shared copy, and rows join
     /// only an empty batch.
     open: bool,
-    /// How a closed batch steps.
+    /// How the batch steps.
     stepping: Stepping,
     rows: Vec<DecodeRow<R>>,
     cache: KvCache,
-    /// (rows, V) next-token logits; with fixed stepping, the batch's
-    /// (B, V), finished rows included.
+    /// (rows, V) next-token logits.
     logits: Option<Tensor>,
     /// The batch's rows on the device, with fixed stepping.
     fixed: Option<FixedBatch>,
@@ -87,8 +86,8 @@ impl<'n, R: Send> Decoding<'n, R> {
     }
 
     /// A batch that rows join while others run.
-    pub fn open(net: &'n Network, device: &Device, sampler: Sampler) -> Self {
-        Self::new(net, device, sampler, true, Stepping::Shrink)
+    pub fn open(net: &'n Network, device: &Device, sampler: Sampler, stepping: Stepping) -> Self {
+        Self::new(net, device, sampler, true, stepping)
     }
 
     fn new(net: &'n Network, device: &Device, sampler: Sampler, open: bool, stepping: Stepping) -> Self {
@@ -147,8 +146,6 @@ impl<'n, R: Send> Decoding<'n, R> {
 
     /// Adds prefilled rows to the batch.
     pub fn join(&mut self, rows: Vec<DecodeRow<R>>, prefilled: Prefilled) -> Result<()> {
-        // The last sampled token is never fed back.
-        let room = |r: &DecodeRow<R>| r.max_tokens.saturating_sub(r.tokens.len() + 1);
         if !self.open {
             if !self.rows.is_empty() {
                 return Err(Error::Invalid("rows join a closed batch only when it is empty".into()));
@@ -164,14 +161,53 @@ impl<'n, R: Send> Decoding<'n, R> {
             self.rows = rows;
             return Ok(());
         }
+        let (joining, vocab) = (rows.len(), prefilled.logits.dim(1)?);
         self.rows.extend(rows);
-        let reserve = self.rows.iter().map(room).max().unwrap_or(0);
-        self.cache.join(prefilled.cache, reserve)?;
         self.logits = Some(match self.logits.take() {
             Some(running) => Tensor::cat(&[&running, &prefilled.logits], 0)?,
             None => prefilled.logits,
         });
+        let reserve = self.rows.iter().map(room).max().unwrap_or(0);
+        if self.stepping == Stepping::Shrink {
+            return Ok(self.cache.join(prefilled.cache, reserve)?);
+        }
+        let new_rows = &self.rows[self.rows.len() - joining..];
+        let needed = new_rows.iter().map(room).max().unwrap_or(0);
+        let placed = match &mut self.fixed {
+            Some(fixed) => fixed.place(&mut self.cache, &prefilled.cache, joining, needed)?,
+            None => false,
+        };
+        match placed {
+            true => Ok(()),
+            false => self.remake_open(prefilled.cache, vocab, reserve),
+        }
+    }
+
+    /// Makes a server's fixed batch again around the rows decoding and
+    /// those of `joining` (prefilled, after them): its places the next
+    /// power of two, its slots what its rows need (`reserve` more steps)
+    /// and as many again, for rows to come.
+    fn remake_open(&mut self, joining: KvCache, vocab: usize, reserve: usize) -> Result<()> {
+        let mut cache = std::mem::replace(&mut self.cache, self.net.new_cache());
+        if let Some(fixed) = self.fixed.take() {
+            cache.unfix()?;
+            cache.select_rows(fixed.live())?;
+        }
+        cache.join(joining, 0)?;
+        cache.trim_front(TRIM_SLOTS)?;
+        let (rows, places) = (self.rows.len(), self.rows.len().next_power_of_two());
+        cache.pad_rows(places - rows)?;
+        cache.reserve(2 * reserve);
+        let graph = self.stepping == Stepping::Graph;
+        self.fixed = Some(FixedBatch::open(places, rows, vocab, &mut cache, &self.device, graph)?);
+        self.cache = cache;
         Ok(())
+    }
+
+    /// With fixed stepping, the batch's rows (finished or not) and the
+    /// steps its cache's slots still hold.
+    pub fn fixed_size(&self) -> Option<(usize, usize)> {
+        Some((self.fixed.as_ref()?.rows(), self.cache.slots_left()?))
     }
 
     /// [`prefill`](Self::prefill) and [`join`](Self::join).
@@ -191,10 +227,6 @@ impl<'n, R: Send> Decoding<'n, R> {
         mut verdict: impl FnMut(&mut DecodeRow<R>, &Pick, &Tensor, usize) -> Result<Verdict>,
     ) -> Result<usize> {
         let Some(logits) = self.logits.take() else { return Ok(0) };
-        let logits = match &self.fixed {
-            Some(fixed) => fixed.live_logits(&logits)?,
-            None => logits,
-        };
         self.mark(Mark::PicksStart)?;
         let picks = match self.sampler {
             Sampler::Host => pick_rows(&logits, &mut self.rows, |row, row_logits, scratch| {
@@ -282,6 +314,12 @@ impl<R> Decoding<'_, R> {
     }
 }
 
+/// The decoding steps a row may still take (its last sampled token is
+/// never fed back).
+fn room<R>(row: &DecodeRow<R>) -> usize {
+    row.max_tokens.saturating_sub(row.tokens.len() + 1)
+}
+
 /// Runs `pick` on each row with its row of the (B, V) logits, in parallel
 /// (rows sample independently, each with its own generator), reading the
 /// logits in place when they are on the CPU.
@@ -324,7 +362,7 @@ mod tests {
     fn a_failing_verdict_keeps_the_rows_that_had_not_left() {
         let dir = Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/fixtures/models/gpt_neox-causal");
         let model = crate::model::Model::load(&dir, &Device::Cpu).unwrap();
-        let mut batch = Decoding::open(model.frozen(), &Device::Cpu, Sampler::Host);
+        let mut batch = Decoding::open(model.frozen(), &Device::Cpu, Sampler::Host, Stepping::Shrink);
         let prompt: Arc<[u32]> = Arc::from(vec![1u32, 2, 3]);
         let row = |client: usize| DecodeRow {
             prompt: prompt.clone(),

@@ -1,20 +1,25 @@
-//! Fixed stepping of a closed batch: every decoding step launches the same
-//! kernels on the same buffers, so that on a GPU the step can be recorded
-//! once as a CUDA graph and replayed, one launch a token instead of several
-//! hundred. The cache's slots are fixed at their final number
-//! ([`KvCache::fix_slots`]); the step's tokens, positions and the slot it
-//! writes lie in one device buffer refreshed before each step; rows that
-//! finish stay in the batch, their results unread, until at most half of it
-//! decodes, when the batch is compacted to its live rows (and, on a GPU,
-//! recorded again at that size).
+//! Fixed stepping: every decoding step launches the same kernels on the
+//! same buffers, so that on a GPU the step can be recorded once as a CUDA
+//! graph and replayed, one launch a token instead of several hundred. The
+//! cache's slots are fixed at their final number ([`KvCache::fix_slots`]);
+//! the step's tokens, positions and the slot it writes lie in one device
+//! buffer refreshed before each step; rows that finish stay in the batch,
+//! their results unread. A closed batch is compacted to its live rows once
+//! at most half of it decodes (and, on a GPU, recorded again at that size).
+//! A server's batch has a power of two of places: a row that joins takes
+//! the place of one that left, its prefilled keys and values written into
+//! the buffers the recording reads ([`KvCache::place`]), so that rows come
+//! and go without a new recording; it is made again (and recorded again)
+//! only when the rows outgrow its places or its slots.
 
 use candle_core::{DType, Device, Tensor};
 
 use crate::error::{Error, Result};
 use crate::model::{Inputs, KvCache, Network};
 
-/// Picks how a closed batch steps: `shrink` (the CPU's default: a finished
-/// row leaves the batch at once, and each step's work is launched anew),
+/// Picks how a batch steps (a closed one, and a server's): `shrink` (the
+/// CPU's default: a finished row leaves the batch at once, and each step's
+/// work is launched anew),
 /// `fixed` (this module, launched from the host) or `graph` (the GPU's
 /// default: fixed, each step a replay of a CUDA graph recorded at the
 /// batch's size; on the CPU, where there is nothing to record, the same as
@@ -44,8 +49,8 @@ impl Stepping {
     }
 }
 
-/// A closed batch's rows on the device, finished or not, and how its steps
-/// are launched.
+/// A batch's rows on the device, finished or not, and how its steps are
+/// launched.
 pub struct FixedBatch {
     /// u32 (2B + 1): each batch row's token, each row's position, then the
     /// cache slot the step writes. `inputs` and the cache's slot are views
@@ -54,11 +59,16 @@ pub struct FixedBatch {
     /// What `staging` is set to before each step.
     host: Vec<u32>,
     inputs: Inputs,
-    /// The batch row of each row still decoding, in order.
+    /// The batch row (place) of each row still decoding, in order.
     live: Vec<u32>,
     /// Words in the vocabulary: the logits are (B, V).
     vocab: usize,
     launch: Launch,
+    /// A server's batch: rows join it in the places of rows that left
+    /// ([`place`](Self::place)), and it is compacted to a power of two
+    /// once at most a quarter of its places decode, not at half, so that
+    /// a batch whose rows come and go keeps its size (and its recording).
+    open: bool,
 }
 
 /// How a step's work reaches the device.
@@ -78,9 +88,34 @@ enum Launch {
 }
 
 impl FixedBatch {
-    /// Fixes `cache`'s slots for `rows` rows decoding from logits over
-    /// `vocab` words; `graph` records the steps where `device` is a GPU.
+    /// Fixes `cache`'s slots for a closed batch of `rows` rows decoding
+    /// from logits over `vocab` words; `graph` records the steps where
+    /// `device` is a GPU.
     pub fn new(rows: usize, vocab: usize, cache: &mut KvCache, device: &Device, graph: bool) -> Result<Self> {
+        Self::build(rows, rows, vocab, cache, (device, graph), false)
+    }
+
+    /// The same for a server's batch of `places` rows, the first `live` of
+    /// which decode (the rest are places for rows to come).
+    pub fn open(
+        places: usize,
+        live: usize,
+        vocab: usize,
+        cache: &mut KvCache,
+        device: &Device,
+        graph: bool,
+    ) -> Result<Self> {
+        Self::build(places, live, vocab, cache, (device, graph), true)
+    }
+
+    fn build(
+        rows: usize,
+        live: usize,
+        vocab: usize,
+        cache: &mut KvCache,
+        (device, graph): (&Device, bool),
+        open: bool,
+    ) -> Result<Self> {
         let staging = Tensor::zeros(2 * rows + 1, DType::U32, device)?;
         let inputs = Inputs {
             ids: staging.narrow(0, 0, rows)?.reshape((rows, 1))?,
@@ -95,27 +130,60 @@ impl FixedBatch {
             true => Launch::WarmUp,
             _ => Launch::Host,
         };
-        Ok(Self { staging, host: vec![0; 2 * rows + 1], inputs, live: (0..rows as u32).collect(), vocab, launch })
+        let (host, live) = (vec![0; 2 * rows + 1], (0..live as u32).collect());
+        Ok(Self { staging, host, inputs, live, vocab, launch, open })
     }
 
     /// B: the batch's rows, finished or not.
-    fn rows(&self) -> usize {
+    pub fn rows(&self) -> usize {
         self.host.len() / 2
     }
 
-    /// The rows of the batch's (B, V) logits that still decode, in order.
-    pub fn live_logits(&self, logits: &Tensor) -> Result<Tensor> {
-        if self.live.len() == self.rows() {
-            return Ok(logits.clone());
+    /// The place of each row still decoding, in order.
+    pub fn live(&self) -> &[u32] {
+        &self.live
+    }
+
+    /// Places no decoding row holds, in order.
+    fn free(&self) -> impl Iterator<Item = u32> + '_ {
+        (0..self.rows() as u32).filter(|place| !self.live.contains(place))
+    }
+
+    /// Takes the `rows` rows of `prefilled` (a cache of their own slots,
+    /// whose rows join the decoding ones after them) into free places of
+    /// `cache`, if there are enough, their slots fit before the slot the
+    /// next step writes and the buffers hold `room` more steps; otherwise
+    /// changes nothing and says so.
+    pub fn place(&mut self, cache: &mut KvCache, prefilled: &KvCache, rows: usize, room: usize) -> Result<bool> {
+        let places: Vec<u32> = self.free().take(rows).collect();
+        let before_slot = cache.fixed_slot().is_some_and(|slot| prefilled.len() <= slot);
+        if places.len() < rows || !before_slot || cache.slots_left().is_none_or(|left| left < room) {
+            return Ok(false);
         }
-        let at = Tensor::from_slice(&self.live, self.live.len(), logits.device())?;
-        Ok(logits.index_select(&at, 0)?)
+        for (from, &place) in places.iter().enumerate() {
+            cache.place(place as usize, prefilled, from)?;
+        }
+        self.live.extend(places);
+        Ok(true)
+    }
+
+    /// The places the batch keeps when it is compacted, and how many it
+    /// then has; None while it is not.
+    fn compacted(&self) -> Option<(Vec<u32>, usize)> {
+        let (live, rows) = (self.live.len(), self.rows());
+        let size = match self.open {
+            false if 2 * live <= rows => live,
+            true if 4 * live <= rows && rows > 1 => live.next_power_of_two(),
+            _ => return None,
+        };
+        Some((self.live.iter().copied().chain(self.free().take(size - live)).collect(), size))
     }
 
     /// One step for the rows `kept` (indices among those that decoded last
-    /// step) with their newest tokens and positions: compacts the batch
-    /// when at most half of it is still decoding, then runs the step and
-    /// gives the batch's logits (B, V).
+    /// step, then those placed since) with their newest tokens and
+    /// positions: compacts the batch when few of it still decode, then
+    /// runs the step and gives the decoding rows' logits (rows, V), in
+    /// order.
     pub fn step(
         &mut self,
         net: &Network,
@@ -126,9 +194,10 @@ impl FixedBatch {
     ) -> Result<Tensor> {
         self.live = kept.iter().map(|&i| self.live[i as usize]).collect();
         let device = self.staging.device().clone();
-        if 2 * self.live.len() <= self.rows() {
-            cache.select_rows(&self.live)?;
-            *self = Self::new(self.live.len(), self.vocab, cache, &device, !matches!(self.launch, Launch::Host))?;
+        if let Some((places, size)) = self.compacted() {
+            cache.select_rows(&places)?;
+            let graph = !matches!(self.launch, Launch::Host);
+            *self = Self::build(size, self.live.len(), self.vocab, cache, (&device, graph), self.open)?;
         }
         let rows = self.rows();
         for ((&at, &token), &position) in self.live.iter().zip(tokens).zip(positions) {
@@ -140,7 +209,12 @@ impl FixedBatch {
         };
         self.host[2 * rows] = slot as u32;
         self.staging.slice_set(&Tensor::from_slice(&self.host, self.host.len(), &device)?, 0, 0)?;
-        self.forward(net, cache)
+        let logits = self.forward(net, cache)?;
+        if self.live.len() == rows {
+            return Ok(logits);
+        }
+        let at = Tensor::from_slice(&self.live, self.live.len(), &device)?;
+        Ok(logits.index_select(&at, 0)?)
     }
 
     fn forward(&mut self, net: &Network, cache: &mut KvCache) -> Result<Tensor> {

@@ -15,7 +15,9 @@ use candle_core::{DType, Device, Result, Tensor};
 /// their final size, the key mask covers every slot, and a decoding step
 /// launches the same kernels on the same buffers every time, reading the
 /// slot it writes from the device, so that it can be recorded once as a
-/// CUDA graph and replayed.
+/// CUDA graph and replayed. A row that leaves such a cache leaves its
+/// place behind, and a row prefilled apart may take it ([`KvCache::place`]):
+/// a server's batch then changes its rows without changing its buffers.
 #[derive(Debug, Clone)]
 pub struct KvCache {
     /// Per layer: each row's own key and value buffers (B, Hkv, capacity, D),
@@ -33,8 +35,9 @@ pub struct KvCache {
 /// What a cache with fixed slots keeps beside its buffers.
 #[derive(Debug, Clone)]
 struct Fixed {
-    /// Own slots filled so far, of the buffers' capacity.
+    /// Own slots filled so far, of the buffers' `capacity`.
     filled: usize,
+    capacity: usize,
     /// (1,) u32: the own slot the next step writes, which its owner sets
     /// to `filled` before each step.
     slot: Tensor,
@@ -169,7 +172,81 @@ impl KvCache {
         }
         let spare = Tensor::ones((b, capacity - filled), mask.dtype(), mask.device())?;
         self.key_mask = Some(Tensor::cat(&[&mask, &spare], 1)?);
-        self.fixed = Some(Fixed { filled, slot });
+        self.fixed = Some(Fixed { filled, capacity, slot });
+        Ok(())
+    }
+
+    /// With fixed slots, how many more steps the buffers hold.
+    pub fn slots_left(&self) -> Option<usize> {
+        self.fixed.as_ref().map(|f| f.capacity - f.filled)
+    }
+
+    /// Undoes [`fix_slots`](Self::fix_slots): the key mask covers the
+    /// filled slots again, so that rows can be selected, joined and
+    /// trimmed. The buffers keep their capacity.
+    pub fn unfix(&mut self) -> Result<()> {
+        let Some(fixed) = self.fixed.take() else { return Ok(()) };
+        if let Some(mask) = &self.key_mask {
+            self.key_mask = Some(mask.narrow(1, 0, self.shared_len() + fixed.filled)?.contiguous()?);
+        }
+        self.planned = fixed.filled;
+        Ok(())
+    }
+
+    /// Adds `n` rows with no real slot (every slot masked) after the
+    /// others: places for rows to come.
+    pub fn pad_rows(&mut self, n: usize) -> Result<()> {
+        self.refuse_fixed("be padded")?;
+        if self.shared.is_some() {
+            candle_core::bail!("a cache with shared slots cannot be padded");
+        }
+        let Some(mask) = &self.key_mask else { return Ok(()) };
+        if n == 0 {
+            return Ok(());
+        }
+        self.key_mask = Some(mask.pad_with_zeros(0, 0, n)?);
+        for (k, v) in self.layers.iter_mut().flatten() {
+            (*k, *v) = (k.pad_with_zeros(0, 0, n)?, v.pad_with_zeros(0, 0, n)?);
+        }
+        Ok(())
+    }
+
+    /// With fixed slots, writes row `from` of `other` (a prefilled cache,
+    /// slots neither fixed nor shared) into this cache's row `row`, whose
+    /// previous row has left: its slots end where the next step writes,
+    /// the slots before them masked, as [`join`](Self::join) pads a row on
+    /// the left. The buffers stay where they are, so a recorded step
+    /// still runs on them.
+    pub fn place(&mut self, row: usize, other: &KvCache, from: usize) -> Result<()> {
+        let Some(fixed) = &self.fixed else { candle_core::bail!("rows take places only in a cache with fixed slots") };
+        if self.shared.is_some() || other.shared.is_some() || other.fixed.is_some() {
+            candle_core::bail!("a row is placed from a cache of its own slots into one without shared slots");
+        }
+        let (Some(mask), Some(theirs)) = (&self.key_mask, &other.key_mask) else {
+            candle_core::bail!("a row is placed from, and into, a cache with slots");
+        };
+        let len = theirs.dim(1)?;
+        let Some(start) = fixed.filled.checked_sub(len) else {
+            candle_core::bail!("a row of {len} slots placed before slot {}", fixed.filled);
+        };
+        let (width, device) = (mask.dim(1)?, mask.device());
+        let parts = [
+            Tensor::zeros((1, start), mask.dtype(), device)?,
+            theirs.narrow(0, from, 1)?.to_dtype(mask.dtype())?,
+            Tensor::ones((1, width - fixed.filled), mask.dtype(), device)?,
+        ];
+        // Empty parts left out, so that no copy of no elements is launched.
+        let parts: Vec<&Tensor> = parts.iter().filter(|p| p.elem_count() > 0).collect();
+        mask.narrow(0, row, 1)?.slice_set(&Tensor::cat(&parts, 1)?, 1, 0)?;
+        for (mine, theirs) in self.layers.iter().zip(&other.layers) {
+            let (Some((kb, vb)), Some((k, v))) = (mine, theirs) else {
+                candle_core::bail!("a layer has no cached keys to place");
+            };
+            for (buffer, part) in [(kb, k), (vb, v)] {
+                let part = part.narrow(0, from, 1)?.narrow(2, 0, len)?.contiguous()?;
+                buffer.narrow(0, row, 1)?.slice_set(&part, 2, start)?;
+            }
+        }
         Ok(())
     }
 

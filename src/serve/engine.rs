@@ -19,7 +19,7 @@ use crate::data::Tokenizer;
 use crate::error::Result;
 use crate::generate::decoding::{DecodeRow, Decoding, Verdict};
 use crate::generate::sampling::{with_penalty, Pick};
-use crate::generate::{FinishReason, Sampler, Sampling};
+use crate::generate::{FinishReason, Sampler, Sampling, Stepping};
 use crate::model::Network;
 use crate::rng::Rng;
 use crate::service::server::Shutdown;
@@ -117,6 +117,7 @@ pub struct EngineLoop<'m> {
     stats: Arc<EngineStats>,
     max_rows: usize,
     sampler: Sampler,
+    stepping: Stepping,
 }
 
 pub fn engine<'m>(
@@ -124,12 +125,12 @@ pub fn engine<'m>(
     tokenizer: &'m Tokenizer,
     device: &Device,
     max_rows: usize,
-    sampler: Sampler,
+    (sampler, stepping): (Sampler, Stepping),
 ) -> (Engine, EngineLoop<'m>) {
     let (jobs, queue) = mpsc::channel();
     let stats = Arc::new(EngineStats::default());
     let handle = Engine { jobs: Mutex::new(jobs), stats: stats.clone(), max_rows };
-    (handle, EngineLoop { net, tokenizer, device: device.clone(), queue, stats, max_rows, sampler })
+    (handle, EngineLoop { net, tokenizer, device: device.clone(), queue, stats, max_rows, sampler, stepping })
 }
 
 impl Engine {
@@ -177,7 +178,7 @@ impl EngineLoop<'_> {
     /// stops: from then on waiting requests are turned away, and the rows
     /// running get the grace period to finish before they are stopped.
     pub fn run(self, shutdown: &Shutdown) -> Result<()> {
-        let mut batch: Batch = Decoding::open(self.net, &self.device, self.sampler);
+        let mut batch: Batch = Decoding::open(self.net, &self.device, self.sampler, self.stepping);
         let mut waiting: VecDeque<GenRequest> = VecDeque::new();
         loop {
             if shutdown.stopping() {

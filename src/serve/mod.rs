@@ -25,7 +25,7 @@ use serde_json::{json, Value};
 
 use crate::data::Tokenizer;
 use crate::error::{Error, Result};
-use crate::generate::{Sampler, StopCriteria};
+use crate::generate::{Sampler, Stepping, StopCriteria};
 use crate::model::{GenerationConfig, HeadKind, Model, ModelConfig};
 use crate::reward::serve::{score_route, ScoreRoute};
 use crate::reward::RewardModel;
@@ -160,7 +160,7 @@ pub fn serve(
                         tokenizer,
                         &device,
                         opts.max_batch_rows,
-                        Sampler::from_env(&device)?,
+                        (Sampler::from_env(&device)?, Stepping::from_env(&device)?),
                     );
                     loops.push(s.spawn(move || decoding.run(shutdown)));
                     let context = model.config().context_length();
