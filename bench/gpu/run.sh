@@ -232,7 +232,8 @@ if part serve; then
     if models "$size"; then
         for step in shrink graph; do
             log "serve $size, steps $step"
-            RLOO_DECODE_STEP=$step RLOO_CMD="${rloo_cmd[*]}" DEVICE=$DEVICE EXTRA=--bf16 THREADS=4 \
+            # TMPDIR: the server's own log stays in OUT.
+            RLOO_DECODE_STEP=$step RLOO_CMD="${rloo_cmd[*]}" DEVICE=$DEVICE EXTRA=--bf16 THREADS=4 TMPDIR=$OUT \
                 MODEL_DIR=$MODELS/$size/policy PROMPTS=$MODELS/$size/prompts.jsonl REQUESTS=4 \
                 JSON=$OUT/serve-$size-$step.json timeout "$LIMIT" bench/serve/run.sh \
                 >"$OUT/serve-$size-$step.log" 2>&1 || tail -5 "$OUT/serve-$size-$step.log"
