@@ -230,6 +230,89 @@ fn sampler_logprobs_agree_with_the_training_forward() {
     }
 }
 
+/// A request to a server: the step it arrives before, its prompt, its
+/// completions and the most tokens each may take.
+type Request = (usize, Vec<u32>, usize, usize);
+
+/// Each completion's tokens and log-probs, by request.
+type Served = Vec<Vec<(Vec<u32>, Vec<f32>)>>;
+
+/// The batch's size, (rows, steps its slots hold), after a step.
+type Sizes = Vec<(usize, Option<(usize, usize)>)>;
+
+/// Serves `requests` as `rloo serve`'s batch does, stepping as `stepping`
+/// says: each request's completions, and the batch's size (rows, steps its
+/// slots hold) after each step that admits one and after the steps `after`.
+fn serve_schedule(
+    model: &Model,
+    requests: &[Request],
+    (stepping, sampler): (Stepping, Sampler),
+    after: &[usize],
+) -> (Served, Sizes) {
+    use std::sync::Arc;
+
+    use rloo::generate::decoding::{DecodeRow, Decoding, Verdict};
+    use rloo::rng::Rng;
+
+    let mut batch = Decoding::open(model.frozen(), &Device::Cpu, sampler, stepping);
+    let mut done: Served = requests.iter().map(|r| vec![Default::default(); r.2]).collect();
+    let mut sizes = Vec::new();
+    for t in 0.. {
+        let arriving: Vec<usize> = (0..requests.len()).filter(|&r| requests[r].0 == t).collect();
+        if batch.is_empty() && arriving.is_empty() && requests.iter().all(|r| r.0 < t) {
+            break;
+        }
+        for &r in &arriving {
+            let (_, prompt, n, max_tokens) = &requests[r];
+            let prompt: Arc<[u32]> = Arc::from(prompt.as_slice());
+            let rows = (0..*n)
+                .map(|c| DecodeRow {
+                    prompt: prompt.clone(),
+                    sampling: Sampling::temperature(1.0),
+                    repetition_penalty: 1.0,
+                    rng: Rng::stream(7, &[r as u64, c as u64]),
+                    max_tokens: *max_tokens,
+                    tokens: Vec::new(),
+                    client: (r, c, Vec::new()),
+                })
+                .collect();
+            batch.admit(rows).unwrap();
+        }
+        if !arriving.is_empty() {
+            sizes.push((t, batch.fixed_size()));
+        }
+        batch
+            .step(|row, pick, _, _| {
+                row.client.2.push(pick.logprob);
+                if row.tokens.len() < row.max_tokens {
+                    return Ok(Verdict::Continues);
+                }
+                let (r, c, logprobs) = &mut row.client;
+                done[*r][*c] = (row.tokens.clone(), std::mem::take(logprobs));
+                Ok(Verdict::Leaves)
+            })
+            .unwrap();
+        if after.contains(&t) {
+            sizes.push((t, batch.fixed_size()));
+        }
+    }
+    (done, sizes)
+}
+
+/// Fails unless `got` has `want`'s tokens, and its log-probs to rounding (a
+/// product over more rows may round its last bit differently).
+fn assert_served_alike(got: &Served, want: &Served, requests: &[Request], what: &str) {
+    let close = |a: &[f32], b: &[f32]| a.iter().zip(b).all(|(x, y)| (x - y).abs() <= 1e-5 * y.abs().max(1.0));
+    for (r, (got, want)) in got.iter().zip(want).enumerate() {
+        for (c, (got, want)) in got.iter().zip(want).enumerate() {
+            let what = format!("{what}, request {r} of {requests:?}, completion {c}");
+            assert_eq!(got.0, want.0, "{what}");
+            assert_eq!(got.0.len(), requests[r].3, "{what}");
+            assert!(close(&got.1, &want.1), "{what}");
+        }
+    }
+}
+
 /// A server's batch with fixed stepping decodes what a shrinking one
 /// decodes, request by request: rows that join take the places of rows
 /// that left, or the batch is made again when they outgrow its places or
@@ -237,13 +320,7 @@ fn sampler_logprobs_agree_with_the_training_forward() {
 /// and it is compacted when few of its rows decode.
 #[test]
 fn a_servers_fixed_batch_decodes_what_a_shrinking_one_decodes() {
-    use std::sync::Arc;
-
-    use rloo::generate::decoding::{DecodeRow, Decoding, Verdict};
-    use rloo::rng::Rng;
-
-    // (the step it arrives before, its prompt, completions, most tokens)
-    let requests: Vec<(usize, Vec<u32>, usize, usize)> = vec![
+    let requests: Vec<Request> = vec![
         (0, vec![3, 4, 5, 6], 3, 10),
         (2, vec![7, 8, 9], 1, 5),
         (3, vec![10, 11], 2, 6),
@@ -252,66 +329,12 @@ fn a_servers_fixed_batch_decodes_what_a_shrinking_one_decodes() {
         (13, vec![15], 1, 4),
         (14, vec![16, 17], 1, 40),
     ];
-    // Each request's completions, and the batch's size after each step that admits one.
-    let serve = |model: &Model, stepping: Stepping, sampler: Sampler| {
-        let mut batch = Decoding::open(model.frozen(), &Device::Cpu, sampler, stepping);
-        let mut done: Vec<Vec<(Vec<u32>, Vec<f32>)>> = requests.iter().map(|r| vec![Default::default(); r.2]).collect();
-        let mut sizes = Vec::new();
-        for t in 0.. {
-            let arriving: Vec<usize> = (0..requests.len()).filter(|&r| requests[r].0 == t).collect();
-            if batch.is_empty() && arriving.is_empty() && requests.iter().all(|r| r.0 < t) {
-                break;
-            }
-            for &r in &arriving {
-                let (_, prompt, n, max_tokens) = &requests[r];
-                let prompt: Arc<[u32]> = Arc::from(prompt.as_slice());
-                let rows = (0..*n)
-                    .map(|c| DecodeRow {
-                        prompt: prompt.clone(),
-                        sampling: Sampling::temperature(1.0),
-                        repetition_penalty: 1.0,
-                        rng: Rng::stream(7, &[r as u64, c as u64]),
-                        max_tokens: *max_tokens,
-                        tokens: Vec::new(),
-                        client: (r, c, Vec::new()),
-                    })
-                    .collect();
-                batch.admit(rows).unwrap();
-            }
-            if !arriving.is_empty() {
-                sizes.push((t, batch.fixed_size()));
-            }
-            batch
-                .step(|row, pick, _, _| {
-                    row.client.2.push(pick.logprob);
-                    if row.tokens.len() < row.max_tokens {
-                        return Ok(Verdict::Continues);
-                    }
-                    let (r, c, logprobs) = &mut row.client;
-                    done[*r][*c] = (row.tokens.clone(), std::mem::take(logprobs));
-                    Ok(Verdict::Leaves)
-                })
-                .unwrap();
-            if t == 11 || t == 16 {
-                sizes.push((t, batch.fixed_size()));
-            }
-        }
-        (done, sizes)
-    };
-    let close = |a: &[f32], b: &[f32]| a.iter().zip(b).all(|(x, y)| (x - y).abs() <= 1e-5 * y.abs().max(1.0));
     for name in ["gpt_neox-causal", "llama-causal"] {
         let model = Model::load(&model_dir(name), &Device::Cpu).unwrap();
         for sampler in SAMPLERS {
-            let (want, _) = serve(&model, Stepping::Shrink, sampler);
-            let (got, sizes) = serve(&model, Stepping::Fixed, sampler);
-            for (r, (got, want)) in got.iter().zip(&want).enumerate() {
-                for (c, (got, want)) in got.iter().zip(want).enumerate() {
-                    let what = format!("{name}, {sampler:?}, request {r}, completion {c}");
-                    assert_eq!(got.0, want.0, "{what}");
-                    assert_eq!(got.0.len(), requests[r].3, "{what}");
-                    assert!(close(&got.1, &want.1), "{what}");
-                }
-            }
+            let (want, _) = serve_schedule(&model, &requests, (Stepping::Shrink, sampler), &[]);
+            let (got, sizes) = serve_schedule(&model, &requests, (Stepping::Fixed, sampler), &[11, 16]);
+            assert_served_alike(&got, &want, &requests, &format!("{name}, {sampler:?}"));
             // (rows, steps its slots hold), after each admission and two steps:
             // made for 3 rows of 4 slots and 9 steps more, twice; the free place
             // taken 2 steps on; 6 rows need 8, 7 slots filled and 2 x 6 steps; a
@@ -319,21 +342,44 @@ fn a_servers_fixed_batch_decodes_what_a_shrinking_one_decodes() {
             // one step on; 3 steps on, compacted to the 2 rows decoding; 3 rows
             // need 4 (35 + 2 x 3); 39 steps past the 5 left (36 + 2 x 39); 3
             // steps on, compacted to one row.
-            let (size, want) = (
-                sizes.iter().map(|&(t, s)| (t, s.unwrap())),
-                [
-                    (0, (4, 18)),
-                    (2, (4, 16)),
-                    (3, (8, 12)),
-                    (8, (8, 14)),
-                    (9, (8, 13)),
-                    (11, (2, 10)),
-                    (13, (4, 6)),
-                    (14, (4, 78)),
-                    (16, (1, 75)),
-                ],
-            );
-            assert_eq!(size.collect::<Vec<_>>(), want, "{name}, {sampler:?}");
+            let want = [
+                (0, (4, 18)),
+                (2, (4, 16)),
+                (3, (8, 12)),
+                (8, (8, 14)),
+                (9, (8, 13)),
+                (11, (2, 10)),
+                (13, (4, 6)),
+                (14, (4, 78)),
+                (16, (1, 75)),
+            ];
+            assert_eq!(sizes.iter().map(|&(t, s)| (t, s.unwrap())).collect::<Vec<_>>(), want, "{name}, {sampler:?}");
         }
+    }
+}
+
+/// The same over many random schedules (requests of 1 to 3 completions,
+/// prompts of 1 to 12 tokens, 1 to 12 tokens each, arriving 0 to 3 steps
+/// apart): among them, batches whose rows hold every place in another
+/// order than the places'.
+#[test]
+fn a_servers_fixed_batch_decodes_what_a_shrinking_one_decodes_on_random_schedules() {
+    use rloo::rng::Rng;
+
+    let model = Model::load(&model_dir("gpt_neox-causal"), &Device::Cpu).unwrap();
+    for seed in 0..200 {
+        let mut draw = Rng::new(seed);
+        let mut pick = |n: u64| (draw.next_u64() % n) as usize;
+        let (count, mut t) = (3 + pick(10), 0);
+        let requests: Vec<Request> = (0..count)
+            .map(|_| {
+                t += pick(4);
+                let prompt = (0..1 + pick(12)).map(|_| 3 + pick(200) as u32).collect();
+                (t, prompt, 1 + pick(3), 1 + pick(12))
+            })
+            .collect();
+        let (want, _) = serve_schedule(&model, &requests, (Stepping::Shrink, Sampler::Host), &[]);
+        let (got, _) = serve_schedule(&model, &requests, (Stepping::Fixed, Sampler::Host), &[]);
+        assert_served_alike(&got, &want, &requests, &format!("seed {seed}"));
     }
 }

@@ -170,14 +170,15 @@ impl Fixture {
     }
 
     /// Greedy completions of `prompts` (at least 3) as a server decodes
-    /// them, its steps recorded: the first arrives at step 0, the second a
-    /// step later (the batch made again for both), the rest from the step
+    /// them, its steps recorded: the first arrives at step 0, the second two
+    /// steps later (the batch made again for both), the rest from the step
     /// the first row has left on (`max_new` tokens), each taking a place
-    /// rows left while the recording replays.
+    /// rows left while the recording replays (the third beside the second,
+    /// the batch's places held in another order than theirs).
     fn served_greedy(&self, prompts: &[Vec<u32>], max_new: usize, eos: &[u32]) -> crate::Result<Vec<Vec<u32>>> {
         let device = self.model.device();
         let mut batch = Decoding::open(self.model.frozen(), &device, Sampler::from_env(&device)?, Stepping::Graph);
-        let arrives = |i: usize| if i < 2 { i } else { max_new + i - 2 };
+        let arrives = |i: usize| if i < 2 { 2 * i } else { max_new + i - 2 };
         let (mut got, mut next) = (vec![Vec::new(); prompts.len()], 0);
         for step in 0.. {
             while next < prompts.len() && arrives(next) == step {
