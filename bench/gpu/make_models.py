@@ -4,8 +4,9 @@
   make_models.py SIZE OUT_DIR   SIZE: 410m or 1b (EleutherAI/pythia-*-deduped),
                                       qwen3-8b (Qwen/Qwen3-8B), qwen3-0.6b
                                       (Qwen/Qwen3-0.6B: two query heads a
-                                      key/value head), or tiny (a Pythia of
-                                      hidden 128, for dry runs)
+                                      key/value head), or tiny and qwen3-tiny
+                                      (a Pythia and a Qwen3 of hidden 128,
+                                      for dry runs on the CPU)
 
 Writes OUT_DIR/policy (a causal LM) and OUT_DIR/reward (a sequence
 classifier, one label) with a WordLevel tokenizer of exactly the config's
@@ -59,6 +60,9 @@ QWEN3_8B = dict(hidden_size=4096, num_hidden_layers=36, num_attention_heads=32, 
                 tie_word_embeddings=False)
 QWEN3_06B = dict(hidden_size=1024, num_hidden_layers=28, num_attention_heads=16, intermediate_size=3072,
                  tie_word_embeddings=True)
+# For a dry run of the 8B arm on the CPU: its vocabulary and grouped heads, at hidden 128.
+QWEN3_TINY = dict(hidden_size=128, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, head_dim=32,
+                  intermediate_size=384, tie_word_embeddings=False)
 
 
 def words(n, rng):
@@ -79,12 +83,14 @@ def models_of(size):
         reward = GPTNeoXConfig(**PYTHIA, **SHAPES[size], num_labels=1)
         return [("policy", GPTNeoXForCausalLM, policy, torch.float32),
                 ("reward", GPTNeoXForSequenceClassification, reward, torch.float32)]
-    qwen3 = {"qwen3-8b": QWEN3_8B, "qwen3-0.6b": QWEN3_06B}
+    qwen3 = {"qwen3-8b": (QWEN3_8B, QWEN3_06B), "qwen3-0.6b": (QWEN3_06B, QWEN3_06B),
+             "qwen3-tiny": (QWEN3_TINY, QWEN3_TINY)}
     if size in qwen3:
-        return [("policy", Qwen3ForCausalLM, Qwen3Config(**QWEN3, **qwen3[size]), torch.bfloat16),
-                ("reward", Qwen3ForSequenceClassification, Qwen3Config(**QWEN3, **QWEN3_06B, num_labels=1),
+        policy, reward = qwen3[size]
+        return [("policy", Qwen3ForCausalLM, Qwen3Config(**{**QWEN3, **policy}), torch.bfloat16),
+                ("reward", Qwen3ForSequenceClassification, Qwen3Config(**{**QWEN3, **reward}, num_labels=1),
                  torch.bfloat16)]
-    sys.exit(f"unknown size {size}: 410m, 1b, qwen3-8b, qwen3-0.6b or tiny")
+    sys.exit(f"unknown size {size}: 410m, 1b, qwen3-8b, qwen3-0.6b, tiny or qwen3-tiny")
 
 
 def shape_of(model, config):

@@ -192,19 +192,12 @@ if part train; then
                   lora=$'[peft]\nuse_peft = true\nlora_r = 16\nlora_alpha = 32\nlora_target_modules = ["all-linear"]' ;;
             *) log "unknown arm $arm (SIZE-full or SIZE-lora)"; continue ;;
         esac
-        # The 8B policy runs as a LoRA user runs it: bf16 weights, gradient checkpointing.
-        if [[ $size == qwen3-8b ]]; then
+        # The 8B policy runs as a LoRA user runs it: bf16 weights, gradient checkpointing
+        # (qwen3-tiny: the same on the CPU, a dry run).
+        if [[ $size == qwen3-8b || $size == qwen3-tiny ]]; then
             trl_arm+=(--gradient-checkpointing --weights-bf16) checkpointing=true
         fi
         for i in $(seq 1 "$TRAIN_RUNS"); do
-            log "train $arm run $i: TRL"
-            if [[ $PEER != off ]] && "$PY" -c 'import trl' 2>/dev/null; then
-                "$PY" bench/train/measure.py trl "$OUT/train-$arm-trl-$i.json" -- \
-                    timeout "$LIMIT" "$PY" bench/train/trl_rloo.py --model "$dir/policy" --prompts "$dir/prompts.jsonl" \
-                    --reward-model "$dir/reward" --device "$DEVICE" --bf16 --steps "$STEPS" --seed "$i" \
-                    --prompts-per-step $PROMPTS --k $K --max-new-tokens $NEW --micro-batch "$MICRO" "${trl_arm[@]}" \
-                    >"$OUT/train-$arm-trl-$i.log" 2>&1 || tail -5 "$OUT/train-$arm-trl-$i.log"
-            fi
             for attention in $ATTENTION; do
                 log "train $arm run $i: rloo, $attention attention"
                 IFS=+ read -r kernels heads step decode bias mlp mask rows <<<"$attention"
@@ -223,6 +216,15 @@ if part train; then
                 # The trained model is of no further use, and would travel back with OUT.
                 rm -rf "$run"/*.safetensors "$run"/checkpoint-*
             done
+            # TRL after rloo: a run the budget stops keeps rloo's figures.
+            log "train $arm run $i: TRL"
+            if [[ $PEER != off ]] && "$PY" -c 'import trl' 2>/dev/null; then
+                "$PY" bench/train/measure.py trl "$OUT/train-$arm-trl-$i.json" -- \
+                    timeout "$LIMIT" "$PY" bench/train/trl_rloo.py --model "$dir/policy" --prompts "$dir/prompts.jsonl" \
+                    --reward-model "$dir/reward" --device "$DEVICE" --bf16 --steps "$STEPS" --seed "$i" \
+                    --prompts-per-step $PROMPTS --k $K --max-new-tokens $NEW --micro-batch "$MICRO" "${trl_arm[@]}" \
+                    >"$OUT/train-$arm-trl-$i.log" 2>&1 || tail -5 "$OUT/train-$arm-trl-$i.log"
+            fi
         done
     done
 fi

@@ -26,23 +26,32 @@
 #      defaults;
 #   7. generation at 1B, per row and per prompt's rows;
 #   8. LoRA (r = 16, all linear layers) at 1B against TRL with PEFT, over
-#      spans.
+#      spans;
+#   9. the Qwen3-8B LoRA arm (bf16 weights, gradient checkpointing) against
+#      TRL with PEFT, when PARTS names it (its models take 17 GB and a few
+#      minutes to make: a call of its own, PARTS="check train-8b-lora").
 # Where .cuda/bin/rloo-before.gz is carried too (bench/gpu/baseline.sh REV
 # builds it), the RLOO step at 410m and at 1B runs with it as well, under
 # the same settings, on the same card (OUT/before, its own table), after 5.
 # Logs stay in OUT; the benchmark's table (bench/gpu/report.py) prints last.
 #
 #   bench/gpu/session.sh                 # OUT=/tmp/rloo-gpu-session
+#   PARTS="check train-8b-lora" bench/gpu/session.sh
 set -uo pipefail
 cd "$(dirname "$0")/../.."
 export OUT=${OUT:-/tmp/rloo-gpu-session} PY=${PY:-python3} MODELS=${MODELS:-/tmp/rloo-gpu-models}
 BUDGET=${BUDGET:-540}
+PARTS=${PARTS:-check train-410m train-1b generate-410m serve-410m train-before profile generate-1b train-1b-lora}
 mkdir -p "$OUT"
 left() { echo $((BUDGET - SECONDS)); }
-# part NAME SECONDS COMMAND...: runs COMMAND if SECONDS remain, stopped when the budget ends.
+# part NAME SECONDS COMMAND...: runs COMMAND if PARTS names it (train-before-REV as
+# train-before) and SECONDS remain, stopped when the budget ends.
 part() {
     local name=$1 needs=$2
     shift 2
+    local key=$name
+    [[ $name == train-before-* ]] && key=train-before
+    [[ " $PARTS " == *" $key "* ]] || return 0
     if (($(left) < needs)); then
         echo "== [$SECONDS s] $name: skipped, $(left) s left of $BUDGET" >&2
         return
@@ -70,4 +79,5 @@ fi
 part profile 90 env SIZES=410m bench/gpu/run.sh profile
 part generate-1b 30 env SIZES=1b RUNS=2 PEER=off DECODERS="$decoders" bench/gpu/run.sh generate
 part train-1b-lora 100 env ARMS=1b-lora TRAIN_RUNS=1 STEPS=3 ATTENTION="$defaults+spans" bench/gpu/run.sh train
+part train-8b-lora 240 env ARMS=qwen3-8b-lora TRAIN_RUNS=1 STEPS=3 ATTENTION="$defaults+spans" bench/gpu/run.sh train
 "$PY" bench/gpu/report.py "$OUT" | tee "$OUT/table.txt"
