@@ -27,6 +27,42 @@ fn the_peak_keeps_what_was_held_after_it_is_freed_and_starts_again_when_read() {
     assert!(heap::take_peak() < before + (64 << 20), "and starts again from what is held");
 }
 
+/// A freed block of KEPT_FROM bytes or more is kept and handed out again
+/// for the next allocation of exactly its size (zeroed when asked so),
+/// counted as held only while the program holds it; another size gets a
+/// block of its own. What is kept and held stays within the most ever
+/// held: a new block that would pass it has the kept ones handed back.
+#[test]
+fn large_freed_blocks_are_reused_for_the_same_size_within_the_most_held() {
+    let _one = ONE.lock().unwrap_or_else(|e| e.into_inner());
+    let within = || heap::in_use() + heap::kept_bytes() <= heap::most_held();
+    let size = heap::KEPT_FROM + 4096;
+    let before = heap::in_use();
+    let first = vec![7u8; size];
+    let at = first.as_ptr();
+    drop(first);
+    assert_eq!(heap::in_use(), before, "a kept block is not held");
+    assert!(heap::kept_bytes() >= size as u64);
+    let again = vec![0u8; size];
+    assert_eq!(again.as_ptr(), at, "the same size takes the kept block");
+    assert!(again.iter().all(|&b| b == 0), "zeroed over the old contents");
+    assert_eq!(heap::in_use(), before + size as u64);
+    let other = vec![1u8; size + 1];
+    assert_ne!(other.as_ptr(), at);
+    drop((again, other));
+    assert!(within());
+    let blocks: Vec<Vec<u8>> = (0..20).map(|i| vec![i as u8; size + i]).collect();
+    drop(blocks);
+    assert!(heap::kept_bytes() >= 8 * size as u64, "{} bytes kept", heap::kept_bytes());
+    assert!(within());
+    // Zeroed and never touched, so it costs no resident memory.
+    let past = vec![0u8; (heap::most_held() - heap::in_use()) as usize + 1];
+    assert_eq!(heap::kept_bytes(), 0, "a new peak hands every kept block back");
+    drop(past);
+    assert!(within());
+    assert_eq!(heap::in_use(), before);
+}
+
 /// What a training graph holds of a residual's sum `x + branch`: a plain
 /// addition keeps the branch's output until the backward; the residual sums
 /// free it once the sum is made, unless the op that made it reads it in its
