@@ -32,7 +32,8 @@
 #      minutes to make: a call of its own, PARTS="check train-8b-lora").
 # Where .cuda/bin/rloo-before.gz is carried too (bench/gpu/baseline.sh REV
 # builds it), the RLOO step at 410m and at 1B runs with it as well, under
-# the same settings, on the same card (OUT/before, its own table), after 5.
+# the same settings, on the same card (OUT/before, its own table, with the
+# revision in rloo-before.rev), after 5.
 # Logs stay in OUT; the benchmark's table (bench/gpu/report.py) prints last.
 #
 #   bench/gpu/session.sh                 # OUT=/tmp/rloo-gpu-session
@@ -44,14 +45,12 @@ BUDGET=${BUDGET:-540}
 PARTS=${PARTS:-check train-410m train-1b generate-410m serve-410m train-before profile generate-1b train-1b-lora}
 mkdir -p "$OUT"
 left() { echo $((BUDGET - SECONDS)); }
-# part NAME SECONDS COMMAND...: runs COMMAND if PARTS names it (train-before-REV as
-# train-before) and SECONDS remain, stopped when the budget ends.
+# part NAME SECONDS COMMAND...: runs COMMAND if PARTS names it and SECONDS remain,
+# stopped when the budget ends.
 part() {
     local name=$1 needs=$2
     shift 2
-    local key=$name
-    [[ $name == train-before-* ]] && key=train-before
-    [[ " $PARTS " == *" $key "* ]] || return 0
+    [[ " $PARTS " == *" $name "* ]] || return 0
     if (($(left) < needs)); then
         echo "== [$SECONDS s] $name: skipped, $(left) s left of $BUDGET" >&2
         return
@@ -72,8 +71,8 @@ part generate-410m 60 env SIZES=410m RUNS=2 DECODERS="$decoders" bench/gpu/run.s
 part serve-410m 45 env SIZES=410m bench/gpu/run.sh serve
 if [[ -e .cuda/bin/rloo-before.gz ]]; then
     gunzip -c .cuda/bin/rloo-before.gz >/tmp/rloo-before && chmod +x /tmp/rloo-before
-    before=$(cat .cuda/bin/rloo-before.rev 2>/dev/null || echo before)
-    part "train-before-$before" 120 env OUT="$OUT/before" RLOO=/tmp/rloo-before PEER=off ARMS="410m-full 1b-full" \
+    mkdir -p "$OUT/before" && cp -f .cuda/bin/rloo-before.rev "$OUT/before/" 2>/dev/null
+    part train-before 120 env OUT="$OUT/before" RLOO=/tmp/rloo-before PEER=off ARMS="410m-full 1b-full" \
         TRAIN_RUNS=1 STEPS=3 ATTENTION="$defaults" bench/gpu/run.sh train
 fi
 part profile 90 env SIZES=410m bench/gpu/run.sh profile
