@@ -6,9 +6,10 @@ mod common;
 use std::fs;
 use std::path::Path;
 
-use candle_core::{Device, Tensor};
+use candle_core::{DType, Device, Tensor};
 use common::*;
-use rloo::model::{Inputs, Model};
+use rloo::model::lora::PeftOptions;
+use rloo::model::{HeadKind, Inputs, Model, Placement};
 
 fn copy_dir(from: &Path, to: &Path) {
     fs::create_dir_all(to).unwrap();
@@ -186,5 +187,60 @@ fn random_initialisation_makes_the_checkpoints_tensors_and_saves_them() {
         let again = Model::load(&out, &Device::Cpu).unwrap();
         assert_eq!(max_diff(&left_logits(&fresh, name), &left_logits(&again, name)), 0.0);
         assert!(out.join("tokenizer.json").is_file());
+    }
+}
+
+fn bits(t: &Tensor) -> Vec<u32> {
+    t.to_dtype(DType::F32)
+        .unwrap()
+        .flatten_all()
+        .unwrap()
+        .to_vec1::<f32>()
+        .unwrap()
+        .iter()
+        .map(|x| x.to_bits())
+        .collect()
+}
+
+/// A bf16 run reads weights stored in bf16 as they are, with no f32 copy of
+/// them all, and ends where reading them as f32 ends: the same masters
+/// where parameters train, the same bf16 copies, the same logits, to the
+/// bit; with LoRA too, the base kept in bf16 and the adapters with masters.
+#[test]
+fn weights_stored_in_the_run_dtype_are_read_as_they_are() {
+    let dir = model_dir("qwen2-causal");
+    let dev = Device::Cpu;
+    let bf16 = Placement::new(&dev, DType::BF16);
+    let read = Model::load(&dir, bf16).unwrap();
+    assert!(read.params().iter().all(|p| p.var.dtype() == DType::BF16), "stored bf16, read as bf16");
+    let reference = reference("qwen2-causal");
+    let inputs = Inputs::new(&reference["right.input_ids"], &reference["right.attention_mask"]).unwrap();
+    let peft = PeftOptions {
+        use_peft: true,
+        lora_r: 4,
+        lora_target_modules: Some(vec!["all-linear".into()]),
+        ..Default::default()
+    };
+    for lora in [false, true] {
+        for trains in [true, false] {
+            let load = |at: Placement| {
+                let options = if lora { peft.clone() } else { PeftOptions::default() };
+                Model::load_trainable(&dir, at, HeadKind::CausalLm, (&options, &[]), 5, false)
+                    .unwrap()
+                    .with_dtype(DType::BF16, trains)
+                    .unwrap()
+            };
+            let (wide, kept) = (load(Placement::from(&dev)), load(bf16));
+            for (a, b) in wide.params().iter().zip(kept.params().iter()) {
+                let what = format!("{} (LoRA: {lora}, trains: {trains})", a.name);
+                assert_eq!((a.var.dtype(), a.compute().dtype()), (b.var.dtype(), b.compute().dtype()), "{what}");
+                assert_eq!(bits(a.var.as_tensor()), bits(b.var.as_tensor()), "{what}: master");
+                assert_eq!(bits(a.compute()), bits(b.compute()), "{what}: the copy computed with");
+                let master = trains && !a.frozen;
+                assert_eq!(a.var.dtype() == DType::F32, master, "{what}: an f32 master only where it trains");
+            }
+            let logits = |m: &Model| bits(&m.network().logits(&inputs, None).unwrap());
+            assert_eq!(logits(&wide), logits(&kept), "LoRA: {lora}, trains: {trains}");
+        }
     }
 }

@@ -10,7 +10,7 @@ use rloo::data::prompts::{ContextRoom, PromptDataset};
 use rloo::data::Tokenizer;
 use rloo::eval::{evaluate_model, judged_win_rate, win_rate, EvalOptions, ModelReport, Opponent, Spread};
 use rloo::model::hub::resolve_model;
-use rloo::model::{parse_device, Model, Precision};
+use rloo::model::{parse_device, Model, Placement, Precision};
 use rloo::report::render_table;
 use rloo::reward::config::ModelSpec;
 use rloo::reward::judge::{Judge, JudgeMode};
@@ -140,14 +140,14 @@ pub fn run(a: EvalArgs) -> Result<()> {
         batch_size: a.batch_size as usize,
     };
     let reference = match &a.reference {
-        Some(r) => Some(Model::load(&resolve_model(r)?, &device)?.with_dtype(dtype, false)?),
+        Some(r) => Some(Model::load(&resolve_model(r)?, Placement::new(&device, dtype))?.with_dtype(dtype, false)?),
         None => None,
     };
     let mut reports: Vec<ModelReport> = Vec::new();
     let mut datasets = Vec::new();
     for name in std::iter::once(&a.model).chain(a.model_b.iter()) {
         let dir = resolve_model(name)?;
-        let model = Model::load(&dir, &device)
+        let model = Model::load(&dir, Placement::new(&device, dtype))
             .and_then(|m| m.with_dtype(dtype, false))
             .with_context(|| format!("loading {}", dir.display()))?;
         let tokenizer = Tokenizer::from_dir(&dir)?;

@@ -13,7 +13,7 @@ use rloo::data::prompts::{ContextRoom, PromptDataset};
 use rloo::data::Tokenizer;
 use rloo::generate::{generate, GenerateOptions, Sampler, Sampling, Stepping, StopCriteria};
 use rloo::model::hub::resolve_model;
-use rloo::model::{parse_device, GenerationConfig, HeadKind, Model, Precision};
+use rloo::model::{parse_device, GenerationConfig, HeadKind, Model, Placement, Precision};
 
 use super::dataset_flags::DatasetFlags;
 
@@ -107,8 +107,9 @@ pub fn run(args: GenerateArgs) -> Result<()> {
     StopCriteria::check_strings(&args.stop).map_err(|e| anyhow::anyhow!("--stop: {e}"))?;
     let device = parse_device(&args.device)?;
     let dir = resolve_model(&args.model)?;
-    let model = Model::load(&dir, &device)
-        .and_then(|m| m.with_dtype(Precision::from_bf16(args.bf16).dtype(), false))
+    let dtype = Precision::from_bf16(args.bf16).dtype();
+    let model = Model::load(&dir, Placement::new(&device, dtype))
+        .and_then(|m| m.with_dtype(dtype, false))
         .with_context(|| format!("loading model {}", dir.display()))?;
     if model.head() != HeadKind::CausalLm {
         bail!("{}: a sequence-classification model cannot generate text", dir.display());

@@ -11,7 +11,7 @@ use rloo::data::jsonl::JsonlWriter;
 use rloo::data::{Prompt, Tokenizer};
 use rloo::model::hub::resolve_model;
 use rloo::model::scoring::{completion_logprobs, sequence_scores, Pair, Sequences};
-use rloo::model::{parse_device, HeadKind, Model, Precision};
+use rloo::model::{parse_device, HeadKind, Model, Placement, Precision};
 
 use super::dataset_flags::DatasetFlags;
 
@@ -56,8 +56,9 @@ struct ScoreRow {
 pub fn run(args: ScoreArgs) -> Result<()> {
     let device = parse_device(&args.device)?;
     let dir = resolve_model(&args.model)?;
-    let model = Model::load(&dir, &device)
-        .and_then(|m| m.with_dtype(Precision::from_bf16(args.bf16).dtype(), false))
+    let dtype = Precision::from_bf16(args.bf16).dtype();
+    let model = Model::load(&dir, Placement::new(&device, dtype))
+        .and_then(|m| m.with_dtype(dtype, false))
         .with_context(|| format!("loading model {}", dir.display()))?;
     let tokenizer = Tokenizer::from_dir(&dir)?;
     tokenizer.check_model(model.config())?;

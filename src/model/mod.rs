@@ -32,5 +32,5 @@ pub use cache::KvCache;
 pub use config::{HeadKind, ModelConfig};
 pub use device::{parse_device, Precision};
 pub use generation_config::GenerationConfig;
-pub use network::{backward, next_token_logprobs, Decoder, Model, Network};
+pub use network::{backward, next_token_logprobs, Decoder, Model, Network, Placement};
 pub use weights::ParamStore;

@@ -204,6 +204,29 @@ struct Lora {
     dropout: Option<Dropout>,
 }
 
+/// Where a model's weights are loaded, and the dtype its run computes in:
+/// tensors stored in that dtype are read as they are, the others as f32, so
+/// that a bf16 run on bf16 weights never holds an f32 copy of them all
+/// (at 8B, 33 GB beside the 16 GB it keeps). [`Model::with_dtype`] then
+/// sets the dtype the model computes in. A device alone loads f32.
+#[derive(Debug, Clone, Copy)]
+pub struct Placement<'a> {
+    pub device: &'a Device,
+    pub dtype: DType,
+}
+
+impl<'a> Placement<'a> {
+    pub fn new(device: &'a Device, dtype: DType) -> Self {
+        Self { device, dtype }
+    }
+}
+
+impl<'a> From<&'a Device> for Placement<'a> {
+    fn from(device: &'a Device) -> Self {
+        Self { device, dtype: DType::F32 }
+    }
+}
+
 /// Where a model's adapters come from.
 enum Adapters<'a> {
     /// New ones: `B` = 0, `A` drawn from the seed.
@@ -215,30 +238,31 @@ enum Adapters<'a> {
 impl Model {
     /// Loads a Hugging Face model directory, or a PEFT adapter directory
     /// onto the base model its `adapter_config.json` names.
-    pub fn load(dir: &Path, device: &Device) -> Result<Self> {
+    pub fn load<'a>(dir: &Path, at: impl Into<Placement<'a>>) -> Result<Self> {
+        let at = at.into();
         if dir.join(ADAPTER_CONFIG).is_file() {
-            return Self::load_adapter(dir, None, device);
+            return Self::load_adapter(dir, None, at);
         }
         let config = ModelConfig::from_dir(dir)?;
-        Self::load_config(dir, device, config, None, None)
+        Self::load_config(dir, at, config, None, None)
     }
 
     /// Loads a directory with the given head. A sequence-classification
     /// head the checkpoint lacks (a reward model started from a causal LM)
     /// is initialised like transformers does, normal(0, initializer_range),
     /// from `seed`.
-    pub fn load_with_head(dir: &Path, device: &Device, head: HeadKind, seed: u64) -> Result<Self> {
+    pub fn load_with_head<'a>(dir: &Path, at: impl Into<Placement<'a>>, head: HeadKind, seed: u64) -> Result<Self> {
         let mut config = ModelConfig::from_dir(dir)?;
         config.head = head;
-        Self::load_config(dir, device, config, Some(seed), None)
+        Self::load_config(dir, at.into(), config, Some(seed), None)
     }
 
     /// Loads the model in `dir` (with `head`) and adds new LoRA adapters:
     /// it starts as the base, and only the adapters and `modules_to_save`
     /// train.
-    pub fn load_with_new_adapters(
+    pub fn load_with_new_adapters<'a>(
         dir: &Path,
-        device: &Device,
+        at: impl Into<Placement<'a>>,
         head: HeadKind,
         lora: LoraConfig,
         seed: u64,
@@ -246,12 +270,12 @@ impl Model {
         lora.validate()?;
         let mut config = ModelConfig::from_dir(dir)?;
         config.head = head;
-        Self::load_config(dir, device, config, Some(seed), Some(Adapters::New(lora, seed)))
+        Self::load_config(dir, at.into(), config, Some(seed), Some(Adapters::New(lora, seed)))
     }
 
     /// Loads a PEFT adapter directory onto its base model: `base`, or the
     /// one its `adapter_config.json` names.
-    pub fn load_adapter(dir: &Path, base: Option<&Path>, device: &Device) -> Result<Self> {
+    pub fn load_adapter<'a>(dir: &Path, base: Option<&Path>, at: impl Into<Placement<'a>>) -> Result<Self> {
         let file = lora::read_adapter_config(dir)?;
         let base_dir = match base {
             Some(b) => b.to_path_buf(),
@@ -266,20 +290,20 @@ impl Model {
             })?;
             config.head = HeadKind::SequenceClassification { num_labels: shape[0] };
         }
-        let mut model = Self::load_config(&base_dir, device, config, None, Some(Adapters::Saved(file.config, dir)))?;
+        let mut model = Self::load_config(&base_dir, at.into(), config, None, Some(Adapters::Saved(file.config, dir)))?;
         model.dir = dir.to_path_buf();
         Ok(model)
     }
 
     fn load_config(
         dir: &Path,
-        device: &Device,
+        Placement { device, dtype }: Placement,
         config: ModelConfig,
         seed: Option<u64>,
         adapters: Option<Adapters>,
     ) -> Result<Self> {
         let files = WeightFiles::open(dir)?;
-        let source = Source::files(&files, device);
+        let source = Source::files(&files, device, dtype);
         // A saved adapter's tensors: its modules_to_save replace the base's
         // tensors; its LoRA matrices wait for the modules they adapt.
         let mut saved_adapters = HashMap::new();
@@ -426,21 +450,22 @@ impl Model {
     /// trains. With `dropout`, the training network applies the adapters'
     /// `lora_dropout` (SFT and reward training; online RL trains without
     /// it, as TRL's trainers do).
-    pub fn load_trainable(
+    pub fn load_trainable<'a>(
         dir: &Path,
-        device: &Device,
+        at: impl Into<Placement<'a>>,
         head: HeadKind,
         (peft, modules_to_save): (&PeftOptions, &[&str]),
         seed: u64,
         dropout: bool,
     ) -> Result<Self> {
+        let at = at.into();
         let mut model = if dir.join(ADAPTER_CONFIG).is_file() {
-            Self::load_adapter(dir, None, device)?
+            Self::load_adapter(dir, None, at)?
         } else {
             match peft.lora(ModelConfig::from_dir(dir)?.arch, modules_to_save)? {
-                Some(lora) => Self::load_with_new_adapters(dir, device, head, lora, seed)?,
-                None if head == HeadKind::CausalLm => Self::load(dir, device)?,
-                None => Self::load_with_head(dir, device, head, seed)?,
+                Some(lora) => Self::load_with_new_adapters(dir, at, head, lora, seed)?,
+                None if head == HeadKind::CausalLm => Self::load(dir, at)?,
+                None => Self::load_with_head(dir, at, head, seed)?,
             }
         };
         if let Some(l) = model.lora.as_mut().filter(|l| dropout && l.config.dropout > 0.0) {
@@ -461,7 +486,7 @@ impl Model {
     /// optimizer will update it; a model that only samples or scores keeps
     /// no f32 copy.
     pub fn with_dtype(mut self, dtype: DType, trains: bool) -> Result<Self> {
-        if dtype == self.dtype() && (trains || self.params.iter().all(|p| p.var.dtype() == dtype)) {
+        if self.params.computes_in(dtype, trains) {
             return Ok(self);
         }
         self.params.set_compute_dtype(dtype, trains)?;

@@ -105,8 +105,14 @@ impl WeightFiles {
 
     /// Loads a tensor as f32 on `device`.
     pub fn load_f32(&self, name: &str, device: &Device) -> Result<Tensor> {
+        self.load_keeping(name, device, DType::F32)
+    }
+
+    /// Loads a tensor on `device`: as it is stored when that is `keep`,
+    /// else as f32.
+    fn load_keeping(&self, name: &str, device: &Device, keep: DType) -> Result<Tensor> {
         let t = self.files.load(name, device).map_err(|e| self.read_error(name, e))?;
-        Ok(t.to_dtype(DType::F32)?)
+        Ok(if t.dtype() == keep { t } else { t.to_dtype(DType::F32)? })
     }
 
     fn where_is(&self, name: &str) -> String {
@@ -242,9 +248,6 @@ impl ParamStore {
     /// would only take memory.
     pub fn set_compute_dtype(&mut self, dtype: DType, trains: bool) -> Result<()> {
         for p in &mut self.params {
-            if p.var.dtype() == dtype && p.compute.is_none() {
-                continue;
-            }
             if trains && !p.frozen {
                 let master = if p.var.dtype() == DType::F32 {
                     p.var.clone()
@@ -256,12 +259,25 @@ impl ParamStore {
                     _ => Some(Var::from_tensor(&master.to_dtype(dtype)?.detach())?),
                 };
                 p.var = master;
-            } else {
+            } else if p.var.dtype() != dtype || p.compute.is_some() {
                 p.var = Var::from_tensor(&p.compute().to_dtype(dtype)?.detach())?;
                 p.compute = None;
             }
         }
         Ok(())
+    }
+
+    /// Whether every parameter already is as [`Self::set_compute_dtype`]
+    /// leaves it: computing in `dtype`, with an f32 master where it trains
+    /// (`trains`) in another dtype, and none elsewhere.
+    pub fn computes_in(&self, dtype: DType, trains: bool) -> bool {
+        self.params.iter().all(|p| {
+            let master = trains && !p.frozen && dtype != DType::F32;
+            match &p.compute {
+                Some(copy) => master && copy.dtype() == dtype && p.var.dtype() == DType::F32,
+                None => !master && p.var.dtype() == dtype,
+            }
+        })
     }
 
     /// The dtype the networks compute in.
@@ -293,6 +309,10 @@ pub enum Source<'a> {
     Files {
         files: &'a WeightFiles,
         device: Device,
+        /// Tensors stored in this dtype are kept in it (a bf16 run reading
+        /// bf16 weights never holds an f32 copy of them all); the others
+        /// are widened to f32.
+        keep: DType,
         store: RefCell<ParamStore>,
     },
     Store {
@@ -331,8 +351,9 @@ pub struct Weights<'a> {
 }
 
 impl<'a> Source<'a> {
-    pub fn files(files: &'a WeightFiles, device: &Device) -> Self {
-        Source::Files { files, device: device.clone(), store: RefCell::new(ParamStore::default()) }
+    /// Tensors stored in `keep` are read as they are, the others as f32.
+    pub fn files(files: &'a WeightFiles, device: &Device, keep: DType) -> Self {
+        Source::Files { files, device: device.clone(), keep, store: RefCell::new(ParamStore::default()) }
     }
 
     pub fn store(store: &'a ParamStore, detach: Detach) -> Self {
@@ -434,7 +455,7 @@ impl<'a> Source<'a> {
                 store.borrow_mut().push(Param::new(name, var, DType::F32));
                 Ok(tensor)
             }
-            Source::Files { files, device, store } => {
+            Source::Files { files, device, keep, store } => {
                 if let Some(p) = store.borrow().get(name) {
                     return Ok(p.var.as_tensor().clone());
                 }
@@ -453,7 +474,7 @@ impl<'a> Source<'a> {
                         ),
                     });
                 }
-                let loaded = files.load_f32(name, device)?;
+                let loaded = files.load_keeping(name, device, *keep)?;
                 if has_non_finite(&loaded)? {
                     return Err(Error::Weights {
                         msg: format!(

@@ -28,7 +28,7 @@ use crate::data::{Message, Prompt, Tokenizer};
 use crate::error::{Error, Result};
 use crate::model::hub::resolve_model;
 use crate::model::scoring::{sequence_scores, Pair};
-use crate::model::{HeadKind, Model, ModelConfig};
+use crate::model::{HeadKind, Model, ModelConfig, Placement};
 
 pub(super) fn default_batch_size() -> usize {
     8
@@ -64,7 +64,9 @@ impl RewardTable for ModelSpec {
         if self.batch_size == 0 {
             return Err(Error::Invalid("batch_size must be at least 1".into()));
         }
-        Ok(Box::new(RewardModel::load(name, &self.path, device, self.batch_size)?.computing_in(dtype)?))
+        Ok(Box::new(
+            RewardModel::load(name, &self.path, Placement::new(device, dtype), self.batch_size)?.computing_in(dtype)?,
+        ))
     }
 }
 
@@ -80,21 +82,32 @@ pub struct RewardModel {
 impl RewardModel {
     /// Loads the reward model at `path` (a directory or a hub id) onto
     /// `device`; `batch_size` sequences go through each forward pass.
-    pub fn load(name: impl Into<String>, path: &str, device: &Device, batch_size: usize) -> Result<RewardModel> {
-        Self::from_dir(name, &resolve_model(path)?, device, batch_size)
+    pub fn load<'a>(
+        name: impl Into<String>,
+        path: &str,
+        at: impl Into<Placement<'a>>,
+        batch_size: usize,
+    ) -> Result<RewardModel> {
+        Self::from_dir(name, &resolve_model(path)?, at, batch_size)
     }
 
     /// [`load`](Self::load) from a model directory.
-    pub fn from_dir(name: impl Into<String>, dir: &Path, device: &Device, batch_size: usize) -> Result<RewardModel> {
+    pub fn from_dir<'a>(
+        name: impl Into<String>,
+        dir: &Path,
+        at: impl Into<Placement<'a>>,
+        batch_size: usize,
+    ) -> Result<RewardModel> {
         if batch_size == 0 {
             return Err(Error::Invalid("batch_size must be at least 1, got 0".into()));
         }
         // The head is checked before the weights are read, so that pointing
         // at the policy instead of the reward model fails fast and clearly.
         check_head(&ModelConfig::from_dir(dir)?)?;
-        let model = Model::load(dir, device)?;
+        let at = at.into();
+        let model = Model::load(dir, at)?;
         let tokenizer = Tokenizer::from_dir(dir)?;
-        Ok(RewardModel { name: name.into(), model, tokenizer, device: device.clone(), batch_size })
+        Ok(RewardModel { name: name.into(), model, tokenizer, device: at.device.clone(), batch_size })
     }
 
     /// The model computing in `dtype` (bf16: weights and activations; the

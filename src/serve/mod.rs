@@ -26,7 +26,7 @@ use serde_json::{json, Value};
 use crate::data::Tokenizer;
 use crate::error::{Error, Result};
 use crate::generate::{Sampler, Stepping, StopCriteria};
-use crate::model::{GenerationConfig, HeadKind, Model, ModelConfig};
+use crate::model::{GenerationConfig, HeadKind, Model, ModelConfig, Placement};
 use crate::reward::serve::{score_route, ScoreRoute};
 use crate::reward::RewardModel;
 use crate::service::server::{HttpError, JsonRequest, JsonServer, Listen, Reply, Shutdown};
@@ -77,7 +77,9 @@ impl Loaded {
             let model = RewardModel::from_dir(name, dir, device, score_batch_size).map_err(context)?;
             return Ok(Loaded::Reward { name: name.to_string(), model });
         }
-        let model = Model::load(dir, device).and_then(|m| m.with_dtype(dtype, false)).map_err(context)?;
+        let model = Model::load(dir, Placement::new(device, dtype))
+            .and_then(|m| m.with_dtype(dtype, false))
+            .map_err(context)?;
         if model.head() != HeadKind::CausalLm {
             return Err(context(Error::Invalid("a sequence-classification adapter cannot be served".into())));
         }

@@ -16,7 +16,7 @@ use crate::error::Result;
 use crate::model::hub::resolve_model;
 use crate::model::layer_graphs::LayerGraphs;
 use crate::model::ops::log_softmax_last;
-use crate::model::{HeadKind, Inputs, Model, Network, PadSide};
+use crate::model::{HeadKind, Inputs, Model, Network, PadSide, Placement};
 use crate::report::Metrics;
 use crate::reward::model::encode_pair;
 use crate::rng::streams;
@@ -209,7 +209,16 @@ pub fn train_reward_model(cfg: &RewardTrainConfig) -> Result<RewardTrainSummary>
     let dir = resolve_model(&cfg.model)?;
     let head = HeadKind::SequenceClassification { num_labels: 1 };
     // The score head trains in full beside the adapters (PEFT's modules_to_save).
-    let load = |dir: &Path| Model::load_trainable(dir, &device, head, (&cfg.peft, &["score"]), cfg.seed, true);
+    let load = |dir: &Path| {
+        Model::load_trainable(
+            dir,
+            Placement::new(&device, cfg.dtype.dtype()),
+            head,
+            (&cfg.peft, &["score"]),
+            cfg.seed,
+            true,
+        )
+    };
     let mut model = load(&dir)?
         .with_dtype(cfg.dtype.dtype(), true)?
         .with_layer_graphs(LayerGraphs::for_training(cfg.gradient_checkpointing));

@@ -20,7 +20,7 @@ use crate::error::{Error, Result};
 use crate::model::hub::resolve_model;
 use crate::model::layer_graphs::LayerGraphs;
 use crate::model::scoring::{completion_logprobs, Sequences};
-use crate::model::{HeadKind, Model, Network};
+use crate::model::{HeadKind, Model, Network, Placement};
 use crate::report::Metrics;
 use crate::rng::streams;
 
@@ -219,7 +219,16 @@ pub fn train_sft(cfg: &SftConfig) -> Result<SftSummary> {
     let mut job = cfg.start_job()?;
     let device = job.device(&cfg.device)?;
     let dir = resolve_model(&cfg.model)?;
-    let load = |dir: &Path| Model::load_trainable(dir, &device, HeadKind::CausalLm, (&cfg.peft, &[]), cfg.seed, true);
+    let load = |dir: &Path| {
+        Model::load_trainable(
+            dir,
+            Placement::new(&device, cfg.dtype.dtype()),
+            HeadKind::CausalLm,
+            (&cfg.peft, &[]),
+            cfg.seed,
+            true,
+        )
+    };
     let model = load(&dir)?
         .with_dtype(cfg.dtype.dtype(), true)?
         .with_layer_graphs(LayerGraphs::for_training(cfg.gradient_checkpointing));

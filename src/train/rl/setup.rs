@@ -15,7 +15,7 @@ use crate::model::arch::Keeping;
 use crate::model::hub::resolve_model;
 use crate::model::kernels;
 use crate::model::layer_graphs::LayerGraphs;
-use crate::model::{HeadKind, Model, ModelConfig};
+use crate::model::{HeadKind, Model, ModelConfig, Placement};
 use crate::reward;
 use crate::train::checkpoint::{self, TrainerState};
 use crate::train::config::{load_toml, BatchSizes, LongPrompts, TrainConfig, CHANGEABLE_ON_RESUME, CONFIG_FILE};
@@ -52,9 +52,16 @@ impl Run {
         // No LoRA dropout in online training, as in TRL.
         let peft = (&cfg.peft, &[][..]);
         let dtype = cfg.train.dtype.dtype();
-        let policy = Model::load_trainable(&policy_dir, &device, HeadKind::CausalLm, peft, cfg.train.seed, false)?
-            .with_dtype(dtype, true)?
-            .with_layer_graphs(LayerGraphs::for_training(cfg.train.gradient_checkpointing));
+        let policy = Model::load_trainable(
+            &policy_dir,
+            Placement::new(&device, dtype),
+            HeadKind::CausalLm,
+            peft,
+            cfg.train.seed,
+            false,
+        )?
+        .with_dtype(dtype, true)?
+        .with_layer_graphs(LayerGraphs::for_training(cfg.train.gradient_checkpointing));
         if policy.head() != HeadKind::CausalLm {
             return Err(Error::bad_file(
                 &policy_dir,
@@ -70,7 +77,7 @@ impl Run {
                 Some(r) => resolve_model(r)?,
                 None => policy_dir.clone(),
             };
-            let reference = Model::load(&dir, &device)?.with_dtype(dtype, false)?;
+            let reference = Model::load(&dir, Placement::new(&device, dtype))?.with_dtype(dtype, false)?;
             let (p, r) = (policy.config().vocab_size(), reference.config().vocab_size());
             if reference.head() != HeadKind::CausalLm || p != r {
                 return Err(Error::Invalid(format!(

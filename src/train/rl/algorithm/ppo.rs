@@ -16,7 +16,7 @@ use crate::model::hub::resolve_model;
 use crate::model::layer_graphs::LayerGraphs;
 use crate::model::readback::Readback;
 use crate::model::scoring::{completion_values, completion_values_chunked, Sequences};
-use crate::model::{HeadKind, Model, ModelConfig};
+use crate::model::{HeadKind, Model, ModelConfig, Placement};
 use crate::report::Metrics;
 use crate::reward::RewardSpec;
 use crate::train::config::{PpoSection, TrainConfig};
@@ -140,10 +140,14 @@ impl Critic {
             Source::Policy => policy_dir.to_path_buf(),
             Source::Dir(name) => resolve_model(&name)?,
         };
-        let model =
-            Model::load_with_head(&dir, device, HeadKind::SequenceClassification { num_labels: 1 }, cfg.train.seed)?
-                .with_dtype(cfg.train.dtype.dtype(), true)?
-                .with_layer_graphs(LayerGraphs::for_training(cfg.train.gradient_checkpointing));
+        let model = Model::load_with_head(
+            &dir,
+            Placement::new(device, cfg.train.dtype.dtype()),
+            HeadKind::SequenceClassification { num_labels: 1 },
+            cfg.train.seed,
+        )?
+        .with_dtype(cfg.train.dtype.dtype(), true)?
+        .with_layer_graphs(LayerGraphs::for_training(cfg.train.gradient_checkpointing));
         if model.config().vocab_size() != policy.vocab_size() || !same_vocabulary(&dir, policy_dir) {
             return Err(Error::Invalid(format!(
                 "the critic {} reads the policy's tokens, but its vocabulary differs from the policy's {}; \
