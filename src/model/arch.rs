@@ -105,6 +105,9 @@ pub struct Dims {
     pub num_layers: usize,
     /// Features of an attention head.
     pub head_dim: usize,
+    /// Features a token's keys (and its values) take a layer: key/value
+    /// heads x head size, the hidden size without grouped-query attention.
+    pub kv_width: usize,
     pub tie_word_embeddings: bool,
     /// Longest sequence learned positions allow (`None`: rotary, unbounded).
     pub max_positions: Option<usize>,

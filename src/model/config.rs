@@ -76,6 +76,10 @@ impl ModelConfig {
         self.dims().head_dim
     }
 
+    pub fn kv_width(&self) -> usize {
+        self.dims().kv_width
+    }
+
     /// Per layer and token, what a training forward keeps, in tensors of
     /// the hidden size ([`ArchConfig::kept_per_layer`]).
     pub fn kept_per_layer(&self, keeping: arch::Keeping) -> f64 {

@@ -127,6 +127,7 @@ impl ArchConfig for Config {
             head_width: self.hidden_size,
             num_layers: self.num_layers,
             head_dim: self.head_dim,
+            kv_width: self.num_kv_heads * self.head_dim,
             tie_word_embeddings: self.tie_word_embeddings,
             max_positions: None,
         }

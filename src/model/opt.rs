@@ -168,6 +168,7 @@ impl ArchConfig for Config {
             head_width: self.embed_dim,
             num_layers: self.num_layers,
             head_dim: self.hidden_size / self.num_heads,
+            kv_width: self.hidden_size,
             tie_word_embeddings: self.tie_word_embeddings,
             max_positions: Some(self.max_positions),
         }

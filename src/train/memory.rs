@@ -110,9 +110,13 @@ pub fn rloo_estimate(
     let (params, trainable) = (params as u64, trainable as u64);
     let compute = dtype.size_in_bytes() as u64;
     let critic = critic_params as u64;
-    let (h, layers, vocab) = (model.hidden_size() as u64, model.num_layers() as u64, model.vocab_size() as u64);
-    let tokens = (longest_prompt + cfg.generation.response_length) as u64;
+    let (layers, vocab) = (model.num_layers() as u64, model.vocab_size() as u64);
     let chunk = cfg.generation.local_rollout_forward_batch_size.min(sizes.batch) as u64;
+    // A sampling chunk's rows read their prompt's slots from one copy and
+    // have their own; a chunk that is not whole prompts may start inside one.
+    let k = sizes.k as u64;
+    let prompts = if chunk % k == 0 { chunk / k } else { (chunk + k - 1).div_ceil(k) };
+    let slots = prompts * longest_prompt as u64 + chunk * cfg.generation.response_length as u64;
     let micro = sizes.micro as u64;
     let completion = cfg.generation.response_length as u64;
     let logits_rows =
@@ -136,7 +140,7 @@ pub fn rloo_estimate(
             ("reference", if reference { params * compute } else { 0 }),
             // PPO's critic: weights, gradients and optimizer state, and its activations.
             ("critic", 4 * critic * F32 + if critic > 0 { saved } else { 0 }),
-            ("KV cache", chunk * tokens * layers * 2 * h * compute),
+            ("KV cache", slots * layers * 2 * model.kv_width() as u64 * compute),
             ("activations", saved),
             ("attention masks", masks),
             // Over completion tokens, a chunk of rows at a time: a training
@@ -382,6 +386,29 @@ mod tests {
         assert_eq!(packed(6, 256), MicroTokens { tokens: 3 * 10 + 6 * 100, row: 210 });
         assert_eq!(packed(2, 256), MicroTokens { tokens: 10 + 2 * 100, row: 210 });
         assert_eq!(packed(64, 128), MicroTokens { tokens: 64 * 10 + 64 * 100, row: 110 });
+    }
+
+    /// The sampling cache holds each prompt's slots once for its k rows,
+    /// and keys and values as wide as the key/value heads (Llama's fixture:
+    /// 2 of 4 heads of 8 features, hidden 32).
+    #[test]
+    fn the_kv_cache_counts_each_prompt_once_and_the_key_value_heads() {
+        let root = Path::new(env!("CARGO_MANIFEST_DIR"));
+        let mut cfg = TrainConfig::default();
+        let model = ModelConfig::from_dir(&root.join("tests/fixtures/models/llama-causal")).unwrap();
+        let kv_cache = |cfg: &TrainConfig| {
+            let sizes = BatchSizes::for_world(cfg, Some(64), 1).unwrap();
+            let estimate =
+                rloo_estimate(cfg, &sizes, (&model, Keeping::default()), 1000, 1000, 20, false, 0, DType::F32);
+            estimate.parts.iter().find(|(name, _)| *name == "KV cache").unwrap().1
+        };
+        let (k, response) = (cfg.rloo.k as u64, cfg.generation.response_length as u64);
+        let per_slot = 2 * 2 * 16 * 4; // layers x keys and values x 2 heads of 8 x f32
+        cfg.generation.local_rollout_forward_batch_size = 2 * cfg.rloo.k;
+        assert_eq!(kv_cache(&cfg), (2 * 20 + 2 * k * response) * per_slot);
+        // A chunk that may start inside a prompt's rows holds one prompt more.
+        cfg.generation.local_rollout_forward_batch_size = 2 * cfg.rloo.k + 1;
+        assert_eq!(kv_cache(&cfg), (3 * 20 + (2 * k + 1) * response) * per_slot);
     }
 
     #[test]
