@@ -282,6 +282,18 @@ pub fn check_kernels(device: &Device, dtypes: &[DType]) -> Vec<Check> {
             dtype,
             rng,
         ));
+        // Rows of 1,032 features: on a GPU, lanes that hold unequal numbers of 8-feature chunks.
+        let (wide, wide_g, wide_beta) =
+            (randn(rng, &[5, 1032], 0.5, 1.0), randn(rng, &[1032], 1.0, 0.2), randn(rng, &[1032], 0.0, 0.2));
+        out.push(compare(
+            "layer_norm over 1,032 features",
+            &[wide, wide_g, wide_beta],
+            &|t| kernels::layer_norm(&t[0], &t[1], &t[2], 1e-5),
+            &|t| kernels::layer_norm(&t[0], &t[1], &t[2], 1e-5),
+            device,
+            dtype,
+            rng,
+        ));
         // A norm and the dense layer it feeds, as one op.
         let (norm_w, norm_b) = (randn(rng, &[96], 1.0, 0.2), randn(rng, &[96], 0.0, 0.2));
         out.push(compare(
@@ -871,7 +883,8 @@ fn decode_attention_check(
             return kernels::decode_attention(&q, &kv, &mask, 0.125);
         }
         let key_mask = Tensor::from_slice(&mask, (b, width), device)?;
-        let kernel = kernels::DecodeKernel { rows_by_prompt: by_prompt, ..kernels::DecodeKernel::from_env(lanes)? };
+        let rows = if by_prompt { kernels::DecodeRows::Prompt } else { kernels::DecodeRows::Each };
+        let kernel = kernels::DecodeKernel { rows, ..kernels::DecodeKernel::from_env(lanes)? };
         if let Some(out) = kernels::decode_attention_cuda(&q, &kv, &key_mask, 0.125, kernel)? {
             return out.to_dtype(DType::F32)?.to_device(&Device::Cpu);
         }

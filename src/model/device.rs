@@ -33,7 +33,7 @@ pub fn parse_device(name: &str) -> Result<Device> {
     crate::model::kernels::decode_append_fused().map_err(invalid)?;
     crate::model::kernels::decode_split_keys().map_err(invalid)?;
     crate::model::kernels::decode_heads_grouped().map_err(invalid)?;
-    crate::model::kernels::decode_rows_by_prompt().map_err(invalid)?;
+    crate::model::kernels::decode_rows().map_err(invalid)?;
     crate::generate::clock::decode_timing()?;
     crate::model::kernels::dense_bias_epilogue().map_err(invalid)?;
     #[cfg(feature = "cuda")]

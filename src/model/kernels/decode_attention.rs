@@ -66,15 +66,46 @@ fn sums_fit(queries: usize, head_size: usize) -> bool {
 }
 
 /// Picks how many rows a block of the kernel with a lane per key takes on
-/// a GPU: `each` (the default: a block per row) or `prompt` (the rows that
-/// continue one shared row, the k completions of a prompt, up to 4 a
-/// block, so that each shared key and value read serves them all), to
+/// a GPU: `each` (a block per row), `prompt` (the rows that continue one
+/// shared row, the k completions of a prompt, up to 4 a block, so that each
+/// shared key and value read serves them all) or `auto` (the default:
+/// `prompt` up to a head size of [`PROMPT_ROWS_UP_TO`], `each` past it), to
 /// compare them.
 pub const DECODE_ROWS_VAR: &str = "RLOO_DECODE_ROWS";
 
-/// Whether a block takes the rows of a prompt; an unknown choice is an error.
-pub fn decode_rows_by_prompt() -> Result<bool> {
-    Ok(variant(DECODE_ROWS_VAR, &["each", "prompt"]).map_err(candle_core::Error::msg)? == "prompt")
+/// The largest head size whose rows `auto` takes a prompt's to a block: at
+/// 64 (Pythia-410m, 4 rows a block) a decoding step took 4.46 ms where a
+/// block per row took 5.93; at 256 (Pythia-1B, 2 rows) 8.37 where it took
+/// 5.40 (H200, 256 rows).
+const PROMPT_ROWS_UP_TO: usize = 64;
+
+/// How many rows a block of the kernel with a lane per key takes.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum DecodeRows {
+    Each,
+    Prompt,
+    Auto,
+}
+
+impl DecodeRows {
+    /// Whether a block takes the rows of a prompt at head size `d`.
+    #[cfg_attr(not(feature = "cuda"), allow(dead_code))]
+    fn by_prompt(self, d: usize) -> bool {
+        match self {
+            Self::Each => false,
+            Self::Prompt => true,
+            Self::Auto => d <= PROMPT_ROWS_UP_TO,
+        }
+    }
+}
+
+/// The rows a block takes, as `RLOO_DECODE_ROWS` says; an unknown choice is an error.
+pub fn decode_rows() -> Result<DecodeRows> {
+    Ok(match variant(DECODE_ROWS_VAR, &["auto", "each", "prompt"]).map_err(candle_core::Error::msg)? {
+        "each" => DecodeRows::Each,
+        "prompt" => DecodeRows::Prompt,
+        _ => DecodeRows::Auto,
+    })
 }
 
 /// The rows a block of the kernel with a lane per key takes, beside its
@@ -168,8 +199,8 @@ pub struct DecodeKernel {
     pub lanes: bool,
     /// A block of the lanes takes the query heads of a key/value head.
     pub grouped_heads: bool,
-    /// A block of the lanes takes the rows of a prompt.
-    pub rows_by_prompt: bool,
+    /// How many rows a block of the lanes takes.
+    pub rows: DecodeRows,
     /// Keys may be split across blocks ([`key_splits`]).
     pub split_keys: bool,
 }
@@ -182,7 +213,7 @@ impl DecodeKernel {
         Ok(Self {
             lanes,
             grouped_heads: decode_heads_grouped()?,
-            rows_by_prompt: decode_rows_by_prompt()?,
+            rows: decode_rows()?,
             split_keys: decode_split_keys()?,
         })
     }
@@ -362,8 +393,8 @@ mod cuda {
             (true, true) => super::heads_per_block(h / h_kv, d),
             _ => 1,
         };
-        let rows_per_block = match (kernel.lanes, kernel.rows_by_prompt, &kv.shared) {
-            (true, true, Some(shared)) => super::rows_per_block(shared.rows, heads_per_block, d),
+        let rows_per_block = match (kernel.lanes && kernel.rows.by_prompt(d), &kv.shared) {
+            (true, Some(shared)) => super::rows_per_block(shared.rows, heads_per_block, d),
             _ => 1,
         };
         let lanes =

@@ -31,7 +31,7 @@ pub use adamw::{adamw, adamw_many, AdamWParam, AdamWStep, ADAMW_VAR};
 pub use attention::{attention, attention_packed, AttentionInputs, Packing};
 pub use decode_attention::{
     decode_append_fused, decode_attention, decode_attention_choice, decode_attention_cuda, decode_heads_grouped,
-    decode_rows_by_prompt, decode_split_keys, rotary_append_cuda, DecodeAttention, DecodeKernel,
+    decode_rows, decode_split_keys, rotary_append_cuda, DecodeAttention, DecodeKernel, DecodeRows,
 };
 pub use elementwise::{activation, add_cast, contiguous, residual, sum3};
 pub use embedding::gather_rows;

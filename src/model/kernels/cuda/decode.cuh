@@ -193,16 +193,44 @@ __device__ __forceinline__ void decode_dots(const T* key, const float (*q_row)[W
     }
 }
 
+// A lane's E adjacent features from p (on E elements' bytes when they are
+// 4, 8 or a multiple of 16), in one load where the E x 2 or 4 bytes make
+// one, where a load an element kept each lane's loads waiting in line (8
+// a value row at a head size of 256).
+template <typename T, int E>
+__device__ __forceinline__ void lane_features(const T* p, float (&x)[E]) {
+    constexpr int BYTES = E * sizeof(T);
+    T e[E];
+    if constexpr (BYTES % 16 == 0) {
+        uint4 words[BYTES / 16];
+        for (int w = 0; w < BYTES / 16; w++) words[w] = reinterpret_cast<const uint4*>(p)[w];
+        memcpy(e, words, BYTES);
+    } else if constexpr (BYTES == 8) {
+        const unsigned long long word = *reinterpret_cast<const unsigned long long*>(p);
+        memcpy(e, &word, BYTES);
+    } else if constexpr (BYTES == 4) {
+        const uint32_t word = *reinterpret_cast<const uint32_t*>(p);
+        memcpy(e, &word, BYTES);
+    } else {
+        for (int k = 0; k < E; k++) e[k] = p[k];
+    }
+    for (int k = 0; k < E; k++) x[k] = to_f32(e[k]);
+}
+
 // A value row's features, E a lane, weighted by pi into N queries' sums.
 template <typename T, int E, int N>
 __device__ __forceinline__ void decode_add_value(const T* vj, const float* pi, float (*acc)[E], int lane, int d) {
+    float x[E];
+    if (lane * E + E <= d) {
+        lane_features<T, E>(vj + lane * E, x);
+    } else {  // a lane past the row's end, or over its last features
+        for (int e = 0; e < E; e++) x[e] = lane * E + e < d ? to_f32(vj[lane * E + e]) : 0.f;
+    }
     for (int e = 0; e < E; e++) {
-        const int f = lane * E + e;
-        if (f >= d) continue;
-        const float x = to_f32(vj[f]);
+        if (lane * E + e >= d) continue;
         // A masked slot's value is never read into the sum, whatever it holds.
 #pragma unroll
-        for (int i = 0; i < N; i++) acc[i][e] += pi[i] != 0.f ? pi[i] * x : 0.f;
+        for (int i = 0; i < N; i++) acc[i][e] += pi[i] != 0.f ? pi[i] * x[e] : 0.f;
     }
 }
 

@@ -719,10 +719,27 @@ bool decode_case(int d, bool lanes, bool fixed, int chunk = 0, int h = 4) {
     return ok;
 }
 
+// The forward with a row's chunks held, C at most a lane (C = 0: the loops).
+template <typename T, int C>
+void norm_fwd(bool layer, const T* x, const T* w, const T* b, T* y, int rows, int h, float eps) {
+    if constexpr (C == 0) {
+        if (layer)
+            layer_norm_fwd<T>(x, w, b, y, rows, h, eps);
+        else
+            rms_norm_fwd<T>(x, w, y, rows, h, eps);
+    } else {
+        if (layer)
+            layer_norm_fwd_wide<T, C>(x, w, b, y, rows, h, eps);
+        else
+            rms_norm_fwd_wide<T, C>(x, w, y, rows, h, eps);
+    }
+}
+
 // RMSNorm and LayerNorm, forward and backward, a warp a row, against f64:
 // rows that do not fill the last block, a width that is not a whole number
-// of warps, and one narrower than a warp.
-template <typename T>
+// of warps, and one narrower than a warp; the forward with chunks held
+// (C > 0) where lanes hold unequal numbers of chunks, one, or fewer than C.
+template <typename T, int C = 0>
 bool norms_case(bool layer, int rows, int h) {
     std::mt19937 rng(13);
     std::normal_distribution<float> normal;
@@ -736,12 +753,7 @@ bool norms_case(bool layer, int rows, int h) {
     std::vector<float> dw(x.size(), NAN);
     const float eps = 1e-5f;
     const Dim3 grid{unsigned((rows + NORM_WARPS - 1) / NORM_WARPS), 1, 1};
-    launch(grid, 0, [&] {
-        if (layer)
-            layer_norm_fwd<T>(x.data(), w.data(), b.data(), y.data(), rows, h, eps);
-        else
-            rms_norm_fwd<T>(x.data(), w.data(), y.data(), rows, h, eps);
-    }, 32 * NORM_WARPS);
+    launch(grid, 0, [&] { norm_fwd<T, C>(layer, x.data(), w.data(), b.data(), y.data(), rows, h, eps); }, 32 * NORM_WARPS);
     launch(grid, 0, [&] {
         if (layer)
             layer_norm_bwd<T>(x.data(), w.data(), g.data(), dx.data(), dw.data(), rows, h, eps);
@@ -773,9 +785,9 @@ bool norms_case(bool layer, int rows, int h) {
     const double errs[3] = {relative_error(y, want_y), relative_error(dx, want_dx), relative_error(dw, want_dw)};
     const double tol = std::is_same_v<T, bf16> ? 1e-2 : 1e-5;
     const bool ok = errs[0] < tol && errs[1] < tol && errs[2] < tol;
-    std::printf("%-4s norms: %-10s %-5s %3d rows of %4d  y %.1e  dx %.1e  dw %.1e\n", ok ? "ok" : "FAIL",
-                layer ? "LayerNorm" : "RMSNorm", std::is_same_v<T, bf16> ? "bf16" : "f32", rows, h, errs[0], errs[1],
-                errs[2]);
+    std::printf("%-4s norms: %-10s %-5s %3d rows of %4d, held %2d  y %.1e  dx %.1e  dw %.1e\n", ok ? "ok" : "FAIL",
+                layer ? "LayerNorm" : "RMSNorm", std::is_same_v<T, bf16> ? "bf16" : "f32", rows, h, C, errs[0],
+                errs[1], errs[2]);
     return ok;
 }
 
@@ -901,6 +913,11 @@ int main(int argc, char** argv) {
         ok &= norms_case<float>(layer, 21, 300);
         ok &= norms_case<bf16>(layer, 21, 1024);
         ok &= norms_case<float>(layer, 3, 8);
+        ok &= norms_case<bf16, 4>(layer, 21, 1024);
+        ok &= norms_case<float, 4>(layer, 10, 1000);
+        ok &= norms_case<bf16, 8>(layer, 9, 1032);
+        ok &= norms_case<float, 1>(layer, 3, 8);
+        ok &= norms_case<bf16, 16>(layer, 17, 2048);
     }
     ok &= heads_case("per head [q | k | v], rotary", true, 4);
     ok &= heads_case("[Q | K | V], rotary", false, 8);

@@ -68,6 +68,20 @@ __device__ float block_max(float v, float* scratch) {
 NORMS(float, f32)
 NORMS(bf16, bf16)
 
+// The forwards with a row's chunks of 8 held, at most C a lane (features up to 256 C).
+#define NORMS_WIDE(T, S, C)                                                                                     \
+    extern "C" __global__ void rms_norm_fwd_wide##C##_##S(const T* x, const T* w, T* y, int rows, int h,        \
+                                                          float eps) {                                          \
+        rms_norm_fwd_wide<T, C>(x, w, y, rows, h, eps);                                                         \
+    }                                                                                                           \
+    extern "C" __global__ void layer_norm_fwd_wide##C##_##S(const T* x, const T* w, const T* b, T* y, int rows, \
+                                                            int h, float eps) {                                 \
+        layer_norm_fwd_wide<T, C>(x, w, b, y, rows, h, eps);                                                    \
+    }
+#define NORMS_WIDE_ALL(T, S) NORMS_WIDE(T, S, 1) NORMS_WIDE(T, S, 2) NORMS_WIDE(T, S, 4) NORMS_WIDE(T, S, 8) NORMS_WIDE(T, S, 16)
+NORMS_WIDE_ALL(float, f32)
+NORMS_WIDE_ALL(bf16, bf16)
+
 // ---- The log-prob of each row's target and the entropy, from f32 logits
 // (N, V) at temperature 1 / inv_t: out (N, 2) = [log-prob, entropy].
 

@@ -93,7 +93,21 @@ fn typed(kernel: &str, dtype: DType) -> Result<String> {
 /// A norm's forward: `x` (N, H) with its per-feature `params` (weight, and
 /// bias for LayerNorm), in x's dtype.
 pub fn norm_fwd(kernel: &str, x: &CudaStorage, x_l: &Layout, params: &[In], eps: f32) -> Result<CudaStorage> {
-    by_dtype!(x.dtype(), norm_fwd_as(&typed(kernel, x.dtype())?, x, x_l, params, eps))
+    let h = params.first().map_or(0, |(_, l)| l.shape().elem_count());
+    let name = match norm_chunks_held(h, std::iter::once((x, x_l)).chain(params.iter().copied())) {
+        Some(c) => format!("{kernel}_wide{c}"),
+        None => kernel.to_string(),
+    };
+    by_dtype!(x.dtype(), norm_fwd_as(&typed(&name, x.dtype())?, x, x_l, params, eps))
+}
+
+/// The chunks of 8 features a lane of a norm's forward holds (`_wide<C>`,
+/// norms.cuh), a power of two up to 16: where `h` is a whole number of 8s
+/// up to 4,096 and every input's rows lie on 16 bytes; None otherwise.
+fn norm_chunks_held<'a>(h: usize, inputs: impl IntoIterator<Item = In<'a>>) -> Option<usize> {
+    let on_16 = |(s, l): In| (l.start_offset() * s.dtype().size_in_bytes()) % 16 == 0;
+    let held = h.div_ceil(8 * 32).next_power_of_two();
+    (h % 8 == 0 && held <= 16 && inputs.into_iter().all(on_16)).then_some(held)
 }
 
 fn norm_fwd_as<T: CudaDType + DeviceRepr>(
