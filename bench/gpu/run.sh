@@ -46,8 +46,9 @@
 #                  replayed per step) and how dense layers add their biases (RLOO_DENSE_BIAS:
 #                  pass when left out, or epilogue) and how many query heads a block of the
 #                  kernel with a lane per key takes (RLOO_DECODE_HEADS: grouped when left out,
-#                  those of a key/value head, or each) and how many rows (RLOO_DECODE_ROWS: each
-#                  when left out, a block per row, or prompt, the rows of a prompt); each run
+#                  those of a key/value head, or each) and how many rows (RLOO_DECODE_ROWS: the
+#                  binary's own when left out, each, a block per row, or prompt, the rows of a
+#                  prompt); each run
 #                  logs where its steps' time goes (RLOO_DECODE_TIMING=on); default
 #                  race+fused+fused+graph race+fused+fused+fixed race+fused+fused host+composed
 #      ATTENTION   rloo's variants in the training runs, KERNELS[+HEADS[+STEP[+DECODE[+BIAS[+MLP[+MASK[+ROWS]]]]]]]:
@@ -61,8 +62,8 @@
 #                  MLP's wide input is kept for the backward or made again there
 #                  (RLOO_MLP_INPUT: kept when left out, or remade), what masks the flash
 #                  kernels (RLOO_ATTENTION_MASK: bias when left out, or spans), and how many
-#                  rows a block of the decoding kernel takes (RLOO_DECODE_ROWS: each when
-#                  left out, or prompt); default
+#                  rows a block of the decoding kernel takes (RLOO_DECODE_ROWS: the binary's
+#                  own when left out, each or prompt); default
 #                  flash+fused+graph flash+fused tensor
 #      PROFILED    what `profile` profiles: generate train (default both)
 #      PEER        on (default), or off: rloo's runs alone, without transformers' generate
@@ -142,7 +143,7 @@ if part generate; then
                 IFS=+ read -r sampler attention append step bias heads rows <<<"$decoder"
                 RLOO_SAMPLER=$sampler RLOO_DECODE_ATTENTION=$attention RLOO_DECODE_APPEND=${append:-composed} \
                     RLOO_DECODE_STEP=${step:-shrink} RLOO_DENSE_BIAS=${bias:-pass} RLOO_DECODE_HEADS=${heads:-grouped} \
-                    RLOO_DECODE_ROWS=${rows:-each} RLOO_DECODE_TIMING=on "${rloo[@]}" generate --device "$DEVICE" --bf16 --model "$dir/policy" \
+                    RLOO_DECODE_TIMING=on env ${rows:+RLOO_DECODE_ROWS=$rows} "${rloo[@]}" generate --device "$DEVICE" --bf16 --model "$dir/policy" \
                     --prompts "$dir/prompts.jsonl" --output "$run.jsonl" --num-return-sequences $K \
                     --max-new-tokens $NEW --temperature 1.0 --batch-size $((PROMPTS * K)) --ignore-eos --seed 1 \
                     2>"$run.log" || tail -5 "$run.log"
@@ -209,9 +210,8 @@ if part train; then
                 printf '\n%s\n' "$lora" >>"$run.toml"
                 RLOO_ATTENTION=$kernels RLOO_ATTENTION_HEADS=${heads:-composed} RLOO_DECODE_STEP=${step:-shrink} \
                     RLOO_DECODE_ATTENTION=${decode:-fused} RLOO_DENSE_BIAS=${bias:-pass} \
-                    RLOO_MLP_INPUT=${mlp:-kept} RLOO_ATTENTION_MASK=${mask:-bias} RLOO_DECODE_ROWS=${rows:-each} \
-                    RLOO_OUT=$run \
-                    "$PY" bench/train/measure.py rloo "$run.json" -- \
+                    RLOO_MLP_INPUT=${mlp:-kept} RLOO_ATTENTION_MASK=${mask:-bias} RLOO_OUT=$run \
+                    "$PY" bench/train/measure.py rloo "$run.json" -- env ${rows:+RLOO_DECODE_ROWS=$rows} \
                     timeout "$LIMIT" "${rloo_cmd[@]}" train "$run.toml" >"$run.log" 2>&1 || tail -5 "$run.log"
                 # The trained model is of no further use, and would travel back with OUT.
                 rm -rf "$run"/*.safetensors "$run"/checkpoint-*

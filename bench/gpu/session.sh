@@ -15,26 +15,30 @@
 #   3. the step at 1B against TRL over spans, with an MLP's wide input kept
 #      and made again in the backward (RLOO_MLP_INPUT=kept, remade: the
 #      peak memory against the time);
-#   4. generation at 410m against transformers, a block of the decoding
-#      kernel per row and per prompt's rows (RLOO_DECODE_ROWS=each,
-#      prompt), each step's time split between the GPU and the host;
+#   4. generation at 410m against transformers, the decoding kernel's
+#      blocks as the binary cuts them (RLOO_DECODE_ROWS=auto), a block per
+#      row and per prompt's rows (each, prompt), each step's time split
+#      between the GPU and the host;
 #   5. rloo serve at 410m under 1, 8 and 32 streaming clients, its steps
 #      launched from the host and replayed from recordings as rows come and
 #      go (RLOO_DECODE_STEP=shrink, graph);
 #   6. the kernels of the training phase over one micro-batch at 410m,
 #      and of a short generation at the benchmark's 256 rows, under the
 #      defaults;
-#   7. generation at 1B, per row and per prompt's rows;
+#   7. generation at 1B, as the binary cuts it, per row and per prompt's
+#      rows;
 #   8. LoRA (r = 16, all linear layers) at 1B against TRL with PEFT, over
 #      spans;
 #   9. the Qwen3-8B LoRA arm (bf16 weights, gradient checkpointing) against
 #      TRL with PEFT, when PARTS names it (its models take 17 GB and a few
 #      minutes to make: a call of its own, PARTS="check train-8b-lora").
 # Where .cuda/bin/rloo-before.gz is carried too (bench/gpu/baseline.sh REV
-# builds it), the RLOO step at 410m and at 1B runs with it as well, under
-# the same settings, on the same card (OUT/before, its own table, with the
-# revision in rloo-before.rev), after 5.
+# builds it), the RLOO step at 410m and at 1B and generation at 410m run
+# with it as well, under the same settings, on the same card (OUT/before,
+# its own table, with the revision in rloo-before.rev), after 5.
 # Logs stay in OUT; the benchmark's table (bench/gpu/report.py) prints last.
+# The binaries may come packed in .cuda/carry (bench/gpu/pack.sh: within
+# what a call carries), unpacked first.
 #
 #   bench/gpu/session.sh                 # OUT=/tmp/rloo-gpu-session
 #   PARTS="check train-8b-lora" bench/gpu/session.sh
@@ -42,8 +46,14 @@ set -uo pipefail
 cd "$(dirname "$0")/../.."
 export OUT=${OUT:-/tmp/rloo-gpu-session} PY=${PY:-python3} MODELS=${MODELS:-/tmp/rloo-gpu-models}
 BUDGET=${BUDGET:-540}
-PARTS=${PARTS:-check train-410m train-1b generate-410m serve-410m train-before profile generate-1b train-1b-lora}
+PARTS=${PARTS:-check train-410m train-1b generate-410m serve-410m train-before generate-before profile generate-1b train-1b-lora}
 mkdir -p "$OUT"
+# The binaries as bench/gpu/pack.sh packs them for the call, where carried.
+if [[ -e .cuda/carry/rloo.gz ]]; then
+    mkdir -p .cuda/bin
+    gunzip -c .cuda/carry/rloo.gz >.cuda/bin/rloo && chmod +x .cuda/bin/rloo
+    cp -f .cuda/carry/rloo-before.* .cuda/bin/ 2>/dev/null || true
+fi
 left() { echo $((BUDGET - SECONDS)); }
 # part NAME SECONDS COMMAND...: runs COMMAND if PARTS names it and SECONDS remain,
 # stopped when the budget ends.
@@ -66,7 +76,8 @@ part train-410m 120 env ARMS=410m-full TRAIN_RUNS=1 STEPS=3 ATTENTION="$defaults
     bench/gpu/run.sh train
 part train-1b 120 env ARMS=1b-full TRAIN_RUNS=1 STEPS=3 ATTENTION="$defaults+spans ${defaults%+kept}+remade+spans" \
     bench/gpu/run.sh train
-decoders="race+lanes+fused+graph+epilogue race+lanes+fused+graph+epilogue+grouped+prompt"
+decoded=race+lanes+fused+graph+epilogue
+decoders="$decoded $decoded+grouped+each $decoded+grouped+prompt"
 part generate-410m 60 env SIZES=410m RUNS=2 DECODERS="$decoders" bench/gpu/run.sh peaks generate
 part serve-410m 45 env SIZES=410m bench/gpu/run.sh serve
 if [[ -e .cuda/bin/rloo-before.gz ]]; then
@@ -74,6 +85,8 @@ if [[ -e .cuda/bin/rloo-before.gz ]]; then
     mkdir -p "$OUT/before" && cp -f .cuda/bin/rloo-before.rev "$OUT/before/" 2>/dev/null
     part train-before 120 env OUT="$OUT/before" RLOO=/tmp/rloo-before PEER=off ARMS="410m-full 1b-full" \
         TRAIN_RUNS=1 STEPS=3 ATTENTION="$defaults" bench/gpu/run.sh train
+    part generate-before 30 env OUT="$OUT/before" RLOO=/tmp/rloo-before PEER=off SIZES=410m RUNS=2 \
+        DECODERS="$decoded" bench/gpu/run.sh generate
 fi
 part profile 90 env SIZES=410m bench/gpu/run.sh profile
 part generate-1b 30 env SIZES=1b RUNS=2 PEER=off DECODERS="$decoders" bench/gpu/run.sh generate
