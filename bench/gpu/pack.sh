@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Packs what a GPU call carries into .cuda/carry, within the 64 MiB a call
-# takes with the repository: the CUDA build gzipped (about 26 MB where it
+# takes with the repository: the CUDA build gzipped (about 15 MB where it
 # is 44), and the earlier revision's build with its revision, if
 # bench/gpu/baseline.sh made them. session.sh unpacks them there.
 #
