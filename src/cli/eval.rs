@@ -140,15 +140,14 @@ pub fn run(a: EvalArgs) -> Result<()> {
         batch_size: a.batch_size as usize,
     };
     let reference = match &a.reference {
-        Some(r) => Some(Model::load(&resolve_model(r)?, Placement::new(&device, dtype))?.with_dtype(dtype, false)?),
+        Some(r) => Some(Model::load_computing(&resolve_model(r)?, Placement::new(&device, dtype))?),
         None => None,
     };
     let mut reports: Vec<ModelReport> = Vec::new();
     let mut datasets = Vec::new();
     for name in std::iter::once(&a.model).chain(a.model_b.iter()) {
         let dir = resolve_model(name)?;
-        let model = Model::load(&dir, Placement::new(&device, dtype))
-            .and_then(|m| m.with_dtype(dtype, false))
+        let model = Model::load_computing(&dir, Placement::new(&device, dtype))
             .with_context(|| format!("loading {}", dir.display()))?;
         let tokenizer = Tokenizer::from_dir(&dir)?;
         let room = ContextRoom::of(model.config(), a.max_new_tokens);

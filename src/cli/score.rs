@@ -57,8 +57,7 @@ pub fn run(args: ScoreArgs) -> Result<()> {
     let device = parse_device(&args.device)?;
     let dir = resolve_model(&args.model)?;
     let dtype = Precision::from_bf16(args.bf16).dtype();
-    let model = Model::load(&dir, Placement::new(&device, dtype))
-        .and_then(|m| m.with_dtype(dtype, false))
+    let model = Model::load_computing(&dir, Placement::new(&device, dtype))
         .with_context(|| format!("loading model {}", dir.display()))?;
     let tokenizer = Tokenizer::from_dir(&dir)?;
     tokenizer.check_model(model.config())?;

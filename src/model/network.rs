@@ -247,6 +247,12 @@ impl Model {
         Self::load_config(dir, at, config, None, None)
     }
 
+    /// Loads a model that samples or scores, computing in `at`'s dtype with
+    /// no f32 copy of its weights ([`Self::with_dtype`], not training).
+    pub fn load_computing(dir: &Path, at: Placement) -> Result<Self> {
+        Self::load(dir, at)?.with_dtype(at.dtype, false)
+    }
+
     /// Loads a directory with the given head. A sequence-classification
     /// head the checkpoint lacks (a reward model started from a causal LM)
     /// is initialised like transformers does, normal(0, initializer_range),

@@ -64,9 +64,7 @@ impl RewardTable for ModelSpec {
         if self.batch_size == 0 {
             return Err(Error::Invalid("batch_size must be at least 1".into()));
         }
-        Ok(Box::new(
-            RewardModel::load(name, &self.path, Placement::new(device, dtype), self.batch_size)?.computing_in(dtype)?,
-        ))
+        Ok(Box::new(RewardModel::load(name, &self.path, Placement::new(device, dtype), self.batch_size)?))
     }
 }
 
@@ -81,7 +79,9 @@ pub struct RewardModel {
 
 impl RewardModel {
     /// Loads the reward model at `path` (a directory or a hub id) onto
-    /// `device`; `batch_size` sequences go through each forward pass.
+    /// `at`'s device, computing in its dtype (bf16: weights and
+    /// activations; the scores stay f32); `batch_size` sequences go through
+    /// each forward pass.
     pub fn load<'a>(
         name: impl Into<String>,
         path: &str,
@@ -105,16 +105,9 @@ impl RewardModel {
         // at the policy instead of the reward model fails fast and clearly.
         check_head(&ModelConfig::from_dir(dir)?)?;
         let at = at.into();
-        let model = Model::load(dir, at)?;
+        let model = Model::load_computing(dir, at)?;
         let tokenizer = Tokenizer::from_dir(dir)?;
         Ok(RewardModel { name: name.into(), model, tokenizer, device: at.device.clone(), batch_size })
-    }
-
-    /// The model computing in `dtype` (bf16: weights and activations; the
-    /// scores stay f32).
-    pub fn computing_in(mut self, dtype: DType) -> Result<Self> {
-        self.model = self.model.with_dtype(dtype, false)?;
-        Ok(self)
     }
 
     /// The directory the model was loaded from.
@@ -350,7 +343,7 @@ mod tests {
             group: 0,
         };
         let score = |dtype: DType| {
-            let rm = RewardModel::load("rm", &spec.path, &Device::Cpu, 2).unwrap().computing_in(dtype).unwrap();
+            let rm = RewardModel::load("rm", &spec.path, Placement::new(&Device::Cpu, dtype), 2).unwrap();
             assert_eq!(rm.model.dtype(), dtype);
             let source = spec.build("rm".into(), &Device::Cpu, dtype).unwrap();
             let built = source.score(std::slice::from_ref(&sample)).unwrap()[0].unwrap();

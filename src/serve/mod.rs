@@ -77,9 +77,7 @@ impl Loaded {
             let model = RewardModel::from_dir(name, dir, device, score_batch_size).map_err(context)?;
             return Ok(Loaded::Reward { name: name.to_string(), model });
         }
-        let model = Model::load(dir, Placement::new(device, dtype))
-            .and_then(|m| m.with_dtype(dtype, false))
-            .map_err(context)?;
+        let model = Model::load_computing(dir, Placement::new(device, dtype)).map_err(context)?;
         if model.head() != HeadKind::CausalLm {
             return Err(context(Error::Invalid("a sequence-classification adapter cannot be served".into())));
         }

@@ -77,7 +77,7 @@ impl Run {
                 Some(r) => resolve_model(r)?,
                 None => policy_dir.clone(),
             };
-            let reference = Model::load(&dir, Placement::new(&device, dtype))?.with_dtype(dtype, false)?;
+            let reference = Model::load_computing(&dir, Placement::new(&device, dtype))?;
             let (p, r) = (policy.config().vocab_size(), reference.config().vocab_size());
             if reference.head() != HeadKind::CausalLm || p != r {
                 return Err(Error::Invalid(format!(

@@ -223,11 +223,10 @@ __device__ __forceinline__ void decode_add_value(const T* vj, const float* pi, f
     float x[E];
     if (lane * E + E <= d) {
         lane_features<T, E>(vj + lane * E, x);
-    } else {  // a lane past the row's end, or over its last features
+    } else {  // a lane past the row's end, or over its last features: 0 past it
         for (int e = 0; e < E; e++) x[e] = lane * E + e < d ? to_f32(vj[lane * E + e]) : 0.f;
     }
     for (int e = 0; e < E; e++) {
-        if (lane * E + e >= d) continue;
         // A masked slot's value is never read into the sum, whatever it holds.
 #pragma unroll
         for (int i = 0; i < N; i++) acc[i][e] += pi[i] != 0.f ? pi[i] * x[e] : 0.f;
