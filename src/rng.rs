@@ -65,6 +65,14 @@ impl Rng {
     pub fn uniform(&mut self) -> f64 {
         (self.next_u64() >> 11) as f64 * (1.0 / (1u64 << 53) as f64)
     }
+
+    /// A host tensor of normal samples: inputs for checks and tests that
+    /// come out the same on every run, where candle's `randn` is unseeded.
+    pub fn normal_tensor(&mut self, shape: &[usize], mean: f32, std: f32) -> candle_core::Tensor {
+        let values: Vec<f32> = (0..shape.iter().product()).map(|_| mean + std * self.normal() as f32).collect();
+        candle_core::Tensor::from_vec(values, shape, &candle_core::Device::Cpu)
+            .expect("as many values as the shape holds")
+    }
 }
 
 /// Philox4x32-10 (Salmon et al., "Parallel random numbers: as easy as

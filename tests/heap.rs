@@ -109,7 +109,8 @@ fn residual_sums_keep_no_branch_output_the_backward_does_not_read() {
 fn a_remade_mlp_input_is_not_held_after_the_forward() {
     let _one = ONE.lock().unwrap_or_else(|e| e.into_inner());
     let (rows, h) = (4096, 64);
-    let var = |shape: &[usize]| Var::from_tensor(&Tensor::randn(0f32, 0.5, shape, &Device::Cpu).unwrap()).unwrap();
+    let mut rng = rloo::rng::Rng::new(3);
+    let mut var = |shape: &[usize]| Var::from_tensor(&rng.normal_tensor(shape, 0.0, 0.5)).unwrap();
     let (x, norm_w, norm_b, up_w, up_b, down_w, down_b) =
         (var(&[rows, h]), var(&[h]), var(&[h]), var(&[4 * h, h]), var(&[4 * h]), var(&[h, 4 * h]), var(&[h]));
     let held = |remade: bool| {

@@ -61,16 +61,9 @@ fn tolerance(dtype: DType) -> f32 {
 /// Rotary (cos, sin) tables in rotate-half layout: random angles of the
 /// given spread, `half` = (..., R / 2) of them, each used twice.
 fn rotary_tables(rng: &mut Rng, half: &[usize], spread: f32) -> Result<(Tensor, Tensor)> {
-    let angles = randn(rng, half, 0.0, spread);
+    let angles = rng.normal_tensor(half, 0.0, spread);
     let angles = Tensor::cat(&[&angles, &angles], half.len() - 1)?;
     Ok((angles.cos()?, angles.sin()?))
-}
-
-/// Random normal host values, reproducible.
-fn randn(rng: &mut Rng, shape: &[usize], mean: f32, std: f32) -> Tensor {
-    let n = shape.iter().product();
-    let values: Vec<f32> = (0..n).map(|_| mean + std * rng.normal() as f32).collect();
-    Tensor::from_vec(values, shape, &Device::Cpu).expect("as many values as the shape holds")
 }
 
 type Path<'a> = &'a dyn Fn(&[Tensor]) -> Result<Tensor>;
@@ -109,7 +102,7 @@ fn compare(
     };
     let mut measure = || -> Result<(f32, f32)> {
         let on_cpu = forward(cpu, &Device::Cpu, DType::F32)?;
-        let weights = randn(rng, on_cpu.1.dims(), 0.0, 1.0);
+        let weights = rng.normal_tensor(on_cpu.1.dims(), 0.0, 1.0);
         let (want, want_grads) = backward(on_cpu, &weights)?;
         let (got, got_grads) = backward(forward(device_path, device, dtype)?, &weights)?;
         let mut gradient = 0f32;
@@ -132,8 +125,11 @@ pub fn check_kernels(device: &Device, dtypes: &[DType]) -> Vec<Check> {
     for &dtype in dtypes {
         let mut rng = Rng::new(7);
         let rng = &mut rng;
-        let (x, w, b) =
-            (randn(rng, &[3, 40, 96], 0.3, 1.0), randn(rng, &[80, 96], 0.0, 0.1), randn(rng, &[80], 0.0, 1.0));
+        let (x, w, b) = (
+            rng.normal_tensor(&[3, 40, 96], 0.3, 1.0),
+            rng.normal_tensor(&[80, 96], 0.0, 0.1),
+            rng.normal_tensor(&[80], 0.0, 1.0),
+        );
         out.push(compare(
             "linear",
             &[x.clone(), w.clone(), b.clone()],
@@ -188,7 +184,7 @@ pub fn check_kernels(device: &Device, dtypes: &[DType]) -> Vec<Check> {
         }
         // A gated MLP's output layer on its two inputs, which the backward
         // multiplies again.
-        let up = randn(rng, x.dims(), 0.0, 1.0);
+        let up = rng.normal_tensor(x.dims(), 0.0, 1.0);
         out.push(compare(
             "gated_linear",
             &[x.clone(), up, w.clone()],
@@ -201,8 +197,11 @@ pub fn check_kernels(device: &Device, dtypes: &[DType]) -> Vec<Check> {
         // A gated MLP after its RMS norm, whose backward makes the norm's
         // output and the gate and up projections again (Llama, Qwen with
         // RLOO_MLP_INPUT=remade); its dense layers have no bias.
-        let (gate_w, up_w, down_w) =
-            (randn(rng, &[80, 96], 0.0, 0.1), randn(rng, &[80, 96], 0.0, 0.1), randn(rng, &[96, 80], 0.0, 0.1));
+        let (gate_w, up_w, down_w) = (
+            rng.normal_tensor(&[80, 96], 0.0, 0.1),
+            rng.normal_tensor(&[80, 96], 0.0, 0.1),
+            rng.normal_tensor(&[96, 80], 0.0, 0.1),
+        );
         let gated_mlp = |t: &[Tensor]| {
             let h = kernels::rms_norm(&t[0], &t[1], 1e-6)?;
             let (gate, up) = (kernels::linear(&h, &t[2], None)?, kernels::linear(&h, &t[3], None)?);
@@ -210,7 +209,7 @@ pub fn check_kernels(device: &Device, dtypes: &[DType]) -> Vec<Check> {
         };
         out.push(compare(
             "gated_mlp_remade",
-            &[x.clone(), randn(rng, &[96], 1.0, 0.2), gate_w, up_w, down_w],
+            &[x.clone(), rng.normal_tensor(&[96], 1.0, 0.2), gate_w, up_w, down_w],
             &gated_mlp,
             &|t| {
                 let h = kernels::rms_norm(&t[0], &t[1], 1e-6)?;
@@ -232,7 +231,7 @@ pub fn check_kernels(device: &Device, dtypes: &[DType]) -> Vec<Check> {
         // with its input dropped out by one mask on both sides; also on an
         // activated input.
         let (a, lora_b, mask) =
-            (randn(rng, &[8, 96], 0.0, 0.2), randn(rng, &[80, 8], 0.0, 0.2), Mask::new([3, 5], 0.1));
+            (rng.normal_tensor(&[8, 96], 0.0, 0.2), rng.normal_tensor(&[80, 8], 0.0, 0.2), Mask::new([3, 5], 0.1));
         for act in [None, Some(Activation::Gelu)] {
             let lora = |t: &[Tensor]| {
                 let frozen = |x: &Tensor| x.to_device(t[0].device())?.to_dtype(t[0].dtype());
@@ -262,7 +261,7 @@ pub fn check_kernels(device: &Device, dtypes: &[DType]) -> Vec<Check> {
                 kernels::lora_forward_remade(&product, &layer, Some(mask), remake)
             }
         };
-        let up = randn(rng, x.dims(), 0.0, 1.0);
+        let up = rng.normal_tensor(x.dims(), 0.0, 1.0);
         out.push(compare(
             "lora over a gated product, with dropout",
             &[x.clone(), up, a.clone(), lora_b.clone()],
@@ -272,7 +271,7 @@ pub fn check_kernels(device: &Device, dtypes: &[DType]) -> Vec<Check> {
             dtype,
             rng,
         ));
-        let (g, beta) = (randn(rng, &[96], 1.0, 0.2), randn(rng, &[96], 0.0, 0.2));
+        let (g, beta) = (rng.normal_tensor(&[96], 1.0, 0.2), rng.normal_tensor(&[96], 0.0, 0.2));
         out.push(compare(
             "layer_norm",
             &[x.clone(), g.clone(), beta],
@@ -283,8 +282,11 @@ pub fn check_kernels(device: &Device, dtypes: &[DType]) -> Vec<Check> {
             rng,
         ));
         // Rows of 1,032 features: on a GPU, lanes that hold unequal numbers of 8-feature chunks.
-        let (wide, wide_g, wide_beta) =
-            (randn(rng, &[5, 1032], 0.5, 1.0), randn(rng, &[1032], 1.0, 0.2), randn(rng, &[1032], 0.0, 0.2));
+        let (wide, wide_g, wide_beta) = (
+            rng.normal_tensor(&[5, 1032], 0.5, 1.0),
+            rng.normal_tensor(&[1032], 1.0, 0.2),
+            rng.normal_tensor(&[1032], 0.0, 0.2),
+        );
         out.push(compare(
             "layer_norm over 1,032 features",
             &[wide, wide_g, wide_beta],
@@ -295,7 +297,7 @@ pub fn check_kernels(device: &Device, dtypes: &[DType]) -> Vec<Check> {
             rng,
         ));
         // A norm and the dense layer it feeds, as one op.
-        let (norm_w, norm_b) = (randn(rng, &[96], 1.0, 0.2), randn(rng, &[96], 0.0, 0.2));
+        let (norm_w, norm_b) = (rng.normal_tensor(&[96], 1.0, 0.2), rng.normal_tensor(&[96], 0.0, 0.2));
         out.push(compare(
             "norm_linear",
             &[x.clone(), norm_w, norm_b, w.clone(), b.clone()],
@@ -307,8 +309,8 @@ pub fn check_kernels(device: &Device, dtypes: &[DType]) -> Vec<Check> {
         ));
         // An MLP after its norm whose backward makes the wide input again
         // (where the norm and its dense layer run as one op).
-        let (down_w, down_b) = (randn(rng, &[96, 80], 0.0, 0.1), randn(rng, &[96], 0.0, 1.0));
-        let (norm_w, norm_b) = (randn(rng, &[96], 1.0, 0.2), randn(rng, &[96], 0.0, 0.2));
+        let (down_w, down_b) = (rng.normal_tensor(&[96, 80], 0.0, 0.1), rng.normal_tensor(&[96], 0.0, 1.0));
+        let (norm_w, norm_b) = (rng.normal_tensor(&[96], 1.0, 0.2), rng.normal_tensor(&[96], 0.0, 0.2));
         let act = Activation::Gelu;
         out.push(compare(
             "mlp_remade",
@@ -349,7 +351,7 @@ pub fn check_kernels(device: &Device, dtypes: &[DType]) -> Vec<Check> {
                 rng,
             ));
         }
-        let (a, m) = (randn(rng, x.dims(), 0.0, 1.0), randn(rng, x.dims(), 0.0, 1.0));
+        let (a, m) = (rng.normal_tensor(x.dims(), 0.0, 1.0), rng.normal_tensor(x.dims(), 0.0, 1.0));
         out.push(compare(
             "sum3",
             &[x.clone(), a, m],
@@ -364,7 +366,7 @@ pub fn check_kernels(device: &Device, dtypes: &[DType]) -> Vec<Check> {
         let ids: Vec<u32> = (0..130).map(|i| (i * 7 % 33) as u32).collect();
         out.push(compare(
             "embedding",
-            &[randn(rng, &[40, 96], 0.0, 1.0)],
+            &[rng.normal_tensor(&[40, 96], 0.0, 1.0)],
             &|t| t[0].index_select(&Tensor::new(ids.as_slice(), t[0].device())?, 0),
             &|t| kernels::gather_rows(&t[0], &Tensor::new(ids.as_slice(), t[0].device())?),
             device,
@@ -407,7 +409,7 @@ pub fn check_kernels(device: &Device, dtypes: &[DType]) -> Vec<Check> {
                 );
             }
         }
-        let (hidden, head) = (randn(rng, &[24, 64], 0.0, 1.0), randn(rng, &[500, 64], 0.0, 0.2));
+        let (hidden, head) = (rng.normal_tensor(&[24, 64], 0.0, 1.0), rng.normal_tensor(&[500, 64], 0.0, 0.2));
         let targets: Vec<u32> = (0..24).map(|i| (i * 37 % 500) as u32).collect();
         out.push(compare(
             "token_logprobs",
@@ -492,9 +494,9 @@ fn adamw_step(t: i32, decay: f32) -> AdamWStep {
 fn adamw_many_check(device: &Device) -> Result<Check> {
     let mut rng = Rng::new(12);
     let shapes: [&[usize]; 4] = [&[37, 1000], &[5], &[3, 7, 11], &[1]];
-    let w0: Vec<Tensor> = shapes.iter().map(|s| randn(&mut rng, s, 0.0, 1.0)).collect();
+    let w0: Vec<Tensor> = shapes.iter().map(|s| rng.normal_tensor(s, 0.0, 1.0)).collect();
     let grads: Vec<Vec<Tensor>> =
-        (0..3).map(|_| shapes.iter().map(|s| randn(&mut rng, s, 0.1, 1.0)).collect()).collect();
+        (0..3).map(|_| shapes.iter().map(|s| rng.normal_tensor(s, 0.1, 1.0)).collect()).collect();
     let run = |device: &Device, together: bool| -> Result<Vec<Tensor>> {
         let ws = w0.iter().map(|w| Var::from_tensor(&w.to_device(device)?)).collect::<Result<Vec<_>>>()?;
         let mut moments = ws.iter().map(|w| Ok((w.zeros_like()?, w.zeros_like()?))).collect::<Result<Vec<_>>>()?;
@@ -536,7 +538,7 @@ fn adamw_many_check(device: &Device) -> Result<Check> {
 fn squares_check(device: &Device) -> Result<Check> {
     let mut rng = Rng::new(14);
     let shapes: [&[usize]; 4] = [&[37, 1000], &[5], &[3, 7, 11], &[1]];
-    let host: Vec<Tensor> = shapes.iter().map(|s| randn(&mut rng, s, 0.1, 1.0)).collect();
+    let host: Vec<Tensor> = shapes.iter().map(|s| rng.normal_tensor(s, 0.1, 1.0)).collect();
     let on_device = host.iter().map(|t| t.to_device(device)).collect::<Result<Vec<_>>>()?;
     let sums = |ts: &[Tensor]| -> Result<Tensor> {
         let sums = kernels::sums_of_squares(&ts.iter().collect::<Vec<_>>())?;
@@ -555,7 +557,7 @@ fn squares_check(device: &Device) -> Result<Check> {
 fn race_checks(device: &Device) -> Result<Vec<Check>> {
     let (rows, vocab) = (96, 12_579); // a vocabulary that is no multiple of 4 or 32
     let mut rng = Rng::new(13);
-    let logits = randn(&mut rng, &[rows, vocab], 0.0, 3.0);
+    let logits = rng.normal_tensor(&[rows, vocab], 0.0, 3.0);
     let settings = [
         Sampling::greedy(),
         Sampling::temperature(1.0),
@@ -599,7 +601,7 @@ fn race_checks(device: &Device) -> Result<Vec<Check>> {
 /// CPU's cast and addition: the same bits (the largest difference, which
 /// must be 0).
 fn add_cast_check(device: &Device, dtype: DType, rng: &mut Rng) -> Result<Check> {
-    let (sum, g) = (randn(rng, &[37, 129], 0.0, 1.0), randn(rng, &[37, 129], 0.0, 1.0).to_dtype(dtype)?);
+    let (sum, g) = (rng.normal_tensor(&[37, 129], 0.0, 1.0), rng.normal_tensor(&[37, 129], 0.0, 1.0).to_dtype(dtype)?);
     let want = (&sum + g.to_dtype(DType::F32)?)?;
     let got = kernels::add_cast(&sum.to_device(device)?, &g.to_device(device)?)?.to_device(&Device::Cpu)?;
     let differ = (got - want)?.abs()?.max_all()?.to_scalar::<f32>()?;
@@ -628,9 +630,9 @@ fn attention_checks(device: &Device, dtype: DType, rng: &mut Rng) -> Result<Vec<
         kernels::sdpa(&q, &k, &heads(&x[2])?, &dbias, 0.25)?.transpose(1, 2)?.reshape((b, t, h * d))
     };
     let (q, k, v) = (
-        randn(rng, &[b, t, h, d], 0.0, 1.0),
-        randn(rng, &[b, t, h_kv, d], 0.0, 1.0),
-        randn(rng, &[b, t, h_kv, d], 0.0, 1.0),
+        rng.normal_tensor(&[b, t, h, d], 0.0, 1.0),
+        rng.normal_tensor(&[b, t, h_kv, d], 0.0, 1.0),
+        rng.normal_tensor(&[b, t, h_kv, d], 0.0, 1.0),
     );
     let attention = compare(
         "attention",
@@ -650,7 +652,7 @@ fn attention_checks(device: &Device, dtype: DType, rng: &mut Rng) -> Result<Vec<
         dtype,
         rng,
     );
-    let projection = randn(rng, &[b, t, 3 * h * d], 0.0, 1.0);
+    let projection = rng.normal_tensor(&[b, t, 3 * h * d], 0.0, 1.0);
     let qkv = compare(
         "qkv_attention",
         &[projection],
@@ -711,9 +713,9 @@ fn tensor_attention_check(
     let (host, on_device) = (two_rows_bias(&Device::Cpu)?, two_rows_mask(device, spans)?);
     let scale = 1.0 / (d as f64).sqrt();
     let inputs = [
-        randn(rng, &[b, h, t, d], 0.0, 1.0),
-        randn(rng, &[b, h_kv, t, d], 0.0, 1.0),
-        randn(rng, &[b, h_kv, t, d], 0.0, 1.0),
+        rng.normal_tensor(&[b, h, t, d], 0.0, 1.0),
+        rng.normal_tensor(&[b, h_kv, t, d], 0.0, 1.0),
+        rng.normal_tensor(&[b, h_kv, t, d], 0.0, 1.0),
     ];
     Ok(compare(
         name,
@@ -794,7 +796,7 @@ fn qkv_attention_check(
     let scale = 1.0 / (d as f64).sqrt();
     Ok(compare(
         name,
-        &[randn(rng, &[b, t, 3 * h * d], 0.0, 1.0)],
+        &[rng.normal_tensor(&[b, t, 3 * h * d], 0.0, 1.0)],
         &|x| kernels::attention_packed(&x[0], neox(d), h, d, &host, scale),
         &|x| {
             kernels::qkv_attention(&x[0], neox(d), h, d, Some(&rotary), &mask, scale, choice)?
@@ -842,9 +844,11 @@ fn decode_attention_check(
     };
     let (b, h, h_kv) = (rows.len(), if long { 8 } else { 4 }, 2);
     let (p, s_own, capacity) = if long { (300, 400, 420) } else { (13, 9, 16) };
-    let q = randn(rng, &[b, h, 1, d], 0.0, 1.0);
-    let (shared_k, shared_v) = (randn(rng, &[2, h_kv, p, d], 0.0, 1.0), randn(rng, &[2, h_kv, p, d], 0.0, 1.0));
-    let (own_k, own_v) = (randn(rng, &[b, h_kv, capacity, d], 0.0, 1.0), randn(rng, &[b, h_kv, capacity, d], 0.0, 1.0));
+    let q = rng.normal_tensor(&[b, h, 1, d], 0.0, 1.0);
+    let (shared_k, shared_v) =
+        (rng.normal_tensor(&[2, h_kv, p, d], 0.0, 1.0), rng.normal_tensor(&[2, h_kv, p, d], 0.0, 1.0));
+    let (own_k, own_v) =
+        (rng.normal_tensor(&[b, h_kv, capacity, d], 0.0, 1.0), rng.normal_tensor(&[b, h_kv, capacity, d], 0.0, 1.0));
     let s = p + s_own;
     // Over `width` slots: padding where a row's prompt is short and in row 4's newest slot, 1 past the filled ones.
     let mask = |width: usize| -> Vec<f32> {
@@ -921,8 +925,9 @@ fn decode_attention_check(
 /// read from the device.
 fn rotary_append_check(device: &Device, dtype: DType, d: usize, rng: &mut Rng) -> Result<Check> {
     let (b, h, h_kv, r, filled) = (3, 4, 2, d / 4, 2);
-    let qkv = randn(rng, &[b, 1, h + 2 * h_kv, d], 0.0, 1.0);
-    let (past_k, past_v) = (randn(rng, &[b, h_kv, filled, d], 0.0, 1.0), randn(rng, &[b, h_kv, filled, d], 0.0, 1.0));
+    let qkv = rng.normal_tensor(&[b, 1, h + 2 * h_kv, d], 0.0, 1.0);
+    let (past_k, past_v) =
+        (rng.normal_tensor(&[b, h_kv, filled, d], 0.0, 1.0), rng.normal_tensor(&[b, h_kv, filled, d], 0.0, 1.0));
     // Rotate-half tables: each angle serves features j and j + R/2.
     let (cos, sin) = rotary_tables(rng, &[b, 1, 1, r / 2], 2.0)?;
     let run = |device: &Device, dtype: DType, fixed: bool| -> Result<Tensor> {
@@ -960,8 +965,8 @@ fn rotary_append_check(device: &Device, dtype: DType, d: usize, rng: &mut Rng) -
 /// Three AdamW steps on the device against the CPU kernel.
 fn adamw_check(device: &Device) -> Result<Check> {
     let mut rng = Rng::new(11);
-    let w0 = randn(&mut rng, &[37, 1000], 0.0, 1.0);
-    let grads: Vec<Tensor> = (0..3).map(|_| randn(&mut rng, &[37, 1000], 0.1, 1.0)).collect();
+    let w0 = rng.normal_tensor(&[37, 1000], 0.0, 1.0);
+    let grads: Vec<Tensor> = (0..3).map(|_| rng.normal_tensor(&[37, 1000], 0.1, 1.0)).collect();
     let run = |device: &Device| -> Result<Tensor> {
         let w = Var::from_tensor(&w0.to_device(device)?)?;
         let (mut m, mut v) = (w.zeros_like()?, w.zeros_like()?);

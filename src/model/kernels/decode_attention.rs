@@ -723,6 +723,7 @@ mod simd {
 mod tests {
     use super::*;
     use crate::model::cache::SharedKv;
+    use crate::model::kernels::test_randn;
     use crate::model::ops;
     use candle_core::{DType, Device};
 
@@ -789,12 +790,11 @@ mod tests {
 
     #[test]
     fn matches_the_composed_attention_on_strided_caches_with_gqa() {
-        let dev = Device::Cpu;
         let (b, h, h_kv, s, cap, d) = (2, 4, 2, 5, 8, 3);
-        let q = Tensor::randn(0f32, 1.0, (b, h, 1, d), &dev).unwrap();
+        let q = test_randn(&[b, h, 1, d], 0.0, 1.0);
         // Caches with spare capacity, read through narrow views.
-        let k_buf = Tensor::randn(0f32, 1.0, (b, h_kv, cap, d), &dev).unwrap();
-        let v_buf = Tensor::randn(0f32, 1.0, (b, h_kv, cap, d), &dev).unwrap();
+        let k_buf = test_randn(&[b, h_kv, cap, d], 0.0, 1.0);
+        let v_buf = test_randn(&[b, h_kv, cap, d], 0.0, 1.0);
         let (keys, values) = (k_buf.narrow(2, 0, s).unwrap(), v_buf.narrow(2, 0, s).unwrap());
         let kv = LayerKv { keys, values, shared: None, slot_at: None };
         let mask = vec![0.0, 1.0, 1.0, 1.0, 1.0, 1.0, 1.0, 0.0, 1.0, 1.0];
@@ -808,14 +808,14 @@ mod tests {
         let dev = Device::Cpu;
         // Parts of more and fewer than eight keys, head size 32 (the AVX2 path where there is one).
         let (b, h, h_kv, p, s_own, cap, d) = (3, 4, 2, 11, 9, 12, 32);
-        let q = Tensor::randn(0f32, 1.0, (b, h, 1, d), &dev).unwrap();
+        let q = test_randn(&[b, h, 1, d], 0.0, 1.0);
         // Two shared rows, the first left-padded; rows 0 and 2 continue shared row 1.
-        let shared_k = Tensor::randn(0f32, 1.0, (2, h_kv, p, d), &dev).unwrap();
-        let shared_v = Tensor::randn(0f32, 1.0, (2, h_kv, p, d), &dev).unwrap();
+        let shared_k = test_randn(&[2, h_kv, p, d], 0.0, 1.0);
+        let shared_v = test_randn(&[2, h_kv, p, d], 0.0, 1.0);
         let rows = [1u32, 0, 1];
         let device_rows = Tensor::new(&rows, &dev).unwrap();
-        let k_buf = Tensor::randn(0f32, 1.0, (b, h_kv, cap, d), &dev).unwrap();
-        let v_buf = Tensor::randn(0f32, 1.0, (b, h_kv, cap, d), &dev).unwrap();
+        let k_buf = test_randn(&[b, h_kv, cap, d], 0.0, 1.0);
+        let v_buf = test_randn(&[b, h_kv, cap, d], 0.0, 1.0);
         let kv = LayerKv {
             keys: k_buf.narrow(2, 0, s_own).unwrap(),
             values: v_buf.narrow(2, 0, s_own).unwrap(),

@@ -442,14 +442,12 @@ impl CustomOp3 for LoraGrad {
 
 #[cfg(test)]
 mod tests {
-    use candle_core::{Device, Var};
+    use candle_core::Var;
 
     use super::*;
 
     fn randn(shape: &[usize], seed: u64) -> Tensor {
-        let mut rng = crate::rng::Rng::new(seed);
-        let values: Vec<f32> = (0..shape.iter().product()).map(|_| rng.normal() as f32).collect();
-        Tensor::from_vec(values, shape, &Device::Cpu).unwrap()
+        crate::rng::Rng::new(seed).normal_tensor(shape, 0.0, 1.0)
     }
 
     /// The backward a GPU runs (candle's products, the mask applied by

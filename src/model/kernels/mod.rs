@@ -111,3 +111,17 @@ fn rows_per_task(width: usize) -> usize {
 
 #[cfg(test)]
 mod tests;
+
+/// Normal samples for the kernels' tests from a generator seeded by the
+/// test's name (libtest runs each test on a thread named after it), so that
+/// a test sees the same inputs on every run and a failure repeats.
+#[cfg(test)]
+fn test_randn(shape: &[usize], mean: f32, std: f32) -> Tensor {
+    thread_local! {
+        static RNG: std::cell::RefCell<crate::rng::Rng> = {
+            let name = std::thread::current().name().unwrap_or_default().bytes().map(u64::from).collect::<Vec<_>>();
+            std::cell::RefCell::new(crate::rng::Rng::stream(0, &name))
+        };
+    }
+    RNG.with(|rng| rng.borrow_mut().normal_tensor(shape, mean, std))
+}

@@ -24,7 +24,7 @@ fn check(
         let vars: Vec<Var> = inputs.iter().map(|t| Var::from_tensor(t).unwrap()).collect();
         let ts: Vec<Tensor> = vars.iter().map(|v| v.as_tensor().clone()).collect();
         let out = f(&ts).unwrap();
-        let w = Tensor::randn(0f32, 1.0, out.shape(), out.device()).unwrap();
+        let w = test_randn(out.dims(), 0.0, 1.0);
         (out, vars, w)
     };
     let (out_f, vars_f, w) = run(&fused);
@@ -56,7 +56,7 @@ fn output_and_grad_bits(y: &Tensor, weights: &Tensor, inputs: &[Var]) -> Vec<Vec
 }
 
 fn randn(shape: &[usize], mean: f32) -> Tensor {
-    Tensor::randn(mean, 1.5, shape, &Device::Cpu).unwrap()
+    test_randn(shape, mean, 1.5)
 }
 
 #[test]
@@ -174,7 +174,7 @@ fn attention_matches_the_composition_with_gqa_partial_rotary_and_padding() {
     // Row 1 is right-padded: its last two slots are padding.
     let inputs = Inputs::from_rows(&[vec![1, 2, 3, 4, 5], vec![6, 7, 8]], 0, PadSide::Right, &dev).unwrap();
     let bias = attention_bias(&inputs, &inputs.mask).unwrap();
-    let angles = Tensor::randn(0f32, 1.0, (b, 1, t, r / 2), &dev).unwrap();
+    let angles = test_randn(&[b, 1, t, r / 2], 0.0, 1.0);
     let angles = Tensor::cat(&[&angles, &angles], 3).unwrap();
     let rotary = (angles.cos().unwrap(), angles.sin().unwrap());
     let host = AttentionInputs::new(&bias, Some(&rotary)).unwrap();
@@ -197,7 +197,7 @@ fn packed_attention_matches_the_composition() {
     let (b, t, h, d, r) = (2, 4, 3, 4, 2);
     let inputs = Inputs::from_rows(&[vec![1, 2, 3, 4], vec![5, 6]], 0, PadSide::Right, &dev).unwrap();
     let bias = attention_bias(&inputs, &inputs.mask).unwrap();
-    let angles = Tensor::randn(0f32, 1.0, (b, 1, t, r / 2), &dev).unwrap();
+    let angles = test_randn(&[b, 1, t, r / 2], 0.0, 1.0);
     let angles = Tensor::cat(&[&angles, &angles], 3).unwrap();
     let rotary = (angles.cos().unwrap(), angles.sin().unwrap());
     let host = AttentionInputs::new(&bias, Some(&rotary)).unwrap();
@@ -216,9 +216,8 @@ fn packed_attention_matches_the_composition() {
 
 #[test]
 fn rotary_matches_the_composition() {
-    let dev = Device::Cpu;
     let (b, h, t, d, r) = (2, 3, 5, 6, 4);
-    let angles = Tensor::randn(0f32, 1.0, (b, 1, t, r / 2), &dev).unwrap();
+    let angles = test_randn(&[b, 1, t, r / 2], 0.0, 1.0);
     let angles = Tensor::cat(&[&angles, &angles], 3).unwrap();
     let (cos, sin) = (angles.cos().unwrap(), angles.sin().unwrap());
     let tables = RotaryTables::new(&cos, &sin).unwrap();
@@ -257,7 +256,11 @@ fn adamw_matches_the_composition_over_steps() {
         w_ref = ((w_ref * (1.0 - lr * wd)).unwrap() - update).unwrap();
     }
     assert!(max_abs_diff(&m, &m_ref) < 1e-6 && max_abs_diff(&v, &v_ref) < 1e-6, "moments differ");
-    assert!(max_abs_diff(&w, &w_ref) < 1e-6, "weights differ by {}", max_abs_diff(&w, &w_ref));
+    // A few roundings of the largest weight: the kernel and the composition
+    // round the decayed weight and the update in different orders.
+    let largest = w_ref.abs().unwrap().max_all().unwrap().to_scalar::<f32>().unwrap();
+    let diff = max_abs_diff(&w, &w_ref);
+    assert!(diff <= 4.0 * f32::EPSILON * largest, "weights differ by {diff}, the largest is {largest}");
 }
 
 /// The residual sums give the additions' values and gradients, to the

@@ -490,6 +490,7 @@ impl TokenLogprobsGrad {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::model::kernels::test_randn;
     use candle_core::{Device, Var};
 
     fn max_abs_diff(a: &Tensor, b: &Tensor) -> f32 {
@@ -500,8 +501,8 @@ mod tests {
     fn matches_the_composition_in_value_and_gradient() {
         let dev = Device::Cpu;
         let (n, h, v) = (7, 12, 300);
-        let hidden = Tensor::randn(0f32, 1.0, (n, h), &dev).unwrap();
-        let head = (Tensor::randn(0f32, 0.8, (v, h), &dev).unwrap() + 0.1).unwrap();
+        let hidden = test_randn(&[n, h], 0.0, 1.0);
+        let head = (test_randn(&[v, h], 0.0, 0.8) + 0.1).unwrap();
         let targets: Vec<u32> = (0..n as u32).map(|i| (i * 37 + 11) % v as u32).collect();
         // Weights per row, one of them zero as for a masked position.
         let w = Tensor::from_vec(vec![1.0f32, -2.0, 0.5, 0.0, 3.0, -1.0, 0.25], n, &dev).unwrap();
@@ -529,8 +530,8 @@ mod tests {
     fn chunks_of_rows_give_the_whole_passs_values_and_gradients() {
         let dev = Device::Cpu;
         let (n, h, v) = (7, 12, 300);
-        let hidden = Tensor::randn(0f32, 1.0, (n, h), &dev).unwrap();
-        let head = Tensor::randn(0f32, 0.8, (v, h), &dev).unwrap();
+        let hidden = test_randn(&[n, h], 0.0, 1.0);
+        let head = test_randn(&[v, h], 0.0, 0.8);
         let targets: Vec<u32> = (0..n as u32).map(|i| (i * 53 + 5) % v as u32).collect();
         let w = Tensor::from_vec(vec![0.5f32, 0.0, -1.0, 2.0, 1.0, 0.0, -0.5], n, &dev).unwrap();
         let run = |chunk_rows: usize| {
@@ -552,9 +553,8 @@ mod tests {
 
     #[test]
     fn other_dtypes_give_the_same_values_a_chunk_of_rows_at_a_time() {
-        let dev = Device::Cpu;
-        let hidden = Tensor::randn(0f32, 1.0, (7, 12), &dev).unwrap().to_dtype(candle_core::DType::BF16).unwrap();
-        let head = Tensor::randn(0f32, 0.8, (300, 12), &dev).unwrap().to_dtype(candle_core::DType::BF16).unwrap();
+        let hidden = test_randn(&[7, 12], 0.0, 1.0).to_dtype(candle_core::DType::BF16).unwrap();
+        let head = test_randn(&[300, 12], 0.0, 0.8).to_dtype(candle_core::DType::BF16).unwrap();
         let targets: Vec<u32> = (0..7).map(|i| (i * 41 + 3) % 300).collect();
         let (lp, ent) = op_by_op(&hidden, &head, &targets, 0.8, 7).unwrap();
         let (lp3, ent3) = op_by_op(&hidden, &head, &targets, 0.8, 3).unwrap();
@@ -566,8 +566,8 @@ mod tests {
     fn a_training_pass_in_other_dtypes_recomputes_each_chunk_and_matches_the_kernel() {
         let dev = Device::Cpu;
         let (n, h, v) = (7, 12, 300);
-        let hidden = Tensor::randn(0f32, 1.0, (n, h), &dev).unwrap();
-        let head = Tensor::randn(0f32, 0.8, (v, h), &dev).unwrap();
+        let hidden = test_randn(&[n, h], 0.0, 1.0);
+        let head = test_randn(&[v, h], 0.0, 0.8);
         let targets: Vec<u32> = (0..n as u32).map(|i| (i * 29 + 7) % v as u32).collect();
         let w = Tensor::from_vec(vec![1.0f32, 0.0, -0.5, 2.0, 1.5, -1.0, 0.5], n, &dev).unwrap();
         let run = |dtype: candle_core::DType, chunk_rows: Option<usize>| {
@@ -602,9 +602,8 @@ mod tests {
 
     #[test]
     fn a_second_backward_pass_recomputes_the_logits() {
-        let dev = Device::Cpu;
-        let hidden = Var::from_tensor(&Tensor::randn(0f32, 1.0, (3, 4), &dev).unwrap()).unwrap();
-        let head = Tensor::randn(0f32, 1.0, (10, 4), &dev).unwrap();
+        let hidden = Var::from_tensor(&test_randn(&[3, 4], 0.0, 1.0)).unwrap();
+        let head = test_randn(&[10, 4], 0.0, 1.0);
         let (lp, _) = token_logprobs(hidden.as_tensor(), &head, &[1, 2, 3], 1.0).unwrap();
         let loss = lp.sum_all().unwrap();
         let first = loss.backward().unwrap().get(&hidden).unwrap().clone();
@@ -614,9 +613,8 @@ mod tests {
 
     #[test]
     fn a_frozen_head_gets_no_gradient_and_the_hidden_states_theirs() {
-        let dev = Device::Cpu;
-        let hidden = Tensor::randn(0f32, 1.0, (5, 4), &dev).unwrap();
-        let head = Tensor::randn(0f32, 1.0, (10, 4), &dev).unwrap();
+        let hidden = test_randn(&[5, 4], 0.0, 1.0);
+        let head = test_randn(&[10, 4], 0.0, 1.0);
         let d_hidden = |head: &Tensor| {
             let var = Var::from_tensor(&hidden).unwrap();
             let (lp, _) = token_logprobs(var.as_tensor(), head, &[1, 2, 3, 4, 5], 0.8).unwrap();
@@ -632,9 +630,8 @@ mod tests {
 
     #[test]
     fn entropy_has_no_gradient() {
-        let dev = Device::Cpu;
-        let var = Var::from_tensor(&Tensor::randn(0f32, 1.0, (3, 4), &dev).unwrap()).unwrap();
-        let head = Tensor::randn(0f32, 1.0, (10, 4), &dev).unwrap();
+        let var = Var::from_tensor(&test_randn(&[3, 4], 0.0, 1.0)).unwrap();
+        let head = test_randn(&[10, 4], 0.0, 1.0);
         let (_, ent) = token_logprobs(var.as_tensor(), &head, &[1, 2, 3], 1.0).unwrap();
         let grads = ent.sum_all().unwrap().backward().unwrap();
         assert!(grads.get(&var).is_none());
