@@ -176,31 +176,45 @@ __device__ void decode_attention(const T* q, const T* k, const T* v, const T* sh
     decode_combine<T, E>(part_max, part_sum, part_acc, a.d, o + (size_t)row * a.d, decode_part(parts, row, a.d));
 }
 
-// A key row's products with N queries (rows of q_row), read in 16-byte loads.
+// A key row's products with N queries (rows of q_row), read in 16-byte
+// loads, 4 of them issued before the first is used: a loop over a head size
+// known only at run time left each load waiting for the last one's products,
+// a memory round trip per 16 bytes of the key. (8 at once took 78 registers
+// a thread where 4 take 58, at a head size of 64 and a block per row.)
 template <typename T, int N, int W>
 __device__ __forceinline__ void decode_dots(const T* key, const float (*q_row)[W], int d, float (&dot)[N]) {
-    constexpr int VEC = 16 / sizeof(T);
+    constexpr int VEC = 16 / sizeof(T), MOST = W / VEC, BATCH = MOST < 4 ? MOST : 4;
     const uint4* kj = reinterpret_cast<const uint4*>(key);
+    const int chunks = d / VEC;
 #pragma unroll
     for (int i = 0; i < N; i++) dot[i] = 0.f;
-    for (int c = 0; c < d / VEC; c++) {
-        float x[VEC];
-        unpack(kj[c], x);
+    for (int c0 = 0; c0 < chunks; c0 += BATCH) {
+        uint4 raw[BATCH];
 #pragma unroll
-        for (int i = 0; i < N; i++)
+        for (int k = 0; k < BATCH; k++)
+            if (c0 + k < chunks) raw[k] = kj[c0 + k];
 #pragma unroll
-            for (int e = 0; e < VEC; e++) dot[i] += q_row[i][c * VEC + e] * x[e];
+        for (int k = 0; k < BATCH; k++) {
+            if (c0 + k >= chunks) break;
+            float x[VEC];
+            unpack(raw[k], x);
+#pragma unroll
+            for (int i = 0; i < N; i++)
+#pragma unroll
+                for (int e = 0; e < VEC; e++) dot[i] += q_row[i][(c0 + k) * VEC + e] * x[e];
+        }
     }
 }
 
 // A lane's E adjacent features from p (on E elements' bytes when they are
 // 4, 8 or a multiple of 16), in one load where the E x 2 or 4 bytes make
 // one, where a load an element kept each lane's loads waiting in line (8
-// a value row at a head size of 256).
+// a value row at a head size of 256). Kept as loaded: `lane_values`
+// widens them where they are used, so that a batch of rows stays in flight
+// in as few registers as their bytes take.
 template <typename T, int E>
-__device__ __forceinline__ void lane_features(const T* p, float (&x)[E]) {
+__device__ __forceinline__ void lane_load(const T* p, T (&e)[E]) {
     constexpr int BYTES = E * sizeof(T);
-    T e[E];
     if constexpr (BYTES % 16 == 0) {
         uint4 words[BYTES / 16];
         for (int w = 0; w < BYTES / 16; w++) words[w] = reinterpret_cast<const uint4*>(p)[w];
@@ -214,23 +228,35 @@ __device__ __forceinline__ void lane_features(const T* p, float (&x)[E]) {
     } else {
         for (int k = 0; k < E; k++) e[k] = p[k];
     }
-    for (int k = 0; k < E; k++) x[k] = to_f32(e[k]);
 }
 
-// A value row's features, E a lane, weighted by pi into N queries' sums.
-template <typename T, int E, int N>
-__device__ __forceinline__ void decode_add_value(const T* vj, const float* pi, float (*acc)[E], int lane, int d) {
-    float x[E];
+// A lane's E features of the value row vj (0 past the row's d).
+template <typename T, int E>
+__device__ __forceinline__ void lane_values(const T* vj, int lane, int d, T (&e)[E]) {
     if (lane * E + E <= d) {
-        lane_features<T, E>(vj + lane * E, x);
-    } else {  // a lane past the row's end, or over its last features: 0 past it
-        for (int e = 0; e < E; e++) x[e] = lane * E + e < d ? to_f32(vj[lane * E + e]) : 0.f;
+        lane_load<T, E>(vj + lane * E, e);
+    } else {  // a lane past the row's end, or over its last features
+        for (int k = 0; k < E; k++) e[k] = lane * E + k < d ? vj[lane * E + k] : from_f32<T>(0.f);
     }
+}
+
+// A lane's E features of a value row, weighted by pi into N queries' sums.
+template <typename T, int E, int N>
+__device__ __forceinline__ void decode_add_value(const T (&v)[E], const float* pi, float (*acc)[E]) {
     for (int e = 0; e < E; e++) {
+        const float x = to_f32(v[e]);
         // A masked slot's value is never read into the sum, whatever it holds.
 #pragma unroll
-        for (int i = 0; i < N; i++) acc[i][e] += pi[i] != 0.f ? pi[i] * x[e] : 0.f;
+        for (int i = 0; i < N; i++) acc[i][e] += pi[i] != 0.f ? pi[i] * x : 0.f;
     }
+}
+
+// Value rows a lane holds in flight at once, R of them a key where the R
+// rows read their own: 32 registers' worth, up to 8 keys.
+template <typename T, int E, int R>
+__device__ constexpr int value_batch() {
+    constexpr int words = (E * (int)sizeof(T) + 3) / 4, fit = 32 / (words * R);
+    return fit > 8 ? 8 : fit < 1 ? 1 : fit;
 }
 
 template <typename T, int E, int G, int R>
@@ -264,21 +290,21 @@ __device__ void decode_attention_lanes(const T* q, const T* k, const T* v, const
         const int j = start + lane;
         float score[Q];
         for (int i = 0; i < Q; i++) score[i] = -INFINITY;
+        // The mask and the key are read together, the key whatever its mask
+        // (a slot below s is in the buffers): a masked key's score is dropped.
         if (j < s && j < p_shared) {  // a shared slot: one key row for all R rows
-            bool seen[R], any = false;
-            for (int r = 0; r < R; r++) seen[r] = slots[r].mask[j] != 0.f, any |= seen[r];
-            if (any) {
-                float dot[Q];
-                decode_dots<T, Q>(slots[0].key(j), q_row, a.d, dot);
-                for (int i = 0; i < Q; i++) score[i] = seen[i / G] ? dot[i] : -INFINITY;
-            }
+            float seen[R], dot[Q];
+            for (int r = 0; r < R; r++) seen[r] = slots[r].mask[j];
+            decode_dots<T, Q>(slots[0].key(j), q_row, a.d, dot);
+            for (int i = 0; i < Q; i++) score[i] = seen[i / G] != 0.f ? dot[i] : -INFINITY;
         } else if (j < s) {  // an own slot: each row's own key row
+            float seen[R];
+            for (int r = 0; r < R; r++) seen[r] = slots[r].mask[j];
 #pragma unroll
             for (int r = 0; r < R; r++) {
-                if (slots[r].mask[j] == 0.f) continue;
                 float dot[G];
                 decode_dots<T, G>(slots[r].key(j), q_row + r * G, a.d, dot);
-                for (int g = 0; g < G; g++) score[r * G + g] = dot[g];
+                for (int g = 0; g < G; g++) score[r * G + g] = seen[r] != 0.f ? dot[g] : -INFINITY;
             }
         }
         float top[Q], p[Q];
@@ -296,17 +322,32 @@ __device__ void decode_attention_lanes(const T* q, const T* k, const T* v, const
             for (int e = 0; e < E; e++) acc[i][e] *= keep;
             run_max[i] = new_max;
         }
+        // The 32 keys' values in batches: a batch's rows are all read before
+        // the first is summed, so that their loads are in flight together.
         const int n = min(32, s - start);
-#pragma unroll 8
-        for (int l = 0; l < n; l++) {
-            float pi[Q];
-            for (int i = 0; i < Q; i++) pi[i] = __shfl_sync(0xffffffff, p[i], l);
-            const int slot = start + l;
-            if (slot < p_shared) {
-                decode_add_value<T, E, Q>(slots[0].value(slot), pi, acc, lane, a.d);
-            } else {
+        constexpr int BATCH = value_batch<T, E, R>();
+        for (int l0 = 0; l0 < n; l0 += BATCH) {
+            T held[BATCH][R][E];
 #pragma unroll
-                for (int r = 0; r < R; r++) decode_add_value<T, E, G>(slots[r].value(slot), pi + r * G, acc + r * G, lane, a.d);
+            for (int k = 0; k < BATCH; k++) {
+                const int slot = start + l0 + k;
+#pragma unroll
+                for (int r = 0; r < R; r++)
+                    if (l0 + k < n && (r == 0 || slot >= p_shared))
+                        lane_values<T, E>(slots[r].value(slot), lane, a.d, held[k][r]);
+            }
+#pragma unroll
+            for (int k = 0; k < BATCH; k++) {
+                float pi[Q];
+                for (int i = 0; i < Q; i++) pi[i] = __shfl_sync(0xffffffff, p[i], l0 + k);
+                const int slot = start + l0 + k;
+                if (l0 + k >= n) break;  // the same for the whole warp
+                if (slot < p_shared) {
+                    decode_add_value<T, E, Q>(held[k][0], pi, acc);
+                } else {
+#pragma unroll
+                    for (int r = 0; r < R; r++) decode_add_value<T, E, G>(held[k][r], pi + r * G, acc + r * G);
+                }
             }
         }
     }
