@@ -3,7 +3,9 @@
 //! forward pass give their time on the GPU, and the time from one step's
 //! picks to its forward pass starting is the host's turn (the picks read
 //! back, the clients' verdicts, the next step's upload), during which the
-//! GPU waits. Logged once the batch ends, as medians over its steps.
+//! GPU waits. Logged once the batch ends, as medians over its steps, with
+//! what the medians leave out: the prefill, the first two steps (on a GPU
+//! launched op by op, then recorded) and the steps' total.
 
 use std::time::Instant;
 
@@ -31,6 +33,8 @@ pub struct StepClock {
     events: Vec<(Mark, candle_core::cuda_backend::cudarc::driver::CudaEvent)>,
     /// The host's clock at each step's picks.
     started: Vec<Instant>,
+    /// The prefill's time to its end on the device, and when it ended.
+    prefill: Option<(f64, Instant)>,
     rows: usize,
 }
 
@@ -46,13 +50,28 @@ impl StepClock {
         match device {
             #[cfg(feature = "cuda")]
             Device::Cuda(dev) if on => {
-                Ok(Some(Self { stream: dev.cuda_stream(), events: Vec::new(), started: Vec::new(), rows }))
+                let stream = dev.cuda_stream();
+                Ok(Some(Self { stream, events: Vec::new(), started: Vec::new(), prefill: None, rows }))
             }
             _ => {
                 let _ = (on, rows);
                 Ok(None)
             }
         }
+    }
+
+    /// Notes that the batch's prefill, begun at `started`, has been
+    /// queued: waits for the device to finish it (timing only), so that
+    /// the prefill's time is its own and not the first step's.
+    pub fn prefilled(&mut self, started: Instant) -> Result<()> {
+        #[cfg(feature = "cuda")]
+        {
+            use candle_core::cuda_backend::WrapErr;
+            self.stream.synchronize().w()?;
+        }
+        let now = Instant::now();
+        self.prefill = Some(((now - started).as_secs_f64() * 1e3, now));
+        Ok(())
     }
 
     /// Records `mark` where the device's queued work stands.
@@ -76,15 +95,27 @@ impl StepClock {
     pub fn report(&self) -> Result<()> {
         let (picks, turns, forwards) = self.stages()?;
         let walls: Vec<f64> = self.started.windows(2).map(|w| (w[1] - w[0]).as_secs_f64() * 1e3).collect();
+        let ms = |x: Option<&f64>| x.map_or("-".to_string(), |x| format!("{x:.1}"));
+        let (prefill, to_first) = match (self.prefill, self.started.first()) {
+            (Some((ms, ended)), Some(first)) => (Some(ms), Some((*first - ended).as_secs_f64() * 1e3)),
+            (prefill, _) => (prefill.map(|p| p.0), None),
+        };
         tracing::info!(
             "decoding steps at {} rows, medians of {}: the picks {:.3} ms and the forward pass {:.3} ms on the GPU, \
-             {:.3} ms from the picks to the forward pass (the host's turn); {:.3} ms a step on the host's clock",
+             {:.3} ms from the picks to the forward pass (the host's turn); {:.3} ms a step on the host's clock; \
+             the prefill {} ms, then {} ms to the first step; the first two steps {} and {} ms (launched, recorded); \
+             {:.1} ms from the first step to the last",
             self.rows,
             self.started.len(),
             median(picks),
             median(forwards),
             median(turns),
-            median(walls)
+            median(walls.clone()),
+            ms(prefill.as_ref()),
+            ms(to_first.as_ref()),
+            ms(walls.first()),
+            ms(walls.get(1)),
+            walls.iter().sum::<f64>(),
         );
         Ok(())
     }

@@ -212,8 +212,13 @@ impl<'n, R: Send> Decoding<'n, R> {
 
     /// [`prefill`](Self::prefill) and [`join`](Self::join).
     pub fn admit(&mut self, rows: Vec<DecodeRow<R>>) -> Result<()> {
+        let started = std::time::Instant::now();
         let prefilled = self.prefill(&rows)?;
-        self.join(rows, prefilled)
+        self.join(rows, prefilled)?;
+        match &mut self.clock {
+            Some(clock) => clock.prefilled(started),
+            None => Ok(()),
+        }
     }
 
     /// Picks every row's next token with its own settings and generator,
