@@ -97,7 +97,7 @@ impl StepClock {
         let walls: Vec<f64> = self.started.windows(2).map(|w| (w[1] - w[0]).as_secs_f64() * 1e3).collect();
         let ms = |x: Option<&f64>| x.map_or("-".to_string(), |x| format!("{x:.1}"));
         let (prefill, to_first) = match (self.prefill, self.started.first()) {
-            (Some((ms, ended)), Some(first)) => (Some(ms), Some((*first - ended).as_secs_f64() * 1e3)),
+            (Some((spent, ended)), Some(first)) => (Some(spent), Some((*first - ended).as_secs_f64() * 1e3)),
             (prefill, _) => (prefill.map(|p| p.0), None),
         };
         tracing::info!(
