@@ -384,18 +384,23 @@ pub fn check_kernels(device: &Device, dtypes: &[DType]) -> Vec<Check> {
         };
         // And a cache long enough that a few rows split their keys across blocks; and the rows of
         // a prompt in one block of the lanes.
-        let kernels = [64, 128].iter().map(|&d| (d, false, false, false));
-        let lanes = lanes.iter().map(|&d| (d, true, false, false));
+        // And the lanes with their value rows packed into loads (RLOO_DECODE_VALUES=packed).
+        let kernels = [64, 128].iter().map(|&d| (d, (false, false, false), false));
+        let lanes = lanes.iter().map(|&d| (d, (true, false, false), false));
         let gpu = device.is_cuda().then_some([
-            (64, false, true, false),
-            (64, true, true, false),
-            (64, true, false, true),
-            (128, true, false, true),
-            (64, true, true, true),
+            (64, (false, false, false), true),
+            (64, (true, false, false), true),
+            (64, (true, true, false), false),
+            (128, (true, true, false), false),
+            (64, (true, true, false), true),
+            (16, (true, false, true), false),
+            (64, (true, false, true), false),
+            (128, (true, false, true), true),
+            (64, (true, true, true), false),
         ]);
-        for (d, lanes, long, by_prompt) in kernels.chain(lanes).chain(gpu.into_iter().flatten()) {
+        for (d, lanes, long) in kernels.chain(lanes).chain(gpu.into_iter().flatten()) {
             out.push(
-                decode_attention_check(device, dtype, d, (lanes, by_prompt), long, rng)
+                decode_attention_check(device, dtype, d, lanes, long, rng)
                     .unwrap_or_else(|e| Check::failed("kernel", &format!("decode_attention, head size {d}"), dtype, e)),
             );
         }
@@ -829,12 +834,13 @@ fn maybe_t(w: &Tensor, transposed: bool) -> Result<Tensor> {
 /// key takes in one block (RLOO_DECODE_HEADS). `by_prompt`: 2 prompts of 4
 /// rows each, which the kernel with a lane per key takes in one block
 /// (what RLOO_DECODE_ROWS=prompt chooses), one row with a masked shared
-/// slot the others see.
+/// slot the others see. `packed`: the lanes read value rows packed into
+/// loads (RLOO_DECODE_VALUES=packed).
 fn decode_attention_check(
     device: &Device,
     dtype: DType,
     d: usize,
-    (lanes, by_prompt): (bool, bool),
+    (lanes, by_prompt, packed): (bool, bool, bool),
     long: bool,
     rng: &mut Rng,
 ) -> Result<Check> {
@@ -888,7 +894,7 @@ fn decode_attention_check(
         }
         let key_mask = Tensor::from_slice(&mask, (b, width), device)?;
         let rows = if by_prompt { kernels::DecodeRows::Prompt } else { kernels::DecodeRows::Each };
-        let kernel = kernels::DecodeKernel { rows, ..kernels::DecodeKernel::from_env(lanes)? };
+        let kernel = kernels::DecodeKernel { rows, packed_values: packed, ..kernels::DecodeKernel::from_env(lanes)? };
         if let Some(out) = kernels::decode_attention_cuda(&q, &kv, &key_mask, 0.125, kernel)? {
             return out.to_dtype(DType::F32)?.to_device(&Device::Cpu);
         }
@@ -908,6 +914,7 @@ fn decode_attention_check(
         (true, false) => ", a lane per key",
         (false, _) => "",
     };
+    let per = if packed { format!("{per}, value rows packed") } else { per.to_string() };
     let split = match (long, kernels::decode_split_keys()?) {
         (true, true) => format!(", {} slots, {} heads a key/value head, keys split", p + s_own, h / h_kv),
         (true, false) => format!(", {} slots, {} heads a key/value head", p + s_own, h / h_kv),

@@ -49,6 +49,26 @@ pub fn decode_heads_grouped() -> Result<bool> {
     Ok(variant(DECODE_HEADS_VAR, &["grouped", "each"]).map_err(candle_core::Error::msg)? == "grouped")
 }
 
+/// Picks how the kernel with a lane per key reads a pass's value rows on a
+/// GPU: `rows` (the default: a row a load, each lane its features of it) or
+/// `packed` (each row in 16-byte pieces over adjacent lanes, as many rows
+/// a load as 32 lanes hold, where the head's bytes make a power of two of
+/// pieces up to 32), to compare them.
+pub const DECODE_VALUES_VAR: &str = "RLOO_DECODE_VALUES";
+
+/// Whether value rows are packed into loads; an unknown choice is an error.
+pub fn decode_values_packed() -> Result<bool> {
+    Ok(variant(DECODE_VALUES_VAR, &["rows", "packed"]).map_err(candle_core::Error::msg)? == "packed")
+}
+
+/// Whether a value row of `head_size` elements of `bytes` each splits into
+/// 16-byte pieces that a warp's 32 lanes hold a whole number of rows of.
+#[cfg_attr(not(feature = "cuda"), allow(dead_code))]
+fn packs(head_size: usize, bytes: usize) -> bool {
+    let row = head_size * bytes;
+    row % 16 == 0 && 32 % (row / 16) == 0
+}
+
 /// The query heads a block of the kernel with a lane per key takes: the
 /// most of 8, 4, 2 or 1 that divides the `group` of query heads sharing a
 /// key/value head and whose partial sums fit a block ([`sums_fit`]).
@@ -203,18 +223,22 @@ pub struct DecodeKernel {
     pub rows: DecodeRows,
     /// Keys may be split across blocks ([`key_splits`]).
     pub split_keys: bool,
+    /// The lanes read value rows packed into loads, where they can ([`packs`]).
+    pub packed_values: bool,
 }
 
 impl DecodeKernel {
     /// The kernel `lanes` names, its blocks as `RLOO_DECODE_HEADS`,
-    /// `RLOO_DECODE_ROWS` and `RLOO_DECODE_SPLIT` cut them (read once per
-    /// pass, not at every layer).
+    /// `RLOO_DECODE_ROWS` and `RLOO_DECODE_SPLIT` cut them and its values
+    /// read as `RLOO_DECODE_VALUES` says (read once per pass, not at every
+    /// layer).
     pub fn from_env(lanes: bool) -> Result<Self> {
         Ok(Self {
             lanes,
             grouped_heads: decode_heads_grouped()?,
             rows: decode_rows()?,
             split_keys: decode_split_keys()?,
+            packed_values: decode_values_packed()?,
         })
     }
 }
@@ -397,8 +421,12 @@ mod cuda {
             (true, Some(shared)) => super::rows_per_block(shared.rows, heads_per_block, d),
             _ => 1,
         };
-        let lanes =
-            kernel.lanes.then_some(launch::LanesBlock { heads: heads_per_block as u32, rows: rows_per_block as u32 });
+        let packed = kernel.packed_values && super::packs(d, q.dtype().size_in_bytes());
+        let lanes = kernel.lanes.then_some(launch::LanesBlock {
+            heads: heads_per_block as u32,
+            rows: rows_per_block as u32,
+            packed,
+        });
         // Fewer slots than two splits take: no split, and no occupancy query in the step.
         let (chunk, splits) = match kernel.split_keys && slots >= 2 * super::MIN_SPLIT_SLOTS {
             true => {
@@ -766,6 +794,15 @@ mod tests {
         assert_eq!(rows_per_block(&[0, 0, 0, 0, 1, 1], 1, 64), 2);
         assert_eq!(rows_per_block(&[0, 1, 1, 0, 1, 0], 1, 64), 1);
         assert_eq!(rows_per_block(&[0, 0, 0], 1, 64), 1);
+    }
+
+    #[test]
+    fn value_rows_pack_where_their_pieces_divide_a_warp() {
+        // bf16 rows of 8 to 256 features: 1 to 32 pieces of 16 bytes; f32 up to 128.
+        assert!([8, 16, 64, 128, 256].iter().all(|&d| packs(d, 2)));
+        assert!(packs(128, 4) && !packs(256, 4));
+        // 40 and 96 features of bf16 make 5 and 12 pieces; 4 make half of one.
+        assert!(!packs(40, 2) && !packs(96, 2) && !packs(4, 2));
     }
 
     #[test]

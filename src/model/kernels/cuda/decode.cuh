@@ -259,12 +259,32 @@ __device__ constexpr int value_batch() {
     return fit > 8 ? 8 : fit < 1 ? 1 : fit;
 }
 
-template <typename T, int E, int G, int R>
+// A 16-byte piece of a value row (16 / sizeof(T) features), weighted by pi
+// into N queries' sums of those features.
+template <typename T, int N>
+__device__ __forceinline__ void decode_add_piece(uint4 raw, const float* pi, float (*acc)[16 / sizeof(T)]) {
+    constexpr int VEC = 16 / sizeof(T);
+    float x[VEC];
+    unpack(raw, x);
+    for (int e = 0; e < VEC; e++) {
+#pragma unroll
+        for (int i = 0; i < N; i++) acc[i][e] += pi[i] != 0.f ? pi[i] * x[e] : 0.f;
+    }
+}
+
+// With PACKED, a warp reads the values of 32 / (d / VEC) keys a load, each
+// key's row in 16-byte pieces over d / VEC adjacent lanes, so that a
+// pass's 32 rows take a few wide loads where a row a load took 32 narrow
+// ones; a lane sums its piece's VEC features of every such key, and the
+// lanes holding a piece add up at the end. The host picks it only where
+// d / VEC divides 32 (a head size of 8 to 256 in bf16, 4 to 128 in f32).
+template <typename T, int E, int G, int R, bool PACKED = false>
 __device__ void decode_attention_lanes(const T* q, const T* k, const T* v, const T* shared_k, const T* shared_v,
                                        const uint32_t* shared_rows, const float* mask, const uint32_t* slot_at, T* o,
                                        float* parts, DecodeDims a) {
     constexpr int Q = R * G;             // the block's queries: G heads of each of R rows
     static_assert(Q * 32 * E <= 512, "a block's shared partial sums stay within 16 KB");
+    static_assert(!PACKED || E * sizeof(T) <= 16, "a row's 16-byte pieces fit a warp's lanes");
     __shared__ float q_row[Q][32 * E];
     __shared__ float part_max[Q][DECODE_WARPS], part_sum[Q][DECODE_WARPS];
     __shared__ float part_acc[Q][DECODE_WARPS][32 * E];
@@ -281,10 +301,14 @@ __device__ void decode_attention_lanes(const T* q, const T* k, const T* v, const
     for (int i = threadIdx.x; i < Q * a.d; i += blockDim.x)
         q_row[i / a.d][i % a.d] = to_f32(q[query(i / a.d) * a.d + i % a.d]) * a.scale;
     __syncthreads();
-    float acc[Q][E], run_max[Q], run_sum[Q];
+    // A lane's features of the sums: E of one value row, or with PACKED
+    // the VEC of piece `piece` of each row it reads.
+    constexpr int VEC = 16 / sizeof(T), A = PACKED ? VEC : E;
+    const int pieces = a.d / VEC, piece = lane % pieces;
+    float acc[Q][A], run_max[Q], run_sum[Q];
     for (int i = 0; i < Q; i++) {
         run_max[i] = -INFINITY, run_sum[i] = 0.f;
-        for (int e = 0; e < E; e++) acc[i][e] = 0.f;
+        for (int e = 0; e < A; e++) acc[i][e] = 0.f;
     }
     for (int start = slots[0].begin + warp * 32; start < s; start += DECODE_WARPS * 32) {
         const int j = start + lane;
@@ -319,41 +343,85 @@ __device__ void decode_attention_lanes(const T* q, const T* k, const T* v, const
             const float keep = expf(run_max[i] - new_max);
             p[i] = expf(score[i] - new_max);  // 0 where masked
             run_sum[i] = run_sum[i] * keep + warp_sum(p[i]);
-            for (int e = 0; e < E; e++) acc[i][e] *= keep;
+            for (int e = 0; e < A; e++) acc[i][e] *= keep;
             run_max[i] = new_max;
         }
         // The 32 keys' values in batches: a batch's rows are all read before
         // the first is summed, so that their loads are in flight together.
         const int n = min(32, s - start);
-        constexpr int BATCH = value_batch<T, E, R>();
-        for (int l0 = 0; l0 < n; l0 += BATCH) {
-            T held[BATCH][R][E];
+        if constexpr (PACKED) {
+            // Loads of 32 / pieces keys each: a lane reads piece `piece` of
+            // key first + b keys_a_load + lane / pieces. Up to 4 loads in flight
+            // (8 took 103 registers a thread at 410m, a block per row; 4, 79).
+            constexpr int BATCH = 4 / R > 0 ? 4 / R : 1;
+            const int keys_a_load = 32 / pieces;
+            for (int first = 0; first < n; first += BATCH * keys_a_load) {
+                uint4 held[BATCH][R];
 #pragma unroll
-            for (int k = 0; k < BATCH; k++) {
-                const int slot = start + l0 + k;
+                for (int b = 0; b < BATCH; b++) {
+                    const int l = first + b * keys_a_load + lane / pieces, slot = start + l;
 #pragma unroll
-                for (int r = 0; r < R; r++)
-                    if (l0 + k < n && (r == 0 || slot >= p_shared))
-                        lane_values<T, E>(slots[r].value(slot), lane, a.d, held[k][r]);
+                    for (int r = 0; r < R; r++)
+                        if (l < n && (r == 0 || slot >= p_shared))
+                            held[b][r] = reinterpret_cast<const uint4*>(slots[r].value(slot))[piece];
+                }
+#pragma unroll
+                for (int b = 0; b < BATCH; b++) {
+                    if (first + b * keys_a_load >= n) break;  // the same for the whole warp
+                    // Below 32: a load's first key is a multiple of keys_a_load below n <= 32.
+                    const int l = first + b * keys_a_load + lane / pieces, slot = start + l;
+                    float pi[Q];
+                    for (int i = 0; i < Q; i++) pi[i] = __shfl_sync(0xffffffff, p[i], l);
+                    if (l >= n) continue;
+                    if (slot < p_shared) {
+                        decode_add_piece<T, Q>(held[b][0], pi, acc);
+                    } else {
+#pragma unroll
+                        for (int r = 0; r < R; r++) decode_add_piece<T, G>(held[b][r], pi + r * G, acc + r * G);
+                    }
+                }
             }
+        } else {
+            constexpr int BATCH = value_batch<T, E, R>();
+            for (int l0 = 0; l0 < n; l0 += BATCH) {
+                T held[BATCH][R][E];
 #pragma unroll
-            for (int k = 0; k < BATCH; k++) {
-                float pi[Q];
-                for (int i = 0; i < Q; i++) pi[i] = __shfl_sync(0xffffffff, p[i], l0 + k);
-                const int slot = start + l0 + k;
-                if (l0 + k >= n) break;  // the same for the whole warp
-                if (slot < p_shared) {
-                    decode_add_value<T, E, Q>(held[k][0], pi, acc);
-                } else {
+                for (int k = 0; k < BATCH; k++) {
+                    const int slot = start + l0 + k;
 #pragma unroll
-                    for (int r = 0; r < R; r++) decode_add_value<T, E, G>(held[k][r], pi + r * G, acc + r * G);
+                    for (int r = 0; r < R; r++)
+                        if (l0 + k < n && (r == 0 || slot >= p_shared))
+                            lane_values<T, E>(slots[r].value(slot), lane, a.d, held[k][r]);
+                }
+#pragma unroll
+                for (int k = 0; k < BATCH; k++) {
+                    float pi[Q];
+                    for (int i = 0; i < Q; i++) pi[i] = __shfl_sync(0xffffffff, p[i], l0 + k);
+                    const int slot = start + l0 + k;
+                    if (l0 + k >= n) break;  // the same for the whole warp
+                    if (slot < p_shared) {
+                        decode_add_value<T, E, Q>(held[k][0], pi, acc);
+                    } else {
+#pragma unroll
+                        for (int r = 0; r < R; r++) decode_add_value<T, E, G>(held[k][r], pi + r * G, acc + r * G);
+                    }
                 }
             }
         }
     }
+    if constexpr (PACKED) {  // the lanes holding each piece, added in a fixed order
+        for (int offset = pieces; offset < 32; offset <<= 1)
+            for (int i = 0; i < Q; i++)
+                for (int e = 0; e < VEC; e++) acc[i][e] += __shfl_xor_sync(0xffffffff, acc[i][e], offset);
+    }
     for (int i = 0; i < Q; i++) {
         if (lane == 0) part_max[i][warp] = run_max[i], part_sum[i][warp] = run_sum[i];
-        for (int e = 0; e < E; e++) part_acc[i][warp][lane * E + e] = acc[i][e];
+        if constexpr (PACKED) {
+            if (lane < pieces)
+                for (int e = 0; e < VEC; e++) part_acc[i][warp][lane * VEC + e] = acc[i][e];
+        } else {
+            for (int e = 0; e < E; e++) part_acc[i][warp][lane * E + e] = acc[i][e];
+        }
     }
     __syncthreads();
     for (int i = 0; i < Q; i++)

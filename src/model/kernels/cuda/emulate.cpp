@@ -620,7 +620,7 @@ T nan_of() {
         return NAN;
 }
 
-template <typename T, int E, int G = 1, int R = 1>
+template <typename T, int E, int G = 1, int R = 1, bool PACKED = false>
 bool decode_case(int d, bool lanes, bool fixed, int chunk = 0, int h = 4) {
     // 290 keys: more than one pass of the lanes kernel's 8 x 32. With R rows a
     // block, the rows of a prompt lie together, R or 2 R of them.
@@ -674,7 +674,7 @@ bool decode_case(int d, bool lanes, bool fixed, int chunk = 0, int h = 4) {
     launch({unsigned(b * h / (lanes ? G * R : 1)), unsigned(splits), 1}, 0, [&] {
         const uint32_t* at = fixed ? &slot_at : nullptr;
         if (lanes)
-            decode_attention_lanes<T, E, G, R>(q.data(), own_k.data(), own_v.data(), shared_k.data(), shared_v.data(),
+            decode_attention_lanes<T, E, G, R, PACKED>(q.data(), own_k.data(), own_v.data(), shared_k.data(), shared_v.data(),
                                                rows.data(), mask.data(), at, o.data(), part_at, a);
         else
             decode_attention<T, E>(q.data(), own_k.data(), own_v.data(), shared_k.data(), shared_v.data(), rows.data(),
@@ -712,7 +712,7 @@ bool decode_case(int d, bool lanes, bool fixed, int chunk = 0, int h = 4) {
     const double err = relative_error(o, want);
     const bool ok = err < (std::is_same_v<T, bf16> ? 1e-2 : 1e-5);
     std::printf("%-4s decode: %-16s %d of %d heads, %d rows  d %3d %-5s %s %s  %.1e\n", ok ? "ok" : "FAIL",
-                lanes ? "a key per lane" : "a key per warp", lanes ? G : 1, h, lanes ? R : 1, d,
+                lanes ? (PACKED ? "packed values" : "a key per lane") : "a key per warp", lanes ? G : 1, h, lanes ? R : 1, d,
                 std::is_same_v<T, bf16> ? "bf16" : "f32", fixed ? "fixed slots" : "own slots  ", chunk ? "split" : "whole",
                 err);
     std::fflush(stdout);
@@ -876,6 +876,7 @@ int main(int argc, char** argv) {
         ok &= decode_case<bf16, 2>(64, true, true, 96);
         ok &= decode_case<bf16, 2, 4>(64, true, true, 96, 8);
         ok &= decode_case<bf16, 2, 1, 4>(64, true, true, 96);
+        ok &= decode_case<bf16, 2, 1, 4, true>(64, true, true, 96);
         std::printf(ok ? "all match\n" : "MISMATCH\n");
         return ok ? 0 : 1;
     }
@@ -903,6 +904,17 @@ int main(int argc, char** argv) {
         ok &= decode_case<float, 4, 2, 2>(128, true, fixed, 0, 8);
         ok &= decode_case<bf16, 8, 1, 2>(256, true, fixed, 64);
         ok &= decode_case<bf16, 1, 4, 4>(8, true, fixed, 96, 16);
+        // Value rows packed into a warp's loads: 8, 16, 32, 2 and 1 pieces a row (4, 2, 1, 16 and 32 keys a
+        // load), with grouped heads and a prompt's rows, whole and split.
+        ok &= decode_case<bf16, 2, 1, 1, true>(64, true, fixed);
+        ok &= decode_case<bf16, 2, 1, 1, true>(64, true, fixed, 96);
+        ok &= decode_case<bf16, 4, 4, 1, true>(128, true, fixed, 0, 8);
+        ok &= decode_case<bf16, 8, 1, 2, true>(256, true, fixed, 64);
+        ok &= decode_case<float, 4, 2, 2, true>(128, true, fixed, 0, 8);
+        ok &= decode_case<bf16, 1, 1, 1, true>(16, true, fixed);
+        ok &= decode_case<bf16, 1, 4, 4, true>(8, true, fixed, 96, 16);
+        ok &= decode_case<bf16, 2, 1, 4, true>(64, true, fixed);
+        ok &= decode_case<bf16, 2, 1, 4, true>(64, true, fixed, 96);
     }
     ok &= embedding_case();
     for (size_t offset : {0, 1}) {

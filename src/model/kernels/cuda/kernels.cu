@@ -865,24 +865,29 @@ DECODE_ATTENTION(bf16, bf16, 8)
 
 // A key per lane, G query heads of a key/value head and R rows of one
 // shared row per block: every G and R of 1, 2 or 4 that keep a block's
-// partial sums within 16 KB (R G x 32 E <= 512).
-#define DECODE_LANES(T, S, E, G, R)                                                                            \
-    extern "C" __global__ void decode_attention_lanes_##E##_g##G##_r##R##_##S(                                 \
+// partial sums within 16 KB (R G x 32 E <= 512); each with its value rows
+// read a row a load, and packed into loads (_packed).
+#define DECODE_LANES_AS(T, S, E, G, R, PACKED, NAME)                                                           \
+    extern "C" __global__ void decode_attention_lanes_##E##_g##G##_r##R##NAME##_##S(                           \
         const T* q, const T* k, const T* v, const T* shared_k, const T* shared_v, const uint32_t* shared_rows,   \
         const float* mask, const uint32_t* slot_at, T* o, float* parts, DecodeDims a) {                        \
-        decode_attention_lanes<T, E, G, R>(q, k, v, shared_k, shared_v, shared_rows, mask, slot_at, o, parts, a); \
+        decode_attention_lanes<T, E, G, R, PACKED>(q, k, v, shared_k, shared_v, shared_rows, mask, slot_at, o,  \
+                                                   parts, a);                                                  \
     }
+#define DECODE_LANES(T, S, E, G, R) DECODE_LANES_AS(T, S, E, G, R, false, ) DECODE_LANES_AS(T, S, E, G, R, true, _packed)
+// f32 rows of 256 are 64 pieces, more than a warp's lanes: not packed.
+#define DECODE_LANES_UNPACKED(T, S, E, G, R) DECODE_LANES_AS(T, S, E, G, R, false, )
 #define DECODE_LANES_ROWS(T, S, E, G) DECODE_LANES(T, S, E, G, 1) DECODE_LANES(T, S, E, G, 2) DECODE_LANES(T, S, E, G, 4)
-#define DECODE_LANES_ALL(T, S)                                                                                 \
+#define DECODE_LANES_ALL(T, S, E8)                                                                                 \
     DECODE_LANES_ROWS(T, S, 1, 1) DECODE_LANES_ROWS(T, S, 1, 2) DECODE_LANES_ROWS(T, S, 1, 4)                  \
     DECODE_LANES(T, S, 1, 8, 1) DECODE_LANES(T, S, 1, 8, 2)                                                    \
     DECODE_LANES_ROWS(T, S, 2, 1) DECODE_LANES_ROWS(T, S, 2, 2)                                                \
     DECODE_LANES(T, S, 2, 4, 1) DECODE_LANES(T, S, 2, 4, 2) DECODE_LANES(T, S, 2, 8, 1)                        \
     DECODE_LANES_ROWS(T, S, 4, 1) DECODE_LANES(T, S, 4, 2, 1) DECODE_LANES(T, S, 4, 2, 2)                      \
     DECODE_LANES(T, S, 4, 4, 1)                                                                                \
-    DECODE_LANES(T, S, 8, 1, 1) DECODE_LANES(T, S, 8, 1, 2) DECODE_LANES(T, S, 8, 2, 1)
-DECODE_LANES_ALL(float, f32)
-DECODE_LANES_ALL(bf16, bf16)
+    E8(T, S, 8, 1, 1) E8(T, S, 8, 1, 2) E8(T, S, 8, 2, 1)
+DECODE_LANES_ALL(float, f32, DECODE_LANES_UNPACKED)
+DECODE_LANES_ALL(bf16, bf16, DECODE_LANES)
 
 #define DECODE_SPLITS(T, S)                                                                                    \
     extern "C" __global__ void decode_splits_##S(const float* parts, int splits, int d, T* o) {              \

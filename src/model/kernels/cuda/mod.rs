@@ -1286,11 +1286,13 @@ pub struct DecodeDims {
 unsafe impl DeviceRepr for DecodeDims {}
 
 /// What a block of the decoding kernel with a lane per key takes: query
-/// heads of one key/value head, and rows that continue one shared row.
+/// heads of one key/value head, and rows that continue one shared row; and
+/// whether it reads value rows packed into loads.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct LanesBlock {
     pub heads: u32,
     pub rows: u32,
+    pub packed: bool,
 }
 
 /// The blocks of the decoding kernel that [`decode_attention`] launches
@@ -1325,8 +1327,9 @@ pub fn decode_blocks_at_once(
 fn decode_kernel(dtype: DType, d: usize, lanes: Option<LanesBlock>) -> Result<String> {
     let name = match lanes {
         // 32 lanes of 1, 2, 4 or 8 features cover the head.
-        Some(LanesBlock { heads, rows }) => {
-            format!("decode_attention_lanes_{}_g{heads}_r{rows}", d.div_ceil(32).next_power_of_two())
+        Some(LanesBlock { heads, rows, packed }) => {
+            let values = if packed { "_packed" } else { "" };
+            format!("decode_attention_lanes_{}_g{heads}_r{rows}{values}", d.div_ceil(32).next_power_of_two())
         }
         None => format!("decode_attention_{}", d / 32),
     };
