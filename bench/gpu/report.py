@@ -109,6 +109,9 @@ def generation(out, peaks, models):
 
 STEP_TIMING = re.compile(r"decoding steps at (\d+) rows, medians of \d+: the picks ([\d.]+) ms and the forward pass "
                          r"([\d.]+) ms on the GPU, ([\d.]+) ms from the picks to the forward pass.*?; ([\d.]+) ms a step")
+# What the medians leave out (binaries since 82a2441): the prefill, the first two steps, the steps' total.
+STEP_EXTRAS = re.compile(r"the prefill ([\d.]+) ms, .*?the first two steps ([\d.]+) and ([\d.]+) ms.*?; "
+                         r"([\d.]+) ms from the first step to the last")
 
 
 def step_timing(out):
@@ -116,17 +119,23 @@ def step_timing(out):
     rows = {}
     for log in sorted(out.glob("gen-*-rloo_*.log")):
         m = re.match(r"^gen-(.+)-(rloo_[^-]+)-\d+\.log$", log.name)
-        timing = STEP_TIMING.search(log.read_text())
+        text = log.read_text()
+        timing, extras = STEP_TIMING.search(text), STEP_EXTRAS.search(text)
         if m and timing:
-            rows.setdefault(m.groups(), []).append([float(x) for x in timing.groups()[1:]])
+            values = [float(x) for x in timing.groups()[1:]]
+            values += [float(x) for x in extras.groups()] if extras else [float("nan")] * 4
+            rows.setdefault(m.groups(), []).append(values)
     if not rows:
         return
     print()
-    print("Decoding steps on the GPU's clock (CUDA events), ms, medians of each run's steps, then of runs")
-    print(f"{'model':<10} {'side':<52} {'picks':>6} {'forward':>8} {'host':>6} {'step':>6}  runs")
+    print("Decoding steps on the GPU's clock (CUDA events), ms, medians of each run's steps, then of runs;")
+    print("then what the medians leave out: the prefill, the first two steps (launched, recorded), all steps")
+    print(f"{'model':<10} {'side':<58} {'picks':>6} {'forward':>8} {'host':>6} {'step':>6} "
+          f"{'prefill':>8} {'first':>6} {'second':>6} {'all':>7}  runs")
     for (size, side), runs in sorted(rows.items()):
-        picks, forward, host, step = (median([r[i] for r in runs]) for i in range(4))
-        print(f"{size:<10} {side:<52} {picks:6.3f} {forward:8.3f} {host:6.3f} {step:6.3f}  {len(runs)}")
+        picks, forward, host, step, prefill, first, second, total = (median([r[i] for r in runs]) for i in range(8))
+        print(f"{size:<10} {side:<58} {picks:6.3f} {forward:8.3f} {host:6.3f} {step:6.3f} "
+              f"{prefill:8.1f} {first:6.1f} {second:6.1f} {total:7.1f}  {len(runs)}")
 
 
 def long_prompts(out):

@@ -37,7 +37,7 @@
 #      SIZES       generation models: 410m 1b (default both)
 #      ARMS        training arms: 410m-full 1b-full 1b-lora qwen3-8b-lora
 #                  (default the first three; the 8B arm makes a 16 GB model)
-#      DECODERS    rloo's decoding variants, SAMPLER+ATTENTION[+APPEND[+STEP[+BIAS[+HEADS[+ROWS]]]]]: how tokens
+#      DECODERS    rloo's decoding variants, SAMPLER+ATTENTION[+APPEND[+STEP[+BIAS[+HEADS[+ROWS[+VALUES]]]]]]: how tokens
 #                  are picked (RLOO_SAMPLER: race, host), how a step attends over the cache
 #                  (RLOO_DECODE_ATTENTION: fused, a key per warp, lanes, a key per lane, or
 #                  composed), how it rotates and appends its keys (RLOO_DECODE_APPEND:
@@ -48,7 +48,8 @@
 #                  kernel with a lane per key takes (RLOO_DECODE_HEADS: grouped when left out,
 #                  those of a key/value head, or each) and how many rows (RLOO_DECODE_ROWS: the
 #                  binary's own when left out, each, a block per row, or prompt, the rows of a
-#                  prompt); each run
+#                  prompt) and how it reads value rows (RLOO_DECODE_VALUES: the binary's own when
+#                  left out, rows or packed); each run
 #                  logs where its steps' time goes (RLOO_DECODE_TIMING=on); default
 #                  race+fused+fused+graph race+fused+fused+fixed race+fused+fused host+composed
 #      ATTENTION   rloo's variants in the training runs, KERNELS[+HEADS[+STEP[+DECODE[+BIAS[+MLP[+MASK[+ROWS]]]]]]]:
@@ -140,10 +141,10 @@ if part generate; then
             for decoder in $DECODERS; do
                 # The same seed every run: the runs must give the same tokens.
                 run=$OUT/gen-$size-rloo_$decoder-$i
-                IFS=+ read -r sampler attention append step bias heads rows <<<"$decoder"
+                IFS=+ read -r sampler attention append step bias heads rows values <<<"$decoder"
                 RLOO_SAMPLER=$sampler RLOO_DECODE_ATTENTION=$attention RLOO_DECODE_APPEND=${append:-composed} \
                     RLOO_DECODE_STEP=${step:-shrink} RLOO_DENSE_BIAS=${bias:-pass} RLOO_DECODE_HEADS=${heads:-grouped} \
-                    RLOO_DECODE_TIMING=on env ${rows:+RLOO_DECODE_ROWS=$rows} "${rloo[@]}" generate --device "$DEVICE" --bf16 --model "$dir/policy" \
+                    RLOO_DECODE_TIMING=on env ${rows:+RLOO_DECODE_ROWS=$rows} ${values:+RLOO_DECODE_VALUES=$values} "${rloo[@]}" generate --device "$DEVICE" --bf16 --model "$dir/policy" \
                     --prompts "$dir/prompts.jsonl" --output "$run.jsonl" --num-return-sequences $K \
                     --max-new-tokens $NEW --temperature 1.0 --batch-size $((PROMPTS * K)) --ignore-eos --seed 1 \
                     2>"$run.log" || tail -5 "$run.log"

@@ -77,7 +77,7 @@ part train-410m 120 env ARMS=410m-full TRAIN_RUNS=1 STEPS=3 ATTENTION="$defaults
 part train-1b 120 env ARMS=1b-full TRAIN_RUNS=1 STEPS=3 ATTENTION="$defaults+spans ${defaults%+kept}+remade+spans" \
     bench/gpu/run.sh train
 decoded=race+lanes+fused+graph+epilogue
-decoders="$decoded $decoded+grouped+each $decoded+grouped+prompt"
+decoders="$decoded $decoded+grouped+each $decoded+grouped+prompt $decoded+grouped+auto+packed"
 part generate-410m 60 env SIZES=410m RUNS=2 DECODERS="$decoders" bench/gpu/run.sh peaks generate
 part serve-410m 45 env SIZES=410m bench/gpu/run.sh serve
 if [[ -e .cuda/bin/rloo-before.gz ]]; then
