@@ -602,15 +602,23 @@ fn race_checks(device: &Device) -> Result<Vec<Check>> {
     ])
 }
 
-/// A gradient in `dtype` added into an f32 sum on `device`, against the
-/// CPU's cast and addition: the same bits (the largest difference, which
-/// must be 0).
+/// A gradient in `dtype` added into an f32 sum on `device`, into a new
+/// tensor and in place, against the CPU's cast and addition: the same bits
+/// (the largest difference, which must be 0).
 fn add_cast_check(device: &Device, dtype: DType, rng: &mut Rng) -> Result<Check> {
     let (sum, g) = (rng.normal_tensor(&[37, 129], 0.0, 1.0), rng.normal_tensor(&[37, 129], 0.0, 1.0).to_dtype(dtype)?);
     let want = (&sum + g.to_dtype(DType::F32)?)?;
-    let got = kernels::add_cast(&sum.to_device(device)?, &g.to_device(device)?)?.to_device(&Device::Cpu)?;
-    let differ = (got - want)?.abs()?.max_all()?.to_scalar::<f32>()?;
-    let label = format!("add_cast, a gradient into its f32 sum ({})", path("add_cast", device, dtype));
+    let (on_device, g) = (sum.to_device(device)?, g.to_device(device)?);
+    let new = kernels::add_cast(&on_device, &g)?;
+    // A copy of its own: to_device onto the CPU shares the host tensor's storage.
+    let mut in_place = on_device.copy()?;
+    kernels::add_cast_to(&mut in_place, &g)?;
+    let mut differ = 0f32;
+    for got in [new, in_place] {
+        differ = differ.max((got.to_device(&Device::Cpu)? - &want)?.abs()?.max_all()?.to_scalar::<f32>()?);
+    }
+    let label =
+        format!("add_cast, a gradient into its f32 sum, new and in place ({})", path("add_cast", device, dtype));
     Ok(Check::new("kernel", &label, dtype, differ, None, 0.0))
 }
 

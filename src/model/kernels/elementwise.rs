@@ -5,7 +5,7 @@
 use std::sync::Arc;
 
 use candle_core::op::{BinaryOp, Op};
-use candle_core::{CpuStorage, CustomOp1, CustomOp2, CustomOp3, DType, Layout, Result, Shape, Tensor};
+use candle_core::{CpuStorage, CustomOp1, CustomOp2, CustomOp3, DType, InplaceOp2, Layout, Result, Shape, Tensor};
 use rayon::prelude::*;
 
 use super::contiguous_f32;
@@ -57,15 +57,32 @@ pub fn sum3(x: &Tensor, a: &Tensor, b: &Tensor) -> Result<Tensor> {
 /// (candle's cast, then its addition, take two of each), the same values.
 /// Without a graph; any other dtypes add as candle does.
 pub fn add_cast(sum: &Tensor, g: &Tensor) -> Result<Tensor> {
-    let takes = sum.dtype() == DType::F32
-        && matches!(g.dtype(), DType::F32 | DType::BF16)
-        && sum.shape() == g.shape()
-        && sum.device().same_device(g.device())
-        && (sum.device().is_cpu() || (cfg!(feature = "cuda") && sum.device().is_cuda()));
-    if !takes {
+    if !add_cast_takes(sum, g) {
         return sum + g.to_dtype(sum.dtype())?;
     }
     sum.detach().contiguous()?.apply_op2_no_bwd(&g.detach().contiguous()?, &AddCast)
+}
+
+/// [`add_cast`] written over `sum`, whose storage no other tensor may
+/// share, where it is contiguous: no second buffer of the sum's size (the
+/// LM head's gradient summed over chunks of logits is 0.4 GB at 1B); else
+/// `sum` becomes a new tensor.
+pub fn add_cast_to(sum: &mut Tensor, g: &Tensor) -> Result<()> {
+    if !(add_cast_takes(sum, g) && sum.is_contiguous()) {
+        *sum = add_cast(sum, g)?;
+        return Ok(());
+    }
+    sum.inplace_op2(&g.detach().contiguous()?, &AddCast)
+}
+
+/// Whether [`AddCast`] adds `g` into `sum`: an f32 sum, a gradient of its
+/// shape in f32 or bf16, both on the CPU or a GPU.
+fn add_cast_takes(sum: &Tensor, g: &Tensor) -> bool {
+    sum.dtype() == DType::F32
+        && matches!(g.dtype(), DType::F32 | DType::BF16)
+        && sum.shape() == g.shape()
+        && sum.device().same_device(g.device())
+        && (sum.device().is_cpu() || (cfg!(feature = "cuda") && sum.device().is_cuda()))
 }
 
 /// `values`, computed without a graph, as the output of `op` on the places
@@ -185,6 +202,20 @@ fn map2<Y: Copy + Sync>(x: &[f32], y: &[Y], f: impl Fn(f32, Y) -> f32 + Sync) ->
     out
 }
 
+/// `sum[i] += cast(g[i])`, as [`map2`] would make `sum[i] + cast(g[i])`.
+fn add_into<G: Copy + Sync>(sum: &mut [f32], g: &[G], cast: impl Fn(G) -> f32 + Sync) {
+    sum.par_chunks_mut(CHUNK).zip(g.par_chunks(CHUNK)).for_each(|(s, g)| {
+        with_avx2(
+            #[inline(always)]
+            || {
+                for (s, &g) in s.iter_mut().zip(g) {
+                    *s += cast(g);
+                }
+            },
+        )
+    });
+}
+
 /// Elements per parallel task of the elementwise kernels.
 const CHUNK: usize = 1 << 14;
 
@@ -296,6 +327,37 @@ impl CustomOp2 for AddCast {
         g_l: &Layout,
     ) -> Result<(candle_core::CudaStorage, Shape)> {
         Ok((super::cuda::add_cast((s, s_l), (g, g_l))?, s_l.shape().clone()))
+    }
+}
+
+impl InplaceOp2 for AddCast {
+    fn name(&self) -> &'static str {
+        "add-cast-to"
+    }
+
+    fn cpu_fwd(&self, s: &mut CpuStorage, s_l: &Layout, g: &CpuStorage, g_l: &Layout) -> Result<()> {
+        let (Some((start, end)), Some((g_start, g_end))) = (s_l.contiguous_offsets(), g_l.contiguous_offsets()) else {
+            candle_core::bail!("add-cast-to: a strided operand");
+        };
+        let CpuStorage::F32(sum) = s else { candle_core::bail!("add-cast-to: a sum that is not f32") };
+        let sum = &mut sum[start..end];
+        match g {
+            CpuStorage::F32(g) => add_into(sum, &g[g_start..g_end], |g| g),
+            CpuStorage::BF16(g) => add_into(sum, &g[g_start..g_end], |g| g.to_f32()),
+            _ => candle_core::bail!("add-cast-to: a gradient neither f32 nor bf16"),
+        }
+        Ok(())
+    }
+
+    #[cfg(feature = "cuda")]
+    fn cuda_fwd(
+        &self,
+        s: &mut candle_core::CudaStorage,
+        s_l: &Layout,
+        g: &candle_core::CudaStorage,
+        g_l: &Layout,
+    ) -> Result<()> {
+        super::cuda::add_cast_into(s, s_l, (g, g_l))
     }
 }
 

@@ -33,7 +33,7 @@ pub use decode_attention::{
     decode_append_fused, decode_attention, decode_attention_choice, decode_attention_cuda, decode_heads_grouped,
     decode_rows, decode_split_keys, rotary_append_cuda, DecodeAttention, DecodeKernel, DecodeRows,
 };
-pub use elementwise::{activation, add_cast, contiguous, residual, sum3};
+pub use elementwise::{activation, add_cast, add_cast_to, contiguous, residual, sum3};
 pub use embedding::gather_rows;
 pub use gated::{gated_linear, gated_linear_remade, gated_product};
 pub use linear::{

@@ -395,3 +395,26 @@ fn add_cast_is_the_cast_and_the_addition() {
     let wide = sum.to_dtype(DType::F64).unwrap();
     assert_eq!(add_cast(&wide, &sum).unwrap().dtype(), DType::F64);
 }
+
+/// In place, the same bits as into a new tensor, on the sum's own storage
+/// (the same tensor); a sum the kernel does not take (f64) becomes a new
+/// tensor with candle's sum.
+#[test]
+fn add_cast_to_writes_over_the_sum() {
+    for dtype in [DType::BF16, DType::F32] {
+        let g = randn(&[5, 300], 1.0).to_dtype(dtype).unwrap();
+        let mut sum = randn(&[5, 300], 0.0).copy().unwrap();
+        let (want, id) = (add_cast(&sum, &g).unwrap(), sum.id());
+        add_cast_to(&mut sum, &g).unwrap();
+        assert_eq!(bits(&sum), bits(&want), "{dtype:?}");
+        assert_eq!(sum.id(), id, "{dtype:?}: not written in place");
+    }
+    let (mut wide, g) = (randn(&[5, 300], 0.0).to_dtype(DType::F64).unwrap(), randn(&[5, 300], 1.0));
+    let (want, id) = ((&wide + g.to_dtype(DType::F64).unwrap()).unwrap(), wide.id());
+    add_cast_to(&mut wide, &g).unwrap();
+    assert_ne!(wide.id(), id);
+    assert_eq!(
+        wide.flatten_all().unwrap().to_vec1::<f64>().unwrap(),
+        want.flatten_all().unwrap().to_vec1::<f64>().unwrap()
+    );
+}

@@ -18,13 +18,15 @@
 //!
 //! That is the f32 CPU kernel. On a GPU and in other dtypes the same
 //! chunks go through candle's matrix products (and, on a GPU, a kernel for
-//! the log-softmax, gather and entropy, and one for d logits); a training
-//! pass computes each chunk's logits again in its backward.
+//! the log-softmax, gather and entropy that reads the logits in the
+//! product's dtype, and one that turns them into d logits in place); a
+//! training pass computes each chunk's logits again in its backward, and
+//! adds each chunk's d w into their f32 sum in place.
 
 use std::sync::Mutex;
 
 use candle_core::backend::BackendStorage;
-use candle_core::{CpuStorage, CustomOp2, Layout, Result, Shape, Tensor, D};
+use candle_core::{CpuStorage, CustomOp2, DType, InplaceOp3, Layout, Result, Shape, Tensor, D};
 use rayon::prelude::*;
 
 use super::linear::{matmul, Operand};
@@ -129,24 +131,24 @@ impl CustomOp2 for Recomputed {
         let head_trains = head.track_op();
         let (hidden, head) = (hidden.detach(), head.detach());
         let n = hidden.dim(0)?;
-        let grad_out = grad_out.to_dtype(candle_core::DType::F32)?.contiguous()?;
+        let grad_out = grad_out.to_dtype(DType::F32)?.contiguous()?;
         let mut d_hidden = Vec::with_capacity(n.div_ceil(self.rows));
         let mut d_head: Option<Tensor> = None;
         for start in (0..n).step_by(self.rows) {
             let len = self.rows.min(n - start);
             let part = hidden.narrow(0, start, len)?;
-            let logits = ops::linear(&part, &head, None)?.to_dtype(candle_core::DType::F32)?;
             let targets = &self.targets[start..start + len];
-            let d_logits = self.logits_grad(&logits, targets, &grad_out.narrow(0, start, len)?)?;
-            let d_logits = d_logits.to_dtype(hidden.dtype())?;
+            let d_logits = self.logits_grad(&part, &head, targets, &grad_out.narrow(0, start, len)?)?;
             d_hidden.push(d_logits.matmul(&head)?);
             if head_trains {
                 // Summed over the chunks in f32, in order.
                 let d = d_logits.t()?.matmul(&part)?;
-                d_head = Some(match d_head {
-                    Some(sum) => super::add_cast(&sum, &d)?,
-                    None => d.to_dtype(candle_core::DType::F32)?,
-                });
+                match &mut d_head {
+                    Some(sum) => super::add_cast_to(sum, &d)?,
+                    // The product's own buffer (or its f32 copy): the sum is
+                    // the only tensor on it once d goes.
+                    None => d_head = Some(d.to_dtype(DType::F32)?),
+                }
             }
         }
         let d_head = d_head.map(|d| d.to_dtype(head.dtype())).transpose()?;
@@ -155,20 +157,28 @@ impl CustomOp2 for Recomputed {
 }
 
 impl Recomputed {
-    /// d logits (n, V) f32 = g / T * (1[v = target] - p_v), from one chunk's
-    /// f32 logits and its rows of d out (n, 2), whose entropy column has no
-    /// gradient.
-    fn logits_grad(&self, logits: &Tensor, targets: &[u32], grad_out: &Tensor) -> Result<Tensor> {
-        if super::on_cuda(&[logits]) {
+    /// d logits (n, V) in the hidden states' dtype, g / T * (1[v = target]
+    /// - p_v), from one chunk's rows of hidden states (n, H) and of d out
+    /// (n, 2), whose entropy column has no gradient. On a GPU the logits
+    /// become their gradient in place, the same bits: the chunk is one (n,
+    /// V) buffer in that dtype, where in bf16 an f32 copy of the logits,
+    /// their f32 gradient and its cast held five times as much.
+    fn logits_grad(&self, part: &Tensor, head: &Tensor, targets: &[u32], grad_out: &Tensor) -> Result<Tensor> {
+        let logits = ops::linear(part, head, None)?;
+        if super::on_cuda(&[&logits]) && matches!(logits.dtype(), DType::F32 | DType::BF16) {
             let op = LogitsLogprobsGrad { inv_temperature: self.inv_temperature };
             let ids = Tensor::from_slice(targets, targets.len(), logits.device())?;
-            return logits.apply_op3_no_bwd(&ids, grad_out, &op);
+            // The product's own buffer, which no other tensor holds.
+            let logits = logits.contiguous()?;
+            logits.inplace_op3(&ids, grad_out, &op)?;
+            return Ok(logits);
         }
+        let logits = logits.to_dtype(DType::F32)?;
         let inv_t = self.inv_temperature as f64;
         let probs = ops::softmax_last(&(logits * inv_t)?)?;
         let scaled = (grad_out.narrow(1, 0, 1)? * inv_t)?;
-        let ids = Tensor::from_slice(targets, (targets.len(), 1), logits.device())?;
-        probs.broadcast_mul(&scaled)?.neg()?.scatter_add(&ids, &scaled, 1)
+        let ids = Tensor::from_slice(targets, (targets.len(), 1), part.device())?;
+        probs.broadcast_mul(&scaled)?.neg()?.scatter_add(&ids, &scaled, 1)?.to_dtype(part.dtype())
     }
 }
 
@@ -188,7 +198,12 @@ fn op_by_op(
         let logits = ops::linear(&hidden, head, None)?;
         let (logprobs, entropy) = if cuda {
             let ids = Tensor::from_slice(targets, targets.len(), hidden.device())?;
-            let out = logits.to_dtype(candle_core::DType::F32)?.apply_op2(&ids, op.clone())?;
+            // The kernel reads bf16 logits as they are: no f32 copy twice their size.
+            let logits = match logits.dtype() {
+                DType::F32 | DType::BF16 => logits,
+                _ => logits.to_dtype(DType::F32)?,
+            };
+            let out = logits.apply_op2(&ids, op.clone())?;
             (out.narrow(1, 0, 1)?.squeeze(1)?, out.narrow(1, 1, 1)?.squeeze(1)?.detach())
         } else {
             composed(&logits, targets, temperature)?
@@ -229,7 +244,7 @@ fn composed(logits: &Tensor, targets: &[u32], temperature: f64) -> Result<(Tenso
     Ok((logprobs, entropy))
 }
 
-/// On the GPU, from f32 logits (N, V) and target ids (N,): (N, 2) [log-prob,
+/// On the GPU, from f32 or bf16 logits (N, V) and target ids (N,): (N, 2) [log-prob,
 /// entropy] in one pass per row, the (N, V) log-softmax of the composition
 /// never stored. Without a backward: [`Recomputed`] has it.
 #[derive(Clone)]
@@ -260,36 +275,40 @@ impl CustomOp2 for LogitsLogprobs {
     }
 }
 
-/// (logits, targets, d out (N, 2)) -> d logits, on the GPU.
+/// (logits, targets, d out (N, 2)): the logits become d logits in place, on the GPU.
 struct LogitsLogprobsGrad {
     #[cfg_attr(not(feature = "cuda"), allow(dead_code))]
     inv_temperature: f32,
 }
 
-impl candle_core::CustomOp3 for LogitsLogprobsGrad {
+impl InplaceOp3 for LogitsLogprobsGrad {
     fn name(&self) -> &'static str {
         "logits-logprobs-grad"
     }
 
-    super::cuda_only_cpu_fwd!(3);
+    fn cpu_fwd(
+        &self,
+        _: &mut CpuStorage,
+        _: &Layout,
+        _: &CpuStorage,
+        _: &Layout,
+        _: &CpuStorage,
+        _: &Layout,
+    ) -> Result<()> {
+        candle_core::bail!("logits-logprobs-grad runs on CUDA only")
+    }
 
     #[cfg(feature = "cuda")]
     fn cuda_fwd(
         &self,
-        logits: &candle_core::CudaStorage,
+        logits: &mut candle_core::CudaStorage,
         logits_l: &Layout,
         targets: &candle_core::CudaStorage,
         targets_l: &Layout,
         grad: &candle_core::CudaStorage,
         grad_l: &Layout,
-    ) -> Result<(candle_core::CudaStorage, Shape)> {
-        let out = super::cuda::token_logprobs_grad(
-            (logits, logits_l),
-            (targets, targets_l),
-            (grad, grad_l),
-            self.inv_temperature,
-        )?;
-        Ok((out, logits_l.shape().clone()))
+    ) -> Result<()> {
+        super::cuda::token_logprobs_grad(logits, logits_l, (targets, targets_l), (grad, grad_l), self.inv_temperature)
     }
 }
 

@@ -137,7 +137,7 @@ __device__ void sum3(const T* x, const T* a, const T* b, T* y, size_t n) {
 
 // sum + g, g cast up to f32: a gradient added into its f32 sum in one pass
 // (a bf16 one took candle's cast, then its addition, and a tensor between
-// them).
+// them). y may be sum: each thread stores only what it has loaded.
 template <typename T>
 __device__ void add_cast(const float* sum, const T* g, float* y, size_t n) {
     ew::over_elements(

@@ -1,7 +1,8 @@
 // Runs the register-resident attention kernels of flash.cuh, the heads
 // kernels of heads.cuh, the norms of norms.cuh, the elementwise kernels of
-// elementwise.cuh and the decoding-attention kernels of decode.cuh on the
-// host and compares them with a reference, so their fragment and index
+// elementwise.cuh, the decoding-attention kernels of decode.cuh and the LM
+// head's log-prob kernels of logprobs.cuh on the host and compares them
+// with a reference, so their fragment and index
 // logic is checked where no GPU is: every CUDA thread is a host thread, the
 // warp-level primitives (ldmatrix, mma.sync, shuffles) exchange lane values
 // through per-warp slots between barriers, as the PTX ISA lays the
@@ -257,6 +258,8 @@ inline float rsqrtf(float x) { return 1.f / std::sqrt(x); }
 #undef __shared__
 #define __shared__ static
 #include "decode.cuh"
+#include "reduce.cuh"
+#include "logprobs.cuh"
 #undef __shared__
 #define __shared__
 
@@ -850,13 +853,65 @@ bool elementwise_case(size_t offset) {
     }
     launch(grid, 0, [&] { sum3<T>(xs, as, bs, s.data() + offset, n); }, 32);
     launch(grid, 0, [&] { add_cast<T>(sums, xs, added.data() + offset, n); }, 32);
+    std::vector<float> into = sum;  // add_cast_into's: the sum written over
+    launch(grid, 0, [&] { add_cast<T>(into.data() + offset, xs, into.data() + offset, n); }, 32);
     for (size_t i = 0; i < n; ++i) {
         const T xa = from_f32<T>(to_f32(xs[i]) + to_f32(as[i]));
         ok &= bits_equal(s[offset + i], from_f32<T>(to_f32(xa) + to_f32(bs[i])));
         ok &= bits_equal(added[offset + i], sums[i] + to_f32(xs[i]));
+        ok &= bits_equal(into[offset + i], added[offset + i]);
     }
-    std::printf("%-4s elementwise %-4s %zu elements from %s: activations, their slopes, sum3, add_cast\n",
+    std::printf("%-4s elementwise %-4s %zu elements from %s: activations, their slopes, sum3, add_cast (in place too)\n",
                 ok ? "ok" : "FAIL", sizeof(T) == 2 ? "bf16" : "f32", n, offset == 0 ? "16 bytes (8 a thread)" : "off 16 bytes");
+    return ok;
+}
+
+// The LM head's log-probs and entropies (logprobs.cuh) against f64, and d
+// logits written over the logits: rows wider than a block (a thread's
+// several strides, a partial last one) and narrower. From bf16 logits, the
+// bits of the f32 kernels on them cast up, with d logits rounded to bf16
+// after (the casts the bf16 kernels replace).
+template <typename T>
+bool logprobs_case(int rows, int v) {
+    std::mt19937 rng(11);
+    std::normal_distribution<float> normal;
+    const float inv_t = 1.f / 0.7f;
+    const unsigned threads = std::min(1024, (v + 31) / 32 * 32);
+    std::vector<T> logits((size_t)rows * v);
+    for (auto& e : logits) e = from_f32<T>(3.f * normal(rng));
+    std::vector<uint32_t> targets(rows);
+    for (auto& t : targets) t = rng() % v;
+    std::vector<float> grad(2 * rows), out(2 * rows, NAN);
+    for (auto& g : grad) g = normal(rng);
+    std::vector<T> dlogits = logits;
+    launch({unsigned(rows), 1, 1}, 0, [&] { token_logprobs_fwd<T>(logits.data(), targets.data(), out.data(), v, inv_t); }, threads);
+    launch({unsigned(rows), 1, 1}, 0, [&] { token_logprobs_bwd<T>(dlogits.data(), targets.data(), grad.data(), v, inv_t); }, threads);
+    std::vector<double> want_out(2 * rows), want_d((size_t)rows * v);
+    for (int r = 0; r < rows; ++r) {
+        auto z = [&](int j) { return (double)to_f32(logits[(size_t)r * v + j]) * inv_t; };
+        double top = -INFINITY, total = 0, weighted = 0;
+        for (int j = 0; j < v; ++j) top = std::max(top, z(j));
+        for (int j = 0; j < v; ++j) total += std::exp(z(j) - top), weighted += std::exp(z(j) - top) * z(j);
+        const double lse = top + std::log(total);
+        want_out[2 * r] = z(targets[r]) - lse;
+        want_out[2 * r + 1] = lse - weighted / total;
+        for (int j = 0; j < v; ++j)
+            want_d[(size_t)r * v + j] = grad[2 * r] * inv_t * ((j == (int)targets[r]) - std::exp(z(j) - lse));
+    }
+    const double errs[2] = {relative_error(out, want_out), relative_error(dlogits, want_d)};
+    const double tol = std::is_same_v<T, bf16> ? 1e-2 : 1e-5;
+    bool ok = errs[0] < 1e-5 && errs[1] < tol;
+    if constexpr (std::is_same_v<T, bf16>) {
+        std::vector<float> wide(logits.size()), wide_out(2 * rows);
+        for (size_t i = 0; i < logits.size(); ++i) wide[i] = to_f32(logits[i]);
+        launch({unsigned(rows), 1, 1}, 0, [&] { token_logprobs_fwd<float>(wide.data(), targets.data(), wide_out.data(), v, inv_t); }, threads);
+        launch({unsigned(rows), 1, 1}, 0, [&] { token_logprobs_bwd<float>(wide.data(), targets.data(), grad.data(), v, inv_t); }, threads);
+        ok &= std::memcmp(out.data(), wide_out.data(), out.size() * sizeof(float)) == 0;
+        for (size_t i = 0; i < wide.size(); ++i) ok &= from_f32<bf16>(wide[i]).bits == dlogits[i].bits;
+    }
+    std::printf("%-4s logprobs %-5s %d rows of %5d, %4u threads  out %.1e  d logits %.1e%s\n", ok ? "ok" : "FAIL",
+                std::is_same_v<T, bf16> ? "bf16" : "f32", rows, v, threads, errs[0], errs[1],
+                std::is_same_v<T, bf16> ? ", the f32 kernels' bits" : "");
     return ok;
 }
 
@@ -877,6 +932,7 @@ int main(int argc, char** argv) {
         ok &= decode_case<bf16, 2, 4>(64, true, true, 96, 8);
         ok &= decode_case<bf16, 2, 1, 4>(64, true, true, 96);
         ok &= decode_case<bf16, 2, 1, 4, true>(64, true, true, 96);
+        ok &= logprobs_case<bf16>(2, 300);
         std::printf(ok ? "all match\n" : "MISMATCH\n");
         return ok ? 0 : 1;
     }
@@ -917,6 +973,10 @@ int main(int argc, char** argv) {
         ok &= decode_case<bf16, 2, 1, 4, true>(64, true, fixed, 96);
     }
     ok &= embedding_case();
+    ok &= logprobs_case<float>(3, 2500);
+    ok &= logprobs_case<bf16>(3, 2500);
+    ok &= logprobs_case<float>(2, 40);
+    ok &= logprobs_case<bf16>(2, 300);
     for (size_t offset : {0, 1}) {
         ok &= elementwise_case<bf16>(offset);
         ok &= elementwise_case<float>(offset);

@@ -20,29 +20,7 @@ template <typename T> __device__ __forceinline__ T from_f32(float x);
 template <> __device__ __forceinline__ float from_f32<float>(float x) { return x; }
 template <> __device__ __forceinline__ bf16 from_f32<bf16>(float x) { return __float2bfloat16(x); }
 
-// Sum and max over a block of a multiple of 32 threads (at most 1024); every
-// thread gets the result. `scratch` holds 32 floats.
-__device__ float block_sum(float v, float* scratch) {
-    for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffff, v, o);
-    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
-    __syncthreads();
-    if (lane == 0) scratch[warp] = v;
-    __syncthreads();
-    v = lane < (int)(blockDim.x >> 5) ? scratch[lane] : 0.f;
-    for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffff, v, o);
-    return v;
-}
-
-__device__ float block_max(float v, float* scratch) {
-    for (int o = 16; o > 0; o >>= 1) v = fmaxf(v, __shfl_xor_sync(0xffffffff, v, o));
-    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
-    __syncthreads();
-    if (lane == 0) scratch[warp] = v;
-    __syncthreads();
-    v = lane < (int)(blockDim.x >> 5) ? scratch[lane] : -INFINITY;
-    for (int o = 16; o > 0; o >>= 1) v = fmaxf(v, __shfl_xor_sync(0xffffffff, v, o));
-    return v;
-}
+#include "reduce.cuh"
 
 // ---- RMSNorm and LayerNorm, a warp a row (norms.cuh).
 
@@ -82,51 +60,23 @@ NORMS(bf16, bf16)
 NORMS_WIDE_ALL(float, f32)
 NORMS_WIDE_ALL(bf16, bf16)
 
-// ---- The log-prob of each row's target and the entropy, from f32 logits
-// (N, V) at temperature 1 / inv_t: out (N, 2) = [log-prob, entropy].
+// ---- The log-prob of each row's target and the entropy from logits (N, V),
+// and d logits in place of the logits (logprobs.cuh).
 
-__device__ void softmax_stats(const float* z, int v, float inv_t, float* scratch, float* m, float* s, float* sz) {
-    float mx = -INFINITY;
-    for (int j = threadIdx.x; j < v; j += blockDim.x) mx = fmaxf(mx, z[j] * inv_t);
-    *m = block_max(mx, scratch);
-    float se = 0.f, sez = 0.f;
-    for (int j = threadIdx.x; j < v; j += blockDim.x) {
-        const float d = z[j] * inv_t - *m, e = expf(d);
-        se += e;
-        sez += e * d;
+#include "logprobs.cuh"
+
+#define LOGPROBS(T, S)                                                                                      \
+    extern "C" __global__ void token_logprobs_fwd_##S(const T* logits, const uint32_t* targets, float* out, \
+                                                      int v, float inv_t) {                                \
+        token_logprobs_fwd<T>(logits, targets, out, v, inv_t);                                              \
+    }                                                                                                       \
+    extern "C" __global__ void token_logprobs_bwd_##S(T* logits, const uint32_t* targets, const float* grad, \
+                                                      int v, float inv_t) {                                \
+        token_logprobs_bwd<T>(logits, targets, grad, v, inv_t);                                             \
     }
-    *s = block_sum(se, scratch);
-    *sz = block_sum(sez, scratch);
-}
 
-extern "C" __global__ void token_logprobs_fwd(const float* logits, const uint32_t* targets, float* out, int v,
-                                              float inv_t) {
-    __shared__ float scratch[32];
-    const size_t row = blockIdx.x;
-    const float* z = logits + row * v;
-    float m, s, sz;
-    softmax_stats(z, v, inv_t, scratch, &m, &s, &sz);
-    if (threadIdx.x == 0) {
-        const float log_s = logf(s);
-        out[2 * row] = z[targets[row]] * inv_t - m - log_s;
-        // H = -sum p (d - log s) with d = z / T - max.
-        out[2 * row + 1] = log_s - sz / s;
-    }
-}
-
-// d logits = g inv_t (1[j = target] - p_j), g the gradient of the log-prob.
-extern "C" __global__ void token_logprobs_bwd(const float* logits, const uint32_t* targets, const float* grad,
-                                              float* dlogits, int v, float inv_t) {
-    __shared__ float scratch[32];
-    const size_t row = blockIdx.x;
-    const float* z = logits + row * v;
-    float m, s, sz;
-    softmax_stats(z, v, inv_t, scratch, &m, &s, &sz);
-    const float g = grad[2 * row] * inv_t, inv_s = 1.f / s;
-    const uint32_t t = targets[row];
-    float* d = dlogits + row * v;
-    for (int j = threadIdx.x; j < v; j += blockDim.x) d[j] = g * ((j == (int)t ? 1.f : 0.f) - expf(z[j] * inv_t - m) * inv_s);
-}
+LOGPROBS(float, f32)
+LOGPROBS(bf16, bf16)
 
 // ---- AdamW, in place: the moments, then the weight.
 
@@ -210,6 +160,9 @@ extern "C" __global__ void sum_squares_multi(const SquaresTensor* table, double*
     }                                                                                                       \
     extern "C" __global__ void add_cast_##S(const float* sum, const T* g, float* y, size_t n) {             \
         add_cast<T>(sum, g, y, n);                                                                          \
+    }                                                                                                       \
+    extern "C" __global__ void add_cast_into_##S(float* sum, const T* g, size_t n) {                        \
+        add_cast<T>(sum, g, sum, n);                                                                        \
     }
 
 ELEMENTWISE(float, f32)

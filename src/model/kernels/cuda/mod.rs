@@ -172,37 +172,63 @@ pub fn norm_bwd(
     by_dtype!(x.dtype(), run(&typed(kernel, x.dtype())?, (x, x_l), (w, w_l), (g, g_l), eps))
 }
 
-/// (N, 2) [log-prob of the target, entropy] per row of f32 logits (N, V)
-/// at temperature 1 / inv_t.
+/// (N, 2) [log-prob of the target, entropy] per row of logits (N, V), f32
+/// or bf16, at temperature 1 / inv_t.
 pub fn token_logprobs((logits, l_l): In, (targets, t_l): In, inv_t: f32) -> Result<CudaStorage> {
-    let dev = logits.device.clone();
-    let (z, t) = (view::<f32>(logits, l_l)?, view::<u32>(targets, t_l)?);
-    let (n, v) = (t.len(), z.len() / t.len().max(1));
-    // Safety: every element is written by the kernel.
-    let mut out = unsafe { dev.alloc::<f32>(2 * n) }?;
-    let func = kernel!(dev, "token_logprobs_fwd")?;
-    let v32 = v as i32;
-    let mut args = func.builder();
-    args.arg(&z).arg(&t).arg(&mut out).arg(&v32).arg(&inv_t);
-    // Safety: the argument list matches the kernel's signature.
-    unsafe { args.launch(per_row(n, v)) }.w()?;
-    Ok(CudaStorage::wrap_cuda_slice(out, dev))
+    fn run<T: CudaDType + DeviceRepr>(
+        name: &str,
+        (logits, l_l): In,
+        (targets, t_l): In,
+        inv_t: f32,
+    ) -> Result<CudaStorage> {
+        let dev = logits.device.clone();
+        let (z, t) = (view::<T>(logits, l_l)?, view::<u32>(targets, t_l)?);
+        let (n, v) = (t.len(), z.len() / t.len().max(1));
+        // Safety: every element is written by the kernel.
+        let mut out = unsafe { dev.alloc::<f32>(2 * n) }?;
+        let func = kernel!(dev, name)?;
+        let v32 = v as i32;
+        let mut args = func.builder();
+        args.arg(&z).arg(&t).arg(&mut out).arg(&v32).arg(&inv_t);
+        // Safety: the argument list matches the kernel's signature.
+        unsafe { args.launch(per_row(n, v)) }.w()?;
+        Ok(CudaStorage::wrap_cuda_slice(out, dev))
+    }
+    let name = typed("token_logprobs_fwd", logits.dtype())?;
+    by_dtype!(logits.dtype(), run(&name, (logits, l_l), (targets, t_l), inv_t))
 }
 
-/// d logits (N, V) from the gradient (N, 2) of [`token_logprobs`]'s output.
-pub fn token_logprobs_grad((logits, l_l): In, (targets, t_l): In, (grad, g_l): In, inv_t: f32) -> Result<CudaStorage> {
-    let dev = logits.device.clone();
-    let (z, t, g) = (view::<f32>(logits, l_l)?, view::<u32>(targets, t_l)?, view::<f32>(grad, g_l)?);
-    let (n, v) = (t.len(), z.len() / t.len().max(1));
-    // Safety: every element is written by the kernel.
-    let mut out = unsafe { dev.alloc::<f32>(n * v) }?;
-    let func = kernel!(dev, "token_logprobs_bwd")?;
-    let v32 = v as i32;
-    let mut args = func.builder();
-    args.arg(&z).arg(&t).arg(&g).arg(&mut out).arg(&v32).arg(&inv_t);
-    // Safety: the argument list matches the kernel's signature.
-    unsafe { args.launch(per_row(n, v)) }.w()?;
-    Ok(CudaStorage::wrap_cuda_slice(out, dev))
+/// Turns `logits` (N, V), f32 or bf16, into their gradient in place, from
+/// the gradient (N, 2) f32 of [`token_logprobs`]'s output.
+pub fn token_logprobs_grad(
+    logits: &mut CudaStorage,
+    l_l: &Layout,
+    (targets, t_l): In,
+    (grad, g_l): In,
+    inv_t: f32,
+) -> Result<()> {
+    fn run<T: CudaDType + DeviceRepr>(
+        name: &str,
+        logits: &mut CudaStorage,
+        l_l: &Layout,
+        (targets, t_l): In,
+        (grad, g_l): In,
+        inv_t: f32,
+    ) -> Result<()> {
+        let dev = logits.device.clone();
+        let (t, g) = (view::<u32>(targets, t_l)?, view::<f32>(grad, g_l)?);
+        let mut z = view_mut::<T>(logits, l_l)?;
+        let (n, v) = (t.len(), z.len() / t.len().max(1));
+        let func = kernel!(dev, name)?;
+        let v32 = v as i32;
+        let mut args = func.builder();
+        args.arg(&mut z).arg(&t).arg(&g).arg(&v32).arg(&inv_t);
+        // Safety: the argument list matches the kernel's signature.
+        unsafe { args.launch(per_row(n, v)) }.w()?;
+        Ok(())
+    }
+    let name = typed("token_logprobs_bwd", logits.dtype())?;
+    by_dtype!(logits.dtype(), run(&name, logits, l_l, (targets, t_l), (grad, g_l), inv_t))
 }
 
 /// The race sampler's picks (`generate::race`): (R, 3) u32 [token, log-prob
@@ -223,14 +249,14 @@ pub fn race_pick((logits, l_l): In, (params, p_l): In, (seen, s_l): In) -> Resul
     Ok(CudaStorage::wrap_cuda_slice(out, dev))
 }
 
-/// The contiguous f32 elements of an in-place operand.
-fn view_mut<'a>(
+/// The contiguous elements of an in-place operand.
+fn view_mut<'a, T: CudaDType>(
     s: &'a mut CudaStorage,
     l: &Layout,
-) -> Result<candle_core::cuda_backend::cudarc::driver::CudaViewMut<'a, f32>> {
+) -> Result<candle_core::cuda_backend::cudarc::driver::CudaViewMut<'a, T>> {
     match l.contiguous_offsets() {
-        Some((start, end)) => Ok(s.as_cuda_slice_mut::<f32>()?.slice_mut(start..end)),
-        None => candle_core::bail!("adamw: operand {:?} is not contiguous", l.dims()),
+        Some((start, end)) => Ok(s.as_cuda_slice_mut::<T>()?.slice_mut(start..end)),
+        None => candle_core::bail!("CUDA kernel: in-place operand of shape {:?} is not contiguous", l.dims()),
     }
 }
 
@@ -246,7 +272,7 @@ pub fn adamw_moment(
     let dev = x.device.clone();
     let gs = view::<f32>(g, g_l)?;
     let n = gs.len();
-    let mut xs = view_mut(x, x_l)?;
+    let mut xs = view_mut::<f32>(x, x_l)?;
     let func = kernel!(dev, "adamw_moment")?;
     let sq = squared as i32;
     let mut args = func.builder();
@@ -267,7 +293,7 @@ pub fn adamw_update(
     let dev = w.device.clone();
     let (ms, vs) = (view::<f32>(m, m_l)?, view::<f32>(v, v_l)?);
     let n = ms.len();
-    let mut ws = view_mut(w, w_l)?;
+    let mut ws = view_mut::<f32>(w, w_l)?;
     let func = kernel!(dev, "adamw_update")?;
     let (lr_step, inv_sqrt_bias2) = (step.lr / step.bias1, 1.0 / step.bias2.sqrt());
     let mut args = func.builder();
@@ -505,6 +531,27 @@ pub fn add_cast((sum, sum_l): In, (g, g_l): In) -> Result<CudaStorage> {
         Ok(CudaStorage::wrap_cuda_slice(out, dev))
     }
     by_dtype!(g.dtype(), run(&typed("add_cast", g.dtype())?, (sum, sum_l), (g, g_l)))
+}
+
+/// `g` (f32 or bf16) cast up and added into the f32 `sum` in place, both
+/// contiguous, of one size.
+pub fn add_cast_into(sum: &mut CudaStorage, sum_l: &Layout, (g, g_l): In) -> Result<()> {
+    fn run<T: CudaDType + DeviceRepr>(name: &str, sum: &mut CudaStorage, sum_l: &Layout, (g, g_l): In) -> Result<()> {
+        let dev = sum.device.clone();
+        let gs = view::<T>(g, g_l)?;
+        let mut ss = view_mut::<f32>(sum, sum_l)?;
+        let n = ss.len();
+        if gs.len() != n {
+            candle_core::bail!("add_cast_into: a sum of {n} elements and a gradient of {}", gs.len());
+        }
+        let func = kernel!(dev, name)?;
+        let mut args = func.builder();
+        args.arg(&mut ss).arg(&gs).arg(&n);
+        // Safety: the argument list matches the kernel's signature.
+        unsafe { args.launch(by_eight(n)) }.w()?;
+        Ok(())
+    }
+    by_dtype!(g.dtype(), run(&typed("add_cast_into", g.dtype())?, sum, sum_l, (g, g_l)))
 }
 
 /// `x` with `mask` applied: its kept elements scaled, the others 0.
