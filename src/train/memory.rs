@@ -147,6 +147,9 @@ pub fn rloo_estimate(
             // micro-batch's (kept when they fit one chunk) and their
             // gradient's, and a scoring pass's.
             ("logits", (2 * logits_rows(micro) + logits_rows(chunk)) * vocab * F32),
+            // A trained LM head's gradient, summed in f32 over those chunks
+            // beside one chunk's term (a LoRA run's head is counted as frozen).
+            ("head gradient", if keeping.lora { 0 } else { vocab * model.hidden_size() as u64 * (F32 + compute) }),
         ],
         activations,
     }
@@ -430,5 +433,23 @@ mod tests {
         for same in ["gradients", "optimizer state", "logits", "attention masks"] {
             assert_eq!(f32(same), bf16(same), "{same}");
         }
+    }
+
+    /// A trained LM head's gradient: its f32 sum over the chunks of logits
+    /// and one chunk's term in the compute dtype; none for a LoRA run's
+    /// frozen head.
+    #[test]
+    fn a_trained_head_counts_its_gradient_over_the_chunks() {
+        let root = Path::new(env!("CARGO_MANIFEST_DIR"));
+        let cfg = TrainConfig::default();
+        let sizes = BatchSizes::for_world(&cfg, Some(64), 1).unwrap();
+        let model = ModelConfig::from_dir(&root.join("tests/fixtures/models/gpt_neox-causal")).unwrap();
+        let head = |lora: bool| {
+            let keeping = Keeping { lora, ..Keeping::default() };
+            let estimate = rloo_estimate(&cfg, &sizes, (&model, keeping), 1000, 400, 20, true, 0, DType::BF16);
+            estimate.parts.iter().find(|(name, _)| *name == "head gradient").unwrap().1
+        };
+        let (v, h) = (model.vocab_size() as u64, model.hidden_size() as u64);
+        assert_eq!((head(false), head(true)), (v * h * (4 + 2), 0));
     }
 }

@@ -240,15 +240,22 @@ __device__ __forceinline__ void lane_values(const T* vj, int lane, int d, T (&e)
     }
 }
 
+// F features of a value row, weighted by pi into N queries' sums of them.
+template <int F, int N>
+__device__ __forceinline__ void decode_add_weighted(const float (&x)[F], const float* pi, float (*acc)[F]) {
+    for (int e = 0; e < F; e++) {
+        // A masked slot's value is never read into the sum, whatever it holds.
+#pragma unroll
+        for (int i = 0; i < N; i++) acc[i][e] += pi[i] != 0.f ? pi[i] * x[e] : 0.f;
+    }
+}
+
 // A lane's E features of a value row, weighted by pi into N queries' sums.
 template <typename T, int E, int N>
 __device__ __forceinline__ void decode_add_value(const T (&v)[E], const float* pi, float (*acc)[E]) {
-    for (int e = 0; e < E; e++) {
-        const float x = to_f32(v[e]);
-        // A masked slot's value is never read into the sum, whatever it holds.
-#pragma unroll
-        for (int i = 0; i < N; i++) acc[i][e] += pi[i] != 0.f ? pi[i] * x : 0.f;
-    }
+    float x[E];
+    for (int e = 0; e < E; e++) x[e] = to_f32(v[e]);
+    decode_add_weighted<E, N>(x, pi, acc);
 }
 
 // Value rows a lane holds in flight at once, R of them a key where the R
@@ -266,10 +273,7 @@ __device__ __forceinline__ void decode_add_piece(uint4 raw, const float* pi, flo
     constexpr int VEC = 16 / sizeof(T);
     float x[VEC];
     unpack(raw, x);
-    for (int e = 0; e < VEC; e++) {
-#pragma unroll
-        for (int i = 0; i < N; i++) acc[i][e] += pi[i] != 0.f ? pi[i] * x[e] : 0.f;
-    }
+    decode_add_weighted<VEC, N>(x, pi, acc);
 }
 
 // With PACKED, a warp reads the values of 32 / (d / VEC) keys a load, each
@@ -316,6 +320,8 @@ __device__ void decode_attention_lanes(const T* q, const T* k, const T* v, const
         for (int i = 0; i < Q; i++) score[i] = -INFINITY;
         // The mask and the key are read together, the key whatever its mask
         // (a slot below s is in the buffers): a masked key's score is dropped.
+        // (The masks read once before the two branches took more registers:
+        // 96 to 120 a thread with 4 grouped heads.)
         if (j < s && j < p_shared) {  // a shared slot: one key row for all R rows
             float seen[R], dot[Q];
             for (int r = 0; r < R; r++) seen[r] = slots[r].mask[j];
