@@ -414,17 +414,21 @@ mod tests {
         assert_eq!(kv_cache(&cfg), (3 * 20 + (2 * k + 1) * response) * per_slot);
     }
 
-    #[test]
-    fn bf16_halves_what_the_networks_hold_and_keeps_f32_masters() {
+    /// The GPT-NeoX fixture, and its plan (1,000 parameters, 400 trained,
+    /// a reference) as a lookup of a part's bytes by name.
+    fn neox_plan(keeping: Keeping, dtype: DType) -> (ModelConfig, impl Fn(&str) -> u64) {
         let root = Path::new(env!("CARGO_MANIFEST_DIR"));
         let cfg = TrainConfig::default();
         let sizes = BatchSizes::for_world(&cfg, Some(64), 1).unwrap();
         let model = ModelConfig::from_dir(&root.join("tests/fixtures/models/gpt_neox-causal")).unwrap();
-        let plan = |dtype: DType| {
-            let estimate = rloo_estimate(&cfg, &sizes, (&model, Keeping::default()), 1000, 400, 20, true, 0, dtype);
-            move |part: &str| estimate.parts.iter().find(|(name, _)| *name == part).unwrap().1
-        };
-        let (f32, bf16) = (plan(DType::F32), plan(DType::BF16));
+        let estimate = rloo_estimate(&cfg, &sizes, (&model, keeping), 1000, 400, 20, true, 0, dtype);
+        (model, move |part: &str| estimate.parts.iter().find(|(name, _)| *name == part).unwrap().1)
+    }
+
+    #[test]
+    fn bf16_halves_what_the_networks_hold_and_keeps_f32_masters() {
+        let ((_, f32), (_, bf16)) =
+            (neox_plan(Keeping::default(), DType::F32), neox_plan(Keeping::default(), DType::BF16));
         assert_eq!((f32("weights"), bf16("weights")), (4000, 2000 + 1600));
         assert_eq!((f32("reference"), bf16("reference")), (4000, 2000));
         for halved in ["KV cache", "activations"] {
@@ -440,15 +444,8 @@ mod tests {
     /// frozen head.
     #[test]
     fn a_trained_head_counts_its_gradient_over_the_chunks() {
-        let root = Path::new(env!("CARGO_MANIFEST_DIR"));
-        let cfg = TrainConfig::default();
-        let sizes = BatchSizes::for_world(&cfg, Some(64), 1).unwrap();
-        let model = ModelConfig::from_dir(&root.join("tests/fixtures/models/gpt_neox-causal")).unwrap();
-        let head = |lora: bool| {
-            let keeping = Keeping { lora, ..Keeping::default() };
-            let estimate = rloo_estimate(&cfg, &sizes, (&model, keeping), 1000, 400, 20, true, 0, DType::BF16);
-            estimate.parts.iter().find(|(name, _)| *name == "head gradient").unwrap().1
-        };
+        let head = |lora: bool| neox_plan(Keeping { lora, ..Keeping::default() }, DType::BF16).1("head gradient");
+        let (model, _) = neox_plan(Keeping::default(), DType::BF16);
         let (v, h) = (model.vocab_size() as u64, model.hidden_size() as u64);
         assert_eq!((head(false), head(true)), (v * h * (4 + 2), 0));
     }

@@ -831,7 +831,7 @@ DECODE_ATTENTION(bf16, bf16, 8)
 // f32 rows of 256 are 64 pieces, more than a warp's lanes: not packed.
 #define DECODE_LANES_UNPACKED(T, S, E, G, R) DECODE_LANES_AS(T, S, E, G, R, false, )
 #define DECODE_LANES_ROWS(T, S, E, G) DECODE_LANES(T, S, E, G, 1) DECODE_LANES(T, S, E, G, 2) DECODE_LANES(T, S, E, G, 4)
-#define DECODE_LANES_ALL(T, S, E8)                                                                                 \
+#define DECODE_LANES_ALL(T, S, E8)                                                                             \
     DECODE_LANES_ROWS(T, S, 1, 1) DECODE_LANES_ROWS(T, S, 1, 2) DECODE_LANES_ROWS(T, S, 1, 4)                  \
     DECODE_LANES(T, S, 1, 8, 1) DECODE_LANES(T, S, 1, 8, 2)                                                    \
     DECODE_LANES_ROWS(T, S, 2, 1) DECODE_LANES_ROWS(T, S, 2, 2)                                                \
