@@ -3,9 +3,9 @@
 # flash.cuh) on the host, one thread per CUDA thread, against an f64
 # reference, the kernels that cut attention's heads out of a fused
 # projection (heads.cuh), the norms (norms.cuh), the elementwise kernels
-# (elementwise.cuh), the decoding-attention kernels (decode.cuh) and the
-# LM head's log-prob kernels (logprobs.cuh): their fragment and index
-# logic checked without a GPU. Then a few small
+# (elementwise.cuh), the decoding-attention kernels (decode.cuh), the LM
+# head's log-prob kernels (logprobs.cuh) and the non-finite check
+# (finite.cuh): their fragment and index logic checked without a GPU. Then a few small
 # cases again under ThreadSanitizer, which reports any read of shared
 # memory that no barrier orders after the write it sees (a missing
 # __syncthreads). Needs a C++17 compiler (CXX, default c++) with

@@ -29,6 +29,7 @@ const CUDA_KERNELS: &[&str] = &[
     "activation",
     "sum3",
     "add_cast",
+    "non_finite",
     "embedding",
     "rotary",
     "attention",
@@ -362,6 +363,7 @@ pub fn check_kernels(device: &Device, dtypes: &[DType]) -> Vec<Check> {
             rng,
         ));
         out.push(add_cast_check(device, dtype, rng).unwrap_or_else(|e| Check::failed("kernel", "add_cast", dtype, e)));
+        out.push(non_finite_check(device, dtype).unwrap_or_else(|e| Check::failed("kernel", "non_finite", dtype, e)));
         // Ids that repeat, and rows of the table that none reads.
         let ids: Vec<u32> = (0..130).map(|i| (i * 7 % 33) as u32).collect();
         out.push(compare(
@@ -620,6 +622,29 @@ fn add_cast_check(device: &Device, dtype: DType, rng: &mut Rng) -> Result<Check>
     let label =
         format!("add_cast, a gradient into its f32 sum, new and in place ({})", path("add_cast", device, dtype));
     Ok(Check::new("kernel", &label, dtype, differ, None, 0.0))
+}
+
+/// The check of a loading weight for NaN and infinities on `device` in
+/// `dtype`: a clean tensor, then each bad value at the first element, in
+/// the middle and at the last, in a tensor of 3M elements (more than the
+/// kernel's blocks take in one stride); how many answers were wrong.
+fn non_finite_check(device: &Device, dtype: DType) -> Result<Check> {
+    let n = 3 << 20;
+    let clean: Vec<f32> = (0..n).map(|i| (i as f32 * 0.37).sin()).collect();
+    let answer = |values: &[f32]| -> Result<bool> {
+        kernels::any_non_finite(&Tensor::from_slice(values, n, &Device::Cpu)?.to_dtype(dtype)?.to_device(device)?)
+    };
+    let mut wrong = answer(&clean)? as u32;
+    for bad in [f32::NAN, f32::INFINITY, f32::NEG_INFINITY] {
+        for at in [0, n / 2 + 3, n - 1] {
+            let mut values = clean.clone();
+            values[at] = bad;
+            wrong += !answer(&values)? as u32;
+        }
+    }
+    let how = if device.is_cpu() { "cpu scan" } else { path("non_finite", device, dtype) };
+    let label = format!("non_finite, NaN and infinities in a loading weight ({how})");
+    Ok(Check::new("kernel", &label, dtype, wrong as f32, None, 0.0))
 }
 
 /// Rotary and self-attention (grouped-query heads, partial rotary, a

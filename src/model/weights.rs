@@ -124,12 +124,6 @@ impl WeightFiles {
     }
 }
 
-/// Whether any value is NaN or infinite, in one pass on the tensor's own
-/// device: `x * 0` is 0 for finite x and NaN otherwise.
-fn has_non_finite(t: &Tensor) -> Result<bool> {
-    Ok((t * 0.0)?.sum_all()?.to_dtype(DType::F32)?.to_scalar::<f32>()?.is_nan())
-}
-
 fn view_dtype(d: safetensors::Dtype) -> Option<DType> {
     use safetensors::Dtype as S;
     Some(match d {
@@ -475,7 +469,7 @@ impl<'a> Source<'a> {
                     });
                 }
                 let loaded = files.load_keeping(name, device, *keep)?;
-                if has_non_finite(&loaded)? {
+                if crate::model::kernels::any_non_finite(&loaded)? {
                     return Err(Error::Weights {
                         msg: format!(
                             "{}: tensor `{name}` holds NaN or infinite values (saved from a diverged run?)",

@@ -14,6 +14,7 @@ pub(crate) mod cuda;
 mod decode_attention;
 mod elementwise;
 mod embedding;
+mod finite;
 mod gated;
 mod linear;
 mod lora;
@@ -35,6 +36,7 @@ pub use decode_attention::{
 };
 pub use elementwise::{activation, add_cast, add_cast_to, contiguous, residual, sum3};
 pub use embedding::gather_rows;
+pub use finite::any_non_finite;
 pub use gated::{gated_linear, gated_linear_remade, gated_product};
 pub use linear::{
     activation_linear, activation_linear_remade, dense_bias_epilogue, linear, linear_remade, linear_with,

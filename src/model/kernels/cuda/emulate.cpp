@@ -1,7 +1,7 @@
 // Runs the register-resident attention kernels of flash.cuh, the heads
 // kernels of heads.cuh, the norms of norms.cuh, the elementwise kernels of
-// elementwise.cuh, the decoding-attention kernels of decode.cuh and the LM
-// head's log-prob kernels of logprobs.cuh on the host and compares them
+// elementwise.cuh, the decoding-attention kernels of decode.cuh, the LM
+// head's log-prob kernels of logprobs.cuh and the check of finite.cuh on the host and compares them
 // with a reference, so their fragment and index
 // logic is checked where no GPU is: every CUDA thread is a host thread, the
 // warp-level primitives (ldmatrix, mma.sync, shuffles) exchange lane values
@@ -260,6 +260,8 @@ inline float rsqrtf(float x) { return 1.f / std::sqrt(x); }
 #include "decode.cuh"
 #include "reduce.cuh"
 #include "logprobs.cuh"
+using std::isfinite;
+#include "finite.cuh"
 #undef __shared__
 #define __shared__
 
@@ -866,6 +868,37 @@ bool elementwise_case(size_t offset) {
     return ok;
 }
 
+// The non-finite check (finite.cuh): no block flags a clean tensor; a
+// NaN or an infinity at the first element, in the middle or in the tail
+// past the last 8 is flagged, from 16 bytes (8 a thread) and off them
+// (element by element), over blocks that stride.
+template <typename T>
+bool finite_case(size_t offset) {
+    const size_t n = 8 * 300 + 5;
+    const unsigned blocks = 2;
+    std::vector<T> x(n + offset);
+    for (size_t i = 0; i < x.size(); ++i) x[i] = from_f32<T>(std::sin(0.37f * i) * 1e4f);
+    std::vector<float> flags(blocks);
+    auto flagged = [&] {
+        std::fill(flags.begin(), flags.end(), NAN);
+        launch({blocks, 1, 1}, 0, [&] { non_finite_flags<T>(x.data() + offset, n, flags.data()); }, 64);
+        bool any = false, set = true;
+        for (float f : flags) any |= f == 1.f, set &= f == 0.f || f == 1.f;
+        return set ? int(any) : -1;
+    };
+    bool ok = flagged() == 0;
+    for (float bad : {NAN, INFINITY, -INFINITY})
+        for (size_t at : {size_t(0), n / 2 + 3, n - 1}) {
+            const T kept = x[offset + at];
+            x[offset + at] = from_f32<T>(bad);
+            ok &= flagged() == 1;
+            x[offset + at] = kept;
+        }
+    std::printf("%-4s finite %-4s %zu elements from %s: NaN, +inf and -inf at the first, a middle and the last\n",
+                ok ? "ok" : "FAIL", sizeof(T) == 2 ? "bf16" : "f32", n, offset == 0 ? "16 bytes" : "off 16 bytes");
+    return ok;
+}
+
 // The LM head's log-probs and entropies (logprobs.cuh) against f64, and d
 // logits written over the logits: rows wider than a block (a thread's
 // several strides, a partial last one) and narrower. From bf16 logits, the
@@ -980,6 +1013,8 @@ int main(int argc, char** argv) {
     for (size_t offset : {0, 1}) {
         ok &= elementwise_case<bf16>(offset);
         ok &= elementwise_case<float>(offset);
+        ok &= finite_case<bf16>(offset);
+        ok &= finite_case<float>(offset);
     }
     for (bool layer : {false, true}) {
         ok &= norms_case<float>(layer, 21, 300);

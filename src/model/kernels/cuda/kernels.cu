@@ -144,9 +144,11 @@ extern "C" __global__ void sum_squares_multi(const SquaresTensor* table, double*
 }
 
 // ---- Activations and their derivatives, a parallel residual's sum, a
-// gradient added into its f32 sum: 8 elements a thread (elementwise.cuh).
+// gradient added into its f32 sum: 8 elements a thread (elementwise.cuh);
+// whether a tensor holds values that are not finite (finite.cuh).
 
 #include "elementwise.cuh"
+#include "finite.cuh"
 
 #define ELEMENTWISE(T, S)                                                                                   \
     extern "C" __global__ void activation_fwd_##S(const T* x, T* y, size_t n, int act) {                    \
@@ -163,6 +165,9 @@ extern "C" __global__ void sum_squares_multi(const SquaresTensor* table, double*
     }                                                                                                       \
     extern "C" __global__ void add_cast_into_##S(float* sum, const T* g, size_t n) {                        \
         add_cast<T>(sum, g, sum, n);                                                                        \
+    }                                                                                                       \
+    extern "C" __global__ void non_finite_##S(const T* x, size_t n, float* flags) {                         \
+        non_finite_flags<T>(x, n, flags);                                                                   \
     }
 
 ELEMENTWISE(float, f32)

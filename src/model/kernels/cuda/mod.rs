@@ -437,6 +437,31 @@ pub fn sum_squares_multi(ts: &[&candle_core::Tensor]) -> Result<Vec<f64>> {
     Ok(partial.chunks(SQUARES_BLOCKS).map(|blocks| blocks.iter().sum()).collect())
 }
 
+/// Blocks of `non_finite` at most: enough to keep an H100's
+/// multiprocessors busy, few enough flags to read back (4 KB).
+const FINITE_BLOCKS: usize = 1024;
+
+/// Whether any element of `x` (f32 or bf16) is NaN or infinite: one launch
+/// over it, then one read of its blocks' flags.
+pub fn any_non_finite((x, x_l): In) -> Result<bool> {
+    fn run<T: CudaDType + DeviceRepr>(name: &str, (x, x_l): In) -> Result<bool> {
+        let dev = x.device.clone();
+        let xs = view::<T>(x, x_l)?;
+        let n = xs.len();
+        let blocks = n.div_ceil(8 * 256).clamp(1, FINITE_BLOCKS);
+        // Safety: every block writes its flag.
+        let mut flags = unsafe { dev.alloc::<f32>(blocks) }?;
+        let cfg = LaunchConfig { grid_dim: (blocks as u32, 1, 1), block_dim: (256, 1, 1), shared_mem_bytes: 0 };
+        let func = kernel!(dev, name)?;
+        let mut args = func.builder();
+        args.arg(&xs).arg(&n).arg(&mut flags);
+        // Safety: the argument list matches the kernel's signature.
+        unsafe { args.launch(cfg) }.w()?;
+        Ok(dev.clone_dtoh(&flags)?.iter().any(|&f| f != 0.0))
+    }
+    by_dtype!(x.dtype(), run(&typed("non_finite", x.dtype())?, (x, x_l)))
+}
+
 /// `act` (0 GELU, 1 GELU tanh, 2 SiLU, 3 ReLU) elementwise over `x`, or its
 /// backward `g * act'(x)` when `grad` is given; in x's dtype.
 pub fn activation((x, x_l): In, grad: Option<In>, act: i32) -> Result<CudaStorage> {
