@@ -179,3 +179,25 @@ fn a_merged_adapter_is_a_full_model_with_peft_logits() {
         assert!(diff < 1e-4, "{name}: {diff}");
     }
 }
+
+/// Whether the LM head gets a gradient, which the memory plan counts: a
+/// full model's does, a LoRA run's frozen head does not, unless its
+/// `modules_to_save` train it; the detached network's never does.
+#[test]
+fn the_head_trains_in_full_runs_and_where_modules_to_save_name_it() {
+    let dir = model_dir("gpt_neox-causal");
+    let full = Model::load(&dir, &Device::Cpu).unwrap();
+    let adapted = |save: &[&str]| {
+        Model::load_with_new_adapters(&dir, &Device::Cpu, HeadKind::CausalLm, config(&["all-linear"], save), 3).unwrap()
+    };
+    let (frozen_head, saved_head) = (adapted(&[]), adapted(&["embed_out"]));
+    let trains = |m: &Model| (m.network().head_trains(), m.frozen().head_trains());
+    assert_eq!(trains(&full), (true, false));
+    assert_eq!(trains(&frozen_head), (false, false));
+    assert_eq!(trains(&saved_head), (true, false));
+    let (inputs, _) = right_inputs("gpt_neox-causal");
+    let loss = saved_head.network().logits(&inputs, None).unwrap().sqr().unwrap().mean_all().unwrap();
+    let grads = loss.backward().unwrap();
+    let head = saved_head.params().iter().find(|p| p.name == "embed_out.weight").unwrap();
+    assert!(!head.frozen && grads.get(head.compute()).is_some(), "the saved head gets a gradient");
+}

@@ -107,6 +107,13 @@ impl Network {
         self.decoder.final_norm(&x)
     }
 
+    /// Whether a backward gives the LM head's weight a gradient: a
+    /// trained head (or tied embedding), not a LoRA run's frozen one
+    /// unless its `modules_to_save` train it.
+    pub fn head_trains(&self) -> bool {
+        matches!(&self.head, Head::Lm(head) if head.weight.track_op())
+    }
+
     /// Head outputs at every position: (B, T, V) next-token logits, or
     /// (B, T, num_labels) scores for a sequence-classification head.
     pub fn logits(&self, inputs: &Inputs, cache: Option<&mut KvCache>) -> TResult<Tensor> {

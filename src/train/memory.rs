@@ -102,6 +102,7 @@ pub fn rloo_estimate(
     (model, keeping): (&ModelConfig, Keeping),
     params: usize,
     trainable: usize,
+    head_trains: bool,
     longest_prompt: usize,
     reference: bool,
     critic_params: usize,
@@ -147,9 +148,10 @@ pub fn rloo_estimate(
             // micro-batch's (kept when they fit one chunk) and their
             // gradient's, and a scoring pass's.
             ("logits", (2 * logits_rows(micro) + logits_rows(chunk)) * vocab * F32),
-            // A trained LM head's gradient, summed in f32 over those chunks
-            // beside one chunk's term (a LoRA run's head is counted as frozen).
-            ("head gradient", if keeping.lora { 0 } else { vocab * model.hidden_size() as u64 * (F32 + compute) }),
+            // A trained LM head's gradient (not a LoRA run's, unless its
+            // `modules_to_save` trains the head), summed in f32 over those
+            // chunks beside one chunk's term.
+            ("head gradient", if head_trains { vocab * model.hidden_size() as u64 * (F32 + compute) } else { 0 }),
         ],
         activations,
     }
@@ -402,7 +404,7 @@ mod tests {
         let kv_cache = |cfg: &TrainConfig| {
             let sizes = BatchSizes::for_world(cfg, Some(64), 1).unwrap();
             let estimate =
-                rloo_estimate(cfg, &sizes, (&model, Keeping::default()), 1000, 1000, 20, false, 0, DType::F32);
+                rloo_estimate(cfg, &sizes, (&model, Keeping::default()), 1000, 1000, true, 20, false, 0, DType::F32);
             estimate.parts.iter().find(|(name, _)| *name == "KV cache").unwrap().1
         };
         let (k, response) = (cfg.rloo.k as u64, cfg.generation.response_length as u64);
@@ -416,19 +418,19 @@ mod tests {
 
     /// The GPT-NeoX fixture, and its plan (1,000 parameters, 400 trained,
     /// a reference) as a lookup of a part's bytes by name.
-    fn neox_plan(keeping: Keeping, dtype: DType) -> (ModelConfig, impl Fn(&str) -> u64) {
+    fn neox_plan(head_trains: bool, dtype: DType) -> (ModelConfig, impl Fn(&str) -> u64) {
         let root = Path::new(env!("CARGO_MANIFEST_DIR"));
         let cfg = TrainConfig::default();
         let sizes = BatchSizes::for_world(&cfg, Some(64), 1).unwrap();
         let model = ModelConfig::from_dir(&root.join("tests/fixtures/models/gpt_neox-causal")).unwrap();
-        let estimate = rloo_estimate(&cfg, &sizes, (&model, keeping), 1000, 400, 20, true, 0, dtype);
+        let estimate =
+            rloo_estimate(&cfg, &sizes, (&model, Keeping::default()), 1000, 400, head_trains, 20, true, 0, dtype);
         (model, move |part: &str| estimate.parts.iter().find(|(name, _)| *name == part).unwrap().1)
     }
 
     #[test]
     fn bf16_halves_what_the_networks_hold_and_keeps_f32_masters() {
-        let ((_, f32), (_, bf16)) =
-            (neox_plan(Keeping::default(), DType::F32), neox_plan(Keeping::default(), DType::BF16));
+        let ((_, f32), (_, bf16)) = (neox_plan(true, DType::F32), neox_plan(true, DType::BF16));
         assert_eq!((f32("weights"), bf16("weights")), (4000, 2000 + 1600));
         assert_eq!((f32("reference"), bf16("reference")), (4000, 2000));
         for halved in ["KV cache", "activations"] {
@@ -440,13 +442,12 @@ mod tests {
     }
 
     /// A trained LM head's gradient: its f32 sum over the chunks of logits
-    /// and one chunk's term in the compute dtype; none for a LoRA run's
-    /// frozen head.
+    /// and one chunk's term in the compute dtype; none for a frozen head.
     #[test]
     fn a_trained_head_counts_its_gradient_over_the_chunks() {
-        let head = |lora: bool| neox_plan(Keeping { lora, ..Keeping::default() }, DType::BF16).1("head gradient");
-        let (model, _) = neox_plan(Keeping::default(), DType::BF16);
+        let head = |trains: bool| neox_plan(trains, DType::BF16).1("head gradient");
+        let (model, _) = neox_plan(true, DType::BF16);
         let (v, h) = (model.vocab_size() as u64, model.hidden_size() as u64);
-        assert_eq!((head(false), head(true)), (v * h * (4 + 2), 0));
+        assert_eq!((head(true), head(false)), (v * h * (4 + 2), 0));
     }
 }

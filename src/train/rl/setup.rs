@@ -139,6 +139,7 @@ impl Run {
                 (config, keeping),
                 params,
                 trainable,
+                policy.network().head_trains(),
                 longest,
                 matches!(reference, Some(Reference::Model(_))),
                 critic_params,
