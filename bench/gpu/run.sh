@@ -37,35 +37,29 @@
 #      SIZES       generation models: 410m 1b (default both)
 #      ARMS        training arms: 410m-full 1b-full 1b-lora qwen3-8b-lora
 #                  (default the first three; the 8B arm makes a 16 GB model)
-#      DECODERS    rloo's decoding variants, SAMPLER+ATTENTION[+APPEND[+STEP[+BIAS[+HEADS[+ROWS[+VALUES]]]]]]: how tokens
-#                  are picked (RLOO_SAMPLER: race, host), how a step attends over the cache
-#                  (RLOO_DECODE_ATTENTION: fused, a key per warp, lanes, a key per lane, or
-#                  composed), how it rotates and appends its keys (RLOO_DECODE_APPEND:
-#                  composed when left out, or fused) and how the batch's steps are launched
-#                  (RLOO_DECODE_STEP: shrink when left out, fixed, or graph: one CUDA graph
-#                  replayed per step) and how dense layers add their biases (RLOO_DENSE_BIAS:
-#                  pass when left out, or epilogue) and how many query heads a block of the
-#                  kernel with a lane per key takes (RLOO_DECODE_HEADS: grouped when left out,
-#                  those of a key/value head, or each) and how many rows (RLOO_DECODE_ROWS: the
-#                  binary's own when left out, each, a block per row, or prompt, the rows of a
-#                  prompt) and how it reads value rows (RLOO_DECODE_VALUES: the binary's own when
-#                  left out, rows or packed); each run
-#                  logs where its steps' time goes (RLOO_DECODE_TIMING=on); default
-#                  race+fused+fused+graph race+fused+fused+fixed race+fused+fused host+composed
+#      DECODERS    rloo's decoding variants, SAMPLER+ATTENTION[+APPEND[+STEP[+BIAS[+HEADS[+ROWS[+VALUES]]]]]]:
+#                  how tokens are picked (RLOO_SAMPLER: race, host), how a step attends over the
+#                  cache (RLOO_DECODE_ATTENTION: lanes, a key per lane; fused, a key per warp;
+#                  composed), how it rotates and appends its keys (RLOO_DECODE_APPEND: fused,
+#                  composed), how the batch's steps are launched (RLOO_DECODE_STEP: graph, one
+#                  CUDA graph replayed per step; fixed; shrink), how dense layers add their
+#                  biases (RLOO_DENSE_BIAS: epilogue, pass), how many query heads a block of the
+#                  kernel with a lane per key takes (RLOO_DECODE_HEADS: grouped, those of a
+#                  key/value head; each), how many rows (RLOO_DECODE_ROWS: auto, each, prompt,
+#                  the rows of a prompt) and how it reads value rows (RLOO_DECODE_VALUES: rows,
+#                  packed). A piece left out or empty, and the whole variant `default`, leave
+#                  the binary's own choice. Each run logs where its steps' time goes
+#                  (RLOO_DECODE_TIMING=on). Default: default
 #      ATTENTION   rloo's variants in the training runs, KERNELS[+HEADS[+STEP[+DECODE[+BIAS[+MLP[+MASK[+ROWS]]]]]]]:
 #                  the attention kernels for whole sequences (RLOO_ATTENTION: flash, tensor,
 #                  rows), how they get their heads from a fused projection
-#                  (RLOO_ATTENTION_HEADS: composed when left out, or fused), how the
-#                  rollouts' decoding steps are launched (RLOO_DECODE_STEP: shrink when left
-#                  out, fixed or graph) and attend (RLOO_DECODE_ATTENTION: fused when left
-#                  out, lanes, composed), how dense layers add their biases
-#                  (RLOO_DENSE_BIAS: pass when left out, or epilogue), and whether the
-#                  MLP's wide input is kept for the backward or made again there
-#                  (RLOO_MLP_INPUT: kept when left out, or remade), what masks the flash
-#                  kernels (RLOO_ATTENTION_MASK: bias when left out, or spans), and how many
-#                  rows a block of the decoding kernel takes (RLOO_DECODE_ROWS: the binary's
-#                  own when left out, each or prompt); default
-#                  flash+fused+graph flash+fused tensor
+#                  (RLOO_ATTENTION_HEADS: fused, composed), how the rollouts' decoding steps are
+#                  launched (RLOO_DECODE_STEP) and attend (RLOO_DECODE_ATTENTION), how dense
+#                  layers add their biases (RLOO_DENSE_BIAS), whether the MLP's wide input is
+#                  kept for the backward or made again there (RLOO_MLP_INPUT: kept, remade),
+#                  what masks the flash kernels (RLOO_ATTENTION_MASK: spans, bias) and how many
+#                  rows a block of the decoding kernel takes (RLOO_DECODE_ROWS). As DECODERS: a
+#                  piece left out, and `default`, leave the binary's own. Default: default
 #      PROFILED    what `profile` profiles: generate train (default both)
 #      PEER        on (default), or off: rloo's runs alone, without transformers' generate
 #                  and TRL (for a short call whose peer figures an earlier one on the card gave)
@@ -85,8 +79,8 @@ cd "$(dirname "$0")/../.."
 ROOT=$PWD
 OUT=${OUT:-/tmp/rloo-gpu-bench}
 SIZES=${SIZES:-410m 1b}
-DECODERS=${DECODERS:-race+fused+fused+graph race+fused+fused+fixed race+fused+fused host+composed}
-ATTENTION=${ATTENTION:-flash+fused+graph flash+fused tensor}
+DECODERS=${DECODERS:-default}
+ATTENTION=${ATTENTION:-default}
 ARMS=${ARMS:-410m-full 1b-full 1b-lora}
 RUNS=${RUNS:-3}
 TRAIN_RUNS=${TRAIN_RUNS:-2}
@@ -141,10 +135,11 @@ if part generate; then
             for decoder in $DECODERS; do
                 # The same seed every run: the runs must give the same tokens.
                 run=$OUT/gen-$size-rloo_$decoder-$i
-                IFS=+ read -r sampler attention append step bias heads rows values <<<"$decoder"
-                RLOO_SAMPLER=$sampler RLOO_DECODE_ATTENTION=$attention RLOO_DECODE_APPEND=${append:-composed} \
-                    RLOO_DECODE_STEP=${step:-shrink} RLOO_DENSE_BIAS=${bias:-pass} RLOO_DECODE_HEADS=${heads:-grouped} \
-                    RLOO_DECODE_TIMING=on env ${rows:+RLOO_DECODE_ROWS=$rows} ${values:+RLOO_DECODE_VALUES=$values} "${rloo[@]}" generate --device "$DEVICE" --bf16 --model "$dir/policy" \
+                IFS=+ read -r sampler attention append step bias heads rows values <<<"${decoder#default}"
+                RLOO_DECODE_TIMING=on env ${sampler:+RLOO_SAMPLER=$sampler} ${attention:+RLOO_DECODE_ATTENTION=$attention} \
+                    ${append:+RLOO_DECODE_APPEND=$append} ${step:+RLOO_DECODE_STEP=$step} ${bias:+RLOO_DENSE_BIAS=$bias} \
+                    ${heads:+RLOO_DECODE_HEADS=$heads} ${rows:+RLOO_DECODE_ROWS=$rows} ${values:+RLOO_DECODE_VALUES=$values} \
+                    "${rloo[@]}" generate --device "$DEVICE" --bf16 --model "$dir/policy" \
                     --prompts "$dir/prompts.jsonl" --output "$run.jsonl" --num-return-sequences $K \
                     --max-new-tokens $NEW --temperature 1.0 --batch-size $((PROMPTS * K)) --ignore-eos --seed 1 \
                     2>"$run.log" || tail -5 "$run.log"
@@ -202,18 +197,17 @@ if part train; then
         for i in $(seq 1 "$TRAIN_RUNS"); do
             for attention in $ATTENTION; do
                 log "train $arm run $i: rloo, $attention attention"
-                IFS=+ read -r kernels heads step decode bias mlp mask rows <<<"$attention"
+                IFS=+ read -r kernels heads step decode bias mlp mask rows <<<"${attention#default}"
                 run=$OUT/train-$arm-rloo_$attention-$i
                 sed -e "s|@MODELS@|$dir|" -e "s|@DEVICE@|$DEVICE|" -e "s|@OUT@|$run|" -e "s|@MICRO@|$MICRO|" \
                     -e "s|@ACCUMULATION@|$((COMPLETIONS_PER_STEP / MICRO))|" \
                     -e "s|@EPISODES@|$((STEPS * COMPLETIONS_PER_STEP))|" -e "s|@CHECKPOINTING@|$checkpointing|" \
                     bench/gpu/rloo.toml.in >"$run.toml"
                 printf '\n%s\n' "$lora" >>"$run.toml"
-                RLOO_ATTENTION=$kernels RLOO_ATTENTION_HEADS=${heads:-composed} RLOO_DECODE_STEP=${step:-shrink} \
-                    RLOO_DECODE_ATTENTION=${decode:-fused} RLOO_DENSE_BIAS=${bias:-pass} \
-                    RLOO_MLP_INPUT=${mlp:-kept} RLOO_ATTENTION_MASK=${mask:-bias} RLOO_OUT=$run \
-                    "$PY" bench/train/measure.py rloo "$run.json" -- env ${rows:+RLOO_DECODE_ROWS=$rows} \
-                    timeout "$LIMIT" "${rloo_cmd[@]}" train "$run.toml" >"$run.log" 2>&1 || tail -5 "$run.log"
+                RLOO_OUT=$run "$PY" bench/train/measure.py rloo "$run.json" -- env ${kernels:+RLOO_ATTENTION=$kernels} \
+                    ${heads:+RLOO_ATTENTION_HEADS=$heads} ${step:+RLOO_DECODE_STEP=$step} ${decode:+RLOO_DECODE_ATTENTION=$decode} \
+                    ${bias:+RLOO_DENSE_BIAS=$bias} ${mlp:+RLOO_MLP_INPUT=$mlp} ${mask:+RLOO_ATTENTION_MASK=$mask} \
+                    ${rows:+RLOO_DECODE_ROWS=$rows} timeout "$LIMIT" "${rloo_cmd[@]}" train "$run.toml" >"$run.log" 2>&1 || tail -5 "$run.log"
                 # The trained model is of no further use, and would travel back with OUT.
                 rm -rf "$run"/*.safetensors "$run"/checkpoint-*
             done
