@@ -18,7 +18,19 @@ use crate::model::ParamStore;
 /// (a hash map's order changes from run to run, and with it the rounding).
 #[derive(Default)]
 pub struct GradAccumulator {
-    sums: Vec<(candle_core::TensorId, Tensor)>,
+    sums: Vec<GradSum>,
+}
+
+/// One parameter's sum. `owned` once the accumulator made it (a gradient
+/// cast up, or two added), so that later gradients add into it in place; a
+/// first gradient already in the master's dtype is the backward's own
+/// tensor, whose storage another may share (the backward keeps the first
+/// gradient that reaches a tensor as it is, and an op such as a residual's
+/// sum hands one gradient to each of its inputs).
+struct GradSum {
+    id: candle_core::TensorId,
+    sum: Tensor,
+    owned: bool,
 }
 
 impl GradAccumulator {
@@ -28,9 +40,13 @@ impl GradAccumulator {
         for p in params.iter() {
             if let Some(g) = grads.get(p.compute()) {
                 let id = p.var.as_tensor().id();
-                match self.sums.iter_mut().find(|(i, _)| *i == id) {
-                    Some((_, sum)) => *sum = kernels::add_cast(sum, g)?,
-                    None => self.sums.push((id, g.to_dtype(p.var.dtype())?)),
+                match self.sums.iter_mut().find(|s| s.id == id) {
+                    Some(s) if s.owned => kernels::add_cast_to(&mut s.sum, g)?,
+                    Some(s) => (s.sum, s.owned) = (kernels::add_cast(&s.sum, g)?, true),
+                    None => {
+                        let sum = g.to_dtype(p.var.dtype())?;
+                        self.sums.push(GradSum { id, sum, owned: g.dtype() != p.var.dtype() });
+                    }
                 }
             }
         }
@@ -39,7 +55,7 @@ impl GradAccumulator {
 
     pub fn get(&self, var: &Var) -> Option<&Tensor> {
         let id = var.as_tensor().id();
-        self.sums.iter().find(|(i, _)| *i == id).map(|(_, g)| g)
+        self.sums.iter().find(|s| s.id == id).map(|s| &s.sum)
     }
 
     pub fn clear(&mut self) {
@@ -76,9 +92,10 @@ impl GradAccumulator {
             let sum = flat.narrow(0, at, n)?.reshape(var.shape())?.to_dtype(dtype)?;
             at += n;
             let id = var.as_tensor().id();
-            match self.sums.iter_mut().find(|(i, _)| *i == id) {
-                Some((_, g)) => *g = sum,
-                None => self.sums.push((id, sum)),
+            // A view of the reduced buffer: not owned.
+            match self.sums.iter_mut().find(|s| s.id == id) {
+                Some(s) => (s.sum, s.owned) = (sum, false),
+                None => self.sums.push(GradSum { id, sum, owned: false }),
             }
         }
         Ok(())
@@ -91,7 +108,7 @@ impl GradAccumulator {
         if self.sums.is_empty() {
             return Ok(0.0);
         }
-        let grads: Vec<&Tensor> = self.sums.iter().map(|(_, g)| g).collect();
+        let grads: Vec<&Tensor> = self.sums.iter().map(|s| &s.sum).collect();
         let squares = crate::model::kernels::sums_of_squares(&grads)?;
         Ok(squares.iter().fold(0.0, |sum, &sq| sum + sq).sqrt())
     }
@@ -104,8 +121,8 @@ impl GradAccumulator {
         if max_norm > 0.0 {
             let coef = max_norm / (norm + 1e-6);
             if coef < 1.0 {
-                for (_, g) in self.sums.iter_mut() {
-                    *g = (&*g * coef)?;
+                for s in self.sums.iter_mut() {
+                    (s.sum, s.owned) = ((&s.sum * coef)?, true);
                 }
             }
         }
@@ -472,6 +489,31 @@ mod tests {
         let got = acc.get(&p.var).unwrap();
         assert_eq!(got.dtype(), DType::F32);
         assert_eq!(bits(got), bits(&want.unwrap()));
+    }
+
+    /// Parameters whose first gradients share storage (an addition's
+    /// backward hands one gradient to both inputs) sum apart, to the bit:
+    /// the sums add in place only once the accumulator made them (the third
+    /// micro-batch's sum is the second's tensor, written over).
+    #[test]
+    fn sums_add_in_place_only_where_no_gradient_shares_them() {
+        let dev = Device::Cpu;
+        let (a, b) = (Var::new(&[1f32, 2., 3.], &dev).unwrap(), Var::new(&[4f32, 5., 6.], &dev).unwrap());
+        let store = ParamStore::from_vars(vec![("a".into(), a.clone()), ("b".into(), b.clone())]);
+        let xs = [[0.5f32, -1., 2.], [0.25, 3., -0.75], [1.5, 0.125, 4.]];
+        let mut acc = GradAccumulator::default();
+        let mut ids = Vec::new();
+        for x in &xs {
+            let x = Tensor::new(x, &dev).unwrap();
+            let loss = ((a.as_tensor() + b.as_tensor()).unwrap() * x).unwrap().sum_all().unwrap();
+            acc.add(&store, &loss.backward().unwrap()).unwrap();
+            ids.push(acc.get(&a).unwrap().id());
+        }
+        let want: Vec<f32> = (0..3).map(|i| xs[0][i] + xs[1][i] + xs[2][i]).collect();
+        for var in [&a, &b] {
+            assert_eq!(acc.get(var).unwrap().to_vec1::<f32>().unwrap(), want);
+        }
+        assert_eq!((ids[0] == ids[1], ids[1] == ids[2]), (false, true));
     }
 
     #[test]
