@@ -417,7 +417,8 @@ mod tests {
     }
 
     /// The GPT-NeoX fixture, and its plan (1,000 parameters, 400 trained,
-    /// a reference) as a lookup of a part's bytes by name.
+    /// the head among them or not, a reference) as a lookup of a part's
+    /// bytes by name.
     fn neox_plan(head_trains: bool, dtype: DType) -> (ModelConfig, impl Fn(&str) -> u64) {
         let root = Path::new(env!("CARGO_MANIFEST_DIR"));
         let cfg = TrainConfig::default();

@@ -1,14 +1,14 @@
 // Runs the register-resident attention kernels of flash.cuh, the heads
 // kernels of heads.cuh, the norms of norms.cuh, the elementwise kernels of
 // elementwise.cuh, the decoding-attention kernels of decode.cuh, the LM
-// head's log-prob kernels of logprobs.cuh and the check of finite.cuh on the host and compares them
-// with a reference, so their fragment and index
-// logic is checked where no GPU is: every CUDA thread is a host thread, the
-// warp-level primitives (ldmatrix, mma.sync, shuffles) exchange lane values
-// through per-warp slots between barriers, as the PTX ISA lays the
-// fragments out, and blocks run one after another. Built and run by
-// scripts/cuda/emulate.sh, also under ThreadSanitizer (`races`); exits
-// non-zero on a mismatch.
+// head's log-prob kernels of logprobs.cuh and the non-finite check of
+// finite.cuh on the host and compares them with a reference, so their
+// fragment and index logic is checked where no GPU is: every CUDA thread
+// is a host thread, the warp-level primitives (ldmatrix, mma.sync,
+// shuffles) exchange lane values through per-warp slots between barriers,
+// as the PTX ISA lays the fragments out, and blocks run one after another.
+// Built and run by scripts/cuda/emulate.sh, also under ThreadSanitizer
+// (`races`); exits non-zero on a mismatch.
 
 #include <cmath>
 #include <condition_variable>
