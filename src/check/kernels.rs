@@ -28,7 +28,9 @@ const CUDA_KERNELS: &[&str] = &[
     "rms_norm",
     "activation",
     "sum3",
+    "sum2",
     "add_cast",
+    "cast",
     "non_finite",
     "embedding",
     "rotary",
@@ -362,6 +364,7 @@ pub fn check_kernels(device: &Device, dtypes: &[DType]) -> Vec<Check> {
             dtype,
             rng,
         ));
+        out.push(sum2_check(device, dtype, rng).unwrap_or_else(|e| Check::failed("kernel", "sum2", dtype, e)));
         out.push(add_cast_check(device, dtype, rng).unwrap_or_else(|e| Check::failed("kernel", "add_cast", dtype, e)));
         out.push(non_finite_check(device, dtype).unwrap_or_else(|e| Check::failed("kernel", "non_finite", dtype, e)));
         // Ids that repeat, and rows of the table that none reads.
@@ -428,6 +431,8 @@ pub fn check_kernels(device: &Device, dtypes: &[DType]) -> Vec<Check> {
             rng,
         ));
     }
+    // The optimizer's casts between its f32 sums and masters and the bf16 copies.
+    out.push(cast_check(device).unwrap_or_else(|e| Check::failed("kernel", "cast", DType::BF16, e)));
     // AdamW keeps f32 state whatever the compute dtype.
     out.push(adamw_check(device).unwrap_or_else(|e| Check::failed("kernel", "adamw", DType::F32, e)));
     out.push(adamw_many_check(device).unwrap_or_else(|e| Check::failed("kernel", "adamw_many", DType::F32, e)));
@@ -604,6 +609,21 @@ fn race_checks(device: &Device) -> Result<Vec<Check>> {
     ])
 }
 
+/// Two tensors in `dtype` added on `device` (as the backward adds a
+/// tensor's gradients), against the CPU's addition in `dtype`: the same
+/// values (the largest difference, which must be 0).
+fn sum2_check(device: &Device, dtype: DType, rng: &mut Rng) -> Result<Check> {
+    let (x, a) = (rng.normal_tensor(&[37, 129], 0.0, 1.0), rng.normal_tensor(&[37, 129], 0.0, 3.0));
+    let (x, a) = (x.to_dtype(dtype)?, a.to_dtype(dtype)?);
+    let want = (&x + &a)?.to_dtype(DType::F32)?;
+    let got = kernels::sum2(&x.to_device(device)?, &a.to_device(device)?)?;
+    let differ = (got.to_device(&Device::Cpu)?.to_dtype(DType::F32)? - want)?.abs()?.max_all()?.to_scalar::<f32>()?;
+    // On the CPU, candle's addition.
+    let how = if device.is_cpu() { "composition" } else { path("sum2", device, dtype) };
+    let label = format!("sum2, a tensor's two gradients summed ({how})");
+    Ok(Check::new("kernel", &label, dtype, differ, None, 0.0))
+}
+
 /// A gradient in `dtype` added into an f32 sum on `device`, into a new
 /// tensor and in place, against the CPU's cast and addition: the same bits
 /// (the largest difference, which must be 0).
@@ -622,6 +642,38 @@ fn add_cast_check(device: &Device, dtype: DType, rng: &mut Rng) -> Result<Check>
     let label =
         format!("add_cast, a gradient into its f32 sum, new and in place ({})", path("add_cast", device, dtype));
     Ok(Check::new("kernel", &label, dtype, differ, None, 0.0))
+}
+
+/// The casts between f32 and bf16 on `device`, into a new tensor and
+/// written over one, and an f32 sum scaled in place, against the CPU's
+/// casts and product: the same values (the largest difference, which must
+/// be 0).
+fn cast_check(device: &Device) -> Result<Check> {
+    let wide = Rng::new(16).normal_tensor(&[37, 129], 0.0, 1.0);
+    let narrow = wide.to_dtype(DType::BF16)?;
+    let (wide_on, narrow_on) = (wide.to_device(device)?, narrow.to_device(device)?);
+    let narrow_into = Tensor::zeros(wide.shape(), DType::BF16, device)?;
+    kernels::cast_into(&narrow_into, &wide_on)?;
+    let wide_into = Tensor::zeros(wide.shape(), DType::F32, device)?;
+    kernels::cast_into(&wide_into, &narrow_on)?;
+    // A copy of its own: to_device onto the CPU shares the host tensor's storage.
+    let mut scaled = wide_on.copy()?;
+    kernels::scale_to(&mut scaled, 0.37)?;
+    let pairs = [
+        (kernels::cast(&wide_on, DType::BF16)?, narrow.clone()),
+        (narrow_into, narrow.clone()),
+        (kernels::cast(&narrow_on, DType::F32)?, narrow.to_dtype(DType::F32)?),
+        (wide_into, narrow.to_dtype(DType::F32)?),
+        (scaled, (&wide * 0.37)?),
+    ];
+    let mut differ = 0f32;
+    for (got, want) in pairs {
+        let got = got.to_device(&Device::Cpu)?.to_dtype(DType::F32)?;
+        differ = differ.max((got - want.to_dtype(DType::F32)?)?.abs()?.max_all()?.to_scalar::<f32>()?);
+    }
+    let how = if device.is_cpu() { "cpu" } else { path("cast", device, DType::BF16) };
+    let label = format!("cast between f32 and bf16, new and in place, and a scale in place ({how})");
+    Ok(Check::new("kernel", &label, DType::BF16, differ, None, 0.0))
 }
 
 /// The check of a loading weight for NaN and infinities on `device` in

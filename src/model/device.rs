@@ -21,6 +21,8 @@ pub fn parse_device(name: &str) -> Result<Device> {
             }
         },
     };
+    // The backward adds a tensor's gradients with the kernel where it runs.
+    candle_core::backprop::set_gradient_sum(crate::model::kernels::sum2);
     let keep = keep_freed_memory()?;
     let events = buffer_events()?;
     profiled_phase()?;

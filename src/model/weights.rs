@@ -284,7 +284,7 @@ impl ParamStore {
     pub fn sync_compute(&self) -> Result<()> {
         for p in &self.params {
             if let Some(copy) = &p.compute {
-                copy.slice_set(&p.var.to_dtype(copy.dtype())?, 0, 0)?;
+                super::kernels::cast_into(copy, &p.var)?;
             }
         }
         Ok(())

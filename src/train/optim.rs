@@ -44,7 +44,7 @@ impl GradAccumulator {
                     Some(s) if s.owned => kernels::add_cast_to(&mut s.sum, g)?,
                     Some(s) => (s.sum, s.owned) = (kernels::add_cast(&s.sum, g)?, true),
                     None => {
-                        let sum = g.to_dtype(p.var.dtype())?;
+                        let sum = kernels::cast(g, p.var.dtype())?;
                         self.sums.push(GradSum { id, sum, owned: g.dtype() != p.var.dtype() });
                     }
                 }
@@ -122,7 +122,10 @@ impl GradAccumulator {
             let coef = max_norm / (norm + 1e-6);
             if coef < 1.0 {
                 for s in self.sums.iter_mut() {
-                    (s.sum, s.owned) = ((&s.sum * coef)?, true);
+                    match s.owned {
+                        true => kernels::scale_to(&mut s.sum, coef)?,
+                        false => (s.sum, s.owned) = ((&s.sum * coef)?, true),
+                    }
                 }
             }
         }
@@ -525,6 +528,33 @@ mod tests {
         acc.add(&store, &loss.backward().unwrap()).unwrap();
         assert!((acc.clip(1.0).unwrap() - 5.0).abs() < 1e-6);
         assert!((acc.norm().unwrap() - 1.0).abs() < 1e-5);
+    }
+
+    /// Clipping scales a sum the accumulator made in place, and replaces
+    /// one that is the backward's own tensor: two parameters whose first
+    /// gradients share storage are each scaled once, to candle's product's
+    /// bits, whether one micro-batch ran or two.
+    #[test]
+    fn clipping_scales_each_sum_once_in_place_where_it_owns_it() {
+        let dev = Device::Cpu;
+        let (a, b) = (Var::new(&[1f32, 2., 3.], &dev).unwrap(), Var::new(&[4f32, 5., 6.], &dev).unwrap());
+        let store = ParamStore::from_vars(vec![("a".into(), a.clone()), ("b".into(), b.clone())]);
+        let bits = |t: &Tensor| t.to_vec1::<f32>().unwrap().iter().map(|x| x.to_bits()).collect::<Vec<_>>();
+        for batches in [1, 2] {
+            let mut acc = GradAccumulator::default();
+            for x in [[0.7f32, -1.3, 2.9], [0.3, 3.1, -0.7]].iter().take(batches) {
+                let x = Tensor::new(x, &dev).unwrap();
+                let loss = ((a.as_tensor() + b.as_tensor()).unwrap() * x).unwrap().sum_all().unwrap();
+                acc.add(&store, &loss.backward().unwrap()).unwrap();
+            }
+            let (sum, id) = (acc.get(&a).unwrap().copy().unwrap(), acc.get(&a).unwrap().id());
+            let norm = acc.clip(0.5).unwrap();
+            let want = bits(&(&sum * (0.5 / (norm + 1e-6))).unwrap());
+            for var in [&a, &b] {
+                assert_eq!(bits(acc.get(var).unwrap()), want, "{batches} micro-batches");
+            }
+            assert_eq!(acc.get(&a).unwrap().id() == id, batches == 2, "{batches} micro-batches");
+        }
     }
 
     #[test]

@@ -9,6 +9,7 @@
 
 mod adamw;
 mod attention;
+mod cast;
 #[cfg(feature = "cuda")]
 pub(crate) mod cuda;
 mod decode_attention;
@@ -30,11 +31,12 @@ mod token_logprobs;
 
 pub use adamw::{adamw, adamw_many, AdamWParam, AdamWStep, ADAMW_VAR};
 pub use attention::{attention, attention_packed, AttentionInputs, Packing};
+pub use cast::{cast, cast_into, scale_to};
 pub use decode_attention::{
     decode_append_fused, decode_attention, decode_attention_choice, decode_attention_cuda, decode_heads_grouped,
     decode_rows, decode_split_keys, rotary_append_cuda, DecodeAttention, DecodeKernel, DecodeRows,
 };
-pub use elementwise::{activation, add_cast, add_cast_to, contiguous, residual, sum3};
+pub use elementwise::{activation, add_cast, add_cast_to, contiguous, residual, sum2, sum3};
 pub use embedding::gather_rows;
 pub use finite::any_non_finite;
 pub use gated::{gated_linear, gated_linear_remade, gated_product};

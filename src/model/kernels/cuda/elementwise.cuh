@@ -1,5 +1,6 @@
-// Elementwise kernels (activations and their derivatives, a parallel
-// residual's sum, a gradient added into its f32 sum) over 8 elements a
+// Elementwise kernels (activations and their derivatives, a residual's or
+// a parallel residual's sum, a gradient added into its f32 sum, casts between f32 and
+// bf16, a scale in place) over 8 elements a
 // thread in 16-byte loads and stores where every tensor starts on 16
 // bytes. One 2-byte load a thread keeps too few bytes in flight to fill the
 // memory's bandwidth: the GELU over an MLP's 42M bf16 elements ran at about
@@ -135,6 +136,22 @@ __device__ void sum3(const T* x, const T* a, const T* b, T* y, size_t n) {
         });
 }
 
+// x + a, rounded to T: two gradients of one tensor summed by the
+// backward, a residual's sum. The sum of two bf16 values in f32, rounded
+// to bf16, is their exact sum rounded once, as candle's bf16 addition.
+template <typename T>
+__device__ void sum2(const T* x, const T* a, T* y, size_t n) {
+    ew::over_elements(
+        n, ew::on16(x) && ew::on16(a) && ew::on16(y),
+        [&](size_t c) {
+            const ew::Eight av = ew::load8(a, c);
+            ew::Eight v = ew::load8(x, c);
+            for (int k = 0; k < ew::PER_THREAD; ++k) v.v[k] = v.v[k] + av.v[k];
+            ew::store8(y, c, v);
+        },
+        [&](size_t i) { y[i] = from_f32<T>(to_f32(x[i]) + to_f32(a[i])); });
+}
+
 // sum + g, g cast up to f32: a gradient added into its f32 sum in one pass
 // (a bf16 one took candle's cast, then its addition, and a tensor between
 // them). y may be sum: each thread stores only what it has loaded.
@@ -149,4 +166,28 @@ __device__ void add_cast(const float* sum, const T* g, float* y, size_t n) {
             ew::store8(y, c, v);
         },
         [&](size_t i) { y[i] = sum[i] + to_f32(g[i]); });
+}
+
+// x in D's dtype: bf16 widened to f32 (exact) or f32 rounded to bf16 (to
+// nearest even, as candle's cast). candle's cast loads 2 bytes a thread: a
+// gradient's first f32 sum, cast up from bf16, ran at about 0.6 TB/s.
+template <typename S, typename D>
+__device__ void cast(const S* x, D* y, size_t n) {
+    ew::over_elements(
+        n, ew::on16(x) && ew::on16(y), [&](size_t c) { ew::store8(y, c, ew::load8(x, c)); },
+        [&](size_t i) { y[i] = from_f32<D>(to_f32(x[i])); });
+}
+
+// x * mul + add in place, the expression of candle's affine (a scalar
+// product of an f32 tensor is its affine with add 0): a gradient sum
+// scaled by clipping, without a second buffer.
+__device__ void affine_in_place(float* x, size_t n, float mul, float add) {
+    ew::over_elements(
+        n, ew::on16(x),
+        [&](size_t c) {
+            ew::Eight v = ew::load8(x, c);
+            for (int k = 0; k < ew::PER_THREAD; ++k) v.v[k] = v.v[k] * mul + add;
+            ew::store8(x, c, v);
+        },
+        [&](size_t i) { x[i] = x[i] * mul + add; });
 }

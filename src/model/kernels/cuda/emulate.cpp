@@ -262,6 +262,7 @@ inline float rsqrtf(float x) { return 1.f / std::sqrt(x); }
 #include "logprobs.cuh"
 using std::isfinite;
 #include "finite.cuh"
+#include "squares.cuh"
 #undef __shared__
 #define __shared__
 
@@ -853,17 +854,29 @@ bool elementwise_case(size_t offset) {
             ok &= bits_equal(y[offset + i], fwd) && bits_equal(dx[offset + i], bwd);
         }
     }
+    std::vector<T> s2(n + offset);
+    launch(grid, 0, [&] { sum2<T>(xs, as, s2.data() + offset, n); }, 32);
     launch(grid, 0, [&] { sum3<T>(xs, as, bs, s.data() + offset, n); }, 32);
     launch(grid, 0, [&] { add_cast<T>(sums, xs, added.data() + offset, n); }, 32);
     std::vector<float> into = sum;  // add_cast_into's: the sum written over
     launch(grid, 0, [&] { add_cast<T>(into.data() + offset, xs, into.data() + offset, n); }, 32);
+    std::vector<float> wide(n + offset);
+    std::vector<T> narrow(n + offset);
+    launch(grid, 0, [&] { cast<T, float>(xs, wide.data() + offset, n); }, 32);
+    launch(grid, 0, [&] { cast<float, T>(sums, narrow.data() + offset, n); }, 32);
+    std::vector<float> scaled = sum;
+    const float mul = -0.37f, add = 0.f;
+    launch(grid, 0, [&] { affine_in_place(scaled.data() + offset, n, mul, add); }, 32);
     for (size_t i = 0; i < n; ++i) {
         const T xa = from_f32<T>(to_f32(xs[i]) + to_f32(as[i]));
-        ok &= bits_equal(s[offset + i], from_f32<T>(to_f32(xa) + to_f32(bs[i])));
+        ok &= bits_equal(s2[offset + i], xa) && bits_equal(s[offset + i], from_f32<T>(to_f32(xa) + to_f32(bs[i])));
         ok &= bits_equal(added[offset + i], sums[i] + to_f32(xs[i]));
         ok &= bits_equal(into[offset + i], added[offset + i]);
+        ok &= bits_equal(wide[offset + i], to_f32(xs[i])) && bits_equal(narrow[offset + i], from_f32<T>(sums[i]));
+        ok &= bits_equal(scaled[offset + i], sums[i] * mul + add);
     }
-    std::printf("%-4s elementwise %-4s %zu elements from %s: activations, their slopes, sum3, add_cast (in place too)\n",
+    std::printf("%-4s elementwise %-4s %zu elements from %s: activations, their slopes, sum2, sum3, add_cast (in place too), "
+                "casts to and from f32, a scale in place\n",
                 ok ? "ok" : "FAIL", sizeof(T) == 2 ? "bf16" : "f32", n, offset == 0 ? "16 bytes (8 a thread)" : "off 16 bytes");
     return ok;
 }
@@ -896,6 +909,31 @@ bool finite_case(size_t offset) {
         }
     std::printf("%-4s finite %-4s %zu elements from %s: NaN, +inf and -inf at the first, a middle and the last\n",
                 ok ? "ok" : "FAIL", sizeof(T) == 2 ? "bf16" : "f32", n, offset == 0 ? "16 bytes" : "off 16 bytes");
+    return ok;
+}
+
+// The gradient norm's sums of squares (squares.cuh): each thread's sum, its
+// loads 4 strides at a time, has the bits of the loop it replaced (a load,
+// then its square added, one stride after another), for lengths that leave
+// every remainder of 4 strides and a thread with no element.
+bool squares_case() {
+    std::mt19937 rng(3);
+    std::normal_distribution<float> normal;
+    std::vector<float> x(8 * 300 + 5);
+    for (auto& e : x) e = normal(rng) * 1e3f;
+    bool ok = true;
+    for (size_t stride : {size_t(1), size_t(7), size_t(64), size_t(5000)})
+        for (size_t n : {size_t(0), size_t(1), size_t(3 * 64 + 5), size_t(4 * 64), x.size()})
+            for (size_t first = 0; first < std::min(stride, n + 1); ++first) {
+                double want = 0.0;
+                for (size_t i = first; i < n; i += stride) {
+                    const double v = x[i];
+                    want += v * v;
+                }
+                const double got = squares_of_stride(x.data(), n, first, stride);
+                ok &= std::memcmp(&got, &want, sizeof got) == 0;
+            }
+    std::printf("%-4s squares: a thread's sum of squares, 4 strides a load, as one at a time\n", ok ? "ok" : "FAIL");
     return ok;
 }
 
@@ -1006,6 +1044,7 @@ int main(int argc, char** argv) {
         ok &= decode_case<bf16, 2, 1, 4, true>(64, true, fixed, 96);
     }
     ok &= embedding_case();
+    ok &= squares_case();
     ok &= logprobs_case<float>(3, 2500);
     ok &= logprobs_case<bf16>(3, 2500);
     ok &= logprobs_case<float>(2, 40);

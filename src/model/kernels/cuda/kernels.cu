@@ -119,8 +119,11 @@ extern "C" __global__ void adamw_multi(const AdamWTensor* table, float beta1, fl
 
 // ---- Sums of squares of many f32 tensors in one launch, for the gradient
 // norm: blockIdx.y picks the tensor; each of the gridDim.x blocks of 256
-// threads sums its stride of it in f64, in a fixed order, into
+// threads sums its stride of it in f64, in a fixed order (squares.cuh), into
 // out[tensor * gridDim.x + block], which the host adds up in order.
+
+#include "squares.cuh"
+
 struct SquaresTensor {
     const float* x;
     unsigned long long n;
@@ -129,12 +132,8 @@ struct SquaresTensor {
 extern "C" __global__ void sum_squares_multi(const SquaresTensor* table, double* out) {
     __shared__ double part[256];
     const SquaresTensor t = table[blockIdx.y];
-    double acc = 0.0;
-    for (size_t i = blockIdx.x * (size_t)blockDim.x + threadIdx.x; i < t.n; i += (size_t)gridDim.x * blockDim.x) {
-        const double v = t.x[i];
-        acc += v * v;
-    }
-    part[threadIdx.x] = acc;
+    part[threadIdx.x] =
+        squares_of_stride(t.x, t.n, blockIdx.x * (size_t)blockDim.x + threadIdx.x, (size_t)gridDim.x * blockDim.x);
     __syncthreads();
     for (int s = blockDim.x / 2; s > 0; s >>= 1) {
         if ((int)threadIdx.x < s) part[threadIdx.x] += part[threadIdx.x + s];
@@ -143,8 +142,9 @@ extern "C" __global__ void sum_squares_multi(const SquaresTensor* table, double*
     if (threadIdx.x == 0) out[(size_t)blockIdx.y * gridDim.x + blockIdx.x] = part[0];
 }
 
-// ---- Activations and their derivatives, a parallel residual's sum, a
-// gradient added into its f32 sum: 8 elements a thread (elementwise.cuh);
+// ---- Activations and their derivatives, residuals' sums, a
+// gradient added into its f32 sum, casts between f32 and bf16, a scale in
+// place: 8 elements a thread (elementwise.cuh);
 // whether a tensor holds values that are not finite (finite.cuh).
 
 #include "elementwise.cuh"
@@ -156,6 +156,9 @@ extern "C" __global__ void sum_squares_multi(const SquaresTensor* table, double*
     }                                                                                                       \
     extern "C" __global__ void activation_bwd_##S(const T* x, const T* g, T* dx, size_t n, int act) {       \
         activation_bwd<T>(x, g, dx, n, act);                                                                \
+    }                                                                                                       \
+    extern "C" __global__ void sum2_##S(const T* x, const T* a, T* y, size_t n) {                           \
+        sum2<T>(x, a, y, n);                                                                                \
     }                                                                                                       \
     extern "C" __global__ void sum3_##S(const T* x, const T* a, const T* b, T* y, size_t n) {               \
         sum3<T>(x, a, b, y, n);                                                                             \
@@ -172,6 +175,12 @@ extern "C" __global__ void sum_squares_multi(const SquaresTensor* table, double*
 
 ELEMENTWISE(float, f32)
 ELEMENTWISE(bf16, bf16)
+
+extern "C" __global__ void widen_bf16(const bf16* x, float* y, size_t n) { cast<bf16, float>(x, y, n); }
+extern "C" __global__ void narrow_bf16(const float* x, bf16* y, size_t n) { cast<float, bf16>(x, y, n); }
+extern "C" __global__ void affine_in_place_f32(float* x, size_t n, float mul, float add) {
+    affine_in_place(x, n, mul, add);
+}
 
 // ---- A dense layer's bias added to every row of its product y (rows, n):
 // a block of columns, each thread one column down a stride of rows, so the

@@ -5,7 +5,9 @@
 //! buffers on the inputs' stream.
 
 use candle_core::backend::BackendStorage;
-use candle_core::cuda_backend::cudarc::driver::{CudaFunction, CudaView, DeviceRepr, LaunchConfig, PushKernelArg};
+use candle_core::cuda_backend::cudarc::driver::{
+    CudaFunction, CudaView, CudaViewMut, DeviceRepr, LaunchConfig, PushKernelArg,
+};
 use candle_core::cuda_backend::{CudaDType, WrapErr};
 use candle_core::{CudaStorage, DType, Layout, Result, Shape};
 use half::bf16;
@@ -537,6 +539,27 @@ pub fn sum3((x, x_l): In, (a, a_l): In, (b, b_l): In) -> Result<CudaStorage> {
     by_dtype!(x.dtype(), run(&typed("sum3", x.dtype())?, (x, x_l), (a, a_l), (b, b_l)))
 }
 
+/// `x + a`, both contiguous, of one size and dtype.
+pub fn sum2((x, x_l): In, (a, a_l): In) -> Result<CudaStorage> {
+    fn run<T: CudaDType + DeviceRepr>(name: &str, (x, x_l): In, (a, a_l): In) -> Result<CudaStorage> {
+        let dev = x.device.clone();
+        let (xs, as_) = (view::<T>(x, x_l)?, view::<T>(a, a_l)?);
+        let n = xs.len();
+        if as_.len() != n {
+            candle_core::bail!("sum2: inputs of {n} and {} elements", as_.len());
+        }
+        // Safety: every element is written by the kernel.
+        let mut out = unsafe { dev.alloc::<T>(n) }?;
+        let func = kernel!(dev, name)?;
+        let mut args = func.builder();
+        args.arg(&xs).arg(&as_).arg(&mut out).arg(&n);
+        // Safety: the argument list matches the kernel's signature.
+        unsafe { args.launch(by_eight(n)) }.w()?;
+        Ok(CudaStorage::wrap_cuda_slice(out, dev))
+    }
+    by_dtype!(x.dtype(), run(&typed("sum2", x.dtype())?, (x, x_l), (a, a_l)))
+}
+
 /// The f32 `sum` plus `g` (f32 or bf16) cast up, both contiguous, of one size.
 pub fn add_cast((sum, sum_l): In, (g, g_l): In) -> Result<CudaStorage> {
     fn run<T: CudaDType + DeviceRepr>(name: &str, (sum, sum_l): In, (g, g_l): In) -> Result<CudaStorage> {
@@ -577,6 +600,74 @@ pub fn add_cast_into(sum: &mut CudaStorage, sum_l: &Layout, (g, g_l): In) -> Res
         Ok(())
     }
     by_dtype!(g.dtype(), run(&typed("add_cast_into", g.dtype())?, sum, sum_l, (g, g_l)))
+}
+
+/// The kernel casting `from` to `to`: `widen_bf16` (bf16 to f32) or
+/// `narrow_bf16` (f32 to bf16).
+fn cast_kernel(from: DType, to: DType) -> Result<&'static str> {
+    match (from, to) {
+        (DType::BF16, DType::F32) => Ok("widen_bf16"),
+        (DType::F32, DType::BF16) => Ok("narrow_bf16"),
+        _ => candle_core::bail!("cast kernels take bf16 to f32 or f32 to bf16, not {from:?} to {to:?}"),
+    }
+}
+
+/// Launches a cast kernel (`cast_kernel`) over `n` elements.
+fn launch_cast<S: DeviceRepr, D: DeviceRepr>(
+    dev: &candle_core::CudaDevice,
+    name: &str,
+    x: &CudaView<S>,
+    y: &mut CudaViewMut<D>,
+    n: usize,
+) -> Result<()> {
+    let func = kernel!(dev, name)?;
+    let mut args = func.builder();
+    args.arg(x).arg(y).arg(&n);
+    // Safety: the argument list matches the kernel's signature.
+    unsafe { args.launch(by_eight(n)) }.w()?;
+    Ok(())
+}
+
+/// `x` (contiguous) in `to`: bf16 to f32 or f32 to bf16, in a new buffer.
+pub fn cast((x, x_l): In, to: DType) -> Result<CudaStorage> {
+    let (dev, name) = (x.device.clone(), cast_kernel(x.dtype(), to)?);
+    let n = x_l.shape().elem_count();
+    if to == DType::F32 {
+        // Safety: every element is written by the kernel.
+        let mut out = unsafe { dev.alloc::<f32>(n) }?;
+        launch_cast(&dev, name, &view::<bf16>(x, x_l)?, &mut out.slice_mut(..), n)?;
+        return Ok(CudaStorage::wrap_cuda_slice(out, dev));
+    }
+    // Safety: as above.
+    let mut out = unsafe { dev.alloc::<bf16>(n) }?;
+    launch_cast(&dev, name, &view::<f32>(x, x_l)?, &mut out.slice_mut(..), n)?;
+    Ok(CudaStorage::wrap_cuda_slice(out, dev))
+}
+
+/// `x` cast to `dst`'s dtype and written over it, both contiguous, of one size.
+pub fn cast_into(dst: &mut CudaStorage, dst_l: &Layout, (x, x_l): In) -> Result<()> {
+    let (dev, name) = (x.device.clone(), cast_kernel(x.dtype(), dst.dtype())?);
+    let n = dst_l.shape().elem_count();
+    if x_l.shape().elem_count() != n {
+        candle_core::bail!("cast_into: {} elements into {n}", x_l.shape().elem_count());
+    }
+    match dst.dtype() {
+        DType::F32 => launch_cast(&dev, name, &view::<bf16>(x, x_l)?, &mut view_mut::<f32>(dst, dst_l)?, n),
+        _ => launch_cast(&dev, name, &view::<f32>(x, x_l)?, &mut view_mut::<bf16>(dst, dst_l)?, n),
+    }
+}
+
+/// `x * mul + add` written over the contiguous f32 `x`.
+pub fn affine_in_place(x: &mut CudaStorage, x_l: &Layout, mul: f32, add: f32) -> Result<()> {
+    let dev = x.device.clone();
+    let mut xs = view_mut::<f32>(x, x_l)?;
+    let n = xs.len();
+    let func = kernel!(dev, "affine_in_place_f32")?;
+    let mut args = func.builder();
+    args.arg(&mut xs).arg(&n).arg(&mul).arg(&add);
+    // Safety: the argument list matches the kernel's signature.
+    unsafe { args.launch(by_eight(n)) }.w()?;
+    Ok(())
 }
 
 /// `x` with `mask` applied: its kept elements scaled, the others 0.
