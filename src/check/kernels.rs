@@ -36,6 +36,7 @@ const CUDA_KERNELS: &[&str] = &[
     "rotary",
     "attention",
     "qkv_attention",
+    "qkv_heads",
     "decode_attention",
     "rotary_append",
     "token_logprobs",
@@ -760,7 +761,33 @@ fn attention_checks(device: &Device, dtype: DType, rng: &mut Rng) -> Result<Vec<
         dtype,
         rng,
     );
-    Ok(vec![rotary, attention, qkv])
+    let mut out = vec![rotary, attention, qkv];
+    // A prefill's heads: one launch on a GPU, the composition elsewhere.
+    if device.is_cuda() {
+        let projection = rng.normal_tensor(&[b, t, 3 * h * d], 0.0, 1.0).to_dtype(dtype)?.to_device(device)?;
+        let label = format!("qkv_heads, a prefill's heads cut and rotated ({})", path("qkv_heads", device, dtype));
+        out.push(match qkv_heads_differ(&projection, h, d, (&dcos, &dsin)) {
+            Ok(differ) => Check::new("kernel", &label, dtype, differ, None, 0.0),
+            Err(e) => Check::failed("kernel", &label, dtype, e),
+        });
+    }
+    Ok(out)
+}
+
+/// The largest difference between the heads `kernels::qkv_heads` cuts from
+/// `fused` (laid out as [`neox`]) and those the composition makes: the
+/// parts transposed, q and k rotated. It must be 0.
+fn qkv_heads_differ(fused: &Tensor, h: usize, d: usize, (cos, sin): (&Tensor, &Tensor)) -> Result<f32> {
+    let Some((q, k, v)) = kernels::qkv_heads(fused, neox(d), h, d, Some(&(cos.clone(), sin.clone())))? else {
+        candle_core::bail!("qkv_heads does not take these inputs")
+    };
+    let want = neox_heads(fused, h, d, (cos, sin))?;
+    let mut differ = 0f32;
+    for (got, want) in [q, k, v].iter().zip(&want) {
+        let diff = (got.to_dtype(DType::F32)? - want.to_dtype(DType::F32)?)?.abs()?.max_all()?;
+        differ = differ.max(diff.to_scalar::<f32>()?);
+    }
+    Ok(differ)
 }
 
 /// GPT-NeoX's fused projection of head size `d`: each head's [q | k | v].
@@ -768,9 +795,8 @@ fn neox(d: usize) -> kernels::Packing {
     kernels::Packing { q: 0, k: d, v: 2 * d, head_stride: 3 * d }
 }
 
-/// Attention over a fused projection laid out as [`neox`], op by op: the
-/// heads cut and transposed, q and k rotated, attention, the output
-/// transposed back.
+/// Attention over a fused projection laid out as [`neox`], op by op: its
+/// heads ([`neox_heads`]), attention, the output transposed back.
 fn qkv_composed(
     fused: &Tensor,
     h: usize,
@@ -780,9 +806,16 @@ fn qkv_composed(
     scale: f64,
 ) -> Result<Tensor> {
     let (b, t, _) = fused.dims3()?;
+    let [q, k, v] = neox_heads(fused, h, d, rotary)?;
+    kernels::sdpa(&q, &k, &v, bias, scale)?.transpose(1, 2)?.reshape((b, t, h * d))
+}
+
+/// The heads (B, H, T, D) of a fused projection laid out as [`neox`], op
+/// by op: each part cut and transposed, q and k rotated.
+fn neox_heads(fused: &Tensor, h: usize, d: usize, (cos, sin): (&Tensor, &Tensor)) -> Result<[Tensor; 3]> {
+    let (b, t, _) = fused.dims3()?;
     let part = |p: usize| fused.reshape((b, t, h, 3 * d))?.narrow(3, p * d, d)?.transpose(1, 2)?.contiguous();
-    let (q, k) = (kernels::rotate(&part(0)?, rotary.0, rotary.1)?, kernels::rotate(&part(1)?, rotary.0, rotary.1)?);
-    kernels::sdpa(&q, &k, &part(2)?, bias, scale)?.transpose(1, 2)?.reshape((b, t, h * d))
+    Ok([kernels::rotate(&part(0)?, cos, sin)?, kernels::rotate(&part(1)?, cos, sin)?, part(2)?])
 }
 
 /// The tensor-core attention kernels `choice` at head size `d` against the

@@ -52,8 +52,9 @@ pub struct Context {
     /// kernel's blocks, `RLOO_DECODE_APPEND`, read once per pass).
     decode_kernel: Option<kernels::DecodeKernel>,
     fused_append: bool,
-    /// For whole sequences on a GPU: whether attention takes its heads
-    /// straight from a fused projection (`RLOO_ATTENTION_HEADS`).
+    /// On a GPU, whether attention takes its heads straight from a fused
+    /// projection (`RLOO_ATTENTION_HEADS`): whole sequences in the fused
+    /// attention, a prefill's heads cut and rotated in one launch.
     fused_heads: bool,
 }
 
@@ -97,7 +98,7 @@ impl Context {
             false => None,
         };
         let fused_append = decoding && kernels::decode_append_fused()?;
-        let fused_heads = cache.is_none() && kernels::attention_heads_fused()?;
+        let fused_heads = kernels::attention_heads_fused()?;
         Ok(Self {
             bias,
             inputs: inputs.clone(),
@@ -242,6 +243,13 @@ pub fn self_attention(
 
 /// q, k and v as (B, H, T, D), q and k rotated.
 fn rotated_heads(qkv: &Qkv, ctx: &Context) -> Result<(Tensor, Tensor, Tensor)> {
+    // Without a graph (a prefill), one launch cuts them from a fused projection.
+    if let Some((fused, packing)) = qkv.packed.as_ref().filter(|(f, _)| ctx.fused_heads && !f.track_op()) {
+        let (_, _, heads, d) = qkv.q.dims4()?;
+        if let Some(heads) = kernels::qkv_heads(fused, *packing, heads, d, ctx.rotary.as_ref())? {
+            return Ok(heads);
+        }
+    }
     // (B, T, H, D) -> (B, H, T, D), keeping nothing of the projections.
     let mut q = kernels::contiguous(&qkv.q.transpose(1, 2)?)?;
     let mut k = kernels::contiguous(&qkv.k.transpose(1, 2)?)?;

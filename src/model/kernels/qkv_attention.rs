@@ -59,14 +59,45 @@ pub fn qkv_attention(
     let tiled = tiles_the_row(packing, heads, d, width) && r <= d && r % 2 == 0;
     let (Some(kernels), true) = (kernels_taking(chosen, fused.dtype(), d, t, t), tiled) else { return Ok(None) };
     let dims = Dims { b, t, heads, d, r, width, packing };
-    let table = |x: &Tensor| x.to_dtype(DType::F32)?.contiguous();
-    let tables = match rotary {
-        Some((cos, sin)) if r > 0 => Some((table(cos)?, table(sin)?)),
-        _ => None,
-    };
+    let tables = f32_tables(rotary, r)?;
     let op =
         QkvAttention { dims, tables, mask: mask.for_kernels()?, scale: scale as f32, kernels, lse: Mutex::new(None) };
     Ok(Some(fused.contiguous()?.apply_op1(op)?))
+}
+
+/// q, k and v (B, H, T, D) cut from the fused projection `fused` (B, T, W)
+/// laid out by `packing` in one launch, q and k rotated by `rotary`'s
+/// tables, without a graph (a prefill's): the values of the transposed
+/// copies and rotations op by op (the rotary kernel and this one rotate a
+/// feature with the same function), where those took five launches. None
+/// off a GPU or for a projection that is not exactly the three parts.
+pub fn qkv_heads(
+    fused: &Tensor,
+    packing: Packing,
+    heads: usize,
+    d: usize,
+    rotary: Option<&(Tensor, Tensor)>,
+) -> Result<Option<(Tensor, Tensor, Tensor)>> {
+    if !super::on_cuda(&[fused]) {
+        return Ok(None);
+    }
+    let (b, t, width) = fused.dims3()?;
+    let r = rotary.map_or(Ok(0), |(cos, _)| cos.dim(3))?;
+    if !(tiles_the_row(packing, heads, d, width) && r <= d && r % 2 == 0) {
+        return Ok(None);
+    }
+    let dims = Dims { b, t, heads, d, r, width, packing };
+    let qkv = fused.detach().contiguous()?.apply_op1_no_bwd(&Split { dims, tables: f32_tables(rotary, r)? })?;
+    Ok(Some((qkv.get(0)?, qkv.get(1)?, qkv.get(2)?)))
+}
+
+/// The rotary tables in f32, contiguous, where `r` features rotate.
+fn f32_tables(rotary: Option<&(Tensor, Tensor)>, r: usize) -> Result<Option<(Tensor, Tensor)>> {
+    let table = |x: &Tensor| x.to_dtype(DType::F32)?.contiguous();
+    match rotary {
+        Some((cos, sin)) if r > 0 => Ok(Some((table(cos)?, table(sin)?))),
+        _ => Ok(None),
+    }
 }
 
 /// Whether the parts of `packing` cover a row of `width` exactly once.
