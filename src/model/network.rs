@@ -123,10 +123,17 @@ impl Network {
     /// Applies the head to hidden states (..., H), e.g. to a gathered subset
     /// of positions so the full (B, T, V) logits are never materialised.
     /// Logits and scores are f32 whatever the compute dtype: log-softmax,
-    /// sampling and losses read them.
+    /// sampling and losses read them. Without a graph (a decoding step's
+    /// logits, 256 rows of 50,304 words at 410m) one kernel widens them.
     pub fn project(&self, hidden: &Tensor) -> TResult<Tensor> {
         match &self.head {
-            Head::Lm(head) | Head::Score(head) => head.forward(hidden)?.to_dtype(DType::F32),
+            Head::Lm(head) | Head::Score(head) => {
+                let out = head.forward(hidden)?;
+                match out.track_op() {
+                    true => out.to_dtype(DType::F32),
+                    false => kernels::cast(&out, DType::F32),
+                }
+            }
         }
     }
 
