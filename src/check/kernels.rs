@@ -610,15 +610,21 @@ fn race_checks(device: &Device) -> Result<Vec<Check>> {
     ])
 }
 
+/// The largest absolute difference between `got` and `want`, wherever
+/// they lie, compared as f32 on the CPU.
+fn largest_difference(got: &Tensor, want: &Tensor) -> Result<f32> {
+    let on_cpu = |t: &Tensor| t.to_device(&Device::Cpu)?.to_dtype(DType::F32);
+    (on_cpu(got)? - on_cpu(want)?)?.abs()?.max_all()?.to_scalar::<f32>()
+}
+
 /// Two tensors in `dtype` added on `device` (as the backward adds a
 /// tensor's gradients), against the CPU's addition in `dtype`: the same
 /// values (the largest difference, which must be 0).
 fn sum2_check(device: &Device, dtype: DType, rng: &mut Rng) -> Result<Check> {
     let (x, a) = (rng.normal_tensor(&[37, 129], 0.0, 1.0), rng.normal_tensor(&[37, 129], 0.0, 3.0));
     let (x, a) = (x.to_dtype(dtype)?, a.to_dtype(dtype)?);
-    let want = (&x + &a)?.to_dtype(DType::F32)?;
     let got = kernels::sum2(&x.to_device(device)?, &a.to_device(device)?)?;
-    let differ = (got.to_device(&Device::Cpu)?.to_dtype(DType::F32)? - want)?.abs()?.max_all()?.to_scalar::<f32>()?;
+    let differ = largest_difference(&got, &(&x + &a)?)?;
     // On the CPU, candle's addition.
     let how = if device.is_cpu() { "composition" } else { path("sum2", device, dtype) };
     let label = format!("sum2, a tensor's two gradients summed ({how})");
@@ -636,10 +642,7 @@ fn add_cast_check(device: &Device, dtype: DType, rng: &mut Rng) -> Result<Check>
     // A copy of its own: to_device onto the CPU shares the host tensor's storage.
     let mut in_place = on_device.copy()?;
     kernels::add_cast_to(&mut in_place, &g)?;
-    let mut differ = 0f32;
-    for got in [new, in_place] {
-        differ = differ.max((got.to_device(&Device::Cpu)? - &want)?.abs()?.max_all()?.to_scalar::<f32>()?);
-    }
+    let differ = largest_difference(&new, &want)?.max(largest_difference(&in_place, &want)?);
     let label =
         format!("add_cast, a gradient into its f32 sum, new and in place ({})", path("add_cast", device, dtype));
     Ok(Check::new("kernel", &label, dtype, differ, None, 0.0))
@@ -669,8 +672,7 @@ fn cast_check(device: &Device) -> Result<Check> {
     ];
     let mut differ = 0f32;
     for (got, want) in pairs {
-        let got = got.to_device(&Device::Cpu)?.to_dtype(DType::F32)?;
-        differ = differ.max((got - want.to_dtype(DType::F32)?)?.abs()?.max_all()?.to_scalar::<f32>()?);
+        differ = differ.max(largest_difference(&got, &want)?);
     }
     let how = if device.is_cpu() { "cpu" } else { path("cast", device, DType::BF16) };
     let label = format!("cast between f32 and bf16, new and in place, and a scale in place ({how})");
@@ -784,8 +786,7 @@ fn qkv_heads_differ(fused: &Tensor, h: usize, d: usize, (cos, sin): (&Tensor, &T
     let want = neox_heads(fused, h, d, (cos, sin))?;
     let mut differ = 0f32;
     for (got, want) in [q, k, v].iter().zip(&want) {
-        let diff = (got.to_dtype(DType::F32)? - want.to_dtype(DType::F32)?)?.abs()?.max_all()?;
-        differ = differ.max(diff.to_scalar::<f32>()?);
+        differ = differ.max(largest_difference(got, want)?);
     }
     Ok(differ)
 }

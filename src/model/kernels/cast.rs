@@ -15,7 +15,7 @@ use rayon::prelude::*;
 /// or f32 to bf16 goes through one kernel; anything else, and the CPU, is
 /// candle's cast.
 pub fn cast(x: &Tensor, dtype: DType) -> Result<Tensor> {
-    if !(x.device().is_cuda() && cfg!(feature = "cuda") && pair(x.dtype(), dtype) && x.is_contiguous()) {
+    if !(super::on_cuda(&[x]) && pair(x.dtype(), dtype) && x.is_contiguous()) {
         return x.detach().to_dtype(dtype);
     }
     x.detach().apply_op1_no_bwd(&Cast(dtype))
@@ -31,7 +31,7 @@ pub fn cast_into(dst: &Tensor, x: &Tensor) -> Result<()> {
         && dst.is_contiguous()
         && dst.shape() == x.shape()
         && dst.device().same_device(x.device())
-        && (dst.device().is_cpu() || (cfg!(feature = "cuda") && dst.device().is_cuda()));
+        && super::in_place_runs(dst.device());
     if !takes {
         return dst.slice_set(&x.to_dtype(dst.dtype())?, 0, 0);
     }
@@ -43,9 +43,7 @@ pub fn cast_into(dst: &Tensor, x: &Tensor) -> Result<()> {
 /// scalar is its affine with add 0: the same expression, the same bits);
 /// else `x` becomes the new tensor candle's product makes.
 pub fn scale_to(x: &mut Tensor, mul: f64) -> Result<()> {
-    let takes = x.dtype() == DType::F32
-        && x.is_contiguous()
-        && (x.device().is_cpu() || (cfg!(feature = "cuda") && x.device().is_cuda()));
+    let takes = x.dtype() == DType::F32 && x.is_contiguous() && super::in_place_runs(x.device());
     if !takes {
         *x = (&*x * mul)?;
         return Ok(());

@@ -95,7 +95,7 @@ fn add_cast_takes(sum: &Tensor, g: &Tensor) -> bool {
         && matches!(g.dtype(), DType::F32 | DType::BF16)
         && sum.shape() == g.shape()
         && sum.device().same_device(g.device())
-        && (sum.device().is_cpu() || (cfg!(feature = "cuda") && sum.device().is_cuda()))
+        && super::in_place_runs(sum.device())
 }
 
 /// `values`, computed without a graph, as the output of `op` on the places

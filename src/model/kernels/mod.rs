@@ -93,6 +93,12 @@ pub fn on_cuda(ts: &[&Tensor]) -> bool {
         && ts.iter().all(|t| t.device().is_cuda() && Some(t.dtype()) == dtype)
 }
 
+/// Whether the kernels that write in place run on `device`: the CPU, or a
+/// GPU where rloo is built with CUDA.
+fn in_place_runs(device: &candle_core::Device) -> bool {
+    device.is_cpu() || (cfg!(feature = "cuda") && device.is_cuda())
+}
+
 /// Whether a kernel with both implementations runs on `ts` (else its
 /// composition does).
 fn runs(ts: &[&Tensor]) -> bool {
