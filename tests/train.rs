@@ -519,6 +519,55 @@ fn the_tldr_benchmark_command_evaluates_its_validation_split() {
     assert!(!metrics(&plain)[0].keys().any(|k| k.starts_with("eval/")));
 }
 
+/// Moving the reference and the reward model to host memory for the
+/// training phase (`--ref_reward_offload`) changes no bit of a run: the
+/// same weights, metrics and samples over three steps whose held-out
+/// prompts are evaluated (reading both models while they are parked).
+#[test]
+fn offloading_the_reference_and_reward_model_changes_no_bit() {
+    let tmp = tempfile::tempdir().unwrap();
+    let data = tmp.path().join("data");
+    std::fs::create_dir(&data).unwrap();
+    let rows = |range: std::ops::Range<usize>| -> String {
+        let words = ["cat", "river", "green", "old", "stones", "quiet", "light", "friends"];
+        let prompt = |i: usize| format!("{} {} {}", words[i % 8], words[(i * 3 + 1) % 8], words[(i * 5 + 2) % 8]);
+        range.map(|i| json!({"prompt": prompt(i)}).to_string()).collect::<Vec<_>>().join("\n")
+    };
+    std::fs::write(data.join("train.jsonl"), rows(0..24)).unwrap();
+    std::fs::write(data.join("validation.jsonl"), rows(24..28)).unwrap();
+    let (sft, reward) = (policy(), model_dir("gpt_neox-seqcls").display().to_string());
+    let run = |out: &Path, extra: &[&str]| {
+        let mut args = vec!["train", "--output_dir", out.to_str().unwrap(), "--dataset_name", data.to_str().unwrap()];
+        args.extend(["--dataset_test_split", "validation", "--eval_steps", "1", "--rloo_k", "2"]);
+        args.extend(["--model_name_or_path", &sft, "--reward_model_path", &reward, "--kl_coef", "0.1"]);
+        args.extend(["--set", "reward=[{type=\"count\", substring=\"e\"}]", "--learning_rate", "1e-3"]);
+        args.extend(["--per_device_train_batch_size", "8", "--gradient_accumulation_steps", "2"]);
+        args.extend(["--total_episodes", "48", "--response_length", "8", "--device", "cpu"]);
+        args.extend(extra);
+        let out = Command::new(env!("CARGO_BIN_EXE_rloo")).args(&args).env("RAYON_NUM_THREADS", "2").output().unwrap();
+        String::from_utf8_lossy(&ok(out).stderr).to_string()
+    };
+    let (kept, moved) = (tmp.path().join("kept"), tmp.path().join("moved"));
+    run(&kept, &[]);
+    let log = run(&moved, &["--ref_reward_offload"]);
+    assert_eq!(log.matches("held in host memory while nothing reads them").count(), 2, "{log}");
+    let logged = |dir: &Path| -> Vec<serde_json::Map<String, Value>> {
+        let mut rows = metrics(dir);
+        rows.iter_mut()
+            .for_each(|row| row.retain(|k, _| !k.starts_with("time/") && !k.starts_with("memory/") && k != "eps"));
+        rows
+    };
+    let (a, b) = (logged(&kept), logged(&moved));
+    assert_eq!(a.len(), 3);
+    assert!(a.iter().all(|row| row.contains_key("eval/win_rate") && row.contains_key("rewards/model/mean")));
+    assert_eq!(a, b);
+    for file in ["model.safetensors", "samples.jsonl"] {
+        assert!(std::fs::read(kept.join(file)).unwrap() == std::fs::read(moved.join(file)).unwrap(), "{file}");
+    }
+    let config = std::fs::read_to_string(moved.join("rloo_config.toml")).unwrap();
+    assert!(config.contains("ref_reward_offload = true"), "{config}");
+}
+
 /// Seed 002's command (the HelpSteer3 script's flags, with its model,
 /// prompts and reward model given as local paths): bf16 and gradient
 /// checkpointing included.

@@ -59,7 +59,9 @@
 #                  kept for the backward or made again there (RLOO_MLP_INPUT: kept, remade),
 #                  what masks the flash kernels (RLOO_ATTENTION_MASK: spans, bias) and how many
 #                  rows a block of the decoding kernel takes (RLOO_DECODE_ROWS). As DECODERS: a
-#                  piece left out, and `default`, leave the binary's own. Default: default
+#                  piece left out, and `default`, leave the binary's own. A variant ending in
+#                  +offload moves the reference and the reward model to host memory for the
+#                  training phase (ref_reward_offload). Default: default
 #      PROFILED    what `profile` profiles: generate train (default both)
 #      PEER        on (default), or off: rloo's runs alone, without transformers' generate
 #                  and TRL (for a short call whose peer figures an earlier one on the card gave)
@@ -197,11 +199,14 @@ if part train; then
         for i in $(seq 1 "$TRAIN_RUNS"); do
             for attention in $ATTENTION; do
                 log "train $arm run $i: rloo, $attention attention"
-                IFS=+ read -r kernels heads step decode bias mlp mask rows <<<"${attention#default}"
+                offload=false pieces=${attention#default}
+                [[ $pieces == *+offload ]] && offload=true pieces=${pieces%+offload}
+                IFS=+ read -r kernels heads step decode bias mlp mask rows <<<"$pieces"
                 run=$OUT/train-$arm-rloo_$attention-$i
                 sed -e "s|@MODELS@|$dir|" -e "s|@DEVICE@|$DEVICE|" -e "s|@OUT@|$run|" -e "s|@MICRO@|$MICRO|" \
                     -e "s|@ACCUMULATION@|$((COMPLETIONS_PER_STEP / MICRO))|" \
                     -e "s|@EPISODES@|$((STEPS * COMPLETIONS_PER_STEP))|" -e "s|@CHECKPOINTING@|$checkpointing|" \
+                    -e "s|@OFFLOAD@|$offload|" \
                     bench/gpu/rloo.toml.in >"$run.toml"
                 printf '\n%s\n' "$lora" >>"$run.toml"
                 RLOO_OUT=$run "$PY" bench/train/measure.py rloo "$run.json" -- env ${kernels:+RLOO_ATTENTION=$kernels} \
@@ -292,7 +297,7 @@ if part profile && [[ $DEVICE == cuda ]]; then
         run=$OUT/profile-train
         sed -e "s|@MODELS@|$dir|" -e "s|@DEVICE@|cuda|" -e "s|@OUT@|$run|" -e "s|@MICRO@|$((16 * K))|" \
             -e "s|@ACCUMULATION@|1|" -e "s|@EPISODES@|$((16 * K))|" -e "s|@CHECKPOINTING@|false|" \
-            -e "s|^path = \"$dir/prompts.jsonl\"|path = \"$OUT/profile-prompts.jsonl\"|" \
+            -e "s|@OFFLOAD@|false|" -e "s|^path = \"$dir/prompts.jsonl\"|path = \"$OUT/profile-prompts.jsonl\"|" \
             bench/gpu/rloo.toml.in >"$run.toml"
         [[ " $PROFILED " != *" train "* ]] || profiled train training "${rloo_cmd[@]}" train "$run.toml"
     fi

@@ -14,7 +14,8 @@
 #      biases in cuBLASLt's epilogues (the defaults);
 #   3. the step at 1B against TRL over spans, with an MLP's wide input kept
 #      and made again in the backward (RLOO_MLP_INPUT=kept, remade: the
-#      peak memory against the time);
+#      peak memory against the time), and kept with the reference and the
+#      reward model in host memory for the training phase (+offload);
 #   4. generation at 410m against transformers, the decoding kernel's
 #      blocks as the binary cuts them (RLOO_DECODE_ROWS=auto), a block per
 #      row and per prompt's rows (each, prompt), each step's time split
@@ -30,7 +31,8 @@
 #   8. LoRA (r = 16, all linear layers) at 1B against TRL with PEFT, over
 #      spans;
 #   9. the Qwen3-8B LoRA arm (bf16 weights, gradient checkpointing) against
-#      TRL with PEFT, when PARTS names it (its models take 17 GB and a few
+#      TRL with PEFT, its reward model on the device and in host memory for
+#      the training phase, when PARTS names it (its models take 17 GB and a few
 #      minutes to make: a call of its own, PARTS="check train-8b-lora").
 # Where .cuda/bin/rloo-before.gz is carried too (bench/gpu/baseline.sh REV
 # builds it), the RLOO step at 410m and at 1B and generation at 410m run
@@ -74,7 +76,7 @@ grep -sE "checks on|FAIL" "$OUT/check.log" >&2
 defaults=flash+fused+graph+lanes+epilogue+kept
 part train-410m 120 env ARMS=410m-full TRAIN_RUNS=1 STEPS=3 ATTENTION="$defaults+bias $defaults+spans" \
     bench/gpu/run.sh train
-part train-1b 120 env ARMS=1b-full TRAIN_RUNS=1 STEPS=3 ATTENTION="$defaults+spans ${defaults%+kept}+remade+spans" \
+part train-1b 120 env ARMS=1b-full TRAIN_RUNS=1 STEPS=3 ATTENTION="$defaults+spans $defaults+spans+offload ${defaults%+kept}+remade+spans" \
     bench/gpu/run.sh train
 decoded=race+lanes+fused+graph+epilogue
 decoders="$decoded $decoded+grouped+each $decoded+grouped+prompt $decoded+grouped+auto+packed"
@@ -91,5 +93,6 @@ fi
 part profile 90 env SIZES=410m bench/gpu/run.sh profile
 part generate-1b 30 env SIZES=1b RUNS=2 PEER=off DECODERS="$decoders" bench/gpu/run.sh generate
 part train-1b-lora 100 env ARMS=1b-lora TRAIN_RUNS=1 STEPS=3 ATTENTION="$defaults+spans" bench/gpu/run.sh train
-part train-8b-lora 240 env ARMS=qwen3-8b-lora TRAIN_RUNS=1 STEPS=3 ATTENTION="$defaults+spans" bench/gpu/run.sh train
+part train-8b-lora 240 env ARMS=qwen3-8b-lora TRAIN_RUNS=1 STEPS=3 ATTENTION="$defaults+spans $defaults+spans+offload" \
+    bench/gpu/run.sh train
 "$PY" bench/gpu/report.py "$OUT" | tee "$OUT/table.txt"

@@ -65,6 +65,7 @@ const FLAGS: &[Flag] = &[
     ("steps_per_generation", "rloo.steps_per_generation", Kind::Int, "TRL 1.x: micro-batches per rollout batch, which is per_device_train_batch_size x steps_per_generation completions (instead of --num_mini_batches) [none: gradient_accumulation_steps]"),
     ("generation_batch_size", "rloo.generation_batch_size", Kind::Int, "TRL 1.x: completions per rollout batch (instead of --num_mini_batches or --steps_per_generation)"),
     ("mask_truncated_completions", "rloo.mask_truncated_completions", Kind::Bool, "Completions that hit the length limit without EOS take no part in the loss or the KL"),
+    ("ref_reward_offload", "rloo.ref_reward_offload", Kind::Bool, "Move the reference and reward models to host memory while the policy trains, and back while it samples (OpenRLHF's name): their GPU memory is free for training"),
     ("reward_funcs", "", Kind::Words, "TRL 1.x: rewards added as [[reward]] tables, each a reward model (directory or cached hub id) or a built-in rule: length, exact_match (last number against the `answer` column)"),
     ("reward_weights", "", Kind::Words, "TRL 1.x: one weight per --reward_funcs entry [default: 1 each]"),
     ("fp16", "", Kind::Bool, "Refused: fp16 training needs loss scaling, which rloo does not do; use --bf16"),

@@ -19,6 +19,7 @@ pub mod lora;
 pub mod network;
 pub mod ops;
 pub mod opt;
+pub mod park;
 pub mod qwen2;
 pub mod qwen3;
 pub mod readback;

@@ -15,6 +15,7 @@ use super::config::{HeadKind, ModelConfig};
 use super::layer_graphs::{LayerCuts, LayerGraphs};
 use super::layers::{Context, Linear};
 use super::lora::{self, AdapterPlan, Dropout, LoraConfig, PeftOptions, ADAPTER_CONFIG, PEFT_PREFIX};
+use super::park::Parking;
 use super::weights::{Detach, ParamStore, Source, WeightFiles, Weights};
 use super::{kernels, ops};
 use crate::error::{Error, Result};
@@ -206,6 +207,8 @@ pub struct Model {
     dir: PathBuf,
     lora: Option<Lora>,
     layer_graphs: LayerGraphs,
+    /// Whether the weights are on their device (see [`Model::park`]).
+    parking: Parking,
 }
 
 /// A model's LoRA adapters: their config, the base model's directory, and
@@ -385,6 +388,7 @@ impl Model {
                 dir: dir.to_path_buf(),
                 lora: None,
                 layer_graphs: LayerGraphs::Whole,
+                parking: Parking::default(),
             });
         };
         if let Some(stray) = plan.unused().first() {
@@ -402,7 +406,17 @@ impl Model {
         let frozen = Network::build(&config, &Source::store(&params, Detach::All).root_with(Some(&plan)))?;
         let base = Network::build(&config, &Source::store(&params, Detach::All).root())?;
         let lora = Some(Lora { config: lora, base_dir: dir.to_path_buf(), base, dropout: None });
-        Ok(Self { config, params, train, frozen, dir: dir.to_path_buf(), lora, layer_graphs: LayerGraphs::Whole })
+        let dir = dir.to_path_buf();
+        Ok(Self {
+            config,
+            params,
+            train,
+            frozen,
+            dir,
+            lora,
+            layer_graphs: LayerGraphs::Whole,
+            parking: Parking::default(),
+        })
     }
 
     /// A new model with random weights (transformers' initialisation,
@@ -422,6 +436,7 @@ impl Model {
             dir: files_from.to_path_buf(),
             lora: None,
             layer_graphs: LayerGraphs::Whole,
+            parking: Parking::default(),
         })
     }
 
@@ -462,6 +477,25 @@ impl Model {
     /// The same network on detached weights: no autograd graph is recorded.
     pub fn frozen(&self) -> &Network {
         &self.frozen
+    }
+
+    /// Moves the weights of a model nothing trains (a reference, a reward
+    /// model: its `role` in the log) to host memory, freeing its device's;
+    /// nothing may read them until [`Self::resident`]. See [`super::park`].
+    pub fn park(&self, role: &str) -> Result<()> {
+        let tensors = || self.params.iter().flat_map(|p| [p.var.as_tensor().clone(), p.compute().clone()]).collect();
+        self.parking.park(&format!("{role} ({})", self.dir.display()), tensors)
+    }
+
+    /// Starts copying parked weights back, beside the device's work.
+    pub fn begin_return(&self) -> Result<()> {
+        self.parking.begin_return()
+    }
+
+    /// Makes the weights readable again where they were parked: the
+    /// device's work from now on runs after their copies.
+    pub fn resident(&self) -> Result<()> {
+        self.parking.resident()
     }
 
     /// Loads a model to train with `head`: a PEFT adapter directory keeps

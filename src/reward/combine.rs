@@ -98,6 +98,12 @@ impl RewardSet {
         self.sources.iter().map(|(_, w)| *w).collect()
     }
 
+    /// The models the sources score with on the run's device, each with
+    /// its source's name.
+    pub fn models(&self) -> Vec<(&str, &crate::model::Model)> {
+        self.sources.iter().flat_map(|(s, _)| s.models().into_iter().map(|m| (s.name(), m))).collect()
+    }
+
     /// Runs [`RewardSource::check_rows`] of every source on the dataset.
     pub fn check_rows(&self, rows: &[&serde_json::Map<String, serde_json::Value>]) -> Result<()> {
         self.sources.iter().try_for_each(|(s, _)| s.check_rows(rows))

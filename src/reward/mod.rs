@@ -77,6 +77,12 @@ pub trait RewardSource: Send + Sync {
     fn call_stats(&self) -> Option<CallStats> {
         None
     }
+
+    /// The models the source scores with on the run's device, which a run
+    /// may move to host memory between scorings (`ref_reward_offload`).
+    fn models(&self) -> Vec<&crate::model::Model> {
+        Vec::new()
+    }
 }
 
 /// Replaces NaN and infinite scores by `None` and returns how many there

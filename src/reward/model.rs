@@ -198,7 +198,12 @@ impl RewardSource for RewardModel {
         &self.name
     }
 
+    fn models(&self) -> Vec<&Model> {
+        vec![&self.model]
+    }
+
     fn score(&self, samples: &[Sample]) -> Result<Vec<Option<f32>>> {
+        self.model.resident()?;
         let vocab = self.model.config().vocab_size();
         let max_len = self.model.config().context_length();
         let mut out = vec![None; samples.len()];

@@ -203,6 +203,10 @@ pub struct RlooSection {
     /// Completions that reach the length limit without EOS take no part in
     /// the loss (nor in the KL), as TRL 1.x's `mask_truncated_completions`.
     pub mask_truncated_completions: bool,
+    /// Move the reference and the reward models to host memory for the
+    /// training phase and back while the policy samples (OpenRLHF's
+    /// `ref_reward_offload`): their device memory is free for training.
+    pub ref_reward_offload: bool,
 }
 
 impl TrainSection {
@@ -261,6 +265,7 @@ impl Default for RlooSection {
             reward_clip_range: None,
             recompute_old_logprobs: false,
             mask_truncated_completions: false,
+            ref_reward_offload: false,
         }
     }
 }

@@ -77,7 +77,7 @@ impl Evaluation {
         tracing::info!("evaluating on {} held-out prompts from {} every {every} steps", prompts.len(), prompts.label);
         let mut evaluation = Self { prompts, every, generation, reference_scores: None };
         if let Some(reference) = &run.reference {
-            let answers = evaluation.sample(run, reference.network(&run.policy))?;
+            let answers = evaluation.sample(run, reference.network(&run.policy)?)?;
             let scores = run.rewards.score(&answers.samples(&evaluation.prompts))?;
             evaluation.reference_scores = Some(scores.total);
         }
@@ -100,7 +100,10 @@ impl Evaluation {
     pub(super) fn evaluate(&self, run: &Run, metrics: &mut Metrics) -> Result<SampleTable> {
         let answers = self.sample(run, run.policy.frozen())?;
         let temperature = run.cfg.generation.temperature;
-        let reference = run.reference.as_ref().map(|r| (run.policy.frozen(), r.network(&run.policy), temperature));
+        let reference = match &run.reference {
+            Some(r) => Some((run.policy.frozen(), r.network(&run.policy)?, temperature)),
+            None => None,
+        };
         let chunk = run.cfg.generation.local_rollout_forward_batch_size;
         let report = measure("policy", answers, &self.prompts, &run.rewards, reference, &run.device, chunk)?;
         self.log(&report, metrics);

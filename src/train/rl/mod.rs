@@ -91,10 +91,14 @@ enum Reference {
 }
 
 impl Reference {
-    fn network<'a>(&'a self, policy: &'a Model) -> &'a Network {
+    /// The network the KL is measured against, its weights on the device.
+    fn network<'a>(&'a self, policy: &'a Model) -> Result<&'a Network> {
         match self {
-            Reference::Model(m) => m.frozen(),
-            Reference::PolicyBase => policy.base().expect("a LoRA policy has a base network"),
+            Reference::Model(m) => {
+                m.resident()?;
+                Ok(m.frozen())
+            }
+            Reference::PolicyBase => Ok(policy.base().expect("a LoRA policy has a base network")),
         }
     }
 }
@@ -285,6 +289,8 @@ impl Run {
         let cfg = &self.cfg;
         // 1. Rollout: k completions of each prompt of this step (of this
         // process's share of them, in a data-parallel job).
+        // The frozen models' weights come back from host memory while the policy samples.
+        self.offloaded().try_for_each(|(_, model)| model.begin_return())?;
         let local =
             phases.time("generation", || in_profiled_phase(&self.device, "generation", || self.rollout(step)))?;
         peaks.mark(&self.device, "generation");
@@ -307,6 +313,8 @@ impl Run {
         });
         let both = started.elapsed().as_secs_f64();
         let ((scores, t_score), forward) = (scored?, forward?);
+        // Nothing reads them again this step: their device memory is the training's.
+        self.offloaded().try_for_each(|(role, model)| model.park(&role))?;
         // Several processes: every one of them gathers the whole batch.
         let (whole, scores, mut forward) = if self.comm.world().joined {
             let (whole, scores, forward) =
@@ -391,6 +399,18 @@ impl Run {
         Ok((whole.unwrap_or(local), shaped))
     }
 
+    /// The models nothing trains that spend the training phase in host
+    /// memory (`ref_reward_offload`): a reference of its own and the reward
+    /// models.
+    fn offloaded(&self) -> impl Iterator<Item = (String, &Model)> {
+        let reference = match &self.reference {
+            Some(Reference::Model(m)) => Some(("the reference".to_string(), m)),
+            _ => None,
+        };
+        let rewards = self.rewards.models().into_iter().map(|(name, m)| (format!("reward `{name}`"), m));
+        rewards.chain(reference).filter(|_| self.cfg.rloo.ref_reward_offload)
+    }
+
     /// This process's share of the step's prompts, sampled.
     fn rollout(&self, step: usize) -> Result<Rollout> {
         let world = self.comm.world();
@@ -419,7 +439,7 @@ impl Run {
             sampler_logprobs(rollout.completions.flat(), seqs, &self.device)?
         };
         let reference = match &self.reference {
-            Some(r) => Some(self.logprobs_in_chunks(r.network(&self.policy), seqs, temperature)?.logprobs),
+            Some(r) => Some(self.logprobs_in_chunks(r.network(&self.policy)?, seqs, temperature)?.logprobs),
             None => None,
         };
         let chunk = self.cfg.generation.local_rollout_forward_batch_size;

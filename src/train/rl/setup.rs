@@ -95,6 +95,19 @@ impl Run {
         let algorithm =
             algorithm::start(&Start { cfg, policy_dir: &policy_dir, policy: policy.config(), device: &device })?;
         let rewards = reward::build(&cfg.reward, &device, dtype)?;
+        if cfg.rloo.ref_reward_offload {
+            let own_reference = matches!(reference, Some(Reference::Model(_)));
+            match rewards.models().len() + own_reference as usize {
+                0 => tracing::warn!(
+                    "ref_reward_offload: no reference or reward model of its own to move (a LoRA policy's \
+                     reference is its own base weights)"
+                ),
+                _ if device.is_cpu() => tracing::info!(
+                    "ref_reward_offload: on the CPU the models' weights are moved aside and back, saving no memory"
+                ),
+                _ => {}
+            }
+        }
         let shaping = cfg.rloo.shaping();
 
         let source = DatasetSpec {
@@ -141,7 +154,8 @@ impl Run {
                 trainable,
                 policy.network().head_trains(),
                 longest,
-                matches!(reference, Some(Reference::Model(_))),
+                // An offloaded reference is in host memory at the training's peak.
+                matches!(reference, Some(Reference::Model(_))) && !cfg.rloo.ref_reward_offload,
                 critic_params,
                 dtype,
             );
