@@ -368,6 +368,7 @@ pub fn check_kernels(device: &Device, dtypes: &[DType]) -> Vec<Check> {
         out.push(sum2_check(device, dtype, rng).unwrap_or_else(|e| Check::failed("kernel", "sum2", dtype, e)));
         out.push(add_cast_check(device, dtype, rng).unwrap_or_else(|e| Check::failed("kernel", "add_cast", dtype, e)));
         out.push(non_finite_check(device, dtype).unwrap_or_else(|e| Check::failed("kernel", "non_finite", dtype, e)));
+        out.push(park_check(device, dtype, rng).unwrap_or_else(|e| Check::failed("kernel", "park", dtype, e)));
         // Ids that repeat, and rows of the table that none reads.
         let ids: Vec<u32> = (0..130).map(|i| (i * 7 % 33) as u32).collect();
         out.push(compare(
@@ -677,6 +678,37 @@ fn cast_check(device: &Device) -> Result<Check> {
     let how = if device.is_cpu() { "cpu" } else { path("cast", device, DType::BF16) };
     let label = format!("cast between f32 and bf16, new and in place, and a scale in place ({how})");
     Ok(Check::new("kernel", &label, DType::BF16, differ, None, 0.0))
+}
+
+/// Weights in `dtype` moved to host memory and back (`ref_reward_offload`,
+/// `model::park`): products read through a detached copy and a transposed
+/// view, before the move and after each way back (brought back when read,
+/// and copied back beside other work first); the largest difference, which
+/// must be 0.
+fn park_check(device: &Device, dtype: DType, rng: &mut Rng) -> Result<Check> {
+    let on_device = |t: Tensor| t.to_dtype(dtype)?.to_device(device);
+    let (w, x) =
+        (on_device(rng.normal_tensor(&[300, 129], 0.0, 1.0))?, on_device(rng.normal_tensor(&[7, 300], 0.0, 1.0))?);
+    let (copy, view) = (w.detach(), w.t()?);
+    let products = || -> Result<[Tensor; 2]> { Ok([x.matmul(&copy)?, view.matmul(&x.t()?)?]) };
+    let before = products()?;
+    let parking = crate::model::park::Parking::default();
+    let moved = |r: crate::error::Result<()>| r.map_err(|e| candle_core::Error::msg(e.to_string()));
+    let mut differ = 0f32;
+    for beside in [false, true] {
+        moved(parking.park("check", || vec![w.clone(), copy.clone(), view.clone()]))?;
+        if beside {
+            moved(parking.begin_return())?;
+            x.matmul(&x.t()?)?;
+        }
+        moved(parking.resident())?;
+        for (got, want) in products()?.iter().zip(&before) {
+            differ = differ.max(largest_difference(got, want)?);
+        }
+    }
+    let how = if device.is_cuda() { "page-locked, copied back on a stream of their own" } else { "moved aside" };
+    let label = format!("park, weights to host memory and back ({how})");
+    Ok(Check::new("kernel", &label, dtype, differ, None, 0.0))
 }
 
 /// The check of a loading weight for NaN and infinities on `device` in
