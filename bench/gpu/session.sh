@@ -33,7 +33,12 @@
 #   9. the Qwen3-8B LoRA arm (bf16 weights, gradient checkpointing) against
 #      TRL with PEFT, its reward model on the device and in host memory for
 #      the training phase, when PARTS names it (its models take 17 GB and a few
-#      minutes to make: a call of its own, PARTS="check train-8b-lora").
+#      minutes to make: a call of its own, PARTS="check train-8b-lora");
+#  10. when PARTS names them, on the same 8B models: generation at 256 rows
+#      with the query heads of a key/value head in one block of the decoding
+#      kernel and a block per head (RLOO_DECODE_HEADS=grouped, each), each
+#      step's time split between the GPU and the host (generate-8b); and the
+#      kernels of a short generation at 256 rows (profile-8b).
 # Where .cuda/bin/rloo-before.gz is carried too (bench/gpu/baseline.sh REV
 # builds it), the RLOO step at 410m and at 1B and generation at 410m run
 # with it as well, under the same settings, on the same card (OUT/before,
@@ -44,6 +49,7 @@
 #
 #   bench/gpu/session.sh                 # OUT=/tmp/rloo-gpu-session
 #   PARTS="check train-8b-lora" bench/gpu/session.sh
+#   PARTS="train-8b-lora generate-8b profile-8b" bench/gpu/session.sh
 set -uo pipefail
 cd "$(dirname "$0")/../.."
 export OUT=${OUT:-/tmp/rloo-gpu-session} PY=${PY:-python3} MODELS=${MODELS:-/tmp/rloo-gpu-models}
@@ -95,4 +101,6 @@ part generate-1b 30 env SIZES=1b RUNS=2 PEER=off DECODERS="$decoders" bench/gpu/
 part train-1b-lora 100 env ARMS=1b-lora TRAIN_RUNS=1 STEPS=3 ATTENTION="$defaults+spans" bench/gpu/run.sh train
 part train-8b-lora 240 env ARMS=qwen3-8b-lora TRAIN_RUNS=1 STEPS=3 ATTENTION="$defaults+spans $defaults+spans+offload" \
     bench/gpu/run.sh train
+part generate-8b 60 env SIZES=qwen3-8b RUNS=1 PEER=off DECODERS="$decoded+grouped $decoded+each" bench/gpu/run.sh generate
+part profile-8b 90 env SIZES=qwen3-8b PROFILED=generate OUT="$OUT/profile-8b" bench/gpu/run.sh profile
 "$PY" bench/gpu/report.py "$OUT" | tee "$OUT/table.txt"
