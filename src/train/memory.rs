@@ -93,6 +93,22 @@ impl Estimate {
     }
 }
 
+/// What a run's models hold, for [`rloo_estimate`].
+#[derive(Debug, Clone, Copy)]
+pub struct Held {
+    /// The policy's parameters, and how many of them train.
+    pub params: usize,
+    pub trainable: usize,
+    /// Whether the LM head trains (its gradient is summed over chunks).
+    pub head_trains: bool,
+    /// Whether a reference of its own is on the device at the training's peak.
+    pub reference: bool,
+    /// PPO's critic's parameters (0: none).
+    pub critic_params: usize,
+    /// The dtype the networks compute in.
+    pub dtype: DType,
+}
+
 /// Weights, gradients, AdamW moments, the reference, the sampling KV cache,
 /// the training micro-batch's activations and logits, and one scoring
 /// chunk's logits.
@@ -100,14 +116,10 @@ pub fn rloo_estimate(
     cfg: &TrainConfig,
     sizes: &BatchSizes,
     (model, keeping): (&ModelConfig, Keeping),
-    params: usize,
-    trainable: usize,
-    head_trains: bool,
+    held: Held,
     longest_prompt: usize,
-    reference: bool,
-    critic_params: usize,
-    dtype: DType,
 ) -> Estimate {
+    let Held { params, trainable, head_trains, reference, critic_params, dtype } = held;
     let (params, trainable) = (params as u64, trainable as u64);
     let compute = dtype.size_in_bytes() as u64;
     let critic = critic_params as u64;
@@ -403,8 +415,15 @@ mod tests {
         let model = ModelConfig::from_dir(&root.join("tests/fixtures/models/llama-causal")).unwrap();
         let kv_cache = |cfg: &TrainConfig| {
             let sizes = BatchSizes::for_world(cfg, Some(64), 1).unwrap();
-            let estimate =
-                rloo_estimate(cfg, &sizes, (&model, Keeping::default()), 1000, 1000, true, 20, false, 0, DType::F32);
+            let held = Held {
+                params: 1000,
+                trainable: 1000,
+                head_trains: true,
+                reference: false,
+                critic_params: 0,
+                dtype: DType::F32,
+            };
+            let estimate = rloo_estimate(cfg, &sizes, (&model, Keeping::default()), held, 20);
             estimate.parts.iter().find(|(name, _)| *name == "KV cache").unwrap().1
         };
         let (k, response) = (cfg.rloo.k as u64, cfg.generation.response_length as u64);
@@ -424,8 +443,8 @@ mod tests {
         let cfg = TrainConfig::default();
         let sizes = BatchSizes::for_world(&cfg, Some(64), 1).unwrap();
         let model = ModelConfig::from_dir(&root.join("tests/fixtures/models/gpt_neox-causal")).unwrap();
-        let estimate =
-            rloo_estimate(&cfg, &sizes, (&model, Keeping::default()), 1000, 400, head_trains, 20, true, 0, dtype);
+        let held = Held { params: 1000, trainable: 400, head_trains, reference: true, critic_params: 0, dtype };
+        let estimate = rloo_estimate(&cfg, &sizes, (&model, Keeping::default()), held, 20);
         (model, move |part: &str| estimate.parts.iter().find(|(name, _)| *name == part).unwrap().1)
     }
 

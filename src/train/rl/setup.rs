@@ -135,9 +135,15 @@ impl Run {
 
         let memory_plan = {
             let longest = dataset.rows.iter().map(|r| r.ids.len()).max().unwrap_or(0);
-            let params = policy.params().numel();
-            let trainable = policy.params().trainable_numel();
-            let critic_params = algorithm.trained().iter().map(|t| t.model.params().numel()).sum();
+            let held = memory::Held {
+                params: policy.params().numel(),
+                trainable: policy.params().trainable_numel(),
+                head_trains: policy.network().head_trains(),
+                // An offloaded reference is in host memory at the training's peak.
+                reference: matches!(reference, Some(Reference::Model(_))) && !cfg.rloo.ref_reward_offload,
+                critic_params: algorithm.trained().iter().map(|t| t.model.params().numel()).sum(),
+                dtype,
+            };
             let config = policy.config();
             let keeping = Keeping {
                 lora: policy.lora().is_some(),
@@ -146,19 +152,7 @@ impl Run {
                     && kernels::attention_spans_chosen()?
                     && kernels::spans_taken(kernels::attention_kernels()?, dtype, config.head_dim()),
             };
-            let estimate = memory::rloo_estimate(
-                cfg,
-                &sizes,
-                (config, keeping),
-                params,
-                trainable,
-                policy.network().head_trains(),
-                longest,
-                // An offloaded reference is in host memory at the training's peak.
-                matches!(reference, Some(Reference::Model(_))) && !cfg.rloo.ref_reward_offload,
-                critic_params,
-                dtype,
-            );
+            let estimate = memory::rloo_estimate(cfg, &sizes, (config, keeping), held, longest);
             match device.is_cpu() {
                 true => memory::warn_if_short(&estimate),
                 false => tracing::info!("GPU memory plan: {}", estimate.describe()),
