@@ -178,8 +178,13 @@ fn empty_cpu(dtype: DType) -> Result<CpuStorage> {
         DType::F16 => CpuStorage::F16(Vec::new()),
         DType::F32 => CpuStorage::F32(Vec::new()),
         DType::F64 => CpuStorage::F64(Vec::new()),
-        other => return Err(Error::Invalid(format!("weights of dtype {other:?} cannot be moved to host memory"))),
+        other => return Err(unsupported(other)),
     })
+}
+
+/// The error for weights of a dtype that cannot be parked.
+fn unsupported(dtype: DType) -> Error {
+    Error::Invalid(format!("weights of dtype {dtype:?} cannot be moved to host memory"))
 }
 
 /// Puts `new` in place of `t`'s storage (for every tensor sharing it) and
@@ -240,8 +245,8 @@ mod gpu {
     use candle_core::{CudaDevice, CudaStorage, DType, Storage, Tensor};
     use half::{bf16, f16};
 
-    use super::{broken, swap_storage, Host, Slot};
-    use crate::error::{Error, Result};
+    use super::{broken, swap_storage, unsupported, Host, Slot};
+    use crate::error::Result;
 
     /// A storage's values in page-locked host memory, which the device
     /// copies from without the host's help.
@@ -263,10 +268,6 @@ mod gpu {
             self.stream.wait(&self.done).w()?;
             Ok(())
         }
-    }
-
-    fn unsupported(dtype: DType) -> Error {
-        Error::Invalid(format!("weights of dtype {dtype:?} cannot be moved to host memory"))
     }
 
     impl Pinned {

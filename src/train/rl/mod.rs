@@ -290,7 +290,7 @@ impl Run {
         // 1. Rollout: k completions of each prompt of this step (of this
         // process's share of them, in a data-parallel job).
         // The frozen models' weights come back from host memory while the policy samples.
-        self.offloaded().try_for_each(|(_, model)| model.begin_return())?;
+        self.offloaded().iter().try_for_each(|(_, model)| model.begin_return())?;
         let local =
             phases.time("generation", || in_profiled_phase(&self.device, "generation", || self.rollout(step)))?;
         peaks.mark(&self.device, "generation");
@@ -314,7 +314,7 @@ impl Run {
         let both = started.elapsed().as_secs_f64();
         let ((scores, t_score), forward) = (scored?, forward?);
         // Nothing reads them again this step: their device memory is the training's.
-        self.offloaded().try_for_each(|(role, model)| model.park(&role))?;
+        self.offloaded().iter().try_for_each(|(role, model)| model.park(role))?;
         // Several processes: every one of them gathers the whole batch.
         let (whole, scores, mut forward) = if self.comm.world().joined {
             let (whole, scores, forward) =
@@ -402,13 +402,16 @@ impl Run {
     /// The models nothing trains that spend the training phase in host
     /// memory (`ref_reward_offload`): a reference of its own and the reward
     /// models.
-    fn offloaded(&self) -> impl Iterator<Item = (String, &Model)> {
-        let reference = match &self.reference {
-            Some(Reference::Model(m)) => Some(("the reference".to_string(), m)),
-            _ => None,
-        };
-        let rewards = self.rewards.models().into_iter().map(|(name, m)| (format!("reward `{name}`"), m));
-        rewards.chain(reference).filter(|_| self.cfg.rloo.ref_reward_offload)
+    fn offloaded(&self) -> Vec<(String, &Model)> {
+        if !self.cfg.rloo.ref_reward_offload {
+            return Vec::new();
+        }
+        let mut models: Vec<_> =
+            self.rewards.models().into_iter().map(|(name, m)| (format!("reward `{name}`"), m)).collect();
+        if let Some(Reference::Model(m)) = &self.reference {
+            models.push(("the reference".to_string(), m));
+        }
+        models
     }
 
     /// This process's share of the step's prompts, sampled.
