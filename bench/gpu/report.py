@@ -94,12 +94,21 @@ def generation(out, peaks, models):
             if rates[side] and rates["transformers"]:
                 print(f"{size:<10} {side} / transformers: {rates[side] / rates['transformers']:.2f}x")
             outputs = sorted(out.glob(f"gen-{size}-{side}-*.jsonl"))
+            def tokens(path):
+                rows = [json.loads(l) for l in path.read_text().splitlines() if l.strip()]
+                return sorted((r["prompt_index"], r["sample_index"], r["completion"]) for r in rows)
             if len(outputs) >= 2:
-                def tokens(path):
-                    rows = [json.loads(l) for l in path.read_text().splitlines() if l.strip()]
-                    return sorted((r["prompt_index"], r["sample_index"], r["completion"]) for r in rows)
                 same = all(tokens(p) == tokens(outputs[0]) for p in outputs[1:])
                 print(f"{size:<10} {side}, same seed, same completions in {len(outputs)} runs: {'yes' if same else 'NO'}")
+            # Tuned products keep the default's bits: the same completions as the variant without +tuned.
+            untuned = sorted(out.glob(f"gen-{size}-{side.removesuffix('+tuned')}-*.jsonl"))
+            if side.endswith("+tuned") and outputs and untuned:
+                same = tokens(outputs[0]) == tokens(untuned[0])
+                print(f"{size:<10} {side}, the same completions as without +tuned: {'yes' if same else 'NO'}")
+                # What the first run's tuning found, a line per product's shape.
+                for line in (out / outputs[0].name.replace(".jsonl", ".log")).read_text().splitlines():
+                    if "candidates give its bits" in line:
+                        print(f"{size:<10}   {line.split('product of ', 1)[-1]}")
     vllm = (out / "vllm.txt")
     if vllm.exists():
         print("vLLM: " + ("installed, not run by this script" if vllm.read_text().strip() == "yes" else

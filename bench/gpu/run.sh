@@ -49,7 +49,8 @@
 #                  the rows of a prompt) and how it reads value rows (RLOO_DECODE_VALUES: rows,
 #                  packed). A piece left out or empty, and the whole variant `default`, leave
 #                  the binary's own choice. Each run logs where its steps' time goes
-#                  (RLOO_DECODE_TIMING=on). Default: default
+#                  (RLOO_DECODE_TIMING=on). A variant ending in +tuned times cuBLASLt's
+#                  candidates for each product of a step (RLOO_GEMM=tuned). Default: default
 #      ATTENTION   rloo's variants in the training runs, KERNELS[+HEADS[+STEP[+DECODE[+BIAS[+MLP[+MASK[+ROWS]]]]]]]:
 #                  the attention kernels for whole sequences (RLOO_ATTENTION: flash, tensor,
 #                  rows), how they get their heads from a fused projection
@@ -61,7 +62,8 @@
 #                  rows a block of the decoding kernel takes (RLOO_DECODE_ROWS). As DECODERS: a
 #                  piece left out, and `default`, leave the binary's own. A variant ending in
 #                  +offload moves the reference and the reward model to host memory for the
-#                  training phase (ref_reward_offload). Default: default
+#                  training phase (ref_reward_offload); one ending in +tuned (before or after
+#                  +offload) tunes the rollouts' products (RLOO_GEMM=tuned). Default: default
 #      PROFILED    what `profile` profiles: generate train (default both)
 #      PEER        on (default), or off: rloo's runs alone, without transformers' generate
 #                  and TRL (for a short call whose peer figures an earlier one on the card gave)
@@ -123,6 +125,17 @@ models() { # SIZE: makes the models once
 
 part() { [[ " $PARTS " == *" $1 "* ]]; }
 
+# flags VARIANT: sets pieces to VARIANT without its trailing +offload and
+# +tuned, offload to whether it had +offload, and gemm to tuned where it had
+# +tuned (else empty).
+flags() {
+    pieces=$1 offload=false gemm=
+    while [[ $pieces == *+offload || $pieces == *+tuned ]]; do
+        [[ $pieces == *+offload ]] && offload=true pieces=${pieces%+offload}
+        [[ $pieces == *+tuned ]] && gemm=tuned pieces=${pieces%+tuned}
+    done
+}
+
 if part peaks && [[ $DEVICE == cuda ]]; then
     log "peaks"
     "$PY" bench/gpu/peaks.py >"$OUT/peaks.json" 2>"$OUT/peaks.log" || tail -5 "$OUT/peaks.log"
@@ -137,8 +150,9 @@ if part generate; then
             for decoder in $DECODERS; do
                 # The same seed every run: the runs must give the same tokens.
                 run=$OUT/gen-$size-rloo_$decoder-$i
-                IFS=+ read -r sampler attention append step bias heads rows values <<<"${decoder#default}"
-                RLOO_DECODE_TIMING=on env ${sampler:+RLOO_SAMPLER=$sampler} ${attention:+RLOO_DECODE_ATTENTION=$attention} \
+                flags "${decoder#default}"
+                IFS=+ read -r sampler attention append step bias heads rows values <<<"$pieces"
+                RLOO_DECODE_TIMING=on env ${gemm:+RLOO_GEMM=$gemm} ${sampler:+RLOO_SAMPLER=$sampler} ${attention:+RLOO_DECODE_ATTENTION=$attention} \
                     ${append:+RLOO_DECODE_APPEND=$append} ${step:+RLOO_DECODE_STEP=$step} ${bias:+RLOO_DENSE_BIAS=$bias} \
                     ${heads:+RLOO_DECODE_HEADS=$heads} ${rows:+RLOO_DECODE_ROWS=$rows} ${values:+RLOO_DECODE_VALUES=$values} \
                     "${rloo[@]}" generate --device "$DEVICE" --bf16 --model "$dir/policy" \
@@ -199,8 +213,7 @@ if part train; then
         for i in $(seq 1 "$TRAIN_RUNS"); do
             for attention in $ATTENTION; do
                 log "train $arm run $i: rloo, $attention attention"
-                offload=false pieces=${attention#default}
-                [[ $pieces == *+offload ]] && offload=true pieces=${pieces%+offload}
+                flags "${attention#default}"
                 IFS=+ read -r kernels heads step decode bias mlp mask rows <<<"$pieces"
                 run=$OUT/train-$arm-rloo_$attention-$i
                 sed -e "s|@MODELS@|$dir|" -e "s|@DEVICE@|$DEVICE|" -e "s|@OUT@|$run|" -e "s|@MICRO@|$MICRO|" \
@@ -209,7 +222,7 @@ if part train; then
                     -e "s|@OFFLOAD@|$offload|" \
                     bench/gpu/rloo.toml.in >"$run.toml"
                 printf '\n%s\n' "$lora" >>"$run.toml"
-                RLOO_OUT=$run "$PY" bench/train/measure.py rloo "$run.json" -- env ${kernels:+RLOO_ATTENTION=$kernels} \
+                RLOO_OUT=$run "$PY" bench/train/measure.py rloo "$run.json" -- env ${gemm:+RLOO_GEMM=$gemm} ${kernels:+RLOO_ATTENTION=$kernels} \
                     ${heads:+RLOO_ATTENTION_HEADS=$heads} ${step:+RLOO_DECODE_STEP=$step} ${decode:+RLOO_DECODE_ATTENTION=$decode} \
                     ${bias:+RLOO_DENSE_BIAS=$bias} ${mlp:+RLOO_MLP_INPUT=$mlp} ${mask:+RLOO_ATTENTION_MASK=$mask} \
                     ${rows:+RLOO_DECODE_ROWS=$rows} timeout "$LIMIT" "${rloo_cmd[@]}" train "$run.toml" >"$run.log" 2>&1 || tail -5 "$run.log"

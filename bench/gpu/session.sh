@@ -18,8 +18,9 @@
 #      reward model in host memory for the training phase (+offload);
 #   4. generation at 410m against transformers, the decoding kernel's
 #      blocks as the binary cuts them (RLOO_DECODE_ROWS=auto), a block per
-#      row and per prompt's rows (each, prompt), each step's time split
-#      between the GPU and the host;
+#      row and per prompt's rows (each, prompt), and with each product's
+#      algorithm timed among cuBLASLt's candidates (RLOO_GEMM=tuned), each
+#      step's time split between the GPU and the host;
 #   5. rloo serve at 410m under 1, 8 and 32 streaming clients, its steps
 #      launched from the host and replayed from recordings as rows come and
 #      go (RLOO_DECODE_STEP=shrink, graph);
@@ -27,7 +28,7 @@
 #      and of a short generation at the benchmark's 256 rows, under the
 #      defaults;
 #   7. generation at 1B, as the binary cuts it, per row and per prompt's
-#      rows;
+#      rows, and tuned;
 #   8. LoRA (r = 16, all linear layers) at 1B against TRL with PEFT, over
 #      spans;
 #   9. the Qwen3-8B LoRA arm (bf16 weights, gradient checkpointing) against
@@ -36,8 +37,9 @@
 #      minutes to make: a call of its own, PARTS="check train-8b-lora");
 #  10. when PARTS names them, on the same 8B models: generation at 256 rows
 #      with the query heads of a key/value head in one block of the decoding
-#      kernel and a block per head (RLOO_DECODE_HEADS=grouped, each), each
-#      step's time split between the GPU and the host (generate-8b); and the
+#      kernel and a block per head (RLOO_DECODE_HEADS=grouped, each), and
+#      the products tuned, each step's time split between the GPU and the
+#      host (generate-8b); and the
 #      kernels of a short generation at 256 rows (profile-8b).
 # Where .cuda/bin/rloo-before.gz is carried too (bench/gpu/baseline.sh REV
 # builds it), the RLOO step at 410m and at 1B and generation at 410m run
@@ -85,7 +87,7 @@ part train-410m 120 env ARMS=410m-full TRAIN_RUNS=1 STEPS=3 ATTENTION="$defaults
 part train-1b 120 env ARMS=1b-full TRAIN_RUNS=1 STEPS=3 ATTENTION="$defaults+spans $defaults+spans+offload ${defaults%+kept}+remade+spans" \
     bench/gpu/run.sh train
 decoded=race+lanes+fused+graph+epilogue
-decoders="$decoded $decoded+grouped+each $decoded+grouped+prompt $decoded+grouped+auto+packed"
+decoders="$decoded $decoded+grouped+each $decoded+grouped+prompt $decoded+grouped+auto+packed $decoded+tuned"
 part generate-410m 60 env SIZES=410m RUNS=2 DECODERS="$decoders" bench/gpu/run.sh peaks generate
 part serve-410m 45 env SIZES=410m bench/gpu/run.sh serve
 if [[ -e .cuda/bin/rloo-before.gz ]]; then
@@ -101,6 +103,7 @@ part generate-1b 30 env SIZES=1b RUNS=2 PEER=off DECODERS="$decoders" bench/gpu/
 part train-1b-lora 100 env ARMS=1b-lora TRAIN_RUNS=1 STEPS=3 ATTENTION="$defaults+spans" bench/gpu/run.sh train
 part train-8b-lora 240 env ARMS=qwen3-8b-lora TRAIN_RUNS=1 STEPS=3 ATTENTION="$defaults+spans $defaults+spans+offload" \
     bench/gpu/run.sh train
-part generate-8b 60 env SIZES=qwen3-8b RUNS=1 PEER=off DECODERS="$decoded+grouped $decoded+each" bench/gpu/run.sh generate
+part generate-8b 60 env SIZES=qwen3-8b RUNS=1 PEER=off DECODERS="$decoded+grouped $decoded+each $decoded+grouped+tuned" \
+    bench/gpu/run.sh generate
 part profile-8b 90 env SIZES=qwen3-8b PROFILED=generate OUT="$OUT/profile-8b" bench/gpu/run.sh profile
 "$PY" bench/gpu/report.py "$OUT" | tee "$OUT/table.txt"

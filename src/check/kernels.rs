@@ -369,6 +369,10 @@ pub fn check_kernels(device: &Device, dtypes: &[DType]) -> Vec<Check> {
         out.push(add_cast_check(device, dtype, rng).unwrap_or_else(|e| Check::failed("kernel", "add_cast", dtype, e)));
         out.push(non_finite_check(device, dtype).unwrap_or_else(|e| Check::failed("kernel", "non_finite", dtype, e)));
         out.push(park_check(device, dtype, rng).unwrap_or_else(|e| Check::failed("kernel", "park", dtype, e)));
+        if device.is_cuda() && dtype == DType::BF16 {
+            let label = "products tuned";
+            out.push(tuned_products_check(device, rng).unwrap_or_else(|e| Check::failed("kernel", label, dtype, e)));
+        }
         // Ids that repeat, and rows of the table that none reads.
         let ids: Vec<u32> = (0..130).map(|i| (i * 7 % 33) as u32).collect();
         out.push(compare(
@@ -709,6 +713,53 @@ fn park_check(device: &Device, dtype: DType, rng: &mut Rng) -> Result<Check> {
     let how = if device.is_cuda() { "page-locked, copied back on a stream of their own" } else { "moved aside" };
     let label = format!("park, weights to host memory and back ({how})");
     Ok(Check::new("kernel", &label, dtype, differ, None, 0.0))
+}
+
+/// bf16 products at a decoding step's shape (256 rows) with `RLOO_GEMM=tuned`
+/// against the default's, to the bit: a layer with its bias in cuBLASLt's
+/// epilogue, without a bias (cuBLAS's product by default), with the
+/// weight as the transposed view of an (in, out) tensor, and a LoRA
+/// adapter's part added into its output; each twice, as the shape is tuned
+/// and with the kept pick. How many elements differ.
+fn tuned_products_check(device: &Device, rng: &mut Rng) -> Result<Check> {
+    let on_device = |t: Tensor| t.to_dtype(DType::BF16)?.to_device(device);
+    let x = on_device(rng.normal_tensor(&[256, 1024], 0.0, 1.0))?;
+    let w = on_device(rng.normal_tensor(&[3072, 1024], 0.0, 0.03))?;
+    let b = on_device(rng.normal_tensor(&[3072], 0.0, 1.0))?;
+    let w_in_out = w.t()?.contiguous()?;
+    let (a, lora_b) =
+        (on_device(rng.normal_tensor(&[16, 1024], 0.0, 0.03))?, on_device(rng.normal_tensor(&[3072, 16], 0.0, 0.03))?);
+    let layer = LoraLayer { weight: &w, bias: Some(&b), a: &a, b: &lora_b, scale: 2.0 };
+    let products = || -> Result<Vec<Tensor>> {
+        Ok(vec![
+            kernels::linear_with(&x, &w, Some(&b), true)?,
+            kernels::linear(&x, &w, None)?,
+            kernels::linear(&x, &w_in_out.t()?, None)?,
+            kernels::lora_forward(&x, None, &layer, None)?,
+        ])
+    };
+    let before = products()?;
+    let chosen = std::env::var(kernels::GEMM_VAR).ok();
+    std::env::set_var(kernels::GEMM_VAR, "tuned");
+    let tuned = products().and_then(|first| Ok([first, products()?]));
+    match chosen {
+        Some(v) => std::env::set_var(kernels::GEMM_VAR, v),
+        None => std::env::remove_var(kernels::GEMM_VAR),
+    }
+    let mut differ = 0usize;
+    for run in tuned? {
+        for (got, want) in run.iter().zip(&before) {
+            let (got, want) = (bits(got)?, bits(want)?);
+            differ += got.iter().zip(&want).filter(|(g, w)| g != w).count();
+        }
+    }
+    let label = "products tuned (RLOO_GEMM=tuned), the default's bits (cuda kernel)";
+    Ok(Check::new("kernel", label, DType::BF16, differ as f32, None, 0.0))
+}
+
+/// A bf16 tensor's bits, on the host.
+fn bits(t: &Tensor) -> Result<Vec<u16>> {
+    Ok(t.flatten_all()?.to_device(&Device::Cpu)?.to_vec1::<half::bf16>()?.into_iter().map(|v| v.to_bits()).collect())
 }
 
 /// The check of a loading weight for NaN and infinities on `device` in

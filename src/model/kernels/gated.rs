@@ -178,11 +178,10 @@ impl CustomOp3 for Gated {
         w: &candle_core::CudaStorage,
         w_l: &Layout,
     ) -> Result<(candle_core::CudaStorage, Shape)> {
-        use candle_core::backend::BackendStorage;
         let (m, k, n) = sizes(self.name(), gate_l, w_l)?;
         let h = product_cuda(self.0, (gate, gate_l), (up, up_l))?;
         let rows = Layout::contiguous((m, k));
-        Ok((h.matmul(w, (1, m, n, k), &rows, &w_l.transpose(0, 1)?)?, out_shape(gate_l, n)))
+        Ok((super::linear::cuda_dense((&h, &rows), (w, w_l), None, (m, k, n), false)?, out_shape(gate_l, n)))
     }
 
     fn bwd(

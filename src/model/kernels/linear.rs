@@ -36,6 +36,20 @@ pub fn dense_bias_epilogue() -> Result<bool> {
     Ok(chosen.map_err(candle_core::Error::msg)? == "epilogue")
 }
 
+/// Picks how a GPU chooses the algorithm of its bf16 products: `heuristic`
+/// (the default: cuBLASLt's first pick, and cuBLAS's product for a layer
+/// without a bias) or `tuned` (a shape's first product of at most 1,024
+/// rows, a decoding step's, also times cuBLASLt's other candidates and
+/// keeps the fastest whose output has the default's bits; see
+/// `kernels/cuda/gemm.rs`).
+pub const GEMM_VAR: &str = "RLOO_GEMM";
+
+/// Whether products are tuned; an unknown choice is an error.
+pub fn gemm_tuned() -> Result<bool> {
+    let chosen = crate::model::device::variant(GEMM_VAR, &["heuristic", "tuned"]);
+    Ok(chosen.map_err(candle_core::Error::msg)? == "tuned")
+}
+
 /// [`linear`] with the way a GPU adds the bias named: `epilogue`, in the
 /// product's epilogue (bf16 only), else a pass of its own.
 pub fn linear_with(x: &Tensor, w: &Tensor, b: Option<&Tensor>, epilogue: bool) -> Result<Tensor> {
@@ -280,13 +294,16 @@ pub(super) fn cuda_dense(
     epilogue: bool,
 ) -> Result<candle_core::CudaStorage> {
     use candle_core::backend::BackendStorage;
+    let tuned = gemm_tuned()?;
+    let w_t = w_l.transpose(0, 1)?;
+    let cublas = || x.matmul(w, (1, rows, n, k), x_l, &w_t);
     match b {
-        Some(b) if epilogue => super::cuda::linear_bias_epilogue((x, x_l), (w, w_l), b, (rows, k, n)),
-        Some(b) => {
-            let product = x.matmul(w, (1, rows, n, k), x_l, &w_l.transpose(0, 1)?)?;
-            super::cuda::bias_rows((&product, &Layout::contiguous((rows, n))), b)
+        Some(b) if epilogue => super::cuda::linear_bias_epilogue((x, x_l), (w, w_l), b, (rows, k, n), tuned),
+        Some(b) => super::cuda::bias_rows((&cublas()?, &Layout::contiguous((rows, n))), b),
+        None if tuned && x.dtype() == candle_core::DType::BF16 => {
+            super::cuda::gemm::plain((x, x_l), (w, w_l), (rows, k, n), cublas)
         }
-        None => x.matmul(w, (1, rows, n, k), x_l, &w_l.transpose(0, 1)?),
+        None => cublas(),
     }
 }
 

@@ -323,7 +323,14 @@ impl CustomOp3 for LoraLinear {
         let down_l = Layout::contiguous((m, r));
         let down = dropped.matmul(a, (1, m, r, k), dropped_l, &a_l.transpose(0, 1)?)?;
         if epilogue {
-            super::cuda::add_product(&mut y, (&down, &down_l), (b, b_l), f.scale, (m, r, n))?;
+            super::cuda::add_product(
+                &mut y,
+                (&down, &down_l),
+                (b, b_l),
+                f.scale,
+                (m, r, n),
+                super::linear::gemm_tuned()?,
+            )?;
             return Ok((y, out_shape(x_l, n)));
         }
         let down = down.affine(&down_l, f.scale as f64, 0.0)?;

@@ -15,6 +15,8 @@ use half::bf16;
 use super::sdpa::OutRows;
 use super::AttentionKernels;
 
+pub mod gemm;
+
 const KERNELS: &[u8] = include_bytes!(concat!(env!("OUT_DIR"), "/kernels.fatbin"));
 
 /// The kernel `$name` on device `$dev`, its module loaded once per device.
@@ -1332,12 +1334,18 @@ pub fn attention_bwd(x: &AttnInputs, a: AttnDims, keys: bool, kernels: Attention
 /// the transposed view of a row-major (k, n), and b (n,): one cuBLASLt
 /// product that adds the bias in its epilogue, where cuBLAS's product and
 /// [`bias_rows`] are two launches and a round trip of the output through
-/// memory.
-pub fn linear_bias_epilogue(x: In, w: In, b: In, (rows, k, n): (usize, usize, usize)) -> Result<CudaStorage> {
+/// memory. `tuned`: see [`gemm`].
+pub fn linear_bias_epilogue(
+    x: In,
+    w: In,
+    b: In,
+    (rows, k, n): (usize, usize, usize),
+    tuned: bool,
+) -> Result<CudaStorage> {
     let dev = x.0.device.clone();
     // Safety: the product writes every element.
     let mut out = unsafe { dev.alloc::<bf16>(rows * n) }?;
-    lt_product(x, w, Some(b), &mut out, (rows, k, n), (1.0, 0.0))?;
+    gemm::product(x, w, Some(b), &mut out, (rows, k, n), (1.0, 0.0), tuned)?;
     Ok(CudaStorage::wrap_cuda_slice(out, dev))
 }
 
@@ -1345,82 +1353,16 @@ pub fn linear_bias_epilogue(x: In, w: In, b: In, (rows, k, n): (usize, usize, us
 /// (rows, r) contiguous and b (n, r) row-major: a LoRA adapter's part added
 /// into its base layer's output by the product itself (cuBLASLt reads y as
 /// its C), where a scaling, a product and an addition took three launches
-/// and two tensors of y's size.
+/// and two tensors of y's size. `tuned`: see [`gemm`].
 pub fn add_product(
     y: &mut CudaStorage,
     down: In,
     b: In,
     scale: f32,
     (rows, r, n): (usize, usize, usize),
+    tuned: bool,
 ) -> Result<()> {
-    lt_product(down, b, None, y.as_cuda_slice_mut::<bf16>()?, (rows, r, n), (scale, 1.0))
-}
-
-/// `out = alpha * x @ w^T (+ b) + beta * out` in bf16 by cuBLASLt, for x
-/// (rows, k) and out (rows, n) contiguous, w (n, k) row-major or the
-/// transposed view of a row-major (k, n), and b (n,).
-fn lt_product(
-    x: In,
-    w: In,
-    b: Option<In>,
-    out: &mut candle_core::cuda_backend::cudarc::driver::CudaSlice<bf16>,
-    (rows, k, n): (usize, usize, usize),
-    (alpha, beta): (f32, f32),
-) -> Result<()> {
-    use candle_core::cuda_backend::cudarc::cublaslt::{Matmul, MatmulConfig};
-    let dev = x.0.device.clone();
-    if out.len() != rows * n {
-        candle_core::bail!("cuBLASLt product: an output of {} elements for {rows} x {n}", out.len());
-    }
-    // cuBLASLt's matrices are column-major: the output (rows, n) row-major is
-    // (n, rows) with rows n apart, = w (n, k) times x^T (k, rows).
-    let (transa, lda) = match w.1.stride() {
-        [s, 1] if *s == k => (true, k as i64),
-        [1, s] if *s == n => (false, n as i64),
-        other => candle_core::bail!("linear: a weight with strides {other:?}"),
-    };
-    let (xs, ws) = (view::<bf16>(x.0, x.1)?, from_first::<bf16>(w)?);
-    let bs = b.map(|b| view::<bf16>(b.0, b.1)).transpose()?;
-    let cfg = MatmulConfig {
-        transa,
-        transb: false,
-        transc: false,
-        m: n as u64,
-        n: rows as u64,
-        k: k as u64,
-        alpha,
-        lda,
-        ldb: k as i64,
-        beta,
-        ldc: n as i64,
-        stride_a: None,
-        stride_b: None,
-        stride_c: None,
-        stride_bias: None,
-        batch_size: None,
-    };
-    let blas = blas_lt(&dev)?;
-    // Safety: the sizes and leading dimensions above describe the buffers.
-    unsafe { blas.matmul(cfg, &ws, &xs, out, bs.as_ref(), None) }
-        .map_err(|e| candle_core::Error::msg(format!("cuBLASLt product: {e:?}")))
-}
-
-/// One cuBLASLt handle (and its workspace) per device, made on first use.
-fn blas_lt(
-    dev: &candle_core::CudaDevice,
-) -> Result<std::sync::Arc<candle_core::cuda_backend::cudarc::cublaslt::CudaBlasLT>> {
-    use candle_core::cuda_backend::cudarc::cublaslt::CudaBlasLT;
-    use candle_core::cuda_backend::DeviceId;
-    use std::sync::{Arc, Mutex};
-    static HANDLES: Mutex<Vec<(DeviceId, Arc<CudaBlasLT>)>> = Mutex::new(Vec::new());
-    let mut handles = HANDLES.lock().unwrap_or_else(|e| e.into_inner());
-    if let Some((_, blas)) = handles.iter().find(|(id, _)| *id == dev.id()) {
-        return Ok(blas.clone());
-    }
-    let blas =
-        Arc::new(CudaBlasLT::new(dev.cuda_stream()).map_err(|e| candle_core::Error::msg(format!("cuBLASLt: {e:?}")))?);
-    handles.push((dev.id(), blas.clone()));
-    Ok(blas)
+    gemm::product(down, b, None, y.as_cuda_slice_mut::<bf16>()?, (rows, r, n), (scale, 1.0), tuned)
 }
 
 /// The sizes and strides of [`decode_attention`], as `DecodeDims` in
