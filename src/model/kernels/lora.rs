@@ -321,7 +321,7 @@ impl CustomOp3 for LoraLinear {
             None => (h, h_l),
         };
         let down_l = Layout::contiguous((m, r));
-        let down = dropped.matmul(a, (1, m, r, k), dropped_l, &a_l.transpose(0, 1)?)?;
+        let down = super::linear::cuda_dense((dropped, dropped_l), (a, a_l), None, (m, k, r), false)?;
         if epilogue {
             super::cuda::add_product(
                 &mut y,

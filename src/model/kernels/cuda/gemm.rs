@@ -75,7 +75,7 @@ pub fn product(
         }
         let plan = &lt.plans[&shape];
         let algo = match plan.pick {
-            Some(Pick::Lt(algo)) => algo,
+            Some(Pick::Lt(algo)) if tuned => algo,
             _ => plan.first,
         };
         lt.launch(plan, &algo, ptrs, (alpha, beta), &stream)
