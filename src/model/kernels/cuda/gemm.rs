@@ -245,8 +245,9 @@ impl Plan {
     /// recorded into a CUDA graph (whose replays would repeat the
     /// candidates).
     fn tunes_now(&self, stream: &CudaStream) -> bool {
-        let launched = stream.capture_status().is_ok_and(|s| s == CUstreamCaptureStatus::CU_STREAM_CAPTURE_STATUS_NONE);
-        self.pick.is_none() && launched
+        // The driver is asked only until the shape is tuned.
+        self.pick.is_none()
+            && stream.capture_status().is_ok_and(|s| s == CUstreamCaptureStatus::CU_STREAM_CAPTURE_STATUS_NONE)
     }
 }
 
