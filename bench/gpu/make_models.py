@@ -95,13 +95,15 @@ def models_of(size):
 
 def shape_of(model, config):
     """What FLOP and byte counts need: parameters (all, and those of the input
-    embedding, which a token only indexes) and the attention's shape."""
+    embedding, which a token only indexes unless the LM head is tied to it)
+    and the attention's shape."""
     embedding = model.get_input_embeddings().weight.numel()
     heads = config.num_attention_heads
     head_dim = getattr(config, "head_dim", None) or config.hidden_size // heads
     return dict(
         parameters=sum(p.numel() for p in model.parameters()),
         embedding_parameters=embedding,
+        tied=bool(getattr(config, "tie_word_embeddings", False)),
         layers=config.num_hidden_layers,
         hidden_size=config.hidden_size,
         attention_heads=heads,

@@ -7,7 +7,10 @@ Generation: tokens/s, ms per decoding step (the whole call over the new
 tokens, prefill included), the memory floor per step (the bf16 weights
 once, less the input embedding a step only indexes, plus the KV cache once:
 each prompt's keys and values once, and every row's completion so far) over
-the measured copy bandwidth, and the ratio to it. Training: completions/s
+the measured copy bandwidth, the arithmetic floor per step (2 x the rows x
+those weights, plus attention's 4 x layers x heads x head_dim x the keys
+each row reads, at the measured bf16 peak), and the ratio to the larger: at
+256 rows an 8B model's products take longer than its weights' bytes. Training: completions/s
 over the steady steps, the time split per step, the peak GPU memory
 allocated, and the training phase's model-FLOPs utilisation against the
 measured bf16 peak: (6 for full fine-tuning, 4 for LoRA, which computes no
@@ -59,20 +62,34 @@ def prompt_lengths(models, size):
     return [len(json.loads(r)["prompt"].split()) for r in rows if r.strip()]
 
 
+def product_parameters(shape):
+    """The parameters a token's products read: all but the input embedding,
+    which a token only indexes, unless the LM head is tied to it."""
+    tied = shape.get("tied", False)
+    return shape["parameters"] - (0 if tied else shape["embedding_parameters"])
+
+
 def generation(out, peaks, models):
     print("Generation: 64 prompts x 4 samples x 128 new tokens, bf16, batch 256")
-    print(f"{'model':<10} {'side':<38} {'tokens/s':>9} {'ms/step':>8} {'floor ms':>9} {'x floor':>8}  runs")
+    print(f"{'model':<10} {'side':<38} {'tokens/s':>9} {'ms/step':>8} {'mem ms':>7} {'flop ms':>7} "
+          f"{'x floor':>8}  runs")
     # gen-SIZE-rloo_DECODER-RUN.log (a size may hold dashes, a decoder none)
     named = [re.match(r"^gen-(.+)-(rloo_[^-]+)-\d+\.log$", p.name) for p in out.glob("gen-*-rloo_*.log")]
     for size in sorted({m.group(1) for m in named if m}):
         shape = load(Path(models) / size / "shape.json")
         lengths = prompt_lengths(models, size)
-        floor = None
+        floor = memory = arithmetic = None
         if shape and peaks:
             per_token = shape["layers"] * 2 * shape["kv_heads"] * shape["head_dim"] * 2
-            weights = 2 * (shape["parameters"] - shape["embedding_parameters"])
+            weights = 2 * product_parameters(shape)
             kv = per_token * (sum(lengths) + len(lengths) * K * (NEW - 1) / 2)
-            floor = (weights + kv) / (peaks["bandwidth_gbs"] * 1e9) * 1e3
+            memory = (weights + kv) / (peaks["bandwidth_gbs"] * 1e9) * 1e3
+            # Each row reads its prompt's keys and its own, on average half its completion.
+            keys = K * sum(lengths) + len(lengths) * K * (NEW - 1) / 2
+            attention = 4 * shape["layers"] * shape["attention_heads"] * shape["head_dim"] * keys
+            flops = 2 * len(lengths) * K * product_parameters(shape) + attention
+            arithmetic = flops / (peaks["bf16_tflops"] * 1e12) * 1e3
+            floor = max(memory, arithmetic)
         rates = {}
         decoders = sorted({m.group(2) for m in named if m and m.group(1) == size})
         for side in decoders + ["transformers"]:
@@ -88,8 +105,8 @@ def generation(out, peaks, models):
             step_ms = median([s / NEW * 1e3 for _, s in done])
             rates[side] = rate
             ratio = step_ms / floor if step_ms and floor else None
-            print(f"{size:<10} {side:<38} {fmt(rate, '9.0f')} {fmt(step_ms, '8.2f')} {fmt(floor, '9.2f')} "
-                  f"{fmt(ratio, '8.1f')}  {len(done)}/{len(runs)}")
+            print(f"{size:<10} {side:<38} {fmt(rate, '9.0f')} {fmt(step_ms, '8.2f')} {fmt(memory, '7.2f')} "
+                  f"{fmt(arithmetic, '7.2f')} {fmt(ratio, '8.1f')}  {len(done)}/{len(runs)}")
         for side in decoders:
             if rates[side] and rates["transformers"]:
                 print(f"{size:<10} {side} / transformers: {rates[side] / rates['transformers']:.2f}x")
@@ -186,7 +203,7 @@ def serving(out):
 def train_flops(shape, lengths, lora):
     tokens = K * sum(n + NEW for n in lengths)
     keys = K * sum((n + NEW) * (n + NEW + 1) / 2 for n in lengths)
-    dense = (4 if lora else 6) * (shape["parameters"] - shape["embedding_parameters"]) * tokens
+    dense = (4 if lora else 6) * product_parameters(shape) * tokens
     attention = 12 * shape["layers"] * shape["attention_heads"] * shape["head_dim"] * keys
     return dense + attention
 
