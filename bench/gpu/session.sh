@@ -21,14 +21,15 @@
 #      row and per prompt's rows (each, prompt), and with each product's
 #      algorithm timed among cuBLASLt's candidates (RLOO_GEMM=tuned), each
 #      step's time split between the GPU and the host;
-#   5. rloo serve at 410m under 1, 8 and 32 streaming clients, its steps
+#   5. generation at 1B, as the binary cuts it, per row and per prompt's
+#      rows, and tuned (the defaults of the decoding kernel at a head size
+#      of 256);
+#   6. rloo serve at 410m under 1, 8 and 32 streaming clients, its steps
 #      launched from the host and replayed from recordings as rows come and
 #      go (RLOO_DECODE_STEP=shrink, graph);
-#   6. the kernels of the training phase over one micro-batch at 410m,
+#   7. the kernels of the training phase over one micro-batch at 410m,
 #      and of a short generation at the benchmark's 256 rows, under the
 #      defaults;
-#   7. generation at 1B, as the binary cuts it, per row and per prompt's
-#      rows, and tuned;
 #   8. LoRA (r = 16, all linear layers) at 1B against TRL with PEFT, over
 #      spans;
 #   9. the Qwen3-8B LoRA arm (bf16 weights, gradient checkpointing) against
@@ -44,7 +45,7 @@
 # Where .cuda/bin/rloo-before.gz is carried too (bench/gpu/baseline.sh REV
 # builds it), the RLOO step at 410m and at 1B and generation at 410m run
 # with it as well, under the same settings, on the same card (OUT/before,
-# its own table, with the revision in rloo-before.rev), after 5.
+# its own table, with the revision in rloo-before.rev), after 6.
 # Logs stay in OUT; the benchmark's table (bench/gpu/report.py) prints last.
 # The binaries may come packed in .cuda/carry (bench/gpu/pack.sh: within
 # what a call carries), unpacked first.
@@ -56,7 +57,7 @@ set -uo pipefail
 cd "$(dirname "$0")/../.."
 export OUT=${OUT:-/tmp/rloo-gpu-session} PY=${PY:-python3} MODELS=${MODELS:-/tmp/rloo-gpu-models}
 BUDGET=${BUDGET:-540}
-PARTS=${PARTS:-check train-410m train-1b generate-410m serve-410m train-before generate-before profile generate-1b train-1b-lora}
+PARTS=${PARTS:-check train-410m train-1b generate-410m generate-1b serve-410m train-before generate-before profile train-1b-lora}
 mkdir -p "$OUT"
 # The binaries as bench/gpu/pack.sh packs them for the call, where carried.
 if [[ -e .cuda/carry/rloo.gz ]]; then
@@ -89,6 +90,7 @@ part train-1b 120 env ARMS=1b-full TRAIN_RUNS=1 STEPS=3 ATTENTION="$defaults+spa
 decoded=race+lanes+fused+graph+epilogue
 decoders="$decoded $decoded+grouped+each $decoded+grouped+prompt $decoded+grouped+auto+packed $decoded+tuned"
 part generate-410m 60 env SIZES=410m RUNS=2 DECODERS="$decoders" bench/gpu/run.sh peaks generate
+part generate-1b 30 env SIZES=1b RUNS=2 PEER=off DECODERS="$decoders" bench/gpu/run.sh generate
 part serve-410m 45 env SIZES=410m bench/gpu/run.sh serve
 if [[ -e .cuda/bin/rloo-before.gz ]]; then
     gunzip -c .cuda/bin/rloo-before.gz >/tmp/rloo-before && chmod +x /tmp/rloo-before
@@ -99,7 +101,6 @@ if [[ -e .cuda/bin/rloo-before.gz ]]; then
         DECODERS="$decoded" bench/gpu/run.sh generate
 fi
 part profile 90 env SIZES=410m bench/gpu/run.sh profile
-part generate-1b 30 env SIZES=1b RUNS=2 PEER=off DECODERS="$decoders" bench/gpu/run.sh generate
 part train-1b-lora 100 env ARMS=1b-lora TRAIN_RUNS=1 STEPS=3 ATTENTION="$defaults+spans" bench/gpu/run.sh train
 part train-8b-lora 240 env ARMS=qwen3-8b-lora TRAIN_RUNS=1 STEPS=3 ATTENTION="$defaults+spans $defaults+spans+offload" \
     bench/gpu/run.sh train
