@@ -141,27 +141,37 @@ STEP_EXTRAS = re.compile(r"the prefill ([\d.]+) ms, .*?the first two steps ([\d.
 
 
 def step_timing(out):
-    """Where rloo's decoding steps went (RLOO_DECODE_TIMING=on in run.sh's generation runs): medians over runs."""
+    """Where rloo's decoding steps went (RLOO_DECODE_TIMING=on in run.sh's generation runs and in its
+    training runs' rollouts): medians over runs; a training run's steady steps (each step's rollout is
+    one batch), the first left out as its completions/s leave it out."""
     rows = {}
-    for log in sorted(out.glob("gen-*-rloo_*.log")):
-        m = re.match(r"^gen-(.+)-(rloo_[^-]+)-\d+\.log$", log.name)
-        text = log.read_text()
-        timing, extras = STEP_TIMING.search(text), STEP_EXTRAS.search(text)
-        if m and timing:
+    logs = [(log, re.match(r"^gen-(.+)-(rloo_[^-]+)-\d+\.log$", log.name)) for log in sorted(out.glob("gen-*-rloo_*.log"))]
+    logs += [(log, re.match(r"^train-(.+)-(rloo_[^-]+)-\d+\.log$", log.name)) for log in sorted(out.glob("train-*-rloo_*.log"))]
+    for log, m in logs:
+        lines = [line for line in log.read_text().splitlines() if STEP_TIMING.search(line)]
+        batches = [(STEP_TIMING.search(line), STEP_EXTRAS.search(line)) for line in lines]
+        for timing, extras in batches[1:] if log.name.startswith("train-") and len(batches) > 1 else batches:
             values = [float(x) for x in timing.groups()[1:]]
             values += [float(x) for x in extras.groups()] if extras else [float("nan")] * 4
-            rows.setdefault(m.groups(), []).append(values)
-    if not rows:
+            if m:
+                size, side = m.groups()
+                side += ", RLOO step's rollouts" if log.name.startswith("train-") else ""
+                rows.setdefault((size, side), []).append(values)
+    # A step that could not be recorded says so once a run: its steps were launched op by op from the host.
+    hosted = [log.name for log, _ in logs if "launched from the host, not recorded" in log.read_text()]
+    if not rows and not hosted:
         return
     print()
     print("Decoding steps on the GPU's clock (CUDA events), ms, medians of each run's steps, then of runs;")
     print("then what the medians leave out: the prefill, the first two steps (launched, recorded), all steps")
-    print(f"{'model':<10} {'side':<58} {'picks':>6} {'forward':>8} {'host':>6} {'step':>6} "
+    print(f"{'model':<14} {'side':<58} {'picks':>6} {'forward':>8} {'host':>6} {'step':>6} "
           f"{'prefill':>8} {'first':>6} {'second':>6} {'all':>7}  runs")
     for (size, side), runs in sorted(rows.items()):
         picks, forward, host, step, prefill, first, second, total = (median([r[i] for r in runs]) for i in range(8))
-        print(f"{size:<10} {side:<58} {picks:6.3f} {forward:8.3f} {host:6.3f} {step:6.3f} "
+        print(f"{size:<14} {side:<58} {picks:6.3f} {forward:8.3f} {host:6.3f} {step:6.3f} "
               f"{prefill:8.1f} {first:6.1f} {second:6.1f} {total:7.1f}  {len(runs)}")
+    for name in hosted:
+        print(f"{name}: decoding steps launched from the host, NOT recorded (its log says why)")
 
 
 def long_prompts(out):
@@ -307,7 +317,7 @@ def main():
                                     if peaks else "no peaks"))
     if list(out.glob("gen-*")):
         generation(out, peaks, models)
-        step_timing(out)
+    step_timing(out)
     long_prompts(out)
     serving(out)
     if list(out.glob("train-*.json")):

@@ -17,7 +17,8 @@
 #             off), as a server's few requests over long contexts decode
 #   train     rloo train against TRL's RLOOTrainer: 64 prompts x k = 4, 128
 #             new tokens, bf16, reward-model scoring, one epoch, one
-#             mini-batch, per ARMS
+#             mini-batch, per ARMS; each step's rollout timed on CUDA events
+#             as generation's are (RLOO_DECODE_TIMING=on)
 #   serve     rloo serve --device cuda --bf16 at the first of SIZES under
 #             bench/serve/load.py (1, 8 and 32 clients streaming 64 tokens a
 #             request), its steps launched from the host and replayed from
@@ -222,7 +223,8 @@ if part train; then
                     -e "s|@OFFLOAD@|$offload|" \
                     bench/gpu/rloo.toml.in >"$run.toml"
                 printf '\n%s\n' "$lora" >>"$run.toml"
-                RLOO_OUT=$run "$PY" bench/train/measure.py rloo "$run.json" -- env ${gemm:+RLOO_GEMM=$gemm} ${kernels:+RLOO_ATTENTION=$kernels} \
+                # Each step's rollout timed as generation's are (CUDA events, one wait after its prefill).
+                RLOO_OUT=$run "$PY" bench/train/measure.py rloo "$run.json" -- env RLOO_DECODE_TIMING=on ${gemm:+RLOO_GEMM=$gemm} ${kernels:+RLOO_ATTENTION=$kernels} \
                     ${heads:+RLOO_ATTENTION_HEADS=$heads} ${step:+RLOO_DECODE_STEP=$step} ${decode:+RLOO_DECODE_ATTENTION=$decode} \
                     ${bias:+RLOO_DENSE_BIAS=$bias} ${mlp:+RLOO_MLP_INPUT=$mlp} ${mask:+RLOO_ATTENTION_MASK=$mask} \
                     ${rows:+RLOO_DECODE_ROWS=$rows} timeout "$LIMIT" "${rloo_cmd[@]}" train "$run.toml" >"$run.log" 2>&1 || tail -5 "$run.log"
