@@ -5,12 +5,13 @@
 
 Generation: tokens/s, ms per decoding step (the whole call over the new
 tokens, prefill included), the memory floor per step (the bf16 weights
-once, less the input embedding a step only indexes, plus the KV cache once:
-each prompt's keys and values once, and every row's completion so far) over
-the measured copy bandwidth, the arithmetic floor per step (2 x the rows x
-those weights, plus attention's 4 x layers x heads x head_dim x the keys
-each row reads, at the measured bf16 peak), and the ratio to the larger: at
-256 rows an 8B model's products take longer than its weights' bytes. Training: completions/s
+once, less the input embedding a step only indexes unless the LM head is
+tied to it, plus the KV cache once: each prompt's keys and values once,
+and every row's completion so far) over the measured copy bandwidth, the
+arithmetic floor per step (2 x the rows x those weights, plus attention's
+4 x layers x heads x head_dim x the keys each row reads, at the measured
+bf16 peak), and the ratio to the larger: at 256 rows an 8B model's
+products take about as long as its bytes. Training: completions/s
 over the steady steps, the time split per step, the peak GPU memory
 allocated, and the training phase's model-FLOPs utilisation against the
 measured bf16 peak: (6 for full fine-tuning, 4 for LoRA, which computes no
@@ -141,8 +142,8 @@ STEP_EXTRAS = re.compile(r"the prefill ([\d.]+) ms, .*?the first two steps ([\d.
 
 
 def step_timing(out):
-    """Where rloo's decoding steps went (RLOO_DECODE_TIMING=on in run.sh's generation runs and in its
-    training runs' rollouts): medians over runs; a training run's steady steps (each step's rollout is
+    """Where rloo's decoding steps went (RLOO_DECODE_TIMING=on in run.sh's generation runs and in the
+    8B arm's rollouts): medians over runs; of a training run, its steady steps' (each step's rollout is
     one batch), the first left out as its completions/s leave it out."""
     rows = {}
     logs = [(log, re.match(r"^gen-(.+)-(rloo_[^-]+)-\d+\.log$", log.name)) for log in sorted(out.glob("gen-*-rloo_*.log"))]

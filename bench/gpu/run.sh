@@ -17,8 +17,8 @@
 #             off), as a server's few requests over long contexts decode
 #   train     rloo train against TRL's RLOOTrainer: 64 prompts x k = 4, 128
 #             new tokens, bf16, reward-model scoring, one epoch, one
-#             mini-batch, per ARMS; each step's rollout timed on CUDA events
-#             as generation's are (RLOO_DECODE_TIMING=on)
+#             mini-batch, per ARMS; the 8B arm's rollouts timed on CUDA
+#             events as generation's are (RLOO_DECODE_TIMING=on)
 #   serve     rloo serve --device cuda --bf16 at the first of SIZES under
 #             bench/serve/load.py (1, 8 and 32 clients streaming 64 tokens a
 #             request), its steps launched from the host and replayed from
@@ -199,7 +199,7 @@ if part train; then
         size=${arm%-*} kind=${arm##*-}
         models "$size" || continue
         dir=$MODELS/$size
-        trl_arm=() checkpointing=false lora=""
+        trl_arm=() checkpointing=false lora="" timing=off
         case "$kind" in
             full) ;;
             lora) trl_arm=(--lora-r 16)
@@ -207,9 +207,11 @@ if part train; then
             *) log "unknown arm $arm (SIZE-full or SIZE-lora)"; continue ;;
         esac
         # The 8B policy runs as a LoRA user runs it: bf16 weights, gradient checkpointing
-        # (qwen3-tiny: the same on the CPU, a dry run).
+        # (qwen3-tiny: the same on the CPU, a dry run). Its rollouts' steps are timed as
+        # generation's are (CUDA events, one wait after the prefill): whether they were
+        # recorded, and how long they took on the GPU.
         if [[ $size == qwen3-8b || $size == qwen3-tiny ]]; then
-            trl_arm+=(--gradient-checkpointing --weights-bf16) checkpointing=true
+            trl_arm+=(--gradient-checkpointing --weights-bf16) checkpointing=true timing=on
         fi
         for i in $(seq 1 "$TRAIN_RUNS"); do
             for attention in $ATTENTION; do
@@ -223,8 +225,7 @@ if part train; then
                     -e "s|@OFFLOAD@|$offload|" \
                     bench/gpu/rloo.toml.in >"$run.toml"
                 printf '\n%s\n' "$lora" >>"$run.toml"
-                # Each step's rollout timed as generation's are (CUDA events, one wait after its prefill).
-                RLOO_OUT=$run "$PY" bench/train/measure.py rloo "$run.json" -- env RLOO_DECODE_TIMING=on ${gemm:+RLOO_GEMM=$gemm} ${kernels:+RLOO_ATTENTION=$kernels} \
+                RLOO_OUT=$run "$PY" bench/train/measure.py rloo "$run.json" -- env RLOO_DECODE_TIMING=$timing ${gemm:+RLOO_GEMM=$gemm} ${kernels:+RLOO_ATTENTION=$kernels} \
                     ${heads:+RLOO_ATTENTION_HEADS=$heads} ${step:+RLOO_DECODE_STEP=$step} ${decode:+RLOO_DECODE_ATTENTION=$decode} \
                     ${bias:+RLOO_DENSE_BIAS=$bias} ${mlp:+RLOO_MLP_INPUT=$mlp} ${mask:+RLOO_ATTENTION_MASK=$mask} \
                     ${rows:+RLOO_DECODE_ROWS=$rows} timeout "$LIMIT" "${rloo_cmd[@]}" train "$run.toml" >"$run.log" 2>&1 || tail -5 "$run.log"
