@@ -82,13 +82,14 @@ def generation(out, peaks, models):
         floor = memory = arithmetic = None
         if shape and peaks:
             per_token = shape["layers"] * 2 * shape["kv_heads"] * shape["head_dim"] * 2
-            weights = 2 * product_parameters(shape)
+            products = product_parameters(shape)
+            weights = 2 * products
             kv = per_token * (sum(lengths) + len(lengths) * K * (NEW - 1) / 2)
             memory = (weights + kv) / (peaks["bandwidth_gbs"] * 1e9) * 1e3
             # Each row reads its prompt's keys and its own, on average half its completion.
             keys = K * sum(lengths) + len(lengths) * K * (NEW - 1) / 2
             attention = 4 * shape["layers"] * shape["attention_heads"] * shape["head_dim"] * keys
-            flops = 2 * len(lengths) * K * product_parameters(shape) + attention
+            flops = 2 * len(lengths) * K * products + attention
             arithmetic = flops / (peaks["bf16_tflops"] * 1e12) * 1e3
             floor = max(memory, arithmetic)
         rates = {}
@@ -145,21 +146,25 @@ def step_timing(out):
     """Where rloo's decoding steps went (RLOO_DECODE_TIMING=on in run.sh's generation runs and in the
     8B arm's rollouts): medians over runs; of a training run, its steady steps' (each step's rollout is
     one batch), the first left out as its completions/s leave it out."""
-    rows = {}
-    logs = [(log, re.match(r"^gen-(.+)-(rloo_[^-]+)-\d+\.log$", log.name)) for log in sorted(out.glob("gen-*-rloo_*.log"))]
-    logs += [(log, re.match(r"^train-(.+)-(rloo_[^-]+)-\d+\.log$", log.name)) for log in sorted(out.glob("train-*-rloo_*.log"))]
-    for log, m in logs:
-        lines = [line for line in log.read_text().splitlines() if STEP_TIMING.search(line)]
-        batches = [(STEP_TIMING.search(line), STEP_EXTRAS.search(line)) for line in lines]
-        for timing, extras in batches[1:] if log.name.startswith("train-") and len(batches) > 1 else batches:
-            values = [float(x) for x in timing.groups()[1:]]
-            values += [float(x) for x in extras.groups()] if extras else [float("nan")] * 4
-            if m:
-                size, side = m.groups()
-                side += ", RLOO step's rollouts" if log.name.startswith("train-") else ""
+    rows, hosted = {}, []
+    for kind in ("gen", "train"):
+        for log in sorted(out.glob(f"{kind}-*-rloo_*.log")):
+            m = re.match(rf"^{kind}-(.+)-(rloo_[^-]+)-\d+\.log$", log.name)
+            if not m:
+                continue
+            text = log.read_text()
+            # A step that could not be recorded says so once a run: its steps were launched from the host.
+            if "launched from the host, not recorded" in text:
+                hosted.append(log.name)
+            batches = [(t, STEP_EXTRAS.search(line)) for line in text.splitlines() if (t := STEP_TIMING.search(line))]
+            if kind == "train":
+                batches = batches[1:] or batches
+            size, side = m.groups()
+            side += ", RLOO step's rollouts" if kind == "train" else ""
+            for timing, extras in batches:
+                values = [float(x) for x in timing.groups()[1:]]
+                values += [float(x) for x in extras.groups()] if extras else [float("nan")] * 4
                 rows.setdefault((size, side), []).append(values)
-    # A step that could not be recorded says so once a run: its steps were launched op by op from the host.
-    hosted = [log.name for log, _ in logs if "launched from the host, not recorded" in log.read_text()]
     if not rows and not hosted:
         return
     print()
