@@ -67,6 +67,7 @@ pub struct ModelReport {
 }
 
 /// Samples, scores and measures one model on the prompts.
+#[allow(clippy::too_many_arguments)]
 pub fn evaluate_model(
     name: &str,
     model: &Model,

@@ -462,7 +462,7 @@ fn write_report(
         render_markdown(&["model", "reward-model score", "positive reviews", "length (tokens)", "KL to SFT"], &rows);
     let (before_texts, after_texts) = (&before.rollout.texts, &after.rollout.texts);
     let samples: Vec<Vec<String>> = (0..before_texts.len().min(8))
-        .step_by(before_texts.len().min(8).max(1) / 4)
+        .step_by(before_texts.len().clamp(1, 8) / 4)
         .map(|i| vec![before_texts[i].trim().to_string(), after_texts[i].trim().to_string()])
         .collect();
     let samples = render_markdown(&["before (SFT)", "after (RLOO)"], &samples);

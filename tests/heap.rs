@@ -218,7 +218,8 @@ fn each_architecture_keeps_per_layer_what_the_memory_plan_counts() {
     let lora = Keeping { lora: true, ..kept };
     let sequential = [("use_parallel_residual", json!(false)), ("attention_bias", json!(false))];
     let no_bias = [("enable_bias", json!(false))];
-    let cases: &[(&str, &[(&str, Value)], Keeping)] = &[
+    type Case<'a> = (&'a str, &'a [(&'a str, Value)], Keeping);
+    let cases: &[Case] = &[
         ("gpt_neox-causal", &[], kept),
         ("gpt_neox-causal", &[], remade),
         ("gpt_neox-causal", &[], lora),

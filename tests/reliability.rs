@@ -142,7 +142,7 @@ fn sigterm_finishes_the_step_saves_a_checkpoint_and_the_run_resumes() {
     let saved = checkpoints(&out);
     assert_eq!(saved.len(), 1, "one checkpoint at the interrupted step: {saved:?}");
     let step: usize = saved[0]["checkpoint-".len()..].parse().unwrap();
-    assert!(step >= 2 && step < 400, "{step}");
+    assert!((2..400).contains(&step), "{step}");
     let logged = std::fs::read_to_string(&metrics).unwrap().lines().count();
     assert_eq!(logged, step, "every finished step is logged and checkpointed");
 

@@ -436,14 +436,12 @@ fn decode_alone(net: &rloo::model::Network, prompt: &[u32], steps: usize) -> Vec
     let inputs = Inputs::from_rows(&[prompt.to_vec()], 0, PadSide::Left, &dev).unwrap();
     let mut logits = net.logits(&inputs, Some(&mut cache)).unwrap().get(0).unwrap();
     let mut out = Vec::new();
-    let mut pos = prompt.len() as u32;
-    for _ in 0..steps {
+    for pos in (prompt.len() as u32..).take(steps) {
         let last: Vec<f32> = logits.get(logits.dim(0).unwrap() - 1).unwrap().to_vec1().unwrap();
         let next = argmax(&last);
         out.push(last);
         let step = Inputs::step(&[next], &[pos], &dev).unwrap();
         logits = net.logits(&step, Some(&mut cache)).unwrap().get(0).unwrap();
-        pos += 1;
     }
     out
 }
@@ -467,7 +465,7 @@ fn joined_rows_decode_as_they_do_alone() {
 
         // A decodes 3 tokens, then B joins; A leaves after 6, B goes on.
         let mut cache = net.new_cache();
-        let inputs = Inputs::from_rows(&[a.clone()], 0, PadSide::Left, &dev).unwrap();
+        let inputs = Inputs::from_rows(std::slice::from_ref(&a), 0, PadSide::Left, &dev).unwrap();
         let h = net.logits(&inputs, Some(&mut cache)).unwrap();
         let mut rows: Vec<(usize, Vec<u32>, Vec<Vec<f32>>)> = vec![(0, a.clone(), Vec::new())];
         let mut logits: Vec<Vec<f32>> = vec![h.get(0).unwrap().get(a.len() - 1).unwrap().to_vec1().unwrap()];
@@ -475,7 +473,7 @@ fn joined_rows_decode_as_they_do_alone() {
         for step in 0..11 {
             if step == 3 {
                 let mut joining = net.new_cache();
-                let inputs = Inputs::from_rows(&[b.clone()], 0, PadSide::Left, &dev).unwrap();
+                let inputs = Inputs::from_rows(std::slice::from_ref(&b), 0, PadSide::Left, &dev).unwrap();
                 let h = net.logits(&inputs, Some(&mut joining)).unwrap();
                 cache.join(joining, 16).unwrap();
                 rows.push((1, b.clone(), Vec::new()));

@@ -235,7 +235,8 @@ fn browsers_cannot_drive_the_server_from_other_sites() {
     let server = serve(&["--allowed-origins", "http://localhost:3000", "--allowed-hosts", "models.lan"]);
     let addr = server.addr();
     let body = json!({"model": "neox", "prompt": "hi", "max_tokens": 2}).to_string();
-    let cases: [(&[(&str, &str)], u16, &str); 7] = [
+    type Headers<'a> = &'a [(&'a str, &'a str)];
+    let cases: [(Headers, u16, &str); 7] = [
         (&[("Host", addr), ("Content-Type", "text/plain")], 415, "send the body as JSON"),
         (&[("Host", addr)], 415, "send the body as JSON"),
         (&[("Host", addr), JSON, ("Origin", "https://evil.example")], 403, "requests from web pages of"),

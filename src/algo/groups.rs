@@ -14,7 +14,7 @@ impl<T> Grouped<T> {
     /// Panics unless `data.len()` is a multiple of `k` and `k >= 1`: the
     /// layout is built by the trainer, not read from user input.
     pub fn new(k: usize, data: Vec<T>) -> Self {
-        assert!(k >= 1 && data.len() % k == 0, "{} samples do not split into groups of {k}", data.len());
+        assert!(k >= 1 && data.len().is_multiple_of(k), "{} samples do not split into groups of {k}", data.len());
         Self { k, data }
     }
 

@@ -180,6 +180,7 @@ impl LossStats {
 /// no unmasked token contributes nothing. `denominator` is the number of
 /// terms the loss is averaged over: pass the mini-batch's count (sequences
 /// or unmasked tokens) so that micro-batches accumulate to the mini-batch mean.
+#[allow(clippy::too_many_arguments)]
 pub fn policy_loss(
     lp: &Tensor,
     lp_old: &Tensor,

@@ -62,10 +62,10 @@ pub fn run(a: LaunchArgs) -> Result<()> {
     if a.nproc_per_node == 0 || a.nnodes == 0 || a.node_rank >= a.nnodes {
         bail!("--nproc_per_node and --nnodes must be at least 1, and --node_rank below --nnodes");
     }
-    let trains = match a.command.iter().map(String::as_str).collect::<Vec<_>>()[..] {
-        ["train", ..] | ["sft", ..] | ["reward", "train", ..] => true,
-        _ => false,
-    };
+    let trains = matches!(
+        a.command.iter().map(String::as_str).collect::<Vec<_>>()[..],
+        ["train", ..] | ["sft", ..] | ["reward", "train", ..]
+    );
     if !trains {
         bail!("rloo launch runs the trainers data-parallel (train, sft, reward train); got `{}`", a.command.join(" "));
     }

@@ -102,7 +102,8 @@ fn train(a: RewardTrainArgs) -> Result<()> {
         return Ok(());
     }
     if !s.finished {
-        return Ok(super::supervised::stopped_early(s.steps, &s.output_dir));
+        super::supervised::stopped_early(s.steps, &s.output_dir);
+        return Ok(());
     }
     match s.eval {
         Some(e) => eprintln!(

@@ -28,7 +28,8 @@ pub fn run(a: SftArgs) -> Result<()> {
         return Ok(());
     }
     if !s.finished {
-        return Ok(super::supervised::stopped_early(s.steps, &s.output_dir));
+        super::supervised::stopped_early(s.steps, &s.output_dir);
+        return Ok(());
     }
     eprintln!(
         "fine-tuned {} steps, train loss {:.4}{} -> {}",

@@ -165,7 +165,7 @@ fn histogram(lengths: &mut [usize], out: &mut dyn Write) -> std::io::Result<()> 
     writeln!(out, "  min {}  median {}  p95 {}  max {}", lengths[0], at(0.5), at(0.95), at(1.0))?;
     let (lo, hi) = (lengths[0], lengths[lengths.len() - 1]);
     let width = (hi - lo).div_ceil(10).max(1);
-    let mut bins = vec![0usize; 10];
+    let mut bins = [0usize; 10];
     for &n in lengths.iter() {
         bins[((n - lo) / width).min(9)] += 1;
     }

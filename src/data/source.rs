@@ -280,7 +280,7 @@ fn split_of(rel: &str) -> Option<String> {
         return (!dir.contains('/')).then(|| dir.to_string());
     }
     let stem = rel.split('.').next().unwrap_or(rel);
-    let shard = stem.find(|c: char| c == '-').filter(|&i| stem[i + 1..].starts_with(|c: char| c.is_ascii_digit()));
+    let shard = stem.find('-').filter(|&i| stem[i + 1..].starts_with(|c: char| c.is_ascii_digit()));
     Some(shard.map_or(stem, |i| &stem[..i]).to_string())
 }
 

@@ -149,7 +149,7 @@ impl ArchConfig for Config {
 
 impl RawConfig {
     pub fn resolve(&self) -> std::result::Result<Config, String> {
-        if self.n_head == 0 || self.n_embd % self.n_head != 0 {
+        if self.n_head == 0 || !self.n_embd.is_multiple_of(self.n_head) {
             return Err(format!("n_embd={} is not a multiple of n_head={}", self.n_embd, self.n_head));
         }
         if self.add_cross_attention {

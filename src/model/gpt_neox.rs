@@ -132,7 +132,7 @@ impl ArchConfig for Config {
 impl RawConfig {
     pub fn resolve(&self) -> std::result::Result<Config, String> {
         let heads = self.num_attention_heads;
-        if heads == 0 || self.hidden_size % heads != 0 {
+        if heads == 0 || !self.hidden_size.is_multiple_of(heads) {
             return Err(format!("hidden_size={} is not a multiple of num_attention_heads={heads}", self.hidden_size));
         }
         let head_dim = self.hidden_size / heads;

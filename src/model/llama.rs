@@ -161,12 +161,12 @@ impl RawConfig {
     pub fn resolve(&self, variant: Variant) -> std::result::Result<Config, String> {
         let heads = self.num_attention_heads;
         let kv_heads = self.num_key_value_heads.unwrap_or(heads);
-        if heads == 0 || kv_heads == 0 || heads % kv_heads != 0 {
+        if heads == 0 || kv_heads == 0 || !heads.is_multiple_of(kv_heads) {
             return Err(format!("num_key_value_heads={kv_heads} does not divide num_attention_heads={heads}"));
         }
         let head_dim = match self.head_dim {
             Some(d) => d,
-            None if self.hidden_size % heads == 0 => self.hidden_size / heads,
+            None if self.hidden_size.is_multiple_of(heads) => self.hidden_size / heads,
             None => {
                 return Err(format!(
                     "hidden_size={} is not a multiple of num_attention_heads={heads} and head_dim is not set",

@@ -130,7 +130,7 @@ fn yes() -> bool {
 impl RawConfig {
     pub fn resolve(&self) -> std::result::Result<Config, String> {
         let heads = self.num_attention_heads;
-        if heads == 0 || self.hidden_size % heads != 0 {
+        if heads == 0 || !self.hidden_size.is_multiple_of(heads) {
             return Err(format!("hidden_size={} is not a multiple of num_attention_heads={heads}", self.hidden_size));
         }
         if !self.layer_norm_elementwise_affine {

@@ -81,7 +81,7 @@ impl RawRope {
         }
         // transformers truncates: int(head_dim * partial_rotary_factor).
         let rotary_dim = (head_dim as f64 * fraction) as usize;
-        if rotary_dim == 0 || rotary_dim % 2 != 0 {
+        if rotary_dim == 0 || !rotary_dim.is_multiple_of(2) {
             return Err(format!(
                 "rotary dimension {rotary_dim} (head_dim {head_dim} x {fraction}) must be even and positive"
             ));

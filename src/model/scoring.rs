@@ -302,9 +302,9 @@ mod tests {
     #[test]
     fn a_grouped_order_keeps_the_rows_and_puts_each_prompts_together() {
         let (a, b, c) = (vec![1u32], vec![2u32], vec![3u32]);
-        let completion = vec![9u32; 4];
+        let completion = [9u32; 4];
         // Three prompts' completions, shuffled as mini-batches are.
-        let prompts = vec![&a, &b, &c, &a, &b, &c, &a, &b];
+        let prompts = [&a, &b, &c, &a, &b, &c, &a, &b];
         let seqs = Sequences::new(prompts.iter().map(|p| p.as_slice()).collect(), vec![&completion[..]; 8]);
         let shuffled = [4, 0, 7, 3, 5, 1, 6];
         assert_eq!(seqs.grouped_order(&shuffled), [4, 7, 1, 0, 3, 6, 5]);

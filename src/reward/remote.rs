@@ -172,50 +172,6 @@ pub fn read_scores(answer: &Value, n: usize) -> std::result::Result<Vec<Option<f
         .collect()
 }
 
-#[cfg(test)]
-mod tests {
-    use super::*;
-
-    #[test]
-    fn scores_are_read_from_either_key_and_checked() {
-        assert_eq!(read_scores(&json!({"scores": [1, null, -2.5]}), 3), Ok(vec![Some(1.0), None, Some(-2.5)]));
-        assert_eq!(read_scores(&json!({"rewards": [0.5]}), 1), Ok(vec![Some(0.5)]));
-        assert_eq!(read_scores(&json!({"scores": [1]}), 2), Err("expected 2 scores, got 1".into()));
-        assert_eq!(
-            read_scores(&json!({"score": [1]}), 1),
-            Err("the answer has no \"scores\" list: {\"score\":[1]}".into())
-        );
-        assert!(read_scores(&json!({"scores": [1, "2"]}), 2)
-            .unwrap_err()
-            .starts_with("score 1 must be a number or null"));
-        assert!(read_scores(&json!({"scores": 3}), 1).unwrap_err().starts_with("\"scores\" must be a list"));
-    }
-
-    #[test]
-    fn the_budget_warns_below_and_stops_above_the_rate() {
-        let budget = FailureBudget::new("judge", "http://127.0.0.1:1/v1", 0.25);
-        let stats = |failures| CallStats { items: 8, failures, latencies: vec![0.1, 0.3] };
-        budget.settle(stats(2), "samples", Some("HTTP 500: boom")).unwrap();
-        assert_eq!(budget.take().unwrap().failures, 2);
-        assert_eq!(budget.take(), None);
-        let err = budget.settle(stats(3), "samples", Some("HTTP 500: boom")).unwrap_err().to_string();
-        assert_eq!(
-            err,
-            "reward `judge` (http://127.0.0.1:1/v1): 3 of 8 samples failed in one step, more than \
-             max_failure_rate = 0.25; last error: HTTP 500: boom"
-        );
-        let m = stats(1).metrics("judge");
-        assert_eq!(
-            m,
-            [
-                ("rewards/judge/failures".to_string(), 1.0),
-                ("rewards/judge/latency_s/p50".to_string(), 0.1),
-                ("rewards/judge/latency_s/p95".to_string(), 0.3)
-            ]
-        );
-    }
-}
-
 pub(super) fn default_max_failure_rate() -> f64 {
     0.1
 }
@@ -299,5 +255,49 @@ pub(super) fn check_failure_rate(rate: f64) -> Result<()> {
         Ok(())
     } else {
         Err(Error::Invalid(format!("max_failure_rate must be in [0, 1], got {rate}")))
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn scores_are_read_from_either_key_and_checked() {
+        assert_eq!(read_scores(&json!({"scores": [1, null, -2.5]}), 3), Ok(vec![Some(1.0), None, Some(-2.5)]));
+        assert_eq!(read_scores(&json!({"rewards": [0.5]}), 1), Ok(vec![Some(0.5)]));
+        assert_eq!(read_scores(&json!({"scores": [1]}), 2), Err("expected 2 scores, got 1".into()));
+        assert_eq!(
+            read_scores(&json!({"score": [1]}), 1),
+            Err("the answer has no \"scores\" list: {\"score\":[1]}".into())
+        );
+        assert!(read_scores(&json!({"scores": [1, "2"]}), 2)
+            .unwrap_err()
+            .starts_with("score 1 must be a number or null"));
+        assert!(read_scores(&json!({"scores": 3}), 1).unwrap_err().starts_with("\"scores\" must be a list"));
+    }
+
+    #[test]
+    fn the_budget_warns_below_and_stops_above_the_rate() {
+        let budget = FailureBudget::new("judge", "http://127.0.0.1:1/v1", 0.25);
+        let stats = |failures| CallStats { items: 8, failures, latencies: vec![0.1, 0.3] };
+        budget.settle(stats(2), "samples", Some("HTTP 500: boom")).unwrap();
+        assert_eq!(budget.take().unwrap().failures, 2);
+        assert_eq!(budget.take(), None);
+        let err = budget.settle(stats(3), "samples", Some("HTTP 500: boom")).unwrap_err().to_string();
+        assert_eq!(
+            err,
+            "reward `judge` (http://127.0.0.1:1/v1): 3 of 8 samples failed in one step, more than \
+             max_failure_rate = 0.25; last error: HTTP 500: boom"
+        );
+        let m = stats(1).metrics("judge");
+        assert_eq!(
+            m,
+            [
+                ("rewards/judge/failures".to_string(), 1.0),
+                ("rewards/judge/latency_s/p50".to_string(), 0.1),
+                ("rewards/judge/latency_s/p95".to_string(), 0.3)
+            ]
+        );
     }
 }

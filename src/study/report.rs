@@ -185,9 +185,12 @@ fn verdict(arms: &[ArmSummary], measure: Option<&Measure>) -> String {
     text
 }
 
+/// A curve's (x, mean) points and its (x, low, high) band over the seeds.
+type Banded = (Vec<(f64, f64)>, Vec<(f64, f64, f64)>);
+
 /// The curves, smoothed over a few steps, with the seeds' min-max band.
 fn write_charts(dir: &Path, arms: &[ArmSummary]) -> Result<Vec<(String, String)>> {
-    let band = |curve: &[(f64, Vec<f64>)]| -> (Vec<(f64, f64)>, Vec<(f64, f64, f64)>) {
+    let band = |curve: &[(f64, Vec<f64>)]| -> Banded {
         let xs: Vec<f64> = curve.iter().map(|(e, _)| *e).collect();
         let over_seeds = |f: fn(&[f64]) -> f64| smooth(&curve.iter().map(|(_, seeds)| f(seeds)).collect::<Vec<_>>());
         let means = over_seeds(|s| mean(s).unwrap_or(f64::NAN));

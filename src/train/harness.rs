@@ -86,7 +86,7 @@ impl Harness {
 
     /// Writes `metrics` of `step` (1-based) when logging is due, or when `force`d.
     pub fn log(&mut self, step: usize, metrics: &Metrics, force: bool) -> Result<()> {
-        if force || step % self.logging_steps == 0 {
+        if force || step.is_multiple_of(self.logging_steps) {
             self.sinks.log(step as u64, metrics)?;
             self.sinks.flush()?;
         }

@@ -38,7 +38,7 @@ impl MicroTokens {
         let share = sizes.mini / sizes.world.max(1);
         let prompts = match sizes.mini < sizes.batch {
             true => micro,
-            false if micro % k == 0 && share % k == 0 => micro / k,
+            false if micro % k == 0 && share.is_multiple_of(k) => micro / k,
             false if k % micro == 0 => 1,
             false => (micro.div_ceil(k) + 1).min(micro),
         };
@@ -128,7 +128,7 @@ pub fn rloo_estimate(
     // A sampling chunk's rows read their prompt's slots from one copy and
     // have their own; a chunk that is not whole prompts may start inside one.
     let k = sizes.k as u64;
-    let prompts = if chunk % k == 0 { chunk / k } else { (chunk + k - 1).div_ceil(k) };
+    let prompts = if chunk.is_multiple_of(k) { chunk / k } else { (chunk + k - 1).div_ceil(k) };
     let slots = prompts * longest_prompt as u64 + chunk * cfg.generation.response_length as u64;
     let micro = sizes.micro as u64;
     let completion = cfg.generation.response_length as u64;

@@ -385,7 +385,7 @@ pub fn train_supervised<K: Trainer, O: Objective>(
         m.set("train/lr", lr);
         m.set("train/skipped_steps", state.skipped_steps as f64);
         objective.step_metrics(&mut m, examples.len(), count, state.step as f64 / steps_per_epoch as f64);
-        let evaluated = match main && state.step % steps_per_epoch == 0 {
+        let evaluated = match main && state.step.is_multiple_of(steps_per_epoch) {
             true => objective.evaluate(model.frozen())?,
             false => None,
         };
@@ -395,7 +395,7 @@ pub fn train_supervised<K: Trainer, O: Objective>(
         harness.log(state.step, &m, evaluated.is_some() || state.step == stop_at)?;
         // A signal to any process stops them all after the same step.
         let stopping = Stopping::now(&guard, comm.any(crate::train::stop::requested())?);
-        let save_now = cfg.save_steps > 0 && state.step % cfg.save_steps == 0;
+        let save_now = cfg.save_steps > 0 && state.step.is_multiple_of(cfg.save_steps);
         if save_now || stopping.is_some() || state.step == stop_at {
             let dir = checkpoint::checkpoint_dir(&output_dir, state.step);
             let whole = optimizer.gathered(model.params())?;

@@ -141,7 +141,7 @@ struct Dims {
 
 impl Dims {
     fn new(b: usize, t: usize, h: usize, h_kv: usize, d: usize, r: usize) -> Result<Self> {
-        if h_kv == 0 || h % h_kv != 0 || r > d || r % 2 != 0 {
+        if h_kv == 0 || !h.is_multiple_of(h_kv) || r > d || !r.is_multiple_of(2) {
             candle_core::bail!("attention: {h} query heads over {h_kv} key heads, rotary {r} of {d}");
         }
         Ok(Self { b, t, h, h_kv, d })

@@ -66,7 +66,7 @@ pub fn decode_values_packed() -> Result<bool> {
 #[cfg_attr(not(feature = "cuda"), allow(dead_code))]
 fn packs(head_size: usize, bytes: usize) -> bool {
     let row = head_size * bytes;
-    row % 16 == 0 && 32 % (row / 16) == 0
+    row.is_multiple_of(16) && 32 % (row / 16) == 0
 }
 
 /// The query heads a block of the kernel with a lane per key takes: the
@@ -74,7 +74,7 @@ fn packs(head_size: usize, bytes: usize) -> bool {
 /// key/value head and whose partial sums fit a block ([`sums_fit`]).
 #[cfg_attr(not(feature = "cuda"), allow(dead_code))]
 fn heads_per_block(group: usize, head_size: usize) -> usize {
-    [8, 4, 2].into_iter().find(|&g| group % g == 0 && sums_fit(g, head_size)).unwrap_or(1)
+    [8, 4, 2].into_iter().find(|&g| group.is_multiple_of(g) && sums_fit(g, head_size)).unwrap_or(1)
 }
 
 /// Whether a block of the kernel with a lane per key holds the partial
@@ -195,7 +195,7 @@ pub fn rotary_append_cuda<'c>(
     layer: usize,
 ) -> Result<Option<(Tensor, LayerKv<'c>)>> {
     let adjacent = |t: &Tensor| t.rank() == 4 && t.dim(1).ok() == Some(1) && t.stride().last() == Some(&1);
-    if !(adjacent(q) && adjacent(k) && adjacent(v)) || !super::on_cuda(&[q, k, v]) {
+    if !(adjacent(q) && adjacent(k) && adjacent(v) && super::on_cuda(&[q, k, v])) {
         return Ok(None);
     }
     #[cfg(feature = "cuda")]
@@ -279,7 +279,7 @@ fn in_whole_loads(kv: &LayerKv) -> bool {
     }
     views.into_iter().all(|t| {
         let size = t.dtype().size_in_bytes();
-        let on_16 = |elements: usize| (elements * size) % 16 == 0;
+        let on_16 = |elements: usize| (elements * size).is_multiple_of(16);
         let l = t.layout();
         match l.stride().split_last() {
             // Rows of contiguous elements: their length and every stride between them.

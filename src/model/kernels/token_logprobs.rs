@@ -157,12 +157,13 @@ impl CustomOp2 for Recomputed {
 }
 
 impl Recomputed {
-    /// d logits (n, V) in the hidden states' dtype, g / T * (1[v = target]
-    /// - p_v), from one chunk's rows of hidden states (n, H) and of d out
-    /// (n, 2), whose entropy column has no gradient. On a GPU the logits
-    /// become their gradient in place, the same bits: the chunk is one (n,
-    /// V) buffer in that dtype, where in bf16 an f32 copy of the logits,
-    /// their f32 gradient and its cast held five times as much.
+    /// d logits (n, V) in the hidden states' dtype,
+    /// g / T * (1[v = target] - p_v), from one chunk's rows of hidden
+    /// states (n, H) and of d out (n, 2), whose entropy column has no
+    /// gradient. On a GPU the logits become their gradient in place, the
+    /// same bits: the chunk is one (n, V) buffer in that dtype, where in
+    /// bf16 an f32 copy of the logits, their f32 gradient and its cast held
+    /// five times as much.
     fn logits_grad(&self, part: &Tensor, head: &Tensor, targets: &[u32], grad_out: &Tensor) -> Result<Tensor> {
         let logits = ops::linear(part, head, None)?;
         if super::on_cuda(&[&logits]) && matches!(logits.dtype(), DType::F32 | DType::BF16) {

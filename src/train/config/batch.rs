@@ -99,7 +99,7 @@ impl BatchSizes {
                 "the rollout batch of {batch} completions ({how}) is not a multiple of rloo_k = {k}"
             )));
         }
-        if (batch / k) % world != 0 {
+        if !(batch / k).is_multiple_of(world) {
             return Err(Error::Invalid(format!(
                 "the rollout batch's {} prompts ({how}) do not split evenly over {world} processes: a prompt's \
                  {k} completions stay on one process",

@@ -64,7 +64,7 @@ impl Evaluation {
             return Ok(None);
         }
         let prompts = PromptDataset::load(&source, &prompt_spec(cfg, run.policy.config()), &run.tokenizer)?;
-        if prompts.len() == 0 {
+        if prompts.is_empty() {
             return Err(Error::Invalid(format!("no held-out prompts in {}", prompts.label)));
         }
         let rows: Vec<_> = prompts.rows.iter().map(|r| &r.row.fields).collect();
@@ -88,7 +88,7 @@ impl Evaluation {
     /// the first (as the first sample table is printed), every `every`, and
     /// after the last.
     pub(super) fn due(&self, step: usize, last: usize) -> bool {
-        step == 1 || step % self.every == 0 || step == last
+        step == 1 || step.is_multiple_of(self.every) || step == last
     }
 
     fn sample(&self, run: &Run, network: &crate::model::Network) -> Result<Rollout> {

@@ -85,7 +85,7 @@ struct Run {
 
 /// The frozen model the KL is measured against.
 enum Reference {
-    Model(Model),
+    Model(Box<Model>),
     /// The policy without its LoRA adapters: no second copy of the weights.
     PolicyBase,
 }

@@ -87,7 +87,7 @@ impl Run {
                     policy_dir.display()
                 )));
             }
-            Some(Reference::Model(reference))
+            Some(Reference::Model(Box::new(reference)))
         } else {
             None
         };
