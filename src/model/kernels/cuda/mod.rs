@@ -111,7 +111,7 @@ pub fn norm_fwd(kernel: &str, x: &CudaStorage, x_l: &Layout, params: &[In], eps:
 fn norm_chunks_held<'a>(h: usize, inputs: impl IntoIterator<Item = In<'a>>) -> Option<usize> {
     let on_16 = |(s, l): In| (l.start_offset() * s.dtype().size_in_bytes()) % 16 == 0;
     let held = h.div_ceil(8 * 32).next_power_of_two();
-    (h % 8 == 0 && held <= 16 && inputs.into_iter().all(on_16)).then_some(held)
+    (h.is_multiple_of(8) && held <= 16 && inputs.into_iter().all(on_16)).then_some(held)
 }
 
 fn norm_fwd_as<T: CudaDType + DeviceRepr>(
@@ -1462,6 +1462,7 @@ pub fn decode_attention(
     (a, splits): (DecodeDims, u32),
     lanes: Option<LanesBlock>,
 ) -> Result<CudaStorage> {
+    #[allow(clippy::too_many_arguments)]
     fn run<T: CudaDType + DeviceRepr>(
         (name, combine): (&str, &str),
         q: In,
