@@ -38,7 +38,7 @@ impl MicroTokens {
         let share = sizes.mini / sizes.world.max(1);
         let prompts = match sizes.mini < sizes.batch {
             true => micro,
-            false if micro % k == 0 && share.is_multiple_of(k) => micro / k,
+            false if micro.is_multiple_of(k) && share.is_multiple_of(k) => micro / k,
             false if k % micro == 0 => 1,
             false => (micro.div_ceil(k) + 1).min(micro),
         };
