@@ -47,8 +47,8 @@
 #                  biases (RLOO_DENSE_BIAS: epilogue, pass), how many query heads a block of the
 #                  kernel with a lane per key takes (RLOO_DECODE_HEADS: grouped, those of a
 #                  key/value head; each), how many rows (RLOO_DECODE_ROWS: auto, each, prompt,
-#                  the rows of a prompt) and how it reads value rows (RLOO_DECODE_VALUES: rows,
-#                  packed). A piece left out or empty, and the whole variant `default`, leave
+#                  the rows of a prompt) and how it reads value rows (RLOO_DECODE_VALUES: packed,
+#                  rows). A piece left out or empty, and the whole variant `default`, leave
 #                  the binary's own choice. Each run logs where its steps' time goes
 #                  (RLOO_DECODE_TIMING=on). A variant ending in +tuned times cuBLASLt's
 #                  candidates for each product of a step (RLOO_GEMM=tuned). Default: default
@@ -219,10 +219,13 @@ if part train; then
                 flags "${attention#default}"
                 IFS=+ read -r kernels heads step decode bias mlp mask rows <<<"$pieces"
                 run=$OUT/train-$arm-rloo_$attention-$i
+                # Left out when off, the default, so that a binary older than the option reads the file.
+                offload_line="# ref_reward_offload = false"
+                [[ $offload == true ]] && offload_line="ref_reward_offload = true"
                 sed -e "s|@MODELS@|$dir|" -e "s|@DEVICE@|$DEVICE|" -e "s|@OUT@|$run|" -e "s|@MICRO@|$MICRO|" \
                     -e "s|@ACCUMULATION@|$((COMPLETIONS_PER_STEP / MICRO))|" \
                     -e "s|@EPISODES@|$((STEPS * COMPLETIONS_PER_STEP))|" -e "s|@CHECKPOINTING@|$checkpointing|" \
-                    -e "s|@OFFLOAD@|$offload|" \
+                    -e "s|@OFFLOAD@|$offload_line|" \
                     bench/gpu/rloo.toml.in >"$run.toml"
                 printf '\n%s\n' "$lora" >>"$run.toml"
                 RLOO_OUT=$run "$PY" bench/train/measure.py rloo "$run.json" -- env RLOO_DECODE_TIMING=$timing ${gemm:+RLOO_GEMM=$gemm} ${kernels:+RLOO_ATTENTION=$kernels} \

@@ -8,22 +8,18 @@
 #      with the rows of a prompt in a block among them), the fixtures
 #      against transformers (greedy tokens from shrinking batches and from
 #      recorded steps);
-#   2. the RLOO step at 410m against TRL, with the flash kernels reading
-#      the bias and reading each query's runs of keys
-#      (RLOO_ATTENTION_MASK=bias, spans), decoding a key per lane with the
-#      biases in cuBLASLt's epilogues (the defaults);
-#   3. the step at 1B against TRL over spans, with an MLP's wide input kept
-#      and made again in the backward (RLOO_MLP_INPUT=kept, remade: the
-#      peak memory against the time), and kept with the reference and the
-#      reward model in host memory for the training phase (+offload);
+#   2. the RLOO step at 410m against TRL under the defaults (the flash
+#      kernels reading each query's runs of keys, decoding a key per lane
+#      with the biases in cuBLASLt's epilogues);
+#   3. the step at 1B against TRL, and with the reference and the reward
+#      model in host memory for the training phase (+offload);
 #   4. generation at 410m against transformers, the decoding kernel's
 #      blocks as the binary cuts them (RLOO_DECODE_ROWS=auto), a block per
-#      row and per prompt's rows (each, prompt), and with each product's
-#      algorithm timed among cuBLASLt's candidates (RLOO_GEMM=tuned), each
-#      step's time split between the GPU and the host;
-#   5. generation at 1B, as the binary cuts it, per row and per prompt's
-#      rows, and tuned (the defaults of the decoding kernel at a head size
-#      of 256);
+#      row and per prompt's rows (each, prompt), and its value rows read a
+#      row a load (RLOO_DECODE_VALUES=rows), each step's time split between
+#      the GPU and the host;
+#   5. generation at 1B, the same variants (among them a prompt's rows
+#      with their value rows packed, not yet measured at a head size of 256);
 #   6. rloo serve at 410m under 1, 8 and 32 streaming clients, its steps
 #      launched from the host and replayed from recordings as rows come and
 #      go (RLOO_DECODE_STEP=shrink, graph);
@@ -38,9 +34,10 @@
 #      minutes to make: a call of its own, PARTS="check train-8b-lora");
 #  10. when PARTS names them, on the same 8B models: generation at 256 rows
 #      with the query heads of a key/value head in one block of the decoding
-#      kernel and a block per head (RLOO_DECODE_HEADS=grouped, each), and
-#      the products tuned, each step's time split between the GPU and the
-#      host (generate-8b); and the
+#      kernel and a block per head (RLOO_DECODE_HEADS=grouped, each), the
+#      value rows a row a load (RLOO_DECODE_VALUES=rows) and the products
+#      tuned, each step's time split between the GPU and the host
+#      (generate-8b); and the
 #      kernels of a short generation at 256 rows (profile-8b).
 # Where .cuda/bin/rloo-before.gz is carried too (bench/gpu/baseline.sh REV
 # builds it), the RLOO step at 410m and at 1B and generation at 410m run
@@ -83,12 +80,11 @@ part() {
 part check 60 scripts/cuda/run.sh check --device cuda
 grep -sE "checks on|FAIL" "$OUT/check.log" >&2
 defaults=flash+fused+graph+lanes+epilogue+kept
-part train-410m 120 env ARMS=410m-full TRAIN_RUNS=1 STEPS=3 ATTENTION="$defaults+bias $defaults+spans" \
-    bench/gpu/run.sh train
-part train-1b 120 env ARMS=1b-full TRAIN_RUNS=1 STEPS=3 ATTENTION="$defaults+spans $defaults+spans+offload ${defaults%+kept}+remade+spans" \
+part train-410m 120 env ARMS=410m-full TRAIN_RUNS=1 STEPS=3 ATTENTION="$defaults+spans" bench/gpu/run.sh train
+part train-1b 120 env ARMS=1b-full TRAIN_RUNS=1 STEPS=3 ATTENTION="$defaults+spans $defaults+spans+offload" \
     bench/gpu/run.sh train
 decoded=race+lanes+fused+graph+epilogue
-decoders="$decoded $decoded+grouped+each $decoded+grouped+prompt $decoded+grouped+auto+packed $decoded+tuned"
+decoders="$decoded $decoded+grouped+each $decoded+grouped+prompt $decoded+grouped+auto+rows"
 part generate-410m 60 env SIZES=410m RUNS=2 DECODERS="$decoders" bench/gpu/run.sh peaks generate
 part generate-1b 30 env SIZES=1b RUNS=2 PEER=off DECODERS="$decoders" bench/gpu/run.sh generate
 part serve-410m 45 env SIZES=410m bench/gpu/run.sh serve
@@ -104,7 +100,7 @@ part profile 90 env SIZES=410m bench/gpu/run.sh profile
 part train-1b-lora 100 env ARMS=1b-lora TRAIN_RUNS=1 STEPS=3 ATTENTION="$defaults+spans" bench/gpu/run.sh train
 part train-8b-lora 240 env ARMS=qwen3-8b-lora TRAIN_RUNS=1 STEPS=3 ATTENTION="$defaults+spans $defaults+spans+offload" \
     bench/gpu/run.sh train
-part generate-8b 60 env SIZES=qwen3-8b RUNS=1 PEER=off DECODERS="$decoded+grouped $decoded+each $decoded+grouped+tuned" \
+part generate-8b 60 env SIZES=qwen3-8b RUNS=1 PEER=off DECODERS="$decoded+grouped $decoded+each $decoded+grouped+auto+rows $decoded+grouped+tuned" \
     bench/gpu/run.sh generate
 part profile-8b 90 env SIZES=qwen3-8b PROFILED=generate OUT="$OUT/profile-8b" bench/gpu/run.sh profile
 "$PY" bench/gpu/report.py "$OUT" | tee "$OUT/table.txt"

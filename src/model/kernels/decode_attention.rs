@@ -50,15 +50,17 @@ pub fn decode_heads_grouped() -> Result<bool> {
 }
 
 /// Picks how the kernel with a lane per key reads a pass's value rows on a
-/// GPU: `rows` (the default: a row a load, each lane its features of it) or
-/// `packed` (each row in 16-byte pieces over adjacent lanes, as many rows
-/// a load as 32 lanes hold, where the head's bytes make a power of two of
-/// pieces up to 32), to compare them.
+/// GPU: `packed` (the default: each row in 16-byte pieces over adjacent
+/// lanes, as many rows a load as 32 lanes hold, where the head's bytes
+/// make a power of two of pieces up to 32) or `rows` (a row a load, each
+/// lane its features of it), to compare them. Packed, a decoding step at
+/// 256 rows took 3.42 ms where a row a load took 3.80 at Pythia-410m's
+/// shape, and 3.81 where it took 4.16 at Pythia-1B's (H200).
 pub const DECODE_VALUES_VAR: &str = "RLOO_DECODE_VALUES";
 
 /// Whether value rows are packed into loads; an unknown choice is an error.
 pub fn decode_values_packed() -> Result<bool> {
-    Ok(variant(DECODE_VALUES_VAR, &["rows", "packed"]).map_err(candle_core::Error::msg)? == "packed")
+    Ok(variant(DECODE_VALUES_VAR, &["packed", "rows"]).map_err(candle_core::Error::msg)? == "packed")
 }
 
 /// Whether a value row of `head_size` elements of `bytes` each splits into
@@ -96,7 +98,10 @@ pub const DECODE_ROWS_VAR: &str = "RLOO_DECODE_ROWS";
 /// The largest head size whose rows `auto` takes a prompt's to a block: at
 /// 64 (Pythia-410m, 4 rows a block) a decoding step took 4.46 ms where a
 /// block per row took 5.93; at 256 (Pythia-1B, 2 rows) 8.37 where it took
-/// 5.40 (H200, 256 rows).
+/// 5.40 (H200, 256 rows). Since the kernel's loads go several at a time,
+/// with value rows a load, a prompt's rows took 3.81 and 3.73 ms where a
+/// block per row took 3.69 and 4.13: a prompt's rows packed at 256 is
+/// still to be measured.
 const PROMPT_ROWS_UP_TO: usize = 64;
 
 /// How many rows a block of the kernel with a lane per key takes.
