@@ -39,7 +39,7 @@ impl MicroTokens {
         let prompts = match sizes.mini < sizes.batch {
             true => micro,
             false if micro.is_multiple_of(k) && share.is_multiple_of(k) => micro / k,
-            false if k % micro == 0 => 1,
+            false if k.is_multiple_of(micro) => 1,
             false => (micro.div_ceil(k) + 1).min(micro),
         };
         let per_row = micro.div_ceil(prompts.max(1)).min(k);
