@@ -1,15 +1,18 @@
 // Runs the register-resident attention kernels of flash.cuh, the heads
 // kernels of heads.cuh, the norms of norms.cuh, the elementwise kernels of
 // elementwise.cuh, the decoding-attention kernels of decode.cuh, the LM
-// head's log-prob kernels of logprobs.cuh and the non-finite check of
-// finite.cuh on the host and compares them with a reference, so their
-// fragment and index logic is checked where no GPU is: every CUDA thread
-// is a host thread, the warp-level primitives (ldmatrix, mma.sync,
-// shuffles) exchange lane values through per-warp slots between barriers,
-// as the PTX ISA lays the fragments out, and blocks run one after another.
-// Built and run by scripts/cuda/emulate.sh, also under ThreadSanitizer
-// (`races`); exits non-zero on a mismatch.
+// head's log-prob kernels of logprobs.cuh, the non-finite check of
+// finite.cuh and the race sampler of race.cuh on the host and compares
+// them with a reference, so their fragment and index logic is checked
+// where no GPU is: every CUDA thread is a host thread, the warp-level
+// primitives (ldmatrix, mma.sync, shuffles) exchange lane values through
+// per-warp slots between barriers, as the PTX ISA lays the fragments out,
+// and blocks run one after another. Built and run by
+// scripts/cuda/emulate.sh, also under ThreadSanitizer (`races`); exits
+// non-zero on a mismatch.
 
+#include <algorithm>
+#include <climits>
 #include <cmath>
 #include <condition_variable>
 #include <cstdint>
@@ -263,6 +266,22 @@ inline float rsqrtf(float x) { return 1.f / std::sqrt(x); }
 using std::isfinite;
 #include "finite.cuh"
 #include "squares.cuh"
+inline int __shfl_xor_sync(unsigned, int x, int mask) {
+    float f, y;
+    std::memcpy(&f, &x, 4);
+    y = fa::shfl_xor(f, mask);
+    std::memcpy(&x, &y, 4);
+    return x;
+}
+inline uint32_t __umulhi(uint32_t a, uint32_t b) { return uint32_t((uint64_t)a * b >> 32); }
+inline float __uint2float_rn(uint32_t u) { return (float)u; }
+inline uint32_t __float_as_uint(float f) {
+    uint32_t u;
+    std::memcpy(&u, &f, 4);
+    return u;
+}
+using std::max;
+#include "race.cuh"
 #undef __shared__
 #define __shared__
 
@@ -986,6 +1005,105 @@ bool logprobs_case(int rows, int v) {
     return ok;
 }
 
+// ---- The race sampler against generate/race.rs's rule (pick_row), in f64
+// sums over the same f32 scores.
+
+struct Pick {
+    uint32_t token;
+    float logprob, entropy;
+};
+
+Pick race_reference(const float* z, int v, const uint32_t* seen, const RaceParams& p) {
+    auto l = [&](int j) {
+        float x = z[j];
+        if (p.penalty != 1.f && ((seen[j >> 5] >> (j & 31)) & 1u)) x = x < 0.f ? x * p.penalty : x / p.penalty;
+        return x;
+    };
+    int top = 0;
+    for (int j = 1; j < v; ++j)
+        if (race_beats(l(j), j, l(top), top)) top = j;
+    std::vector<float> u(v);
+    double s0 = 0, s1 = 0;
+    for (int j = 0; j < v; ++j) {
+        u[j] = (l(j) - l(top)) * p.inv_t;
+        const float e = std::exp(u[j]);
+        if (e > 0.f) s0 += e, s1 += double(u[j] * e);
+    }
+    int token = top;
+    if (!p.greedy) {
+        // The thresholds: top-k's k-th largest u, then top-p's among those.
+        std::vector<float> desc(u);
+        std::sort(desc.begin(), desc.end(), [](float a, float b) { return a > b; });
+        uint32_t floor = 0;
+        if (p.top_k > 0 && p.top_k < (uint32_t)v) floor = ordered_bits(desc[p.top_k - 1]);
+        if (p.top_p < 1.f) {
+            double total = 0, mass = 0;
+            for (float x : desc)
+                if (ordered_bits(x) >= floor) total += std::exp(x);
+            for (float x : desc) {
+                if (ordered_bits(x) < floor) break;
+                mass += std::exp(x);
+                if (mass >= p.top_p * total) {
+                    floor = std::max(floor, ordered_bits(x));
+                    break;
+                }
+            }
+        }
+        float best = -INFINITY;
+        int at = INT_MAX;
+        for (int j = 0; j < v; ++j) {
+            const bool kept = ordered_bits(u[j]) >= floor && (p.min_p <= 0.f || std::exp(u[j]) >= p.min_p);
+            if (!kept) continue;
+            uint32_t c[4] = {uint32_t(j / 4), p.step, 0u, 0u};
+            philox4x32_10(c, p.key0, p.key1);
+            const float s = u[j] - std::log(race_exponential(c[j % 4]));
+            if (race_beats(s, j, best, at)) best = s, at = j;
+        }
+        if (at != INT_MAX) token = at;
+    }
+    const double log_s0 = std::log(s0);
+    return {uint32_t(token), float(u[token] - log_s0), float(log_s0 - s1 / s0)};
+}
+
+// Rows of `v` logits from `offset` floats into their buffer (off 16 bytes
+// when not a multiple of 4, as are the rows when v is not), each with its
+// own settings: greedy (with tied maxima), temperature, top-k, top-p, both,
+// min-p and a repetition penalty.
+bool race_case(int v, size_t offset, unsigned threads) {
+    std::mt19937 rng(13);
+    std::normal_distribution<float> normal;
+    std::vector<RaceParams> rows = {
+        {1, 2, 0, 1, 1.f, 0, 1.f, 0.f, 1.f},         {3, 4, 5, 0, 1.f, 0, 1.f, 0.f, 1.f},
+        {5, 6, 9, 0, 1.f / 0.7f, 50, 1.f, 0.f, 1.f}, {7, 8, 2, 0, 1.f / 1.3f, 0, 0.9f, 0.f, 1.f},
+        {9, 1, 7, 0, 1.f, 20, 0.8f, 0.f, 1.f},        {2, 3, 4, 0, 1.f, 0, 1.f, 0.05f, 1.f},
+        {4, 5, 6, 0, 1.f, 0, 1.f, 0.f, 1.3f},         {6, 7, 8, 1, 1.f, 0, 1.f, 0.f, 1.3f},
+    };
+    const int n = rows.size(), width = (v + 31) / 32;
+    std::vector<float> buffer(offset + (size_t)n * v);
+    float* logits = buffer.data() + offset;
+    for (size_t i = 0; i < (size_t)n * v; ++i) logits[i] = 3.f * normal(rng);
+    logits[5] = logits[v - 2] = 20.f;  // row 0's maximum twice: the lower index wins
+    std::vector<uint32_t> params, seen((size_t)n * width);
+    for (const RaceParams& p : rows)
+        params.insert(params.end(), {p.key0, p.key1, p.step, p.greedy, __float_as_uint(p.inv_t), p.top_k,
+                                     __float_as_uint(p.top_p), __float_as_uint(p.min_p), __float_as_uint(p.penalty)});
+    for (auto& w : seen) w = rng() & rng();
+    std::vector<uint32_t> out(3 * n, 0xffffffffu);
+    launch({unsigned(n), 1, 1}, 0, [&] { race_pick_row(logits, params.data(), seen.data(), width, out.data(), v); }, threads);
+    bool ok = out[0] == 5;
+    double worst = 0;
+    for (int r = 0; r < n; ++r) {
+        const Pick want = race_reference(logits + (size_t)r * v, v, seen.data() + (size_t)r * width, rows[r]);
+        const float got_lp = __uint_as_float(out[3 * r + 1]), got_h = __uint_as_float(out[3 * r + 2]);
+        ok &= out[3 * r] == want.token;
+        worst = std::max({worst, std::abs((double)got_lp - want.logprob), std::abs((double)got_h - want.entropy)});
+    }
+    ok &= worst < 1e-4;
+    std::printf("%-4s race %d rows of %4d from float %zu, %4u threads  tokens %s, log-prob and entropy %.1e\n",
+                ok ? "ok" : "FAIL", n, v, offset, threads, ok ? "equal" : "checked", worst);
+    return ok;
+}
+
 int main(int argc, char** argv) {
     std::mt19937 rng(7);
     bool ok = true;
@@ -1004,6 +1122,7 @@ int main(int argc, char** argv) {
         ok &= decode_case<bf16, 2, 1, 4>(64, true, true, 96);
         ok &= decode_case<bf16, 2, 1, 4, true>(64, true, true, 96);
         ok &= logprobs_case<bf16>(2, 300);
+        ok &= race_case(1003, 0, 64);
         std::printf(ok ? "all match\n" : "MISMATCH\n");
         return ok ? 0 : 1;
     }
@@ -1049,6 +1168,12 @@ int main(int argc, char** argv) {
     ok &= logprobs_case<bf16>(3, 2500);
     ok &= logprobs_case<float>(2, 40);
     ok &= logprobs_case<bf16>(2, 300);
+    // Rows on 16 bytes, a buffer off them, rows off them but the first, a tail group of 3; a
+    // thread with several groups, and one with at most one.
+    ok &= race_case(1000, 0, 96);
+    ok &= race_case(1000, 1, 64);
+    ok &= race_case(1003, 0, 96);
+    ok &= race_case(90, 0, 32);
     for (size_t offset : {0, 1}) {
         ok &= elementwise_case<bf16>(offset);
         ok &= elementwise_case<float>(offset);

@@ -863,33 +863,14 @@ DECODE_LANES_ALL(bf16, bf16, DECODE_LANES)
 DECODE_SPLITS(float, f32)
 DECODE_SPLITS(bf16, bf16)
 
-// ---- Sampling by an exponential race (generate/race.rs states the rule and
-// holds its CPU reference): one block per row of f32 logits (R, V). `params`
-// (R, 9) words as `RaceRow::to_words`; `seen` (R, width) bits, read only for
-// rows whose penalty is not 1; out (R, 3): token, log-prob bits, entropy bits.
+// ---- Sampling by an exponential race (race.cuh), one block per row; its
+// Philox also draws dropout's masks below.
 
-struct RaceParams {
-    uint32_t key0, key1, step, greedy;
-    float inv_t;
-    uint32_t top_k;
-    float top_p, min_p, penalty;
-};
+#include "race.cuh"
 
-// Philox4x32-10 in place on the counter.
-__device__ __forceinline__ void philox4x32_10(uint32_t c[4], uint32_t k0, uint32_t k1) {
-    for (int round = 0; round < 10; round++) {
-        if (round > 0) {
-            k0 += 0x9E3779B9u;
-            k1 += 0xBB67AE85u;
-        }
-        const uint32_t lo0 = 0xD2511F53u * c[0], hi0 = __umulhi(0xD2511F53u, c[0]);
-        const uint32_t lo1 = 0xCD9E8D57u * c[2], hi1 = __umulhi(0xCD9E8D57u, c[2]);
-        const uint32_t n0 = hi1 ^ c[1] ^ k0, n2 = hi0 ^ c[3] ^ k1;
-        c[0] = n0;
-        c[1] = lo1;
-        c[2] = n2;
-        c[3] = lo0;
-    }
+extern "C" __global__ void race_pick(const float* logits, const uint32_t* params, const uint32_t* seen, int width,
+                                     uint32_t* out, int v) {
+    race_pick_row(logits, params, seen, width, out, v);
 }
 
 // ---- An embedding table's gradient, a block per row (embedding.cuh).
@@ -924,137 +905,3 @@ EMBEDDING(bf16, bf16)
 DROPOUT(float, f32)
 DROPOUT(bf16, bf16)
 
-// Above every -ln E (E >= 2^-33): entries this far below the best score
-// cannot win.
-#define MAX_GUMBEL 23.f
-
-__device__ __forceinline__ float race_exponential(uint32_t word) {
-    const float v = (__uint2float_rn(word) + 0.5f) * (1.f / 4294967296.f);
-    return -log1pf(-v);
-}
-
-__device__ __forceinline__ uint32_t ordered_bits(float u) {
-    const uint32_t b = __float_as_uint(u);
-    return (b & 0x80000000u) ? ~b : (b | 0x80000000u);
-}
-
-__device__ __forceinline__ bool race_beats(float s, int j, float best, int at) {
-    return s > best || (s == best && j < at);
-}
-
-// A row's penalised logits.
-struct RaceLogits {
-    const float* z;
-    const uint32_t* bits;  // null: no penalty
-    float penalty;
-    __device__ __forceinline__ float operator()(int j) const {
-        float l = z[j];
-        if (bits && ((bits[j >> 5] >> (j & 31)) & 1u)) l = l < 0.f ? l * penalty : l / penalty;
-        return l;
-    }
-};
-
-// The block's best (score, index), ties to the lower index; every thread
-// gets it. Scratch: 32 floats and 32 ints.
-__device__ int block_argmax(float s, int j, float* fs, int* is) {
-    for (int o = 16; o > 0; o >>= 1) {
-        const float s2 = __shfl_xor_sync(0xffffffff, s, o);
-        const int j2 = __shfl_xor_sync(0xffffffff, j, o);
-        if (race_beats(s2, j2, s, j)) s = s2, j = j2;
-    }
-    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
-    __syncthreads();
-    if (lane == 0) fs[warp] = s, is[warp] = j;
-    __syncthreads();
-    const bool live = lane < (int)(blockDim.x >> 5);
-    s = live ? fs[lane] : -INFINITY;
-    j = live ? is[lane] : INT_MAX;
-    for (int o = 16; o > 0; o >>= 1) {
-        const float s2 = __shfl_xor_sync(0xffffffff, s, o);
-        const int j2 = __shfl_xor_sync(0xffffffff, j, o);
-        if (race_beats(s2, j2, s, j)) s = s2, j = j2;
-    }
-    return j;
-}
-
-// How many entries (or how much mass e^u) have u's ordered bits >= tau.
-__device__ float race_upper(const RaceLogits& l, float m, float inv_t, int v, uint32_t tau, bool mass,
-                            float* scratch) {
-    float acc = 0.f;
-    for (int j = threadIdx.x; j < v; j += blockDim.x) {
-        const float u = (l(j) - m) * inv_t;
-        if (ordered_bits(u) >= tau) acc += mass ? expf(u) : 1.f;
-    }
-    return block_sum(acc, scratch);
-}
-
-// The largest tau >= floor whose upper count (or mass) reaches `target`,
-// one bit at a time from the top (the count and mass fall as tau rises).
-__device__ uint32_t race_search(const RaceLogits& l, float m, float inv_t, int v, uint32_t floor, bool mass,
-                                float target, float* scratch) {
-    uint32_t tau = 0;
-    for (int bit = 31; bit >= 0; bit--) {
-        const uint32_t cand = tau | (1u << bit);
-        if (race_upper(l, m, inv_t, v, max(cand, floor), mass, scratch) >= target) tau = cand;
-    }
-    return max(tau, floor);
-}
-
-extern "C" __global__ void race_pick(const float* logits, const uint32_t* params, const uint32_t* seen, int width,
-                                     uint32_t* out, int v) {
-    __shared__ float scratch[32];
-    __shared__ int iscratch[32];
-    const size_t r = blockIdx.x;
-    const uint32_t* w = params + 9 * r;
-    const RaceParams p = {w[0], w[1], w[2], w[3], __uint_as_float(w[4]), w[5], __uint_as_float(w[6]),
-                          __uint_as_float(w[7]), __uint_as_float(w[8])};
-    const RaceLogits l = {logits + r * v, p.penalty != 1.f ? seen + r * width : nullptr, p.penalty};
-
-    float best = -INFINITY;
-    int at = INT_MAX;
-    for (int j = threadIdx.x; j < v; j += blockDim.x)
-        if (race_beats(l(j), j, best, at)) best = l(j), at = j;
-    const int top = block_argmax(best, at, scratch, iscratch);
-    const float m = l(top);
-
-    float s0 = 0.f, s1 = 0.f;
-    for (int j = threadIdx.x; j < v; j += blockDim.x) {
-        const float u = (l(j) - m) * p.inv_t, e = expf(u);
-        if (e > 0.f) s0 += e, s1 += u * e;
-    }
-    s0 = block_sum(s0, scratch);
-    s1 = block_sum(s1, scratch);
-
-    int token = top;
-    if (!p.greedy) {
-        uint32_t floor = 0;
-        if (p.top_k > 0 && p.top_k < (uint32_t)v) floor = race_search(l, m, p.inv_t, v, 0, false, (float)p.top_k, scratch);
-        if (p.top_p < 1.f) {
-            const float total = race_upper(l, m, p.inv_t, v, floor, true, scratch);
-            floor = race_search(l, m, p.inv_t, v, floor, true, p.top_p * total, scratch);
-        }
-        best = -INFINITY;
-        at = INT_MAX;
-        for (int g = threadIdx.x; 4 * g < v; g += blockDim.x) {
-            uint32_t c[4] = {(uint32_t)g, p.step, 0u, 0u};
-            bool drawn = false;
-            for (int i = 0; i < 4 && 4 * g + i < v; i++) {
-                const int j = 4 * g + i;
-                const float u = (l(j) - m) * p.inv_t;
-                const bool kept = ordered_bits(u) >= floor && (p.min_p <= 0.f || expf(u) >= p.min_p);
-                if (!kept || u + MAX_GUMBEL < best) continue;
-                if (!drawn) philox4x32_10(c, p.key0, p.key1), drawn = true;
-                const float s = u - logf(race_exponential(c[i]));
-                if (race_beats(s, j, best, at)) best = s, at = j;
-            }
-        }
-        const int won = block_argmax(best, at, scratch, iscratch);
-        if (won != INT_MAX) token = won;
-    }
-    if (threadIdx.x == 0) {
-        const float log_s0 = logf(s0);
-        out[3 * r] = (uint32_t)token;
-        out[3 * r + 1] = __float_as_uint((l(token) - m) * p.inv_t - log_s0);
-        out[3 * r + 2] = __float_as_uint(log_s0 - s1 / s0);
-    }
-}
