@@ -2,7 +2,9 @@
 //! the CPU kernel it stands for, the committed fixtures of every
 //! architecture (logits, scores, KV-cache decoding, gradients) against
 //! transformers' outputs, and greedy generation against transformers'
-//! tokens. One table, one verdict: a user can run it on their own GPU.
+//! tokens (with a LoRA adapter, against the CPU's), its steps recorded as
+//! CUDA graphs on a GPU. One table, one verdict: a user can run it on their
+//! own GPU.
 
 mod kernels;
 pub mod parity;
@@ -11,6 +13,8 @@ use std::fmt::Write as _;
 use std::path::Path;
 
 use candle_core::{DType, Device};
+
+use crate::generate::fixed::{recordings, Recordings};
 
 pub use kernels::{check_kernels, check_tensor_attention};
 pub use parity::{max_diff, max_diff_masked, relative_error, Fixture};
@@ -32,6 +36,9 @@ pub const FIXTURE_MODELS: &[&str] = &[
     "opt-postnorm-causal",
     "opt-seqcls",
 ];
+
+/// The causal fixtures with a PEFT adapter (`fixtures/adapters/<name>`).
+pub const ADAPTER_FIXTURES: &[&str] = &["gpt_neox-causal", "llama-causal", "gpt2-causal", "opt-postnorm-causal"];
 
 /// Logits and scores agree with transformers' f32 outputs to this much.
 pub const LOGIT_TOLERANCE: f32 = 1e-4;
@@ -97,7 +104,9 @@ fn fixture_tolerances(dtype: DType, relu: bool) -> (f32, f32) {
 
 /// The fixture parity of every architecture on `device`, in each of `dtypes`.
 /// Greedy generation must give transformers' tokens in f32; bf16 rounding
-/// may flip near-ties, so it is not compared there.
+/// may flip near-ties, so it is not compared there. In f32 the causal
+/// fixtures with an adapter also decode greedily on `device` as on the
+/// CPU; on a GPU their decoding steps must have been recorded.
 pub fn check_fixtures(fixtures: &Path, device: &Device, dtypes: &[DType]) -> Vec<Check> {
     let mut out = Vec::new();
     for &dtype in dtypes {
@@ -107,7 +116,39 @@ pub fn check_fixtures(fixtures: &Path, device: &Device, dtypes: &[DType]) -> Vec
             }
         }
     }
+    if dtypes.contains(&DType::F32) {
+        for &name in ADAPTER_FIXTURES {
+            let before = recordings();
+            let what = format!("{name} adapter greedy");
+            out.push(match parity::adapter_greedy_mismatches(fixtures, name, device) {
+                Ok((wrong, rows)) => {
+                    let what = format!("{what} ({rows} prompts)");
+                    Check::new("fixture", &what, DType::F32, wrong as f32 / rows as f32, None, 0.0)
+                }
+                Err(e) => Check::failed("fixture", &what, DType::F32, e),
+            });
+            out.extend(recorded_row(device, &format!("{name} adapter steps recorded"), &before));
+        }
+    }
     out
+}
+
+/// On a GPU, whether the decoding steps run since `before` were recorded
+/// as CUDA graphs; the row names why not. None on the CPU, which records
+/// nothing.
+fn recorded_row(device: &Device, what: &str, before: &Recordings) -> Option<Check> {
+    if !device.is_cuda() {
+        return None;
+    }
+    let now = recordings();
+    Some(match (now.failed - before.failed, now.recorded - before.recorded) {
+        (0, 0) => Check::failed("fixture", what, DType::F32, "no decoding step was recorded"),
+        (0, _) => Check::new("fixture", what, DType::F32, 0.0, None, 0.0),
+        (failed, _) => {
+            let cause = now.cause.unwrap_or_default();
+            Check::failed("fixture", what, DType::F32, format!("{failed} batches launched from the host: {cause}"))
+        }
+    })
 }
 
 /// The checks of one fixture model in `dtype`, appended to `out`.
@@ -145,9 +186,11 @@ fn fixture_checks(
     let (n, gradient) = fixture.gradient_error()?;
     out.push(check(&format!("gradients ({n} tensors)"), 0.0, Some(gradient), grad_tol));
     if fixture.is_causal() && dtype == DType::F32 {
+        let before = recordings();
         let (wrong, rows) = fixture.greedy_mismatches()?;
         // Token identity: the error is the share of rows that differ.
         out.push(check(&format!("greedy tokens ({rows} prompts)"), wrong as f32 / rows as f32, None, 0.0));
+        out.extend(recorded_row(device, &format!("{name} steps recorded"), &before));
     }
     Ok(())
 }

@@ -144,26 +144,10 @@ impl Fixture {
                 *wrong |= row[t..end] != got[..];
             }
         };
+        let device = self.model.device();
         for stepping in [Stepping::Shrink, Stepping::Graph] {
-            let opts = GenerateOptions {
-                max_new_tokens: out[0].len() - t,
-                num_return_sequences: 1,
-                sampling: Sampling::greedy(),
-                repetition_penalty: 1.0,
-                stop: StopCriteria { token_ids: eos.clone(), strings: vec![] },
-                batch_size: 8,
-                sampler: Sampler::from_env(&self.model.device())?,
-                stepping,
-                seed: 11,
-                prompt_offset: 0,
-                max_positions: None,
-            };
-            let mut got = vec![Vec::new(); prompts.len()];
-            generate(self.model.frozen(), &prompts, &opts, None, &self.model.device(), &mut |_| {}, &mut |c| {
-                got[c.prompt_index] = c.tokens;
-                Ok(())
-            })?;
-            compare(&got);
+            let sampler = Sampler::from_env(&device)?;
+            compare(&greedy(self.model.frozen(), (&device, sampler, stepping), &prompts, out[0].len() - t, &eos)?);
         }
         compare(&self.served_greedy(&prompts, out[0].len() - t, &eos)?);
         Ok((wrong.iter().filter(|&&w| w).count(), prompts.len()))
@@ -206,6 +190,59 @@ impl Fixture {
         }
         Ok(got)
     }
+}
+
+/// Greedy completions of `prompts` by `net` on a device, with a sampler
+/// and a stepping: at most `max_new` tokens each, fewer where one of `eos`
+/// ends them.
+fn greedy(
+    net: &Network,
+    (device, sampler, stepping): (&Device, Sampler, Stepping),
+    prompts: &[Vec<u32>],
+    max_new: usize,
+    eos: &[u32],
+) -> crate::Result<Vec<Vec<u32>>> {
+    let opts = GenerateOptions {
+        max_new_tokens: max_new,
+        num_return_sequences: 1,
+        sampling: Sampling::greedy(),
+        repetition_penalty: 1.0,
+        stop: StopCriteria { token_ids: eos.to_vec(), strings: vec![] },
+        batch_size: 8,
+        sampler,
+        stepping,
+        seed: 11,
+        prompt_offset: 0,
+        max_positions: None,
+    };
+    let mut got = vec![Vec::new(); prompts.len()];
+    generate(net, prompts, &opts, None, device, &mut |_| {}, &mut |c| {
+        got[c.prompt_index] = c.tokens;
+        Ok(())
+    })?;
+    Ok(got)
+}
+
+/// Prompts of the adapters' greedy check: of 2 to 7 tokens, none an EOS id
+/// of the fixtures.
+const ADAPTER_PROMPTS: [&[u32]; 3] = [&[23, 9, 2, 11, 77], &[100, 3], &[17, 250, 33, 8, 64, 129, 12]];
+
+/// Greedy completions (12 tokens, fewer where an EOS ends them) of the
+/// causal fixture `name` with its PEFT adapter (`fixtures/adapters/<name>`)
+/// in f32: on `device` by the race over fixed steps (a GPU's defaults,
+/// recorded there), and on the CPU by its host sampler over a shrinking
+/// batch. The number of prompts whose tokens differ, out of all.
+pub fn adapter_greedy_mismatches(fixtures: &Path, name: &str, device: &Device) -> crate::Result<(usize, usize)> {
+    let (base, adapter) = (fixtures.join("models").join(name), fixtures.join("adapters").join(name));
+    let eos = GenerationConfig::from_dir(&base)?.unwrap_or_default().eos_token_ids().to_vec();
+    let prompts: Vec<Vec<u32>> = ADAPTER_PROMPTS.iter().map(|p| p.to_vec()).collect();
+    let tokens = |on: &Device, sampler: Sampler, stepping: Stepping| -> crate::Result<Vec<Vec<u32>>> {
+        let model = Model::load_adapter(&adapter, Some(&base), on)?;
+        greedy(model.frozen(), (on, sampler, stepping), &prompts, 12, &eos)
+    };
+    let want = tokens(&Device::Cpu, Sampler::Host, Stepping::Shrink)?;
+    let got = tokens(device, Sampler::Race, Stepping::Graph)?;
+    Ok((want.iter().zip(&got).filter(|(w, g)| w != g).count(), prompts.len()))
 }
 
 /// Max |a - b| over entries where `mask` (broadcast from the leading dims)

@@ -49,6 +49,35 @@ impl Stepping {
     }
 }
 
+/// This process's recordings of decoding steps: how many were recorded
+/// as CUDA graphs, how many could not be (their batches' steps then
+/// launched from the host) and the last one's cause. `rloo check` reads it
+/// to say whether a model's steps were recorded.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct Recordings {
+    pub recorded: usize,
+    pub failed: usize,
+    pub cause: Option<String>,
+}
+
+static RECORDINGS: std::sync::Mutex<Recordings> =
+    std::sync::Mutex::new(Recordings { recorded: 0, failed: 0, cause: None });
+
+/// The recordings so far.
+pub fn recordings() -> Recordings {
+    RECORDINGS.lock().unwrap_or_else(|e| e.into_inner()).clone()
+}
+
+/// Counts one recording, failed with `cause` or not.
+#[cfg(feature = "cuda")]
+fn tally(cause: Option<String>) {
+    let mut r = RECORDINGS.lock().unwrap_or_else(|e| e.into_inner());
+    match cause {
+        None => r.recorded += 1,
+        Some(cause) => (r.failed, r.cause) = (r.failed + 1, Some(cause)),
+    }
+}
+
 /// A batch's rows on the device, finished or not, and how its steps are
 /// launched.
 pub struct FixedBatch {
@@ -235,6 +264,7 @@ impl FixedBatch {
                 let shape = (self.rows(), self.vocab);
                 match super::graph::StepGraph::record(self.staging.device(), shape, || launched(&self.inputs, cache)) {
                     Ok(graph) => {
+                        tally(None);
                         let logits = graph.replay()?;
                         self.launch = Launch::Replay(graph);
                         Ok(logits)
@@ -242,6 +272,7 @@ impl FixedBatch {
                     // A step that cannot be recorded (a head size the decoding kernels do
                     // not take, say) counted no slot: it runs from the host, as do the rest.
                     Err(e) => {
+                        tally(Some(e.to_string()));
                         super::graph::unrecorded(&e);
                         self.launch = Launch::Host;
                         launched(&self.inputs, cache)
