@@ -5,19 +5,24 @@
 # remains for it:
 #   1. `rloo check --device cuda`: every kernel against the CPU's (the
 #      flash attention over the bias and over spans, the decoding kernel
-#      with the rows of a prompt in a block among them), the fixtures
-#      against transformers (greedy tokens from shrinking batches and from
-#      recorded steps);
+#      with the rows of a prompt in a block among them, the race sampler),
+#      the fixtures against transformers (greedy tokens from shrinking
+#      batches and from recorded steps, which must have been recorded) and
+#      with their adapters against the CPU; then again with a
+#      parallel-residual layer's output projections joined
+#      (RLOO_DECODE_OUT=joined: the fixtures' KV-cache decoding and greedy
+#      tokens through them);
 #   2. the RLOO step at 410m against TRL under the defaults (the flash
 #      kernels reading each query's runs of keys, decoding a key per lane
-#      with the biases in cuBLASLt's epilogues);
+#      with the biases in cuBLASLt's epilogues), and with the rollouts'
+#      output projections joined (+joined);
 #   3. the step at 1B against TRL, and with the reference and the reward
 #      model in host memory for the training phase (+offload);
-#   4. generation at 410m against transformers, the decoding kernel's
-#      blocks as the binary cuts them (RLOO_DECODE_ROWS=auto), a block per
-#      row and per prompt's rows (each, prompt), and its value rows read a
-#      row a load (RLOO_DECODE_VALUES=rows), each step's time split between
-#      the GPU and the host;
+#   4. generation at 410m against transformers, the defaults, a prompt's
+#      rows to a block of the decoding kernel (RLOO_DECODE_ROWS=prompt) and
+#      the output projections joined (RLOO_DECODE_OUT=joined), each step's
+#      time split between the GPU and the host (the race sampler's picks
+#      among it);
 #   5. generation at 1B, the same variants (among them a prompt's rows
 #      with their value rows packed, not yet measured at a head size of 256);
 #   6. rloo serve at 410m under 1, 8 and 32 streaming clients, its steps
@@ -54,7 +59,7 @@ set -uo pipefail
 cd "$(dirname "$0")/../.."
 export OUT=${OUT:-/tmp/rloo-gpu-session} PY=${PY:-python3} MODELS=${MODELS:-/tmp/rloo-gpu-models}
 BUDGET=${BUDGET:-540}
-PARTS=${PARTS:-check train-410m train-1b generate-410m generate-1b serve-410m train-before generate-before profile train-1b-lora}
+PARTS=${PARTS:-check check-joined train-410m train-1b generate-410m generate-1b serve-410m train-before generate-before profile train-1b-lora}
 mkdir -p "$OUT"
 # The binaries as bench/gpu/pack.sh packs them for the call, where carried.
 if [[ -e .cuda/carry/rloo.gz ]]; then
@@ -79,12 +84,15 @@ part() {
 
 part check 60 scripts/cuda/run.sh check --device cuda
 grep -sE "checks on|FAIL" "$OUT/check.log" >&2
+part check-joined 40 env RLOO_DECODE_OUT=joined scripts/cuda/run.sh check --device cuda
+grep -sE "checks on|FAIL" "$OUT/check-joined.log" >&2
 defaults=flash+fused+graph+lanes+epilogue+kept
-part train-410m 120 env ARMS=410m-full TRAIN_RUNS=1 STEPS=3 ATTENTION="$defaults+spans" bench/gpu/run.sh train
+part train-410m 120 env ARMS=410m-full TRAIN_RUNS=1 STEPS=3 ATTENTION="$defaults+spans $defaults+spans++joined" \
+    bench/gpu/run.sh train
 part train-1b 120 env ARMS=1b-full TRAIN_RUNS=1 STEPS=3 ATTENTION="$defaults+spans $defaults+spans+offload" \
     bench/gpu/run.sh train
 decoded=race+lanes+fused+graph+epilogue
-decoders="$decoded $decoded+grouped+each $decoded+grouped+prompt $decoded+grouped+auto+rows"
+decoders="$decoded $decoded+grouped+prompt $decoded+grouped+auto+packed+joined"
 part generate-410m 60 env SIZES=410m RUNS=2 DECODERS="$decoders" bench/gpu/run.sh peaks generate
 part generate-1b 30 env SIZES=1b RUNS=2 PEER=off DECODERS="$decoders" bench/gpu/run.sh generate
 part serve-410m 45 env SIZES=410m bench/gpu/run.sh serve

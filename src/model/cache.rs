@@ -30,6 +30,9 @@ pub struct KvCache {
     /// they need.
     planned: usize,
     fixed: Option<Fixed>,
+    /// Per layer: what the layer makes once from its weights for the
+    /// cache's steps ([`KvCache::derived`]).
+    derived: Vec<Option<(Tensor, Tensor)>>,
 }
 
 /// What a cache with fixed slots keeps beside its buffers.
@@ -95,7 +98,38 @@ impl LayerKv<'_> {
 
 impl KvCache {
     pub fn new(num_layers: usize) -> Self {
-        Self { layers: vec![None; num_layers], key_mask: None, shared: None, planned: 0, fixed: None }
+        let (layers, derived) = (vec![None; num_layers], vec![None; num_layers]);
+        Self { layers, key_mask: None, shared: None, planned: 0, fixed: None, derived }
+    }
+
+    /// Tensors `layer` makes from its weights once for this cache's passes
+    /// (GPT-NeoX's output projections joined): made by `make` on first use
+    /// and kept while the cache lives, so that a batch's steps read them
+    /// where the first one did (as a recorded step must), and a model
+    /// whose weights change between batches (a policy trained between
+    /// rollouts) is never read stale.
+    pub fn derived(
+        &mut self,
+        layer: usize,
+        make: impl FnOnce() -> Result<(Tensor, Tensor)>,
+    ) -> Result<(Tensor, Tensor)> {
+        let Some(slot) = self.derived.get_mut(layer) else {
+            candle_core::bail!("the cache has no layer {layer}");
+        };
+        if slot.is_none() {
+            *slot = Some(make()?);
+        }
+        Ok(slot.clone().expect("made above"))
+    }
+
+    /// Takes `other`'s derived tensors where this cache has none, so that
+    /// rows prefilled apart (a cache of their own) do not make them again.
+    pub fn inherit_derived(&mut self, other: &KvCache) {
+        for (mine, theirs) in self.derived.iter_mut().zip(&other.derived) {
+            if mine.is_none() {
+                mine.clone_from(theirs);
+            }
+        }
     }
 
     /// Number of filled slots (S), shared ones included.
@@ -314,12 +348,15 @@ impl KvCache {
     /// left with masked slots: rows keep their own positions, so where a
     /// row's slots sit does not change what it computes. Buffers get room
     /// for `reserve` more slots per row. Neither cache may share slots.
-    pub fn join(&mut self, other: KvCache, reserve: usize) -> Result<()> {
+    pub fn join(&mut self, mut other: KvCache, reserve: usize) -> Result<()> {
         if self.shared.is_some() || other.shared.is_some() {
             candle_core::bail!("caches with shared slots cannot be joined");
         }
         self.refuse_fixed("be joined")?;
         other.refuse_fixed("be joined")?;
+        // Whichever cache's buffers stay, both caches' derived tensors do.
+        other.inherit_derived(self);
+        self.inherit_derived(&other);
         let Some(theirs) = other.key_mask.clone() else { return Ok(()) };
         let Some(ours) = self.key_mask.take() else {
             *self = other;

@@ -7,7 +7,7 @@
 
 use std::sync::Arc;
 
-use candle_core::{Result as TResult, Tensor, D};
+use candle_core::{DType, Result as TResult, Tensor, D};
 use serde::Deserialize;
 use serde_json::Value;
 
@@ -166,6 +166,41 @@ struct Block {
     dense_4h_to_h: Linear,
 }
 
+/// How a decoding batch's parallel-residual layers project their two
+/// branches back to the hidden size: `apart` (the default: attention's
+/// output projection, the MLP's down projection, and the sum of both with
+/// the residual) or `joined` (one product of the two branches side by side
+/// by the two weights side by side, made once per batch: one product
+/// fewer a layer at a step, the weights' copy held while the batch decodes).
+pub const DECODE_OUT_VAR: &str = "RLOO_DECODE_OUT";
+
+impl Block {
+    /// Whether a decoding step joins this layer's output projections: asked
+    /// by `RLOO_DECODE_OUT`, on weights that do not train and carry no adapter.
+    fn joins_outputs(&self) -> TResult<bool> {
+        let (dense, down) = (&self.dense, &self.dense_4h_to_h);
+        let frozen = !dense.weight.track_op() && !down.weight.track_op();
+        if !(frozen && dense.adapter.is_none() && down.adapter.is_none()) {
+            return Ok(false);
+        }
+        let chosen = super::device::variant(DECODE_OUT_VAR, &["apart", "joined"]);
+        Ok(chosen.map_err(candle_core::Error::msg)? == "joined")
+    }
+
+    /// `[dense | dense_4h_to_h]` (hidden, hidden + intermediate) and their
+    /// biases' sum: the weight and bias of the two output projections as one.
+    fn joined_outputs(&self) -> TResult<(Tensor, Tensor)> {
+        let (dense, down) = (&self.dense, &self.dense_4h_to_h);
+        let weight = Tensor::cat(&[&dense.weight, &down.weight], 1)?;
+        let bias = match (&dense.bias, &down.bias) {
+            (Some(a), Some(b)) => (a.to_dtype(DType::F32)? + b.to_dtype(DType::F32)?)?.to_dtype(a.dtype())?,
+            (Some(b), None) | (None, Some(b)) => b.clone(),
+            (None, None) => Tensor::zeros(dense.weight.dim(0)?, dense.weight.dtype(), dense.weight.device())?,
+        };
+        Ok((weight, bias))
+    }
+}
+
 pub struct Decoder {
     cfg: Config,
     embed_in: Tensor,
@@ -202,8 +237,9 @@ impl Decoder {
         })
     }
 
-    /// Attention on the input norm of `x`.
-    fn attention(
+    /// Attention's heads on the input norm of `x`, before the output
+    /// projection (`dense`).
+    fn attention_heads(
         &self,
         blk: &Block,
         x: &Tensor,
@@ -222,8 +258,7 @@ impl Decoder {
             v: qkv.narrow(D::Minus1, 2 * d, d)?,
             packed: Some((fused, kernels::Packing { q: 0, k: d, v: 2 * d, head_stride: 3 * d })),
         };
-        let out = self_attention(qkv, ctx, cache, layer, 1.0 / (d as f64).sqrt())?;
-        blk.dense.forward(&out)
+        self_attention(qkv, ctx, cache, layer, 1.0 / (d as f64).sqrt())
     }
 
     /// The MLP on the post-attention norm of `x`.
@@ -241,17 +276,27 @@ impl super::Decoder for Decoder {
         embed(&self.embed_in, &inputs.ids)
     }
 
-    fn block(&self, layer: usize, x: &Tensor, ctx: &Context, cache: Option<&mut KvCache>) -> TResult<Tensor> {
+    fn block(&self, layer: usize, x: &Tensor, ctx: &Context, mut cache: Option<&mut KvCache>) -> TResult<Tensor> {
         let blk = &self.layers[layer];
-        let attn = self.attention(blk, x, ctx, cache, layer)?;
-        if self.cfg.use_parallel_residual {
-            let mlp = self.mlp(blk, x)?;
-            kernels::sum3(x, &attn, &mlp)
-        } else {
+        if !self.cfg.use_parallel_residual {
+            let attn = blk.dense.forward(&self.attention_heads(blk, x, ctx, cache, layer)?)?;
             let x = kernels::residual(x, &attn)?;
             let mlp = self.mlp(blk, &x)?;
-            kernels::residual(&x, &mlp)
+            return kernels::residual(&x, &mlp);
         }
+        let joined = match cache.as_deref_mut() {
+            Some(cache) if blk.joins_outputs()? => Some(cache.derived(layer, || blk.joined_outputs())?),
+            _ => None,
+        };
+        let heads = self.attention_heads(blk, x, ctx, cache, layer)?;
+        let Some((weight, bias)) = joined else {
+            let attn = blk.dense.forward(&heads)?;
+            let mlp = self.mlp(blk, x)?;
+            return kernels::sum3(x, &attn, &mlp);
+        };
+        let wide = blk.dense_h_to_4h.forward_normed(&blk.post_attention_layernorm, x)?;
+        let both = Tensor::cat(&[&heads, &kernels::activation(&wide, self.cfg.act)?], D::Minus1)?;
+        kernels::residual(x, &kernels::linear(&both, &weight, Some(&bias))?)
     }
 
     fn final_norm(&self, x: &Tensor) -> TResult<Tensor> {
