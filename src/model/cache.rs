@@ -483,3 +483,50 @@ impl KvCache {
         Ok(LayerKv { keys, values, shared, slot_at: self.fixed.as_ref().map(|f| &f.slot) })
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use candle_core::Device;
+
+    use super::*;
+
+    /// A cache of `rows` rows with two filled slots in its one layer.
+    fn filled(rows: usize) -> KvCache {
+        let mut cache = KvCache::new(1);
+        let kv = Tensor::zeros((rows, 1, 2, 4), DType::F32, &Device::Cpu).unwrap();
+        cache.append(0, &kv, &kv).unwrap();
+        cache.finish_pass(Tensor::ones((rows, 2), DType::F32, &Device::Cpu).unwrap(), 2);
+        cache
+    }
+
+    /// A layer's derived tensors are made once per cache, stay through a
+    /// join whichever side made them, and pass to a cache of rows
+    /// prefilled apart.
+    #[test]
+    fn derived_tensors_are_made_once_and_kept_through_joins() {
+        let made = std::cell::Cell::new(0);
+        let make = || {
+            made.set(made.get() + 1);
+            Ok((Tensor::new(&[1f32], &Device::Cpu)?, Tensor::new(&[2f32], &Device::Cpu)?))
+        };
+        let mut first = filled(2);
+        first.derived(0, make).unwrap();
+        first.derived(0, make).unwrap();
+        assert_eq!(made.get(), 1);
+        let again = || -> Result<(Tensor, Tensor)> { panic!("made again") };
+        let mut joined = filled(1);
+        joined.join(first.clone(), 0).unwrap();
+        joined.derived(0, again).unwrap();
+        // A cache with no slots yet takes the other's buffers, and keeps what it made.
+        let mut empty = KvCache::new(1);
+        empty.derived(0, make).unwrap();
+        empty.join(filled(1), 0).unwrap();
+        assert_eq!(empty.len(), 2);
+        empty.derived(0, again).unwrap();
+        let mut prefilled = KvCache::new(1);
+        prefilled.inherit_derived(&first);
+        let (weight, _) = prefilled.derived(0, again).unwrap();
+        assert_eq!(weight.to_vec1::<f32>().unwrap(), [1.0]);
+        assert!(KvCache::new(1).derived(1, make).is_err(), "a layer the cache does not have");
+    }
+}
