@@ -192,10 +192,11 @@ impl Block {
     fn joined_outputs(&self) -> TResult<(Tensor, Tensor)> {
         let (dense, down) = (&self.dense, &self.dense_4h_to_h);
         let weight = Tensor::cat(&[&dense.weight, &down.weight], 1)?;
-        let bias = match (&dense.bias, &down.bias) {
-            (Some(a), Some(b)) => (a.to_dtype(DType::F32)? + b.to_dtype(DType::F32)?)?.to_dtype(a.dtype())?,
-            (Some(b), None) | (None, Some(b)) => b.clone(),
-            (None, None) => Tensor::zeros(dense.weight.dim(0)?, dense.weight.dtype(), dense.weight.device())?,
+        // The MLP's down projection always has a bias (`Decoder::load`); attention's may not.
+        let Some(down_bias) = &down.bias else { candle_core::bail!("dense_4h_to_h has no bias") };
+        let bias = match &dense.bias {
+            Some(b) => (b.to_dtype(DType::F32)? + down_bias.to_dtype(DType::F32)?)?.to_dtype(b.dtype())?,
+            None => down_bias.clone(),
         };
         Ok((weight, bias))
     }
