@@ -27,10 +27,11 @@
 #   nccl      one RLOO run on the GPU through every collective of a job
 #             (RLOO_DIST_BACKEND=nccl, one rank) beside the same run alone
 #   profile   the kernels of a short generation (the benchmark's 256 rows, 16 new
-#             tokens; each kernel of a recorded step on its own) and of one
+#             tokens; each kernel of a recorded step on its own), of one
 #             RLOO step's training phase over one micro-batch (16 prompts x 4
-#             x 128 tokens, the benchmark's micro-batch) at the first of
-#             SIZES, by total time, with the host's CUDA calls, from Nsight
+#             x 128 tokens, the benchmark's micro-batch) and of the same step's
+#             scoring and reference passes, at the first of SIZES, by total
+#             time, with the host's CUDA calls, from Nsight
 #             Systems (else Nsight Compute, bench/gpu/kernels.py); not in the
 #             default parts
 #
@@ -67,7 +68,7 @@
 #                  +offload moves the reference and the reward model to host memory for the
 #                  training phase (ref_reward_offload); one ending in +tuned (before or after
 #                  +offload) tunes the rollouts' products (RLOO_GEMM=tuned). Default: default
-#      PROFILED    what `profile` profiles: generate train (default both)
+#      PROFILED    what `profile` profiles: generate train scoring (default all three)
 #      PEER        on (default), or off: rloo's runs alone, without transformers' generate
 #                  and TRL (for a short call whose peer figures an earlier one on the card gave)
 #      RUNS        generation runs of each side (default 3)
@@ -98,7 +99,7 @@ MODELS=${MODELS:-/tmp/rloo-gpu-models}
 DEVICE=${DEVICE:-cuda}
 PY=${PY:-python3}
 PEER=${PEER:-on}
-PROFILED=${PROFILED:-generate train}
+PROFILED=${PROFILED:-generate train scoring}
 LONG_ROWS=${LONG_ROWS:-4}
 PARTS=${*:-peaks generate train nccl}
 PROMPTS=64 K=4 NEW=128
@@ -311,16 +312,20 @@ if part profile && [[ $DEVICE == cuda ]]; then
                 "$PY" bench/gpu/kernels.py "$OUT/profile-$name.csv" >"$OUT/profile-$name.txt" && cat "$OUT/profile-$name.txt"
             fi
         }
-        # Generation at the benchmark's 256 rows; training over one micro-batch of 16 prompts.
+        # Generation at the benchmark's 256 rows; a step over 16 prompts: its training (one micro-batch), its scoring.
         [[ " $PROFILED " != *" generate "* ]] || profiled generate - "${rloo_cmd[@]}" generate --device cuda --bf16 --model "$dir/policy" \
             --prompts "$dir/prompts.jsonl" --output "$OUT/profile-generate.jsonl" --num-return-sequences $K \
             --max-new-tokens 16 --temperature 1.0 --batch-size $((PROMPTS * K)) --ignore-eos --seed 1
-        run=$OUT/profile-train
-        sed -e "s|@MODELS@|$dir|" -e "s|@DEVICE@|cuda|" -e "s|@OUT@|$run|" -e "s|@MICRO@|$((16 * K))|" \
-            -e "s|@ACCUMULATION@|1|" -e "s|@EPISODES@|$((16 * K))|" -e "s|@CHECKPOINTING@|false|" \
-            -e "s|@OFFLOAD@|false|" -e "s|^path = \"$dir/prompts.jsonl\"|path = \"$OUT/profile-prompts.jsonl\"|" \
-            bench/gpu/rloo.toml.in >"$run.toml"
-        [[ " $PROFILED " != *" train "* ]] || profiled train training "${rloo_cmd[@]}" train "$run.toml"
+        for phase in train scoring; do
+            [[ " $PROFILED " == *" $phase "* ]] || continue
+            run=$OUT/profile-$phase
+            sed -e "s|@MODELS@|$dir|" -e "s|@DEVICE@|cuda|" -e "s|@OUT@|$run|" -e "s|@MICRO@|$((16 * K))|" \
+                -e "s|@ACCUMULATION@|1|" -e "s|@EPISODES@|$((16 * K))|" -e "s|@CHECKPOINTING@|false|" \
+                -e "s|@OFFLOAD@|false|" -e "s|^path = \"$dir/prompts.jsonl\"|path = \"$OUT/profile-prompts.jsonl\"|" \
+                bench/gpu/rloo.toml.in >"$run.toml"
+            # RLOO_CUDA_PROFILE's names for the step's phases.
+            profiled "$phase" "${phase/train/training}" "${rloo_cmd[@]}" train "$run.toml"
+        done
     fi
 fi
 

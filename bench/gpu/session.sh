@@ -28,9 +28,9 @@
 #   6. rloo serve at 410m under 1, 8 and 32 streaming clients, its steps
 #      launched from the host and replayed from recordings as rows come and
 #      go (RLOO_DECODE_STEP=shrink, graph);
-#   7. the kernels of the training phase over one micro-batch at 410m,
-#      and of a short generation at the benchmark's 256 rows, under the
-#      defaults;
+#   7. the kernels of the training phase over one micro-batch at 410m, of
+#      the same step's scoring and reference passes, and of a short
+#      generation at the benchmark's 256 rows, under the defaults;
 #   8. LoRA (r = 16, all linear layers) at 1B against TRL with PEFT, over
 #      spans;
 #   9. the Qwen3-8B LoRA arm (bf16 weights, gradient checkpointing) against
@@ -104,7 +104,7 @@ if [[ -e .cuda/bin/rloo-before.gz ]]; then
     part generate-before 30 env OUT="$OUT/before" RLOO=/tmp/rloo-before PEER=off SIZES=410m RUNS=2 \
         DECODERS="$decoded" bench/gpu/run.sh generate
 fi
-part profile 90 env SIZES=410m bench/gpu/run.sh profile
+part profile 120 env SIZES=410m bench/gpu/run.sh profile
 part train-1b-lora 100 env ARMS=1b-lora TRAIN_RUNS=1 STEPS=3 ATTENTION="$defaults+spans" bench/gpu/run.sh train
 part train-8b-lora 240 env ARMS=qwen3-8b-lora TRAIN_RUNS=1 STEPS=3 ATTENTION="$defaults+spans $defaults+spans+offload" \
     bench/gpu/run.sh train

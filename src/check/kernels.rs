@@ -23,6 +23,7 @@ const CUDA_KERNELS: &[&str] = &[
     "gated_mlp_remade",
     "lora",
     "layer_norm",
+    "layer_norm_pair",
     "norm_linear",
     "mlp_remade",
     "rms_norm",
@@ -417,7 +418,12 @@ pub fn check_kernels(device: &Device, dtypes: &[DType]) -> Vec<Check> {
         }
         // One launch on a GPU; elsewhere the composition it would be compared with.
         if device.is_cuda() {
-            for d in [64, 128] {
+            out.push(
+                layer_norm_pair_check(device, dtype, rng)
+                    .unwrap_or_else(|e| Check::failed("kernel", "layer_norm_pair, against each alone", dtype, e)),
+            );
+            // 40: features not in whole 8s, a thread each; else 8 a thread.
+            for d in [40, 64, 128] {
                 out.push(
                     rotary_append_check(device, dtype, d, rng).unwrap_or_else(|e| {
                         Check::failed("kernel", &format!("rotary_append, head size {d}"), dtype, e)
@@ -1163,6 +1169,25 @@ fn rotary_append_check(device: &Device, dtype: DType, d: usize, rng: &mut Rng) -
         relative_error(&run(device, dtype, false)?, &want)?.max(relative_error(&run(device, dtype, true)?, &want)?);
     let label = format!("rotary_append, head size {d} ({})", path("rotary_append", device, dtype));
     Ok(Check::new("kernel", &label, dtype, error, None, tolerance(dtype)))
+}
+
+/// Two LayerNorms of the same rows in one launch on a GPU against each
+/// alone there: the same bits (the largest difference, which must be 0), as
+/// a parallel-residual layer's forward without a graph takes them.
+fn layer_norm_pair_check(device: &Device, dtype: DType, rng: &mut Rng) -> Result<Check> {
+    let h = 1024;
+    let on = |t: Tensor| t.to_device(device)?.to_dtype(dtype);
+    let x = on(rng.normal_tensor(&[3, 7, h], 0.5, 1.0))?;
+    let (w1, b1) = (on(rng.normal_tensor(&[h], 1.0, 0.5))?, on(rng.normal_tensor(&[h], 0.0, 0.5))?);
+    let (w2, b2) = (on(rng.normal_tensor(&[h], 1.0, 0.5))?, on(rng.normal_tensor(&[h], 0.0, 0.5))?);
+    let (eps1, eps2) = (1e-5, 1e-3);
+    let Some((first, second)) = kernels::layer_norm_pair(&x, (&w1, &b1, eps1), (&w2, &b2, eps2))? else {
+        candle_core::bail!("the pair did not run")
+    };
+    let differ = largest_difference(&first, &kernels::layer_norm(&x, &w1, &b1, eps1)?)?
+        .max(largest_difference(&second, &kernels::layer_norm(&x, &w2, &b2, eps2)?)?);
+    let label = format!("layer_norm_pair, against each alone to the bit ({})", path("layer_norm_pair", device, dtype));
+    Ok(Check::new("kernel", &label, dtype, differ, None, 0.0))
 }
 
 /// Three AdamW steps on the device against the CPU kernel.

@@ -238,12 +238,13 @@ impl Decoder {
         })
     }
 
-    /// Attention's heads on the input norm of `x`, before the output
-    /// projection (`dense`).
+    /// Attention's heads on the input norm of `x` (made already where
+    /// `normed`), before the output projection (`dense`).
     fn attention_heads(
         &self,
         blk: &Block,
         x: &Tensor,
+        normed: Option<&Tensor>,
         ctx: &Context,
         cache: Option<&mut KvCache>,
         layer: usize,
@@ -251,7 +252,10 @@ impl Decoder {
         let (b, t, _) = x.dims3()?;
         let (heads, d) = (self.cfg.num_heads, self.cfg.head_dim);
         // The fused projection is laid out per head: (B, T, H, 3 * D) = [q | k | v].
-        let fused = blk.query_key_value.forward_normed(&blk.input_layernorm, x)?;
+        let fused = match normed {
+            Some(normed) => blk.query_key_value.forward(normed)?,
+            None => blk.query_key_value.forward_normed(&blk.input_layernorm, x)?,
+        };
         let qkv = fused.reshape((b, t, heads, 3 * d))?;
         let qkv = Qkv {
             q: qkv.narrow(D::Minus1, 0, d)?,
@@ -262,9 +266,22 @@ impl Decoder {
         self_attention(qkv, ctx, cache, layer, 1.0 / (d as f64).sqrt())
     }
 
-    /// The MLP on the post-attention norm of `x`.
-    fn mlp(&self, blk: &Block, x: &Tensor) -> TResult<Tensor> {
-        blk.dense_h_to_4h.forward_normed_mlp(&blk.post_attention_layernorm, x, &blk.dense_4h_to_h, self.cfg.act)
+    /// The MLP's wide input on the post-attention norm of `x` (made already where `normed`).
+    fn mlp_wide(&self, blk: &Block, x: &Tensor, normed: Option<&Tensor>) -> TResult<Tensor> {
+        match normed {
+            Some(normed) => blk.dense_h_to_4h.forward(normed),
+            None => blk.dense_h_to_4h.forward_normed(&blk.post_attention_layernorm, x),
+        }
+    }
+
+    /// The MLP on the post-attention norm of `x` (made already where `normed`).
+    fn mlp(&self, blk: &Block, x: &Tensor, normed: Option<&Tensor>) -> TResult<Tensor> {
+        match normed {
+            Some(_) => blk.dense_4h_to_h.forward_activated(&self.mlp_wide(blk, x, normed)?, self.cfg.act),
+            None => {
+                blk.dense_h_to_4h.forward_normed_mlp(&blk.post_attention_layernorm, x, &blk.dense_4h_to_h, self.cfg.act)
+            }
+        }
     }
 }
 
@@ -280,22 +297,26 @@ impl super::Decoder for Decoder {
     fn block(&self, layer: usize, x: &Tensor, ctx: &Context, mut cache: Option<&mut KvCache>) -> TResult<Tensor> {
         let blk = &self.layers[layer];
         if !self.cfg.use_parallel_residual {
-            let attn = blk.dense.forward(&self.attention_heads(blk, x, ctx, cache, layer)?)?;
+            let attn = blk.dense.forward(&self.attention_heads(blk, x, None, ctx, cache, layer)?)?;
             let x = kernels::residual(x, &attn)?;
-            let mlp = self.mlp(blk, &x)?;
+            let mlp = self.mlp(blk, &x, None)?;
             return kernels::residual(&x, &mlp);
         }
+        // Both branches norm the same x: without a graph, one pass makes both.
+        let (ln1, ln2) = (&blk.input_layernorm, &blk.post_attention_layernorm);
+        let pair = kernels::layer_norm_pair(x, (&ln1.weight, &ln1.bias, ln1.eps), (&ln2.weight, &ln2.bias, ln2.eps))?;
+        let (normed_1, normed_2) = pair.as_ref().map(|(a, b)| (a, b)).unzip();
         let joined = match cache.as_deref_mut() {
             Some(cache) if blk.joins_outputs()? => Some(cache.derived(layer, || blk.joined_outputs())?),
             _ => None,
         };
-        let heads = self.attention_heads(blk, x, ctx, cache, layer)?;
+        let heads = self.attention_heads(blk, x, normed_1, ctx, cache, layer)?;
         let Some((weight, bias)) = joined else {
             let attn = blk.dense.forward(&heads)?;
-            let mlp = self.mlp(blk, x)?;
+            let mlp = self.mlp(blk, x, normed_2)?;
             return kernels::sum3(x, &attn, &mlp);
         };
-        let wide = blk.dense_h_to_4h.forward_normed(&blk.post_attention_layernorm, x)?;
+        let wide = self.mlp_wide(blk, x, normed_2)?;
         let both = Tensor::cat(&[&heads, &kernels::activation(&wide, self.cfg.act)?], D::Minus1)?;
         kernels::residual(x, &kernels::linear(&both, &weight, Some(&bias))?)
     }

@@ -45,7 +45,7 @@ pub use linear::{
     DENSE_BIAS_VAR, GEMM_VAR,
 };
 pub use lora::{lora_forward, lora_forward_remade, LoraLayer, Mask};
-pub use norm::{layer_norm, layer_norm_remake, rms_norm, rms_norm_remake};
+pub use norm::{layer_norm, layer_norm_pair, layer_norm_remake, rms_norm, rms_norm_remake};
 pub use norm_linear::{norm_linear, norm_linear_remake};
 pub use qkv_attention::{attention_heads_fused, qkv_attention, qkv_heads, ATTENTION_HEADS_VAR};
 pub use remade::{mlp_input_remade, Remake, MLP_INPUT_VAR};

@@ -31,6 +31,88 @@ pub fn layer_norm(x: &Tensor, weight: &Tensor, bias: &Tensor, eps: f64) -> Resul
     x.contiguous()?.apply_op3(&weight.contiguous()?, &bias.contiguous()?, LayerNorm { eps: eps as f32 })
 }
 
+/// The LayerNorms `first` and `second` (weight, bias, eps) of the same `x`,
+/// as a parallel-residual layer takes before its attention and its MLP: on
+/// a GPU, for a forward that records no graph, one pass over x's rows (its
+/// moments taken once), each output the same as [`layer_norm`]'s. None
+/// where that does not run (on the CPU, with a graph, rows not of whole
+/// 16-byte loads): then the two alone.
+pub fn layer_norm_pair(
+    x: &Tensor,
+    first: (&Tensor, &Tensor, f64),
+    second: (&Tensor, &Tensor, f64),
+) -> Result<Option<(Tensor, Tensor)>> {
+    let all = [x, first.0, first.1, second.0, second.1];
+    if !super::on_cuda(&all) || all.iter().any(|t| t.track_op()) {
+        return Ok(None);
+    }
+    let [x, w1, b1, w2, b2] = all.map(Tensor::contiguous);
+    let (x, w1, b1, w2, b2) = (x?, w1?, b1?, w2?, b2?);
+    let h = x.dim(candle_core::D::Minus1)?;
+    let size = x.dtype().size_in_bytes();
+    let on_16 = |t: &Tensor| (t.layout().start_offset() * size).is_multiple_of(16);
+    // Whole 16-byte loads (the forward that holds a row's chunks, up to
+    // 4,096 features), and rows of whole 256 bytes, so that the second
+    // output lies as aligned as a buffer of its own for the products that
+    // read it (their plans go by alignment).
+    let fits = h.is_multiple_of(8)
+        && h <= 4096
+        && (h * size).is_multiple_of(256)
+        && [&w1, &b1, &w2, &b2].iter().all(|p| p.dims() == [h] && on_16(p))
+        && on_16(&x);
+    if !fits {
+        return Ok(None);
+    }
+    let op = LayerNormPair { eps: (first.2 as f32, second.2 as f32), second: (w2, b2) };
+    let both = x.apply_op3_no_bwd(&w1, &b1, &op)?;
+    Ok(Some((both.get(0)?, both.get(1)?)))
+}
+
+/// [`layer_norm_pair`]'s op on (x, first weight, first bias); it holds the second's.
+#[cfg_attr(not(feature = "cuda"), allow(dead_code))]
+struct LayerNormPair {
+    eps: (f32, f32),
+    second: (Tensor, Tensor),
+}
+
+impl CustomOp3 for LayerNormPair {
+    fn name(&self) -> &'static str {
+        "layer-norm-pair"
+    }
+
+    fn cpu_fwd(
+        &self,
+        _: &CpuStorage,
+        _: &Layout,
+        _: &CpuStorage,
+        _: &Layout,
+        _: &CpuStorage,
+        _: &Layout,
+    ) -> Result<(CpuStorage, Shape)> {
+        candle_core::bail!("a LayerNorm pair runs on a GPU")
+    }
+
+    #[cfg(feature = "cuda")]
+    fn cuda_fwd(
+        &self,
+        x: &CudaStorage,
+        x_l: &Layout,
+        w: &CudaStorage,
+        w_l: &Layout,
+        b: &CudaStorage,
+        b_l: &Layout,
+    ) -> Result<(CudaStorage, Shape)> {
+        let ((w2, w2_l), (b2, b2_l)) = (self.second.0.storage_and_layout(), self.second.1.storage_and_layout());
+        let (candle_core::Storage::Cuda(w2), candle_core::Storage::Cuda(b2)) = (&*w2, &*b2) else {
+            candle_core::bail!("a LayerNorm pair: the second norm's weights are not on the GPU")
+        };
+        let params = [(w, w_l), (b, b_l), (w2, w2_l), (b2, b2_l)];
+        let mut dims = vec![2];
+        dims.extend_from_slice(x_l.dims());
+        Ok((super::cuda::layer_norm_pair(x, x_l, &params, self.eps)?, Shape::from(dims)))
+    }
+}
+
 /// What makes [`layer_norm`]'s values again, as [`rms_norm_remake`] does.
 pub fn layer_norm_remake(x: &Tensor, weight: &Tensor, bias: &Tensor, eps: f64) -> Option<Remake> {
     let all = [x, weight, bias];

@@ -744,6 +744,68 @@ bool decode_case(int d, bool lanes, bool fixed, int chunk = 0, int h = 4) {
     return ok;
 }
 
+// A decoding step's rotary and cache append 8 features a thread against a
+// thread a feature, to the bit: q rotated, k rotated and v as it is in their
+// slot of the cache, whose other slots keep their NaN; GPT-NeoX's fused
+// projection ([q | k | v] a head) and separate projections with 2 query heads
+// a key/value head, part of the features rotated or none, the slot given or
+// read from the device (a recorded step's).
+template <typename T>
+bool append_case(bool fused, int d, int r, bool slot_at) {
+    const int rows = 3, h = 4, h_kv = fused ? h : 2, capacity = 5, slot = 3;
+    std::mt19937 rng(23);
+    std::normal_distribution<float> normal;
+    AppendDims a{};
+    std::vector<T> q, k, v;
+    auto fill = [&](std::vector<T>& x, size_t n) {
+        x.resize(n);
+        for (auto& e : x) e = from_f32<T>(normal(rng));
+    };
+    if (fused) {
+        const int width = 3 * h * d;
+        fill(q, (size_t)rows * width);
+        k = v = q;
+        a.q_row = a.k_row = a.v_row = width, a.q_head = a.k_head = a.v_head = 3 * d;
+    } else {
+        fill(q, (size_t)rows * h * d), fill(k, (size_t)rows * h_kv * d), fill(v, k.size());
+        a.q_row = h * d, a.k_row = a.v_row = h_kv * d, a.q_head = a.k_head = a.v_head = d;
+    }
+    // With the fused projection k and v start d and 2 d into each head.
+    const T *qp = q.data(), *kp = k.data() + (fused ? d : 0), *vp = v.data() + (fused ? 2 * d : 0);
+    a.h = h, a.h_kv = h_kv, a.d = d, a.r = r, a.capacity = capacity, a.slot = slot_at ? 0 : slot;
+    std::vector<float> cos((size_t)rows * std::max(r, 1)), sin(cos.size());
+    for (size_t i = 0; i < cos.size(); ++i) cos[i] = std::cos(0.1f * i), sin[i] = std::sin(0.1f * i);
+    const uint32_t at[1] = {uint32_t(slot)};
+    const size_t cache = (size_t)rows * h_kv * capacity * d;
+    struct Out {
+        std::vector<T> q, k, v;
+    };
+    auto poisoned = [&] { return Out{std::vector<T>((size_t)rows * h * d, nan_of<T>()), std::vector<T>(cache, nan_of<T>()),
+                                     std::vector<T>(cache, nan_of<T>())}; };
+    Out one = poisoned(), wide = poisoned();
+    launch({unsigned(h + h_kv), unsigned(rows), 1}, 0, [&] {
+        rotary_append<T>(qp, kp, vp, cos.data(), sin.data(), one.q.data(), one.k.data(), one.v.data(),
+                         slot_at ? at : nullptr, a);
+    }, unsigned((d + 31) / 32 * 32));
+    const unsigned chunks = unsigned(rows * (h + h_kv) * d / 8);
+    launch({(chunks + 63) / 64, 1, 1}, 0, [&] {
+        rotary_append_wide<T>(qp, kp, vp, cos.data(), sin.data(), wide.q.data(), wide.k.data(), wide.v.data(),
+                              slot_at ? at : nullptr, a, rows);
+    }, 64);
+    auto same = [](const std::vector<T>& x, const std::vector<T>& y) {
+        return std::memcmp(x.data(), y.data(), x.size() * sizeof(T)) == 0;
+    };
+    // The narrow kernel wrote the slot: its values are there, not NaN.
+    const size_t written = ((size_t)0 * h_kv * capacity + slot) * d;
+    const bool ok = same(one.q, wide.q) && same(one.k, wide.k) && same(one.v, wide.v) &&
+                    !std::isnan(to_f32(one.k[written])) && !std::isnan(to_f32(one.q[0]));
+    std::printf("%-4s append: %-5s %-28s d %3d rotated %3d, %s, 8 a thread against a thread a feature\n",
+                ok ? "ok" : "FAIL", std::is_same_v<T, bf16> ? "bf16" : "f32",
+                fused ? "fused [q | k | v] a head" : "separate, 2 heads a k/v head", d, r,
+                slot_at ? "slot on the device" : "slot given");
+    return ok;
+}
+
 // The forward with a row's chunks held, C at most a lane (C = 0: the loops).
 template <typename T, int C>
 void norm_fwd(bool layer, const T* x, const T* w, const T* b, T* y, int rows, int h, float eps) {
@@ -813,6 +875,39 @@ bool norms_case(bool layer, int rows, int h) {
     std::printf("%-4s norms: %-10s %-5s %3d rows of %4d, held %2d  y %.1e  dx %.1e  dw %.1e\n", ok ? "ok" : "FAIL",
                 layer ? "LayerNorm" : "RMSNorm", std::is_same_v<T, bf16> ? "bf16" : "f32", rows, h, C, errs[0],
                 errs[1], errs[2]);
+    return ok;
+}
+
+// Two LayerNorms of the same rows in one launch against each alone, to the
+// bit: each norm's own weight, bias and eps, rows that do not fill the last
+// block, lanes holding unequal numbers of chunks.
+template <typename T, int C>
+bool norm_pair_case(int rows, int h) {
+    std::mt19937 rng(17);
+    std::normal_distribution<float> normal;
+    auto fill = [&](size_t n, float mean) {
+        std::vector<T> v(n);
+        for (auto& e : v) e = from_f32<T>(mean + normal(rng));
+        return v;
+    };
+    const std::vector<T> x = fill((size_t)rows * h, 0.5f), w1 = fill(h, 1.f), b1 = fill(h, 0.f), w2 = fill(h, 1.f),
+                         b2 = fill(h, 0.f);
+    const float eps1 = 1e-5f, eps2 = 1e-3f;
+    std::vector<T> pair(2 * x.size(), nan_of<T>()), first(x.size(), nan_of<T>()), second(x.size(), nan_of<T>());
+    const Dim3 grid{unsigned((rows + NORM_WARPS - 1) / NORM_WARPS), 1, 1};
+    launch(grid, 0, [&] {
+        layer_norm_pair_fwd_wide<T, C>(x.data(), w1.data(), b1.data(), w2.data(), b2.data(), pair.data(), rows, h,
+                                       eps1, eps2);
+    }, 32 * NORM_WARPS);
+    launch(grid, 0, [&] { layer_norm_fwd_wide<T, C>(x.data(), w1.data(), b1.data(), first.data(), rows, h, eps1); },
+           32 * NORM_WARPS);
+    launch(grid, 0, [&] { layer_norm_fwd_wide<T, C>(x.data(), w2.data(), b2.data(), second.data(), rows, h, eps2); },
+           32 * NORM_WARPS);
+    const size_t bytes = x.size() * sizeof(T);
+    const bool ok = std::memcmp(pair.data(), first.data(), bytes) == 0 &&
+                    std::memcmp(pair.data() + x.size(), second.data(), bytes) == 0;
+    std::printf("%-4s norms: a LayerNorm pair %-5s %3d rows of %4d, held %2d, against each alone to the bit\n",
+                ok ? "ok" : "FAIL", std::is_same_v<T, bf16> ? "bf16" : "f32", rows, h, C);
     return ok;
 }
 
@@ -1190,6 +1285,10 @@ int main(int argc, char** argv) {
         ok &= norms_case<float, 1>(layer, 3, 8);
         ok &= norms_case<bf16, 16>(layer, 17, 2048);
     }
+    ok &= norm_pair_case<bf16, 4>(21, 1024);
+    ok &= norm_pair_case<float, 4>(10, 1000);
+    ok &= norm_pair_case<bf16, 8>(9, 2048);
+    ok &= norm_pair_case<float, 1>(3, 8);
     ok &= heads_case("per head [q | k | v], rotary", true, 4);
     ok &= heads_case("[Q | K | V], rotary", false, 8);
     ok &= heads_case("per head, no rotary", true, 0);
@@ -1197,6 +1296,11 @@ int main(int argc, char** argv) {
     ok &= heads_case("per head [q | k | v], rotary", true, 16, 32, true);
     ok &= heads_case("[Q | K | V], rotary", false, 32, 64, true);
     ok &= heads_case("per head, no rotary", true, 0, 16, true);
+    ok &= append_case<bf16>(true, 64, 16, false);
+    ok &= append_case<bf16>(true, 64, 64, true);
+    ok &= append_case<float>(false, 32, 0, true);
+    ok &= append_case<bf16>(false, 128, 128, false);
+    ok &= append_case<float>(true, 16, 16, false);
     ok &= run<64>({"d64 causal, padding, gqa", 2, 4, 2, 70, 70, 64, 70, Case::CAUSAL}, rng);
     ok &= run<64>({"d64 shared prefix", 2, 2, 2, 100, 100, 64, 100, Case::SHARED_PREFIX}, rng);
     ok &= run<64>({"d64 past slots in a cache", 2, 2, 1, 20, 90, 64, 96, Case::CAUSAL}, rng);

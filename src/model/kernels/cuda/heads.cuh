@@ -1,5 +1,6 @@
 // Attention's heads cut out of a fused q/k/v projection, and their gradients
-// written back into one. Included by kernels.cu and by the host emulator
+// written back into one; a decoding step's heads rotated and appended to its
+// cache. Included by kernels.cu and by the host emulator
 // (emulate.cpp), which checks the index logic against a reference; both
 // define to_f32 and from_f32 first.
 //
@@ -163,5 +164,72 @@ __device__ void heads_merge_wide(const T* dq, const T* dkv, const float* cos, co
         float y[8];
         heads::turn8(y, g, e, at.part < 2 ? a.r : 0, cos + at.table, sin + at.table, -1.f);
         heads::store8(fused + at.row + e, y);
+    }
+}
+
+// A decoding step's rotary and cache append in one launch. q, k, v: one
+// token per row, (B, 1, heads, D) views with their own (row, head) strides
+// and unit feature stride (cut from the fused projection, not copied); cos,
+// sin: (B, R) f32, R <= D (R = 0: no rotation). q is written rotated to
+// q_out (B, H, 1, D); k rotated, and v as it is, to slot `slot` of the
+// cache's (B, Hkv, capacity, D) buffers, in place, or to slot *slot_at when
+// slot_at is given (a step replayed from a CUDA graph reads it there). One
+// block per head of q then of k (blockIdx.x) and row (blockIdx.y), a thread
+// per feature.
+
+struct AppendDims {
+    int64_t q_row, q_head, k_row, k_head, v_row, v_head;
+    int h, h_kv, d, r, capacity, slot;
+};
+
+template <typename T>
+__device__ void rotary_append(const T* q, const T* k, const T* v, const float* cos, const float* sin, T* q_out,
+                              T* k_cache, T* v_cache, const uint32_t* slot_at, AppendDims a) {
+    const int b = blockIdx.y, head = blockIdx.x;
+    const bool is_q = head < a.h;
+    const int hh = is_q ? head : head - a.h;
+    const T* x = is_q ? q + b * a.q_row + hh * a.q_head : k + b * a.k_row + hh * a.k_head;
+    const size_t slot = ((size_t)b * a.h_kv + hh) * a.capacity + (slot_at ? *slot_at : a.slot);
+    T* y = is_q ? q_out + ((size_t)b * a.h + hh) * a.d : k_cache + slot * a.d;
+    const int half = a.r / 2;
+    for (int j = threadIdx.x; j < a.d; j += blockDim.x) {
+        if (j < a.r) {
+            const float partner = to_f32(j < half ? x[j + half] : x[j - half]);
+            y[j] = from_f32<T>(rotated(to_f32(x[j]), partner, j, half, cos[b * a.r + j], sin[b * a.r + j]));
+        } else {
+            y[j] = x[j];
+        }
+        if (!is_q) v_cache[slot * a.d + j] = v[b * a.v_row + hh * a.v_head + j];
+    }
+}
+
+// rotary_append eight features a thread, 16 bytes a load and a store, where
+// D and R / 2 are whole 8s and every head row of q, k and v, the tables,
+// q_out and the cache's buffers lie on 16 bytes (the host checks): a thread
+// a chunk of 8 features of a row's head of q, then of k (and v), over the
+// whole grid. A block a head and a thread a feature loaded 2 bytes at a
+// time in 8,192 blocks of 64 threads at 256 rows of Pythia-410m. The same
+// values as rotary_append's, feature by feature.
+template <typename T>
+__device__ void rotary_append_wide(const T* q, const T* k, const T* v, const float* cos, const float* sin, T* q_out,
+                                   T* k_cache, T* v_cache, const uint32_t* slot_at, AppendDims a, int rows) {
+    const int per_head = a.d / 8, heads_per_row = a.h + a.h_kv;
+    const size_t n = (size_t)rows * heads_per_row * per_head;
+    for (size_t c = blockIdx.x * (size_t)blockDim.x + threadIdx.x; c < n; c += (size_t)gridDim.x * blockDim.x) {
+        const int e = (int)(c % per_head) * 8, head = (int)(c / per_head % heads_per_row);
+        const int b = (int)(c / per_head / heads_per_row);
+        const bool is_q = head < a.h;
+        const int hh = is_q ? head : head - a.h;
+        const T* x = is_q ? q + b * a.q_row + hh * a.q_head : k + b * a.k_row + hh * a.k_head;
+        const size_t slot = ((size_t)b * a.h_kv + hh) * a.capacity + (slot_at ? *slot_at : a.slot);
+        T* y = is_q ? q_out + ((size_t)b * a.h + hh) * a.d : k_cache + slot * a.d;
+        float out[8];
+        heads::turn8(out, x, e, a.r, cos + (size_t)b * a.r, sin + (size_t)b * a.r, 1.f);
+        heads::store8(y + e, out);
+        if (is_q) continue;
+        // v's bits as they are, 16 bytes at a time.
+        const uint4* from = reinterpret_cast<const uint4*>(v + b * a.v_row + hh * a.v_head + e);
+        uint4* to = reinterpret_cast<uint4*>(v_cache + slot * a.d + e);
+        for (int i = 0; i < (int)sizeof(T) / 2; ++i) to[i] = from[i];
     }
 }

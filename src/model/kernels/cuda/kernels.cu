@@ -46,7 +46,8 @@ template <> __device__ __forceinline__ bf16 from_f32<bf16>(float x) { return __f
 NORMS(float, f32)
 NORMS(bf16, bf16)
 
-// The forwards with a row's chunks of 8 held, at most C a lane (features up to 256 C).
+// The forwards with a row's chunks of 8 held, at most C a lane (features up to 256 C), and two
+// LayerNorms of the same rows.
 #define NORMS_WIDE(T, S, C)                                                                                     \
     extern "C" __global__ void rms_norm_fwd_wide##C##_##S(const T* x, const T* w, T* y, int rows, int h,        \
                                                           float eps) {                                          \
@@ -55,6 +56,11 @@ NORMS(bf16, bf16)
     extern "C" __global__ void layer_norm_fwd_wide##C##_##S(const T* x, const T* w, const T* b, T* y, int rows, \
                                                             int h, float eps) {                                 \
         layer_norm_fwd_wide<T, C>(x, w, b, y, rows, h, eps);                                                    \
+    }                                                                                                           \
+    extern "C" __global__ void layer_norm_pair_fwd_wide##C##_##S(const T* x, const T* w1, const T* b1,          \
+                                                                 const T* w2, const T* b2, T* y, int rows,      \
+                                                                 int h, float eps1, float eps2) {               \
+        layer_norm_pair_fwd_wide<T, C>(x, w1, b1, w2, b2, y, rows, h, eps1, eps2);                              \
     }
 #define NORMS_WIDE_ALL(T, S) NORMS_WIDE(T, S, 1) NORMS_WIDE(T, S, 2) NORMS_WIDE(T, S, 4) NORMS_WIDE(T, S, 8) NORMS_WIDE(T, S, 16)
 NORMS_WIDE_ALL(float, f32)
@@ -248,47 +254,18 @@ ROTARY(bf16, bf16)
 HEADS(float, f32)
 HEADS(bf16, bf16)
 
-// ---- A decoding step's rotary and cache append in one launch. q, k, v: one
-// token per row, (B, 1, heads, D) views with their own (row, head) strides
-// and unit feature stride (cut from the fused projection, not copied); cos,
-// sin: (B, R) f32, R <= D (R = 0: no rotation). q is written rotated to
-// q_out (B, H, 1, D); k rotated, and v as it is, to slot `slot` of the
-// cache's (B, Hkv, capacity, D) buffers, in place, or to slot *slot_at when
-// slot_at is given (a step replayed from a CUDA graph reads it there). One
-// block per head of q then of k (blockIdx.x) and row (blockIdx.y), a thread
-// per feature.
-
-struct AppendDims {
-    int64_t q_row, q_head, k_row, k_head, v_row, v_head;
-    int h, h_kv, d, r, capacity, slot;
-};
-
-template <typename T>
-__device__ void rotary_append(const T* q, const T* k, const T* v, const float* cos, const float* sin, T* q_out,
-                              T* k_cache, T* v_cache, const uint32_t* slot_at, AppendDims a) {
-    const int b = blockIdx.y, head = blockIdx.x;
-    const bool is_q = head < a.h;
-    const int hh = is_q ? head : head - a.h;
-    const T* x = is_q ? q + b * a.q_row + hh * a.q_head : k + b * a.k_row + hh * a.k_head;
-    const size_t slot = ((size_t)b * a.h_kv + hh) * a.capacity + (slot_at ? *slot_at : a.slot);
-    T* y = is_q ? q_out + ((size_t)b * a.h + hh) * a.d : k_cache + slot * a.d;
-    const int half = a.r / 2;
-    for (int j = threadIdx.x; j < a.d; j += blockDim.x) {
-        if (j < a.r) {
-            const float partner = to_f32(j < half ? x[j + half] : x[j - half]);
-            y[j] = from_f32<T>(rotated(to_f32(x[j]), partner, j, half, cos[b * a.r + j], sin[b * a.r + j]));
-        } else {
-            y[j] = x[j];
-        }
-        if (!is_q) v_cache[slot * a.d + j] = v[b * a.v_row + hh * a.v_head + j];
-    }
-}
+// ---- A decoding step's rotary and cache append in one launch (heads.cuh).
 
 #define ROTARY_APPEND(T, S)                                                                                    \
     extern "C" __global__ void rotary_append_##S(const T* q, const T* k, const T* v, const float* cos,         \
                                                  const float* sin, T* q_out, T* k_cache, T* v_cache,           \
                                                  const uint32_t* slot_at, AppendDims a) {                       \
         rotary_append<T>(q, k, v, cos, sin, q_out, k_cache, v_cache, slot_at, a);                               \
+    }                                                                                                          \
+    extern "C" __global__ void rotary_append_wide_##S(const T* q, const T* k, const T* v, const float* cos,    \
+                                                      const float* sin, T* q_out, T* k_cache, T* v_cache,      \
+                                                      const uint32_t* slot_at, AppendDims a, int rows) {        \
+        rotary_append_wide<T>(q, k, v, cos, sin, q_out, k_cache, v_cache, slot_at, a, rows);                    \
     }
 ROTARY_APPEND(float, f32)
 ROTARY_APPEND(bf16, bf16)

@@ -102,7 +102,26 @@ pub fn norm_fwd(kernel: &str, x: &CudaStorage, x_l: &Layout, params: &[In], eps:
         Some(c) => format!("{kernel}_wide{c}"),
         None => kernel.to_string(),
     };
-    by_dtype!(x.dtype(), norm_fwd_as(&typed(&name, x.dtype())?, x, x_l, params, eps))
+    by_dtype!(x.dtype(), norm_fwd_as(&typed(&name, x.dtype())?, x, x_l, params, &[eps]))
+}
+
+/// Two LayerNorms of the rows of `x` (N, H) in one launch
+/// (`layer_norm_pair_fwd_wide`, norms.cuh): `params` the first's weight and
+/// bias, then the second's, `eps` theirs; the two outputs (2, N, H) in x's
+/// dtype, each the same as [`norm_fwd`]'s. Only where the forward holds a
+/// row's chunks (`_wide`).
+pub fn layer_norm_pair(
+    x: &CudaStorage,
+    x_l: &Layout,
+    params: &[In; 4],
+    (eps1, eps2): (f32, f32),
+) -> Result<CudaStorage> {
+    let h = params[0].1.shape().elem_count();
+    let Some(held) = norm_chunks_held(h, std::iter::once((x, x_l)).chain(params.iter().copied())) else {
+        candle_core::bail!("a LayerNorm pair over rows of {h} that are not whole 16-byte loads");
+    };
+    let name = typed(&format!("layer_norm_pair_fwd_wide{held}"), x.dtype())?;
+    by_dtype!(x.dtype(), norm_fwd_as(&name, x, x_l, params, &[eps1, eps2]))
 }
 
 /// The chunks of 8 features a lane of a norm's forward holds (`_wide<C>`,
@@ -114,12 +133,14 @@ fn norm_chunks_held<'a>(h: usize, inputs: impl IntoIterator<Item = In<'a>>) -> O
     (h.is_multiple_of(8) && held <= 16 && inputs.into_iter().all(on_16)).then_some(held)
 }
 
+/// A norm forward's kernel `name` over x and its `params`: one output of
+/// x's size for each of `eps` (a norm's, or a pair's two), one after the other.
 fn norm_fwd_as<T: CudaDType + DeviceRepr>(
     name: &str,
     x: &CudaStorage,
     x_l: &Layout,
     params: &[In],
-    eps: f32,
+    eps: &[f32],
 ) -> Result<CudaStorage> {
     let dev = x.device.clone();
     let xs = view::<T>(x, x_l)?;
@@ -127,7 +148,7 @@ fn norm_fwd_as<T: CudaDType + DeviceRepr>(
     let h = ps[0].len();
     let n = xs.len() / h;
     // Safety: every element is written by the kernel.
-    let mut y = unsafe { dev.alloc::<T>(xs.len()) }?;
+    let mut y = unsafe { dev.alloc::<T>(eps.len() * xs.len()) }?;
     let func = kernel!(dev, name)?;
     let mut args = func.builder();
     args.arg(&xs);
@@ -135,7 +156,10 @@ fn norm_fwd_as<T: CudaDType + DeviceRepr>(
         args.arg(p);
     }
     let (n32, h32) = (n as i32, h as i32);
-    args.arg(&mut y).arg(&n32).arg(&h32).arg(&eps);
+    args.arg(&mut y).arg(&n32).arg(&h32);
+    for e in eps {
+        args.arg(e);
+    }
     // Safety: the argument list matches the kernel's signature.
     unsafe { args.launch(warp_rows(n)) }.w()?;
     Ok(CudaStorage::wrap_cuda_slice(y, dev))
@@ -928,7 +952,8 @@ unsafe impl DeviceRepr for AppendDims {}
 /// `a`, the f32 tables (B, R) if any, and the cache's key and value buffers
 /// (contiguous, B x Hkv x capacity x D) written in place at slot `a.slot`,
 /// or at the slot `slot_at` (1,) u32 holds when given. Returns q rotated,
-/// (B, H, 1, D).
+/// (B, H, 1, D). Eight features a thread in 16-byte loads where every row
+/// lies on 16 bytes (`rotary_append_wide`, heads.cuh), else a thread a feature.
 pub fn rotary_append(
     (q, k, v): (In, In, In),
     tables: Option<(In, In)>,
@@ -947,6 +972,8 @@ pub fn rotary_append(
         a: AppendDims,
     ) -> Result<CudaStorage> {
         let dev = q.0.device.clone();
+        let on_16 = |(s, l): In| (l.start_offset() * s.dtype().size_in_bytes()).is_multiple_of(16);
+        let inputs_on_16 = [q, k, v].into_iter().chain(tables.into_iter().flat_map(|(c, s)| [c, s])).all(on_16);
         let (qs, ks, vs) = (from_first::<T>(q)?, from_first::<T>(k)?, from_first::<T>(v)?);
         let tables = match tables {
             Some((cos, sin)) => Some((view::<f32>(cos.0, cos.1)?, view::<f32>(sin.0, sin.1)?)),
@@ -958,7 +985,15 @@ pub fn rotary_append(
         let n = b * (a.h * a.d) as usize;
         // Safety: every element is written by the kernel.
         let mut out = unsafe { dev.alloc::<T>(n) }?;
-        let func = kernel!(dev, name)?;
+        let whole_8s = [a.q_row, a.q_head, a.k_row, a.k_head, a.v_row, a.v_head].iter().all(|s| s % 8 == 0)
+            && a.d % 8 == 0
+            && a.r % 16 == 0;
+        let wide = whole_8s && inputs_on_16 && buffers.iter().all(|address| address % 16 == 0);
+        let name = match wide {
+            true => name.replacen("rotary_append", "rotary_append_wide", 1),
+            false => name.to_string(),
+        };
+        let func = kernel!(dev, &name)?;
         let mut args = func.builder();
         args.arg(&qs).arg(&ks).arg(&vs);
         match &tables {
@@ -973,11 +1008,17 @@ pub fn rotary_append(
             None => args.arg(&NULL),
         };
         args.arg(&a);
-        let threads = (a.d as u32).div_ceil(32) * 32;
-        let cfg = LaunchConfig {
-            grid_dim: ((a.h + a.h_kv) as u32, b as u32, 1),
-            block_dim: (threads, 1, 1),
-            shared_mem_bytes: 0,
+        let rows = b as i32;
+        let cfg = match wide {
+            true => {
+                args.arg(&rows);
+                by_eight(b * (a.h + a.h_kv) as usize * a.d as usize)
+            }
+            false => LaunchConfig {
+                grid_dim: ((a.h + a.h_kv) as u32, b as u32, 1),
+                block_dim: ((a.d as u32).div_ceil(32) * 32, 1, 1),
+                shared_mem_bytes: 0,
+            },
         };
         // Safety: the argument list matches the kernel's signature; the
         // buffers' addresses stay allocated (locked) until the launch is

@@ -196,20 +196,55 @@ __device__ void rms_norm_fwd_wide(const T* x, const T* w, T* y, int rows, int h,
     }
 }
 
+namespace norms {
+
+// A held row's mean and variance.
 template <typename T, int C>
-__device__ void layer_norm_fwd_wide(const T* x, const T* w, const T* b, T* y, int rows, int h, float eps) {
-    const norms::Row at = norms::my_row();
-    if (at.row >= (size_t)rows) return;
-    const norms::HeldRow<T, C> row(x + at.row * h, h, at.lane);
-    const float mean = norms::warp_sum(row.sum([](float v) { return v; })) / h;
-    const float var = norms::warp_sum(row.sum([mean](float v) { return (v - mean) * (v - mean); })) / h;
-    const float rstd = rsqrtf(var + eps);
+__device__ __forceinline__ void held_moments(const HeldRow<T, C>& row, int h, float* mean, float* var) {
+    const float m = warp_sum(row.sum([](float v) { return v; })) / h;
+    *mean = m;
+    *var = warp_sum(row.sum([m](float v) { return (v - m) * (v - m); })) / h;
+}
+
+// (x - mean) * rstd * w + b of a held row, written to its row of y.
+template <typename T, int C>
+__device__ __forceinline__ void layer_norm_out(const HeldRow<T, C>& row, const T* w, const T* b, T* yr, float mean,
+                                               float rstd) {
 #pragma unroll
     for (int i = 0; i < C; i++) {
         if (!row.has(i)) continue;
         const ew::Eight wv = ew::load8(w, row.chunk(i)), bv = ew::load8(b, row.chunk(i));
         ew::Eight out;
         for (int k = 0; k < ew::PER_THREAD; k++) out.v[k] = (row.x[i].v[k] - mean) * rstd * wv.v[k] + bv.v[k];
-        ew::store8(y + at.row * h, row.chunk(i), out);
+        ew::store8(yr, row.chunk(i), out);
     }
+}
+
+}  // namespace norms
+
+template <typename T, int C>
+__device__ void layer_norm_fwd_wide(const T* x, const T* w, const T* b, T* y, int rows, int h, float eps) {
+    const norms::Row at = norms::my_row();
+    if (at.row >= (size_t)rows) return;
+    const norms::HeldRow<T, C> row(x + at.row * h, h, at.lane);
+    float mean, var;
+    norms::held_moments(row, h, &mean, &var);
+    norms::layer_norm_out(row, w, b, y + at.row * h, mean, rsqrtf(var + eps));
+}
+
+// Two LayerNorms of the same rows, as a parallel-residual layer takes
+// before its attention and its MLP: each row read once and its moments
+// taken once, then each norm's output with its own weight, bias and eps,
+// the same bits as layer_norm_fwd_wide's. y holds the two outputs one
+// after the other, (2, rows, h).
+template <typename T, int C>
+__device__ void layer_norm_pair_fwd_wide(const T* x, const T* w1, const T* b1, const T* w2, const T* b2, T* y,
+                                         int rows, int h, float eps1, float eps2) {
+    const norms::Row at = norms::my_row();
+    if (at.row >= (size_t)rows) return;
+    const norms::HeldRow<T, C> row(x + at.row * h, h, at.lane);
+    float mean, var;
+    norms::held_moments(row, h, &mean, &var);
+    norms::layer_norm_out(row, w1, b1, y + at.row * h, mean, rsqrtf(var + eps1));
+    norms::layer_norm_out(row, w2, b2, y + ((size_t)rows + at.row) * h, mean, rsqrtf(var + eps2));
 }
