@@ -124,11 +124,17 @@ pub fn layer_norm_pair(
     by_dtype!(x.dtype(), norm_fwd_as(&name, x, x_l, params, &[eps1, eps2]))
 }
 
+/// Whether an input's first element lies on 16 bytes (its buffer does: the
+/// pool's allocations are aligned far beyond), for kernels that move 16
+/// bytes a load.
+fn on_16((s, l): In) -> bool {
+    (l.start_offset() * s.dtype().size_in_bytes()).is_multiple_of(16)
+}
+
 /// The chunks of 8 features a lane of a norm's forward holds (`_wide<C>`,
 /// norms.cuh), a power of two up to 16: where `h` is a whole number of 8s
 /// up to 4,096 and every input's rows lie on 16 bytes; None otherwise.
 fn norm_chunks_held<'a>(h: usize, inputs: impl IntoIterator<Item = In<'a>>) -> Option<usize> {
-    let on_16 = |(s, l): In| (l.start_offset() * s.dtype().size_in_bytes()) % 16 == 0;
     let held = h.div_ceil(8 * 32).next_power_of_two();
     (h.is_multiple_of(8) && held <= 16 && inputs.into_iter().all(on_16)).then_some(held)
 }
@@ -833,7 +839,6 @@ impl HeadsDims {
 /// Whether the heads kernels may move 8 features at a time (`_wide`): D
 /// and R / 2 whole 8s, and every row of `inputs` and the tables on 16 bytes.
 fn heads_wide(a: &HeadsDims, inputs: &[In], tables: Option<(In, In)>) -> bool {
-    let on_16 = |(s, l): In| (l.start_offset() * s.dtype().size_in_bytes()) % 16 == 0;
     let eights = [a.width, a.head_stride, a.offset[0], a.offset[1], a.offset[2], a.d as i64];
     eights.iter().all(|x| x % 8 == 0)
         && a.r % 16 == 0
@@ -972,7 +977,6 @@ pub fn rotary_append(
         a: AppendDims,
     ) -> Result<CudaStorage> {
         let dev = q.0.device.clone();
-        let on_16 = |(s, l): In| (l.start_offset() * s.dtype().size_in_bytes()).is_multiple_of(16);
         let inputs_on_16 = [q, k, v].into_iter().chain(tables.into_iter().flat_map(|(c, s)| [c, s])).all(on_16);
         let (qs, ks, vs) = (from_first::<T>(q)?, from_first::<T>(k)?, from_first::<T>(v)?);
         let tables = match tables {
