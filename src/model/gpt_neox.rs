@@ -277,7 +277,7 @@ impl Decoder {
     /// The MLP on the post-attention norm of `x` (made already where `normed`).
     fn mlp(&self, blk: &Block, x: &Tensor, normed: Option<&Tensor>) -> TResult<Tensor> {
         match normed {
-            Some(_) => blk.dense_4h_to_h.forward_activated(&self.mlp_wide(blk, x, normed)?, self.cfg.act),
+            Some(normed) => blk.dense_4h_to_h.forward_activated(&blk.dense_h_to_4h.forward(normed)?, self.cfg.act),
             None => {
                 blk.dense_h_to_4h.forward_normed_mlp(&blk.post_attention_layernorm, x, &blk.dense_4h_to_h, self.cfg.act)
             }
