@@ -1,43 +1,45 @@
 #!/usr/bin/env bash
 # A short pass on a GPU machine that fits one call of BUDGET seconds
 # (default 540), with the CUDA build (.cuda/bin) and the peer's wheels
-# (bench/.cache/wheels) carried there. In order, each part only while time
-# remains for it:
+# (bench/.cache/wheels) carried there. Each part runs only while time
+# remains for it, in this order, the most needed first (a lease of 15
+# minutes, its start among them, holds about one such call):
 #   1. `rloo check --device cuda`: every kernel against the CPU's (the
 #      flash attention over the bias and over spans, the decoding kernel
-#      with the rows of a prompt in a block among them, the race sampler),
-#      the fixtures against transformers (greedy tokens from shrinking
-#      batches and from recorded steps, which must have been recorded) and
-#      with their adapters against the CPU; then again with a
-#      parallel-residual layer's output projections joined
-#      (RLOO_DECODE_OUT=joined: the fixtures' KV-cache decoding and greedy
-#      tokens through them);
-#   2. the RLOO step at 410m against TRL under the defaults (the flash
-#      kernels reading each query's runs of keys, decoding a key per lane
-#      with the biases in cuBLASLt's epilogues), and with the rollouts'
-#      output projections joined (+joined);
-#   3. the step at 1B against TRL, and with the reference and the reward
-#      model in host memory for the training phase (+offload);
-#   4. generation at 410m against transformers, the defaults, a prompt's
+#      with the rows of a prompt in a block among them, the race sampler
+#      on f32 and on bf16 logits), the fixtures against transformers
+#      (greedy tokens from shrinking batches and from recorded steps, which
+#      must have been recorded) and with their adapters against the CPU;
+#      then again with a parallel-residual layer's output projections
+#      joined (RLOO_DECODE_OUT=joined: the fixtures' KV-cache decoding and
+#      greedy tokens through them);
+#   2. generation at 410m against transformers, the defaults, a prompt's
 #      rows to a block of the decoding kernel (RLOO_DECODE_ROWS=prompt) and
 #      the output projections joined (RLOO_DECODE_OUT=joined), each step's
 #      time split between the GPU and the host (the race sampler's picks
-#      among it);
-#   5. generation at 1B, the same variants (among them a prompt's rows
-#      with their value rows packed, not yet measured at a head size of 256);
-#   6. rloo serve at 410m under 1, 8 and 32 streaming clients, its steps
-#      launched from the host and replayed from recordings as rows come and
-#      go (RLOO_DECODE_STEP=shrink, graph);
-#   7. the kernels of the training phase over one micro-batch at 410m, of
+#      among it); then the earlier binary's (below);
+#   3. the RLOO step at 410m against TRL under the defaults (the flash
+#      kernels reading each query's runs of keys, decoding a key per lane
+#      with the biases in cuBLASLt's epilogues), and with the rollouts'
+#      output projections joined (+joined);
+#   4. the step at 1B against TRL, and with the reference and the reward
+#      model in host memory for the training phase (+offload);
+#   5. the kernels of the training phase over one micro-batch at 410m, of
 #      the same step's scoring and reference passes, and of a short
 #      generation at the benchmark's 256 rows, under the defaults;
-#   8. LoRA (r = 16, all linear layers) at 1B against TRL with PEFT, over
+#   6. generation at 1B, the same variants (among them a prompt's rows
+#      with their value rows packed, not yet measured at a head size of 256);
+#   7. rloo serve at 410m under 1, 8 and 32 streaming clients, its steps
+#      launched from the host and replayed from recordings as rows come and
+#      go (RLOO_DECODE_STEP=shrink, graph);
+#   8. the earlier binary's RLOO steps at 410m and 1B (below);
+#   9. LoRA (r = 16, all linear layers) at 1B against TRL with PEFT, over
 #      spans;
-#   9. the Qwen3-8B LoRA arm (bf16 weights, gradient checkpointing) against
+#  10. the Qwen3-8B LoRA arm (bf16 weights, gradient checkpointing) against
 #      TRL with PEFT, its reward model on the device and in host memory for
 #      the training phase, when PARTS names it (its models take 17 GB and a few
 #      minutes to make: a call of its own, PARTS="check train-8b-lora");
-#  10. when PARTS names them, on the same 8B models: generation at 256 rows
+#  11. when PARTS names them, on the same 8B models: generation at 256 rows
 #      with the query heads of a key/value head in one block of the decoding
 #      kernel and a block per head (RLOO_DECODE_HEADS=grouped, each), the
 #      value rows a row a load (RLOO_DECODE_VALUES=rows) and the products
@@ -45,9 +47,9 @@
 #      (generate-8b); and the
 #      kernels of a short generation at 256 rows (profile-8b).
 # Where .cuda/bin/rloo-before.gz is carried too (bench/gpu/baseline.sh REV
-# builds it), the RLOO step at 410m and at 1B and generation at 410m run
-# with it as well, under the same settings, on the same card (OUT/before,
-# its own table, with the revision in rloo-before.rev), after 6.
+# builds it), generation at 410m (in 2) and the RLOO step at 410m and at 1B
+# (8) run with it as well, under the same settings, on the same card
+# (OUT/before, its own table, with the revision in rloo-before.rev).
 # Logs stay in OUT; the benchmark's table (bench/gpu/report.py) prints last.
 # The binaries may come packed in .cuda/carry (bench/gpu/pack.sh: within
 # what a call carries), unpacked first.
@@ -59,7 +61,7 @@ set -uo pipefail
 cd "$(dirname "$0")/../.."
 export OUT=${OUT:-/tmp/rloo-gpu-session} PY=${PY:-python3} MODELS=${MODELS:-/tmp/rloo-gpu-models}
 BUDGET=${BUDGET:-540}
-PARTS=${PARTS:-check check-joined train-410m train-1b generate-410m generate-1b serve-410m train-before generate-before profile train-1b-lora}
+PARTS=${PARTS:-check check-joined generate-410m generate-before train-410m train-1b profile generate-1b serve-410m train-before train-1b-lora}
 mkdir -p "$OUT"
 # The binaries as bench/gpu/pack.sh packs them for the call, where carried.
 if [[ -e .cuda/carry/rloo.gz ]]; then
@@ -87,24 +89,25 @@ grep -sE "checks on|FAIL" "$OUT/check.log" >&2
 part check-joined 40 env RLOO_DECODE_OUT=joined scripts/cuda/run.sh check --device cuda
 grep -sE "checks on|FAIL" "$OUT/check-joined.log" >&2
 defaults=flash+fused+graph+lanes+epilogue+kept
+decoded=race+lanes+fused+graph+epilogue
+decoders="$decoded $decoded+grouped+prompt $decoded+grouped+auto+packed+joined"
+before() { [[ -e .cuda/bin/rloo-before.gz ]]; }
+if before; then
+    gunzip -c .cuda/bin/rloo-before.gz >/tmp/rloo-before && chmod +x /tmp/rloo-before
+    mkdir -p "$OUT/before" && cp -f .cuda/bin/rloo-before.rev "$OUT/before/" 2>/dev/null
+fi
+part generate-410m 60 env SIZES=410m RUNS=2 DECODERS="$decoders" bench/gpu/run.sh peaks generate
+before && part generate-before 30 env OUT="$OUT/before" RLOO=/tmp/rloo-before PEER=off SIZES=410m RUNS=2 \
+    DECODERS="$decoded" bench/gpu/run.sh generate
 part train-410m 120 env ARMS=410m-full TRAIN_RUNS=1 STEPS=3 ATTENTION="$defaults+spans $defaults+spans++joined" \
     bench/gpu/run.sh train
 part train-1b 120 env ARMS=1b-full TRAIN_RUNS=1 STEPS=3 ATTENTION="$defaults+spans $defaults+spans+offload" \
     bench/gpu/run.sh train
-decoded=race+lanes+fused+graph+epilogue
-decoders="$decoded $decoded+grouped+prompt $decoded+grouped+auto+packed+joined"
-part generate-410m 60 env SIZES=410m RUNS=2 DECODERS="$decoders" bench/gpu/run.sh peaks generate
+part profile 120 env SIZES=410m bench/gpu/run.sh profile
 part generate-1b 30 env SIZES=1b RUNS=2 PEER=off DECODERS="$decoders" bench/gpu/run.sh generate
 part serve-410m 45 env SIZES=410m bench/gpu/run.sh serve
-if [[ -e .cuda/bin/rloo-before.gz ]]; then
-    gunzip -c .cuda/bin/rloo-before.gz >/tmp/rloo-before && chmod +x /tmp/rloo-before
-    mkdir -p "$OUT/before" && cp -f .cuda/bin/rloo-before.rev "$OUT/before/" 2>/dev/null
-    part train-before 120 env OUT="$OUT/before" RLOO=/tmp/rloo-before PEER=off ARMS="410m-full 1b-full" \
-        TRAIN_RUNS=1 STEPS=3 ATTENTION="$defaults" bench/gpu/run.sh train
-    part generate-before 30 env OUT="$OUT/before" RLOO=/tmp/rloo-before PEER=off SIZES=410m RUNS=2 \
-        DECODERS="$decoded" bench/gpu/run.sh generate
-fi
-part profile 120 env SIZES=410m bench/gpu/run.sh profile
+before && part train-before 120 env OUT="$OUT/before" RLOO=/tmp/rloo-before PEER=off ARMS="410m-full 1b-full" \
+    TRAIN_RUNS=1 STEPS=3 ATTENTION="$defaults" bench/gpu/run.sh train
 part train-1b-lora 100 env ARMS=1b-lora TRAIN_RUNS=1 STEPS=3 ATTENTION="$defaults+spans" bench/gpu/run.sh train
 part train-8b-lora 240 env ARMS=qwen3-8b-lora TRAIN_RUNS=1 STEPS=3 ATTENTION="$defaults+spans $defaults+spans+offload" \
     bench/gpu/run.sh train

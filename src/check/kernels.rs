@@ -600,9 +600,10 @@ fn race_checks(device: &Device) -> Result<Vec<Check>> {
         (0..rows).map(|_| (0..200).map(|_| (rng.next_u64() % vocab as u64) as u32).collect()).collect();
     let (bits, width) = race::seen_bits(seen.iter().map(|r| r.iter()), vocab);
     let seen = Tensor::from_vec(bits, (rows, width), &Device::Cpu)?;
-    let run = |device: &Device| -> Result<Vec<Pick>> {
+    let picks = |logits: &Tensor, device: &Device| -> Result<Vec<Pick>> {
         race::pick(&logits.to_device(device)?, &draws, Some(&seen.to_device(device)?)).map_err(candle_core::Error::wrap)
     };
+    let run = |device: &Device| picks(&logits, device);
     let (want, got, again) = (run(&Device::Cpu)?, run(device)?, run(device)?);
     let differ =
         |a: &[Pick], b: &[Pick]| a.iter().zip(b).filter(|(x, y)| x.token != y.token).count() as f32 / rows as f32;
@@ -614,11 +615,24 @@ fn race_checks(device: &Device) -> Result<Vec<Check>> {
         stats = stats.max((g.entropy - w.entropy).abs() / w.entropy.abs().max(1.0));
     }
     let label = |what: &str| format!("race sampler {what} ({})", path("race", device, DType::F32));
-    Ok(vec![
+    let mut checks = vec![
         Check::new("kernel", &label("tokens"), DType::F32, differ(&got, &want), None, 2e-2),
         Check::new("kernel", &label("log-probs, entropies"), DType::F32, stats, None, 1e-4),
         Check::new("kernel", &label("run twice"), DType::F32, (got != again) as u8 as f32, None, 0.0),
-    ])
+    ];
+    if !device.is_cpu() {
+        // A bf16 run's logits, read as they are: the picks of their f32 cast, to the bit.
+        let narrow = logits.to_dtype(DType::BF16)?;
+        let (got, want) = (picks(&narrow, device)?, picks(&narrow.to_dtype(DType::F32)?, device)?);
+        let bits = |p: &Pick| (p.token, p.logprob.to_bits(), p.entropy.to_bits());
+        let differ = got.iter().zip(&want).filter(|(g, w)| bits(g) != bits(w)).count() as f32 / rows as f32;
+        let what = format!(
+            "race sampler on bf16 logits against their f32 cast, to the bit ({})",
+            path("race", device, DType::BF16)
+        );
+        checks.push(Check::new("kernel", &what, DType::BF16, differ, None, 0.0));
+    }
+    Ok(checks)
 }
 
 /// The largest absolute difference between `got` and `want`, wherever

@@ -11,7 +11,7 @@
 
 use std::sync::Arc;
 
-use candle_core::{CpuStorage, Device, Storage, Tensor};
+use candle_core::{CpuStorage, DType, Device, Storage, Tensor};
 use rayon::prelude::*;
 
 use super::clock::{Mark, StepClock};
@@ -134,7 +134,7 @@ impl<'n, R: Send> Decoding<'n, R> {
         cache.inherit_derived(&self.cache);
         let hidden = self.net.hidden_states(&inputs, Some(&mut cache))?;
         let t = hidden.dim(1)?;
-        let last = self.net.project(&hidden.narrow(1, t - 1, 1)?.squeeze(1)?)?; // (U, V)
+        let last = self.net.project_to_sample(&hidden.narrow(1, t - 1, 1)?.squeeze(1)?)?; // (U, V)
         if owner.len() == prompts.len() {
             return Ok(Prefilled { cache, logits: last });
         }
@@ -289,7 +289,7 @@ impl<'n, R: Send> Decoding<'n, R> {
             }
         }
         let step = Inputs::step(&tokens, &positions, &self.device)?;
-        self.logits = Some(self.net.logits(&step, Some(&mut self.cache))?.squeeze(1)?);
+        self.logits = Some(self.net.logits_to_sample(&step, Some(&mut self.cache))?.squeeze(1)?);
         self.mark(Mark::ForwardEnd)?;
         Ok(produced)
     }
@@ -345,7 +345,7 @@ fn pick_rows<R: Send>(
     let host: &[f32] = match (&*storage, layout.contiguous_offsets()) {
         (Storage::Cpu(cpu @ CpuStorage::F32(_)), Some((start, end))) => &cpu.as_slice::<f32>()?[start..end],
         _ => {
-            copied = logits.flatten_all()?.to_vec1()?;
+            copied = logits.flatten_all()?.to_dtype(DType::F32)?.to_vec1()?;
             &copied
         }
     };

@@ -109,9 +109,10 @@ enum Launch {
     /// them on the device (a recorded step may not upload).
     #[cfg(feature = "cuda")]
     WarmUp,
-    /// The next step is recorded, then replayed.
+    /// The next step is recorded, then replayed; its logits are in the
+    /// warm-up's dtype.
     #[cfg(feature = "cuda")]
-    Record,
+    Record(candle_core::DType),
     #[cfg(feature = "cuda")]
     Replay(super::graph::StepGraph),
 }
@@ -249,20 +250,22 @@ impl FixedBatch {
 
     fn forward(&mut self, net: &Network, cache: &mut KvCache) -> Result<Tensor> {
         let launched = |inputs: &Inputs, cache: &mut KvCache| -> Result<Tensor> {
-            Ok(net.logits(inputs, Some(cache))?.squeeze(1)?)
+            Ok(net.logits_to_sample(inputs, Some(cache))?.squeeze(1)?)
         };
         match &mut self.launch {
             Launch::Host => launched(&self.inputs, cache),
             #[cfg(feature = "cuda")]
             Launch::WarmUp => {
                 let logits = super::graph::keeping_uploads(self.staging.device(), || launched(&self.inputs, cache))?;
-                self.launch = Launch::Record;
+                self.launch = Launch::Record(logits.dtype());
                 Ok(logits)
             }
             #[cfg(feature = "cuda")]
-            Launch::Record => {
+            &mut Launch::Record(dtype) => {
                 let shape = (self.rows(), self.vocab);
-                match super::graph::StepGraph::record(self.staging.device(), shape, || launched(&self.inputs, cache)) {
+                match super::graph::StepGraph::record(self.staging.device(), shape, dtype, || {
+                    launched(&self.inputs, cache)
+                }) {
                     Ok(graph) => {
                         tally(None);
                         let logits = graph.replay()?;

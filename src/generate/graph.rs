@@ -30,16 +30,21 @@ pub fn unrecorded(cause: &crate::error::Error) {
 /// A recorded step and the buffer its logits are written to.
 pub struct StepGraph {
     graph: CudaGraph,
-    /// (B, V) f32, allocated before the recording so that it outlives it.
+    /// (B, V), allocated before the recording so that it outlives it.
     logits: Tensor,
 }
 
 impl StepGraph {
-    /// Records `step`, which gives the (B, V) logits of `shape`, after one
-    /// run of the same step through [`keeping_uploads`]. Nothing recorded
-    /// runs until [`replay`](Self::replay).
-    pub fn record(device: &Device, shape: (usize, usize), step: impl FnOnce() -> Result<Tensor>) -> Result<Self> {
-        let logits = Tensor::zeros(shape, DType::F32, device)?;
+    /// Records `step`, which gives the (B, V) logits of `shape` in `dtype`,
+    /// after one run of the same step through [`keeping_uploads`]. Nothing
+    /// recorded runs until [`replay`](Self::replay).
+    pub fn record(
+        device: &Device,
+        shape: (usize, usize),
+        dtype: DType,
+        step: impl FnOnce() -> Result<Tensor>,
+    ) -> Result<Self> {
+        let logits = Tensor::zeros(shape, dtype, device)?;
         let stream = device.as_cuda_device()?.cuda_stream();
         let recorded = keeping_uploads(device, || {
             stream.begin_capture(sys::CUstreamCaptureMode::CU_STREAM_CAPTURE_MODE_THREAD_LOCAL).w()?;

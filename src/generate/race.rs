@@ -249,11 +249,16 @@ fn threshold(u: &[f32], row: &RaceRow) -> u32 {
     kth
 }
 
-/// Every row's pick from (R, V) f32 logits, where they lie: on a GPU only
-/// R x 3 words come back. `seen` (R, ceil(V / 32)) u32 marks the entries a
-/// row's penalty applies to.
+/// Every row's pick from (R, V) logits, where they lie: on a GPU only R x 3
+/// words come back, and bf16 logits are read as they are (the picks of
+/// their f32 cast); the CPU's rule reads f32. `seen` (R, ceil(V / 32)) u32
+/// marks the entries a row's penalty applies to.
 pub fn pick(logits: &Tensor, rows: &[RaceRow], seen: Option<&Tensor>) -> Result<Vec<Pick>> {
     let device = logits.device();
+    let logits = match device.is_cpu() {
+        true => logits.to_dtype(DType::F32)?,
+        false => logits.clone(),
+    };
     // Without seen bits no penalty applies, and one word stands in for them.
     let penalized = seen.is_some();
     let none;
@@ -287,9 +292,9 @@ pub fn seen_bits<'a>(rows: impl Iterator<Item = impl Iterator<Item = &'a u32>>, 
     (bits, width)
 }
 
-/// The race as a candle op: (R, V) f32 logits, (R, ROW_WORDS) u32 rows and
-/// (R, W) u32 seen bits (read only for rows with a penalty) give (R, 3) u32
-/// [token, log-prob bits, entropy bits].
+/// The race as a candle op: (R, V) logits (f32, or on a GPU bf16 too),
+/// (R, ROW_WORDS) u32 rows and (R, W) u32 seen bits (read only for rows with
+/// a penalty) give (R, 3) u32 [token, log-prob bits, entropy bits].
 struct RacePick;
 
 impl CustomOp3 for RacePick {

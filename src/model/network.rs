@@ -124,8 +124,9 @@ impl Network {
     /// Applies the head to hidden states (..., H), e.g. to a gathered subset
     /// of positions so the full (B, T, V) logits are never materialised.
     /// Logits and scores are f32 whatever the compute dtype: log-softmax,
-    /// sampling and losses read them. Without a graph (a decoding step's
-    /// logits, 256 rows of 50,304 words at 410m) one kernel widens them.
+    /// losses and the CPU's samplers read them (a GPU's sampler reads the
+    /// head's own output, [`project_to_sample`](Self::project_to_sample)).
+    /// Without a graph one kernel widens them.
     pub fn project(&self, hidden: &Tensor) -> TResult<Tensor> {
         match &self.head {
             Head::Lm(head) | Head::Score(head) => {
@@ -136,6 +137,29 @@ impl Network {
                 }
             }
         }
+    }
+
+    /// Next-token logits for a sampler, (..., V): on a GPU the LM head's
+    /// output as it is, bf16 in a bf16 run, which the race sampler reads as
+    /// its f32 cast (the same picks, at half the bytes, without a pass that
+    /// widens 256 rows of 50,304 words at every decoding step); f32
+    /// elsewhere, as [`project`](Self::project) gives.
+    pub fn project_to_sample(&self, hidden: &Tensor) -> TResult<Tensor> {
+        match &self.head {
+            Head::Lm(head) if hidden.device().is_cuda() => {
+                let out = head.forward(hidden)?;
+                match out.dtype() {
+                    DType::BF16 | DType::F32 => Ok(out),
+                    _ => kernels::cast(&out, DType::F32),
+                }
+            }
+            _ => self.project(hidden),
+        }
+    }
+
+    /// [`project_to_sample`](Self::project_to_sample) at every position.
+    pub fn logits_to_sample(&self, inputs: &Inputs, cache: Option<&mut KvCache>) -> TResult<Tensor> {
+        self.project_to_sample(&self.hidden_states(inputs, cache)?)
     }
 
     /// The log-prob of each target under the LM head at temperature `T`

@@ -11,7 +11,7 @@ use std::sync::mpsc::{self, Receiver, RecvTimeoutError, Sender};
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
-use candle_core::{Device, Tensor};
+use candle_core::{DType, Device, Tensor};
 use serde_json::{json, Value};
 
 use super::text::TextStream;
@@ -340,7 +340,7 @@ impl EngineLoop<'_> {
     /// the distribution it was drawn from (the repetition penalty included),
     /// once `row` holds it.
     fn token_logprob(&self, pick: &Pick, logits: &Tensor, row: &DecodeRow<Row>, top: usize) -> Result<TokenLogprob> {
-        let raw: Vec<f32> = logits.to_vec1()?;
+        let raw: Vec<f32> = logits.to_dtype(DType::F32)?.to_vec1()?;
         let mut buf = Vec::new();
         let seen = row.prompt.iter().chain(&row.tokens[..row.tokens.len() - 1]).copied();
         let inv_t = 1.0 / row.sampling.logprob_temperature();

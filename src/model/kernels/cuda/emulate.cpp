@@ -53,6 +53,9 @@ inline bf16 __float2bfloat16(float f) {
     return {uint16_t(u >> 16)};
 }
 
+struct uint2 {
+    uint32_t x, y;
+};
 struct uint4 {
     uint32_t x, y, z, w;
 };
@@ -1160,10 +1163,12 @@ Pick race_reference(const float* z, int v, const uint32_t* seen, const RaceParam
     return {uint32_t(token), float(u[token] - log_s0), float(log_s0 - s1 / s0)};
 }
 
-// Rows of `v` logits from `offset` floats into their buffer (off 16 bytes
-// when not a multiple of 4, as are the rows when v is not), each with its
-// own settings: greedy (with tied maxima), temperature, top-k, top-p, both,
-// min-p and a repetition penalty.
+// Rows of `v` logits in T from `offset` entries into their buffer (off the
+// kernel's wide loads when not a multiple of 4, as are the rows when v is
+// not), each with its own settings: greedy (with tied maxima), temperature,
+// top-k, top-p, both, min-p and a repetition penalty. bf16 logits must give
+// the f32 kernel's picks on their cast to the bit.
+template <typename T>
 bool race_case(int v, size_t offset, unsigned threads) {
     std::mt19937 rng(13);
     std::normal_distribution<float> normal;
@@ -1174,29 +1179,39 @@ bool race_case(int v, size_t offset, unsigned threads) {
         {4, 5, 6, 0, 1.f, 0, 1.f, 0.f, 1.3f},         {6, 7, 8, 1, 1.f, 0, 1.f, 0.f, 1.3f},
     };
     const int n = rows.size(), width = (v + 31) / 32;
-    std::vector<float> buffer(offset + (size_t)n * v);
-    float* logits = buffer.data() + offset;
-    for (size_t i = 0; i < (size_t)n * v; ++i) logits[i] = 3.f * normal(rng);
-    logits[5] = logits[v - 2] = 20.f;  // row 0's maximum twice: the lower index wins
+    std::vector<T> buffer(offset + (size_t)n * v);
+    T* logits = buffer.data() + offset;
+    for (size_t i = 0; i < (size_t)n * v; ++i) logits[i] = from_f32<T>(3.f * normal(rng));
+    logits[5] = logits[v - 2] = from_f32<T>(20.f);  // row 0's maximum twice: the lower index wins
+    std::vector<float> cast((size_t)n * v);  // the values the kernel reads
+    for (size_t i = 0; i < cast.size(); ++i) cast[i] = to_f32(logits[i]);
     std::vector<uint32_t> params, seen((size_t)n * width);
     for (const RaceParams& p : rows)
         params.insert(params.end(), {p.key0, p.key1, p.step, p.greedy, __float_as_uint(p.inv_t), p.top_k,
                                      __float_as_uint(p.top_p), __float_as_uint(p.min_p), __float_as_uint(p.penalty)});
     for (auto& w : seen) w = rng() & rng();
-    std::vector<uint32_t> out(3 * n, 0xffffffffu);
-    launch({unsigned(n), 1, 1}, 0, [&] { race_pick_row(logits, params.data(), seen.data(), width, out.data(), v); }, threads);
+    auto picks = [&](const auto* z) {
+        std::vector<uint32_t> out(3 * n, 0xffffffffu);
+        launch({unsigned(n), 1, 1}, 0, [&] { race_pick_row(z, params.data(), seen.data(), width, out.data(), v); },
+               threads);
+        return out;
+    };
+    const std::vector<uint32_t> out = picks(logits);
     bool ok = out[0] == 5;
     double worst = 0;
     for (int r = 0; r < n; ++r) {
-        const Pick want = race_reference(logits + (size_t)r * v, v, seen.data() + (size_t)r * width, rows[r]);
+        const Pick want = race_reference(cast.data() + (size_t)r * v, v, seen.data() + (size_t)r * width, rows[r]);
         const float got_lp = __uint_as_float(out[3 * r + 1]), got_h = __uint_as_float(out[3 * r + 2]);
         ok &= out[3 * r] == want.token;
         worst = std::max({worst, std::abs((double)got_lp - want.logprob), std::abs((double)got_h - want.entropy)});
     }
     ok &= worst < 1e-4;
-    std::printf("%-4s race %d rows of %4d from float %zu, %4u threads  tokens %s, log-prob and entropy %.1e\n",
-                ok ? "ok" : "FAIL", n, v, offset, threads, ok ? "equal" : "checked", worst);
-    return ok;
+    const bool bf = sizeof(T) == 2;
+    const bool same = !bf || picks(cast.data()) == out;
+    std::printf("%-4s race %d rows of %4d %-5s from entry %zu, %4u threads  tokens %s, log-prob and entropy %.1e%s\n",
+                ok && same ? "ok" : "FAIL", n, v, bf ? "bf16" : "float", offset, threads, ok ? "equal" : "checked",
+                worst, !bf ? "" : same ? ", the f32 kernel's picks on the cast to the bit" : ", NOT the f32 kernel's picks");
+    return ok && same;
 }
 
 int main(int argc, char** argv) {
@@ -1217,7 +1232,7 @@ int main(int argc, char** argv) {
         ok &= decode_case<bf16, 2, 1, 4>(64, true, true, 96);
         ok &= decode_case<bf16, 2, 1, 4, true>(64, true, true, 96);
         ok &= logprobs_case<bf16>(2, 300);
-        ok &= race_case(1003, 0, 64);
+        ok &= race_case<float>(1003, 0, 64);
         std::printf(ok ? "all match\n" : "MISMATCH\n");
         return ok ? 0 : 1;
     }
@@ -1263,12 +1278,16 @@ int main(int argc, char** argv) {
     ok &= logprobs_case<bf16>(3, 2500);
     ok &= logprobs_case<float>(2, 40);
     ok &= logprobs_case<bf16>(2, 300);
-    // Rows on 16 bytes, a buffer off them, rows off them but the first, a tail group of 3; a
-    // thread with several groups, and one with at most one.
-    ok &= race_case(1000, 0, 96);
-    ok &= race_case(1000, 1, 64);
-    ok &= race_case(1003, 0, 96);
-    ok &= race_case(90, 0, 32);
+    // Rows on 4 entries' bytes, a buffer off them, rows off them but the first, a tail group of
+    // 3; a thread with several groups, and one with at most one; in f32 and bf16.
+    ok &= race_case<float>(1000, 0, 96);
+    ok &= race_case<float>(1000, 1, 64);
+    ok &= race_case<float>(1003, 0, 96);
+    ok &= race_case<float>(90, 0, 32);
+    ok &= race_case<bf16>(1000, 0, 96);
+    ok &= race_case<bf16>(1000, 2, 64);
+    ok &= race_case<bf16>(1003, 0, 96);
+    ok &= race_case<bf16>(90, 1, 32);
     for (size_t offset : {0, 1}) {
         ok &= elementwise_case<bf16>(offset);
         ok &= elementwise_case<float>(offset);

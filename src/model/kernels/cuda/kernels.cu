@@ -845,10 +845,14 @@ DECODE_SPLITS(bf16, bf16)
 
 #include "race.cuh"
 
-extern "C" __global__ void race_pick(const float* logits, const uint32_t* params, const uint32_t* seen, int width,
-                                     uint32_t* out, int v) {
-    race_pick_row(logits, params, seen, width, out, v);
-}
+#define RACE_PICK(T, S)                                                                                     \
+    extern "C" __global__ void race_pick_##S(const T* logits, const uint32_t* params, const uint32_t* seen, \
+                                             int width, uint32_t* out, int v) {                             \
+        race_pick_row<T>(logits, params, seen, width, out, v);                                              \
+    }
+
+RACE_PICK(float, f32)
+RACE_PICK(bf16, bf16)
 
 // ---- An embedding table's gradient, a block per row (embedding.cuh).
 

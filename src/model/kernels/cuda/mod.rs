@@ -266,21 +266,26 @@ pub fn token_logprobs_grad(
 }
 
 /// The race sampler's picks (`generate::race`): (R, 3) u32 [token, log-prob
-/// bits, entropy bits] from f32 logits (R, V), the rows' settings (R, 9) u32
-/// and their seen bits (R or 1, width) u32.
+/// bits, entropy bits] from logits (R, V) in f32 or bf16 (read as their f32
+/// cast), the rows' settings (R, 9) u32 and their seen bits (R or 1, width)
+/// u32.
 pub fn race_pick((logits, l_l): In, (params, p_l): In, (seen, s_l): In) -> Result<CudaStorage> {
-    let dev = logits.device.clone();
-    let (rows, v) = l_l.shape().dims2()?;
-    let (z, p, s) = (view::<f32>(logits, l_l)?, view::<u32>(params, p_l)?, view::<u32>(seen, s_l)?);
-    // Safety: every element is written by the kernel.
-    let mut out = unsafe { dev.alloc::<u32>(3 * rows) }?;
-    let func = kernel!(dev, "race_pick")?;
-    let (width, v32) = (s_l.shape().dims2()?.1 as i32, v as i32);
-    let mut args = func.builder();
-    args.arg(&z).arg(&p).arg(&s).arg(&width).arg(&mut out).arg(&v32);
-    // Safety: the argument list matches the kernel's signature.
-    unsafe { args.launch(per_row(rows, v)) }.w()?;
-    Ok(CudaStorage::wrap_cuda_slice(out, dev))
+    fn run<T: CudaDType>(name: &str, (logits, l_l): In, (params, p_l): In, (seen, s_l): In) -> Result<CudaStorage> {
+        let dev = logits.device.clone();
+        let (rows, v) = l_l.shape().dims2()?;
+        let (z, p, s) = (view::<T>(logits, l_l)?, view::<u32>(params, p_l)?, view::<u32>(seen, s_l)?);
+        // Safety: every element is written by the kernel.
+        let mut out = unsafe { dev.alloc::<u32>(3 * rows) }?;
+        let func = kernel!(dev, name)?;
+        let (width, v32) = (s_l.shape().dims2()?.1 as i32, v as i32);
+        let mut args = func.builder();
+        args.arg(&z).arg(&p).arg(&s).arg(&width).arg(&mut out).arg(&v32);
+        // Safety: the argument list matches the kernel's signature.
+        unsafe { args.launch(per_row(rows, v)) }.w()?;
+        Ok(CudaStorage::wrap_cuda_slice(out, dev))
+    }
+    let name = typed("race_pick", logits.dtype())?;
+    by_dtype!(logits.dtype(), run(&name, (logits, l_l), (params, p_l), (seen, s_l)))
 }
 
 /// The contiguous elements of an in-place operand.

@@ -1,18 +1,21 @@
 // Sampling by an exponential race (generate/race.rs states the rule and
-// holds its CPU reference): one block per row of f32 logits (R, V). `params`
-// (R, 9) words as `RaceRow::to_words`; `seen` (R, width) bits, read only for
-// rows whose penalty is not 1; out (R, 3): token, log-prob bits, entropy bits.
+// holds its CPU reference): one block per row of logits (R, V), f32 or
+// bf16 (a bf16 run's head writes bf16; read as it is, each entry is its f32
+// cast, so the picks are those of the cast to the bit, at half the bytes
+// and without the cast's pass). `params` (R, 9) words as
+// `RaceRow::to_words`; `seen` (R, width) bits, read only for rows whose
+// penalty is not 1; out (R, 3): token, log-prob bits, entropy bits.
 //
 // Two passes over a row where nothing truncates it (temperature alone, and
 // greedy): the maximum, then the sums of the log-prob and the entropy
 // together with the race. A thread takes the row's entries 4 at a time, the
-// group one Philox counter draws for, in one 16-byte load where the row
-// starts on 16 bytes: 16 KB of loads in flight per block of 1,024 threads,
-// where three passes of a 4-byte load a thread took about 0.17 ms of a
-// 256-row decoding step over Pythia's 50,304 words (H200). Top-k and top-p
-// add their thresholds' search between the two passes. Included by
-// kernels.cu and by the host emulator (emulate.cpp), which define the CUDA
-// intrinsics it uses first.
+// group one Philox counter draws for, in one load (16 bytes of f32, 8 of
+// bf16) where the row lies on that many bytes: 16 KB of f32 loads in flight
+// per block of 1,024 threads, where three passes of a 4-byte load a thread
+// took about 0.17 ms of a 256-row decoding step over Pythia's 50,304 words
+// (H200). Top-k and top-p add their thresholds' search between the two
+// passes. Included by kernels.cu and by the host emulator (emulate.cpp),
+// which define the CUDA intrinsics it uses first.
 
 #pragma once
 
@@ -58,29 +61,43 @@ __device__ __forceinline__ bool race_beats(float s, int j, float best, int at) {
     return s > best || (s == best && j < at);
 }
 
+__device__ __forceinline__ float race_f32(float x) { return x; }
+__device__ __forceinline__ float race_f32(bf16 x) { return __bfloat162float(x); }
+
+// Entries at .. at + 3 (on 4 entries' bytes) in one load.
+__device__ __forceinline__ void race_load4(const float* at, float (&l)[4]) {
+    const uint4 w = *reinterpret_cast<const uint4*>(at);
+    l[0] = __uint_as_float(w.x), l[1] = __uint_as_float(w.y);
+    l[2] = __uint_as_float(w.z), l[3] = __uint_as_float(w.w);
+}
+__device__ __forceinline__ void race_load4(const bf16* at, float (&l)[4]) {
+    const uint2 w = *reinterpret_cast<const uint2*>(at);
+    l[0] = __uint_as_float(w.x << 16), l[1] = __uint_as_float(w.x & 0xffff0000u);
+    l[2] = __uint_as_float(w.y << 16), l[3] = __uint_as_float(w.y & 0xffff0000u);
+}
+
 // A row's penalised logits, read a group of 4 entries at a time.
+template <typename T>
 struct RaceLogits {
-    const float* z;
+    const T* z;
     const uint32_t* bits;  // null: no penalty
     float penalty;
     int v;
-    bool wide;  // the row starts on 16 bytes
+    bool wide;  // the row starts on 4 entries' bytes
 
     __device__ __forceinline__ float penalised(int j, float l) const {
         if (bits && ((bits[j >> 5] >> (j & 31)) & 1u)) l = l < 0.f ? l * penalty : l / penalty;
         return l;
     }
-    __device__ __forceinline__ float operator()(int j) const { return penalised(j, z[j]); }
+    __device__ __forceinline__ float operator()(int j) const { return penalised(j, race_f32(z[j])); }
 
     // Entries 4 g .. 4 g + 3 below v into `l`; how many there are.
     __device__ __forceinline__ int group(int g, float (&l)[4]) const {
         const int first = 4 * g, n = min(4, v - first);
         if (wide && n == 4) {
-            const uint4 w = *reinterpret_cast<const uint4*>(z + first);
-            l[0] = __uint_as_float(w.x), l[1] = __uint_as_float(w.y);
-            l[2] = __uint_as_float(w.z), l[3] = __uint_as_float(w.w);
+            race_load4(z + first, l);
         } else {
-            for (int i = 0; i < n; i++) l[i] = z[first + i];
+            for (int i = 0; i < n; i++) l[i] = race_f32(z[first + i]);
         }
         for (int i = 0; i < n; i++) l[i] = penalised(first + i, l[i]);
         return n;
@@ -112,7 +129,8 @@ __device__ int block_argmax(float s, int j, float* fs, int* is) {
 }
 
 // How many entries (or how much mass e^u) have u's ordered bits >= tau.
-__device__ float race_upper(const RaceLogits& l, float m, float inv_t, uint32_t tau, bool mass, float* scratch) {
+template <typename T>
+__device__ float race_upper(const RaceLogits<T>& l, float m, float inv_t, uint32_t tau, bool mass, float* scratch) {
     float acc = 0.f;
     for (int g = threadIdx.x; g < l.groups(); g += blockDim.x) {
         float z[4];
@@ -127,7 +145,8 @@ __device__ float race_upper(const RaceLogits& l, float m, float inv_t, uint32_t 
 
 // The largest tau >= floor whose upper count (or mass) reaches `target`,
 // one bit at a time from the top (the count and mass fall as tau rises).
-__device__ uint32_t race_search(const RaceLogits& l, float m, float inv_t, uint32_t floor, bool mass, float target,
+template <typename T>
+__device__ uint32_t race_search(const RaceLogits<T>& l, float m, float inv_t, uint32_t floor, bool mass, float target,
                                 float* scratch) {
     uint32_t tau = 0;
     for (int bit = 31; bit >= 0; bit--) {
@@ -138,7 +157,8 @@ __device__ uint32_t race_search(const RaceLogits& l, float m, float inv_t, uint3
 }
 
 // Row blockIdx.x's pick, launched with a multiple of 32 threads.
-__device__ void race_pick_row(const float* logits, const uint32_t* params, const uint32_t* seen, int width,
+template <typename T>
+__device__ void race_pick_row(const T* logits, const uint32_t* params, const uint32_t* seen, int width,
                               uint32_t* out, int v) {
     __shared__ float scratch[32];
     __shared__ int iscratch[32];
@@ -146,9 +166,9 @@ __device__ void race_pick_row(const float* logits, const uint32_t* params, const
     const uint32_t* w = params + 9 * r;
     const RaceParams p = {w[0], w[1], w[2], w[3], __uint_as_float(w[4]), w[5], __uint_as_float(w[6]),
                           __uint_as_float(w[7]), __uint_as_float(w[8])};
-    const float* z = logits + r * v;
-    const RaceLogits l = {z, p.penalty != 1.f ? seen + r * width : nullptr, p.penalty, v,
-                          (reinterpret_cast<size_t>(z) & 15) == 0};
+    const T* z = logits + r * v;
+    const RaceLogits<T> l = {z, p.penalty != 1.f ? seen + r * width : nullptr, p.penalty, v,
+                             reinterpret_cast<size_t>(z) % (4 * sizeof(T)) == 0};
 
     float best = -INFINITY;
     int at = INT_MAX;
