@@ -845,10 +845,12 @@ DECODE_SPLITS(bf16, bf16)
 
 #include "race.cuh"
 
-#define RACE_PICK(T, S)                                                                                     \
-    extern "C" __global__ void race_pick_##S(const T* logits, const uint32_t* params, const uint32_t* seen, \
-                                             int width, uint32_t* out, int v) {                             \
-        race_pick_row<T>(logits, params, seen, width, out, v);                                              \
+// A block of 1,024 threads a row: at most 64 registers a thread.
+#define RACE_PICK(T, S)                                                                                       \
+    extern "C" __global__ void __launch_bounds__(1024) race_pick_##S(const T* logits, const uint32_t* params, \
+                                                                     const uint32_t* seen, int width,         \
+                                                                     uint32_t* out, int v) {                  \
+        race_pick_row<RACE_AHEAD, T>(logits, params, seen, width, out, v);                                    \
     }
 
 RACE_PICK(float, f32)

@@ -10,12 +10,13 @@
 // greedy): the maximum, then the sums of the log-prob and the entropy
 // together with the race. A thread takes the row's entries 4 at a time, the
 // group one Philox counter draws for, in one load (16 bytes of f32, 8 of
-// bf16) where the row lies on that many bytes: 16 KB of f32 loads in flight
-// per block of 1,024 threads, where three passes of a 4-byte load a thread
-// took about 0.17 ms of a 256-row decoding step over Pythia's 50,304 words
-// (H200). Top-k and top-p add their thresholds' search between the two
-// passes. Included by kernels.cu and by the host emulator (emulate.cpp),
-// which define the CUDA intrinsics it uses first.
+// bf16) where the row lies on that many bytes, and issues the loads of
+// RACE_AHEAD groups together: 32 KB of f32 loads in flight per block of
+// 1,024 threads, where three passes of a 4-byte load a thread took about
+// 0.17 ms of a 256-row decoding step over Pythia's 50,304 words (H200).
+// Top-k and top-p add their thresholds' search between the two passes.
+// Included by kernels.cu and by the host emulator (emulate.cpp), which
+// define the CUDA intrinsics it uses first.
 
 #pragma once
 
@@ -91,15 +92,19 @@ struct RaceLogits {
     }
     __device__ __forceinline__ float operator()(int j) const { return penalised(j, race_f32(z[j])); }
 
-    // Entries 4 g .. 4 g + 3 below v into `l`; how many there are.
+    // Entries 4 g .. 4 g + 3 below v into `l` (0 past v); how many there
+    // are. Every index is a constant, so that `l` stays in registers.
     __device__ __forceinline__ int group(int g, float (&l)[4]) const {
         const int first = 4 * g, n = min(4, v - first);
         if (wide && n == 4) {
             race_load4(z + first, l);
         } else {
-            for (int i = 0; i < n; i++) l[i] = race_f32(z[first + i]);
+#pragma unroll
+            for (int i = 0; i < 4; i++) l[i] = i < n ? race_f32(z[first + i]) : 0.f;
         }
-        for (int i = 0; i < n; i++) l[i] = penalised(first + i, l[i]);
+#pragma unroll
+        for (int i = 0; i < 4; i++)
+            if (i < n) l[i] = penalised(first + i, l[i]);
         return n;
     }
     __device__ __forceinline__ int groups() const { return (v + 3) / 4; }
@@ -128,36 +133,59 @@ __device__ int block_argmax(float s, int j, float* fs, int* is) {
     return j;
 }
 
+// Groups whose loads a thread issues together: 2 fit the 64 registers a
+// thread of a block of 1,024 has (sm_90: 63 and 64, where 4 spill).
+constexpr int RACE_AHEAD = 2;
+
+// Calls f(g, entries, n) for this thread's groups g = threadIdx.x,
+// + blockDim.x, ..., in that order, the loads of A groups issued before the
+// first of them is used: one group's load at a time kept a thread waiting
+// out a memory round trip per group. The order, and so every sum, is the
+// same whatever A.
+template <int A, typename T, typename F>
+__device__ __forceinline__ void race_groups(const RaceLogits<T>& l, F f) {
+    const int step = blockDim.x, groups = l.groups();
+    for (int g0 = threadIdx.x; g0 < groups; g0 += A * step) {
+        float x[A][4];
+        int n[A];
+#pragma unroll
+        for (int a = 0; a < A; a++) n[a] = g0 + a * step < groups ? l.group(g0 + a * step, x[a]) : 0;
+#pragma unroll
+        for (int a = 0; a < A; a++)
+            if (n[a] > 0) f(g0 + a * step, x[a], n[a]);
+    }
+}
+
 // How many entries (or how much mass e^u) have u's ordered bits >= tau.
-template <typename T>
+template <int A, typename T>
 __device__ float race_upper(const RaceLogits<T>& l, float m, float inv_t, uint32_t tau, bool mass, float* scratch) {
     float acc = 0.f;
-    for (int g = threadIdx.x; g < l.groups(); g += blockDim.x) {
-        float z[4];
-        const int n = l.group(g, z);
-        for (int i = 0; i < n; i++) {
+    race_groups<A>(l, [&](int, const float(&z)[4], int n) {
+#pragma unroll
+        for (int i = 0; i < 4; i++) {
             const float u = (z[i] - m) * inv_t;
-            if (ordered_bits(u) >= tau) acc += mass ? expf(u) : 1.f;
+            if (i < n && ordered_bits(u) >= tau) acc += mass ? expf(u) : 1.f;
         }
-    }
+    });
     return block_sum(acc, scratch);
 }
 
 // The largest tau >= floor whose upper count (or mass) reaches `target`,
 // one bit at a time from the top (the count and mass fall as tau rises).
-template <typename T>
+template <int A, typename T>
 __device__ uint32_t race_search(const RaceLogits<T>& l, float m, float inv_t, uint32_t floor, bool mass, float target,
                                 float* scratch) {
     uint32_t tau = 0;
     for (int bit = 31; bit >= 0; bit--) {
         const uint32_t cand = tau | (1u << bit);
-        if (race_upper(l, m, inv_t, max(cand, floor), mass, scratch) >= target) tau = cand;
+        if (race_upper<A>(l, m, inv_t, max(cand, floor), mass, scratch) >= target) tau = cand;
     }
     return max(tau, floor);
 }
 
-// Row blockIdx.x's pick, launched with a multiple of 32 threads.
-template <typename T>
+// Row blockIdx.x's pick, launched with a multiple of 32 threads, A groups'
+// loads in flight a thread.
+template <int A, typename T>
 __device__ void race_pick_row(const T* logits, const uint32_t* params, const uint32_t* seen, int width,
                               uint32_t* out, int v) {
     __shared__ float scratch[32];
@@ -172,32 +200,31 @@ __device__ void race_pick_row(const T* logits, const uint32_t* params, const uin
 
     float best = -INFINITY;
     int at = INT_MAX;
-    for (int g = threadIdx.x; g < l.groups(); g += blockDim.x) {
-        float x[4];
-        const int n = l.group(g, x);
-        for (int i = 0; i < n; i++)
-            if (race_beats(x[i], 4 * g + i, best, at)) best = x[i], at = 4 * g + i;
-    }
+    race_groups<A>(l, [&](int g, const float(&x)[4], int n) {
+#pragma unroll
+        for (int i = 0; i < 4; i++)
+            if (i < n && race_beats(x[i], 4 * g + i, best, at)) best = x[i], at = 4 * g + i;
+    });
     const int top = block_argmax(best, at, scratch, iscratch);
     const float m = l(top);
 
     uint32_t floor = 0;
-    if (!p.greedy && p.top_k > 0 && p.top_k < (uint32_t)v) floor = race_search(l, m, p.inv_t, 0, false, (float)p.top_k, scratch);
+    if (!p.greedy && p.top_k > 0 && p.top_k < (uint32_t)v) floor = race_search<A>(l, m, p.inv_t, 0, false, (float)p.top_k, scratch);
     if (!p.greedy && p.top_p < 1.f) {
-        const float total = race_upper(l, m, p.inv_t, floor, true, scratch);
-        floor = race_search(l, m, p.inv_t, floor, true, p.top_p * total, scratch);
+        const float total = race_upper<A>(l, m, p.inv_t, floor, true, scratch);
+        floor = race_search<A>(l, m, p.inv_t, floor, true, p.top_p * total, scratch);
     }
 
     // The sums over every entry, and the race over the kept ones.
     float s0 = 0.f, s1 = 0.f;
     best = -INFINITY;
     at = INT_MAX;
-    for (int g = threadIdx.x; g < l.groups(); g += blockDim.x) {
-        float x[4];
-        const int n = l.group(g, x);
+    race_groups<A>(l, [&](int g, const float(&x)[4], int n) {
         uint32_t c[4] = {(uint32_t)g, p.step, 0u, 0u};
         bool drawn = false;
-        for (int i = 0; i < n; i++) {
+#pragma unroll
+        for (int i = 0; i < 4; i++) {
+            if (i >= n) break;
             const float u = (x[i] - m) * p.inv_t, e = expf(u);
             if (e > 0.f) s0 += e, s1 += u * e;
             if (p.greedy) continue;
@@ -207,7 +234,7 @@ __device__ void race_pick_row(const T* logits, const uint32_t* params, const uin
             const float s = u - logf(race_exponential(c[i]));
             if (race_beats(s, 4 * g + i, best, at)) best = s, at = 4 * g + i;
         }
-    }
+    });
     s0 = block_sum(s0, scratch);
     s1 = block_sum(s1, scratch);
     int token = top;
