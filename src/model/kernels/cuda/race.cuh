@@ -16,7 +16,7 @@
 // 0.17 ms of a 256-row decoding step over Pythia's 50,304 words (H200).
 // Top-k and top-p add their thresholds' search between the two passes.
 // Included by kernels.cu and by the host emulator (emulate.cpp), which
-// define the CUDA intrinsics it uses first.
+// define to_f32 and the CUDA intrinsics it uses first.
 
 #pragma once
 
@@ -62,9 +62,6 @@ __device__ __forceinline__ bool race_beats(float s, int j, float best, int at) {
     return s > best || (s == best && j < at);
 }
 
-__device__ __forceinline__ float race_f32(float x) { return x; }
-__device__ __forceinline__ float race_f32(bf16 x) { return __bfloat162float(x); }
-
 // Entries at .. at + 3 (on 4 entries' bytes) in one load.
 __device__ __forceinline__ void race_load4(const float* at, float (&l)[4]) {
     const uint4 w = *reinterpret_cast<const uint4*>(at);
@@ -90,7 +87,7 @@ struct RaceLogits {
         if (bits && ((bits[j >> 5] >> (j & 31)) & 1u)) l = l < 0.f ? l * penalty : l / penalty;
         return l;
     }
-    __device__ __forceinline__ float operator()(int j) const { return penalised(j, race_f32(z[j])); }
+    __device__ __forceinline__ float operator()(int j) const { return penalised(j, to_f32(z[j])); }
 
     // Entries 4 g .. 4 g + 3 below v into `l` (0 past v); how many there
     // are. Every index is a constant, so that `l` stays in registers.
@@ -100,7 +97,7 @@ struct RaceLogits {
             race_load4(z + first, l);
         } else {
 #pragma unroll
-            for (int i = 0; i < 4; i++) l[i] = i < n ? race_f32(z[first + i]) : 0.f;
+            for (int i = 0; i < 4; i++) l[i] = i < n ? to_f32(z[first + i]) : 0.f;
         }
 #pragma unroll
         for (int i = 0; i < 4; i++)
