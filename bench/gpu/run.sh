@@ -53,7 +53,9 @@
 #                  (RLOO_DECODE_OUT: apart, joined). A piece left out or empty, and the whole
 #                  variant `default`, leave the binary's own choice. Each run logs where its steps' time goes
 #                  (RLOO_DECODE_TIMING=on). A variant ending in +tuned times cuBLASLt's
-#                  candidates for each product of a step (RLOO_GEMM=tuned). Default: default
+#                  candidates for each product of a step (RLOO_GEMM=tuned); one ending in
+#                  +rowsgemm makes a step's products that cuBLAS's tiles would not spread over
+#                  the GPU by the rows kernel, split along k (RLOO_GEMM=rows). Default: default
 #      ATTENTION   rloo's variants in the training runs, KERNELS[+HEADS[+STEP[+DECODE[+BIAS[+MLP[+MASK[+ROWS[+OUT]]]]]]]]:
 #                  the attention kernels for whole sequences (RLOO_ATTENTION: flash, tensor,
 #                  rows), how they get their heads from a fused projection
@@ -66,8 +68,9 @@
 #                  rollouts' layers project their branches back (RLOO_DECODE_OUT). As DECODERS: a
 #                  piece left out, and `default`, leave the binary's own. A variant ending in
 #                  +offload moves the reference and the reward model to host memory for the
-#                  training phase (ref_reward_offload); one ending in +tuned (before or after
-#                  +offload) tunes the rollouts' products (RLOO_GEMM=tuned). Default: default
+#                  training phase (ref_reward_offload); one ending in +tuned or +rowsgemm
+#                  (before or after +offload) makes the rollouts' products as DECODERS says.
+#                  Default: default
 #      PROFILED    what `profile` profiles: generate train scoring (default all three)
 #      PEER        on (default), or off: rloo's runs alone, without transformers' generate
 #                  and TRL (for a short call whose peer figures an earlier one on the card gave)
@@ -129,14 +132,15 @@ models() { # SIZE: makes the models once
 
 part() { [[ " $PARTS " == *" $1 "* ]]; }
 
-# flags VARIANT: sets pieces to VARIANT without its trailing +offload and
-# +tuned, offload to whether it had +offload, and gemm to tuned where it had
-# +tuned (else empty).
+# flags VARIANT: sets pieces to VARIANT without its trailing +offload,
+# +tuned and +rowsgemm, offload to whether it had +offload, and gemm to
+# tuned or rows where it had +tuned or +rowsgemm (else empty).
 flags() {
     pieces=$1 offload=false gemm=
-    while [[ $pieces == *+offload || $pieces == *+tuned ]]; do
+    while [[ $pieces == *+offload || $pieces == *+tuned || $pieces == *+rowsgemm ]]; do
         [[ $pieces == *+offload ]] && offload=true pieces=${pieces%+offload}
         [[ $pieces == *+tuned ]] && gemm=tuned pieces=${pieces%+tuned}
+        [[ $pieces == *+rowsgemm ]] && gemm=rows pieces=${pieces%+rowsgemm}
     done
 }
 

@@ -15,9 +15,11 @@
 #      greedy tokens through them);
 #   2. generation at 410m against transformers, the defaults, a prompt's
 #      rows to a block of the decoding kernel (RLOO_DECODE_ROWS=prompt) and
-#      the output projections joined (RLOO_DECODE_OUT=joined), each step's
-#      time split between the GPU and the host (the race sampler's picks
-#      among it); then the earlier binary's (below);
+#      the output projections joined (RLOO_DECODE_OUT=joined) and the
+#      products that cuBLAS's tiles would not spread over the GPU made by the
+#      rows kernel (RLOO_GEMM=rows), each step's time split between the GPU
+#      and the host (the race sampler's picks among it); then the earlier
+#      binary's (below);
 #   3. the RLOO step at 410m against TRL under the defaults (the flash
 #      kernels reading each query's runs of keys, decoding a key per lane
 #      with the biases in cuBLASLt's epilogues), and with the rollouts'
@@ -90,7 +92,7 @@ part check-joined 40 env RLOO_DECODE_OUT=joined scripts/cuda/run.sh check --devi
 grep -sE "checks on|FAIL" "$OUT/check-joined.log" >&2
 defaults=flash+fused+graph+lanes+epilogue+kept
 decoded=race+lanes+fused+graph+epilogue
-decoders="$decoded $decoded+grouped+prompt $decoded+grouped+auto+packed+joined"
+decoders="$decoded $decoded+grouped+prompt $decoded+grouped+auto+packed+joined $decoded+rowsgemm"
 before() { [[ -e .cuda/bin/rloo-before.gz ]]; }
 if before; then
     gunzip -c .cuda/bin/rloo-before.gz >/tmp/rloo-before && chmod +x /tmp/rloo-before

@@ -373,6 +373,8 @@ pub fn check_kernels(device: &Device, dtypes: &[DType]) -> Vec<Check> {
         if device.is_cuda() && dtype == DType::BF16 {
             let label = "products tuned";
             out.push(tuned_products_check(device, rng).unwrap_or_else(|e| Check::failed("kernel", label, dtype, e)));
+            let label = "products of few rows";
+            out.push(rows_products_check(device, rng).unwrap_or_else(|e| Check::failed("kernel", label, dtype, e)));
         }
         // Ids that repeat, and rows of the table that none reads.
         let ids: Vec<u32> = (0..130).map(|i| (i * 7 % 33) as u32).collect();
@@ -759,13 +761,7 @@ fn tuned_products_check(device: &Device, rng: &mut Rng) -> Result<Check> {
         ])
     };
     let before = products()?;
-    let chosen = std::env::var(kernels::GEMM_VAR).ok();
-    std::env::set_var(kernels::GEMM_VAR, "tuned");
-    let tuned = products().and_then(|first| Ok([first, products()?]));
-    match chosen {
-        Some(v) => std::env::set_var(kernels::GEMM_VAR, v),
-        None => std::env::remove_var(kernels::GEMM_VAR),
-    }
+    let tuned = with_gemm("tuned", || Ok([products()?, products()?]));
     let mut differ = 0f32;
     for run in tuned? {
         for (got, want) in run.iter().zip(&before) {
@@ -774,6 +770,59 @@ fn tuned_products_check(device: &Device, rng: &mut Rng) -> Result<Check> {
     }
     let label = "products tuned (RLOO_GEMM=tuned), the default's bits (cuda kernel)";
     Ok(Check::new("kernel", label, DType::BF16, differ, None, 0.0))
+}
+
+/// `run` with `RLOO_GEMM` set to `choice`, then as it was.
+fn with_gemm<T>(choice: &str, run: impl FnOnce() -> Result<T>) -> Result<T> {
+    let chosen = std::env::var(kernels::GEMM_VAR).ok();
+    std::env::set_var(kernels::GEMM_VAR, choice);
+    let out = run();
+    match chosen {
+        Some(v) => std::env::set_var(kernels::GEMM_VAR, v),
+        None => std::env::remove_var(kernels::GEMM_VAR),
+    }
+    out
+}
+
+/// bf16 products by the rows kernel (`RLOO_GEMM=rows`) against the CPU's
+/// f32 products of the same bf16 operands: a 410m decoding step's (256
+/// rows by 1,024 into 3,072; 4,096 into 1,024, in slices of k), few rows of
+/// odd widths, and one too large for the kernel (cuBLAS's then). Each
+/// twice, which must give the same bits. The largest relative error, or 1
+/// where a run differs from the first or the kernel did not take a product
+/// it should have (or took the large one).
+fn rows_products_check(device: &Device, rng: &mut Rng) -> Result<Check> {
+    // (rows, in, out, bias, whether the kernel takes it)
+    let shapes = [
+        (256, 1024, 3072, true, true),
+        (256, 4096, 1024, true, true),
+        (7, 1000, 70, false, true),
+        (300, 264, 100, true, true),
+        (256, 1024, 12800, false, false),
+    ];
+    let mut differ = 0f32;
+    for (rows, k, n, bias, takes) in shapes {
+        let bf = |t: Tensor| t.to_dtype(DType::BF16);
+        let (x, w) = (bf(rng.normal_tensor(&[rows, k], 0.0, 1.0))?, bf(rng.normal_tensor(&[n, k], 0.0, 0.03))?);
+        let b = bias.then(|| bf(rng.normal_tensor(&[n], 0.0, 1.0))).transpose()?;
+        let f32s = |t: &Tensor| t.to_dtype(DType::F32);
+        let want = f32s(&x)?.matmul(&f32s(&w)?.t()?)?;
+        let want = match &b {
+            Some(b) => want.broadcast_add(&f32s(b)?)?,
+            None => want,
+        };
+        let (x, w) = (x.to_device(device)?, w.to_device(device)?);
+        let b = b.map(|b| b.to_device(device)).transpose()?;
+        let (first, again) = with_gemm("rows", || {
+            let product = || kernels::linear(&x, &w, b.as_ref())?.to_dtype(DType::F32)?.to_device(&Device::Cpu);
+            Ok((product()?, product()?))
+        })?;
+        let same = largest_difference(&first, &again)? == 0.0;
+        let taken = kernels::rows_kernel_takes(&x, &w)? == takes;
+        differ = differ.max(if same && taken { relative_error(&first, &want)? } else { 1.0 });
+    }
+    let label = "products of few rows (RLOO_GEMM=rows), the same bits twice (cuda kernel)";
+    Ok(Check::new("kernel", label, DType::BF16, differ, None, tolerance(DType::BF16)))
 }
 
 /// The check of a loading weight for NaN and infinities on `device` in

@@ -36,18 +36,51 @@ pub fn dense_bias_epilogue() -> Result<bool> {
     Ok(chosen.map_err(candle_core::Error::msg)? == "epilogue")
 }
 
-/// Picks how a GPU chooses the algorithm of its bf16 products: `heuristic`
-/// (the default: cuBLASLt's first pick, and cuBLAS's product for a layer
-/// without a bias) or `tuned` (a shape's first product of at most 1,024
-/// rows, a decoding step's, also times cuBLASLt's other candidates and
-/// keeps the fastest whose output has the default's bits; see
-/// `kernels/cuda/gemm.rs`).
+/// Picks how a GPU makes its bf16 products: `heuristic` (the default:
+/// cuBLASLt's first pick, and cuBLAS's product for a layer without a
+/// bias), `tuned` (a shape's first product of at most 1,024 rows, a
+/// decoding step's, also times cuBLASLt's other candidates and keeps the
+/// fastest whose output has the default's bits; see `kernels/cuda/gemm.rs`)
+/// or `rows` (a product of few rows whose tiles would not fill the GPU, a
+/// decoding step's, by the kernel of `kernels/cuda/rows_gemm.cuh`, split
+/// along k: other bits than cuBLAS's, the same run to run).
 pub const GEMM_VAR: &str = "RLOO_GEMM";
 
-/// Whether products are tuned; an unknown choice is an error.
-pub fn gemm_tuned() -> Result<bool> {
-    let chosen = crate::model::device::variant(GEMM_VAR, &["heuristic", "tuned"]);
-    Ok(chosen.map_err(candle_core::Error::msg)? == "tuned")
+/// The choices of [`GEMM_VAR`].
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+#[cfg_attr(not(feature = "cuda"), allow(dead_code))]
+pub enum Gemm {
+    Heuristic,
+    Tuned,
+    Rows,
+}
+
+/// The chosen way of making products; an unknown choice is an error.
+#[cfg_attr(not(feature = "cuda"), allow(dead_code))]
+pub fn gemm_choice() -> Result<Gemm> {
+    let chosen = crate::model::device::variant(GEMM_VAR, &["heuristic", "tuned", "rows"]);
+    Ok(match chosen.map_err(candle_core::Error::msg)? {
+        "tuned" => Gemm::Tuned,
+        "rows" => Gemm::Rows,
+        _ => Gemm::Heuristic,
+    })
+}
+
+/// Whether `RLOO_GEMM=rows` has the rows kernel make `x @ w^T` (see
+/// `cuda::rows_splits`), for `rloo check`; false off a GPU.
+#[cfg_attr(not(feature = "cuda"), allow(unused_variables))]
+pub fn rows_kernel_takes(x: &Tensor, w: &Tensor) -> Result<bool> {
+    #[cfg(feature = "cuda")]
+    if super::on_cuda(&[x, w]) && w.rank() == 2 {
+        let (x, (n, k)) = (x.contiguous()?, w.dims2()?);
+        let rows = x.elem_count() / k.max(1);
+        let ((xs, x_l), (ws, w_l)) = (x.storage_and_layout(), w.storage_and_layout());
+        if let (candle_core::Storage::Cuda(xs), candle_core::Storage::Cuda(ws)) = (&*xs, &*ws) {
+            let x_rows = Layout::contiguous_with_offset((rows, k), x_l.start_offset());
+            return Ok(super::cuda::rows_splits((xs, &x_rows), (ws, w_l), (rows, k, n))?.is_some());
+        }
+    }
+    Ok(false)
 }
 
 /// [`linear`] with the way a GPU adds the bias named: `epilogue`, in the
@@ -284,7 +317,8 @@ impl CustomOp3 for CudaLinear {
 }
 
 /// `x (rows, k) @ w^T (+ b)` on a GPU: cuBLAS's product, then any bias in a
-/// pass of its own, or in cuBLASLt's epilogue when `epilogue` (bf16).
+/// pass of its own, or in cuBLASLt's epilogue when `epilogue` (bf16); with
+/// `RLOO_GEMM=rows`, a product the rows kernel takes, bias and all.
 #[cfg(feature = "cuda")]
 pub(super) fn cuda_dense(
     (x, x_l): (&candle_core::CudaStorage, &Layout),
@@ -294,7 +328,13 @@ pub(super) fn cuda_dense(
     epilogue: bool,
 ) -> Result<candle_core::CudaStorage> {
     use candle_core::backend::BackendStorage;
-    let tuned = gemm_tuned()?;
+    let gemm = gemm_choice()?;
+    if gemm == Gemm::Rows {
+        if let Some(out) = super::cuda::rows_product((x, x_l), (w, w_l), b, (rows, k, n))? {
+            return Ok(out);
+        }
+    }
+    let tuned = gemm == Gemm::Tuned;
     let w_t = w_l.transpose(0, 1)?;
     let cublas = || x.matmul(w, (1, rows, n, k), x_l, &w_t);
     match b {

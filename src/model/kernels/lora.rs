@@ -329,7 +329,7 @@ impl CustomOp3 for LoraLinear {
                 (b, b_l),
                 f.scale,
                 (m, r, n),
-                super::linear::gemm_tuned()?,
+                super::linear::gemm_choice()? == super::linear::Gemm::Tuned,
             )?;
             return Ok((y, out_shape(x_l, n)));
         }

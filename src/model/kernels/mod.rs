@@ -41,8 +41,8 @@ pub use embedding::gather_rows;
 pub use finite::any_non_finite;
 pub use gated::{gated_linear, gated_linear_remade, gated_product};
 pub use linear::{
-    activation_linear, activation_linear_remade, dense_bias_epilogue, gemm_tuned, linear, linear_remade, linear_with,
-    DENSE_BIAS_VAR, GEMM_VAR,
+    activation_linear, activation_linear_remade, dense_bias_epilogue, linear, linear_remade, linear_with,
+    rows_kernel_takes, DENSE_BIAS_VAR, GEMM_VAR,
 };
 pub use lora::{lora_forward, lora_forward_remade, LoraLayer, Mask};
 pub use norm::{layer_norm, layer_norm_pair, layer_norm_remake, rms_norm, rms_norm_remake};

@@ -2,9 +2,10 @@
 // kernels of heads.cuh, the norms of norms.cuh, the elementwise kernels of
 // elementwise.cuh, the decoding-attention kernels of decode.cuh, the LM
 // head's log-prob kernels of logprobs.cuh, the non-finite check of
-// finite.cuh and the race sampler of race.cuh on the host and compares
-// them with a reference, so their fragment and index logic is checked
-// where no GPU is: every CUDA thread is a host thread, the warp-level
+// finite.cuh, the race sampler of race.cuh and the product of few rows of
+// rows_gemm.cuh on the host and compares them with a reference, so their
+// fragment and index logic is checked where no GPU is: every CUDA thread
+// is a host thread, the warp-level
 // primitives (ldmatrix, mma.sync, shuffles) exchange lane values through
 // per-warp slots between barriers, as the PTX ISA lays the fragments out,
 // and blocks run one after another. Built and run by
@@ -287,38 +288,51 @@ using std::max;
 #include "race.cuh"
 #undef __shared__
 #define __shared__
+// Blocks run one at a time: a fence orders nothing more, and an atomic is a plain update.
+inline void __threadfence() {}
+inline unsigned atomicAdd(unsigned* at, unsigned v) {
+    const unsigned old = *at;
+    *at += v;
+    return old;
+}
+inline float __ldcg(const float* at) { return *at; }
+#include "rows_gemm.cuh"
 
 // ---- Launching: blocks in turn, each a host thread per CUDA thread.
 
-void launch(Dim3 grid, size_t smem_bytes, const std::function<void()>& kernel, unsigned threads = 32 * fa::WARPS) {
+// `backwards`: the blocks in the other order, for a kernel whose result
+// must not depend on which block comes last.
+void launch(Dim3 grid, size_t smem_bytes, const std::function<void()>& kernel, unsigned threads = 32 * fa::WARPS,
+            bool backwards = false) {
     if (smem_bytes > sizeof fa::smem) std::abort();
     gridDim = grid, blockDim = {threads, 1, 1}, launched_smem = smem_bytes;
     warps = std::vector<Warp>(threads / 32);
     for (Warp& w : warps) w.bar.n = 32;
     block_bar.n = blockDim.x;
-    for (unsigned z = 0; z < grid.z; ++z)
-        for (unsigned y = 0; y < grid.y; ++y)
-            for (unsigned x = 0; x < grid.x; ++x) {
-                // Stale shared memory must not matter, and none past the launch's may be written.
-                std::memset(fa::smem, 0xcd, sizeof fa::smem);
-                std::vector<std::thread> threads;
-                for (unsigned t = 0; t < blockDim.x; ++t)
-                    threads.emplace_back([&, t] {
-                        threadIdx = {t, 0, 0};
-                        blockIdx = {x, y, z};
-                        kernel();
-                        if (fa::copies_pending()) {
-                            std::fprintf(stderr, "a thread ended with background copies it never waited for\n");
-                            std::abort();
-                        }
-                    });
-                for (auto& th : threads) th.join();
-                for (size_t i = smem_bytes; i < sizeof fa::smem; ++i)
-                    if (fa::smem[i] != 0xcd) {
-                        std::fprintf(stderr, "shared memory written at byte %zu, past the %zu launched\n", i, smem_bytes);
-                        std::abort();
-                    }
+    const unsigned blocks = grid.x * grid.y * grid.z;
+    for (unsigned i = 0; i < blocks; ++i) {
+        const unsigned at = backwards ? blocks - 1 - i : i;
+        const unsigned x = at % grid.x, y = at / grid.x % grid.y, z = at / grid.x / grid.y;
+        // Stale shared memory must not matter, and none past the launch's may be written.
+        std::memset(fa::smem, 0xcd, sizeof fa::smem);
+        std::vector<std::thread> threads;
+        for (unsigned t = 0; t < blockDim.x; ++t)
+            threads.emplace_back([&, t] {
+                threadIdx = {t, 0, 0};
+                blockIdx = {x, y, z};
+                kernel();
+                if (fa::copies_pending()) {
+                    std::fprintf(stderr, "a thread ended with background copies it never waited for\n");
+                    std::abort();
+                }
+            });
+        for (auto& th : threads) th.join();
+        for (size_t b = smem_bytes; b < sizeof fa::smem; ++b)
+            if (fa::smem[b] != 0xcd) {
+                std::fprintf(stderr, "shared memory written at byte %zu, past the %zu launched\n", b, smem_bytes);
+                std::abort();
             }
+    }
 }
 
 // ---- The reference, in f64 over the bf16 inputs.
@@ -1222,6 +1236,48 @@ bool race_case(int v, size_t offset, unsigned threads) {
     return ok && ahead && cast_same;
 }
 
+// A product of few rows (rows_gemm.cuh) in `splits` slices of k, against
+// an f64 reference over the bf16 operands: within the output's rounding,
+// the same bits with its blocks in the other order (another block last to
+// finish a tile).
+bool rows_gemm_case(int m, int n, int k, int splits, bool bias) {
+    std::mt19937 rng(m * 131 + n * 7 + k + splits);
+    std::normal_distribution<float> normal;
+    std::vector<bf16> x((size_t)m * k), w((size_t)n * k), b(n);
+    for (auto& e : x) e = __float2bfloat16(normal(rng));
+    for (auto& e : w) e = __float2bfloat16(normal(rng) * 0.1f);
+    for (auto& e : b) e = __float2bfloat16(normal(rng));
+    using namespace fa::rows;
+    const Dim3 grid{unsigned((m + BM - 1) / BM), unsigned((n + BN - 1) / BN), unsigned(splits)};
+    auto product = [&](bool backwards) {
+        std::vector<bf16> y((size_t)m * n, bf16{0x7fc0});
+        std::vector<float> ws((size_t)splits * m * n, NAN);
+        std::vector<unsigned> counts(grid.x * grid.y, 0);
+        const RowsGemmDims d{m, n, k, splits};
+        const bf16* bp = bias ? b.data() : nullptr;
+        launch(grid, SMEM, [&] { fa::rows_gemm(x.data(), w.data(), bp, y.data(), ws.data(), counts.data(), d); },
+               THREADS, backwards);
+        return y;
+    };
+    const std::vector<bf16> y = product(false), y_back = product(true);
+    double worst = 0;
+    bool ok = true;
+    for (int r = 0; r < m; ++r)
+        for (int c = 0; c < n; ++c) {
+            double want = bias ? to_f32(b[c]) : 0.0;
+            for (int i = 0; i < k; ++i) want += (double)to_f32(x[(size_t)r * k + i]) * to_f32(w[(size_t)c * k + i]);
+            const double got = to_f32(y[(size_t)r * n + c]), err = std::abs(got - want);
+            worst = std::max(worst, err);
+            ok &= err <= std::abs(want) / 128 + 1e-3;  // bf16's rounding of the output, 2^-9 of it, and the sums'
+        }
+    bool same = true;
+    for (size_t i = 0; i < y.size(); ++i) same &= y[i].bits == y_back[i].bits;
+    std::printf("%-4s rows product %3d x %4d by %4d, %d slices%s  max err %.1e; blocks backwards %s\n",
+                ok && same ? "ok" : "FAIL", m, n, k, splits, bias ? ", bias" : "      ", worst,
+                same ? "to the bit" : "DIFFER");
+    return ok && same;
+}
+
 int main(int argc, char** argv) {
     std::mt19937 rng(7);
     bool ok = true;
@@ -1241,6 +1297,7 @@ int main(int argc, char** argv) {
         ok &= decode_case<bf16, 2, 1, 4, true>(64, true, true, 96);
         ok &= logprobs_case<bf16>(2, 300);
         ok &= race_case<float>(1003, 0, 64);
+        ok &= rows_gemm_case(40, 70, 200, 3, true);
         std::printf(ok ? "all match\n" : "MISMATCH\n");
         return ok ? 0 : 1;
     }
@@ -1296,6 +1353,12 @@ int main(int argc, char** argv) {
     ok &= race_case<bf16>(1000, 2, 64);
     ok &= race_case<bf16>(1003, 0, 96);
     ok &= race_case<bf16>(90, 1, 32);
+    // Whole tiles; rows, outputs and k past them (k = 264 ends in a partial chunk); a few rows (warps
+    // with none); many slices.
+    ok &= rows_gemm_case(256, 128, 256, 1, false);
+    ok &= rows_gemm_case(200, 100, 264, 3, true);
+    ok &= rows_gemm_case(5, 64, 64, 2, true);
+    ok &= rows_gemm_case(130, 70, 1000, 7, false);
     for (size_t offset : {0, 1}) {
         ok &= elementwise_case<bf16>(offset);
         ok &= elementwise_case<float>(offset);

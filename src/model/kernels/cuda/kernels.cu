@@ -856,6 +856,15 @@ DECODE_SPLITS(bf16, bf16)
 RACE_PICK(float, f32)
 RACE_PICK(bf16, bf16)
 
+// ---- Products of few rows, split along k (rows_gemm.cuh), bf16.
+
+#include "rows_gemm.cuh"
+
+extern "C" __global__ void __launch_bounds__(fa::rows::THREADS)
+    rows_gemm_bf16(const bf16* x, const bf16* w, const bf16* b, bf16* y, float* ws, unsigned* counts, RowsGemmDims d) {
+    fa::rows_gemm(x, w, b, y, ws, counts, d);
+}
+
 // ---- An embedding table's gradient, a block per row (embedding.cuh).
 
 #include "embedding.cuh"
