@@ -786,27 +786,32 @@ fn with_gemm<T>(choice: &str, run: impl FnOnce() -> Result<T>) -> Result<T> {
 
 /// bf16 products by the rows kernel (`RLOO_GEMM=rows`) against the CPU's
 /// f32 products of the same bf16 operands: a 410m decoding step's (256
-/// rows by 1,024 into 3,072; 4,096 into 1,024, in slices of k), few rows of
-/// odd widths, and one too large for the kernel (cuBLAS's then). Each
-/// twice, which must give the same bits. The largest relative error, or 1
-/// where a run differs from the first or the kernel did not take a product
-/// it should have (or took the large one).
+/// rows by 1,024 into 3,072; GELU's of 4,096 into 1,024, in slices of k),
+/// few rows of odd widths, and one too large for the kernel (cuBLAS's
+/// then). Each twice, which must give the same bits. The largest relative
+/// error, or 1 where a run differs from the first or the kernel did not
+/// take a product it should have (or took the large one).
 fn rows_products_check(device: &Device, rng: &mut Rng) -> Result<Check> {
-    // (rows, in, out, bias, whether the kernel takes it)
+    // (rows, in, out, bias, the activation of x, whether the kernel takes it)
     let shapes = [
-        (256, 1024, 3072, true, true),
-        (256, 4096, 1024, true, true),
-        (7, 1000, 70, false, true),
-        (300, 264, 100, true, true),
-        (256, 1024, 12800, false, false),
+        (256, 1024, 3072, true, None, true),
+        (256, 4096, 1024, true, Some(Activation::Gelu), true),
+        (7, 1000, 70, false, Some(Activation::Silu), true),
+        (300, 264, 100, true, None, true),
+        (256, 1024, 12800, false, None, false),
     ];
     let mut differ = 0f32;
-    for (rows, k, n, bias, takes) in shapes {
+    for (rows, k, n, bias, act, takes) in shapes {
         let bf = |t: Tensor| t.to_dtype(DType::BF16);
         let (x, w) = (bf(rng.normal_tensor(&[rows, k], 0.0, 1.0))?, bf(rng.normal_tensor(&[n, k], 0.0, 0.03))?);
         let b = bias.then(|| bf(rng.normal_tensor(&[n], 0.0, 1.0))).transpose()?;
         let f32s = |t: &Tensor| t.to_dtype(DType::F32);
-        let want = f32s(&x)?.matmul(&f32s(&w)?.t()?)?;
+        // The activation as a GPU pass writes it: bf16 of the f32 value.
+        let input = match act {
+            Some(act) => bf(kernels::activation(&f32s(&x)?, act)?)?,
+            None => x.clone(),
+        };
+        let want = f32s(&input)?.matmul(&f32s(&w)?.t()?)?;
         let want = match &b {
             Some(b) => want.broadcast_add(&f32s(b)?)?,
             None => want,
@@ -814,14 +819,20 @@ fn rows_products_check(device: &Device, rng: &mut Rng) -> Result<Check> {
         let (x, w) = (x.to_device(device)?, w.to_device(device)?);
         let b = b.map(|b| b.to_device(device)).transpose()?;
         let (first, again) = with_gemm("rows", || {
-            let product = || kernels::linear(&x, &w, b.as_ref())?.to_dtype(DType::F32)?.to_device(&Device::Cpu);
+            let product = || {
+                let y = match act {
+                    Some(act) => kernels::activation_linear(&x, act, &w, b.as_ref())?,
+                    None => kernels::linear(&x, &w, b.as_ref())?,
+                };
+                y.to_dtype(DType::F32)?.to_device(&Device::Cpu)
+            };
             Ok((product()?, product()?))
         })?;
         let same = largest_difference(&first, &again)? == 0.0;
         let taken = kernels::rows_kernel_takes(&x, &w)? == takes;
         differ = differ.max(if same && taken { relative_error(&first, &want)? } else { 1.0 });
     }
-    let label = "products of few rows (RLOO_GEMM=rows), the same bits twice (cuda kernel)";
+    let label = "products of few rows (RLOO_GEMM=rows), of x and of its activation, the same bits twice (cuda kernel)";
     Ok(Check::new("kernel", label, DType::BF16, differ, None, tolerance(DType::BF16)))
 }
 

@@ -181,7 +181,7 @@ impl CustomOp3 for Gated {
         let (m, k, n) = sizes(self.name(), gate_l, w_l)?;
         let h = product_cuda(self.0, (gate, gate_l), (up, up_l))?;
         let rows = Layout::contiguous((m, k));
-        Ok((super::linear::cuda_dense((&h, &rows), (w, w_l), None, (m, k, n), false)?, out_shape(gate_l, n)))
+        Ok((super::linear::cuda_dense((&h, &rows), None, (w, w_l), None, (m, k, n), false)?, out_shape(gate_l, n)))
     }
 
     fn bwd(

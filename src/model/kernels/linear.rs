@@ -215,17 +215,8 @@ impl CudaLinear {
     ) -> Result<(candle_core::CudaStorage, Shape)> {
         let (rows, k, n) = sizes("cuda-linear", x_l, w_l)?;
         // x is contiguous (the caller made it so): one (rows, k) matrix whatever its rank.
-        let mut x_rows = Layout::contiguous_with_offset((rows, k), x_l.start_offset());
-        let activated;
-        let x = match self.act {
-            Some(act) => {
-                activated = super::cuda::activation((x, &x_rows), None, act as i32)?;
-                x_rows = Layout::contiguous((rows, k));
-                &activated
-            }
-            None => x,
-        };
-        let out = cuda_dense((x, &x_rows), (w, w_l), b, (rows, k, n), self.epilogue)?;
+        let x_rows = Layout::contiguous_with_offset((rows, k), x_l.start_offset());
+        let out = cuda_dense((x, &x_rows), self.act, (w, w_l), b, (rows, k, n), self.epilogue)?;
         Ok((out, out_shape(x_l, n)))
     }
 
@@ -316,12 +307,15 @@ impl CustomOp3 for CudaLinear {
     }
 }
 
-/// `x (rows, k) @ w^T (+ b)` on a GPU: cuBLAS's product, then any bias in a
-/// pass of its own, or in cuBLASLt's epilogue when `epilogue` (bf16); with
-/// `RLOO_GEMM=rows`, a product the rows kernel takes, bias and all.
+/// `act(x) (rows, k) @ w^T (+ b)` on a GPU (x itself without `act`):
+/// `act` in a pass of its own, cuBLAS's product, then any bias in a pass of
+/// its own, or in cuBLASLt's epilogue when `epilogue` (bf16); with
+/// `RLOO_GEMM=rows`, a product the rows kernel takes, activation and bias
+/// and all.
 #[cfg(feature = "cuda")]
 pub(super) fn cuda_dense(
     (x, x_l): (&candle_core::CudaStorage, &Layout),
+    act: Option<Activation>,
     (w, w_l): (&candle_core::CudaStorage, &Layout),
     b: Option<(&candle_core::CudaStorage, &Layout)>,
     (rows, k, n): (usize, usize, usize),
@@ -330,10 +324,18 @@ pub(super) fn cuda_dense(
     use candle_core::backend::BackendStorage;
     let gemm = gemm_choice()?;
     if gemm == Gemm::Rows {
-        if let Some(out) = super::cuda::rows_product((x, x_l), (w, w_l), b, (rows, k, n))? {
+        if let Some(out) = super::cuda::rows_product((x, x_l), act, (w, w_l), b, (rows, k, n))? {
             return Ok(out);
         }
     }
+    let activated;
+    let (x, x_l) = match act {
+        Some(act) => {
+            activated = (super::cuda::activation((x, x_l), None, act as i32)?, Layout::contiguous((rows, k)));
+            (&activated.0, &activated.1)
+        }
+        None => (x, x_l),
+    };
     let tuned = gemm == Gemm::Tuned;
     let w_t = w_l.transpose(0, 1)?;
     let cublas = || x.matmul(w, (1, rows, n, k), x_l, &w_t);

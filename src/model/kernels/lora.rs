@@ -314,14 +314,14 @@ impl CustomOp3 for LoraLinear {
         // and the adapter's product adds into the base's output.
         let epilogue = x.dtype() == candle_core::DType::BF16 && super::linear::dense_bias_epilogue()?;
         let out_l = Layout::contiguous((m, n));
-        let mut y = super::linear::cuda_dense((h, h_l), (w, w_l), bias, (m, k, n), epilogue)?;
+        let mut y = super::linear::cuda_dense((h, h_l), None, (w, w_l), bias, (m, k, n), epilogue)?;
         let dropped = f.mask.as_ref().map(|mask| super::cuda::dropout((h, h_l), mask)).transpose()?;
         let (dropped, dropped_l) = match &dropped {
             Some(d) => (d, &rows_of),
             None => (h, h_l),
         };
         let down_l = Layout::contiguous((m, r));
-        let down = super::linear::cuda_dense((dropped, dropped_l), (a, a_l), None, (m, k, r), false)?;
+        let down = super::linear::cuda_dense((dropped, dropped_l), None, (a, a_l), None, (m, k, r), false)?;
         if epilogue {
             super::cuda::add_product(
                 &mut y,

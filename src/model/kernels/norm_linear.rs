@@ -112,7 +112,7 @@ impl CustomOp3 for NormLinear {
         let norm = [(v, &part(0, k)), (v, &part(k, k))];
         let y = super::cuda::norm_fwd("layer_norm_fwd", x, x_l, &norm, self.eps)?;
         let (y_l, bias_l) = (Layout::contiguous((m, k)), part(2 * k, n));
-        let out = super::linear::cuda_dense((&y, &y_l), (w, w_l), Some((v, &bias_l)), (m, k, n), self.epilogue)?;
+        let out = super::linear::cuda_dense((&y, &y_l), None, (w, w_l), Some((v, &bias_l)), (m, k, n), self.epilogue)?;
         Ok((out, out_shape(x_l, n)))
     }
 

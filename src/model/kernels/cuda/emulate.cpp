@@ -1236,46 +1236,57 @@ bool race_case(int v, size_t offset, unsigned threads) {
     return ok && ahead && cast_same;
 }
 
-// A product of few rows (rows_gemm.cuh) in `splits` slices of k, against
-// an f64 reference over the bf16 operands: within the output's rounding,
-// the same bits with its blocks in the other order (another block last to
-// finish a tile).
-bool rows_gemm_case(int m, int n, int k, int splits, bool bias) {
+// A product of few rows (rows_gemm.cuh) in `splits` slices of k, of x or
+// of its activation `act` (-1: none), against an f64 reference over the
+// bf16 operands: within the output's rounding, the same bits with its
+// blocks in the other order (another block last to finish a tile), and
+// with an activation the same bits as the product of x activated first
+// (as the activation kernel writes it).
+bool rows_gemm_case(int m, int n, int k, int splits, bool bias, int act = -1) {
     std::mt19937 rng(m * 131 + n * 7 + k + splits);
     std::normal_distribution<float> normal;
     std::vector<bf16> x((size_t)m * k), w((size_t)n * k), b(n);
     for (auto& e : x) e = __float2bfloat16(normal(rng));
     for (auto& e : w) e = __float2bfloat16(normal(rng) * 0.1f);
     for (auto& e : b) e = __float2bfloat16(normal(rng));
+    std::vector<bf16> activated(x);
+    if (act >= 0)
+        for (auto& e : activated) e = __float2bfloat16(activate(to_f32(e), act));
     using namespace fa::rows;
     const Dim3 grid{unsigned((m + BM - 1) / BM), unsigned((n + BN - 1) / BN), unsigned(splits)};
-    auto product = [&](bool backwards) {
+    auto product = [&](const std::vector<bf16>& input, int its_act, bool backwards) {
         std::vector<bf16> y((size_t)m * n, bf16{0x7fc0});
         std::vector<float> ws((size_t)splits * m * n, NAN);
         std::vector<unsigned> counts(grid.x * grid.y, 0);
-        const RowsGemmDims d{m, n, k, splits};
+        const RowsGemmDims d{m, n, k, splits, its_act};
         const bf16* bp = bias ? b.data() : nullptr;
-        launch(grid, SMEM, [&] { fa::rows_gemm(x.data(), w.data(), bp, y.data(), ws.data(), counts.data(), d); },
+        launch(grid, SMEM, [&] { fa::rows_gemm(input.data(), w.data(), bp, y.data(), ws.data(), counts.data(), d); },
                THREADS, backwards);
         return y;
     };
-    const std::vector<bf16> y = product(false), y_back = product(true);
+    const std::vector<bf16> y = product(x, act, false), y_back = product(x, act, true);
     double worst = 0;
     bool ok = true;
     for (int r = 0; r < m; ++r)
         for (int c = 0; c < n; ++c) {
             double want = bias ? to_f32(b[c]) : 0.0;
-            for (int i = 0; i < k; ++i) want += (double)to_f32(x[(size_t)r * k + i]) * to_f32(w[(size_t)c * k + i]);
+            for (int i = 0; i < k; ++i)
+                want += (double)to_f32(activated[(size_t)r * k + i]) * to_f32(w[(size_t)c * k + i]);
             const double got = to_f32(y[(size_t)r * n + c]), err = std::abs(got - want);
             worst = std::max(worst, err);
             ok &= err <= std::abs(want) / 128 + 1e-3;  // bf16's rounding of the output, 2^-9 of it, and the sums'
         }
-    bool same = true;
-    for (size_t i = 0; i < y.size(); ++i) same &= y[i].bits == y_back[i].bits;
-    std::printf("%-4s rows product %3d x %4d by %4d, %d slices%s  max err %.1e; blocks backwards %s\n",
-                ok && same ? "ok" : "FAIL", m, n, k, splits, bias ? ", bias" : "      ", worst,
-                same ? "to the bit" : "DIFFER");
-    return ok && same;
+    auto same = [](const std::vector<bf16>& a, const std::vector<bf16>& b) {
+        for (size_t i = 0; i < a.size(); ++i)
+            if (a[i].bits != b[i].bits) return false;
+        return true;
+    };
+    const bool backwards = same(y, y_back), composed = act < 0 || same(y, product(activated, -1, false));
+    std::printf("%-4s rows product %3d x %4d by %4d, %d slices%s%s  max err %.1e; blocks backwards %s%s\n",
+                ok && backwards && composed ? "ok" : "FAIL", m, n, k, splits, bias ? ", bias" : "      ",
+                act >= 0 ? ", activated" : "", worst, backwards ? "to the bit" : "DIFFER",
+                act < 0 ? "" : composed ? "; x activated first to the bit" : "; NOT x activated first");
+    return ok && backwards && composed;
 }
 
 int main(int argc, char** argv) {
@@ -1297,7 +1308,7 @@ int main(int argc, char** argv) {
         ok &= decode_case<bf16, 2, 1, 4, true>(64, true, true, 96);
         ok &= logprobs_case<bf16>(2, 300);
         ok &= race_case<float>(1003, 0, 64);
-        ok &= rows_gemm_case(40, 70, 200, 3, true);
+        ok &= rows_gemm_case(40, 70, 200, 3, true, 0);
         std::printf(ok ? "all match\n" : "MISMATCH\n");
         return ok ? 0 : 1;
     }
@@ -1354,11 +1365,12 @@ int main(int argc, char** argv) {
     ok &= race_case<bf16>(1003, 0, 96);
     ok &= race_case<bf16>(90, 1, 32);
     // Whole tiles; rows, outputs and k past them (k = 264 ends in a partial chunk); a few rows (warps
-    // with none); many slices.
+    // with none); many slices; each activation on x.
     ok &= rows_gemm_case(256, 128, 256, 1, false);
     ok &= rows_gemm_case(200, 100, 264, 3, true);
     ok &= rows_gemm_case(5, 64, 64, 2, true);
     ok &= rows_gemm_case(130, 70, 1000, 7, false);
+    for (int act = 0; act < 4; ++act) ok &= rows_gemm_case(130, 70, 264, 2, act % 2 == 0, act);
     for (size_t offset : {0, 1}) {
         ok &= elementwise_case<bf16>(offset);
         ok &= elementwise_case<float>(offset);

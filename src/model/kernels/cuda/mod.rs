@@ -1438,6 +1438,8 @@ struct RowsGemmDims {
     n: i32,
     k: i32,
     splits: i32,
+    /// The activation of x (`Activation`'s order), -1 for none.
+    act: i32,
 }
 
 // Safety: a plain C struct of numbers, passed by value.
@@ -1472,10 +1474,16 @@ pub fn rows_splits(x: In, w: In, (rows, k, n): (usize, usize, usize)) -> Result<
     Ok(Some(multiprocessors.div_ceil(tiles).min(most)))
 }
 
-/// `x (rows, k) @ w^T (+ b)` in bf16 by the rows kernel (`rows_gemm.cuh`),
-/// for x contiguous, w a row-major (n, k) and b (n,); None where
-/// [`rows_splits`] says it does not take the product.
-pub fn rows_product(x: In, w: In, b: Option<In>, (rows, k, n): (usize, usize, usize)) -> Result<Option<CudaStorage>> {
+/// `act(x) (rows, k) @ w^T (+ b)` (x itself without `act`) in bf16 by the
+/// rows kernel (`rows_gemm.cuh`), for x contiguous, w a row-major (n, k)
+/// and b (n,); None where [`rows_splits`] says it does not take the product.
+pub fn rows_product(
+    x: In,
+    act: Option<crate::model::ops::Activation>,
+    w: In,
+    b: Option<In>,
+    (rows, k, n): (usize, usize, usize),
+) -> Result<Option<CudaStorage>> {
     let Some(splits) = rows_splits(x, w, (rows, k, n))? else { return Ok(None) };
     if b.is_some_and(|b| b.0.dtype() != DType::BF16) {
         return Ok(None);
@@ -1496,7 +1504,8 @@ pub fn rows_product(x: In, w: In, b: Option<In>, (rows, k, n): (usize, usize, us
     };
     let func = kernel!(dev, "rows_gemm_bf16")?;
     allow_shared_memory(&func, &cfg)?;
-    let dims = RowsGemmDims { m: rows as i32, n: n as i32, k: k as i32, splits: splits as i32 };
+    let act = act.map_or(-1, |a| a as i32);
+    let dims = RowsGemmDims { m: rows as i32, n: n as i32, k: k as i32, splits: splits as i32, act };
     let mut args = func.builder();
     args.arg(&xs).arg(&weights);
     match &bs {

@@ -7,16 +7,19 @@
 // tile has other slices writes its f32 sums to a workspace and counts itself
 // in (an atomic count per tile); the block that counts last adds the
 // slices' sums in slice order, then the bias, and writes the output: the
-// same bits whichever block comes last. Operands reach shared memory by cp.async, three stages
-// deep, and the tensor cores by ldmatrix and mma.sync (flash.cuh's
-// primitives, hence its namespace). x and w rows lie on 16 bytes (k a
-// multiple of 8).
+// same bits whichever block comes last. x may enter as its activation (the
+// MLP's down projection of its wide input): each thread activates the
+// pieces of x it copied, as the activation kernel would. Operands reach
+// shared memory by cp.async, three stages deep, and the tensor cores by
+// ldmatrix and mma.sync (flash.cuh's primitives, hence its namespace). x
+// and w rows lie on 16 bytes (k a multiple of 8).
 
 #pragma once
 
 struct RowsGemmDims {
     int m, n, k;  // x (m, k), w (n, k) row-major, y (m, n)
     int splits;   // slices of k, gridDim.z
+    int act;      // the activation of x (elementwise.cuh's `activate`), -1 for none
 };
 
 namespace fa {
@@ -44,6 +47,19 @@ __device__ __forceinline__ void load_chunk(bf16* a, bf16* b, const bf16* x, cons
         const int r = i / PIECES, col = k0 + i % PIECES * 8;
         const bool ok = n0 + r < d.n && col < d.k;
         copy16_async(b + r * LD + i % PIECES * 8, ok ? w + (size_t)(n0 + r) * d.k + col : w, ok);
+    }
+}
+
+// The pieces of x this thread copied into a stage, each element its
+// activation as the activation kernel writes it (bf16 of the f32 value):
+// the product of the MLP's wide input without a pass over it first.
+__device__ __forceinline__ void activate_chunk(bf16* a, int m0, int c, const RowsGemmDims& d) {
+    constexpr int PIECES = BK / 8;
+    for (int i = threadIdx.x; i < BM * PIECES; i += THREADS) {
+        const int r = i / PIECES, col = c * BK + i % PIECES * 8;
+        if (m0 + r >= d.m || col >= d.k) continue;
+        bf16* e = a + r * LD + i % PIECES * 8;
+        for (int j = 0; j < 8; ++j) e[j] = __float2bfloat16(activate(__bfloat162float(e[j]), d.act));
     }
 }
 
@@ -89,8 +105,9 @@ __device__ __forceinline__ void rows_gemm(const bf16* x, const bf16* w, const bf
         commit_async();
     }
     for (int i = 0; i < count; ++i) {
-        wait_async_but_newest();  // chunk i has landed (STAGES - 1 == 2 groups ahead)
-        __syncthreads();              // for every thread, and chunk i - 1's stage is free
+        wait_async_but_newest();  // this thread's copies of chunk i have landed (STAGES - 1 == 2 groups ahead)
+        if (d.act >= 0) activate_chunk(a_st + i % STAGES * A_ELEMS, m0, c0 + i, d);
+        __syncthreads();  // every thread's, and chunk i - 1's stage is free
         const int next = i + STAGES - 1;
         if (next < count) load_chunk(a_st + next % STAGES * A_ELEMS, b_st + next % STAGES * B_ELEMS, x, w, m0, n0,
                                      c0 + next, d);
