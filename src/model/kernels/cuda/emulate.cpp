@@ -5,12 +5,11 @@
 // finite.cuh, the race sampler of race.cuh and the product of few rows of
 // rows_gemm.cuh on the host and compares them with a reference, so their
 // fragment and index logic is checked where no GPU is: every CUDA thread
-// is a host thread, the warp-level
-// primitives (ldmatrix, mma.sync, shuffles) exchange lane values through
-// per-warp slots between barriers, as the PTX ISA lays the fragments out,
-// and blocks run one after another. Built and run by
-// scripts/cuda/emulate.sh, also under ThreadSanitizer (`races`); exits
-// non-zero on a mismatch.
+// is a host thread, the warp-level primitives (ldmatrix, mma.sync,
+// shuffles) exchange lane values through per-warp slots between barriers,
+// as the PTX ISA lays the fragments out, and blocks run one after another.
+// Built and run by scripts/cuda/emulate.sh, also under ThreadSanitizer
+// (`races`); exits non-zero on a mismatch.
 
 #include <algorithm>
 #include <climits>

@@ -32,35 +32,39 @@ constexpr int LD = ld_bf(BK);
 constexpr int A_ELEMS = BM * LD, B_ELEMS = BN * LD;
 constexpr size_t SMEM = (size_t)STAGES * (A_ELEMS + B_ELEMS) * sizeof(bf16);
 
+// Calls f(r, p, col) for each 16-byte piece this thread moves of chunk `c`
+// of k for ROWS rows: the piece's row r, its place p in the stage's row and
+// its column col in k. The copy and the activation walk the same pieces, so
+// a thread activates only what it copied itself.
+template <int ROWS, typename F>
+__device__ __forceinline__ void for_pieces(int c, F f) {
+    constexpr int PIECES = BK / 8;
+    for (int i = threadIdx.x; i < ROWS * PIECES; i += THREADS) f(i / PIECES, i % PIECES * 8, c * BK + i % PIECES * 8);
+}
+
 // Chunk `c` of k (BK wide) of the tile's rows of x and of w into a stage,
 // 16 bytes a copy, zeros past the matrices' edges.
 __device__ __forceinline__ void load_chunk(bf16* a, bf16* b, const bf16* x, const bf16* w, int m0, int n0, int c,
                                            const RowsGemmDims& d) {
-    constexpr int PIECES = BK / 8;
-    const int k0 = c * BK;
-    for (int i = threadIdx.x; i < BM * PIECES; i += THREADS) {
-        const int r = i / PIECES, col = k0 + i % PIECES * 8;
+    for_pieces<BM>(c, [&](int r, int p, int col) {
         const bool ok = m0 + r < d.m && col < d.k;
-        copy16_async(a + r * LD + i % PIECES * 8, ok ? x + (size_t)(m0 + r) * d.k + col : x, ok);
-    }
-    for (int i = threadIdx.x; i < BN * PIECES; i += THREADS) {
-        const int r = i / PIECES, col = k0 + i % PIECES * 8;
+        copy16_async(a + r * LD + p, ok ? x + (size_t)(m0 + r) * d.k + col : x, ok);
+    });
+    for_pieces<BN>(c, [&](int r, int p, int col) {
         const bool ok = n0 + r < d.n && col < d.k;
-        copy16_async(b + r * LD + i % PIECES * 8, ok ? w + (size_t)(n0 + r) * d.k + col : w, ok);
-    }
+        copy16_async(b + r * LD + p, ok ? w + (size_t)(n0 + r) * d.k + col : w, ok);
+    });
 }
 
 // The pieces of x this thread copied into a stage, each element its
 // activation as the activation kernel writes it (bf16 of the f32 value):
 // the product of the MLP's wide input without a pass over it first.
 __device__ __forceinline__ void activate_chunk(bf16* a, int m0, int c, const RowsGemmDims& d) {
-    constexpr int PIECES = BK / 8;
-    for (int i = threadIdx.x; i < BM * PIECES; i += THREADS) {
-        const int r = i / PIECES, col = c * BK + i % PIECES * 8;
-        if (m0 + r >= d.m || col >= d.k) continue;
-        bf16* e = a + r * LD + i % PIECES * 8;
+    for_pieces<BM>(c, [&](int r, int p, int col) {
+        if (m0 + r >= d.m || col >= d.k) return;
+        bf16* e = a + r * LD + p;
         for (int j = 0; j < 8; ++j) e[j] = __float2bfloat16(activate(__bfloat162float(e[j]), d.act));
-    }
+    });
 }
 
 // The warp's 32 x 32 sums over one stage, where any of its rows is in x.
@@ -118,22 +122,24 @@ __device__ __forceinline__ void rows_gemm(const bf16* x, const bf16* w, const bf
 
     // acc[mi][ni][e] is row wm 32 + mi 16 + lane / 4 (+ 8 for e >= 2), output wn 32 + ni 8 + 2 (lane % 4) + e % 2.
     const int row0 = m0 + wm * 32 + lane / 4, col0 = n0 + wn * 32 + 2 * (lane % 4);
-    if (d.splits == 1) {
+    auto each_sum = [&](auto f) {
         for (int mi = 0; mi < 2; ++mi)
             for (int ni = 0; ni < 4; ++ni)
                 for (int e = 0; e < 4; ++e) {
                     const int row = row0 + mi * 16 + e / 2 * 8, col = col0 + ni * 8 + e % 2;
-                    if (row < d.m && col < d.n)
-                        y[(size_t)row * d.n + col] = __float2bfloat16(acc[mi][ni][e] + (b ? to_f32(b[col]) : 0.f));
+                    if (row < d.m && col < d.n) f(row, col, acc[mi][ni][e]);
                 }
+    };
+    // An output from its sum over all of k.
+    auto write = [&](int row, int col, float sum) {
+        y[(size_t)row * d.n + col] = __float2bfloat16(sum + (b ? to_f32(b[col]) : 0.f));
+    };
+    if (d.splits == 1) {
+        each_sum(write);
         return;
     }
-    for (int mi = 0; mi < 2; ++mi)
-        for (int ni = 0; ni < 4; ++ni)
-            for (int e = 0; e < 4; ++e) {
-                const int row = row0 + mi * 16 + e / 2 * 8, col = col0 + ni * 8 + e % 2;
-                if (row < d.m && col < d.n) ws[((size_t)s * d.m + row) * d.n + col] = acc[mi][ni][e];
-            }
+    const size_t slice = (size_t)d.m * d.n;
+    each_sum([&](int row, int col, float sum) { ws[((size_t)s * d.m + row) * d.n + col] = sum; });
     // Every thread's sums reach memory before the block counts itself in;
     // the last block reads them only after its count.
     __threadfence();
@@ -147,10 +153,9 @@ __device__ __forceinline__ void rows_gemm(const bf16* x, const bf16* w, const bf
         const int row = m0 + e / BN, col = n0 + e % BN;
         if (row >= d.m || col >= d.n) continue;
         const float* at = ws + (size_t)row * d.n + col;
-        const size_t slice = (size_t)d.m * d.n;
         float sum = __ldcg(at);
         for (int q = 1; q < d.splits; ++q) sum += __ldcg(at + q * slice);
-        y[(size_t)row * d.n + col] = __float2bfloat16(sum + (b ? to_f32(b[col]) : 0.f));
+        write(row, col, sum);
     }
 }
 
