@@ -212,6 +212,23 @@ fn two_processes_train_as_one_process_with_the_same_batch() {
     );
 }
 
+/// ZeRO stage 1 over masters kept split beside bf16 copies
+/// (`RLOO_MASTERS=split`): each process sends the masters it stepped, which
+/// the others split again, and the weights are those of whole f32 masters
+/// without ZeRO, to the bit.
+#[test]
+fn zero_over_split_masters_trains_as_whole_masters() {
+    let tmp = tempfile::tempdir().unwrap();
+    let dir = tmp.path();
+    let sizes = ["--per_device_train_batch_size", "2", "--gradient_accumulation_steps", "2", "--bf16"];
+    ok(launch(2, &train_args(dir, "whole", &sizes)));
+    let mut split = train_args(dir, "split", &sizes);
+    split.extend(["--zero_stage".into(), "1".into()]);
+    ok(launch_with(2, &split, &[("RLOO_MASTERS", "split")]));
+    let weights = |run: &str| std::fs::read(dir.join(run).join("model.safetensors")).unwrap();
+    assert!(weights("whole") == weights("split"), "ZeRO over split masters changed the weights");
+}
+
 /// A job of one process that names its transport goes through every
 /// collective of a job of several (what one GPU can show of NCCL) and
 /// trains as a lone process does, to the bit.

@@ -68,8 +68,10 @@
 #                  rollouts' layers project their branches back (RLOO_DECODE_OUT). As DECODERS: a
 #                  piece left out, and `default`, leave the binary's own. A variant ending in
 #                  +offload moves the reference and the reward model to host memory for the
-#                  training phase (ref_reward_offload); one ending in +tuned or +rowsgemm
-#                  (before or after +offload) makes the rollouts' products as DECODERS says.
+#                  training phase (ref_reward_offload); one ending in +split keeps the
+#                  weights' f32 masters split beside their bf16 copies (RLOO_MASTERS=split);
+#                  one ending in +tuned or +rowsgemm (before or after the others) makes the
+#                  rollouts' products as DECODERS says.
 #                  Default: default
 #      PROFILED    what `profile` profiles: generate train scoring (default all three)
 #      PEER        on (default), or off: rloo's runs alone, without transformers' generate
@@ -133,12 +135,14 @@ models() { # SIZE: makes the models once
 part() { [[ " $PARTS " == *" $1 "* ]]; }
 
 # flags VARIANT: sets pieces to VARIANT without its trailing +offload,
-# +tuned and +rowsgemm, offload to whether it had +offload, and gemm to
-# tuned or rows where it had +tuned or +rowsgemm (else empty).
+# +split, +tuned and +rowsgemm, offload to whether it had +offload, masters
+# to split where it had +split (else empty), and gemm to tuned or rows where
+# it had +tuned or +rowsgemm (else empty).
 flags() {
-    pieces=$1 offload=false gemm=
-    while [[ $pieces == *+offload || $pieces == *+tuned || $pieces == *+rowsgemm ]]; do
+    pieces=$1 offload=false masters= gemm=
+    while [[ $pieces == *+offload || $pieces == *+split || $pieces == *+tuned || $pieces == *+rowsgemm ]]; do
         [[ $pieces == *+offload ]] && offload=true pieces=${pieces%+offload}
+        [[ $pieces == *+split ]] && masters=split pieces=${pieces%+split}
         [[ $pieces == *+tuned ]] && gemm=tuned pieces=${pieces%+tuned}
         [[ $pieces == *+rowsgemm ]] && gemm=rows pieces=${pieces%+rowsgemm}
     done
@@ -235,7 +239,7 @@ if part train; then
                     -e "s|@OFFLOAD@|$offload_line|" \
                     bench/gpu/rloo.toml.in >"$run.toml"
                 printf '\n%s\n' "$lora" >>"$run.toml"
-                RLOO_OUT=$run "$PY" bench/train/measure.py rloo "$run.json" -- env RLOO_DECODE_TIMING=$timing ${gemm:+RLOO_GEMM=$gemm} ${kernels:+RLOO_ATTENTION=$kernels} \
+                RLOO_OUT=$run "$PY" bench/train/measure.py rloo "$run.json" -- env RLOO_DECODE_TIMING=$timing ${gemm:+RLOO_GEMM=$gemm} ${masters:+RLOO_MASTERS=$masters} ${kernels:+RLOO_ATTENTION=$kernels} \
                     ${heads:+RLOO_ATTENTION_HEADS=$heads} ${step:+RLOO_DECODE_STEP=$step} ${decode:+RLOO_DECODE_ATTENTION=$decode} \
                     ${bias:+RLOO_DENSE_BIAS=$bias} ${mlp:+RLOO_MLP_INPUT=$mlp} ${mask:+RLOO_ATTENTION_MASK=$mask} \
                     ${rows:+RLOO_DECODE_ROWS=$rows} ${out:+RLOO_DECODE_OUT=$out} timeout "$LIMIT" "${rloo_cmd[@]}" train "$run.toml" >"$run.log" 2>&1 || tail -5 "$run.log"

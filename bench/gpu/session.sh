@@ -24,8 +24,8 @@
 #      kernels reading each query's runs of keys, decoding a key per lane
 #      with the biases in cuBLASLt's epilogues), and with the rollouts'
 #      output projections joined (+joined);
-#   4. the step at 1B against TRL, and with the reference and the reward
-#      model in host memory for the training phase (+offload);
+#   4. the step at 1B against TRL, and with the weights' f32 masters kept
+#      split beside their bf16 copies (+split, RLOO_MASTERS=split);
 #   5. the kernels of the training phase over one micro-batch at 410m, of
 #      the same step's scoring and reference passes, and of a short
 #      generation at the benchmark's 256 rows, under the defaults;
@@ -103,7 +103,7 @@ before && part generate-before 30 env OUT="$OUT/before" RLOO=/tmp/rloo-before PE
     DECODERS="$decoded" bench/gpu/run.sh generate
 part train-410m 120 env ARMS=410m-full TRAIN_RUNS=1 STEPS=3 ATTENTION="$defaults+spans $defaults+spans++joined" \
     bench/gpu/run.sh train
-part train-1b 120 env ARMS=1b-full TRAIN_RUNS=1 STEPS=3 ATTENTION="$defaults+spans $defaults+spans+offload" \
+part train-1b 120 env ARMS=1b-full TRAIN_RUNS=1 STEPS=3 ATTENTION="$defaults+spans $defaults+spans+split" \
     bench/gpu/run.sh train
 part profile 120 env SIZES=410m bench/gpu/run.sh profile
 part generate-1b 30 env SIZES=1b RUNS=2 PEER=off DECODERS="$decoders" bench/gpu/run.sh generate

@@ -6,11 +6,13 @@
 # (elementwise.cuh), the decoding-attention kernels (decode.cuh), the LM
 # head's log-prob kernels (logprobs.cuh), the non-finite check
 # (finite.cuh), the race sampler (race.cuh, against the rule of
-# src/generate/race.rs) and the product of few rows split along k
-# (rows_gemm.cuh): their fragment and index logic checked without a GPU. Then a few small cases again under ThreadSanitizer, which reports
-# any read of shared memory that no barrier orders after the write it sees
-# (a missing __syncthreads). Needs a C++17 compiler (CXX, default c++)
-# with -fsanitize=thread; about two minutes on two cores.
+# src/generate/race.rs), the product of few rows split along k
+# (rows_gemm.cuh) and AdamW over split masters (adamw.cuh): their fragment
+# and index logic checked without a GPU. Then a few small cases again
+# under ThreadSanitizer, which reports any read of shared memory that no
+# barrier orders after the write it sees (a missing __syncthreads). Needs a
+# C++17 compiler (CXX, default c++) with -fsanitize=thread; about two
+# minutes on two cores.
 set -euo pipefail
 cd "$(dirname "$0")/../.."
 out=$(mktemp -d)

@@ -450,6 +450,10 @@ pub fn check_kernels(device: &Device, dtypes: &[DType]) -> Vec<Check> {
     // AdamW keeps f32 state whatever the compute dtype.
     out.push(adamw_check(device).unwrap_or_else(|e| Check::failed("kernel", "adamw", DType::F32, e)));
     out.push(adamw_many_check(device).unwrap_or_else(|e| Check::failed("kernel", "adamw_many", DType::F32, e)));
+    out.push(
+        adamw_split_check(device)
+            .unwrap_or_else(|e| Check::failed("kernel", "adamw_many, split masters", DType::BF16, e)),
+    );
     // One launch on a GPU; elsewhere the composition it would be compared with.
     if device.is_cuda() {
         out.push(squares_check(device).unwrap_or_else(|e| Check::failed("kernel", "sum_squares", DType::F32, e)));
@@ -536,6 +540,7 @@ fn adamw_many_check(device: &Device) -> Result<Check> {
                 .enumerate()
                 .map(|(i, ((w, g), (m, v)))| AdamWParam {
                     w,
+                    split: None,
                     g,
                     m,
                     v,
@@ -557,6 +562,76 @@ fn adamw_many_check(device: &Device) -> Result<Check> {
     let error = Tensor::cat(&got, 0).and_then(|got| relative_error(&got, &Tensor::cat(&want, 0)?))?;
     let label = format!("adamw_many, 4 parameters, 3 steps ({})", path("adamw", device, DType::F32));
     Ok(Check::new("kernel", &label, DType::F32, error, None, 1e-5))
+}
+
+/// Three AdamW steps of several parameters at once with their masters
+/// split beside bf16 copies (`RLOO_MASTERS=split`; one launch on a GPU)
+/// against the same steps on f32 masters cast to bf16 after each: the
+/// masters and the copies must be the same bits. Returns the share of
+/// elements that differ in either.
+fn adamw_split_check(device: &Device) -> Result<Check> {
+    let mut rng = Rng::new(13);
+    // 37,003 and 5 elements: warps that end inside a word of carries.
+    let shapes: [&[usize]; 3] = [&[37, 1001, 1], &[5], &[64, 3]];
+    let w0: Vec<Tensor> = shapes.iter().map(|s| rng.normal_tensor(s, 0.0, 1.0)).collect();
+    let grads: Vec<Vec<Tensor>> =
+        (0..3).map(|_| shapes.iter().map(|s| rng.normal_tensor(s, 0.1, 1.0)).collect()).collect();
+    // Each way: the masters (f32) and the copies (bf16), flattened on the host.
+    let run = |split: bool| -> Result<(Tensor, Tensor)> {
+        let masters = w0.iter().map(|w| Var::from_tensor(&w.to_device(device)?)).collect::<Result<Vec<_>>>()?;
+        let parts: Vec<Option<(Tensor, kernels::SplitMaster)>> = masters
+            .iter()
+            .map(|w| split.then(|| kernels::SplitMaster::split(w.as_tensor())).transpose())
+            .collect::<Result<_>>()?;
+        let ws: Vec<Var> = match split {
+            true => parts.iter().flatten().map(|(copy, _)| Var::from_tensor(copy)).collect::<Result<_>>()?,
+            false => masters,
+        };
+        let mut moments = ws
+            .iter()
+            .map(|w| Ok((Tensor::zeros(w.shape(), DType::F32, device)?, Tensor::zeros(w.shape(), DType::F32, device)?)))
+            .collect::<Result<Vec<_>>>()?;
+        for (t, gs) in grads.iter().enumerate() {
+            let gs = gs.iter().map(|g| g.to_device(device)).collect::<Result<Vec<_>>>()?;
+            let mut params: Vec<AdamWParam> = ws
+                .iter()
+                .zip(&parts)
+                .zip(&gs)
+                .zip(moments.iter_mut())
+                .enumerate()
+                .map(|(i, (((w, part), g), (m, v)))| AdamWParam {
+                    w,
+                    split: part.as_ref().map(|(_, s)| s),
+                    g,
+                    m,
+                    v,
+                    step: adamw_step(t as i32 + 1, if i % 2 == 0 { 1.0 - 1e-3 } else { 1.0 }),
+                })
+                .collect();
+            kernels::adamw_many(&mut params)?;
+        }
+        let flat = |ts: Vec<Tensor>| Tensor::cat(&ts.iter().map(|t| t.flatten_all()).collect::<Result<Vec<_>>>()?, 0);
+        let (masters, copies): (Vec<Tensor>, Vec<Tensor>) = ws
+            .iter()
+            .zip(&parts)
+            .map(|(w, part)| match part {
+                Some((_, rest)) => Ok((rest.join(w.as_tensor())?, w.as_tensor().clone())),
+                None => Ok((w.as_tensor().clone(), w.to_dtype(DType::BF16)?)),
+            })
+            .collect::<Result<Vec<_>>>()?
+            .into_iter()
+            .unzip();
+        Ok((flat(masters)?.to_device(&Device::Cpu)?, flat(copies)?.to_device(&Device::Cpu)?))
+    };
+    let ((want_m, want_c), (got_m, got_c)) = (run(false)?, run(true)?);
+    let bits = |t: &Tensor| -> Result<Vec<u32>> {
+        Ok(t.to_dtype(DType::F32)?.to_vec1::<f32>()?.iter().map(|v| v.to_bits()).collect())
+    };
+    let (want_m, got_m, want_c, got_c) = (bits(&want_m)?, bits(&got_m)?, bits(&want_c)?, bits(&got_c)?);
+    let differ = (0..want_m.len()).filter(|&i| want_m[i] != got_m[i] || want_c[i] != got_c[i]).count();
+    let share = differ as f32 / want_m.len() as f32;
+    let label = format!("adamw_many, split masters, the f32 masters' bits ({})", path("adamw", device, DType::F32));
+    Ok(Check::new("kernel", &label, DType::BF16, share, None, 0.0))
 }
 
 /// The gradient norm's sums of squares of several tensors (one launch on a

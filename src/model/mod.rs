@@ -34,4 +34,4 @@ pub use config::{HeadKind, ModelConfig};
 pub use device::{parse_device, Precision};
 pub use generation_config::GenerationConfig;
 pub use network::{backward, next_token_logprobs, Decoder, Model, Network, Placement};
-pub use weights::ParamStore;
+pub use weights::{Param, ParamStore};

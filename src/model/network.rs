@@ -564,7 +564,7 @@ impl Model {
     /// optimizer will update it; a model that only samples or scores keeps
     /// no f32 copy.
     pub fn with_dtype(mut self, dtype: DType, trains: bool) -> Result<Self> {
-        if self.params.computes_in(dtype, trains) {
+        if self.params.computes_in(dtype, trains)? {
             return Ok(self);
         }
         self.params.set_compute_dtype(dtype, trains)?;

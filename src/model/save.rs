@@ -48,7 +48,7 @@ impl Model {
         };
         let mut stored = Vec::with_capacity(tensors.len());
         for (name, p) in tensors {
-            stored.push((name, p.var.as_tensor().to_dtype(p.stored_dtype)?.contiguous()?));
+            stored.push((name, p.master_in(p.stored_dtype)?.contiguous()?));
         }
         self.write_files(dir, (config_file, &config), weights_file, &stored, self.dir())
     }
@@ -65,11 +65,11 @@ impl Model {
         let mut stored = Vec::new();
         for p in self.params().iter().filter(|p| !is_adapter(&p.name)) {
             // In f32 whatever the model computes in (a frozen base may be bf16).
-            let mut w = p.var.as_tensor().to_dtype(candle_core::DType::F32)?;
+            let mut w = p.master()?.to_dtype(candle_core::DType::F32)?;
             if let Some(module) = p.name.strip_suffix(".weight") {
                 let (a, b) = adapter_names(module);
                 if let (Some(a), Some(b)) = (self.params().get(&a), self.params().get(&b)) {
-                    let update = (b.var.as_tensor().matmul(a.var.as_tensor())? * lora.scale())?;
+                    let update = (b.master()?.matmul(&a.master()?)? * lora.scale())?;
                     w = (w + if transposed { update.t()? } else { update })?;
                 }
             }

@@ -10,6 +10,7 @@ use candle_core::safetensors::MmapedSafetensors;
 use candle_core::{DType, Device, Shape, Tensor, Var};
 use serde::Deserialize;
 
+use super::kernels::SplitMaster;
 use super::lora::{adapter_names, Adapter, AdapterPlan};
 use crate::error::{read_json, Error, Result};
 use crate::rng::Rng;
@@ -153,18 +154,61 @@ pub struct Param {
     /// pass (`kernels::add_cast`); refreshed in place after every
     /// optimizer step.
     compute: Option<Var>,
+    /// With `RLOO_MASTERS=split`, `var` is the bf16 copy the networks
+    /// compute with, and this the rest of its f32 master.
+    split: Option<SplitMaster>,
 }
 
 impl Param {
     /// A parameter that trains, saved back as `stored_dtype`.
     fn new(name: &str, var: Var, stored_dtype: DType) -> Self {
-        Self { name: name.to_string(), var, stored_dtype, frozen: false, compute: None }
+        Self { name: name.to_string(), var, stored_dtype, frozen: false, compute: None, split: None }
     }
 
     /// The tensor the networks compute with, and that a backward gives the
     /// parameter's gradient for.
     pub fn compute(&self) -> &Tensor {
         self.compute.as_ref().unwrap_or(&self.var).as_tensor()
+    }
+
+    /// The master's values, joined from its parts where it is split.
+    pub fn master(&self) -> Result<Tensor> {
+        match &self.split {
+            Some(split) => Ok(split.join(self.var.as_tensor())?),
+            None => Ok(self.var.as_tensor().clone()),
+        }
+    }
+
+    /// The master's values in `dtype`: a split master's bf16 rounding is its copy.
+    pub fn master_in(&self, dtype: DType) -> Result<Tensor> {
+        match &self.split {
+            Some(_) if dtype == self.var.dtype() => Ok(self.var.as_tensor().clone()),
+            _ => Ok(self.master()?.to_dtype(dtype)?),
+        }
+    }
+
+    /// The master's dtype: its gradients are summed and its moments kept in it.
+    pub fn master_dtype(&self) -> DType {
+        if self.split.is_some() {
+            DType::F32
+        } else {
+            self.var.dtype()
+        }
+    }
+
+    /// Sets the master to `value` (cast to its dtype), in place; a whole
+    /// master's compute copy follows at the next [`ParamStore::sync_compute`],
+    /// a split one's at once.
+    pub fn set_master(&self, value: &Tensor) -> Result<()> {
+        match &self.split {
+            Some(split) => Ok(split.set(&self.var, value)?),
+            None => Ok(self.var.set(&value.to_dtype(self.var.dtype())?)?),
+        }
+    }
+
+    /// The split master's parts beside the compute copy, if split.
+    pub fn split(&self) -> Option<&SplitMaster> {
+        self.split.as_ref()
     }
 }
 
@@ -222,7 +266,7 @@ impl ParamStore {
     pub fn fingerprint(&self) -> Result<String> {
         let mut text = String::new();
         for p in &self.params {
-            let t = p.var.as_tensor().to_dtype(DType::F32)?;
+            let t = p.master()?.to_dtype(DType::F32)?;
             let sum = t.sum_all()?.to_scalar::<f32>()?;
             let sq = t.sqr()?.sum_all()?.to_scalar::<f32>()?;
             text.push_str(&format!("{} {:?} {sum:e} {sq:e}\n", p.name, t.dims()));
@@ -237,41 +281,50 @@ impl ParamStore {
 
     /// Makes the networks built on this store compute in `dtype`. A
     /// parameter that trains keeps its f32 master and gains a compute copy
-    /// derived from it; the others (frozen, or every one when `trains` is
-    /// false) are converted in place: nothing updates them, so a master
-    /// would only take memory.
+    /// derived from it, or in bf16 with `RLOO_MASTERS=split` keeps the copy
+    /// and its master's rest; the others (frozen, or every one when
+    /// `trains` is false) are converted in place: nothing updates them, so
+    /// a master would only take memory.
     pub fn set_compute_dtype(&mut self, dtype: DType, trains: bool) -> Result<()> {
+        let split = dtype == DType::BF16 && crate::model::kernels::masters_split()?;
         for p in &mut self.params {
             if trains && !p.frozen {
-                let master = if p.var.dtype() == DType::F32 {
-                    p.var.clone()
-                } else {
-                    Var::from_tensor(&p.var.to_dtype(DType::F32)?)?
+                let master = match (&p.split, p.var.dtype()) {
+                    (None, DType::F32) => p.var.clone(),
+                    _ => Var::from_tensor(&p.master()?.to_dtype(DType::F32)?)?,
                 };
+                if split {
+                    let (copy, rest) = SplitMaster::split(master.as_tensor())?;
+                    (p.var, p.compute, p.split) = (Var::from_tensor(&copy)?, None, Some(rest));
+                    continue;
+                }
                 p.compute = match dtype {
                     DType::F32 => None,
                     _ => Some(Var::from_tensor(&master.to_dtype(dtype)?.detach())?),
                 };
-                p.var = master;
-            } else if p.var.dtype() != dtype || p.compute.is_some() {
+                (p.var, p.split) = (master, None);
+            } else if p.var.dtype() != dtype || p.compute.is_some() || p.split.is_some() {
                 p.var = Var::from_tensor(&p.compute().to_dtype(dtype)?.detach())?;
-                p.compute = None;
+                (p.compute, p.split) = (None, None);
             }
         }
         Ok(())
     }
 
     /// Whether every parameter already is as [`Self::set_compute_dtype`]
-    /// leaves it: computing in `dtype`, with an f32 master where it trains
-    /// (`trains`) in another dtype, and none elsewhere.
-    pub fn computes_in(&self, dtype: DType, trains: bool) -> bool {
-        self.params.iter().all(|p| {
+    /// leaves it: computing in `dtype`, with an f32 master (whole or
+    /// split) where it trains (`trains`) in another dtype, and none elsewhere.
+    pub fn computes_in(&self, dtype: DType, trains: bool) -> Result<bool> {
+        let split = dtype == DType::BF16 && crate::model::kernels::masters_split()?;
+        Ok(self.params.iter().all(|p| {
             let master = trains && !p.frozen && dtype != DType::F32;
-            match &p.compute {
-                Some(copy) => master && copy.dtype() == dtype && p.var.dtype() == DType::F32,
-                None => !master && p.var.dtype() == dtype,
+            match (&p.compute, &p.split) {
+                (Some(copy), None) => master && !split && copy.dtype() == dtype && p.var.dtype() == DType::F32,
+                (None, Some(_)) => master && split && p.var.dtype() == dtype,
+                (None, None) => !master && p.var.dtype() == dtype,
+                (Some(_), Some(_)) => false,
             }
-        })
+        }))
     }
 
     /// The dtype the networks compute in.
@@ -280,7 +333,8 @@ impl ParamStore {
     }
 
     /// Copies the masters into the compute copies, in place, so the
-    /// networks built on them see the optimizer's update.
+    /// networks built on them see the optimizer's update (a split master's
+    /// copy is its own top half, which the update wrote).
     pub fn sync_compute(&self) -> Result<()> {
         for p in &self.params {
             if let Some(copy) = &p.compute {

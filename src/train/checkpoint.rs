@@ -71,7 +71,7 @@ pub fn save(dir: &Path, parts: &[Part], state: &TrainerState, config: &SavedConf
             let mut tensors: Vec<(String, Tensor)> = part.optimizer.state_tensors();
             for p in part.model.params().trainable() {
                 if p.stored_dtype != DType::F32 {
-                    tensors.push((format!("master.{}", p.name), p.var.as_tensor().clone()));
+                    tensors.push((format!("master.{}", p.name), p.master()?));
                 }
             }
             let at = tmp.join(part.subdir);
@@ -199,7 +199,7 @@ pub fn restore_into(
             (None, Some(weight)) => weight.var.as_tensor().clone(),
             (None, None) => return Err(Error::bad_file(&at, format!("the checkpoint has no weight {}", p.name))),
         };
-        p.var.set(&value.to_dtype(p.var.dtype())?)?;
+        p.set_master(&value)?;
     }
     model.params().sync_compute()?;
     optimizer.load_state(tensors, optimizer_step, model.params())

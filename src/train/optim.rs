@@ -11,7 +11,7 @@ use super::config::Schedule;
 use crate::dist::{host_f32, Communicator};
 use crate::error::{Error, Result};
 use crate::model::kernels::{self, AdamWParam, AdamWStep};
-use crate::model::ParamStore;
+use crate::model::{Param, ParamStore};
 
 /// Gradients summed over micro-batches, per parameter, kept in the order
 /// of the parameters so that the global norm sums them in a fixed order
@@ -44,8 +44,8 @@ impl GradAccumulator {
                     Some(s) if s.owned => kernels::add_cast_to(&mut s.sum, g)?,
                     Some(s) => (s.sum, s.owned) = (kernels::add_cast(&s.sum, g)?, true),
                     None => {
-                        let sum = kernels::cast(g, p.var.dtype())?;
-                        self.sums.push(GradSum { id, sum, owned: g.dtype() != p.var.dtype() });
+                        let sum = kernels::cast(g, p.master_dtype())?;
+                        self.sums.push(GradSum { id, sum, owned: g.dtype() != p.master_dtype() });
                     }
                 }
             }
@@ -67,31 +67,31 @@ impl GradAccumulator {
     /// a gradient on any rank has one (zero elsewhere) on every rank after.
     /// The step's `scalars` (its loss, its counts) are summed on the way.
     pub fn all_reduce(&mut self, stores: &[&ParamStore], comm: &dyn Communicator, scalars: &mut [f64]) -> Result<()> {
-        let vars: Vec<&Var> = stores.iter().flat_map(|s| s.iter().map(|p| &p.var)).collect();
-        let mut present: Vec<f64> = vars.iter().map(|v| if self.get(v).is_some() { 1.0 } else { 0.0 }).collect();
+        let params: Vec<&Param> = stores.iter().flat_map(|s| s.iter()).collect();
+        let mut present: Vec<f64> = params.iter().map(|p| if self.get(&p.var).is_some() { 1.0 } else { 0.0 }).collect();
         present.extend_from_slice(scalars);
         comm.all_reduce_sum_f64(&mut present)?;
-        scalars.copy_from_slice(&present[vars.len()..]);
-        let vars: Vec<&Var> = vars.into_iter().zip(present).filter(|(_, p)| *p > 0.0).map(|(v, _)| v).collect();
-        if vars.is_empty() {
+        scalars.copy_from_slice(&present[params.len()..]);
+        let params: Vec<&Param> = params.into_iter().zip(present).filter(|(_, p)| *p > 0.0).map(|(p, _)| p).collect();
+        if params.is_empty() {
             return Ok(());
         }
         // One buffer where the gradients lie (a GPU's, for NCCL), in parameter order.
-        let parts = vars
+        let parts = params
             .iter()
-            .map(|var| match self.get(var) {
+            .map(|p| match self.get(&p.var) {
                 Some(g) => Ok(g.flatten_all()?.to_dtype(DType::F32)?),
-                None => Ok(Tensor::zeros(var.elem_count(), DType::F32, var.device())?),
+                None => Ok(Tensor::zeros(p.var.elem_count(), DType::F32, p.var.device())?),
             })
             .collect::<Result<Vec<_>>>()?;
         let flat = comm.all_reduce_tensor(&Tensor::cat(&parts, 0)?)?;
         let mut at = 0;
-        for var in vars {
-            let n = var.elem_count();
-            let dtype = self.get(var).map_or(var.dtype(), Tensor::dtype);
-            let sum = flat.narrow(0, at, n)?.reshape(var.shape())?.to_dtype(dtype)?;
+        for p in params {
+            let n = p.var.elem_count();
+            let dtype = self.get(&p.var).map_or(p.master_dtype(), Tensor::dtype);
+            let sum = flat.narrow(0, at, n)?.reshape(p.var.shape())?.to_dtype(dtype)?;
             at += n;
-            let id = var.as_tensor().id();
+            let id = p.var.as_tensor().id();
             // A view of the reduced buffer: not owned.
             match self.sums.iter_mut().find(|s| s.id == id) {
                 Some(s) => (s.sum, s.owned) = (sum, false),
@@ -234,15 +234,14 @@ impl Shard {
     fn share_weights(&self, params: &ParamStore) -> Result<()> {
         let mut mine = Vec::new();
         for p in params.trainable().filter(|p| self.owns(&p.name)) {
-            mine.extend(host_f32(p.var.as_tensor())?);
+            mine.extend(host_f32(&p.master()?)?);
         }
         let mut received = Received::gather(&*self.comm, &mine)?;
         for p in params.trainable() {
             let rank = self.owner[&p.name];
             let values = received.next(rank, p.var.elem_count(), &p.name)?;
             if rank != self.comm.world().rank {
-                let t = Tensor::from_slice(values, p.var.shape(), p.var.device())?;
-                p.var.set(&t.to_dtype(p.var.dtype())?)?;
+                p.set_master(&Tensor::from_slice(values, p.var.shape(), p.var.device())?)?;
             }
         }
         Ok(())
@@ -341,7 +340,10 @@ impl AdamW {
             let Some(g) = grads.get(&p.var) else { continue };
             let moments = match self.moments.remove(&p.name) {
                 Some(mv) => mv,
-                None => (p.var.zeros_like()?, p.var.zeros_like()?),
+                None => {
+                    let zeros = || Tensor::zeros(p.var.shape(), p.master_dtype(), p.var.device());
+                    (zeros()?, zeros()?)
+                }
             };
             let decay = if self.weight_decay > 0.0 && decays(&p.name) { 1.0 - lr * self.weight_decay } else { 1.0 };
             stepped.push((p, g, moments, decay));
@@ -350,6 +352,7 @@ impl AdamW {
             .iter_mut()
             .map(|(p, g, (m, v), decay)| AdamWParam {
                 w: &p.var,
+                split: p.split(),
                 g,
                 m,
                 v,

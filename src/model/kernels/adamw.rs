@@ -6,6 +6,7 @@ use candle_core::{CpuStorage, InplaceOp2, InplaceOp3, Layout, Result, Tensor, Va
 use rayon::prelude::*;
 
 use super::math::with_avx2;
+use super::split_master::SplitMaster;
 
 /// The scalars of one AdamW step.
 #[derive(Debug, Clone, Copy, PartialEq)]
@@ -47,7 +48,9 @@ pub fn adamw(w: &Var, g: &Tensor, m: &mut Tensor, v: &mut Tensor, step: AdamWSte
 
 /// One parameter's part in an AdamW step over many.
 pub struct AdamWParam<'a> {
+    /// The f32 master, or with `split` the bf16 copy of a split one.
     pub w: &'a Var,
+    pub split: Option<&'a SplitMaster>,
     pub g: &'a Tensor,
     pub m: &'a mut Tensor,
     pub v: &'a mut Tensor,
@@ -58,18 +61,26 @@ pub struct AdamWParam<'a> {
 /// `per-tensor` (three launches per parameter, for comparison).
 pub const ADAMW_VAR: &str = "RLOO_ADAMW";
 
-/// AdamW steps of many parameters. On a GPU, when every operand is f32,
-/// contiguous and of its parameter's shape, and the steps differ in their
-/// weight decay at most, one launch updates every parameter with the
-/// arithmetic of [`adamw`]'s kernels; otherwise each goes through [`adamw`],
-/// in order.
+/// AdamW steps of many parameters. On a GPU, when every operand is f32 (a
+/// split master's parts as they are kept), contiguous and of its
+/// parameter's shape, the masters all split or none, and the steps differ
+/// in their weight decay at most, one launch updates every parameter with
+/// the arithmetic of [`adamw`]'s kernels; otherwise each goes through
+/// [`adamw`], in order, a split master joined for it and split after.
 pub fn adamw_many(params: &mut [AdamWParam]) -> Result<()> {
     #[cfg(feature = "cuda")]
     if one_launch(params)? {
         return super::cuda::adamw_multi(params);
     }
     for p in params.iter_mut() {
-        adamw(p.w, p.g, p.m, p.v, p.step)?;
+        match p.split {
+            None => adamw(p.w, p.g, p.m, p.v, p.step)?,
+            Some(split) => {
+                let master = Var::from_tensor(&split.join(p.w.as_tensor())?)?;
+                adamw(&master, p.g, p.m, p.v, p.step)?;
+                split.set(p.w, master.as_tensor())?;
+            }
+        }
     }
     Ok(())
 }
@@ -82,18 +93,21 @@ fn one_launch(params: &[AdamWParam]) -> Result<bool> {
     {
         return Ok(false);
     }
+    use candle_core::DType;
     let Some(first) = params.first() else { return Ok(false) };
+    let kept = |t: &Tensor, dtype: DType| t.device().is_cuda() && t.dtype() == dtype && t.is_contiguous();
     // The launch's grid gives each parameter a row of blocks.
     Ok(params.len() < 65_536
         && params.iter().all(|p| {
-            let all = [p.w.as_tensor(), p.g, &*p.m, &*p.v];
+            let w = p.w.as_tensor();
+            let master = match p.split {
+                None => kept(w, DType::F32),
+                Some(s) => kept(w, DType::BF16) && kept(&s.low, DType::I16) && kept(&s.up, DType::U32),
+            };
             AdamWStep { decay: first.step.decay, ..p.step } == first.step
-                && all.iter().all(|t| {
-                    t.device().is_cuda()
-                        && t.dtype() == candle_core::DType::F32
-                        && t.is_contiguous()
-                        && t.shape() == p.w.shape()
-                })
+                && p.split.is_some() == first.split.is_some()
+                && master
+                && [p.g, &*p.m, &*p.v].iter().all(|t| kept(t, DType::F32) && t.shape() == w.shape())
         }))
 }
 

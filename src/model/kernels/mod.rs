@@ -26,6 +26,7 @@ mod qkv_attention;
 mod remade;
 mod rotary;
 mod sdpa;
+mod split_master;
 mod squares;
 mod token_logprobs;
 
@@ -54,6 +55,7 @@ pub use sdpa::{
     attention_kernels, attention_spans_chosen, sdpa, sdpa_merged, sdpa_with, spans_taken, AttentionKernels,
     AttentionMask, DeviceSpans, ATTENTION_MASK_VAR, ATTENTION_VAR,
 };
+pub use split_master::{masters_split, split_master_bytes, SplitMaster, MASTERS_VAR};
 pub use squares::sums_of_squares;
 pub use token_logprobs::{logits_chunk_rows, token_logprobs};
 

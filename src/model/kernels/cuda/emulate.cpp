@@ -2,9 +2,10 @@
 // kernels of heads.cuh, the norms of norms.cuh, the elementwise kernels of
 // elementwise.cuh, the decoding-attention kernels of decode.cuh, the LM
 // head's log-prob kernels of logprobs.cuh, the non-finite check of
-// finite.cuh, the race sampler of race.cuh and the product of few rows of
-// rows_gemm.cuh on the host and compares them with a reference, so their
-// fragment and index logic is checked where no GPU is: every CUDA thread
+// finite.cuh, the race sampler of race.cuh, the product of few rows of
+// rows_gemm.cuh and AdamW over split masters of adamw.cuh on the host and
+// compares them with a reference, so their fragment and index logic is
+// checked where no GPU is: every CUDA thread
 // is a host thread, the warp-level primitives (ldmatrix, mma.sync,
 // shuffles) exchange lane values through per-warp slots between barriers,
 // as the PTX ISA lays the fragments out, and blocks run one after another.
@@ -296,6 +297,17 @@ inline unsigned atomicAdd(unsigned* at, unsigned v) {
 }
 inline float __ldcg(const float* at) { return *at; }
 #include "rows_gemm.cuh"
+inline unsigned short __bfloat16_as_ushort(bf16 x) { return x.bits; }
+inline unsigned __ballot_sync(unsigned, bool x) {
+    Warp& w = fa::my_warp();
+    w.f[fa::my_lane()] = x ? 1.f : 0.f;
+    w.bar.arrive(0);
+    unsigned word = 0;
+    for (int l = 0; l < 32; ++l) word |= unsigned(w.f[l] != 0.f) << l;
+    w.bar.arrive(0);
+    return word;
+}
+#include "adamw.cuh"
 
 // ---- Launching: blocks in turn, each a host thread per CUDA thread.
 
@@ -1288,6 +1300,70 @@ bool rows_gemm_case(int m, int n, int k, int splits, bool bias, int act = -1) {
     return ok && backwards && composed;
 }
 
+// AdamW over several parameters (adamw.cuh) with split masters against the
+// same steps on f32 masters: the joined masters must be their bits and the
+// copies their rounding. Masters that start at ties both ways (the carry
+// only the bit tells), lengths that end inside a warp's word, and a grid
+// whose blocks stride over a parameter several times.
+bool adamw_case(unsigned blocks, size_t n) {
+    std::mt19937 rng(11);
+    std::normal_distribution<float> normal;
+    const std::vector<size_t> sizes = {n, 5, 192};
+    const size_t params = sizes.size();
+    std::vector<std::vector<float>> w(params), g(params), m(params), v(params), m2(params), v2(params);
+    std::vector<std::vector<bf16>> hi(params);
+    std::vector<std::vector<unsigned short>> low(params);
+    std::vector<std::vector<unsigned>> up(params);
+    for (size_t p = 0; p < params; ++p) {
+        for (size_t i = 0; i < sizes[p]; ++i) {
+            uint32_t bits = __float_as_uint(normal(rng));
+            if (i % 5 == 0) bits = (bits & 0xffff0000u) | 0x8000u;  // a tie, rounding to the even side
+            w[p].push_back(__uint_as_float(bits));
+        }
+        m[p] = v[p] = m2[p] = v2[p] = std::vector<float>(sizes[p], 0.f);
+        up[p] = std::vector<unsigned>((sizes[p] + 31) / 32, 0u);
+        for (size_t i = 0; i < sizes[p]; ++i) {
+            const bf16 h = __float2bfloat16(w[p][i]);
+            hi[p].push_back(h);
+            low[p].push_back(uint16_t(__float_as_uint(w[p][i]) & 0xffff));
+            if (h.bits != __float_as_uint(w[p][i]) >> 16) up[p][i / 32] |= 1u << (i % 32);
+        }
+    }
+    for (int t = 1; t <= 3; ++t) {
+        std::vector<AdamWTensor> whole(params), split(params);
+        for (size_t p = 0; p < params; ++p) {
+            g[p].clear();
+            for (size_t i = 0; i < sizes[p]; ++i) g[p].push_back(normal(rng) + 0.1f);
+            const float decay = p % 2 == 0 ? 1.f - 1e-3f : 1.f;
+            whole[p] = {w[p].data(), nullptr, nullptr, m[p].data(), v[p].data(), g[p].data(), sizes[p], decay, 0.f};
+            split[p] = {hi[p].data(), low[p].data(), up[p].data(), m2[p].data(), v2[p].data(), g[p].data(), sizes[p],
+                        decay, 0.f};
+        }
+        const float bias1 = 1.f - std::pow(0.9f, t), bias2 = 1.f - std::pow(0.999f, t);
+        const float step = 1e-2f / bias1, inv_sqrt_bias2 = 1.f / std::sqrt(bias2);
+        const Dim3 grid{blocks, unsigned(params), 1};
+        launch(grid, 0, [&] { adamw_multi_body<false>(whole.data(), 0.9f, 0.999f, step, inv_sqrt_bias2, 1e-8f); }, 256);
+        launch(grid, 0, [&] { adamw_multi_body<true>(split.data(), 0.9f, 0.999f, step, inv_sqrt_bias2, 1e-8f); }, 256);
+    }
+    bool ok = true;
+    size_t carries = 0;
+    for (size_t p = 0; p < params; ++p)
+        for (size_t i = 0; i < sizes[p]; ++i) {
+            const bool carry = up[p][i / 32] >> (i % 32) & 1;
+            carries += carry;
+            ok &= __float_as_uint(join_master(hi[p][i], low[p][i], carry)) == __float_as_uint(w[p][i]);
+            ok &= hi[p][i].bits == __float2bfloat16(w[p][i]).bits;
+            ok &= m[p][i] == m2[p][i] && v[p][i] == v2[p][i];
+        }
+    // Bits past a parameter's end in its last word stay clear.
+    for (size_t p = 0; p < params; ++p)
+        if (sizes[p] % 32) ok &= up[p].back() >> (sizes[p] % 32) == 0;
+    ok &= carries > 0;
+    std::printf("%-4s adamw: split masters as f32 ones, %zu elements, %u blocks, %zu carries\n", ok ? "ok" : "FAIL", n,
+                blocks, carries);
+    return ok;
+}
+
 int main(int argc, char** argv) {
     std::mt19937 rng(7);
     bool ok = true;
@@ -1308,6 +1384,7 @@ int main(int argc, char** argv) {
         ok &= logprobs_case<bf16>(2, 300);
         ok &= race_case<float>(1003, 0, 64);
         ok &= rows_gemm_case(40, 70, 200, 3, true, 0);
+        ok &= adamw_case(2, 1003);
         std::printf(ok ? "all match\n" : "MISMATCH\n");
         return ok ? 0 : 1;
     }
@@ -1370,6 +1447,8 @@ int main(int argc, char** argv) {
     ok &= rows_gemm_case(5, 64, 64, 2, true);
     ok &= rows_gemm_case(130, 70, 1000, 7, false);
     for (int act = 0; act < 4; ++act) ok &= rows_gemm_case(130, 70, 264, 2, act % 2 == 0, act);
+    ok &= adamw_case(3, 37003);
+    ok &= adamw_case(40, 3003);
     for (size_t offset : {0, 1}) {
         ok &= elementwise_case<bf16>(offset);
         ok &= elementwise_case<float>(offset);

@@ -99,28 +99,19 @@ extern "C" __global__ void adamw_update(float* w, const float* m, const float* v
         w[i] = decay * w[i] - step * m[i] / (sqrtf(v[i]) * inv_sqrt_bias2 + eps);
 }
 
-// AdamW over many parameters in one launch: blockIdx.y picks the parameter
-// from the table, and the arithmetic is adamw_moment's and adamw_update's.
-struct AdamWTensor {
-    float* w;
-    float* m;
-    float* v;
-    const float* g;
-    unsigned long long n;
-    float decay, pad;
-};
+// AdamW over many parameters in one launch, their masters f32 or split
+// (adamw.cuh); the arithmetic is adamw_moment's and adamw_update's.
+
+#include "adamw.cuh"
 
 extern "C" __global__ void adamw_multi(const AdamWTensor* table, float beta1, float beta2, float step,
                                        float inv_sqrt_bias2, float eps) {
-    const AdamWTensor t = table[blockIdx.y];
-    for (size_t i = blockIdx.x * (size_t)blockDim.x + threadIdx.x; i < t.n; i += (size_t)gridDim.x * blockDim.x) {
-        const float g = t.g[i];
-        const float m = beta1 * t.m[i] + (1.f - beta1) * g;
-        const float v = beta2 * t.v[i] + (1.f - beta2) * (g * g);
-        t.m[i] = m;
-        t.v[i] = v;
-        t.w[i] = t.decay * t.w[i] - step * m / (sqrtf(v) * inv_sqrt_bias2 + eps);
-    }
+    adamw_multi_body<false>(table, beta1, beta2, step, inv_sqrt_bias2, eps);
+}
+
+extern "C" __global__ void adamw_multi_split(const AdamWTensor* table, float beta1, float beta2, float step,
+                                             float inv_sqrt_bias2, float eps) {
+    adamw_multi_body<true>(table, beta1, beta2, step, inv_sqrt_bias2, eps);
 }
 
 // ---- Sums of squares of many f32 tensors in one launch, for the gradient

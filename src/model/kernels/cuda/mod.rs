@@ -366,12 +366,21 @@ fn addresses<'a, T: CudaDType + 'a, G: std::ops::Deref<Target = candle_core::Sto
     Ok((addresses, reads))
 }
 
+/// The storages of `ts`, locked, and their layouts, for [`addresses`].
+fn locked<'a>(
+    ts: impl IntoIterator<Item = &'a candle_core::Tensor>,
+) -> Vec<(impl std::ops::Deref<Target = candle_core::Storage> + 'a, &'a Layout)> {
+    ts.into_iter().map(|t| t.storage_and_layout()).collect()
+}
+
 /// One parameter's operands in [`adamw_multi`]'s table, as `AdamWTensor`
-/// in `kernels.cu`.
+/// in `adamw.cuh`.
 #[repr(C)]
 #[derive(Debug, Clone, Copy)]
 struct AdamWTensor {
     w: u64,
+    low: u64,
+    up: u64,
     m: u64,
     v: u64,
     g: u64,
@@ -384,27 +393,41 @@ struct AdamWTensor {
 unsafe impl DeviceRepr for AdamWTensor {}
 
 /// AdamW over many parameters in one launch (`adamw_many` has checked
-/// that every operand is f32, contiguous and on this GPU): a table of their
-/// addresses goes to the device, and each parameter gets a row of blocks.
-/// The weights and moments are written in place through their addresses,
-/// in the stream's order like every other op.
+/// that every operand is on this GPU, contiguous and of its dtype, and the
+/// masters all f32 or all split): a table of their addresses goes to the
+/// device, and each parameter gets a row of blocks. The weights and
+/// moments are written in place through their addresses, in the stream's
+/// order like every other op.
 pub fn adamw_multi(params: &[super::AdamWParam]) -> Result<()> {
     let Some(first) = params.first() else { return Ok(()) };
     let candle_core::Device::Cuda(dev) = first.w.device() else {
         candle_core::bail!("adamw_multi: the parameters are not on a GPU")
     };
     let stream = dev.cuda_stream();
-    let locked: Vec<_> =
-        params.iter().flat_map(|p| [p.w.as_tensor(), p.g, &*p.m, &*p.v]).map(|t| t.storage_and_layout()).collect();
-    let (addresses, reads) = addresses::<f32, _>("adamw_multi", &locked, &stream)?;
+    let moments = locked(params.iter().flat_map(|p| [p.g, &*p.m, &*p.v]));
+    let (moments, moment_reads) = addresses::<f32, _>("adamw_multi", &moments, &stream)?;
+    let weights = locked(params.iter().map(|p| p.w.as_tensor()));
+    let splits: Vec<&super::SplitMaster> = params.iter().filter_map(|p| p.split).collect();
+    let (lows, ups) =
+        (locked(splits.iter().map(|s| s.low.as_tensor())), locked(splits.iter().map(|s| s.up.as_tensor())));
+    let split = !splits.is_empty();
+    let (weights, weight_reads) = match split {
+        true => addresses::<bf16, _>("adamw_multi", &weights, &stream)?,
+        false => addresses::<f32, _>("adamw_multi", &weights, &stream)?,
+    };
+    let (lows, low_reads) = addresses::<i16, _>("adamw_multi", &lows, &stream)?;
+    let (ups, up_reads) = addresses::<u32, _>("adamw_multi", &ups, &stream)?;
     let table: Vec<AdamWTensor> = params
         .iter()
-        .zip(addresses.chunks(4))
-        .map(|(p, a)| AdamWTensor {
-            w: a[0],
-            m: a[2],
-            v: a[3],
-            g: a[1],
+        .enumerate()
+        .zip(moments.chunks(3))
+        .map(|((i, p), a)| AdamWTensor {
+            w: weights[i],
+            low: lows.get(i).copied().unwrap_or(0),
+            up: ups.get(i).copied().unwrap_or(0),
+            m: a[1],
+            v: a[2],
+            g: a[0],
             n: p.w.elem_count() as u64,
             decay: p.step.decay,
             pad: 0.0,
@@ -416,16 +439,17 @@ pub fn adamw_multi(params: &[super::AdamWParam]) -> Result<()> {
     let longest = params.iter().map(|p| p.w.elem_count()).max().unwrap_or(1);
     let cfg = LaunchConfig {
         grid_dim: (longest.div_ceil(256).clamp(1, 1024) as u32, params.len() as u32, 1),
+        // Whole warps: a split master's warp writes a word of its carries.
         block_dim: (256, 1, 1),
         shared_mem_bytes: 0,
     };
-    let func = kernel!(dev, "adamw_multi")?;
+    let func = kernel!(dev, if split { "adamw_multi_split" } else { "adamw_multi" })?;
     let mut args = func.builder();
     args.arg(&table).arg(&s.beta1).arg(&s.beta2).arg(&lr_step).arg(&inv_sqrt_bias2).arg(&s.eps);
     // Safety: the argument list matches the kernel's signature, and the
     // table's addresses stay allocated (locked) until the launch is queued.
     unsafe { args.launch(cfg) }.w()?;
-    drop(reads);
+    drop((moment_reads, weight_reads, low_reads, up_reads));
     Ok(())
 }
 

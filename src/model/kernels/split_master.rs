@@ -1,0 +1,164 @@
+//! An f32 master weight kept in 2 bytes and a bit beside its bf16 compute
+//! copy (`RLOO_MASTERS=split`) instead of 4: the copy is the master
+//! rounded to nearest even, so the master's top half is the copy less the
+//! rounding's carry, and its low half is kept as it is. The carry is a bit
+//! an element, 32 to a word: at a tie the low half cannot tell it, since an
+//! even bf16 value is the rounding of 65,537 f32 values, one more than 16
+//! bits can name. The master comes back to the bit, so a run trains to the
+//! same bits either way; AdamW updates the three in place
+//! (`cuda/adamw.cuh` on a GPU).
+
+use candle_core::{DType, Result, Tensor, Var};
+use half::bf16;
+use rayon::prelude::*;
+
+/// How a weight that trains in bf16 keeps its f32 master: `f32` (the
+/// default) or `split` beside its bf16 copy.
+pub const MASTERS_VAR: &str = "RLOO_MASTERS";
+
+/// Whether masters are split; an unknown choice is an error.
+pub fn masters_split() -> Result<bool> {
+    let chosen = crate::model::device::variant(MASTERS_VAR, &["f32", "split"]);
+    Ok(chosen.map_err(candle_core::Error::msg)? == "split")
+}
+
+/// What a split master keeps beside its bf16 copy: variables, written in
+/// place by a copy (candle's GPU kernels have no strided copy of i16).
+#[derive(Clone)]
+pub struct SplitMaster {
+    /// The master's low 16 bits (i16 storage), in the weight's shape.
+    pub low: Var,
+    /// Whether the rounding went up, a bit an element, 32 to a u32 word.
+    pub up: Var,
+}
+
+/// Bytes a split master of `n` elements keeps beside its bf16 copy.
+pub fn split_master_bytes(n: u64) -> u64 {
+    2 * n + 4 * n.div_ceil(32)
+}
+
+impl SplitMaster {
+    /// `master` (f32) as its bf16 rounding and what the rounding dropped.
+    pub fn split(master: &Tensor) -> Result<(Tensor, SplitMaster)> {
+        let (hi, low, up) = split_bits(&master.flatten_all()?.to_dtype(DType::F32)?.to_vec1()?);
+        let (shape, dev) = (master.shape(), master.device());
+        let words = up.len();
+        let low = Var::from_tensor(&Tensor::from_vec(low, shape, dev)?)?;
+        let split = SplitMaster { low, up: Var::from_tensor(&Tensor::from_vec(up, words, dev)?)? };
+        Ok((Tensor::from_vec(hi, shape, dev)?, split))
+    }
+
+    /// The master of `hi`, in f32.
+    pub fn join(&self, hi: &Tensor) -> Result<Tensor> {
+        let low = self.low.flatten_all()?.to_vec1()?;
+        let values = join_bits(&hi.flatten_all()?.to_vec1()?, &low, &self.up.to_vec1()?);
+        Tensor::from_vec(values, hi.shape(), hi.device())
+    }
+
+    /// `master` written over `hi` and this split, in place (a recorded
+    /// decoding step reads `hi` by its address).
+    pub fn set(&self, hi: &Var, master: &Tensor) -> Result<()> {
+        let (new_hi, new) = Self::split(&master.to_device(hi.device())?)?;
+        hi.set(&new_hi)?;
+        self.low.set(&new.low)?;
+        self.up.set(&new.up)
+    }
+}
+
+fn split_bits(master: &[f32]) -> (Vec<bf16>, Vec<i16>, Vec<u32>) {
+    let hi: Vec<bf16> = master.par_iter().map(|&m| bf16::from_f32(m)).collect();
+    let low = master.par_iter().map(|m| m.to_bits() as u16 as i16).collect();
+    let word = |(m, h): (&[f32], &[bf16])| {
+        let rounded_up = |i: usize| h[i].to_bits() != (m[i].to_bits() >> 16) as u16;
+        (0..m.len()).fold(0u32, |w, i| w | (rounded_up(i) as u32) << i)
+    };
+    let up = master.par_chunks(32).zip(hi.par_chunks(32)).map(word).collect();
+    (hi, low, up)
+}
+
+fn join_bits(hi: &[bf16], low: &[i16], up: &[u32]) -> Vec<f32> {
+    let carry = |i: usize| up[i / 32] >> (i % 32) & 1;
+    let top = |i: usize| (hi[i].to_bits() as u32).wrapping_sub(carry(i));
+    (0..hi.len()).into_par_iter().map(|i| f32::from_bits(top(i) << 16 | low[i] as u16 as u32)).collect()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use candle_core::Device;
+
+    fn bits16(t: &Tensor) -> Vec<u16> {
+        t.flatten_all().unwrap().to_vec1::<bf16>().unwrap().iter().map(|h| h.to_bits()).collect()
+    }
+
+    fn bits32(t: &Tensor) -> Vec<u32> {
+        t.flatten_all().unwrap().to_vec1::<f32>().unwrap().iter().map(|v| v.to_bits()).collect()
+    }
+
+    /// Values that round both ways to bf16, ties included (down to an even
+    /// value and up to one), values that round up into the next binade or
+    /// to infinity, subnormals, signed zeros and infinities, then random bits.
+    fn awkward() -> Vec<f32> {
+        let mut bits: Vec<u32> = vec![
+            0x3f80_0000,
+            0x3f80_8000,
+            0x3f81_8000,
+            0x3f80_8001,
+            0x3f80_7fff,
+            0x3fff_ffff,
+            0x3fff_8000,
+            0x7f7f_ffff,
+            0x7f7f_8000,
+            0x0000_0001,
+            0x0000_8000,
+            0x0001_8000,
+            0x007f_ffff,
+            0x0000_0000,
+            0x7f80_0000,
+        ];
+        bits.extend(bits.clone().iter().map(|b| b | 0x8000_0000));
+        let mut state = 0x9e37_79b9_7f4a_7c15u64;
+        for _ in 0..4_000 {
+            state ^= state << 13;
+            state ^= state >> 7;
+            state ^= state << 17;
+            let b = state as u32;
+            // Not NaN: a master never is.
+            if b & 0x7f80_0000 != 0x7f80_0000 || b & 0x007f_ffff == 0 {
+                bits.push(b);
+            }
+        }
+        bits.into_iter().map(f32::from_bits).collect()
+    }
+
+    #[test]
+    fn a_split_master_comes_back_to_the_bit_beside_candles_rounding() {
+        let values = awkward();
+        let master = Tensor::from_vec(values.clone(), values.len(), &Device::Cpu).unwrap();
+        let (hi, split) = SplitMaster::split(&master).unwrap();
+        assert_eq!(bits16(&hi), bits16(&master.to_dtype(DType::BF16).unwrap()));
+        assert_eq!(bits32(&split.join(&hi).unwrap()), bits32(&master));
+        // Both ties of one even value: one rounded down to it, one up.
+        let ties = [f32::from_bits(0x3f80_8000), f32::from_bits(0x3f7f_8000)];
+        let (hi, split) = SplitMaster::split(&Tensor::new(&ties, &Device::Cpu).unwrap()).unwrap();
+        assert_eq!(bits16(&hi), [0x3f80; 2]);
+        assert_eq!(split.join(&hi).unwrap().to_vec1::<f32>().unwrap(), ties);
+    }
+
+    #[test]
+    fn a_split_master_is_written_in_place() {
+        let dev = Device::Cpu;
+        let a = Tensor::new(&[[1.5f32, -2.25e-3], [7.0, 3.0e5]], &dev).unwrap();
+        let b = (&a * 1.000_123).unwrap();
+        let (hi, split) = SplitMaster::split(&a).unwrap();
+        let hi = Var::from_tensor(&hi).unwrap();
+        // Handles on the storages as they were: they must see b's parts.
+        let (hi_then, then) = (hi.as_tensor().clone(), split.clone());
+        split.set(&hi, &b).unwrap();
+        let (b_hi, b_split) = SplitMaster::split(&b).unwrap();
+        assert_eq!(bits16(&hi_then), bits16(&b_hi));
+        assert_eq!(then.low.to_vec2::<i16>().unwrap(), b_split.low.to_vec2::<i16>().unwrap());
+        assert_eq!(then.up.to_vec1::<u32>().unwrap(), b_split.up.to_vec1::<u32>().unwrap());
+        assert_eq!(bits32(&then.join(&hi_then).unwrap()), bits32(&b));
+    }
+}
