@@ -286,7 +286,7 @@ impl ParamStore {
     /// `trains` is false) are converted in place: nothing updates them, so
     /// a master would only take memory.
     pub fn set_compute_dtype(&mut self, dtype: DType, trains: bool) -> Result<()> {
-        let split = dtype == DType::BF16 && crate::model::kernels::masters_split()?;
+        let split = crate::model::kernels::masters_split(dtype)?;
         for p in &mut self.params {
             if trains && !p.frozen {
                 let master = match (&p.split, p.var.dtype()) {
@@ -315,7 +315,7 @@ impl ParamStore {
     /// leaves it: computing in `dtype`, with an f32 master (whole or
     /// split) where it trains (`trains`) in another dtype, and none elsewhere.
     pub fn computes_in(&self, dtype: DType, trains: bool) -> Result<bool> {
-        let split = dtype == DType::BF16 && crate::model::kernels::masters_split()?;
+        let split = crate::model::kernels::masters_split(dtype)?;
         Ok(self.params.iter().all(|p| {
             let master = trains && !p.frozen && dtype != DType::F32;
             match (&p.compute, &p.split) {

@@ -145,11 +145,12 @@ pub fn rloo_estimate(
     // In bf16 the trained parameters keep f32 masters beside the copies the
     // networks compute with, or only what the copies' rounding dropped
     // (RLOO_MASTERS=split).
-    let split = dtype == DType::BF16 && crate::model::kernels::masters_split().unwrap_or(false);
-    let masters = match compute < F32 {
-        true if split => crate::model::kernels::split_master_bytes(trainable),
-        true => trainable * F32,
-        false => 0,
+    let masters = if crate::model::kernels::masters_split(dtype).unwrap_or(false) {
+        crate::model::kernels::split_master_bytes(trainable)
+    } else if compute < F32 {
+        trainable * F32
+    } else {
+        0
     };
     Estimate {
         parts: vec![

@@ -16,10 +16,11 @@ use rayon::prelude::*;
 /// default) or `split` beside its bf16 copy.
 pub const MASTERS_VAR: &str = "RLOO_MASTERS";
 
-/// Whether masters are split; an unknown choice is an error.
-pub fn masters_split() -> Result<bool> {
+/// Whether the masters of weights that train computing in `dtype` are
+/// split (bf16 only); an unknown choice is an error.
+pub fn masters_split(dtype: DType) -> Result<bool> {
     let chosen = crate::model::device::variant(MASTERS_VAR, &["f32", "split"]);
-    Ok(chosen.map_err(candle_core::Error::msg)? == "split")
+    Ok(dtype == DType::BF16 && chosen.map_err(candle_core::Error::msg)? == "split")
 }
 
 /// What a split master keeps beside its bf16 copy: variables, written in

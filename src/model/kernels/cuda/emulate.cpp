@@ -209,15 +209,18 @@ inline void wait_async_but_newest() { wait_async_leaving(1); }
 inline void wait_async_all() { wait_async_leaving(0); }
 inline bool copies_pending() { return !open_group.empty() || !committed.empty(); }
 
-inline bool warp_any(bool x) {
+// Lane l's x in bit l, for every lane.
+inline uint32_t ballot(bool x) {
     Warp& w = my_warp();
     w.f[my_lane()] = x ? 1.f : 0.f;
     w.bar.arrive(0);
-    bool any = false;
-    for (int l = 0; l < 32; ++l) any |= w.f[l] != 0.f;
+    uint32_t word = 0;
+    for (int l = 0; l < 32; ++l) word |= uint32_t(w.f[l] != 0.f) << l;
     w.bar.arrive(0);
-    return any;
+    return word;
 }
+
+inline bool warp_any(bool x) { return ballot(x) != 0; }
 
 inline void expect_launch(size_t bytes, int threads) {
     if (launched_smem < bytes || blockDim.x != (unsigned)threads) {
@@ -298,15 +301,7 @@ inline unsigned atomicAdd(unsigned* at, unsigned v) {
 inline float __ldcg(const float* at) { return *at; }
 #include "rows_gemm.cuh"
 inline unsigned short __bfloat16_as_ushort(bf16 x) { return x.bits; }
-inline unsigned __ballot_sync(unsigned, bool x) {
-    Warp& w = fa::my_warp();
-    w.f[fa::my_lane()] = x ? 1.f : 0.f;
-    w.bar.arrive(0);
-    unsigned word = 0;
-    for (int l = 0; l < 32; ++l) word |= unsigned(w.f[l] != 0.f) << l;
-    w.bar.arrive(0);
-    return word;
-}
+inline unsigned __ballot_sync(unsigned, bool x) { return fa::ballot(x); }
 #include "adamw.cuh"
 
 // ---- Launching: blocks in turn, each a host thread per CUDA thread.
