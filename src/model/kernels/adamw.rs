@@ -2,11 +2,12 @@
 //! a dozen whole-tensor ops per parameter, each allocating its result, and
 //! a copy back into the parameter.
 
-use candle_core::{CpuStorage, InplaceOp2, InplaceOp3, Layout, Result, Tensor, Var};
+use candle_core::{CpuStorage, DType, InplaceOp2, InplaceOp3, Layout, Result, Storage, Tensor, Var};
+use half::bf16;
 use rayon::prelude::*;
 
 use super::math::with_avx2;
-use super::split_master::SplitMaster;
+use super::split_master::{update_split, SplitMaster};
 
 /// The scalars of one AdamW step.
 #[derive(Debug, Clone, Copy, PartialEq)]
@@ -28,7 +29,7 @@ pub struct AdamWStep {
 /// composition's results otherwise.
 pub fn adamw(w: &Var, g: &Tensor, m: &mut Tensor, v: &mut Tensor, step: AdamWStep) -> Result<()> {
     let all = [w.as_tensor(), g, m, v];
-    let f32_kernel = all.iter().all(|t| t.dtype() == candle_core::DType::F32) && super::runs(&all);
+    let f32_kernel = all.iter().all(|t| t.dtype() == DType::F32) && super::runs(&all);
     if f32_kernel && all.iter().all(|t| t.is_contiguous() && t.shape() == w.shape()) {
         m.inplace_op2(g, &Moment { beta: step.beta1, squared: false })?;
         v.inplace_op2(g, &Moment { beta: step.beta2, squared: true })?;
@@ -66,7 +67,8 @@ pub const ADAMW_VAR: &str = "RLOO_ADAMW";
 /// parameter's shape, the masters all split or none, and the steps differ
 /// in their weight decay at most, one launch updates every parameter with
 /// the arithmetic of [`adamw`]'s kernels; otherwise each goes through
-/// [`adamw`], in order, a split master joined for it and split after.
+/// [`adamw`], in order: a split master on the CPU in place, elsewhere
+/// joined for it and split after.
 pub fn adamw_many(params: &mut [AdamWParam]) -> Result<()> {
     #[cfg(feature = "cuda")]
     if one_launch(params)? {
@@ -75,6 +77,7 @@ pub fn adamw_many(params: &mut [AdamWParam]) -> Result<()> {
     for p in params.iter_mut() {
         match p.split {
             None => adamw(p.w, p.g, p.m, p.v, p.step)?,
+            Some(split) if split_in_place(p, split) => adamw_split(p, split)?,
             Some(split) => {
                 let master = Var::from_tensor(&split.join(p.w.as_tensor())?)?;
                 adamw(&master, p.g, p.m, p.v, p.step)?;
@@ -83,6 +86,51 @@ pub fn adamw_many(params: &mut [AdamWParam]) -> Result<()> {
         }
     }
     Ok(())
+}
+
+/// Whether [`adamw_split`] can update `p`: its operands on the CPU, as
+/// they are kept, contiguous and of its shape.
+fn split_in_place(p: &AdamWParam, split: &SplitMaster) -> bool {
+    let shape = p.w.shape();
+    let kept = |t: &Tensor, dtype: DType| t.device().is_cpu() && t.dtype() == dtype && t.is_contiguous();
+    kept(p.w, DType::BF16)
+        && kept(&split.low, DType::I16)
+        && kept(&split.up, DType::U32)
+        && split.low.shape() == shape
+        && split.up.elem_count() == shape.elem_count().div_ceil(32)
+        && [p.g, &*p.m, &*p.v].iter().all(|t| kept(t, DType::F32) && t.shape() == shape)
+}
+
+/// [`adamw`] over a split master on the CPU, in place: the moments as it
+/// updates them, then one pass that joins each element's master, updates
+/// it with the same arithmetic and splits it again.
+fn adamw_split(p: &mut AdamWParam, split: &SplitMaster) -> Result<()> {
+    p.m.inplace_op2(p.g, &Moment { beta: p.step.beta1, squared: false })?;
+    p.v.inplace_op2(p.g, &Moment { beta: p.step.beta2, squared: true })?;
+    let ((m, m_l), (v, v_l)) = (p.m.storage_and_layout(), p.v.storage_and_layout());
+    let (Storage::Cpu(m), Storage::Cpu(v)) = (&*m, &*v) else { candle_core::bail!("adamw: moments off the CPU") };
+    let (m, v, rule) = (super::contiguous_f32(m, m_l)?, super::contiguous_f32(v, v_l)?, WeightRule::new(p.step));
+    super::cpu_storage_mut(p.w, |hi, hi_l| {
+        super::cpu_storage_mut(&split.low, |low, low_l| {
+            super::cpu_storage_mut(&split.up, |up, up_l| {
+                let (CpuStorage::BF16(hi), CpuStorage::I16(low), CpuStorage::U32(up)) = (hi, low, up) else {
+                    candle_core::bail!("adamw: a split master is not bf16, i16 and u32")
+                };
+                let hi: &mut [bf16] = contiguous_mut(hi, hi_l)?;
+                let (low, up) = (contiguous_mut(low, low_l)?, contiguous_mut(up, up_l)?);
+                update_split(hi, low, up, [m, v], |w, m, v| rule.apply(w, m, v));
+                Ok(())
+            })
+        })
+    })
+}
+
+/// The contiguous elements of an operand written in place.
+fn contiguous_mut<'a, T>(data: &'a mut [T], l: &Layout) -> Result<&'a mut [T]> {
+    match l.contiguous_offsets() {
+        Some((start, end)) => Ok(&mut data[start..end]),
+        None => candle_core::bail!("adamw: operand {:?} is not contiguous", l.dims()),
+    }
 }
 
 /// Whether [`adamw_many`] can update `params` in one launch.
@@ -116,9 +164,29 @@ const CHUNK: usize = 1 << 14;
 
 /// The contiguous f32 elements of an in-place operand.
 fn slice_mut<'a>(s: &'a mut CpuStorage, l: &Layout) -> Result<&'a mut [f32]> {
-    match (s, l.contiguous_offsets()) {
-        (CpuStorage::F32(data), Some((start, end))) => Ok(&mut data[start..end]),
-        _ => candle_core::bail!("adamw: operand {:?} is not contiguous f32", l.dims()),
+    match s {
+        CpuStorage::F32(data) => contiguous_mut(data, l),
+        _ => candle_core::bail!("adamw: operand {:?} is not f32", l.dims()),
+    }
+}
+
+/// A step's update of a weight from its moments, its divisions done once.
+#[derive(Clone, Copy)]
+struct WeightRule {
+    decay: f32,
+    step: f32,
+    inv_sqrt_bias2: f32,
+    eps: f32,
+}
+
+impl WeightRule {
+    fn new(s: AdamWStep) -> Self {
+        Self { decay: s.decay, step: s.lr / s.bias1, inv_sqrt_bias2: 1.0 / s.bias2.sqrt(), eps: s.eps }
+    }
+
+    #[inline(always)]
+    fn apply(self, w: f32, m: f32, v: f32) -> f32 {
+        self.decay * w - self.step * m / (v.sqrt() * self.inv_sqrt_bias2 + self.eps)
     }
 }
 
@@ -180,14 +248,13 @@ impl InplaceOp3 for Update {
     ) -> Result<()> {
         let w = slice_mut(dst, dst_l)?;
         let (m, v) = (super::contiguous_f32(m, m_l)?, super::contiguous_f32(v, v_l)?);
-        let s = self.0;
-        let (step, inv_sqrt_bias2) = (s.lr / s.bias1, 1.0 / s.bias2.sqrt());
+        let rule = WeightRule::new(self.0);
         w.par_chunks_mut(CHUNK).zip(m.par_chunks(CHUNK).zip(v.par_chunks(CHUNK))).for_each(|(w, (m, v))| {
             with_avx2(
                 #[inline(always)]
                 || {
                     for ((w, &m), &v) in w.iter_mut().zip(m).zip(v) {
-                        *w = s.decay * *w - step * m / (v.sqrt() * inv_sqrt_bias2 + s.eps);
+                        *w = rule.apply(*w, m, v);
                     }
                 },
             )
@@ -206,5 +273,57 @@ impl InplaceOp3 for Update {
         v_l: &Layout,
     ) -> Result<()> {
         super::cuda::adamw_update(dst, dst_l, (m, m_l), (v, v_l), self.0)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn bits<T: candle_core::WithDType>(t: &Tensor, to: impl Fn(T) -> u32) -> Vec<u32> {
+        t.flatten_all().unwrap().to_vec1::<T>().unwrap().into_iter().map(to).collect()
+    }
+
+    fn same_bits(a: Vec<u32>, b: Vec<u32>, what: &str) {
+        let first = a.iter().zip(&b).position(|(a, b)| a != b);
+        assert!(a.len() == b.len() && first.is_none(), "{what} differ, first at element {first:?}");
+    }
+
+    /// The in-place pass over a split master gives the f32 kernel's
+    /// masters and moments to the bit, over three tasks of elements, a last
+    /// word of carries cut short and masters that start at ties.
+    #[test]
+    fn adamw_over_a_split_master_in_place_is_the_f32_kernels_to_the_bit() {
+        let shape = (37, 1000);
+        let mut start =
+            super::super::test_randn(&[37, 1000], 0.0, 0.05).flatten_all().unwrap().to_vec1::<f32>().unwrap();
+        for (i, tie) in [0x3f80_8000u32, 0x3f81_8000, 0xbc00_8000, 0x3f7f_8000].iter().cycle().take(200).enumerate() {
+            start[97 * i] = f32::from_bits(*tie);
+        }
+        let start = Tensor::from_vec(start, shape, &candle_core::Device::Cpu).unwrap();
+        let whole = Var::from_tensor(&start).unwrap();
+        let (hi, split) = SplitMaster::split(&start).unwrap();
+        let hi = Var::from_tensor(&hi).unwrap();
+        let zeros = || start.zeros_like().unwrap();
+        let (mut m, mut v, mut m_split, mut v_split) = (zeros(), zeros(), zeros(), zeros());
+        for t in 1..=3 {
+            let g = super::super::test_randn(&[37, 1000], 0.0, 0.01);
+            // The betas many language models train with.
+            let (beta1, beta2) = (0.9f32, 0.95f32);
+            let (bias1, bias2) = (1.0 - beta1.powi(t), 1.0 - beta2.powi(t));
+            let step = AdamWStep { beta1, beta2, eps: 1e-8, lr: 3e-3, bias1, bias2, decay: 1.0 - 3e-4 };
+            let mut params = [
+                AdamWParam { w: &whole, split: None, g: &g, m: &mut m, v: &mut v, step },
+                AdamWParam { w: &hi, split: Some(&split), g: &g, m: &mut m_split, v: &mut v_split, step },
+            ];
+            assert!(split_in_place(&params[1], &split));
+            adamw_many(&mut params).unwrap();
+        }
+        let f32_bits = |t: &Tensor| bits(t, f32::to_bits);
+        same_bits(f32_bits(&m_split), f32_bits(&m), "first moments");
+        same_bits(f32_bits(&v_split), f32_bits(&v), "second moments");
+        same_bits(f32_bits(&split.join(&hi).unwrap()), f32_bits(&whole), "masters");
+        let bf16_bits = |t: &Tensor| bits(t, |h: bf16| h.to_bits() as u32);
+        same_bits(bf16_bits(&hi), bf16_bits(&whole.to_dtype(DType::BF16).unwrap()), "bf16 copies");
     }
 }

@@ -107,6 +107,27 @@ fn runs(ts: &[&Tensor]) -> bool {
     ts.iter().all(|t| fused(t)) || on_cuda(ts)
 }
 
+/// Runs `f` on `t`'s CPU storage, lent mutably, and its layout: candle
+/// lends a storage mutably only to an in-place op, so `f` runs as one
+/// (nested, to write several tensors in one pass).
+fn cpu_storage_mut<R>(t: &Tensor, f: impl FnOnce(&mut CpuStorage, &Layout) -> Result<R>) -> Result<R> {
+    struct Lend<F, R>(std::cell::RefCell<Option<F>>, std::cell::RefCell<Option<R>>);
+    impl<F: FnOnce(&mut CpuStorage, &Layout) -> Result<R>, R> candle_core::InplaceOp1 for Lend<F, R> {
+        fn name(&self) -> &'static str {
+            "lend-storage"
+        }
+
+        fn cpu_fwd(&self, storage: &mut CpuStorage, layout: &Layout) -> Result<()> {
+            let Some(f) = self.0.borrow_mut().take() else { candle_core::bail!("lend-storage: lent twice") };
+            *self.1.borrow_mut() = Some(f(storage, layout)?);
+            Ok(())
+        }
+    }
+    let lend = Lend(Some(f).into(), None.into());
+    t.inplace_op1(&lend)?;
+    lend.1.into_inner().ok_or_else(|| candle_core::Error::msg("lend-storage: not lent"))
+}
+
 /// The f32 elements of a contiguous input.
 fn contiguous_f32<'a>(storage: &'a CpuStorage, layout: &Layout) -> Result<&'a [f32]> {
     match layout.contiguous_offsets() {

@@ -12,6 +12,8 @@ use candle_core::{DType, Result, Tensor, Var};
 use half::bf16;
 use rayon::prelude::*;
 
+use super::math::with_avx2;
+
 /// How a weight that trains in bf16 keeps its f32 master: `f32` (the
 /// default) or `split` beside its bf16 copy.
 pub const MASTERS_VAR: &str = "RLOO_MASTERS";
@@ -67,20 +69,90 @@ impl SplitMaster {
 }
 
 fn split_bits(master: &[f32]) -> (Vec<bf16>, Vec<i16>, Vec<u32>) {
-    let hi: Vec<bf16> = master.par_iter().map(|&m| bf16::from_f32(m)).collect();
-    let low = master.par_iter().map(|m| m.to_bits() as u16 as i16).collect();
-    let word = |(m, h): (&[f32], &[bf16])| {
-        let rounded_up = |i: usize| h[i].to_bits() != (m[i].to_bits() >> 16) as u16;
-        (0..m.len()).fold(0u32, |w, i| w | (rounded_up(i) as u32) << i)
-    };
-    let up = master.par_chunks(32).zip(hi.par_chunks(32)).map(word).collect();
+    let n = master.len();
+    let (mut hi, mut low, mut up) = (vec![bf16::ZERO; n], vec![0; n], vec![0; n.div_ceil(32)]);
+    update_split(&mut hi, &mut low, &mut up, [master, master], |_, master, _| master);
     (hi, low, up)
 }
 
 fn join_bits(hi: &[bf16], low: &[i16], up: &[u32]) -> Vec<f32> {
-    let carry = |i: usize| up[i / 32] >> (i % 32) & 1;
-    let top = |i: usize| (hi[i].to_bits() as u32).wrapping_sub(carry(i));
-    (0..hi.len()).into_par_iter().map(|i| f32::from_bits(top(i) << 16 | low[i] as u16 as u32)).collect()
+    (0..hi.len()).into_par_iter().map(|i| join_one(hi[i], low[i], up[i / 32] >> (i % 32) & 1)).collect()
+}
+
+/// Elements per parallel task of [`update_split`]: whole words of carries.
+const TASK: usize = 1 << 14;
+
+/// Rewrites a split master in place: element `i`'s master becomes
+/// `new(its master, a[i], b[i])`, in parallel over whole words of carries.
+pub(super) fn update_split(
+    hi: &mut [bf16],
+    low: &mut [i16],
+    up: &mut [u32],
+    [a, b]: [&[f32]; 2],
+    new: impl Fn(f32, f32, f32) -> f32 + Sync,
+) {
+    assert!(low.len() == hi.len() && a.len() == hi.len() && b.len() == hi.len() && up.len() == hi.len().div_ceil(32));
+    let elements =
+        hi.par_chunks_mut(TASK).zip(low.par_chunks_mut(TASK)).zip(a.par_chunks(TASK).zip(b.par_chunks(TASK)));
+    elements.zip(up.par_chunks_mut(TASK / 32)).for_each(|(((hi, low), (a, b)), up)| {
+        with_avx2(
+            #[inline(always)]
+            || {
+                let words = hi.chunks_mut(32).zip(low.chunks_mut(32)).zip(a.chunks(32).zip(b.chunks(32)));
+                for (((hi, low), (a, b)), carries) in words.zip(up.iter_mut()) {
+                    *carries = update_word(hi, low, a, b, *carries, &new);
+                }
+            },
+        )
+    });
+}
+
+/// [`update_split`] over the elements of one word of carries (32, or
+/// fewer at the end), which it returns rewritten.
+#[inline(always)]
+fn update_word(
+    hi: &mut [bf16],
+    low: &mut [i16],
+    a: &[f32],
+    b: &[f32],
+    carries: u32,
+    new: &impl Fn(f32, f32, f32) -> f32,
+) -> u32 {
+    let mut bits = 0;
+    // A whole word as arrays, so that the loop runs without bounds checks
+    // across the vector lanes; a short one element by element.
+    let whole = (<&mut [bf16; 32]>::try_from(&mut *hi), <&mut [i16; 32]>::try_from(&mut *low));
+    if let ((Ok(hi), Ok(low)), Ok(a), Ok(b)) = (whole, <&[f32; 32]>::try_from(a), <&[f32; 32]>::try_from(b)) {
+        for i in 0..32 {
+            let (h, l, rounded_up) = split_one(new(join_one(hi[i], low[i], carries >> i & 1), a[i], b[i]));
+            (hi[i], low[i]) = (h, l);
+            bits |= (rounded_up as u32) << i;
+        }
+        return bits;
+    }
+    for i in 0..hi.len() {
+        let (h, l, rounded_up) = split_one(new(join_one(hi[i], low[i], carries >> i & 1), a[i], b[i]));
+        (hi[i], low[i]) = (h, l);
+        bits |= (rounded_up as u32) << i;
+    }
+    bits
+}
+
+/// A master from its bf16 copy, its low half and its carry bit.
+#[inline(always)]
+fn join_one(hi: bf16, low: i16, carry: u32) -> f32 {
+    f32::from_bits((hi.to_bits() as u32).wrapping_sub(carry) << 16 | low as u16 as u32)
+}
+
+/// A master's bf16 rounding, its low half, and whether the rounding went up.
+#[inline(always)]
+fn split_one(master: f32) -> (bf16, i16, bool) {
+    let bits = master.to_bits();
+    // To nearest even on the bits, as `bf16::from_f32` rounds every value
+    // but a NaN (never a master), without its branches.
+    let rounded = (bits.wrapping_add(0x7fff + (bits >> 16 & 1)) >> 16) as u16;
+    let hi = if master.is_nan() { bf16::from_f32(master).to_bits() } else { rounded };
+    (bf16::from_bits(hi), bits as u16 as i16, hi != (bits >> 16) as u16)
 }
 
 #[cfg(test)]
