@@ -216,12 +216,16 @@ def serving(out):
                   f"{level['latency_p50_s']:13.2f} {level['ttft_p50_s'] * 1000:18.0f}")
 
 
-def train_flops(shape, lengths, lora):
+def train_flops(shape, lengths, kind):
+    """The training phase's model FLOPs. LoRA's backward makes no weight gradients; PPO trains a
+    critic beside the policy, of its shape less the LM head (make_models.py's reward model, where
+    the critic starts)."""
     tokens = K * sum(n + NEW for n in lengths)
     keys = K * sum((n + NEW) * (n + NEW + 1) / 2 for n in lengths)
-    dense = (4 if lora else 6) * product_parameters(shape) * tokens
+    dense = (4 if kind == "lora" else 6) * product_parameters(shape) * tokens
     attention = 12 * shape["layers"] * shape["attention_heads"] * shape["head_dim"] * keys
-    return dense + attention
+    critic = 6 * (product_parameters(shape) - shape["embedding_parameters"]) * tokens + attention
+    return dense + attention + (critic if kind == "ppo" else 0)
 
 
 def training(out, peaks, models):
@@ -234,7 +238,7 @@ def training(out, peaks, models):
     for arm in arms:
         size, kind = arm.rsplit("-", 1)
         shape = load(Path(models) / size / "shape.json")
-        flops = train_flops(shape, prompt_lengths(models, size), kind == "lora") if shape else None
+        flops = train_flops(shape, prompt_lengths(models, size), kind) if shape else None
         med = {}
         # rloo with each attention variant (rloo_tensor, rloo_flash+fused, ...), then TRL.
         sides = sorted({m.group(2) for m in named if m and m.group(1) == arm and m.group(2) != "trl"}) + ["trl"]
@@ -291,8 +295,9 @@ def training(out, peaks, models):
                 # The start-up plan's count (src/train/memory.rs), from the run's log.
                 log = Path(f"{p}.stderr")
                 planned = log.exists() and re.search(r"activations: ([\d.]+) tensors of the hidden size", log.read_text())
+                both = " (the policy's and the critic's)" if arm.group(1).endswith("-ppo") else ""
                 print(" " * 31 + f"the first micro-batch's forward kept {kept:.2f} GiB: about {units:.1f} "
-                      f"bf16 tensors of the hidden size per layer and token"
+                      f"bf16 tensors of the hidden size per layer and token{both}"
                       + (f" (planned: {planned.group(1)} a layer, 3 more outside them)" if planned else ""))
 
 

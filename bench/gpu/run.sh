@@ -18,7 +18,10 @@
 #   train     rloo train against TRL's RLOOTrainer: 64 prompts x k = 4, 128
 #             new tokens, bf16, reward-model scoring, one epoch, one
 #             mini-batch, per ARMS; the 8B arm's rollouts timed on CUDA
-#             events as generation's are (RLOO_DECODE_TIMING=on)
+#             events as generation's are (RLOO_DECODE_TIMING=on); a PPO arm
+#             (SIZE-ppo) trains the same step with PPO, its critic starting
+#             from the reward model, without a peer (TRL's PPO is
+#             experimental)
 #   serve     rloo serve --device cuda --bf16 at the first of SIZES under
 #             bench/serve/load.py (1, 8 and 32 clients streaming 64 tokens a
 #             request), its steps launched from the host and replayed from
@@ -37,7 +40,7 @@
 #
 # Env: OUT         results and logs (default $OUT, else /tmp/rloo-gpu-bench)
 #      SIZES       generation models: 410m 1b (default both)
-#      ARMS        training arms: 410m-full 1b-full 1b-lora qwen3-8b-lora
+#      ARMS        training arms: 410m-full 1b-full 1b-lora qwen3-8b-lora 410m-ppo
 #                  (default the first three; the 8B arm makes a 16 GB model)
 #      DECODERS    rloo's decoding variants, SAMPLER+ATTENTION[+APPEND[+STEP[+BIAS[+HEADS[+ROWS[+VALUES[+OUT]]]]]]]:
 #                  how tokens are picked (RLOO_SAMPLER: race, host), how a step attends over the
@@ -210,12 +213,13 @@ if part train; then
         size=${arm%-*} kind=${arm##*-}
         models "$size" || continue
         dir=$MODELS/$size
-        trl_arm=() checkpointing=false lora="" timing=off
+        trl_arm=() checkpointing=false lora="" timing=off algo=rloo
         case "$kind" in
             full) ;;
+            ppo) algo=ppo ;;
             lora) trl_arm=(--lora-r 16)
                   lora=$'[peft]\nuse_peft = true\nlora_r = 16\nlora_alpha = 32\nlora_target_modules = ["all-linear"]' ;;
-            *) log "unknown arm $arm (SIZE-full or SIZE-lora)"; continue ;;
+            *) log "unknown arm $arm (SIZE-full, SIZE-lora or SIZE-ppo)"; continue ;;
         esac
         # The 8B policy runs as a LoRA user runs it: bf16 weights, gradient checkpointing
         # (qwen3-tiny: the same on the CPU, a dry run). Its rollouts' steps are timed as
@@ -236,7 +240,7 @@ if part train; then
                 sed -e "s|@MODELS@|$dir|" -e "s|@DEVICE@|$DEVICE|" -e "s|@OUT@|$run|" -e "s|@MICRO@|$MICRO|" \
                     -e "s|@ACCUMULATION@|$((COMPLETIONS_PER_STEP / MICRO))|" \
                     -e "s|@EPISODES@|$((STEPS * COMPLETIONS_PER_STEP))|" -e "s|@CHECKPOINTING@|$checkpointing|" \
-                    -e "s|@OFFLOAD@|$offload_line|" \
+                    -e "s|@OFFLOAD@|$offload_line|" -e "s|@ALGO@|$algo|" \
                     bench/gpu/rloo.toml.in >"$run.toml"
                 printf '\n%s\n' "$lora" >>"$run.toml"
                 RLOO_OUT=$run "$PY" bench/train/measure.py rloo "$run.json" -- env RLOO_DECODE_TIMING=$timing ${gemm:+RLOO_GEMM=$gemm} ${masters:+RLOO_MASTERS=$masters} ${kernels:+RLOO_ATTENTION=$kernels} \
@@ -244,11 +248,11 @@ if part train; then
                     ${bias:+RLOO_DENSE_BIAS=$bias} ${mlp:+RLOO_MLP_INPUT=$mlp} ${mask:+RLOO_ATTENTION_MASK=$mask} \
                     ${rows:+RLOO_DECODE_ROWS=$rows} ${out:+RLOO_DECODE_OUT=$out} timeout "$LIMIT" "${rloo_cmd[@]}" train "$run.toml" >"$run.log" 2>&1 || tail -5 "$run.log"
                 # The trained model is of no further use, and would travel back with OUT.
-                rm -rf "$run"/*.safetensors "$run"/checkpoint-*
+                rm -rf "$run"/*.safetensors "$run"/checkpoint-* "$run"/critic
             done
             # TRL after rloo: a run the budget stops keeps rloo's figures.
-            log "train $arm run $i: TRL"
-            if [[ $PEER != off ]] && "$PY" -c 'import trl' 2>/dev/null; then
+            if [[ $PEER != off && $algo == rloo ]] && "$PY" -c 'import trl' 2>/dev/null; then
+                log "train $arm run $i: TRL"
                 "$PY" bench/train/measure.py trl "$OUT/train-$arm-trl-$i.json" -- \
                     timeout "$LIMIT" "$PY" bench/train/trl_rloo.py --model "$dir/policy" --prompts "$dir/prompts.jsonl" \
                     --reward-model "$dir/reward" --device "$DEVICE" --bf16 --steps "$STEPS" --seed "$i" \

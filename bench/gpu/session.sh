@@ -36,7 +36,8 @@
 #      go (RLOO_DECODE_STEP=shrink, graph);
 #   8. the earlier binary's RLOO steps at 410m and 1B (below);
 #   9. LoRA (r = 16, all linear layers) at 1B against TRL with PEFT, over
-#      spans;
+#      spans; then PPO's step at 410m (its critic starting from the reward
+#      model), beside the RLOO step of 3., without a peer;
 #  10. the Qwen3-8B LoRA arm (bf16 weights, gradient checkpointing) against
 #      TRL with PEFT, its reward model on the device and in host memory for
 #      the training phase, when PARTS names it (its models take 17 GB and a few
@@ -63,7 +64,7 @@ set -uo pipefail
 cd "$(dirname "$0")/../.."
 export OUT=${OUT:-/tmp/rloo-gpu-session} PY=${PY:-python3} MODELS=${MODELS:-/tmp/rloo-gpu-models}
 BUDGET=${BUDGET:-540}
-PARTS=${PARTS:-check check-joined generate-410m generate-before train-410m train-1b profile generate-1b serve-410m train-before train-1b-lora}
+PARTS=${PARTS:-check check-joined generate-410m generate-before train-410m train-1b profile generate-1b serve-410m train-before train-1b-lora train-410m-ppo}
 mkdir -p "$OUT"
 # The binaries as bench/gpu/pack.sh packs them for the call, where carried.
 if [[ -e .cuda/carry/rloo.gz ]]; then
@@ -111,6 +112,7 @@ part serve-410m 45 env SIZES=410m bench/gpu/run.sh serve
 before && part train-before 120 env OUT="$OUT/before" RLOO=/tmp/rloo-before PEER=off ARMS="410m-full 1b-full" \
     TRAIN_RUNS=1 STEPS=3 ATTENTION="$defaults" bench/gpu/run.sh train
 part train-1b-lora 100 env ARMS=1b-lora TRAIN_RUNS=1 STEPS=3 ATTENTION="$defaults+spans" bench/gpu/run.sh train
+part train-410m-ppo 60 env ARMS=410m-ppo TRAIN_RUNS=1 STEPS=3 ATTENTION="$defaults+spans" bench/gpu/run.sh train
 part train-8b-lora 240 env ARMS=qwen3-8b-lora TRAIN_RUNS=1 STEPS=3 ATTENTION="$defaults+spans $defaults+spans+offload" \
     bench/gpu/run.sh train
 part generate-8b 60 env SIZES=qwen3-8b RUNS=1 PEER=off DECODERS="$decoded+grouped $decoded+each $decoded+grouped+auto+rows $decoded+grouped+tuned" \
