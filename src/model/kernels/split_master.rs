@@ -124,18 +124,22 @@ fn update_word(
     let whole = (<&mut [bf16; 32]>::try_from(&mut *hi), <&mut [i16; 32]>::try_from(&mut *low));
     if let ((Ok(hi), Ok(low)), Ok(a), Ok(b)) = (whole, <&[f32; 32]>::try_from(a), <&[f32; 32]>::try_from(b)) {
         for i in 0..32 {
-            let (h, l, rounded_up) = split_one(new(join_one(hi[i], low[i], carries >> i & 1), a[i], b[i]));
-            (hi[i], low[i]) = (h, l);
-            bits |= (rounded_up as u32) << i;
+            bits |= update_one(&mut hi[i], &mut low[i], carries >> i & 1, a[i], b[i], new) << i;
         }
         return bits;
     }
     for i in 0..hi.len() {
-        let (h, l, rounded_up) = split_one(new(join_one(hi[i], low[i], carries >> i & 1), a[i], b[i]));
-        (hi[i], low[i]) = (h, l);
-        bits |= (rounded_up as u32) << i;
+        bits |= update_one(&mut hi[i], &mut low[i], carries >> i & 1, a[i], b[i], new) << i;
     }
     bits
+}
+
+/// One element of [`update_word`]: its new carry bit.
+#[inline(always)]
+fn update_one(hi: &mut bf16, low: &mut i16, carry: u32, a: f32, b: f32, new: &impl Fn(f32, f32, f32) -> f32) -> u32 {
+    let (h, l, rounded_up) = split_one(new(join_one(*hi, *low, carry), a, b));
+    (*hi, *low) = (h, l);
+    rounded_up as u32
 }
 
 /// A master from its bf16 copy, its low half and its carry bit.
