@@ -89,16 +89,14 @@ pub fn adamw_many(params: &mut [AdamWParam]) -> Result<()> {
 }
 
 /// Whether [`adamw_split`] can update `p`: its operands on the CPU, as
-/// they are kept, contiguous and of its shape.
+/// they are kept, contiguous, the gradient and moments of its shape (a
+/// split's parts are of it by construction).
 fn split_in_place(p: &AdamWParam, split: &SplitMaster) -> bool {
-    let shape = p.w.shape();
     let kept = |t: &Tensor, dtype: DType| t.device().is_cpu() && t.dtype() == dtype && t.is_contiguous();
     kept(p.w, DType::BF16)
         && kept(&split.low, DType::I16)
         && kept(&split.up, DType::U32)
-        && split.low.shape() == shape
-        && split.up.elem_count() == shape.elem_count().div_ceil(32)
-        && [p.g, &*p.m, &*p.v].iter().all(|t| kept(t, DType::F32) && t.shape() == shape)
+        && [p.g, &*p.m, &*p.v].iter().all(|t| kept(t, DType::F32) && t.shape() == p.w.shape())
 }
 
 /// [`adamw`] over a split master on the CPU, in place: the moments as it
@@ -116,21 +114,13 @@ fn adamw_split(p: &mut AdamWParam, split: &SplitMaster) -> Result<()> {
                 let (CpuStorage::BF16(hi), CpuStorage::I16(low), CpuStorage::U32(up)) = (hi, low, up) else {
                     candle_core::bail!("adamw: a split master is not bf16, i16 and u32")
                 };
-                let hi: &mut [bf16] = contiguous_mut(hi, hi_l)?;
-                let (low, up) = (contiguous_mut(low, low_l)?, contiguous_mut(up, up_l)?);
+                let hi: &mut [bf16] = super::contiguous_mut(hi, hi_l)?;
+                let (low, up) = (super::contiguous_mut(low, low_l)?, super::contiguous_mut(up, up_l)?);
                 update_split(hi, low, up, [m, v], |w, m, v| rule.apply(w, m, v));
                 Ok(())
             })
         })
     })
-}
-
-/// The contiguous elements of an operand written in place.
-fn contiguous_mut<'a, T>(data: &'a mut [T], l: &Layout) -> Result<&'a mut [T]> {
-    match l.contiguous_offsets() {
-        Some((start, end)) => Ok(&mut data[start..end]),
-        None => candle_core::bail!("adamw: operand {:?} is not contiguous", l.dims()),
-    }
 }
 
 /// Whether [`adamw_many`] can update `params` in one launch.
@@ -165,7 +155,7 @@ const CHUNK: usize = 1 << 14;
 /// The contiguous f32 elements of an in-place operand.
 fn slice_mut<'a>(s: &'a mut CpuStorage, l: &Layout) -> Result<&'a mut [f32]> {
     match s {
-        CpuStorage::F32(data) => contiguous_mut(data, l),
+        CpuStorage::F32(data) => super::contiguous_mut(data, l),
         _ => candle_core::bail!("adamw: operand {:?} is not f32", l.dims()),
     }
 }

@@ -136,6 +136,14 @@ fn contiguous_f32<'a>(storage: &'a CpuStorage, layout: &Layout) -> Result<&'a [f
     }
 }
 
+/// The elements of a contiguous operand written in place.
+fn contiguous_mut<'a, T>(data: &'a mut [T], layout: &Layout) -> Result<&'a mut [T]> {
+    match layout.contiguous_offsets() {
+        Some((start, end)) => Ok(&mut data[start..end]),
+        None => candle_core::bail!("fused kernel: operand of shape {:?} is not contiguous", layout.dims()),
+    }
+}
+
 /// Rows of `width` elements per parallel task: about 16K elements, enough
 /// work to amortise a task's dispatch.
 fn rows_per_task(width: usize) -> usize {
