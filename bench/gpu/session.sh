@@ -11,8 +11,9 @@
 #      (greedy tokens from shrinking batches and from recorded steps, which
 #      must have been recorded) and with their adapters against the CPU;
 #      then again with a parallel-residual layer's output projections
-#      joined (RLOO_DECODE_OUT=joined: the fixtures' KV-cache decoding and
-#      greedy tokens through them);
+#      joined (RLOO_DECODE_OUT=joined) and few rows' products made by the
+#      rows kernel (RLOO_GEMM=rows), the two candidates for the defaults:
+#      the fixtures' KV-cache decoding and greedy tokens through both;
 #   2. generation at 410m against transformers, the defaults, a prompt's
 #      rows to a block of the decoding kernel (RLOO_DECODE_ROWS=prompt) and
 #      the output projections joined (RLOO_DECODE_OUT=joined) and the
@@ -64,7 +65,7 @@ set -uo pipefail
 cd "$(dirname "$0")/../.."
 export OUT=${OUT:-/tmp/rloo-gpu-session} PY=${PY:-python3} MODELS=${MODELS:-/tmp/rloo-gpu-models}
 BUDGET=${BUDGET:-540}
-PARTS=${PARTS:-check check-joined generate-410m generate-before train-410m train-1b profile generate-1b serve-410m train-before train-1b-lora train-410m-ppo}
+PARTS=${PARTS:-check check-variants generate-410m generate-before train-410m train-1b profile generate-1b serve-410m train-before train-1b-lora train-410m-ppo}
 mkdir -p "$OUT"
 # The binaries as bench/gpu/pack.sh packs them for the call, where carried.
 if [[ -e .cuda/carry/rloo.gz ]]; then
@@ -89,8 +90,8 @@ part() {
 
 part check 60 scripts/cuda/run.sh check --device cuda
 grep -sE "checks on|FAIL" "$OUT/check.log" >&2
-part check-joined 40 env RLOO_DECODE_OUT=joined scripts/cuda/run.sh check --device cuda
-grep -sE "checks on|FAIL" "$OUT/check-joined.log" >&2
+part check-variants 40 env RLOO_DECODE_OUT=joined RLOO_GEMM=rows scripts/cuda/run.sh check --device cuda
+grep -sE "checks on|FAIL" "$OUT/check-variants.log" >&2
 defaults=flash+fused+graph+lanes+epilogue+kept
 decoded=race+lanes+fused+graph+epilogue
 decoders="$decoded $decoded+grouped+prompt $decoded+grouped+auto+packed+joined $decoded+rowsgemm"
