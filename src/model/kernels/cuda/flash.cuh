@@ -142,7 +142,7 @@ constexpr int WARPS = 4, ROWS = 16 * WARPS;
 // The tiles by head size: the key tile of the forward and d q kernels, the
 // query tile of the d k, d v kernel, and whether d k and d v take blocks of
 // their own (together their accumulators overflow the registers at 256).
-// cuda/mod.rs's flash_tiles repeats them for the launches.
+// cuda/attention.rs's flash_tiles repeats them for the launches.
 template <int D> struct Tiles;
 template <> struct Tiles<64> {
     static constexpr int KEYS = 64, QUERIES = 64;

@@ -545,3 +545,38 @@ fn time_us(stream: &Arc<CudaStream>, run: impl Fn() -> Result<()>) -> Result<f64
     let end = stream.record_event(Some(CUevent_flags::CU_EVENT_DEFAULT)).w()?;
     Ok(start.elapsed_ms(&end).w()? as f64 * 1000.0 / TIMED as f64)
 }
+
+/// `x @ w^T + b` in bf16 for x (rows, k) contiguous, w (n, k) row-major or
+/// the transposed view of a row-major (k, n), and b (n,): one cuBLASLt
+/// product that adds the bias in its epilogue, where cuBLAS's product and
+/// [`super::bias_rows`] are two launches and a round trip of the output through
+/// memory. `tuned`: see this module.
+pub fn linear_bias_epilogue(
+    x: In,
+    w: In,
+    b: In,
+    (rows, k, n): (usize, usize, usize),
+    tuned: bool,
+) -> Result<CudaStorage> {
+    let dev = x.0.device.clone();
+    // Safety: the product writes every element.
+    let mut out = unsafe { dev.alloc::<bf16>(rows * n) }?;
+    product(x, w, Some(b), &mut out, (rows, k, n), (1.0, 0.0), tuned)?;
+    Ok(CudaStorage::wrap_cuda_slice(out, dev))
+}
+
+/// `y += scale * down @ b^T` in bf16, in place, for y (rows, n) and down
+/// (rows, r) contiguous and b (n, r) row-major: a LoRA adapter's part added
+/// into its base layer's output by the product itself (cuBLASLt reads y as
+/// its C), where a scaling, a product and an addition took three launches
+/// and two tensors of y's size. `tuned`: see this module.
+pub fn add_product(
+    y: &mut CudaStorage,
+    down: In,
+    b: In,
+    scale: f32,
+    (rows, r, n): (usize, usize, usize),
+    tuned: bool,
+) -> Result<()> {
+    product(down, b, None, y.as_cuda_slice_mut::<bf16>()?, (rows, r, n), (scale, 1.0), tuned)
+}
