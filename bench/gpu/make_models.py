@@ -138,12 +138,14 @@ def main():
         tokenizer.save_pretrained(out / name)
         (out / name / "generation_config.json").write_text(json.dumps({"pad_token_id": 1}) + "\n")
         if name == "policy":
-            (out / "shape.json").write_text(json.dumps(shape_of(model, config), indent=1) + "\n")
+            shape = shape_of(model, config)
         print(f"{out / name}: {sum(p.numel() for p in model.parameters()) / 1e6:.0f}M parameters")
         del model
     with open(out / "prompts.jsonl", "w") as f:
         for _ in range(64):
             f.write(json.dumps({"prompt": " ".join(rng.choice(vocab_words) for _ in range(rng.randint(64, 128)))}) + "\n")
+    # Last: bench/gpu/run.sh takes a folder with its shape as made.
+    (out / "shape.json").write_text(json.dumps(shape, indent=1) + "\n")
 
 
 if __name__ == "__main__":

@@ -119,10 +119,12 @@ mkdir -p "$OUT" "$MODELS"
 log() { echo "== [${SECONDS} s] $*" >&2; }
 
 # The peer's packages that the machine lacks (TRL and its datasets), from
-# carried wheels, into a folder of their own.
+# carried wheels, into a folder of their own, once a machine.
+site=/tmp/rloo-bench-site
 if ! "$PY" -c 'import trl' 2>/dev/null && ls bench/.cache/wheels/*.whl >/dev/null 2>&1; then
-    "$PY" -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
-        --target /tmp/rloo-bench-site bench/.cache/wheels/*.whl && export PYTHONPATH=/tmp/rloo-bench-site
+    [[ -e $site/installed ]] || { "$PY" -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
+        --target "$site" bench/.cache/wheels/*.whl && touch "$site/installed"; }
+    export PYTHONPATH=$site
 fi
 "$PY" -c 'import trl; print("trl", trl.__version__)' >&2 || log "no TRL: the training arms run rloo alone"
 nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader >"$OUT/gpu.txt" 2>&1 ||
