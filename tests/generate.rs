@@ -6,7 +6,9 @@ mod common;
 
 use candle_core::{DType, Device};
 use common::*;
-use rloo::generate::{generate, Completion, FinishReason, GenerateOptions, Sampler, Sampling, Stepping, StopCriteria};
+use rloo::generate::{
+    generate, warm_up, Completion, FinishReason, GenerateOptions, Sampler, Sampling, Stepping, StopCriteria,
+};
 use rloo::model::{next_token_logprobs, GenerationConfig, Inputs, Model, PadSide};
 
 fn options(sampling: Sampling, max_new_tokens: usize, k: usize, batch_size: usize, stop: Vec<u32>) -> GenerateOptions {
@@ -140,6 +142,26 @@ fn sampling_is_reproducible_and_independent_of_batching_with(sampler: Sampler) {
     let distinct: std::collections::HashSet<&Vec<u32>> = a.iter().map(|c| &c.tokens).collect();
     assert!(distinct.len() > 6, "k samples of a prompt differ");
     assert_ne!(run(&model, &prompts, &with(12, 12))[0].tokens, a[0].tokens, "the seed matters");
+}
+
+/// The warm-up that `rloo generate` and `rloo serve` run before their
+/// first batch decodes on every architecture, each way of stepping and
+/// picking, and leaves nothing that changes the completions after it.
+#[test]
+fn a_warm_up_changes_no_later_completion() {
+    let prompts = vec![vec![5, 9, 12], vec![40]];
+    let sampling = Sampling::temperature(0.9).with_top_k(50);
+    for name in causal_models() {
+        let model = Model::load(&model_dir(name), &Device::Cpu).unwrap();
+        for (sampler, stepping) in [(Sampler::Host, Stepping::Shrink), (Sampler::Race, Stepping::Fixed)] {
+            let opts = GenerateOptions { sampler, stepping, ..options(sampling.clone(), 6, 2, 4, vec![]) };
+            let cold = run(&model, &prompts, &opts);
+            warm_up(model.frozen(), &Device::Cpu, sampler, stepping).unwrap();
+            let warm = run(&model, &prompts, &opts);
+            let tokens = |c: &[Completion]| c.iter().map(|c| c.tokens.clone()).collect::<Vec<_>>();
+            assert_eq!(tokens(&warm), tokens(&cold), "{name}, {sampler:?}, {stepping:?}");
+        }
+    }
 }
 
 #[test]

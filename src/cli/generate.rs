@@ -11,7 +11,7 @@ use serde_json::{Map, Value};
 use rloo::data::jsonl::JsonlWriter;
 use rloo::data::prompts::{ContextRoom, PromptDataset};
 use rloo::data::Tokenizer;
-use rloo::generate::{generate, GenerateOptions, Sampler, Sampling, Stepping, StopCriteria};
+use rloo::generate::{generate, warm_up, GenerateOptions, Sampler, Sampling, Stepping, StopCriteria};
 use rloo::model::hub::resolve_model;
 use rloo::model::{parse_device, GenerationConfig, HeadKind, Model, Placement, Precision};
 
@@ -151,6 +151,11 @@ pub fn run(args: GenerateArgs) -> Result<()> {
         opts.sampling
     );
 
+    // A GPU's one-time costs fall before the timed run, as a warm-up call
+    // of transformers' `generate` takes them (the CPU has none to speak of).
+    if device.is_cuda() {
+        warm_up(model.frozen(), &device, opts.sampler, opts.stepping)?;
+    }
     let mut out = JsonlWriter::replacing(&args.output)?;
     let bar = super::progress_bar((prompts.len() * opts.num_return_sequences) as u64, "completions");
     let started = Instant::now();

@@ -165,6 +165,29 @@ pub fn generate(
     Ok(())
 }
 
+/// One greedy token decoded after a one-token prompt, the result dropped,
+/// stepped as `sampler` and `stepping` say: a process's first forward pass
+/// on a GPU pays its one-time costs (loading the kernels' module, making
+/// the BLAS handles), which a command then pays before its first request
+/// or its timed run rather than in it. (On the CPU, where there are none
+/// to speak of, it measured no faster after one.)
+pub fn warm_up(net: &Network, device: &Device, sampler: Sampler, stepping: Stepping) -> Result<()> {
+    let opts = GenerateOptions {
+        max_new_tokens: 2,
+        num_return_sequences: 1,
+        sampling: Sampling::greedy(),
+        repetition_penalty: 1.0,
+        stop: StopCriteria::default(),
+        batch_size: 1,
+        sampler,
+        stepping,
+        seed: 0,
+        prompt_offset: 0,
+        max_positions: None,
+    };
+    generate(net, &[vec![0]], &opts, None, device, &mut |_| {}, &mut |_| Ok(()))
+}
+
 fn decode_batch(
     net: &Network,
     rows: Vec<DecodeRow<Row>>,

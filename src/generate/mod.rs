@@ -9,7 +9,7 @@ mod graph;
 pub mod race;
 pub mod sampling;
 
-pub use engine::{generate, Completion, FinishReason, GenerateOptions, StopCriteria};
+pub use engine::{generate, warm_up, Completion, FinishReason, GenerateOptions, StopCriteria};
 pub use fixed::Stepping;
 pub use race::Sampler;
 pub use sampling::Sampling;

@@ -25,7 +25,7 @@ use serde_json::{json, Value};
 
 use crate::data::Tokenizer;
 use crate::error::{Error, Result};
-use crate::generate::{Sampler, Stepping, StopCriteria};
+use crate::generate::{warm_up, Sampler, Stepping, StopCriteria};
 use crate::model::{GenerationConfig, HeadKind, Model, ModelConfig, Placement};
 use crate::reward::serve::{score_route, ScoreRoute};
 use crate::reward::RewardModel;
@@ -155,13 +155,14 @@ pub fn serve(
             match m {
                 Loaded::Text { name, model, tokenizer, generation, eos_ids } => {
                     let device = model.device();
-                    let (engine, decoding) = engine::engine(
-                        model.frozen(),
-                        tokenizer,
-                        &device,
-                        opts.max_batch_rows,
-                        (Sampler::from_env(&device)?, Stepping::from_env(&device)?),
-                    );
+                    let (sampler, stepping) = (Sampler::from_env(&device)?, Stepping::from_env(&device)?);
+                    // Warm before the server says it listens: its first request
+                    // waits on none of a GPU's one-time costs.
+                    if device.is_cuda() {
+                        warm_up(model.frozen(), &device, sampler, stepping)?;
+                    }
+                    let (engine, decoding) =
+                        engine::engine(model.frozen(), tokenizer, &device, opts.max_batch_rows, (sampler, stepping));
                     loops.push(s.spawn(move || decoding.run(shutdown)));
                     let context = model.config().context_length();
                     let max_request_rows = opts.max_request_rows;
