@@ -144,9 +144,10 @@ fn sampling_is_reproducible_and_independent_of_batching_with(sampler: Sampler) {
     assert_ne!(run(&model, &prompts, &with(12, 12))[0].tokens, a[0].tokens, "the seed matters");
 }
 
-/// The warm-up that `rloo generate` and `rloo serve` run before their
-/// first batch decodes on every architecture, each way of stepping and
-/// picking, and leaves nothing that changes the completions after it.
+/// The warm-up that `rloo generate` and `rloo serve` run on a GPU before
+/// their first batch: it decodes on every architecture, with each way of
+/// stepping and picking, and leaves nothing that changes the completions
+/// after it.
 #[test]
 fn a_warm_up_changes_no_later_completion() {
     let prompts = vec![vec![5, 9, 12], vec![40]];
