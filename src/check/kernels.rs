@@ -135,216 +135,8 @@ pub fn check_kernels(device: &Device, dtypes: &[DType]) -> Vec<Check> {
             rng.normal_tensor(&[80, 96], 0.0, 0.1),
             rng.normal_tensor(&[80], 0.0, 1.0),
         );
-        out.push(compare(
-            "linear",
-            &[x.clone(), w.clone(), b.clone()],
-            &|t| kernels::linear(&t[0], &t[1], Some(&t[2])),
-            &|t| kernels::linear_with(&t[0], &t[1], Some(&t[2]), false),
-            device,
-            dtype,
-            rng,
-        ));
-        out.push(compare(
-            "linear without a bias",
-            &[x.clone(), w.clone()],
-            &|t| kernels::linear(&t[0], &t[1], None),
-            &|t| kernels::linear(&t[0], &t[1], None),
-            device,
-            dtype,
-            rng,
-        ));
-        // On a GPU in bf16, also the bias added in cuBLASLt's epilogue, with the
-        // weight as given and as the transposed view of an (in, out) tensor.
-        if device.is_cuda() && dtype == DType::BF16 {
-            let labels =
-                [("linear with the bias in the epilogue", false), ("linear with the bias in the epilogue, w^T", true)];
-            for (label, transposed) in labels {
-                // Transposed: the input is (in, out), and the op gets its transposed view.
-                let w = match transposed {
-                    true => w.t().and_then(|t| t.contiguous()).expect("a 2-d weight transposes"),
-                    false => w.clone(),
-                };
-                out.push(compare(
-                    label,
-                    &[x.clone(), w, b.clone()],
-                    &|t| kernels::linear(&t[0], &maybe_t(&t[1], transposed)?, Some(&t[2])),
-                    &|t| kernels::linear_with(&t[0], &maybe_t(&t[1], transposed)?, Some(&t[2]), true),
-                    device,
-                    dtype,
-                    rng,
-                ));
-            }
-        }
-        // An MLP's second layer on its activated input, which the backward makes again.
-        for act in [Activation::Gelu, Activation::GeluTanh, Activation::Silu, Activation::Relu] {
-            out.push(compare(
-                &format!("activation_linear {act:?}"),
-                &[x.clone(), w.clone(), b.clone()],
-                &|t| kernels::linear(&kernels::activation(&t[0], act)?, &t[1], Some(&t[2])),
-                &|t| kernels::activation_linear(&t[0], act, &t[1], Some(&t[2])),
-                device,
-                dtype,
-                rng,
-            ));
-        }
-        // A gated MLP's output layer on its two inputs, which the backward
-        // multiplies again.
-        let up = rng.normal_tensor(x.dims(), 0.0, 1.0);
-        out.push(compare(
-            "gated_linear",
-            &[x.clone(), up, w.clone()],
-            &|t| kernels::linear(&(kernels::activation(&t[0], Activation::Silu)? * &t[1])?, &t[2], None),
-            &|t| kernels::gated_linear(&t[0], &t[1], Activation::Silu, &t[2]),
-            device,
-            dtype,
-            rng,
-        ));
-        // A gated MLP after its RMS norm, whose backward makes the norm's
-        // output and the gate and up projections again (Llama, Qwen with
-        // RLOO_MLP_INPUT=remade); its dense layers have no bias.
-        let (gate_w, up_w, down_w) = (
-            rng.normal_tensor(&[80, 96], 0.0, 0.1),
-            rng.normal_tensor(&[80, 96], 0.0, 0.1),
-            rng.normal_tensor(&[96, 80], 0.0, 0.1),
-        );
-        let gated_mlp = |t: &[Tensor]| {
-            let h = kernels::rms_norm(&t[0], &t[1], 1e-6)?;
-            let (gate, up) = (kernels::linear(&h, &t[2], None)?, kernels::linear(&h, &t[3], None)?);
-            kernels::gated_linear(&gate, &up, Activation::Silu, &t[4])
-        };
-        out.push(compare(
-            "gated_mlp_remade",
-            &[x.clone(), rng.normal_tensor(&[96], 1.0, 0.2), gate_w, up_w, down_w],
-            &gated_mlp,
-            &|t| {
-                let h = kernels::rms_norm(&t[0], &t[1], 1e-6)?;
-                // None where the norm is a composition (bf16 on the CPU).
-                let Some(normed) = kernels::rms_norm_remake(&t[0], &t[1], 1e-6) else { return gated_mlp(t) };
-                let dense = |w: &Tensor| kernels::linear_remade(&h, w, None, normed.clone());
-                let again = |w: &Tensor| -> kernels::Remake {
-                    let (normed, w) = (normed.clone(), w.detach());
-                    std::sync::Arc::new(move || kernels::linear(&normed()?, &w, None))
-                };
-                let remakes = (again(&t[2]), again(&t[3]));
-                kernels::gated_linear_remade(&dense(&t[2])?, &dense(&t[3])?, Activation::Silu, &t[4], remakes)
-            },
-            device,
-            dtype,
-            rng,
-        ));
-        // A LoRA adapter over a frozen base (its weight and bias no inputs),
-        // with its input dropped out by one mask on both sides; also on an
-        // activated input.
-        let (a, lora_b, mask) =
-            (rng.normal_tensor(&[8, 96], 0.0, 0.2), rng.normal_tensor(&[80, 8], 0.0, 0.2), Mask::new([3, 5], 0.1));
-        for act in [None, Some(Activation::Gelu)] {
-            let lora = |t: &[Tensor]| {
-                let frozen = |x: &Tensor| x.to_device(t[0].device())?.to_dtype(t[0].dtype());
-                let (w, b) = (frozen(&w)?, frozen(&b)?);
-                let layer = LoraLayer { weight: &w, bias: Some(&b), a: &t[1], b: &t[2], scale: 2.0 };
-                kernels::lora_forward(&t[0], act, &layer, Some(mask))
-            };
-            let name = match act {
-                Some(act) => format!("lora on {act:?}, with dropout"),
-                None => "lora with dropout".into(),
-            };
-            out.push(compare(&name, &[x.clone(), a.clone(), lora_b.clone()], &lora, &lora, device, dtype, rng));
-        }
-        // The same over a gated MLP's product (Llama, Qwen with an adapter on
-        // down_proj): the product's op keeps the gate and up projections, and
-        // the adapter's op makes the product again; against the composition.
-        let gated_lora = |remade: bool| {
-            let w = w.clone();
-            move |t: &[Tensor]| -> Result<Tensor> {
-                let w = w.to_device(t[0].device())?.to_dtype(t[0].dtype())?;
-                let layer = LoraLayer { weight: &w, bias: None, a: &t[2], b: &t[3], scale: 2.0 };
-                if !remade {
-                    let product = (kernels::activation(&t[0], Activation::Silu)? * &t[1])?;
-                    return kernels::lora_forward(&product, None, &layer, Some(mask));
-                }
-                let (product, remake) = kernels::gated_product(&t[0], &t[1], Activation::Silu)?;
-                kernels::lora_forward_remade(&product, &layer, Some(mask), remake)
-            }
-        };
-        let up = rng.normal_tensor(x.dims(), 0.0, 1.0);
-        out.push(compare(
-            "lora over a gated product, with dropout",
-            &[x.clone(), up, a.clone(), lora_b.clone()],
-            &gated_lora(false),
-            &gated_lora(true),
-            device,
-            dtype,
-            rng,
-        ));
-        let (g, beta) = (rng.normal_tensor(&[96], 1.0, 0.2), rng.normal_tensor(&[96], 0.0, 0.2));
-        out.push(compare(
-            "layer_norm",
-            &[x.clone(), g.clone(), beta],
-            &|t| kernels::layer_norm(&t[0], &t[1], &t[2], 1e-5),
-            &|t| kernels::layer_norm(&t[0], &t[1], &t[2], 1e-5),
-            device,
-            dtype,
-            rng,
-        ));
-        // Rows of 1,032 features: on a GPU, lanes that hold unequal numbers of 8-feature chunks.
-        let (wide, wide_g, wide_beta) = (
-            rng.normal_tensor(&[5, 1032], 0.5, 1.0),
-            rng.normal_tensor(&[1032], 1.0, 0.2),
-            rng.normal_tensor(&[1032], 0.0, 0.2),
-        );
-        out.push(compare(
-            "layer_norm over 1,032 features",
-            &[wide, wide_g, wide_beta],
-            &|t| kernels::layer_norm(&t[0], &t[1], &t[2], 1e-5),
-            &|t| kernels::layer_norm(&t[0], &t[1], &t[2], 1e-5),
-            device,
-            dtype,
-            rng,
-        ));
-        // A norm and the dense layer it feeds, as one op.
-        let (norm_w, norm_b) = (rng.normal_tensor(&[96], 1.0, 0.2), rng.normal_tensor(&[96], 0.0, 0.2));
-        out.push(compare(
-            "norm_linear",
-            &[x.clone(), norm_w, norm_b, w.clone(), b.clone()],
-            &|t| kernels::linear(&kernels::layer_norm(&t[0], &t[1], &t[2], 1e-5)?, &t[3], Some(&t[4])),
-            &|t| kernels::norm_linear(&t[0], (&t[1], &t[2], 1e-5), &t[3], &t[4]),
-            device,
-            dtype,
-            rng,
-        ));
-        // An MLP after its norm whose backward makes the wide input again
-        // (where the norm and its dense layer run as one op).
-        let (down_w, down_b) = (rng.normal_tensor(&[96, 80], 0.0, 0.1), rng.normal_tensor(&[96], 0.0, 1.0));
-        let (norm_w, norm_b) = (rng.normal_tensor(&[96], 1.0, 0.2), rng.normal_tensor(&[96], 0.0, 0.2));
-        let act = Activation::Gelu;
-        out.push(compare(
-            "mlp_remade",
-            &[x.clone(), norm_w, norm_b, w.clone(), b.clone(), down_w, down_b],
-            &|t| {
-                let wide = kernels::linear(&kernels::layer_norm(&t[0], &t[1], &t[2], 1e-5)?, &t[3], Some(&t[4]))?;
-                kernels::activation_linear(&wide, act, &t[5], Some(&t[6]))
-            },
-            &|t| {
-                let norm = (&t[1], &t[2], 1e-5);
-                let wide = kernels::norm_linear(&t[0], norm, &t[3], &t[4])?;
-                match kernels::norm_linear_remake(&t[0], norm, &t[3], &t[4])? {
-                    Some(remake) => kernels::activation_linear_remade(&wide, act, &t[5], &t[6], remake),
-                    None => kernels::activation_linear(&wide, act, &t[5], Some(&t[6])),
-                }
-            },
-            device,
-            dtype,
-            rng,
-        ));
-        out.push(compare(
-            "rms_norm",
-            &[x.clone(), g],
-            &|t| kernels::rms_norm(&t[0], &t[1], 1e-6),
-            &|t| kernels::rms_norm(&t[0], &t[1], 1e-6),
-            device,
-            dtype,
-            rng,
-        ));
+        out.extend(dense_checks(device, dtype, rng, [&x, &w, &b]));
+        out.extend(norm_checks(device, dtype, rng, [&x, &w, &b]));
         for act in [Activation::Gelu, Activation::GeluTanh, Activation::Silu, Activation::Relu] {
             out.push(compare(
                 &format!("activation {act:?}"),
@@ -463,6 +255,233 @@ pub fn check_kernels(device: &Device, dtypes: &[DType]) -> Vec<Check> {
         Ok(checks) => out.extend(checks),
         Err(e) => out.push(Check::failed("kernel", "race sampler", DType::F32, e)),
     }
+    out
+}
+
+/// The dense layers on `device` in `dtype`, over the input `x` (3, 40, 96)
+/// and a layer's weight `w` (80, 96) and bias `b`: with and without the
+/// bias (and on a GPU in bf16 with it in cuBLASLt's epilogue), on an
+/// activated input, a gated MLP's output layer and the whole MLP after its
+/// norm, and LoRA adapters over them.
+fn dense_checks(device: &Device, dtype: DType, rng: &mut Rng, [x, w, b]: [&Tensor; 3]) -> Vec<Check> {
+    let mut out = Vec::new();
+    out.push(compare(
+        "linear",
+        &[x.clone(), w.clone(), b.clone()],
+        &|t| kernels::linear(&t[0], &t[1], Some(&t[2])),
+        &|t| kernels::linear_with(&t[0], &t[1], Some(&t[2]), false),
+        device,
+        dtype,
+        rng,
+    ));
+    out.push(compare(
+        "linear without a bias",
+        &[x.clone(), w.clone()],
+        &|t| kernels::linear(&t[0], &t[1], None),
+        &|t| kernels::linear(&t[0], &t[1], None),
+        device,
+        dtype,
+        rng,
+    ));
+    // On a GPU in bf16, also the bias added in cuBLASLt's epilogue, with the
+    // weight as given and as the transposed view of an (in, out) tensor.
+    if device.is_cuda() && dtype == DType::BF16 {
+        let labels =
+            [("linear with the bias in the epilogue", false), ("linear with the bias in the epilogue, w^T", true)];
+        for (label, transposed) in labels {
+            // Transposed: the input is (in, out), and the op gets its transposed view.
+            let w = match transposed {
+                true => w.t().and_then(|t| t.contiguous()).expect("a 2-d weight transposes"),
+                false => w.clone(),
+            };
+            out.push(compare(
+                label,
+                &[x.clone(), w, b.clone()],
+                &|t| kernels::linear(&t[0], &maybe_t(&t[1], transposed)?, Some(&t[2])),
+                &|t| kernels::linear_with(&t[0], &maybe_t(&t[1], transposed)?, Some(&t[2]), true),
+                device,
+                dtype,
+                rng,
+            ));
+        }
+    }
+    // An MLP's second layer on its activated input, which the backward makes again.
+    for act in [Activation::Gelu, Activation::GeluTanh, Activation::Silu, Activation::Relu] {
+        out.push(compare(
+            &format!("activation_linear {act:?}"),
+            &[x.clone(), w.clone(), b.clone()],
+            &|t| kernels::linear(&kernels::activation(&t[0], act)?, &t[1], Some(&t[2])),
+            &|t| kernels::activation_linear(&t[0], act, &t[1], Some(&t[2])),
+            device,
+            dtype,
+            rng,
+        ));
+    }
+    // A gated MLP's output layer on its two inputs, which the backward
+    // multiplies again.
+    let up = rng.normal_tensor(x.dims(), 0.0, 1.0);
+    out.push(compare(
+        "gated_linear",
+        &[x.clone(), up, w.clone()],
+        &|t| kernels::linear(&(kernels::activation(&t[0], Activation::Silu)? * &t[1])?, &t[2], None),
+        &|t| kernels::gated_linear(&t[0], &t[1], Activation::Silu, &t[2]),
+        device,
+        dtype,
+        rng,
+    ));
+    // A gated MLP after its RMS norm, whose backward makes the norm's
+    // output and the gate and up projections again (Llama, Qwen with
+    // RLOO_MLP_INPUT=remade); its dense layers have no bias.
+    let (gate_w, up_w, down_w) = (
+        rng.normal_tensor(&[80, 96], 0.0, 0.1),
+        rng.normal_tensor(&[80, 96], 0.0, 0.1),
+        rng.normal_tensor(&[96, 80], 0.0, 0.1),
+    );
+    let gated_mlp = |t: &[Tensor]| {
+        let h = kernels::rms_norm(&t[0], &t[1], 1e-6)?;
+        let (gate, up) = (kernels::linear(&h, &t[2], None)?, kernels::linear(&h, &t[3], None)?);
+        kernels::gated_linear(&gate, &up, Activation::Silu, &t[4])
+    };
+    out.push(compare(
+        "gated_mlp_remade",
+        &[x.clone(), rng.normal_tensor(&[96], 1.0, 0.2), gate_w, up_w, down_w],
+        &gated_mlp,
+        &|t| {
+            let h = kernels::rms_norm(&t[0], &t[1], 1e-6)?;
+            // None where the norm is a composition (bf16 on the CPU).
+            let Some(normed) = kernels::rms_norm_remake(&t[0], &t[1], 1e-6) else { return gated_mlp(t) };
+            let dense = |w: &Tensor| kernels::linear_remade(&h, w, None, normed.clone());
+            let again = |w: &Tensor| -> kernels::Remake {
+                let (normed, w) = (normed.clone(), w.detach());
+                std::sync::Arc::new(move || kernels::linear(&normed()?, &w, None))
+            };
+            let remakes = (again(&t[2]), again(&t[3]));
+            kernels::gated_linear_remade(&dense(&t[2])?, &dense(&t[3])?, Activation::Silu, &t[4], remakes)
+        },
+        device,
+        dtype,
+        rng,
+    ));
+    // A LoRA adapter over a frozen base (its weight and bias no inputs),
+    // with its input dropped out by one mask on both sides; also on an
+    // activated input.
+    let (a, lora_b, mask) =
+        (rng.normal_tensor(&[8, 96], 0.0, 0.2), rng.normal_tensor(&[80, 8], 0.0, 0.2), Mask::new([3, 5], 0.1));
+    for act in [None, Some(Activation::Gelu)] {
+        let lora = |t: &[Tensor]| {
+            let frozen = |x: &Tensor| x.to_device(t[0].device())?.to_dtype(t[0].dtype());
+            let (w, b) = (frozen(w)?, frozen(b)?);
+            let layer = LoraLayer { weight: &w, bias: Some(&b), a: &t[1], b: &t[2], scale: 2.0 };
+            kernels::lora_forward(&t[0], act, &layer, Some(mask))
+        };
+        let name = match act {
+            Some(act) => format!("lora on {act:?}, with dropout"),
+            None => "lora with dropout".into(),
+        };
+        out.push(compare(&name, &[x.clone(), a.clone(), lora_b.clone()], &lora, &lora, device, dtype, rng));
+    }
+    // The same over a gated MLP's product (Llama, Qwen with an adapter on
+    // down_proj): the product's op keeps the gate and up projections, and
+    // the adapter's op makes the product again; against the composition.
+    let gated_lora = |remade: bool| {
+        let w = w.clone();
+        move |t: &[Tensor]| -> Result<Tensor> {
+            let w = w.to_device(t[0].device())?.to_dtype(t[0].dtype())?;
+            let layer = LoraLayer { weight: &w, bias: None, a: &t[2], b: &t[3], scale: 2.0 };
+            if !remade {
+                let product = (kernels::activation(&t[0], Activation::Silu)? * &t[1])?;
+                return kernels::lora_forward(&product, None, &layer, Some(mask));
+            }
+            let (product, remake) = kernels::gated_product(&t[0], &t[1], Activation::Silu)?;
+            kernels::lora_forward_remade(&product, &layer, Some(mask), remake)
+        }
+    };
+    let up = rng.normal_tensor(x.dims(), 0.0, 1.0);
+    out.push(compare(
+        "lora over a gated product, with dropout",
+        &[x.clone(), up, a.clone(), lora_b.clone()],
+        &gated_lora(false),
+        &gated_lora(true),
+        device,
+        dtype,
+        rng,
+    ));
+    out
+}
+
+/// The norms on `device` in `dtype` over `x`, alone and as one op with the
+/// dense layer `w`, `b` that they feed, and an MLP after its norm.
+fn norm_checks(device: &Device, dtype: DType, rng: &mut Rng, [x, w, b]: [&Tensor; 3]) -> Vec<Check> {
+    let mut out = Vec::new();
+    let (g, beta) = (rng.normal_tensor(&[96], 1.0, 0.2), rng.normal_tensor(&[96], 0.0, 0.2));
+    out.push(compare(
+        "layer_norm",
+        &[x.clone(), g.clone(), beta],
+        &|t| kernels::layer_norm(&t[0], &t[1], &t[2], 1e-5),
+        &|t| kernels::layer_norm(&t[0], &t[1], &t[2], 1e-5),
+        device,
+        dtype,
+        rng,
+    ));
+    // Rows of 1,032 features: on a GPU, lanes that hold unequal numbers of 8-feature chunks.
+    let (wide, wide_g, wide_beta) = (
+        rng.normal_tensor(&[5, 1032], 0.5, 1.0),
+        rng.normal_tensor(&[1032], 1.0, 0.2),
+        rng.normal_tensor(&[1032], 0.0, 0.2),
+    );
+    out.push(compare(
+        "layer_norm over 1,032 features",
+        &[wide, wide_g, wide_beta],
+        &|t| kernels::layer_norm(&t[0], &t[1], &t[2], 1e-5),
+        &|t| kernels::layer_norm(&t[0], &t[1], &t[2], 1e-5),
+        device,
+        dtype,
+        rng,
+    ));
+    // A norm and the dense layer it feeds, as one op.
+    let (norm_w, norm_b) = (rng.normal_tensor(&[96], 1.0, 0.2), rng.normal_tensor(&[96], 0.0, 0.2));
+    out.push(compare(
+        "norm_linear",
+        &[x.clone(), norm_w, norm_b, w.clone(), b.clone()],
+        &|t| kernels::linear(&kernels::layer_norm(&t[0], &t[1], &t[2], 1e-5)?, &t[3], Some(&t[4])),
+        &|t| kernels::norm_linear(&t[0], (&t[1], &t[2], 1e-5), &t[3], &t[4]),
+        device,
+        dtype,
+        rng,
+    ));
+    // An MLP after its norm whose backward makes the wide input again
+    // (where the norm and its dense layer run as one op).
+    let (down_w, down_b) = (rng.normal_tensor(&[96, 80], 0.0, 0.1), rng.normal_tensor(&[96], 0.0, 1.0));
+    let (norm_w, norm_b) = (rng.normal_tensor(&[96], 1.0, 0.2), rng.normal_tensor(&[96], 0.0, 0.2));
+    let act = Activation::Gelu;
+    out.push(compare(
+        "mlp_remade",
+        &[x.clone(), norm_w, norm_b, w.clone(), b.clone(), down_w, down_b],
+        &|t| {
+            let wide = kernels::linear(&kernels::layer_norm(&t[0], &t[1], &t[2], 1e-5)?, &t[3], Some(&t[4]))?;
+            kernels::activation_linear(&wide, act, &t[5], Some(&t[6]))
+        },
+        &|t| {
+            let norm = (&t[1], &t[2], 1e-5);
+            let wide = kernels::norm_linear(&t[0], norm, &t[3], &t[4])?;
+            match kernels::norm_linear_remake(&t[0], norm, &t[3], &t[4])? {
+                Some(remake) => kernels::activation_linear_remade(&wide, act, &t[5], &t[6], remake),
+                None => kernels::activation_linear(&wide, act, &t[5], Some(&t[6])),
+            }
+        },
+        device,
+        dtype,
+        rng,
+    ));
+    out.push(compare(
+        "rms_norm",
+        &[x.clone(), g],
+        &|t| kernels::rms_norm(&t[0], &t[1], 1e-6),
+        &|t| kernels::rms_norm(&t[0], &t[1], 1e-6),
+        device,
+        dtype,
+        rng,
+    ));
     out
 }
 
