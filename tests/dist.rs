@@ -212,16 +212,16 @@ fn two_processes_train_as_one_process_with_the_same_batch() {
     );
 }
 
-/// ZeRO stage 1 over masters kept split beside bf16 copies
-/// (`RLOO_MASTERS=split`): each process sends the masters it stepped, which
-/// the others split again, and the weights are those of whole f32 masters
-/// without ZeRO, to the bit.
+/// ZeRO stage 1 over masters kept split beside bf16 copies (the
+/// default): each process sends the masters it stepped, which the others
+/// split again, and the weights are those of whole f32 masters
+/// (`RLOO_MASTERS=f32`) without ZeRO, to the bit.
 #[test]
 fn zero_over_split_masters_trains_as_whole_masters() {
     let tmp = tempfile::tempdir().unwrap();
     let dir = tmp.path();
     let sizes = ["--per_device_train_batch_size", "2", "--gradient_accumulation_steps", "2", "--bf16"];
-    ok(launch(2, &train_args(dir, "whole", &sizes)));
+    ok(launch_with(2, &train_args(dir, "whole", &sizes), &[("RLOO_MASTERS", "f32")]));
     let mut split = train_args(dir, "split", &sizes);
     split.extend(["--zero_stage".into(), "1".into()]);
     ok(launch_with(2, &split, &[("RLOO_MASTERS", "split")]));

@@ -267,10 +267,10 @@ fn lora_runs_and_resumes_bit_identically() {
     bit_identical_runs_and_resume("gpt_neox-causal", &["--use_peft", "--lora_r", "4"], &["adapter_model.safetensors"]);
 }
 
-/// The same in bf16: a resume rebuilds the bf16 copies from the f32
-/// masters; with `RLOO_MASTERS=split` (the run beside, and the run that
-/// stops for the resume) the masters kept split train to the same bits, and
-/// their checkpoint resumes with whole ones.
+/// The same in bf16: a resume rebuilds the bf16 copies from whole f32
+/// masters (`RLOO_MASTERS=f32`); with masters kept split (the default: the
+/// run beside, and the run that stops for the resume) the run trains to the
+/// same bits, and their checkpoint resumes with whole ones.
 #[test]
 fn bf16_runs_and_resumes_bit_identically() {
     bit_identical_runs_and_resume("gpt_neox-causal", &["--bf16"], &["model.safetensors"]);

@@ -137,6 +137,8 @@ def generation(out, peaks, models):
 
 STEP_TIMING = re.compile(r"decoding steps at (\d+) rows, medians of \d+: the picks ([\d.]+) ms and the forward pass "
                          r"([\d.]+) ms on the GPU, ([\d.]+) ms from the picks to the forward pass.*?; ([\d.]+) ms a step")
+# What `rloo generate`'s warm-up logs once done (generate::warm_up).
+WARMED_UP = "INFO warmed up: "
 # What the medians leave out (binaries since 82a2441): the prefill, the first two steps, the steps' total.
 STEP_EXTRAS = re.compile(r"the prefill ([\d.]+) ms, .*?the first two steps ([\d.]+) and ([\d.]+) ms.*?; "
                          r"([\d.]+) ms from the first step to the last")
@@ -153,6 +155,9 @@ def step_timing(out):
             if not m:
                 continue
             text = log.read_text()
+            # A generation's warm-up (binaries since 47576e2) logs its own steps first.
+            if kind == "gen":
+                text = text.split(WARMED_UP, 1)[-1]
             # A step that could not be recorded says so once a run: its steps were launched from the host.
             if "launched from the host, not recorded" in text:
                 hosted.append(log.name)

@@ -71,8 +71,8 @@
 #                  rollouts' layers project their branches back (RLOO_DECODE_OUT). As DECODERS: a
 #                  piece left out, and `default`, leave the binary's own. A variant ending in
 #                  +offload moves the reference and the reward model to host memory for the
-#                  training phase (ref_reward_offload); one ending in +split keeps the
-#                  weights' f32 masters split beside their bf16 copies (RLOO_MASTERS=split);
+#                  training phase (ref_reward_offload); one ending in +f32 keeps the
+#                  weights' f32 masters whole beside their bf16 copies (RLOO_MASTERS=f32);
 #                  one ending in +tuned or +rowsgemm (before or after the others) makes the
 #                  rollouts' products as DECODERS says.
 #                  Default: default
@@ -140,14 +140,14 @@ models() { # SIZE: makes the models once
 part() { [[ " $PARTS " == *" $1 "* ]]; }
 
 # flags VARIANT: sets pieces to VARIANT without its trailing +offload,
-# +split, +tuned and +rowsgemm, offload to whether it had +offload, masters
-# to split where it had +split (else empty), and gemm to tuned or rows where
+# +f32, +tuned and +rowsgemm, offload to whether it had +offload, masters
+# to f32 where it had +f32 (else empty), and gemm to tuned or rows where
 # it had +tuned or +rowsgemm (else empty).
 flags() {
     pieces=$1 offload=false masters= gemm=
-    while [[ $pieces == *+offload || $pieces == *+split || $pieces == *+tuned || $pieces == *+rowsgemm ]]; do
+    while [[ $pieces == *+offload || $pieces == *+f32 || $pieces == *+tuned || $pieces == *+rowsgemm ]]; do
         [[ $pieces == *+offload ]] && offload=true pieces=${pieces%+offload}
-        [[ $pieces == *+split ]] && masters=split pieces=${pieces%+split}
+        [[ $pieces == *+f32 ]] && masters=f32 pieces=${pieces%+f32}
         [[ $pieces == *+tuned ]] && gemm=tuned pieces=${pieces%+tuned}
         [[ $pieces == *+rowsgemm ]] && gemm=rows pieces=${pieces%+rowsgemm}
     done

@@ -13,8 +13,9 @@
 #      must have been recorded) and with their adapters against the CPU;
 #      then again with a parallel-residual layer's output projections
 #      joined (RLOO_DECODE_OUT=joined) and few rows' products made by the
-#      rows kernel (RLOO_GEMM=rows), the two candidates for the defaults:
-#      the fixtures' KV-cache decoding and greedy tokens through both;
+#      rows kernel (RLOO_GEMM=rows), two variants that measured slower
+#      than the defaults: the fixtures' KV-cache decoding and greedy
+#      tokens through both;
 #   2. generation at 410m against transformers, the defaults, a prompt's
 #      rows to a block of the decoding kernel (RLOO_DECODE_ROWS=prompt) and
 #      the output projections joined (RLOO_DECODE_OUT=joined) and the
@@ -24,13 +25,14 @@
 #      binary's (below);
 #   3. the RLOO step at 410m against TRL under the defaults (the flash
 #      kernels reading each query's runs of keys, decoding a key per lane
-#      with the biases in cuBLASLt's epilogues), and with the rollouts'
-#      output projections joined (+joined);
-#   4. the step at 1B against TRL, and with the weights' f32 masters kept
-#      split beside their bf16 copies (+split, RLOO_MASTERS=split);
+#      with the biases in cuBLASLt's epilogues, the weights' f32 masters
+#      split beside their bf16 copies);
+#   4. the step at 1B against TRL;
 #   5. the kernels of the training phase over one micro-batch at 410m, of
 #      the same step's scoring and reference passes, and of a short
-#      generation at the benchmark's 256 rows, under the defaults;
+#      generation at the benchmark's 256 rows, under the defaults; then of
+#      the short generation with the rows kernel's products (profile-rows,
+#      OUT/profile-rows: where its step lost 3.9 ms to cuBLAS's);
 #   6. generation at 1B, the same variants (among them a prompt's rows
 #      with their value rows packed, not yet measured at a head size of 256);
 #   7. rloo serve at 410m under 1, 8 and 32 streaming clients, its steps
@@ -66,7 +68,7 @@ set -uo pipefail
 cd "$(dirname "$0")/../.."
 export OUT=${OUT:-/tmp/rloo-gpu-session} PY=${PY:-python3} MODELS=${MODELS:-/tmp/rloo-gpu-models}
 BUDGET=${BUDGET:-540}
-PARTS=${PARTS:-check check-variants generate-410m generate-before train-410m train-1b profile generate-1b serve-410m train-before train-1b-lora train-410m-ppo}
+PARTS=${PARTS:-check check-variants generate-410m generate-before train-410m train-1b profile profile-rows generate-1b serve-410m train-before train-1b-lora train-410m-ppo}
 mkdir -p "$OUT"
 # The binaries as bench/gpu/pack.sh packs them for the call, where carried.
 if [[ -e .cuda/carry/rloo.gz ]]; then
@@ -121,11 +123,10 @@ fi
 part generate-410m 60 env SIZES=410m RUNS=2 DECODERS="$decoders" bench/gpu/run.sh peaks generate
 before && part generate-before 30 env OUT="$OUT/before" RLOO=/tmp/rloo-before PEER=off SIZES=410m RUNS=2 \
     DECODERS="$decoded" bench/gpu/run.sh generate
-part train-410m 120 env ARMS=410m-full TRAIN_RUNS=1 STEPS=3 ATTENTION="$defaults+spans $defaults+spans++joined" \
-    bench/gpu/run.sh train
-part train-1b 120 env ARMS=1b-full TRAIN_RUNS=1 STEPS=3 ATTENTION="$defaults+spans $defaults+spans+split" \
-    bench/gpu/run.sh train
+part train-410m 90 env ARMS=410m-full TRAIN_RUNS=1 STEPS=3 ATTENTION="$defaults+spans" bench/gpu/run.sh train
+part train-1b 100 env ARMS=1b-full TRAIN_RUNS=1 STEPS=3 ATTENTION="$defaults+spans" bench/gpu/run.sh train
 part profile 120 env SIZES=410m bench/gpu/run.sh profile
+part profile-rows 40 env SIZES=410m PROFILED=generate RLOO_GEMM=rows OUT="$OUT/profile-rows" bench/gpu/run.sh profile
 part generate-1b 30 env SIZES=1b RUNS=2 PEER=off DECODERS="$decoders" bench/gpu/run.sh generate
 part serve-410m 45 env SIZES=410m bench/gpu/run.sh serve
 before && part train-before 120 env OUT="$OUT/before" RLOO=/tmp/rloo-before PEER=off ARMS="410m-full 1b-full" \

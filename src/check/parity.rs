@@ -23,7 +23,8 @@ pub struct Fixture {
 
 impl Fixture {
     /// `fixtures/models/<name>` loaded on `device` to compute in `dtype`
-    /// (f32 masters beside bf16 copies), with its reference outputs.
+    /// (f32 masters, split by default, beside bf16 copies), with its
+    /// reference outputs.
     pub fn load(fixtures: &Path, name: &str, device: &Device, dtype: DType) -> crate::Result<Self> {
         let model = Model::load(&fixtures.join("models").join(name), device)?.with_dtype(dtype, true)?;
         let path = fixtures.join("reference").join(format!("{name}.safetensors"));

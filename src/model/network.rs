@@ -559,8 +559,9 @@ impl Model {
     }
 
     /// The model computing in `dtype` (bf16 mixed precision: the networks
-    /// compute in bf16 while the parameters that train keep f32 masters;
-    /// see [`ParamStore::set_compute_dtype`]). `trains`: whether an
+    /// compute in bf16 while the parameters that train keep f32 masters,
+    /// split beside the copies by default; see
+    /// [`ParamStore::set_compute_dtype`]). `trains`: whether an
     /// optimizer will update it; a model that only samples or scores keeps
     /// no f32 copy.
     pub fn with_dtype(mut self, dtype: DType, trains: bool) -> Result<Self> {

@@ -154,8 +154,9 @@ pub struct Param {
     /// pass (`kernels::add_cast`); refreshed in place after every
     /// optimizer step.
     compute: Option<Var>,
-    /// With `RLOO_MASTERS=split`, `var` is the bf16 copy the networks
-    /// compute with, and this the rest of its f32 master.
+    /// With split masters (bf16, `RLOO_MASTERS=split`, the default), `var`
+    /// is the bf16 copy the networks compute with, and this the rest of its
+    /// f32 master.
     split: Option<SplitMaster>,
 }
 
@@ -280,11 +281,11 @@ impl ParamStore {
     }
 
     /// Makes the networks built on this store compute in `dtype`. A
-    /// parameter that trains keeps its f32 master and gains a compute copy
-    /// derived from it, or in bf16 with `RLOO_MASTERS=split` keeps the copy
-    /// and its master's rest; the others (frozen, or every one when
-    /// `trains` is false) are converted in place: nothing updates them, so
-    /// a master would only take memory.
+    /// parameter that trains keeps its f32 master: in bf16 by default as the
+    /// copy the networks compute with and the master's rest, else whole
+    /// (`RLOO_MASTERS=f32`) beside a compute copy derived from it; the
+    /// others (frozen, or every one when `trains` is false) are converted in
+    /// place: nothing updates them, so a master would only take memory.
     pub fn set_compute_dtype(&mut self, dtype: DType, trains: bool) -> Result<()> {
         let split = crate::model::kernels::masters_split(dtype)?;
         for p in &mut self.params {

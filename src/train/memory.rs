@@ -142,9 +142,9 @@ pub fn rloo_estimate(
         if cfg.train.gradient_checkpointing { " (one layer at a time)" } else { "" },
         packed.tokens
     );
-    // In bf16 the trained parameters keep f32 masters beside the copies the
-    // networks compute with, or only what the copies' rounding dropped
-    // (RLOO_MASTERS=split).
+    // In bf16 the trained parameters keep beside the copies the networks
+    // compute with what the copies' rounding dropped of their f32 masters,
+    // or whole f32 masters (RLOO_MASTERS=f32).
     let masters = if crate::model::kernels::masters_split(dtype).unwrap_or(false) {
         crate::model::kernels::split_master_bytes(trainable)
     } else if compute < F32 {
@@ -457,9 +457,10 @@ mod tests {
     }
 
     #[test]
-    fn bf16_halves_what_the_networks_hold_and_keeps_f32_masters() {
+    fn bf16_halves_what_the_networks_hold_and_keeps_split_masters() {
         let ((_, f32), (_, bf16)) = (neox_plan(true, DType::F32), neox_plan(true, DType::BF16));
-        assert_eq!((f32("weights"), bf16("weights")), (4000, 2000 + 1600));
+        // 400 weights train: their masters' low halves and a word of carries a 32.
+        assert_eq!((f32("weights"), bf16("weights")), (4000, 2000 + 400 * 2 + 13 * 4));
         assert_eq!((f32("reference"), bf16("reference")), (4000, 2000));
         for halved in ["KV cache", "activations"] {
             assert_eq!(f32(halved), 2 * bf16(halved), "{halved}");

@@ -1,5 +1,5 @@
 //! An f32 master weight kept in 2 bytes and a bit beside its bf16 compute
-//! copy (`RLOO_MASTERS=split`) instead of 4: the copy is the master
+//! copy (`RLOO_MASTERS=split`, the default) instead of 4: the copy is the master
 //! rounded to nearest even, so the master's top half is the copy less the
 //! rounding's carry, and its low half is kept as it is. The carry is a bit
 //! an element, 32 to a word: at a tie the low half cannot tell it, since an
@@ -14,14 +14,14 @@ use rayon::prelude::*;
 
 use super::math::with_avx2;
 
-/// How a weight that trains in bf16 keeps its f32 master: `f32` (the
-/// default) or `split` beside its bf16 copy.
+/// How a weight that trains in bf16 keeps its f32 master: `split` beside
+/// its bf16 copy (the default) or whole, `f32`.
 pub const MASTERS_VAR: &str = "RLOO_MASTERS";
 
 /// Whether the masters of weights that train computing in `dtype` are
 /// split (bf16 only); an unknown choice is an error.
 pub fn masters_split(dtype: DType) -> Result<bool> {
-    let chosen = crate::model::device::variant(MASTERS_VAR, &["f32", "split"]);
+    let chosen = crate::model::device::variant(MASTERS_VAR, &["split", "f32"]);
     Ok(dtype == DType::BF16 && chosen.map_err(candle_core::Error::msg)? == "split")
 }
 
