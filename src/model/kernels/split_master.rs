@@ -1,12 +1,12 @@
 //! An f32 master weight kept in 2 bytes and a bit beside its bf16 compute
-//! copy (`RLOO_MASTERS=split`, the default) instead of 4: the copy is the master
-//! rounded to nearest even, so the master's top half is the copy less the
-//! rounding's carry, and its low half is kept as it is. The carry is a bit
-//! an element, 32 to a word: at a tie the low half cannot tell it, since an
-//! even bf16 value is the rounding of 65,537 f32 values, one more than 16
-//! bits can name. The master comes back to the bit, so a run trains to the
-//! same bits either way; AdamW updates the three in place
-//! (`cuda/adamw.cuh` on a GPU).
+//! copy (the default; `RLOO_MASTERS=f32` keeps it whole) instead of 4: the
+//! copy is the master rounded to nearest even, so the master's top half is
+//! the copy less the rounding's carry, and its low half is kept as it is.
+//! The carry is a bit an element, 32 to a word: at a tie the low half
+//! cannot tell it, since an even bf16 value is the rounding of 65,537 f32
+//! values, one more than 16 bits can name. The master comes back to the
+//! bit, so a run trains to the same bits either way; AdamW updates the
+//! three in place (`cuda/adamw.cuh` on a GPU).
 
 use candle_core::{DType, Result, Tensor, Var};
 use half::bf16;
