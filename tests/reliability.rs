@@ -621,43 +621,6 @@ fn the_decode_attention_variable_is_obeyed_and_checked() {
     assert!(e.contains("RLOO_DECODE_ATTENTION=flash: expected lanes or fused or composed"), "{e}");
 }
 
-/// `RLOO_DECODE_OUT=joined` projects a parallel-residual layer's two
-/// branches by one product at each decoding step: the same greedy tokens
-/// as the two products apart, in a shrinking batch and in fixed steps, and
-/// a training run's rollouts take it; an unknown value is refused by name.
-#[test]
-fn the_decode_output_variable_is_obeyed_and_checked() {
-    let tmp = tempfile::tempdir().unwrap();
-    let prompts = prompts(tmp.path());
-    let generate = |joined: &str, stepping: &str| -> (Output, String) {
-        let out = tmp.path().join(format!("{joined}-{stepping}.jsonl"));
-        let args = ["generate", "--model", &policy(), "--prompts", &prompts, "--output", out.to_str().unwrap()];
-        let flags = ["--num-return-sequences", "2", "--max-new-tokens", "16", "--temperature", "0", "--ignore-eos"];
-        let run = Command::new(env!("CARGO_BIN_EXE_rloo"))
-            .env("RLOO_DECODE_OUT", joined)
-            .env("RLOO_DECODE_STEP", stepping)
-            .args([&args[..], &flags[..]].concat())
-            .output()
-            .unwrap();
-        (run, std::fs::read_to_string(&out).unwrap_or_default())
-    };
-    let (apart_run, apart) = generate("apart", "shrink");
-    ok(apart_run);
-    assert!(!apart.is_empty());
-    for stepping in ["shrink", "fixed"] {
-        let (run, joined) = generate("joined", stepping);
-        ok(run);
-        assert_eq!(joined, apart, "{stepping}: the joined product chooses the same greedy tokens");
-    }
-    let e = err(generate("sideways", "shrink").0);
-    assert!(e.contains("RLOO_DECODE_OUT=sideways: expected apart or joined"), "{e}");
-
-    let out = tmp.path().join("run");
-    let args = train_args(&out, &prompts, 2, &[]);
-    ok(Command::new(env!("CARGO_BIN_EXE_rloo")).env("RLOO_DECODE_OUT", "joined").args(&args).output().unwrap());
-    assert_eq!(std::fs::read_to_string(out.join("metrics.jsonl")).unwrap().lines().count(), 2);
-}
-
 #[test]
 fn the_gpu_variables_are_checked_on_every_device() {
     let tmp = tempfile::tempdir().unwrap();

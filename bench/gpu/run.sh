@@ -42,7 +42,7 @@
 #      SIZES       generation models: 410m 1b (default both)
 #      ARMS        training arms: 410m-full 1b-full 1b-lora qwen3-8b-lora 410m-ppo
 #                  (default the first three; the 8B arm makes a 16 GB model)
-#      DECODERS    rloo's decoding variants, SAMPLER+ATTENTION[+APPEND[+STEP[+BIAS[+HEADS[+ROWS[+VALUES[+OUT]]]]]]]:
+#      DECODERS    rloo's decoding variants, SAMPLER+ATTENTION[+APPEND[+STEP[+BIAS[+HEADS[+ROWS[+VALUES]]]]]]]:
 #                  how tokens are picked (RLOO_SAMPLER: race, host), how a step attends over the
 #                  cache (RLOO_DECODE_ATTENTION: lanes, a key per lane; fused, a key per warp;
 #                  composed), how it rotates and appends its keys (RLOO_DECODE_APPEND: fused,
@@ -51,24 +51,22 @@
 #                  biases (RLOO_DENSE_BIAS: epilogue, pass), how many query heads a block of the
 #                  kernel with a lane per key takes (RLOO_DECODE_HEADS: grouped, those of a
 #                  key/value head; each), how many rows (RLOO_DECODE_ROWS: auto, each, prompt,
-#                  the rows of a prompt), how it reads value rows (RLOO_DECODE_VALUES: packed,
-#                  rows) and how a parallel-residual layer projects its branches back
-#                  (RLOO_DECODE_OUT: apart, joined). A piece left out or empty, and the whole
+#                  the rows of a prompt) and how it reads value rows (RLOO_DECODE_VALUES:
+#                  packed, rows). A piece left out or empty, and the whole
 #                  variant `default`, leave the binary's own choice. Each run logs where its steps' time goes
 #                  (RLOO_DECODE_TIMING=on). A variant ending in +tuned times cuBLASLt's
 #                  candidates for each product of a step (RLOO_GEMM=tuned); one ending in
 #                  +rowsgemm makes a step's products that cuBLAS's tiles would not spread over
 #                  the GPU by the rows kernel, split along k (RLOO_GEMM=rows). Default: default
-#      ATTENTION   rloo's variants in the training runs, KERNELS[+HEADS[+STEP[+DECODE[+BIAS[+MLP[+MASK[+ROWS[+OUT]]]]]]]]:
+#      ATTENTION   rloo's variants in the training runs, KERNELS[+HEADS[+STEP[+DECODE[+BIAS[+MLP[+MASK[+ROWS]]]]]]]:
 #                  the attention kernels for whole sequences (RLOO_ATTENTION: flash, tensor,
 #                  rows), how they get their heads from a fused projection
 #                  (RLOO_ATTENTION_HEADS: fused, composed), how the rollouts' decoding steps are
 #                  launched (RLOO_DECODE_STEP) and attend (RLOO_DECODE_ATTENTION), how dense
 #                  layers add their biases (RLOO_DENSE_BIAS), whether the MLP's wide input is
 #                  kept for the backward or made again there (RLOO_MLP_INPUT: kept, remade),
-#                  what masks the flash kernels (RLOO_ATTENTION_MASK: spans, bias), how many
-#                  rows a block of the decoding kernel takes (RLOO_DECODE_ROWS) and how the
-#                  rollouts' layers project their branches back (RLOO_DECODE_OUT). As DECODERS: a
+#                  what masks the flash kernels (RLOO_ATTENTION_MASK: spans, bias) and how many
+#                  rows a block of the decoding kernel takes (RLOO_DECODE_ROWS). As DECODERS: a
 #                  piece left out, and `default`, leave the binary's own. A variant ending in
 #                  +offload moves the reference and the reward model to host memory for the
 #                  training phase (ref_reward_offload); one ending in +f32 keeps the
@@ -168,11 +166,11 @@ if part generate; then
                 # The same seed every run: the runs must give the same tokens.
                 run=$OUT/gen-$size-rloo_$decoder-$i
                 flags "${decoder#default}"
-                IFS=+ read -r sampler attention append step bias heads rows values out <<<"$pieces"
+                IFS=+ read -r sampler attention append step bias heads rows values <<<"$pieces"
                 RLOO_DECODE_TIMING=on env ${gemm:+RLOO_GEMM=$gemm} ${sampler:+RLOO_SAMPLER=$sampler} ${attention:+RLOO_DECODE_ATTENTION=$attention} \
                     ${append:+RLOO_DECODE_APPEND=$append} ${step:+RLOO_DECODE_STEP=$step} ${bias:+RLOO_DENSE_BIAS=$bias} \
                     ${heads:+RLOO_DECODE_HEADS=$heads} ${rows:+RLOO_DECODE_ROWS=$rows} ${values:+RLOO_DECODE_VALUES=$values} \
-                    ${out:+RLOO_DECODE_OUT=$out} "${rloo[@]}" generate --device "$DEVICE" --bf16 --model "$dir/policy" \
+                    "${rloo[@]}" generate --device "$DEVICE" --bf16 --model "$dir/policy" \
                     --prompts "$dir/prompts.jsonl" --output "$run.jsonl" --num-return-sequences $K \
                     --max-new-tokens $NEW --temperature 1.0 --batch-size $((PROMPTS * K)) --ignore-eos --seed 1 \
                     2>"$run.log" || tail -5 "$run.log"
@@ -234,7 +232,7 @@ if part train; then
             for attention in $ATTENTION; do
                 log "train $arm run $i: rloo, $attention attention"
                 flags "${attention#default}"
-                IFS=+ read -r kernels heads step decode bias mlp mask rows out <<<"$pieces"
+                IFS=+ read -r kernels heads step decode bias mlp mask rows <<<"$pieces"
                 run=$OUT/train-$arm-rloo_$attention-$i
                 # Left out when off, the default, so that a binary older than the option reads the file.
                 offload_line="# ref_reward_offload = false"
@@ -248,7 +246,7 @@ if part train; then
                 RLOO_OUT=$run "$PY" bench/train/measure.py rloo "$run.json" -- env RLOO_DECODE_TIMING=$timing ${gemm:+RLOO_GEMM=$gemm} ${masters:+RLOO_MASTERS=$masters} ${kernels:+RLOO_ATTENTION=$kernels} \
                     ${heads:+RLOO_ATTENTION_HEADS=$heads} ${step:+RLOO_DECODE_STEP=$step} ${decode:+RLOO_DECODE_ATTENTION=$decode} \
                     ${bias:+RLOO_DENSE_BIAS=$bias} ${mlp:+RLOO_MLP_INPUT=$mlp} ${mask:+RLOO_ATTENTION_MASK=$mask} \
-                    ${rows:+RLOO_DECODE_ROWS=$rows} ${out:+RLOO_DECODE_OUT=$out} timeout "$LIMIT" "${rloo_cmd[@]}" train "$run.toml" >"$run.log" 2>&1 || tail -5 "$run.log"
+                    ${rows:+RLOO_DECODE_ROWS=$rows} timeout "$LIMIT" "${rloo_cmd[@]}" train "$run.toml" >"$run.log" 2>&1 || tail -5 "$run.log"
                 # The trained model is of no further use, and would travel back with OUT.
                 rm -rf "$run"/*.safetensors "$run"/checkpoint-* "$run"/critic
             done

@@ -11,18 +11,15 @@
 #      logits), the fixtures against transformers
 #      (greedy tokens from shrinking batches and from recorded steps, which
 #      must have been recorded) and with their adapters against the CPU;
-#      then again with a parallel-residual layer's output projections
-#      joined (RLOO_DECODE_OUT=joined) and few rows' products made by the
-#      rows kernel (RLOO_GEMM=rows), two variants that measured slower
-#      than the defaults: the fixtures' KV-cache decoding and greedy
-#      tokens through both;
+#      then again with few rows' products made by the rows kernel
+#      (RLOO_GEMM=rows, which measured slower than cuBLAS's): the fixtures'
+#      KV-cache decoding and greedy tokens through it;
 #   2. generation at 410m against transformers, the defaults, a prompt's
 #      rows to a block of the decoding kernel (RLOO_DECODE_ROWS=prompt) and
-#      the output projections joined (RLOO_DECODE_OUT=joined) and the
-#      products that cuBLAS's tiles would not spread over the GPU made by the
-#      rows kernel (RLOO_GEMM=rows), each step's time split between the GPU
-#      and the host (the race sampler's picks among it); then the earlier
-#      binary's (below);
+#      the products that cuBLAS's tiles would not spread over the GPU made
+#      by the rows kernel (RLOO_GEMM=rows), each step's time split between
+#      the GPU and the host (the race sampler's picks among it); then the
+#      earlier binary's (below);
 #   3. the RLOO step at 410m against TRL under the defaults (the flash
 #      kernels reading each query's runs of keys, decoding a key per lane
 #      with the biases in cuBLASLt's epilogues, the weights' f32 masters
@@ -33,8 +30,7 @@
 #      generation at the benchmark's 256 rows, under the defaults; then of
 #      the short generation with the rows kernel's products (profile-rows,
 #      OUT/profile-rows: where its step lost 3.9 ms to cuBLAS's);
-#   6. generation at 1B, the same variants (among them a prompt's rows
-#      with their value rows packed, not yet measured at a head size of 256);
+#   6. generation at 1B, the same variants;
 #   7. rloo serve at 410m under 1, 8 and 32 streaming clients, its steps
 #      launched from the host and replayed from recordings as rows come and
 #      go (RLOO_DECODE_STEP=shrink, graph);
@@ -108,13 +104,13 @@ maker=$!
 trap 'pkill -P "$maker" 2>/dev/null; kill "$maker" 2>/dev/null' EXIT
 part check 60 scripts/cuda/run.sh check --device cuda
 grep -sE "checks on|FAIL" "$OUT/check.log" >&2
-part check-variants 40 env RLOO_DECODE_OUT=joined RLOO_GEMM=rows scripts/cuda/run.sh check --device cuda
+part check-variants 40 env RLOO_GEMM=rows scripts/cuda/run.sh check --device cuda
 grep -sE "checks on|FAIL" "$OUT/check-variants.log" >&2
 # The models, within the budget.
 while kill -0 "$maker" 2>/dev/null && (($(left) > 0)); do sleep 1; done
 defaults=flash+fused+graph+lanes+epilogue+kept
 decoded=race+lanes+fused+graph+epilogue
-decoders="$decoded $decoded+grouped+prompt $decoded+grouped+auto+packed+joined $decoded+rowsgemm"
+decoders="$decoded $decoded+grouped+prompt $decoded+rowsgemm"
 before() { [[ -e .cuda/bin/rloo-before.gz ]]; }
 if before; then
     gunzip -c .cuda/bin/rloo-before.gz >/tmp/rloo-before && chmod +x /tmp/rloo-before

@@ -130,8 +130,6 @@ impl<'n, R: Send> Decoding<'n, R> {
         }
         let inputs = Inputs::from_rows(&prompts, 0, PadSide::Left, &self.device)?;
         let mut cache = self.net.new_cache();
-        // What the batch's layers made once, its joining rows read too.
-        cache.inherit_derived(&self.cache);
         let hidden = self.net.hidden_states(&inputs, Some(&mut cache))?;
         let t = hidden.dim(1)?;
         let last = self.net.project_to_sample(&hidden.narrow(1, t - 1, 1)?.squeeze(1)?)?; // (U, V)

@@ -30,9 +30,6 @@ pub struct KvCache {
     /// they need.
     planned: usize,
     fixed: Option<Fixed>,
-    /// Per layer: what the layer makes once from its weights for the
-    /// cache's steps ([`KvCache::derived`]).
-    derived: Vec<Option<(Tensor, Tensor)>>,
 }
 
 /// What a cache with fixed slots keeps beside its buffers.
@@ -98,38 +95,7 @@ impl LayerKv<'_> {
 
 impl KvCache {
     pub fn new(num_layers: usize) -> Self {
-        let (layers, derived) = (vec![None; num_layers], vec![None; num_layers]);
-        Self { layers, key_mask: None, shared: None, planned: 0, fixed: None, derived }
-    }
-
-    /// Tensors `layer` makes from its weights once for this cache's passes
-    /// (GPT-NeoX's output projections joined): made by `make` on first use
-    /// and kept while the cache lives, so that a batch's steps read them
-    /// where the first one did (as a recorded step must), and a model
-    /// whose weights change between batches (a policy trained between
-    /// rollouts) is never read stale.
-    pub fn derived(
-        &mut self,
-        layer: usize,
-        make: impl FnOnce() -> Result<(Tensor, Tensor)>,
-    ) -> Result<(Tensor, Tensor)> {
-        let Some(slot) = self.derived.get_mut(layer) else {
-            candle_core::bail!("the cache has no layer {layer}");
-        };
-        if slot.is_none() {
-            *slot = Some(make()?);
-        }
-        Ok(slot.clone().expect("made above"))
-    }
-
-    /// Takes `other`'s derived tensors where this cache has none, so that
-    /// rows prefilled apart (a cache of their own) do not make them again.
-    pub fn inherit_derived(&mut self, other: &KvCache) {
-        for (mine, theirs) in self.derived.iter_mut().zip(&other.derived) {
-            if mine.is_none() {
-                mine.clone_from(theirs);
-            }
-        }
+        Self { layers: vec![None; num_layers], key_mask: None, shared: None, planned: 0, fixed: None }
     }
 
     /// Number of filled slots (S), shared ones included.
@@ -348,15 +314,12 @@ impl KvCache {
     /// left with masked slots: rows keep their own positions, so where a
     /// row's slots sit does not change what it computes. Buffers get room
     /// for `reserve` more slots per row. Neither cache may share slots.
-    pub fn join(&mut self, mut other: KvCache, reserve: usize) -> Result<()> {
+    pub fn join(&mut self, other: KvCache, reserve: usize) -> Result<()> {
         if self.shared.is_some() || other.shared.is_some() {
             candle_core::bail!("caches with shared slots cannot be joined");
         }
         self.refuse_fixed("be joined")?;
         other.refuse_fixed("be joined")?;
-        // Whichever cache's buffers stay, both caches' derived tensors do.
-        other.inherit_derived(self);
-        self.inherit_derived(&other);
         let Some(theirs) = other.key_mask.clone() else { return Ok(()) };
         let Some(ours) = self.key_mask.take() else {
             *self = other;
@@ -481,52 +444,5 @@ impl KvCache {
             SharedKv { keys, values, rows: &s.rows, device_rows: &s.device_rows }
         });
         Ok(LayerKv { keys, values, shared, slot_at: self.fixed.as_ref().map(|f| &f.slot) })
-    }
-}
-
-#[cfg(test)]
-mod tests {
-    use candle_core::Device;
-
-    use super::*;
-
-    /// A cache of `rows` rows with two filled slots in its one layer.
-    fn filled(rows: usize) -> KvCache {
-        let mut cache = KvCache::new(1);
-        let kv = Tensor::zeros((rows, 1, 2, 4), DType::F32, &Device::Cpu).unwrap();
-        cache.append(0, &kv, &kv).unwrap();
-        cache.finish_pass(Tensor::ones((rows, 2), DType::F32, &Device::Cpu).unwrap(), 2);
-        cache
-    }
-
-    /// A layer's derived tensors are made once per cache, stay through a
-    /// join whichever side made them, and pass to a cache of rows
-    /// prefilled apart.
-    #[test]
-    fn derived_tensors_are_made_once_and_kept_through_joins() {
-        let made = std::cell::Cell::new(0);
-        let make = || {
-            made.set(made.get() + 1);
-            Ok((Tensor::new(&[1f32], &Device::Cpu)?, Tensor::new(&[2f32], &Device::Cpu)?))
-        };
-        let mut first = filled(2);
-        first.derived(0, make).unwrap();
-        first.derived(0, make).unwrap();
-        assert_eq!(made.get(), 1);
-        let again = || -> Result<(Tensor, Tensor)> { panic!("made again") };
-        let mut joined = filled(1);
-        joined.join(first.clone(), 0).unwrap();
-        joined.derived(0, again).unwrap();
-        // A cache with no slots yet takes the other's buffers, and keeps what it made.
-        let mut empty = KvCache::new(1);
-        empty.derived(0, make).unwrap();
-        empty.join(filled(1), 0).unwrap();
-        assert_eq!(empty.len(), 2);
-        empty.derived(0, again).unwrap();
-        let mut prefilled = KvCache::new(1);
-        prefilled.inherit_derived(&first);
-        let (weight, _) = prefilled.derived(0, again).unwrap();
-        assert_eq!(weight.to_vec1::<f32>().unwrap(), [1.0]);
-        assert!(KvCache::new(1).derived(1, make).is_err(), "a layer the cache does not have");
     }
 }

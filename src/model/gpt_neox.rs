@@ -7,7 +7,7 @@
 
 use std::sync::Arc;
 
-use candle_core::{DType, Result as TResult, Tensor, D};
+use candle_core::{Result as TResult, Tensor, D};
 use serde::Deserialize;
 use serde_json::Value;
 
@@ -166,42 +166,6 @@ struct Block {
     dense_4h_to_h: Linear,
 }
 
-/// How a decoding batch's parallel-residual layers project their two
-/// branches back to the hidden size: `apart` (the default: attention's
-/// output projection, the MLP's down projection, and the sum of both with
-/// the residual) or `joined` (one product of the two branches side by side
-/// by the two weights side by side, made once per batch: one product
-/// fewer a layer at a step, the weights' copy held while the batch decodes).
-pub const DECODE_OUT_VAR: &str = "RLOO_DECODE_OUT";
-
-impl Block {
-    /// Whether a decoding step joins this layer's output projections: asked
-    /// by `RLOO_DECODE_OUT`, on weights that do not train and carry no adapter.
-    fn joins_outputs(&self) -> TResult<bool> {
-        let (dense, down) = (&self.dense, &self.dense_4h_to_h);
-        let frozen = !dense.weight.track_op() && !down.weight.track_op();
-        if !(frozen && dense.adapter.is_none() && down.adapter.is_none()) {
-            return Ok(false);
-        }
-        let chosen = super::device::variant(DECODE_OUT_VAR, &["apart", "joined"]);
-        Ok(chosen.map_err(candle_core::Error::msg)? == "joined")
-    }
-
-    /// `[dense | dense_4h_to_h]` (hidden, hidden + intermediate) and their
-    /// biases' sum: the weight and bias of the two output projections as one.
-    fn joined_outputs(&self) -> TResult<(Tensor, Tensor)> {
-        let (dense, down) = (&self.dense, &self.dense_4h_to_h);
-        let weight = Tensor::cat(&[&dense.weight, &down.weight], 1)?;
-        // The MLP's down projection always has a bias (`Decoder::load`); attention's may not.
-        let Some(down_bias) = &down.bias else { candle_core::bail!("dense_4h_to_h has no bias") };
-        let bias = match &dense.bias {
-            Some(b) => (b.to_dtype(DType::F32)? + down_bias.to_dtype(DType::F32)?)?.to_dtype(b.dtype())?,
-            None => down_bias.clone(),
-        };
-        Ok((weight, bias))
-    }
-}
-
 pub struct Decoder {
     cfg: Config,
     embed_in: Tensor,
@@ -238,9 +202,8 @@ impl Decoder {
         })
     }
 
-    /// Attention's heads on the input norm of `x` (made already where
-    /// `normed`), before the output projection (`dense`).
-    fn attention_heads(
+    /// Attention on the input norm of `x` (made already where `normed`).
+    fn attention(
         &self,
         blk: &Block,
         x: &Tensor,
@@ -263,15 +226,8 @@ impl Decoder {
             v: qkv.narrow(D::Minus1, 2 * d, d)?,
             packed: Some((fused, kernels::Packing { q: 0, k: d, v: 2 * d, head_stride: 3 * d })),
         };
-        self_attention(qkv, ctx, cache, layer, 1.0 / (d as f64).sqrt())
-    }
-
-    /// The MLP's wide input on the post-attention norm of `x` (made already where `normed`).
-    fn mlp_wide(&self, blk: &Block, x: &Tensor, normed: Option<&Tensor>) -> TResult<Tensor> {
-        match normed {
-            Some(normed) => blk.dense_h_to_4h.forward(normed),
-            None => blk.dense_h_to_4h.forward_normed(&blk.post_attention_layernorm, x),
-        }
+        let out = self_attention(qkv, ctx, cache, layer, 1.0 / (d as f64).sqrt())?;
+        blk.dense.forward(&out)
     }
 
     /// The MLP on the post-attention norm of `x` (made already where `normed`).
@@ -294,10 +250,10 @@ impl super::Decoder for Decoder {
         embed(&self.embed_in, &inputs.ids)
     }
 
-    fn block(&self, layer: usize, x: &Tensor, ctx: &Context, mut cache: Option<&mut KvCache>) -> TResult<Tensor> {
+    fn block(&self, layer: usize, x: &Tensor, ctx: &Context, cache: Option<&mut KvCache>) -> TResult<Tensor> {
         let blk = &self.layers[layer];
         if !self.cfg.use_parallel_residual {
-            let attn = blk.dense.forward(&self.attention_heads(blk, x, None, ctx, cache, layer)?)?;
+            let attn = self.attention(blk, x, None, ctx, cache, layer)?;
             let x = kernels::residual(x, &attn)?;
             let mlp = self.mlp(blk, &x, None)?;
             return kernels::residual(&x, &mlp);
@@ -306,19 +262,9 @@ impl super::Decoder for Decoder {
         let (ln1, ln2) = (&blk.input_layernorm, &blk.post_attention_layernorm);
         let pair = kernels::layer_norm_pair(x, (&ln1.weight, &ln1.bias, ln1.eps), (&ln2.weight, &ln2.bias, ln2.eps))?;
         let (normed_1, normed_2) = pair.as_ref().map(|(a, b)| (a, b)).unzip();
-        let joined = match cache.as_deref_mut() {
-            Some(cache) if blk.joins_outputs()? => Some(cache.derived(layer, || blk.joined_outputs())?),
-            _ => None,
-        };
-        let heads = self.attention_heads(blk, x, normed_1, ctx, cache, layer)?;
-        let Some((weight, bias)) = joined else {
-            let attn = blk.dense.forward(&heads)?;
-            let mlp = self.mlp(blk, x, normed_2)?;
-            return kernels::sum3(x, &attn, &mlp);
-        };
-        let wide = self.mlp_wide(blk, x, normed_2)?;
-        let both = Tensor::cat(&[&heads, &kernels::activation(&wide, self.cfg.act)?], D::Minus1)?;
-        kernels::residual(x, &kernels::linear(&both, &weight, Some(&bias))?)
+        let attn = self.attention(blk, x, normed_1, ctx, cache, layer)?;
+        let mlp = self.mlp(blk, x, normed_2)?;
+        kernels::sum3(x, &attn, &mlp)
     }
 
     fn final_norm(&self, x: &Tensor) -> TResult<Tensor> {
