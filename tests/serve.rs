@@ -14,14 +14,13 @@ use common::*;
 use serde_json::{json, Value};
 
 fn serve(models: &[&str], extra: &[&str]) -> Server {
-    serve_with(models, extra, &[("RLOO_DECODE_STEP", "shrink")])
+    serve_stepping(models, extra, "shrink")
 }
 
-/// The server with these environment variables (how its decoding steps are
-/// launched, `RLOO_DECODE_STEP`, say).
-fn serve_with(models: &[&str], extra: &[&str], vars: &[(&str, &str)]) -> Server {
+/// The server with its decoding steps launched as `RLOO_DECODE_STEP` says.
+fn serve_stepping(models: &[&str], extra: &[&str], stepping: &str) -> Server {
     let mut cmd = Command::new(env!("CARGO_BIN_EXE_rloo"));
-    cmd.envs(vars.iter().copied()).args(["serve", "--port", "0", "--device", "cpu"]);
+    cmd.env("RLOO_DECODE_STEP", stepping).args(["serve", "--port", "0", "--device", "cpu"]);
     for m in models {
         cmd.args(["--model", m]);
     }
@@ -221,8 +220,7 @@ fn concurrent_requests_are_batched_without_changing_answers() {
     let body = |p: &str| json!({"prompt": p, "max_tokens": 6 + p.len() % 7, "temperature": 0, "ignore_eos": true});
     let mut answers = Vec::new();
     for stepping in ["shrink", "fixed"] {
-        let vars = [("RLOO_DECODE_STEP", stepping)];
-        let server = serve_with(&[&named("neox", "gpt_neox-causal")], &["--max-batch-rows", "16"], &vars);
+        let server = serve_stepping(&[&named("neox", "gpt_neox-causal")], &["--max-batch-rows", "16"], stepping);
         let alone: Vec<Value> = prompts.iter().map(|p| post(&server.url, "/v1/completions", &body(p)).1).collect();
         let together: Vec<Value> = std::thread::scope(|s| {
             let handles: Vec<_> =
